@@ -1,0 +1,168 @@
+"""SSA IR: Value, Operation, Function, ParamDecl, Module.
+
+A Module holds parameter declarations (named exactly like checkpoint keys) and functions
+(``forward``, ``prefill``, ``decode``, helper bodies). A Function is a flat list of
+Operations in SSA order; every Value is produced once (a function argument or an op result).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from .types import TensorType, Type
+
+
+class Value:
+    """An SSA value: a name (printed as ``%name``) and a type."""
+
+    __slots__ = ("name", "type", "producer", "index")
+
+    def __init__(self, name: str, type: Type, producer: "Operation | None" = None, index: int = 0):
+        self.name = name
+        self.type = type
+        self.producer = producer
+        self.index = index
+
+    @property
+    def shape(self):
+        return self.type.shape  # type: ignore[attr-defined]
+
+    @property
+    def dtype(self) -> str:
+        return self.type.dtype  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        return f"%{self.name}: {self.type}"
+
+
+class Operation:
+    """One op instance: ``results = name(operands) {attrs}``."""
+
+    __slots__ = ("name", "operands", "results", "attrs")
+
+    def __init__(self, name: str, operands: list[Value], results: list[Value], attrs: dict[str, Any]):
+        self.name = name
+        self.operands = list(operands)
+        self.results = list(results)
+        self.attrs = dict(attrs)
+        for i, r in enumerate(self.results):
+            r.producer = self
+            r.index = i
+
+    @property
+    def opdef(self):
+        from .opdef import get_opdef
+        return get_opdef(self.name)
+
+    @property
+    def result(self) -> Value:
+        if len(self.results) != 1:
+            raise ValueError(f"{self.name} has {len(self.results)} results")
+        return self.results[0]
+
+    def __repr__(self) -> str:
+        from .printer import print_op
+        return print_op(self)
+
+
+@dataclass
+class ParamDecl:
+    """A model parameter. ``stack`` names a leading axis whose slices are separate checkpoint
+    tensors: ``name`` then holds ``{stack}`` (``...experts.{e}.w1.weight``, type ``[E, out, in]``)."""
+
+    name: str
+    type: TensorType
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stack(self) -> str | None:
+        return self.attrs.get("stack")
+
+    def keys(self) -> list[str]:
+        """The checkpoint keys this parameter covers."""
+        if not self.stack:
+            return [self.name]
+        n = self.type.shape[0]
+        token = "{" + self.stack + "}"
+        return [self.name.replace(token, str(i)) for i in range(int(n))]
+
+    def key_type(self) -> TensorType:
+        """Type of one checkpoint tensor (the stacked axis removed)."""
+        return self.type.with_shape(self.type.shape[1:]) if self.stack else self.type
+
+
+class Function:
+    """A function: typed arguments, a flat op list, returned values."""
+
+    def __init__(self, name: str, args: list[Value] | None = None, attrs: dict[str, Any] | None = None):
+        self.name = name
+        self.args: list[Value] = list(args or [])
+        self.ops: list[Operation] = []
+        self.returns: list[Value] = []
+        self.attrs: dict[str, Any] = dict(attrs or {})
+
+    def walk(self, name: str | None = None) -> Iterator[Operation]:
+        for op in self.ops:
+            if name is None or op.name == name:
+                yield op
+
+    def users(self) -> dict[int, list[Operation]]:
+        """id(value) -> ops using it."""
+        out: dict[int, list[Operation]] = {}
+        for op in self.ops:
+            for v in op.operands:
+                out.setdefault(id(v), []).append(op)
+        return out
+
+    def replace_all_uses(self, old: Value, new: Value) -> None:
+        for op in self.ops:
+            op.operands = [new if v is old else v for v in op.operands]
+        self.returns = [new if v is old else v for v in self.returns]
+
+    def __repr__(self) -> str:
+        return f"<Function @{self.name}: {len(self.args)} args, {len(self.ops)} ops>"
+
+
+class Module:
+    """Parameters plus functions. ``attrs`` carries model facts the runtime needs
+    (``vocab_size``, ``eos_token_id``, layer schedule, ...)."""
+
+    def __init__(self, name: str = "module", attrs: dict[str, Any] | None = None):
+        self.name = name
+        self.attrs: dict[str, Any] = dict(attrs or {})
+        self.params: dict[str, ParamDecl] = {}
+        self.functions: dict[str, Function] = {}
+        #: optional lazy weight source bound by a checkpoint loader (name -> array provider)
+        self.weights = None
+
+    def add_param(self, name: str, type: TensorType, **attrs: Any) -> ParamDecl:
+        if name in self.params:
+            if self.params[name].type != type:
+                raise ValueError(f"parameter '{name}' redeclared with type {type} "
+                                 f"(was {self.params[name].type})")
+            return self.params[name]
+        decl = ParamDecl(name, type, {k: v for k, v in attrs.items() if v is not None})
+        self.params[name] = decl
+        return decl
+
+    def add_function(self, fn: Function) -> Function:
+        self.functions[fn.name] = fn
+        return fn
+
+    def ops(self, name: str | None = None) -> Iterator[Operation]:
+        for fn in self.functions.values():
+            yield from fn.walk(name)
+
+    def clone(self) -> "Module":
+        from .parser import parse_module
+        from .printer import print_module
+        m = parse_module(print_module(self))
+        m.weights = self.weights
+        return m
+
+    def __str__(self) -> str:
+        from .printer import print_module
+        return print_module(self)
+
+    def __repr__(self) -> str:
+        return f"<Module @{self.name}: {len(self.params)} params, functions {list(self.functions)}>"

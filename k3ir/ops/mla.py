@@ -1,0 +1,119 @@
+"""Gated MLA core attention with NoPE (SPEC.md section 4)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..opdef import Attr, Op, Operand, Result, op, require, state, tensor
+from ..types import StateType
+from ._util import f64, numel
+
+
+def mla_ref(q, kv, w_kvb, cache, *, heads, nope, rope, v_dim, scale, absorbed):
+    """float64 MLA. q ``[B,T,H,nope+rope]``; kv ``[B,T,R+P]`` = ``[c_kv (normed) | k_rope]``;
+    w_kvb ``[H*(nope+v), R]``; cache ``[B,L,R+P]`` or None. Returns (o ``[B,T,H,v]``,
+    cache ``[B,L+T,R+P]``). The rope dims are never rotated but are scored (NoPE)."""
+    q, kv, w = f64(q), f64(kv), f64(w_kvb)
+    B, T = q.shape[:2]
+    R = w.shape[1]
+    full = kv if cache is None else np.concatenate([f64(cache), kv], axis=1)
+    S = full.shape[1]
+    ckv, kr = full[..., :R], full[..., R:]
+    wh = w.reshape(heads, nope + v_dim, R)
+    w_uk, w_uv = wh[:, :nope], wh[:, nope:]                      # [H,nope,R], [H,v,R]
+    qn, qr = q[..., :nope], q[..., nope:]
+    if absorbed:
+        qt = np.einsum("bthn,hnr->bthr", qn, w_uk)               # q~ = W_uk^T q_nope
+        scores = np.einsum("bthr,bsr->bhts", qt, ckv) + np.einsum("bthp,bsp->bhts", qr, kr)
+    else:
+        kn = np.einsum("bsr,hnr->bshn", ckv, w_uk)
+        scores = np.einsum("bthn,bshn->bhts", qn, kn) + np.einsum("bthp,bsp->bhts", qr, kr)
+    scores = scores * scale
+    keep = np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)
+    scores = np.where(keep, scores, -np.inf)
+    a = np.exp(scores - scores.max(-1, keepdims=True))
+    a = a / a.sum(-1, keepdims=True)
+    if absorbed:
+        o_lat = np.einsum("bhts,bsr->bthr", a, ckv)
+        o = np.einsum("bthr,hvr->bthv", o_lat, w_uv)
+    else:
+        vv = np.einsum("bsr,hvr->bshv", ckv, w_uv)
+        o = np.einsum("bhts,bshv->bthv", a, vv)
+    return o, full
+
+
+@op("k3.mla", "model")
+class MLA(Op):
+    """MLA attention core (SPEC.md 4): q ``[B,T,H,nope+rope]``, kv ``[B,T,R+P]`` (normed c_kv and
+    the shared k_rope), w_kvb ``[H*(nope+v), R]``, optional cache ``!mla_cache<R,P>``.
+    ``score = (q_nope.k_nope + q_rope.k_rope) * scale`` (NoPE), causal softmax, ``o = sum a v``.
+    ``absorbed=True`` folds ``W_uk`` into the query and ``W_uv`` into the output (equal result).
+    Returns (o ``[B,T,H,v]``, cache with the T new tokens appended)."""
+    q = Operand()
+    kv = Operand()
+    w_kvb = Operand()
+    cache_in = Operand(optional=True)
+    out = Result()
+    cache_out = Result()
+    heads = Attr(int)
+    nope = Attr(int)
+    rope = Attr(int)
+    v_dim = Attr(int)
+    scale = Attr(float)
+    absorbed = Attr(bool, False)
+
+    def infer(self, q, kv, w, c=None):
+        q, kv, w = tensor(q, "q"), tensor(kv, "kv"), tensor(w, "w_kvb")
+        H, n, r, vd = self.heads, self.nope, self.rope, self.v_dim
+        require(q.rank == 4 and q.shape[2] == H and q.shape[3] == n + r, f"q must be [B,T,{H},{n + r}], got {q}")
+        require(w.rank == 2 and w.shape[0] == H * (n + vd), f"w_kvb must be [{H * (n + vd)}, R], got {w}")
+        R = int(w.shape[1])
+        require(kv.rank == 3 and kv.shape[2] == R + r, f"kv must be [B,T,{R + r}], got {kv}")
+        st = StateType("mla_cache", (R, r))
+        if c is not None:
+            state(c, "mla_cache", "cache_in")
+            require(c == st, f"cache {c} does not match {st}")
+        return [q.with_shape(q.shape[:3] + (vd,)), st]
+
+    def reference(self, q, kv, w, c=None):
+        return mla_ref(q, kv, w, c, heads=self.heads, nope=self.nope, rope=self.rope, v_dim=self.v_dim,
+                       scale=self.scale, absorbed=self.absorbed)
+
+    def decompose(self, b, q, kv, w, c=None):
+        H, n, r, vd = self.heads, self.nope, self.rope, self.v_dim
+        R = int(w.type.shape[1])
+        if c is None:
+            c = b.state_zero(q, kind="mla_cache", params=[R, r])
+        full = b.concat(b.state_load(c, batch=q.type.shape[0]), b.cast(kv, dtype="f32"), axis=1)
+        ckv = b.slice(full, axis=2, start=0, end=R)
+        kr = b.slice(full, axis=2, start=R)
+        wh = b.reshape(w, shape=[H, n + vd, R])
+        w_uk = b.slice(wh, axis=1, start=0, end=n)
+        w_uv = b.slice(wh, axis=1, start=n)
+        qn = b.slice(q, axis=3, start=0, end=n)
+        qr = b.slice(q, axis=3, start=n)
+        if self.absorbed:
+            qt = b.einsum(qn, w_uk, equation="bthn,hnr->bthr")
+            s = b.add(b.einsum(qt, ckv, equation="bthr,bsr->bhts"), b.einsum(qr, kr, equation="bthp,bsp->bhts"))
+        else:
+            kn = b.einsum(ckv, w_uk, equation="bsr,hnr->bshn")
+            s = b.add(b.einsum(qn, kn, equation="bthn,bshn->bhts"), b.einsum(qr, kr, equation="bthp,bsp->bhts"))
+        a = b.softmax(b.causal_mask(b.mul(s, self.scale)), axis=-1)
+        if self.absorbed:
+            o = b.einsum(b.einsum(a, ckv, equation="bhts,bsr->bthr"), w_uv, equation="bthr,hvr->bthv")
+        else:
+            o = b.einsum(a, b.einsum(ckv, w_uv, equation="bsr,hvr->bshv"), equation="bhts,bshv->bthv")
+        return b.cast(o, dtype=q.type.dtype), b.state_store(full, kind="mla_cache", params=[R, r])
+
+    def flops(self, ot, rt, env):
+        B, T = numel((ot[0].shape[0],), env), numel((ot[0].shape[1],), env)
+        L = env.get("L", 0)
+        H, n, r, vd = self.heads, self.nope, self.rope, self.v_dim
+        R = numel((ot[2].shape[1],), env)
+        keys = L + (T + 1) / 2.0                                   # mean causal span per query
+        if self.absorbed:
+            per_q = 2 * H * n * R + 2 * H * keys * (R + r) + 2 * H * keys * R + 2 * H * R * vd
+            return B * T * per_q
+        expand = 2.0 * B * (L + T) * R * H * (n + vd) if L else 2.0 * B * T * R * H * (n + vd)
+        return expand + B * T * 2 * H * keys * (n + r + vd)
+
+

@@ -1,0 +1,319 @@
+"""Parser for the text IR (see printer.py). Errors carry 1-based line and column."""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from .errors import K3ParseError, K3VerifyError
+from .ir import Function, Module, Operation, Value
+from .types import DTYPE_BYTES, StateType, TensorType, Type
+
+_TOKEN = re.compile(r"""
+    (?P<ws>[ \t\r]+|//[^\n]*)
+  | (?P<nl>\n)
+  | (?P<string>"(?:[^"\\]|\\.)*")
+  | (?P<value>%[A-Za-z0-9_.]+)
+  | (?P<symbol>@(?:[A-Za-z_][A-Za-z0-9_.]*|"(?:[^"\\]|\\.)*"))
+  | (?P<state>![a-z_]+)
+  | (?P<arrow>->)
+  | (?P<number>-?(?:\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+|\d+|inf|nan)(?![A-Za-z0-9_]))
+  | (?P<ident>[A-Za-z_][A-Za-z0-9_.]*)
+  | (?P<punct>[{}()\[\],:=<>+*-])
+""", re.VERBOSE)
+
+
+class _Tok:
+    __slots__ = ("kind", "text", "line", "col")
+
+    def __init__(self, kind, text, line, col):
+        self.kind, self.text, self.line, self.col = kind, text, line, col
+
+
+def _tokenize(src: str, source: str | None) -> list[_Tok]:
+    toks: list[_Tok] = []
+    pos, line, line_start = 0, 1, 0
+    n = len(src)
+    while pos < n:
+        m = _TOKEN.match(src, pos)
+        if not m:
+            raise K3ParseError(f"unexpected character {src[pos]!r}", line, pos - line_start + 1, source)
+        kind = m.lastgroup
+        if kind == "nl":
+            line += 1
+            line_start = m.end()
+        elif kind != "ws":
+            toks.append(_Tok(kind, m.group(), line, pos - line_start + 1))
+        pos = m.end()
+    toks.append(_Tok("eof", "", line, pos - line_start + 1))
+    return toks
+
+
+class _Parser:
+    def __init__(self, src: str, source: str | None):
+        self.toks = _tokenize(src, source)
+        self.i = 0
+        self.source = source
+
+    # ---- token helpers --------------------------------------------------------------
+    @property
+    def tok(self) -> _Tok:
+        return self.toks[self.i]
+
+    def error(self, msg: str, tok: _Tok | None = None) -> K3ParseError:
+        t = tok or self.tok
+        return K3ParseError(msg, t.line, t.col, self.source)
+
+    def next(self) -> _Tok:
+        t = self.toks[self.i]
+        self.i += 1
+        return t
+
+    def expect(self, text: str) -> _Tok:
+        if self.tok.text != text:
+            got = self.tok.text or "end of input"
+            raise self.error(f"expected '{text}', got '{got}'")
+        return self.next()
+
+    def accept(self, text: str) -> bool:
+        if self.tok.text == text:
+            self.i += 1
+            return True
+        return False
+
+    def expect_kind(self, kind: str, what: str) -> _Tok:
+        if self.tok.kind != kind:
+            raise self.error(f"expected {what}, got '{self.tok.text or 'end of input'}'")
+        return self.next()
+
+    def symbol(self) -> str:
+        t = self.expect_kind("symbol", "a symbol (@name)")
+        s = t.text[1:]
+        return json.loads(s) if s.startswith('"') else s
+
+    # ---- literals ----------------------------------------------------------------------
+    def literal(self) -> Any:
+        t = self.tok
+        if t.kind == "string":
+            self.next()
+            return json.loads(t.text)
+        if t.kind == "number":
+            self.next()
+            txt = t.text
+            if txt in ("inf", "-inf", "nan") or any(c in txt for c in ".eE"):
+                return float(txt)
+            return int(txt)
+        if t.text == "-" and self.toks[self.i + 1].text == "inf":
+            self.i += 2
+            return float("-inf")
+        if t.kind == "ident" and t.text in ("true", "false", "null"):
+            self.next()
+            return {"true": True, "false": False, "null": None}[t.text]
+        if t.text == "[":
+            self.next()
+            items = []
+            if not self.accept("]"):
+                items.append(self.literal())
+                while self.accept(","):
+                    items.append(self.literal())
+                self.expect("]")
+            return items
+        if t.text == "{":
+            return self.attrs()
+        raise self.error(f"expected a literal, got '{t.text or 'end of input'}'")
+
+    def attrs(self) -> dict[str, Any]:
+        self.expect("{")
+        out: dict[str, Any] = {}
+        if self.accept("}"):
+            return out
+        while True:
+            key = self.expect_kind("ident", "an attribute name")
+            if key.text in out:
+                raise self.error(f"attribute '{key.text}' given twice", key)
+            self.expect("=")
+            out[key.text] = self.literal()
+            if self.accept("}"):
+                return out
+            self.expect(",")
+
+    # ---- types ---------------------------------------------------------------------------
+    def dim(self) -> int | str:
+        parts = []
+        depth = 0
+        while True:
+            t = self.tok
+            if t.text in (",", "]") and depth == 0:
+                break
+            if t.kind not in ("number", "ident", "punct") or t.text in ("{", "}", "=", ":", "<", ">"):
+                raise self.error(f"bad dimension token '{t.text or 'end of input'}'")
+            if t.text == "(":
+                depth += 1
+            elif t.text == ")":
+                depth -= 1
+            parts.append(t.text)
+            self.next()
+        if not parts:
+            raise self.error("empty dimension")
+        s = "".join(parts)
+        return int(s) if re.fullmatch(r"\d+", s) else s
+
+    def type(self) -> Type:
+        t = self.tok
+        if t.kind == "state":
+            self.next()
+            self.expect("<")
+            params = [int(self.expect_kind("number", "an integer").text)]
+            while self.accept(","):
+                params.append(int(self.expect_kind("number", "an integer").text))
+            self.expect(">")
+            try:
+                return StateType(t.text[1:], tuple(params))
+            except ValueError as e:
+                raise self.error(str(e), t) from None
+        dt = self.expect_kind("ident", "a type")
+        if dt.text not in DTYPE_BYTES:
+            raise self.error(f"unknown dtype '{dt.text}'", dt)
+        self.expect("[")
+        shape: list[int | str] = []
+        if not self.accept("]"):
+            shape.append(self.dim())
+            while self.accept(","):
+                shape.append(self.dim())
+            self.expect("]")
+        return TensorType(dt.text, tuple(shape))
+
+    # ---- structure --------------------------------------------------------------------------
+    def module(self) -> Module:
+        self.expect("module")
+        m = Module(self.symbol())
+        if self.tok.text == "{" and self._looks_like_attrs():
+            m.attrs = self.attrs()
+        self.expect("{")
+        while not self.accept("}"):
+            if self.tok.text == "param":
+                self.next()
+                name_tok = self.tok
+                name = self.symbol()
+                self.expect(":")
+                ty = self.type()
+                attrs = self.attrs() if self.tok.text == "{" else {}
+                if name in m.params:
+                    raise self.error(f"parameter '{name}' declared twice", name_tok)
+                if not isinstance(ty, TensorType):
+                    raise self.error("a parameter must have a tensor type", name_tok)
+                m.add_param(name, ty, **attrs)
+            elif self.tok.text == "func":
+                fn = self.function(m)
+                m.add_function(fn)
+            else:
+                raise self.error(f"expected 'param', 'func' or '}}', got '{self.tok.text or 'end of input'}'")
+        if self.tok.kind != "eof":
+            raise self.error(f"unexpected '{self.tok.text}' after the module")
+        return m
+
+    def _looks_like_attrs(self) -> bool:
+        nxt = self.toks[self.i + 1]
+        return nxt.text == "}" or (nxt.kind == "ident" and self.toks[self.i + 2].text == "=")
+
+    def function(self, m: Module) -> Function:
+        self.expect("func")
+        name_tok = self.tok
+        name = self.symbol()
+        if name in m.functions:
+            raise self.error(f"function '{name}' defined twice", name_tok)
+        fn = Function(name)
+        env: dict[str, Value] = {}
+        self.expect("(")
+        if not self.accept(")"):
+            while True:
+                vt = self.expect_kind("value", "an argument (%name)")
+                self.expect(":")
+                v = Value(vt.text[1:], self.type())
+                if v.name in env:
+                    raise self.error(f"value '%{v.name}' defined twice", vt)
+                env[v.name] = v
+                fn.args.append(v)
+                if self.accept(")"):
+                    break
+                self.expect(",")
+        self.expect("->")
+        self.expect("(")
+        ret_types: list[Type] = []
+        if not self.accept(")"):
+            ret_types.append(self.type())
+            while self.accept(","):
+                ret_types.append(self.type())
+            self.expect(")")
+        if self.tok.text == "{" and self._looks_like_attrs():
+            fn.attrs = self.attrs()
+        self.expect("{")
+        while True:
+            if self.tok.text == "return":
+                rt = self.next()
+                rets = []
+                if self.tok.kind == "value":
+                    rets.append(self.use(env))
+                    while self.accept(","):
+                        rets.append(self.use(env))
+                if [str(v.type) for v in rets] != [str(t) for t in ret_types]:
+                    raise self.error("returned types " + ", ".join(str(v.type) for v in rets) +
+                                     " do not match the signature " +
+                                     ", ".join(str(t) for t in ret_types), rt)
+                fn.returns = rets
+                self.expect("}")
+                return fn
+            fn.ops.append(self.operation(env, m))
+
+    def use(self, env: dict[str, Value]) -> Value:
+        t = self.expect_kind("value", "a value (%name)")
+        try:
+            return env[t.text[1:]]
+        except KeyError:
+            raise self.error(f"use of undefined value '{t.text}'", t) from None
+
+    def operation(self, env: dict[str, Value], m: Module) -> Operation:
+        start = self.tok
+        results: list[Value] = []
+        if self.tok.kind == "value":
+            while True:
+                vt = self.expect_kind("value", "a result (%name)")
+                self.expect(":")
+                v = Value(vt.text[1:], self.type())
+                if v.name in env or any(r.name == v.name for r in results):
+                    raise self.error(f"value '%{v.name}' defined twice", vt)
+                results.append(v)
+                if not self.accept(","):
+                    break
+            self.expect("=")
+        name_tok = self.expect_kind("ident", "an op name")
+        from .opdef import get_opdef
+        try:
+            get_opdef(name_tok.text)
+        except K3VerifyError:
+            raise self.error(f"unknown op '{name_tok.text}'", name_tok) from None
+        self.expect("(")
+        operands: list[Value] = []
+        if not self.accept(")"):
+            operands.append(self.use(env))
+            while self.accept(","):
+                operands.append(self.use(env))
+            self.expect(")")
+        attrs = self.attrs() if self.tok.text == "{" and self.tok.line == name_tok.line else {}
+        if name_tok.text == "k3.param":
+            pname = attrs.get("name")
+            if pname not in m.params:
+                raise self.error(f"k3.param reads undeclared parameter {pname!r}", start)
+        for r in results:
+            env[r.name] = r
+        return Operation(name_tok.text, operands, results, attrs)
+
+
+def parse_module(text: str, source: str | None = None) -> Module:
+    """Parse the text IR into a Module. Raises K3ParseError with line and column."""
+    return _Parser(text, source).module()
+
+
+def parse_file(path: str) -> Module:
+    with open(path, encoding="utf-8") as f:
+        return parse_module(f.read(), source=str(path))
