@@ -1,0 +1,108 @@
+"""Backends: a registry of targets. A backend has a name, a pass pipeline and a lowering table
+(op name -> implementation); ops missing from the table fall back to their decomposition.
+Out-of-tree backends register through the entry-point group ``k3ir.backends``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from k3ir.errors import K3BackendError
+from k3ir.ir import Module
+
+_BACKENDS: dict[str, "Backend"] = {}
+_ALIASES: dict[str, str] = {}
+_LOADED = False
+
+
+@dataclass
+class Backend:
+    """A target: ``build(module, dtype, device) -> Executable`` plus its pass pipeline."""
+    name: str
+    description: str
+    build: Callable[..., "Executable"]
+    pipeline: list[str] = field(default_factory=list)
+    lowers: Callable[[], set[str]] = field(default=lambda: set())
+    aliases: tuple[str, ...] = ()
+    available: Callable[[], str | None] = field(default=lambda: None)   # None = usable here, else why not
+
+
+def register_backend(backend: Backend) -> Backend:
+    _BACKENDS[backend.name] = backend
+    for a in backend.aliases:
+        _ALIASES[a] = backend.name
+    return backend
+
+
+def _load() -> None:
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    from . import reference, torch  # noqa: F401  (built-in targets register themselves)
+    try:
+        from importlib.metadata import entry_points
+        for ep in entry_points(group="k3ir.backends"):
+            obj = ep.load()
+            if callable(obj) and not isinstance(obj, Backend):
+                obj = obj()
+            if isinstance(obj, Backend):
+                register_backend(obj)
+    except Exception as e:  # a broken plugin must not break the built-in targets
+        import logging
+        logging.getLogger("k3ir").warning("backend plugin failed to load: %s", e)
+
+
+def get_backend(target: str) -> Backend:
+    """The Backend registered as ``target`` (or an alias). Raises K3BackendError."""
+    _load()
+    name = _ALIASES.get(target, target)
+    if name not in _BACKENDS:
+        raise K3BackendError(f"unknown target '{target}' (registered: {', '.join(sorted(_BACKENDS))})")
+    return _BACKENDS[name]
+
+
+def list_backends() -> list[Backend]:
+    _load()
+    return [_BACKENDS[k] for k in sorted(_BACKENDS)]
+
+
+class Executable:
+    """A compiled module for one target. ``run(function, args, params)`` executes an entry
+    function; ``params`` maps parameter names to backend arrays (see ``prepare_params``)."""
+
+    def __init__(self, module: Module, target: str, dtype: str, device: str):
+        self.module = module
+        self.target = target
+        self.dtype = dtype
+        self.device = device
+
+    def prepare_params(self, arrays: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def run(self, function: str, args: list[Any], params: dict[str, Any]) -> list[Any]:
+        raise NotImplementedError
+
+    def to_numpy(self, x: Any):
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<Executable {self.module.name} target={self.target} dtype={self.dtype} device={self.device}>"
+
+
+_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "f32": "float32", "bfloat16": "bfloat16",
+                "bf16": "bfloat16", "float64": "float64", "f64": "float64", "float16": "float16",
+                "fp16": "float16", "f16": "float16"}
+
+
+def compile_module(module: Module, target: str = "torch", dtype: str = "float32", device: str = "cpu",
+                   passes: list[str] | None = None, verify_each: bool = False, **options: Any) -> Executable:
+    """Run the target's pipeline (or ``passes``) on a copy of ``module``, then build."""
+    backend = get_backend(target)
+    why = backend.available()
+    if why:
+        raise K3BackendError(f"target '{target}' cannot run here: {why}")
+    if dtype not in _DTYPE_NAMES:
+        raise K3BackendError(f"unknown dtype '{dtype}' (want one of float32, bfloat16, float16, float64)")
+    from k3ir.passes import run_pipeline
+    m = run_pipeline(module.clone(), backend.pipeline if passes is None else passes, verify_each=verify_each, **options)
+    return backend.build(m, dtype=_DTYPE_NAMES[dtype], device=device)

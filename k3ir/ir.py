@@ -158,6 +158,8 @@ class Module:
         from .printer import print_module
         m = parse_module(print_module(self))
         m.weights = self.weights
+        if hasattr(self, "config"):
+            m.config = self.config
         return m
 
     def __str__(self) -> str:

@@ -1,0 +1,88 @@
+"""A graph interpreter shared by the eager backends: walks a Function, calls the backend's
+lowering for each op, and falls back to the op's decomposition (into core ops) when the table
+has no entry."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from k3ir.builder import Builder
+from k3ir.errors import K3BackendError
+from k3ir.ir import Function, Module, Operation
+from k3ir.opdef import get_opdef
+
+Impl = Callable[..., Any]
+
+
+def decompose_op(module: Module | None, op: Operation) -> Function:
+    """A Function whose arguments are ``op``'s operands and whose body is its decomposition."""
+    cls = get_opdef(op.name)
+    if cls.decompose is None:
+        raise K3BackendError(f"op '{op.name}' has no lowering on this backend and no decomposition")
+    fn = Function(f"__decomp_{op.name[3:]}")
+    b = Builder(module, fn)
+    args = [b.arg(f"a{i}", v.type) for i, v in enumerate(op.operands)]
+    inst = cls(op.attrs, [v.type for v in op.operands])
+    grouped = cls.group_operands(args)
+    out = inst.decompose(b, *cls.ordered(grouped))
+    b.ret(*(out if isinstance(out, tuple) else (out,)))
+    return fn
+
+
+class Interpreter:
+    """Runs functions of ``module`` with ``table`` (op name -> ``impl(inst, *operands)``).
+    ``get_param(name)`` returns a parameter's runtime value; ``post(op, results)`` may convert
+    results (e.g. dtype casts)."""
+
+    def __init__(self, module: Module, table: dict[str, Impl], get_param: Callable[[str], Any],
+                 post: Callable[[Operation, list], list] | None = None):
+        self.module = module
+        self.table = table
+        self.get_param = get_param
+        self.post = post
+        self._decomp: dict[int, Function] = {}
+        self._inst: dict[int, Any] = {}
+
+    def run(self, fn: str | Function, args: list[Any]) -> list[Any]:
+        f = self.module.functions[fn] if isinstance(fn, str) else fn
+        if len(args) != len(f.args):
+            raise K3BackendError(f"@{f.name} takes {len(f.args)} arguments, got {len(args)}")
+        env: dict[int, Any] = {id(a): x for a, x in zip(f.args, args)}
+        for op in f.ops:
+            if op.name == "k3.param":
+                env[id(op.results[0])] = self.get_param(op.attrs["name"])
+                continue
+            vals = [env[id(v)] for v in op.operands]
+            out = self.eval_op(op, vals)
+            if self.post is not None:
+                out = self.post(op, out)
+            for r, x in zip(op.results, out):
+                env[id(r)] = x
+        return [env[id(v)] for v in f.returns]
+
+    def eval_op(self, op: Operation, vals: list[Any]) -> list[Any]:
+        impl = self.table.get(op.name)
+        if impl is None:
+            key = id(op)
+            if key not in self._decomp:
+                self._decomp[key] = decompose_op(self.module, op)
+            return self.run(self._decomp[key], vals)
+        key = id(op)
+        inst = self._inst.get(key)
+        if inst is None:
+            cls = get_opdef(op.name)
+            inst = cls(op.attrs, [v.type for v in op.operands])
+            object.__setattr__(inst, "call", self.run)
+            self._inst[key] = inst
+        cls = type(inst)
+        grouped = cls.group_operands(vals)
+        args = []
+        for (name, spec) in cls._operands:
+            g = grouped[name]
+            if spec.variadic:
+                args.extend(g)
+            else:
+                args.append(g)
+        while args and args[-1] is None:
+            args.pop()
+        out = impl(inst, *args)
+        return list(out) if isinstance(out, tuple) else [out]

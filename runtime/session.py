@@ -1,0 +1,155 @@
+"""Session: parameters + a compiled Executable + explicit state for prefill/decode/generate."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from k3ir.errors import K3RuntimeError
+from k3ir.types import StateType
+
+from .params import bound_params, init_params
+
+
+@dataclass
+class State:
+    """Per-sequence model state after some tokens: KDA conv + recurrent state per KDA layer and
+    the MLA latent cache per MLA layer, in the order of the ``prefill``/``decode`` signature.
+    ``values[name]`` is the backend's array: conv ``[B, H*D, K-1]``, recurrent ``f32[B,H,K,V]``,
+    MLA cache ``[B, L, kv_lora_rank + rope]``. ``length`` counts tokens consumed."""
+    values: dict[str, Any]
+    length: int
+    batch: int
+    names: list[str] = field(default_factory=list)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+
+class Session:
+    """Run a compiled model.
+
+    ``Session(executable, params=None, seed=0)``: ``params=None`` uses the weights bound to the
+    module (a loaded checkpoint) or, if none, a deterministic random init from ``seed``.
+    Token ids are ``LongTensor[B, T]`` (or arrays); logits come back as torch tensors
+    ``[B, T, vocab]`` (float32, float64 on the reference target)."""
+
+    def __init__(self, executable, params: dict[str, Any] | None = None, seed: int = 0):
+        self.exe = executable
+        self.module = executable.module
+        if params is None:
+            params = bound_params(self.module)
+        if params is None:
+            params = init_params(self.module, seed)
+        missing = [k for k in self.module.params if k not in params]
+        if missing:
+            raise K3RuntimeError(f"{len(missing)} parameters missing, e.g. '{missing[0]}'")
+        self.params = self.exe.prepare_params({k: params[k] for k in self.module.params})
+        self.vocab = int(self.module.attrs.get("vocab_size", 0))
+        pre = self.module.functions.get("prefill")
+        self.state_specs: list[tuple[str, StateType]] = (
+            [(a.name, a.type) for a in pre.args[1:]] if pre is not None else [])
+
+    # ---- helpers -----------------------------------------------------------------
+    def _ids(self, ids, what: str = "input_ids") -> np.ndarray:
+        try:
+            import torch
+            if isinstance(ids, torch.Tensor):
+                ids = ids.detach().cpu().numpy()
+        except ImportError:
+            pass
+        a = np.asarray(ids)
+        if a.ndim != 2:
+            raise K3RuntimeError(f"{what} must be [B, T], got shape {list(a.shape)}")
+        if a.shape[0] < 1 or a.shape[1] < 1:
+            raise K3RuntimeError(f"{what} is empty (shape {list(a.shape)})")
+        if a.dtype.kind not in "iu":
+            raise K3RuntimeError(f"{what} must be integer token ids, got {a.dtype}")
+        if self.vocab and (a.min() < 0 or a.max() >= self.vocab):
+            bad = int(a.max() if a.max() >= self.vocab else a.min())
+            raise K3RuntimeError(f"{what} holds token id {bad} outside the vocabulary 0..{self.vocab - 1}")
+        return a.astype(np.int64)
+
+    def _out(self, x):
+        import torch
+        if isinstance(x, torch.Tensor):
+            return x
+        return torch.from_numpy(np.asarray(x))
+
+    def empty_state(self, batch: int) -> State:
+        from k3ir.ops.state import zero_state
+        vals = {}
+        for name, st in self.state_specs:
+            z = zero_state(st, batch)
+            vals[name] = z if self.exe.target == "reference" else self._to_backend_state(z)
+        return State(vals, 0, batch, [n for n, _ in self.state_specs])
+
+    def _to_backend_state(self, z):
+        import torch
+        t = torch.from_numpy(z).float()
+        dev = getattr(self.exe, "tdev", None)
+        return t.to(dev) if dev is not None else t
+
+    # ---- API ------------------------------------------------------------------------
+    def forward(self, input_ids):
+        """Logits ``[B, T, vocab]`` for whole sequences (training path, no state)."""
+        ids = self._ids(input_ids)
+        (logits,) = self.exe.run("forward", [ids], self.params)[:1]
+        return self._out(logits)
+
+    def prefill(self, input_ids, state: State | None = None):
+        """Consume ``input_ids [B, T]`` from ``state`` (None: empty). Returns (logits, new state)."""
+        ids = self._ids(input_ids)
+        return self._step("prefill", ids, state)
+
+    def decode(self, token_ids, state: State):
+        """One token per row: ``token_ids [B, 1]``. Returns (logits ``[B,1,V]``, new state)."""
+        ids = self._ids(token_ids, "token_ids")
+        if ids.shape[1] != 1:
+            raise K3RuntimeError(f"decode takes one token per row ([B, 1]), got {list(ids.shape)}")
+        if state is None:
+            raise K3RuntimeError("decode needs the state returned by prefill")
+        return self._step("decode", ids, state)
+
+    def _step(self, fn: str, ids: np.ndarray, state: State | None):
+        B = ids.shape[0]
+        if state is None:
+            state = self.empty_state(B)
+        if state.batch != B:
+            raise K3RuntimeError(f"state holds batch {state.batch}, input has batch {B}")
+        outs = self.exe.run(fn, [ids] + [state.values[n] for n in state.names], self.params)
+        new = State(dict(zip(state.names, outs[1:])), state.length + ids.shape[1], B, state.names)
+        return self._out(outs[0]), new
+
+    def generate(self, input_ids, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+                 eos_token_id: int | None = None):
+        """Prefill then decode ``max_new_tokens`` tokens per row; greedy when ``temperature == 0``
+        (deterministic), else sampled from ``softmax(logits / temperature)`` with ``seed``.
+        Returns ``LongTensor[B, T + new]``. Rows that emit ``eos_token_id`` keep emitting it."""
+        import torch
+        if max_new_tokens < 0:
+            raise K3RuntimeError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if temperature < 0:
+            raise K3RuntimeError(f"temperature must be >= 0, got {temperature}")
+        ids = self._ids(input_ids)
+        out = torch.from_numpy(ids)
+        if max_new_tokens == 0:
+            return out
+        gen = torch.Generator().manual_seed(seed)
+        logits, state = self.prefill(ids)
+        done = torch.zeros(ids.shape[0], dtype=torch.bool)
+        for step in range(max_new_tokens):
+            last = logits[:, -1].detach().to("cpu", torch.float64)
+            if temperature == 0:
+                nxt = torch.argmax(last, dim=-1)
+            else:
+                probs = torch.softmax(last / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
+            if eos_token_id is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                done |= nxt == eos_token_id
+            out = torch.cat([out, nxt[:, None]], dim=1)
+            if step + 1 < max_new_tokens:
+                logits, state = self.decode(nxt[:, None].numpy(), state)
+        return out
