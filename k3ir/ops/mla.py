@@ -110,7 +110,7 @@ class MLA(Op):
         H, n, r, vd = self.heads, self.nope, self.rope, self.v_dim
         R = numel((ot[2].shape[1],), env)
         keys = L + (T + 1) / 2.0                                   # mean causal span per query
-        if self.absorbed:
+        if self.absorbed or env.get("_absorb"):
             per_q = 2 * H * n * R + 2 * H * keys * (R + r) + 2 * H * keys * R + 2 * H * R * vd
             return B * T * per_q
         expand = 2.0 * B * (L + T) * R * H * (n + vd) if L else 2.0 * B * T * R * H * (n + vd)
