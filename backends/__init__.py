@@ -12,6 +12,9 @@ from k3ir.ir import Module
 _BACKENDS: dict[str, "Backend"] = {}
 _ALIASES: dict[str, str] = {}
 _LOADED = False
+#: built-in backend packages (folders under backends/); each registers on import and must import
+#: its heavy dependency (triton, tvm, onnxruntime, iree) lazily, reporting absence via ``available``
+BUILTIN = ("reference", "torch", "triton", "tvm", "onnx", "mlir")
 
 
 @dataclass
@@ -38,7 +41,11 @@ def _load() -> None:
     if _LOADED:
         return
     _LOADED = True
-    from . import reference, torch  # noqa: F401  (built-in targets register themselves)
+    import importlib
+    import importlib.util
+    for name in BUILTIN:                 # built-in targets register themselves on import
+        if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            importlib.import_module(f"{__name__}.{name}")
     try:
         from importlib.metadata import entry_points
         for ep in entry_points(group="k3ir.backends"):

@@ -12,8 +12,13 @@ from typing import Any, Callable
 
 from k3ir.errors import K3Error
 
-#: modules adding subcommands: each defines ``register(subparsers)``
-COMMAND_MODULES: list[str] = []
+#: modules adding subcommands (each defines ``register(subparsers)``); absent ones are skipped
+COMMAND_MODULES: list[str] = [
+    "k3ir.runtime.cli_compile",      # compile, check (passes, backends)
+    "k3ir.runtime.cli_export",       # export (onnx, mlir, dot/svg/html)
+    "k3ir.runtime.cli_train",        # train
+    "k3ir.runtime.cli_serve",        # generate, serve
+]
 
 
 class UsageError(K3Error):
@@ -214,8 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_run)
 
+    import importlib.util
     for mod in COMMAND_MODULES:
-        importlib.import_module(mod).register(sub)
+        if importlib.util.find_spec(mod) is not None:
+            importlib.import_module(mod).register(sub)
     return p
 
 

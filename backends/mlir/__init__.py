@@ -1,0 +1,1 @@
+"""The mlir target (not built yet)."""

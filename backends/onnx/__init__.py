@@ -1,0 +1,1 @@
+"""The onnx target (not built yet)."""

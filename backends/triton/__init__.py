@@ -1,0 +1,1 @@
+"""The triton target (not built yet)."""

@@ -1,0 +1,1 @@
+"""The tvm target (not built yet)."""

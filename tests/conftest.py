@@ -1,0 +1,39 @@
+"""Shared fixtures. GPU tests are marked ``gpu`` and skip without CUDA."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def rel_err(got, want) -> float:
+    """SPEC.md 11: ||got - want||_2 / ||want||_2 over the whole tensor, in float64."""
+    try:
+        import torch
+        if isinstance(got, torch.Tensor):
+            got = got.detach().cpu().double().numpy()
+        if isinstance(want, torch.Tensor):
+            want = want.detach().cpu().double().numpy()
+    except ImportError:
+        pass
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, f"shape {got.shape} != {want.shape}"
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300))
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
