@@ -123,3 +123,38 @@ class MoE(Op):
         k = numel((ot[1].shape[-1],), env)
         D, I = numel((ot[3].shape[2],), env), numel((ot[3].shape[1],), env)
         return tokens * k * (6.0 * D * I + 8.0 * I)
+
+
+def expert_load(indices, num_experts: int) -> np.ndarray:
+    """Tokens routed to each expert: indices ``[..., k]`` -> ``[E]`` counts."""
+    return np.bincount(np.asarray(indices).reshape(-1), minlength=num_experts)
+
+
+def qb_update(scores, bias, top_k: int, rule: str = "quantile", sign_step: float = 1e-3) -> np.ndarray:
+    """One Quantile Balancing update of the selection bias (SPEC.md 6), float64.
+
+    scores ``[m, n]`` (router sigmoid scores of one step, m tokens), bias ``[n]``.
+    ``quantile``: ``b_hat_j = -Q_{1-k/n}(s_:j + b_j)``; ``margin``: the same quantile of the
+    margins ``s_:j + b_j - a_i`` with ``a_i`` the (k+1)-th largest biased score of token i;
+    ``sign`` (DeepSeek-V3 baseline): ``b += sign_step * sign(mean_load - load)``; ``none``: b.
+    Quantiles use NumPy's default linear interpolation. Returns the new bias, centred
+    (``c - mean(c)``) for the quantile rules."""
+    s, b = f64(scores), f64(bias)
+    m, n = s.shape
+    if rule == "none":
+        return b.copy()
+    biased = s + b
+    if rule == "sign":
+        idx = np.argsort(-biased, axis=-1, kind="stable")[:, :top_k]
+        load = expert_load(idx, n)
+        return b + sign_step * np.sign(load.mean() - load)
+    if rule == "quantile":
+        margins = biased
+    elif rule == "margin":
+        kth = np.sort(biased, axis=-1)[:, ::-1][:, min(top_k, n - 1)]       # (k+1)-th largest
+        margins = biased - kth[:, None]
+    else:
+        raise ValueError(f"unknown QB rule '{rule}' (want quantile, margin, sign or none)")
+    b_hat = -np.quantile(margins, 1.0 - top_k / n, axis=0)
+    c = b + b_hat
+    return c - c.mean()
