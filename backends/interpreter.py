@@ -3,7 +3,8 @@ lowering for each op, and falls back to the op's decomposition (into core ops) w
 has no entry."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from k3ir.builder import Builder
 from k3ir.errors import K3BackendError
@@ -31,14 +32,17 @@ def decompose_op(module: Module | None, op: Operation) -> Function:
 class Interpreter:
     """Runs functions of ``module`` with ``table`` (op name -> ``impl(inst, *operands)``).
     ``get_param(name)`` returns a parameter's runtime value; ``post(op, results)`` may convert
-    results (e.g. dtype casts)."""
+    results (e.g. dtype casts); ``observe(op, results)``, if given, sees every top-level op's
+    final results (the trainer captures router scores with it)."""
 
     def __init__(self, module: Module, table: dict[str, Impl], get_param: Callable[[str], Any],
-                 post: Callable[[Operation, list], list] | None = None):
+                 post: Callable[[Operation, list], list] | None = None,
+                 observe: Callable[[Operation, list], None] | None = None):
         self.module = module
         self.table = table
         self.get_param = get_param
         self.post = post
+        self.observe = observe
         self._decomp: dict[int, Function] = {}
         self._inst: dict[int, Any] = {}
 
@@ -47,17 +51,25 @@ class Interpreter:
         if len(args) != len(f.args):
             raise K3BackendError(f"@{f.name} takes {len(f.args)} arguments, got {len(args)}")
         env: dict[int, Any] = {id(a): x for a, x in zip(f.args, args)}
+        top = f is self.module.functions.get(f.name)
         for op in f.ops:
-            if op.name == "k3.param":
-                env[id(op.results[0])] = self.get_param(op.attrs["name"])
-                continue
-            vals = [env[id(v)] for v in op.operands]
-            out = self.eval_op(op, vals)
-            if self.post is not None:
-                out = self.post(op, out)
-            for r, x in zip(op.results, out):
-                env[id(r)] = x
+            self.exec_op(op, env, observe=top)
         return [env[id(v)] for v in f.returns]
+
+    def exec_op(self, op: Operation, env: dict[int, Any], observe: bool = True) -> None:
+        """Evaluate ``op`` reading operands from ``env`` (``id(Value) -> value``) and store its
+        results there (used by ``run`` and by callers that run op ranges themselves, e.g.
+        activation checkpointing in the trainer)."""
+        if op.name == "k3.param":
+            env[id(op.results[0])] = self.get_param(op.attrs["name"])
+            return
+        out = self.eval_op(op, [env[id(v)] for v in op.operands])
+        if self.post is not None:
+            out = self.post(op, out)
+        if observe and self.observe is not None:
+            self.observe(op, out)
+        for r, x in zip(op.results, out):
+            env[id(r)] = x
 
     def eval_op(self, op: Operation, vals: list[Any]) -> list[Any]:
         impl = self.table.get(op.name)
