@@ -13,6 +13,10 @@ from k3ir.types import StateType, TensorType
 from .config import ModelConfig
 
 FUNCTIONS = ("forward", "prefill", "decode")
+#: optional extra function for continuous batching (not built by default): ``prefill_varlen
+#: (input_ids i64[B,T], cache_lengths i64[B], states...)`` where each MLA cache is right-padded
+#: and row b holds ``cache_lengths[b]`` valid tokens; see ``add_varlen_function``.
+VARLEN = "prefill_varlen"
 
 
 class _ModelBuilder:
@@ -58,7 +62,7 @@ class _ModelBuilder:
         a = b.linear(b.reshape(o, shape=[0, 0, HD]), self.p(b, pre + "o_proj.weight", (d, HD)))
         return a, [outs["q"], outs["k"], outs["v"], s_out]
 
-    def mla(self, b: Builder, x: Value, i: int, states: list[Value] | None):
+    def mla(self, b: Builder, x: Value, i: int, states: list[Value] | None, lengths: Value | None = None):
         c = self.cfg
         H, n, r, vd, R, d = (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
                              c.kv_lora_rank, c.hidden_size)
@@ -75,7 +79,7 @@ class _ModelBuilder:
                         eps=1e-6)
         kv = b.concat(ckv, b.slice(kv, axis=2, start=R), axis=2)
         o, cache = b.op("k3.mla", q, kv, self.p(b, pre + "kv_b_proj.weight", (H * (n + vd), R)),
-                        states[0] if states else None, heads=H, nope=n, rope=r, v_dim=vd,
+                        states[0] if states else None, lengths, heads=H, nope=n, rope=r, v_dim=vd,
                         scale=(n + r) ** -0.5, absorbed=False, _name=["mla_o", "mla_cache"])
         o = b.reshape(o, shape=[0, 0, H * vd])
         if c.mla_use_output_gate:
@@ -141,6 +145,7 @@ class _ModelBuilder:
         b = Builder(self.m, fn)
         T = 1 if kind == "decode" else "T"
         ids = b.arg("input_ids", TensorType("i64", ("B", T)))
+        lengths = b.arg("cache_lengths", TensorType("i64", ("B",))) if kind == VARLEN else None
         stateful = kind != "forward"
         state_args: dict[int, list[Value]] = {}
         if stateful:
@@ -164,7 +169,7 @@ class _ModelBuilder:
             x = b.rmsnorm(h, self.p(b, pre + "input_layernorm.weight", (c.hidden_size,)), eps=c.rms_norm_eps)
             st = state_args.get(i)
             if c.layer_kind(i) == "mla":
-                a, outs = self.mla(b, x, i, st)
+                a, outs = self.mla(b, x, i, st, lengths)
             else:
                 a, outs = self.kda(b, x, i, st)
             new_states += outs
@@ -198,6 +203,16 @@ def module_attrs(cfg: ModelConfig) -> dict:
         "quant_ignore": list(cfg.quant_ignore), "attn_res_block_size": cfg.attn_res_block_size or 0,
         "kda_gate": cfg.kda_gate_form,
     }
+
+
+def add_varlen_function(module: Module) -> Module:
+    """Add ``@prefill_varlen`` to a model module built by ``build_module`` (in place; no-op if
+    present): like ``@prefill`` plus ``cache_lengths i64[B]`` after ``input_ids``, so rows whose
+    MLA caches have different lengths (right-padded to the longest) run in one batch. Returned
+    MLA caches keep the padding: row b's valid entries are ``[:cache_lengths[b]]`` and ``[L:]``."""
+    if VARLEN not in module.functions:
+        module.add_function(_ModelBuilder(module.config, module).function(VARLEN))
+    return module
 
 
 def build_module(cfg: ModelConfig, functions=FUNCTIONS) -> Module:

@@ -38,9 +38,13 @@ def slice_(inst, x):
     return x[tuple(idx)]
 
 
-def causal_mask(inst, x):
+def causal_mask(inst, x, lengths=None):
     tq, tk = x.shape[-2], x.shape[-1]
     keep = torch.arange(tk, device=x.device)[None, :] <= torch.arange(tq, device=x.device)[:, None] + (tk - tq)
+    if lengths is not None:      # right-padded cache: row b keeps lengths[b] cached keys + the new ones
+        j = torch.arange(tk, device=x.device)
+        valid = (j[None, :] < lengths.to(x.device)[:, None]) | (j[None, :] >= tk - tq)
+        keep = keep & valid.reshape((valid.shape[0],) + (1,) * (x.dim() - 2) + (tk,))
     return x.masked_fill(~keep, float("-inf"))
 
 
@@ -195,7 +199,7 @@ def gated_rmsnorm(inst, x, gate, w):
     return (y * torch.sigmoid(gate.float())).to(x.dtype)
 
 
-def mla(inst, q, kv, w, c=None):
+def mla(inst, q, kv, w, c=None, lengths=None):
     H, n, r, vd = inst.heads, inst.nope, inst.rope, inst.v_dim
     R = w.shape[1]
     new = kv.float()
@@ -210,7 +214,7 @@ def mla(inst, q, kv, w, c=None):
     else:
         kn = torch.einsum("bsr,hnr->bshn", ckv, w_uk)
         s = torch.einsum("bthn,bshn->bhts", qn, kn) + torch.einsum("bthp,bsp->bhts", qr, kr)
-    s = causal_mask(inst, s.float() * inst.scale)
+    s = causal_mask(inst, s.float() * inst.scale, lengths)
     a = torch.softmax(s, dim=-1).to(q.dtype)
     if inst.absorbed:
         o = torch.einsum("bthr,hvr->bthv", torch.einsum("bhts,bsr->bthr", a, ckv), w_uv)

@@ -384,18 +384,29 @@ class CumSum(Op):
 @op("k3.causal_mask")
 class CausalMask(Op):
     """Fill scores ``[..., Tq, Tk]`` with ``-inf`` where key ``j > i + (Tk - Tq)`` (queries are
-    the last Tq positions of Tk)."""
+    the last Tq positions of Tk). Optional ``lengths`` ``i64[B]`` (x is ``[B, ..., Tq, Tk]``):
+    the first ``Tk - Tq`` keys are a right-padded cache of which row ``b`` holds ``lengths[b]``
+    valid entries; keys ``lengths[b] <= j < Tk - Tq`` are masked too (variable-length batches)."""
     x = Operand()
+    lengths = Operand(optional=True)
     out = Result()
 
-    def infer(self, x):
+    def infer(self, x, lengths=None):
         x = tensor(x, "x")
         require(x.rank >= 2, "causal_mask needs rank >= 2")
+        if lengths is not None:
+            lt = tensor(lengths, "lengths")
+            require(lt.rank == 1 and lt.dtype in ("i64", "i32"), f"lengths must be i64[B], got {lt}")
+            require(x.rank >= 3, "causal_mask with lengths needs x of rank >= 3 ([B, ..., Tq, Tk])")
         return [x]
 
-    def reference(self, x):
+    def reference(self, x, lengths=None):
         tq, tk = x.shape[-2], x.shape[-1]
         keep = np.arange(tk)[None, :] <= np.arange(tq)[:, None] + (tk - tq)
+        if lengths is not None:
+            j = np.arange(tk)
+            valid = (j[None, :] < np.asarray(lengths)[:, None]) | (j[None, :] >= tk - tq)   # [B, Tk]
+            keep = keep & valid.reshape((valid.shape[0],) + (1,) * (x.ndim - 2) + (tk,))
         return np.where(keep, x, -np.inf)
 
 

@@ -8,10 +8,12 @@ from ..types import StateType
 from ._util import f64, numel
 
 
-def mla_ref(q, kv, w_kvb, cache, *, heads, nope, rope, v_dim, scale, absorbed):
+def mla_ref(q, kv, w_kvb, cache, *, heads, nope, rope, v_dim, scale, absorbed, lengths=None):
     """float64 MLA. q ``[B,T,H,nope+rope]``; kv ``[B,T,R+P]`` = ``[c_kv (normed) | k_rope]``;
     w_kvb ``[H*(nope+v), R]``; cache ``[B,L,R+P]`` or None. Returns (o ``[B,T,H,v]``,
-    cache ``[B,L+T,R+P]``). The rope dims are never rotated but are scored (NoPE)."""
+    cache ``[B,L+T,R+P]``). The rope dims are never rotated but are scored (NoPE).
+    ``lengths`` (int ``[B]``, optional): row b's cache is right-padded, only its first
+    ``lengths[b]`` entries are attended (variable-length batches; padding stays in the result)."""
     q, kv, w = f64(q), f64(kv), f64(w_kvb)
     B, T = q.shape[:2]
     R = w.shape[1]
@@ -29,6 +31,10 @@ def mla_ref(q, kv, w_kvb, cache, *, heads, nope, rope, v_dim, scale, absorbed):
         scores = np.einsum("bthn,bshn->bhts", qn, kn) + np.einsum("bthp,bsp->bhts", qr, kr)
     scores = scores * scale
     keep = np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)
+    if lengths is not None:
+        j = np.arange(S)
+        valid = (j[None, :] < np.asarray(lengths)[:, None]) | (j[None, :] >= S - T)      # [B, S]
+        keep = keep[None, None] & valid[:, None, None, :]
     scores = np.where(keep, scores, -np.inf)
     a = np.exp(scores - scores.max(-1, keepdims=True))
     a = a / a.sum(-1, keepdims=True)
@@ -47,11 +53,15 @@ class MLA(Op):
     the shared k_rope), w_kvb ``[H*(nope+v), R]``, optional cache ``!mla_cache<R,P>``.
     ``score = (q_nope.k_nope + q_rope.k_rope) * scale`` (NoPE), causal softmax, ``o = sum a v``.
     ``absorbed=True`` folds ``W_uk`` into the query and ``W_uv`` into the output (equal result).
-    Returns (o ``[B,T,H,v]``, cache with the T new tokens appended)."""
+    Returns (o ``[B,T,H,v]``, cache with the T new tokens appended).
+    Optional ``lengths`` ``i64[B]`` (needs the cache): row b's cache is right-padded to L and only
+    its first ``lengths[b]`` entries are attended (continuous batching of mixed lengths); absent,
+    every cached entry counts."""
     q = Operand()
     kv = Operand()
     w_kvb = Operand()
     cache_in = Operand(optional=True)
+    lengths = Operand(optional=True)
     out = Result()
     cache_out = Result()
     heads = Attr(int)
@@ -61,7 +71,7 @@ class MLA(Op):
     scale = Attr(float)
     absorbed = Attr(bool, False)
 
-    def infer(self, q, kv, w, c=None):
+    def infer(self, q, kv, w, c=None, lengths=None):
         q, kv, w = tensor(q, "q"), tensor(kv, "kv"), tensor(w, "w_kvb")
         H, n, r, vd = self.heads, self.nope, self.rope, self.v_dim
         require(q.rank == 4 and q.shape[2] == H and q.shape[3] == n + r, f"q must be [B,T,{H},{n + r}], got {q}")
@@ -72,13 +82,16 @@ class MLA(Op):
         if c is not None:
             state(c, "mla_cache", "cache_in")
             require(c == st, f"cache {c} does not match {st}")
+        if lengths is not None:
+            lt = tensor(lengths, "lengths")
+            require(lt.rank == 1 and lt.dtype in ("i64", "i32"), f"lengths must be i64[B], got {lt}")
         return [q.with_shape(q.shape[:3] + (vd,)), st]
 
-    def reference(self, q, kv, w, c=None):
+    def reference(self, q, kv, w, c=None, lengths=None):
         return mla_ref(q, kv, w, c, heads=self.heads, nope=self.nope, rope=self.rope, v_dim=self.v_dim,
-                       scale=self.scale, absorbed=self.absorbed)
+                       scale=self.scale, absorbed=self.absorbed, lengths=lengths)
 
-    def decompose(self, b, q, kv, w, c=None):
+    def decompose(self, b, q, kv, w, c=None, lengths=None):
         H, n, r, vd = self.heads, self.nope, self.rope, self.v_dim
         R = int(w.type.shape[1])
         if c is None:
@@ -97,7 +110,9 @@ class MLA(Op):
         else:
             kn = b.einsum(ckv, w_uk, equation="bsr,hnr->bshn")
             s = b.add(b.einsum(qn, kn, equation="bthn,bshn->bhts"), b.einsum(qr, kr, equation="bthp,bsp->bhts"))
-        a = b.softmax(b.causal_mask(b.mul(s, self.scale)), axis=-1)
+        masked = b.causal_mask(b.mul(s, self.scale)) if lengths is None else \
+            b.op("k3.causal_mask", b.mul(s, self.scale), lengths)
+        a = b.softmax(masked, axis=-1)
         if self.absorbed:
             o = b.einsum(b.einsum(a, ckv, equation="bhts,bsr->bthr"), w_uv, equation="bthr,hvr->bthv")
         else:
