@@ -2,12 +2,10 @@
 case, the op's reference, and the torch backend's chunked/recurrent paths."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
-
 from conftest import rel_err
+
 from k3ir.ops.kda import kda_chunked, kda_gate_ref, kda_recurrent
 
 TS = [1, 63, 64, 65, 130]

@@ -5,9 +5,9 @@ import math
 
 import numpy as np
 import pytest
-
 from conftest import rel_err
 from k3ir.backends.reference import ReferenceExecutable
+
 from k3ir.builder import Builder
 from k3ir.ir import Function, Module
 from k3ir.ops.moe import qb_update
@@ -195,7 +195,7 @@ def test_router_unbiased_weights_biased_selection_ties():
 
 def test_router_random_vs_loop(rng):
     x, W, bias = rng.normal(size=(2, 3, 6)), rng.normal(size=(5, 6)), rng.normal(size=5) * 0.1
-    w, idx, s = run_op("k3.router", x, W, bias, top_k=3, routed_scaling_factor=1.7)
+    w, idx, _s = run_op("k3.router", x, W, bias, top_k=3, routed_scaling_factor=1.7)
     for b, t in np.ndindex(2, 3):
         sc = [1 / (1 + math.exp(-float(np.dot(W[e], x[b, t])))) for e in range(5)]
         order = sorted(range(5), key=lambda e: (-(sc[e] + bias[e]), e))[:3]
@@ -225,7 +225,7 @@ def quantile_linear(col, p):
     """Linear-interpolation quantile (NumPy's default), written out."""
     xs = sorted(col)
     pos = p * (len(xs) - 1)
-    lo = int(math.floor(pos))
+    lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (pos - lo) * (xs[hi] - xs[lo])
 
@@ -311,7 +311,7 @@ def test_attn_res_vs_hand_softmax(rng):
 
 # ---- MLA ---------------------------------------------------------------------------------------------------
 H, NOPE, ROPE, VD, R = 2, 128, 64, 128, 16
-MLA_ATTRS = dict(heads=H, nope=NOPE, rope=ROPE, v_dim=VD, scale=1 / math.sqrt(192))
+MLA_ATTRS = {"heads": H, "nope": NOPE, "rope": ROPE, "v_dim": VD, "scale": 1 / math.sqrt(192)}
 CACHE = StateType("mla_cache", (R, ROPE))
 
 

@@ -13,6 +13,11 @@ def _acc(x: T) -> T:
     return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
 
 
+def _f32(x: T) -> T:
+    """An IR ``f32`` value (gates, router, state, logits): fp32, or fp64 under a float64 compile."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 # ---- core ----------------------------------------------------------------------------
 def _unary(fn):
     return lambda inst, x: fn(x)
@@ -125,13 +130,13 @@ def short_conv(inst, x, w, s=None):
     y = F.conv1d(xx, w.to(x.dtype), groups=C)                         # [B, C, T]
     if inst.activation == "silu":
         y = F.silu(y)
-    return y.transpose(1, 2), xx[:, :, Tn:].float()
+    return y.transpose(1, 2), _f32(xx[:, :, Tn:])
 
 
 def kda_gate(inst, z, A_log, dt_bias):
     H, D = z.shape[-2], z.shape[-1]
-    a = torch.exp(A_log.float().reshape(-1)[:H])[:, None]
-    x = z.float() + dt_bias.float().reshape(H, D)
+    a = torch.exp(_f32(A_log).reshape(-1)[:H])[:, None]
+    x = _f32(z) + _f32(dt_bias).reshape(H, D)
     if inst.form == "lower_bound":
         return inst.lower_bound * torch.sigmoid(a * x)
     return -a * F.softplus(x)
@@ -141,10 +146,10 @@ def kda_chunked(q, k, v, g, beta, scale: float, S=None, chunk: int = 64):
     """Chunked KDA (SPEC.md 3, WY form) in fp32 with explicit position-pair decays (stable for
     both gate forms). q,k,g [B,T,H,K]; v [B,T,H,V]; beta [B,T,H]; S [B,H,K,V] fp32."""
     dt = v.dtype
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (_f32(t) for t in (q, k, v, g, beta))
     B, Tn, H, K = k.shape
     V = v.shape[-1]
-    S = q.new_zeros(B, H, K, V) if S is None else S.float()
+    S = q.new_zeros(B, H, K, V) if S is None else _f32(S)
     outs = []
     for s0 in range(0, Tn, chunk):
         e = min(Tn, s0 + chunk)
@@ -180,9 +185,9 @@ def kda_chunked(q, k, v, g, beta, scale: float, S=None, chunk: int = 64):
 def kda_recurrent(q, k, v, g, beta, scale: float, S=None):
     """Token-by-token KDA in fp32 (decode, T small)."""
     dt = v.dtype
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (_f32(t) for t in (q, k, v, g, beta))
     B, Tn, H, K = k.shape
-    S = q.new_zeros(B, H, K, v.shape[-1]) if S is None else S.float()
+    S = q.new_zeros(B, H, K, v.shape[-1]) if S is None else _f32(S)
     outs = []
     for t in range(Tn):
         S = S * torch.exp(g[:, t])[..., None]
@@ -199,16 +204,16 @@ def kda(inst, q, k, v, g, beta, s=None):
 
 
 def gated_rmsnorm(inst, x, gate, w):
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + inst.eps) * w.float()
-    return (y * torch.sigmoid(gate.float())).to(x.dtype)
+    xf = _f32(x)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + inst.eps) * _f32(w)
+    return (y * torch.sigmoid(_f32(gate))).to(x.dtype)
 
 
 def mla(inst, q, kv, w, c=None, lengths=None):
     H, n, r, vd = inst.heads, inst.nope, inst.rope, inst.v_dim
     R = w.shape[1]
-    new = kv.float()
-    full = new if c is None else torch.cat([c.float(), new], dim=1)
+    new = _f32(kv)
+    full = new if c is None else torch.cat([_f32(c), new], dim=1)
     ckv, kr = full[..., :R].to(q.dtype), full[..., R:].to(q.dtype)
     wh = w.to(q.dtype).reshape(H, n + vd, R)
     w_uk, w_uv = wh[:, :n], wh[:, n:]
@@ -219,7 +224,7 @@ def mla(inst, q, kv, w, c=None, lengths=None):
     else:
         kn = torch.einsum("bsr,hnr->bshn", ckv, w_uk)
         s = torch.einsum("bthn,bshn->bhts", qn, kn) + torch.einsum("bthp,bsp->bhts", qr, kr)
-    s = causal_mask(inst, s.float() * inst.scale, lengths)
+    s = causal_mask(inst, _f32(s) * inst.scale, lengths)
     a = torch.softmax(s, dim=-1).to(q.dtype)
     if inst.absorbed:
         o = torch.einsum("bthr,hvr->bthv", torch.einsum("bhts,bsr->bthr", a, ckv), w_uv)
@@ -229,9 +234,9 @@ def mla(inst, q, kv, w, c=None, lengths=None):
 
 
 def attn_res(inst, w, r, *sources):
-    V = torch.stack([s.float() for s in sources], dim=-2)
-    vn = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + inst.eps) * r.float()
-    a = torch.softmax((vn * w.float().reshape(-1)).sum(-1), dim=-1)
+    V = torch.stack([_f32(s) for s in sources], dim=-2)
+    vn = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + inst.eps) * _f32(r)
+    a = torch.softmax((vn * _f32(w).reshape(-1)).sum(-1), dim=-1)
     return (a[..., None] * V).sum(-2).to(sources[0].dtype)
 
 
@@ -241,8 +246,8 @@ def situ_glu(inst, g, u):
 
 
 def router(inst, x, w, bias):
-    s = torch.sigmoid(x.float() @ w.float().t())
-    _, idx = torch.sort(s + bias.float(), dim=-1, descending=True, stable=True)
+    s = torch.sigmoid(_f32(x) @ _f32(w).t())
+    _, idx = torch.sort(s + _f32(bias), dim=-1, descending=True, stable=True)
     idx = idx[..., : inst.top_k]
     sel = torch.gather(s, -1, idx)
     if inst.renormalize:
@@ -254,13 +259,13 @@ def moe(inst, x, wts, idx, w1, w3, w2):
     lead = x.shape[:-1]
     xf = x.reshape(-1, x.shape[-1])
     wf, jf = wts.reshape(-1, wts.shape[-1]), idx.reshape(-1, idx.shape[-1])
-    out = torch.zeros_like(xf, dtype=torch.float32)
+    out = torch.zeros_like(xf, dtype=_f32(xf).dtype)
     for e in torch.unique(jf).tolist():
         rows, slots = torch.nonzero(jf == e, as_tuple=True)
         xe = xf[rows]
         g, u = xe @ w1[e].to(x.dtype).t(), xe @ w3[e].to(x.dtype).t()
         h = situ_glu(inst, g, u) if inst.act == "situ" else F.silu(g) * u
-        y = (h @ w2[e].to(x.dtype).t()).float() * wf[rows, slots, None]
+        y = _f32(h @ w2[e].to(x.dtype).t()) * wf[rows, slots, None].to(out.dtype)
         out = out.index_add(0, rows, y)
     return out.to(x.dtype).reshape(*lead, x.shape[-1])
 
@@ -269,7 +274,7 @@ MODEL = {
     "k3.embedding": lambda inst, ids, table: F.embedding(ids, table),
     "k3.rmsnorm": rmsnorm,
     "k3.linear": lambda inst, x, w: F.linear(x, w.to(x.dtype)),
-    "k3.lm_head": lambda inst, x, w: F.linear(x, w.to(x.dtype)).float(),
+    "k3.lm_head": lambda inst, x, w: _f32(F.linear(x, w.to(x.dtype))),
     "k3.l2norm": l2norm,
     "k3.short_conv": short_conv,
     "k3.kda_gate": kda_gate,
