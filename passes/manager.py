@@ -1,9 +1,16 @@
-"""Pass manager: a pass is a small class with a name, options as fields and
-``run(module) -> PassResult``. Pipelines run on a copy of the module."""
+"""Pass manager: a pass is a small dataclass with a name, options as fields and
+``run(module) -> PassResult``. Pipelines are lists of pass specs (``name`` or
+``name{key=value,...}``); ``run_pipeline`` runs them in place, verifying after each pass when
+asked and dumping the module as numbered ``.k3`` files (``00-input.k3``, ``01-<pass>.k3``, ...).
+"""
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
+import os
+import re
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from k3ir.errors import K3Error
@@ -12,12 +19,22 @@ from k3ir.verify import verify_module
 
 log = logging.getLogger("k3ir.passes")
 
-PASSES: dict[str, type["Pass"]] = {}
+PASSES: dict[str, type[Pass]] = {}
+
+#: modules defining the built-in passes (imported on first use)
+BUILTIN_PASSES = ("dce", "cse", "fuse_kda_chunks", "fuse_moe_dispatch", "quantize_experts", "absorb_mla",
+                  "fuse_attn_res")
 
 
 @dataclass
 class PassResult:
+    """What a pass did: ``rewrites`` (ops created/removed/changed), ``details`` (pass-specific
+    numbers, e.g. bytes before/after quantisation) and, filled in by ``run_pipeline``, the pass
+    name and its wall time in seconds."""
     rewrites: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+    seconds: float = 0.0
 
     @property
     def changed(self) -> bool:
@@ -25,10 +42,21 @@ class PassResult:
 
 
 class Pass:
+    """Base class: subclasses are dataclasses whose fields are the pass options."""
     name = ""
 
     def run(self, module: Module) -> PassResult:
         raise NotImplementedError
+
+    def spec(self) -> str:
+        """``name{key=value,...}`` with the options that differ from their defaults."""
+        opts = []
+        if dataclasses.is_dataclass(self):
+            for f in dataclasses.fields(self):
+                v = getattr(self, f.name)
+                if v != f.default:
+                    opts.append(f"{f.name}={v}")
+        return self.name + ("{" + ",".join(opts) + "}" if opts else "")
 
 
 def register_pass(name: str):
@@ -39,14 +67,145 @@ def register_pass(name: str):
     return deco
 
 
-def run_pipeline(module: Module, passes: list[str], verify_each: bool = False, **_: Any) -> Module:
-    """Run ``passes`` (names) on ``module`` in place; returns it. Unknown names raise K3Error."""
-    from . import dce  # noqa: F401
-    for name in passes:
-        if name not in PASSES:
-            raise K3Error(f"unknown pass '{name}' (known: {', '.join(sorted(PASSES))})")
-        res = PASSES[name]().run(module)
-        log.info("pass %s: %d rewrites", name, res.rewrites)
+def _load() -> None:
+    import importlib
+    import importlib.util
+    for mod in BUILTIN_PASSES:
+        if importlib.util.find_spec(f"{__package__}.{mod}") is not None:
+            importlib.import_module(f"{__package__}.{mod}")
+
+
+def known_passes() -> list[str]:
+    _load()
+    return sorted(PASSES)
+
+
+_SPEC = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\{(.*)\})?\s*$", re.DOTALL)
+
+
+def split_specs(text: str) -> list[str]:
+    """Split ``a,b{x=1,y=2},c`` at the commas outside braces."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [s.strip() for s in out if s.strip()]
+
+
+def _convert(value: str, default: Any, where: str) -> Any:
+    v = value.strip()
+    try:
+        if isinstance(default, bool):
+            if v.lower() in ("1", "true", "yes", "on"):
+                return True
+            if v.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(v)
+        if isinstance(default, int):
+            return int(v)
+        if isinstance(default, float):
+            return float(v)
+    except ValueError:
+        raise K3Error(f"{where}: cannot read {value!r} as {type(default).__name__}") from None
+    return v.strip("\"'")
+
+
+def make_pass(spec: str | Pass) -> Pass:
+    """A Pass instance from ``name`` or ``name{key=value,...}`` (options typed by the pass's
+    dataclass fields). Raises K3Error naming an unknown pass or option."""
+    if isinstance(spec, Pass):
+        return spec
+    _load()
+    m = _SPEC.match(spec)
+    if not m:
+        raise K3Error(f"bad pass spec {spec!r} (want name or name{{key=value,...}})")
+    name, body = m.group(1), m.group(2)
+    if name not in PASSES:
+        raise K3Error(f"unknown pass '{name}' (known: {', '.join(sorted(PASSES))})")
+    cls = PASSES[name]
+    fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+    opts: dict[str, Any] = {}
+    for item in split_specs(body or ""):
+        if "=" not in item:
+            raise K3Error(f"pass '{name}': option {item!r} is not key=value")
+        k, v = (s.strip() for s in item.split("=", 1))
+        if k not in fields:
+            raise K3Error(f"pass '{name}' has no option '{k}' (options: {', '.join(fields) or 'none'})")
+        f = fields[k]
+        default = f.default if f.default is not dataclasses.MISSING else ""
+        opts[k] = _convert(v, default, f"pass '{name}' option '{k}'")
+    return cls(**opts)
+
+
+def _apply_quantize(passes: list[Pass], quantize: str | None) -> list[Pass]:
+    """``quantize`` overrides what the config says: ``none`` drops quantize-experts; ``mxfp4``/``int4``
+    forces it (inserted after fuse-moe-dispatch when the pipeline lacks it)."""
+    if quantize is None:
+        return passes
+    if quantize not in ("none", "mxfp4", "int4"):
+        raise K3Error(f"--quantize must be none, mxfp4 or int4, got {quantize!r}")
+    out = []
+    seen = False
+    for p in passes:
+        if p.name == "quantize-experts":
+            seen = True
+            if quantize == "none":
+                continue
+            p = dataclasses.replace(p, format=quantize)
+        out.append(p)
+    if not seen and quantize != "none":
+        names = [p.name for p in out]
+        if "fuse-moe-dispatch" not in names:
+            raise K3Error("quantizing experts needs fuse-moe-dispatch in the pipeline (grouped_matmul takes "
+                          "the packed weights)")
+        out.insert(names.index("fuse-moe-dispatch") + 1, make_pass(f"quantize-experts{{format={quantize}}}"))
+    return out
+
+
+def run_pipeline(module: Module, passes: list[str | Pass] | str, verify_each: bool = False,
+                 dump_dir: str | None = None, quantize: str | None = None,
+                 results: list[PassResult] | None = None, **_: Any) -> Module:
+    """Run ``passes`` (names, ``name{opt=v}`` specs, Pass instances, or one comma-separated
+    string) on ``module`` in place and return it.
+
+    ``verify_each``: run the verifier after every pass (K3VerifyError names the pass).
+    ``dump_dir``: write ``00-input.k3`` and ``NN-<pass>.k3`` after each pass.
+    ``quantize``: ``none|mxfp4|int4`` overrides the config's expert quantisation.
+    ``results``: a list that receives each pass's PassResult (with name and seconds).
+    Raises K3Error for unknown passes or options."""
+    if isinstance(passes, str):
+        passes = split_specs(passes)
+    plist = _apply_quantize([make_pass(p) for p in passes], quantize)
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        _dump(module, os.path.join(dump_dir, "00-input.k3"))
+    for i, p in enumerate(plist, start=1):
+        t0 = time.perf_counter()
+        res = p.run(module) or PassResult()
+        res.name = p.spec()
         if verify_each:
-            verify_module(module)
+            try:
+                verify_module(module)
+            except K3Error as e:
+                raise type(e)(f"after pass '{p.name}': {e}") from None
+        res.seconds = time.perf_counter() - t0
+        log.info("pass %s: %d rewrites in %.3f s %s", res.name, res.rewrites, res.seconds, res.details or "")
+        if results is not None:
+            results.append(res)
+        if dump_dir:
+            _dump(module, os.path.join(dump_dir, f"{i:02d}-{p.name}.k3"))
     return module
+
+
+def _dump(module: Module, path: str) -> None:
+    from k3ir.printer import print_module
+    with open(path, "w") as f:
+        f.write(print_module(module))
