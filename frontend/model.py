@@ -17,6 +17,9 @@ FUNCTIONS = ("forward", "prefill", "decode")
 #: (input_ids i64[B,T], cache_lengths i64[B], states...)`` where each MLA cache is right-padded
 #: and row b holds ``cache_lengths[b]`` valid tokens; see ``add_varlen_function``.
 VARLEN = "prefill_varlen"
+#: suffix of the text functions that take ``image_features [M, d]`` after ``input_ids`` and put
+#: them at the ``media_placeholder_token_id`` positions (built with the vision pathway, SPEC.md 8)
+MEDIA_SUFFIX = "_media"
 
 
 class _ModelBuilder:
@@ -139,12 +142,13 @@ class _ModelBuilder:
         return [(f"l{i}_conv_q", conv), (f"l{i}_conv_k", conv), (f"l{i}_conv_v", conv),
                 (f"l{i}_kda_state", StateType("kda_state", (c.kda_num_heads, c.kda_head_dim, c.kda_head_dim)))]
 
-    def function(self, kind: str) -> Function:
+    def function(self, kind: str, media: bool = False) -> Function:
         c = self.cfg
-        fn = Function(kind, attrs={"kind": kind})
+        fn = Function(f"{kind}{MEDIA_SUFFIX}" if media else kind, attrs={"kind": kind})
         b = Builder(self.m, fn)
         T = 1 if kind == "decode" else "T"
         ids = b.arg("input_ids", TensorType("i64", ("B", T)))
+        feats = b.arg("image_features", TensorType(self.dt, ("M", c.hidden_size))) if media else None
         lengths = b.arg("cache_lengths", TensorType("i64", ("B",))) if kind == VARLEN else None
         stateful = kind != "forward"
         state_args: dict[int, list[Value]] = {}
@@ -152,6 +156,8 @@ class _ModelBuilder:
             for i in range(c.num_hidden_layers):
                 state_args[i] = [b.arg(n, t) for n, t in self.state_types(i)]
         h = b.embedding(ids, self.p(b, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size)), _name="embed")
+        if media:
+            h = b.merge_media(h, ids, feats, token_id=int(c.media_placeholder_token_id))
         blocks: list[Value] = []
         new_states: list[Value] = []
         B = c.attn_res_block_size
@@ -221,5 +227,20 @@ def build_module(cfg: ModelConfig, functions=FUNCTIONS) -> Module:
     mb = _ModelBuilder(cfg, m)
     for kind in functions:
         m.add_function(mb.function(kind))
+    if cfg.vision is not None:
+        _add_vision(m, mb, cfg, functions)
     m.config = cfg
     return m
+
+
+def _add_vision(m: Module, mb: _ModelBuilder, cfg: ModelConfig, functions) -> None:
+    """``@encode_images`` plus ``@forward_media``/``@prefill_media`` (when a placeholder id is set)."""
+    from .vision import build_encode_images, vision_spec
+    spec = vision_spec(cfg.vision, cfg.hidden_size, cfg.path)
+    m.add_function(build_encode_images(m, spec, cfg.dtype))
+    m.attrs["vision"] = {"patch_size": spec.patch, "merge_kernel_size": list(spec.merge),
+                         "media_placeholder_token_id": cfg.media_placeholder_token_id}
+    if cfg.media_placeholder_token_id is not None:
+        for kind in ("forward", "prefill"):
+            if kind in functions:
+                m.add_function(mb.function(kind, media=True))

@@ -23,7 +23,9 @@ def param_layer(name: str) -> int | None:
 
 def param_group(name: str) -> str:
     """embedding | lm_head | routed_experts | shared_experts | router | latent | kda | mla | dense_ffn
-    | attn_res | norm | other"""
+    | attn_res | norm | vision | other (``vision``: the vision tower and projector, SPEC.md 8)"""
+    if name.startswith(("vision_tower.", "mm_projector.")):
+        return "vision"
     if "embed_tokens" in name:
         return "embedding"
     if name.endswith("lm_head.weight"):
@@ -76,6 +78,9 @@ class ModelReport:
     groups: dict[str, int]
     layers: list[LayerReport] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    #: the vision tower + projector (SPEC.md 8), not part of params_total/params_active/param_bytes
+    params_vision: int = 0
+    vision_bytes: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "layers"}
@@ -130,10 +135,15 @@ def report(module: Module, context: int = 4096) -> ModelReport:
     active = 0.0
     embed = 0
     pbytes = 0.0
+    vis, vis_bytes = 0, 0.0
     for name, decl in module.params.items():
         n = _numel(decl.type)
-        pbytes += decl.type.nbytes()
         g = param_group(name)
+        if g == "vision":
+            vis += n
+            vis_bytes += decl.type.nbytes()
+            continue
+        pbytes += decl.type.nbytes()
         groups[g] = groups.get(g, 0) + n
         total += n
         act = 0.0 if g == "embedding" else (n * k / E if g == "routed_experts" else float(n))
@@ -174,4 +184,5 @@ def report(module: Module, context: int = 4096) -> ModelReport:
     return ModelReport(name=module.name, params_total=total, params_active=active, params_embedding=embed,
                        flops_per_token=sum(flops.values()), context=context, kv_bytes_per_token=kv_tok,
                        state_bytes_per_sequence=st_seq, param_bytes=pbytes, groups=groups,
-                       layers=[layers[i] for i in sorted(layers)], counts=counts)
+                       layers=[layers[i] for i in sorted(layers)], counts=counts, params_vision=vis,
+                       vision_bytes=vis_bytes)

@@ -111,6 +111,9 @@ def print_report(r, con=None) -> None:
               f"({r.counts['moe']} MoE, {r.counts['dense']} dense FFN)")
     con.print(f"parameters: {r.params_total / 1e9:,.1f} B total ({r.params_total:,}), "
               f"{r.params_active / 1e9:,.1f} B active per token; weights {human_bytes(r.param_bytes)}")
+    if getattr(r, "params_vision", 0):
+        con.print(f"vision tower: {r.params_vision / 1e9:,.2f} B parameters ({r.params_vision:,}, with the "
+                  f"projector; not in the totals above); weights {human_bytes(r.vision_bytes)}")
     con.print(f"FLOPs per token (decode at {r.context:,} tokens): {human(r.flops_per_token, 'FLOP')}")
     con.print(f"state per sequence: KDA {human_bytes(r.state_bytes_per_sequence)} fixed + MLA "
               f"{human_bytes(r.kv_bytes_per_token)}/token = {human_bytes(kv_seq)} at {r.context:,} tokens")

@@ -92,16 +92,46 @@ class Session:
         return t.to(dev) if dev is not None else t
 
     # ---- API ------------------------------------------------------------------------
-    def forward(self, input_ids):
-        """Logits ``[B, T, vocab]`` for whole sequences (training path, no state)."""
+    def forward(self, input_ids, images=None):
+        """Logits ``[B, T, vocab]`` for whole sequences (training path, no state). ``images``
+        (kimi_k3 with a vision tower): ``[N, 3, H, W]`` or a list of ``[3, H, W]``, pixel values
+        0..255; their features replace the media placeholder tokens in order (SPEC.md 8)."""
         ids = self._ids(input_ids)
+        if images is not None:
+            (logits,) = self.exe.run("forward_media", [ids, self.image_features(images)], self.params)[:1]
+            return self._out(logits)
         (logits,) = self.exe.run("forward", [ids], self.params)[:1]
         return self._out(logits)
 
-    def prefill(self, input_ids, state: State | None = None):
-        """Consume ``input_ids [B, T]`` from ``state`` (None: empty). Returns (logits, new state)."""
+    def prefill(self, input_ids, state: State | None = None, images=None):
+        """Consume ``input_ids [B, T]`` from ``state`` (None: empty). Returns (logits, new state).
+        ``images`` as in ``forward``."""
         ids = self._ids(input_ids)
+        if images is not None:
+            return self._step("prefill_media", ids, state, extra=[self.image_features(images)])
         return self._step("prefill", ids, state)
+
+    def image_features(self, images):
+        """Projected image features ``[M, hidden]`` (backend array) for ``images`` (see ``forward``):
+        the peer's preprocessing, then ``@encode_images`` per group of equal grids, concatenated
+        in image order (each image gives ``GH/2 * GW/2`` rows, row-major). Raises K3RuntimeError
+        when the model has no vision tower or an image is malformed."""
+        from k3ir.frontend.vision import preprocess_images, vision_spec
+        cfg = getattr(self.module, "config", None)
+        if "encode_images" not in self.module.functions or cfg is None or cfg.vision is None:
+            raise K3RuntimeError("this model has no vision tower (no vision_config): images are not accepted")
+        spec = vision_spec(cfg.vision, cfg.hidden_size, cfg.path)
+        grids = preprocess_images(images, spec)
+        feats: list = [None] * len(grids)
+        for shape in dict.fromkeys(g.shape for g in grids):
+            idx = [i for i, g in enumerate(grids) if g.shape == shape]
+            (out,) = self.exe.run("encode_images", [np.stack([grids[i] for i in idx])], self.params)
+            for j, i in enumerate(idx):
+                feats[i] = out[j].reshape(-1, out.shape[-1])
+        if isinstance(feats[0], np.ndarray):
+            return np.concatenate(feats, axis=0)
+        import torch
+        return torch.cat(feats, dim=0)
 
     def decode(self, token_ids, state: State):
         """One token per row: ``token_ids [B, 1]``. Returns (logits ``[B,1,V]``, new state)."""
@@ -112,13 +142,13 @@ class Session:
             raise K3RuntimeError("decode needs the state returned by prefill")
         return self._step("decode", ids, state)
 
-    def _step(self, fn: str, ids: np.ndarray, state: State | None):
+    def _step(self, fn: str, ids: np.ndarray, state: State | None, extra: list | None = None):
         B = ids.shape[0]
         if state is None:
             state = self.empty_state(B)
         if state.batch != B:
             raise K3RuntimeError(f"state holds batch {state.batch}, input has batch {B}")
-        outs = self.exe.run(fn, [ids] + [state.values[n] for n in state.names], self.params)
+        outs = self.exe.run(fn, [ids] + list(extra or []) + [state.values[n] for n in state.names], self.params)
         new = State(dict(zip(state.names, outs[1:])), state.length + ids.shape[1], B, state.names)
         return self._out(outs[0]), new
 

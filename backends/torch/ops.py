@@ -289,3 +289,7 @@ MODEL = {
 }
 
 TABLE = {**CORE, **MODEL}
+
+from .vision import VISION  # the vision ops (SPEC.md 8)
+
+TABLE.update(VISION)
