@@ -1,0 +1,94 @@
+"""``k3ir generate MODEL --prompt ...`` and ``k3ir serve MODEL [--host 127.0.0.1] [--port N]``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .cli import UsageError, load_model, model_arg
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="torch", help="backend target (default torch)")
+    p.add_argument("--device", default="cpu", help="device for the torch/triton targets (default cpu)")
+    p.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
+    p.add_argument("--block-size", type=int, default=512, help="pool block in tokens, a multiple of 64 (default 512)")
+    p.add_argument("--num-blocks", type=int, default=None, help="pool blocks (default: max-batch x 2048 tokens)")
+    p.add_argument("--max-batch", type=int, default=32, help="running requests per step (default 32)")
+    p.add_argument("--init-seed", type=int, default=0, help="random-init seed when the model has no weights")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+
+
+def _setup(args):
+    from .engine import build_engine
+    from .tokenizer import load_tokenizer
+    module = load_model(args)
+    tok = load_tokenizer(args.model, module)
+    engine = build_engine(module, target=args.target, dtype=args.dtype, device=args.device, seed=args.init_seed,
+                          block_size=args.block_size, num_blocks=args.num_blocks, max_batch=args.max_batch)
+    return module, tok, engine
+
+
+def cmd_generate(args) -> int:
+    from .sampler import SamplingParams
+    from .tokenizer import IncrementalDecoder
+    if args.prompt is None:
+        raise UsageError("generate needs --prompt TEXT")
+    _, tok, engine = _setup(args)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        seed=args.seed, stop_token_ids=list(tok.stop_ids))
+    ids = tok.encode(args.prompt)
+    dec = IncrementalDecoder(tok)
+
+    def on_event(req, token):
+        if token is not None:
+            sys.stdout.write(dec.push(token))
+            sys.stdout.flush()
+    sys.stdout.write(args.prompt)
+    req = engine.add_request(ids, sp, on_event=on_event)
+    engine.run([req])
+    sys.stdout.write(dec.flush() + "\n")
+    if args.show_ids:
+        sys.stdout.write(f"token ids: {req.output}\nfinish: {req.finish_reason}\n")
+    return 0 if req.finish_reason != "error" else 1
+
+
+def cmd_serve(args) -> int:
+    from .server import ServerLimits, create_app, serve
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    module, tok, engine = _setup(args)
+    limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                          max_output_tokens=args.max_output_tokens, max_concurrent=args.max_concurrent)
+    app = create_app(engine, tok, args.served_name or module.name, limits)
+    serve(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt (continuous-batching engine)")
+    model_arg(p, default="k3-tiny")
+    p.add_argument("--prompt", help="prompt text (through the model's tokenizer; bytes for tiny models)")
+    _sampling_args(p)
+    _engine_args(p)
+    p.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    model_arg(p, default="k3-tiny")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--served-name", help="model id in the API (default: the model's name)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-prompt-tokens", type=int, default=4096)
+    p.add_argument("--max-output-tokens", type=int, default=1024)
+    p.add_argument("--max-concurrent", type=int, default=64)
+    p.add_argument("--log-level", default="info")
+    _engine_args(p)
+    p.set_defaults(func=cmd_serve)

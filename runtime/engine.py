@@ -1,0 +1,382 @@
+"""Serving engine: continuous batching of prefill and decode over a Session, backed by one paged
+state pool with a prefix cache (SPEC.md 9).
+
+Design (simplest correct one; see bench/SERVING.md):
+- Every running request owns a block table in the ``StatePool``: its MLA latents live in pool
+  pages, its KDA states (fixed size) are kept per request and snapshotted into the pool at every
+  block boundary. Full blocks are published under chained hashes; a new request whose prompt
+  starts with cached blocks retains them and resumes from the last one's snapshot.
+- Prefill is chunked at block boundaries (a segment never crosses one, so the snapshot there is
+  exact); a decode step feeds one token. Each ``step()`` runs every running request once, grouped
+  by segment length ``T``: all decode rows share one call.
+- Rows of one call have different MLA cache lengths: with the module's ``@prefill_varlen``
+  (``frontend.model.add_varlen_function``; ``build_engine`` adds it) caches are right-padded to
+  the longest and ``k3.mla`` masks each row at its own length. Without it, rows are grouped by
+  equal cache length (correct, less batching).
+- Requests join between steps (admission reserves the blocks their prompt + ``max_tokens`` can
+  need, so a running request never runs out) and leave when they hit a stop token or
+  ``max_tokens``; their blocks are released (cached prefixes stay, LRU-evictable).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from k3ir.errors import K3RuntimeError
+
+from .pool import StatePool, block_hashes
+from .sampler import SamplingParams, make_generator, sample
+
+log = logging.getLogger("k3ir.engine")
+VARLEN = "prefill_varlen"
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. ``prompt`` token ids; ``output`` grows as tokens are sampled;
+    ``finish_reason`` is ``stop`` (stop token), ``length`` (max_tokens), ``abort`` or ``error``.
+    ``on_event(request, token)`` is called from the engine's thread for every new token and once
+    more with ``token=None`` when the request finishes."""
+    prompt: list[int]
+    params: SamplingParams
+    id: str = ""
+    on_event: Callable[[Request, int | None], None] | None = None
+    keep_logits: bool = False
+    output: list[int] = field(default_factory=list)
+    status: str = "waiting"
+    finish_reason: str | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+    logits: list[Any] = field(default_factory=list)        # [V] rows sampled from (keep_logits)
+    created: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    cancelled: bool = False
+    # engine internals
+    length: int = 0
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+    reserve: int = 0
+    kda: dict[str, Any] | None = None
+    generator: Any = None
+
+    @property
+    def done(self) -> bool:
+        return self.status == "finished"
+
+    def fed_token(self, pos: int) -> int:
+        return self.prompt[pos] if pos < len(self.prompt) else self.output[pos - len(self.prompt)]
+
+
+class Engine:
+    """Continuous-batching engine over ``session`` (a ``runtime.Session``).
+
+    ``block_size`` tokens per pool block (multiple of 64; default 512); ``num_blocks`` pool size
+    (default: enough for ``max_batch`` requests of 2048 tokens); ``max_batch`` running requests;
+    ``max_prefill_tokens`` prompt tokens per step (at least one segment always runs);
+    ``stop_token_ids`` end every request (default: the model's ``eos_token_id``).
+    Single-threaded: call ``add_request``/``step`` from one thread (``EngineThread`` does)."""
+
+    def __init__(self, session, block_size: int = 512, num_blocks: int | None = None, max_batch: int = 32,
+                 max_prefill_tokens: int = 4096, stop_token_ids: Sequence[int] | None = None):
+        import torch
+        self.session = session
+        self.exe = session.exe
+        self.specs = list(session.state_specs)
+        if not self.specs:
+            raise K3RuntimeError("the compiled module has no @prefill function with state arguments")
+        self.names = [n for n, _ in self.specs]
+        self.varlen = VARLEN in self.exe.module.functions
+        self.device = getattr(self.exe, "tdev", None) or torch.device("cpu")
+        self.dtype = torch.float64 if self.exe.target == "reference" else torch.float32
+        if num_blocks is None:
+            num_blocks = max_batch * max(1, -(-2048 // block_size)) + 8
+        self.pool = StatePool(self.specs, num_blocks, block_size, self.device, self.dtype,
+                              salt=str(session.module.name).encode())
+        self.bs = block_size
+        self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
+        eos = session.module.attrs.get("eos_token_id")
+        self.stop_ids = set(stop_token_ids if stop_token_ids is not None else ([] if eos is None else [eos]))
+        self.vocab = session.vocab
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.reserved = 0
+        self._recent: list[Request] = []
+        self.stats = {"steps": 0, "calls": 0, "rows": 0, "prefill_tokens": 0, "decode_tokens": 0,
+                      "finished": 0}
+        zero = session.empty_state(1)
+        self._zero = {n: self._t(zero.values[n]) for n in self.pool.kda_names}
+
+    def _t(self, x):
+        import torch
+        return torch.as_tensor(x).to(self.device, self.dtype)
+
+    # ---- requests ----------------------------------------------------------------------
+    def make_request(self, prompt: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
+                     on_event=None, keep_logits: bool = False) -> Request:
+        """Validate and wrap a request (no engine state is touched: safe from any thread).
+        Raises K3RuntimeError for an empty prompt, ids outside the vocabulary, or a request
+        longer than the whole pool."""
+        params = params or SamplingParams()
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise K3RuntimeError("prompt is empty: give at least one token")
+        bad = [t for t in ids if t < 0 or (self.vocab and t >= self.vocab)]
+        if bad:
+            raise K3RuntimeError(f"prompt holds token id {bad[0]} outside the vocabulary 0..{self.vocab - 1}")
+        need = -(-(len(ids) + params.max_tokens) // self.bs)
+        if need > self.pool.num_blocks:
+            raise K3RuntimeError(f"request needs {need} blocks of {self.bs} tokens (prompt {len(ids)} + max_tokens "
+                                 f"{params.max_tokens}) but the pool has {self.pool.num_blocks}")
+        return Request(ids, params, request_id or f"req-{next(_ids)}", on_event, keep_logits)
+
+    def enqueue(self, req: Request) -> Request:
+        self.waiting.append(req)
+        return req
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, **kw) -> Request:
+        """``make_request`` + ``enqueue``."""
+        return self.enqueue(self.make_request(prompt, params, **kw))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run(self, requests: Sequence[Request] | None = None) -> list[Request]:
+        """Step until ``requests`` (default: everything queued) are finished; returns them."""
+        reqs = list(requests) if requests is not None else list(self.waiting) + list(self.running)
+        while any(not r.done for r in reqs):
+            if not self.has_work():
+                raise K3RuntimeError("requests are not queued on this engine")
+            self.step()
+        return reqs
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 keep_logits: bool = False) -> list[Request]:
+        """Queue ``prompts`` (one ``params`` or one per prompt) and run them to completion."""
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        return self.run([self.add_request(p, sp, keep_logits=keep_logits) for p, sp in zip(prompts, plist)])
+
+    # ---- scheduling --------------------------------------------------------------------
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req.status == "running":
+            self.running.remove(req)
+        elif req.status == "waiting":
+            self.waiting.remove(req)
+        self.pool.release(req.blocks)
+        self.reserved -= req.reserve
+        req.blocks, req.reserve, req.kda = [], 0, None
+        req.status, req.finish_reason, req.error = "finished", reason, error
+        req.finished_at = time.perf_counter()
+        self.stats["finished"] += 1
+        self._emit(req, None)
+
+    def _emit(self, req: Request, token: int | None) -> None:
+        if req.on_event is not None:
+            try:
+                req.on_event(req, token)
+            except Exception:                       # a broken listener must not stop the engine
+                log.exception("request %s: event callback failed", req.id)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting[0]
+            need = -(-(len(req.prompt) + req.params.max_tokens) // self.bs)
+            matched, hashes = self.pool.match(req.prompt, len(req.prompt) - 1)
+            fresh = need - len(matched)
+            if self.pool.available() - self.reserved < fresh:
+                self.pool.release(matched)
+                break
+            self.waiting.popleft()
+            req.blocks, req.hashes, req.reserve = matched, hashes, fresh
+            self.reserved += fresh
+            req.length = req.cached_tokens = len(matched) * self.bs
+            req.kda = self.pool.read_snapshot(matched[-1]) if matched else {n: z.clone() for n, z in self._zero.items()}
+            req.generator = make_generator(req.params.seed)
+            req.status = "running"
+            self.running.append(req)
+
+    def _work(self) -> list[tuple[Request, list[int]]]:
+        items, budget = [], self.max_prefill_tokens
+        for req in self.running:
+            P = len(req.prompt)
+            if req.length >= P:
+                items.append((req, [req.output[-1]]))
+                continue
+            end = min(P, (req.length // self.bs + 1) * self.bs)
+            n = min(end - req.length, budget) if items or budget < end - req.length else end - req.length
+            if n <= 0:
+                continue
+            budget -= n
+            items.append((req, req.prompt[req.length:req.length + n]))
+        return items
+
+    def step(self) -> list[Request]:
+        """Admit waiting requests, run one prefill segment or decode token for every running
+        request, sample, and retire finished ones. Returns the requests finished in this step."""
+        for req in [r for r in [*self.waiting, *self.running] if r.cancelled]:
+            self._finish(req, "abort")
+        self._admit()
+        done: list[Request] = []
+        groups: dict[tuple, list] = {}
+        for req, toks in self._work():
+            key = (len(toks),) if self.varlen else (len(toks), req.length)
+            groups.setdefault(key, []).append((req, toks))
+        for items in groups.values():
+            try:
+                self._run_group(items)
+            except Exception as e:  # keep serving the others; these requests fail with the reason
+                log.exception("engine step failed for %d request(s)", len(items))
+                for req, _ in items:
+                    if not req.done:
+                        self._finish(req, "error", f"{type(e).__name__}: {e}")
+                        done.append(req)
+        self.stats["steps"] += 1
+        done += [r for r in self._recent if r not in done]
+        self._recent = []
+        return done
+
+    def _ensure_block(self, req: Request) -> None:
+        if req.length % self.bs == 0 and len(req.blocks) == req.length // self.bs:
+            req.blocks.append(self.pool.allocate())
+            req.reserve -= 1
+            self.reserved -= 1
+
+    def _run_group(self, items: list[tuple[Request, list[int]]]) -> None:
+        import torch
+        G, T = len(items), len(items[0][1])
+        lengths = [req.length for req, _ in items]
+        for req, _ in items:
+            self._ensure_block(req)
+        L = max(lengths)
+        args: list[Any] = [np.asarray([t for _, t in items], dtype=np.int64)]
+        if self.varlen:
+            args.append(np.asarray(lengths, dtype=np.int64))
+        for name in self.names:
+            if name in self.pool.pages:
+                W = self.pool.pages[name].shape[-1]
+                cache = torch.zeros(G, L, W, dtype=self.dtype, device=self.device)
+                for b, (req, _) in enumerate(items):
+                    if req.length:
+                        cache[b, :req.length] = self.pool.gather_latents(name, req.blocks, req.length)
+                args.append(cache)
+            else:
+                args.append(torch.cat([req.kda[name] for req, _ in items], 0))
+        fn = VARLEN if self.varlen else ("decode" if T == 1 else "prefill")
+        outs = self.exe.run(fn, args, self.session.params)
+        logits = torch.as_tensor(outs[0])
+        new = dict(zip(self.names, outs[1:]))
+        self.stats["calls"] += 1
+        self.stats["rows"] += G
+        for b, (req, toks) in enumerate(items):
+            prefill = req.length < len(req.prompt)
+            self.stats["prefill_tokens" if prefill else "decode_tokens"] += T
+            blk, off = req.blocks[req.length // self.bs], req.length % self.bs
+            for name in self.pool.mla_names:
+                self.pool.write_latents(name, blk, off, torch.as_tensor(new[name])[b, L:L + T])
+            req.kda = {n: self._t(new[n])[b:b + 1] for n in self.pool.kda_names}
+            req.length += T
+            if req.length % self.bs == 0:
+                self._publish(req, blk)
+            if req.length >= len(req.prompt):
+                self._sample(req, logits[b, -1])
+
+    def _publish(self, req: Request, blk: int) -> None:
+        """Snapshot the KDA states at the block boundary just reached and publish the block."""
+        self.pool.write_snapshot(blk, req.kda)
+        i = req.length // self.bs - 1
+        if i >= len(req.hashes):           # a block of generated tokens: extend the hash chain
+            toks = [req.fed_token(p) for p in range(i * self.bs, (i + 1) * self.bs)]
+            salt = req.hashes[i - 1] if i else self.pool.salt
+            req.hashes.append(block_hashes(toks, self.bs, salt)[0])
+        self.pool.register(blk, req.hashes[i])
+
+    def _sample(self, req: Request, row) -> None:
+        tok = sample(row, req.params, req.generator)
+        if req.keep_logits:
+            req.logits.append(row.detach().to("cpu").clone())
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+        req.output.append(tok)
+        self._emit(req, tok)
+        if tok in self.stop_ids or tok in req.params.stop_token_ids:
+            self._finish(req, "stop")
+        elif len(req.output) >= req.params.max_tokens:
+            self._finish(req, "length")
+        else:
+            return
+        self._recent.append(req)
+
+
+class EngineThread:
+    """Runs an ``Engine`` in a daemon thread; ``submit`` and ``abort`` are thread-safe."""
+
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="k3ir-engine", daemon=True)
+
+    def start(self) -> EngineThread:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def submit(self, req: Request) -> Request:
+        self._inbox.put(req)
+        self._wake.set()
+        return req
+
+    def abort(self, req: Request) -> None:
+        req.cancelled = True
+        self._wake.set()
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            self._wake.clear()
+            while True:
+                try:
+                    eng.enqueue(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            if eng.has_work():
+                try:
+                    eng.step()
+                except Exception:
+                    log.exception("engine step failed")
+                    for r in [*eng.waiting, *eng.running]:
+                        eng._finish(r, "error", "internal engine error")
+            else:
+                self._wake.wait(self.idle_wait_s)
+        for r in [*eng.waiting, *eng.running]:
+            eng._finish(r, "abort")
+
+
+def build_engine(module, target: str = "torch", dtype: str = "float32", device: str = "cpu", params=None,
+                 seed: int = 0, **engine_kw) -> Engine:
+    """Compile ``module`` with ``@prefill_varlen`` added (so mixed-length rows batch together) and
+    wrap it in a Session and an Engine (``engine_kw`` go to ``Engine``)."""
+    from k3ir.frontend.model import add_varlen_function
+
+    import k3ir
+
+    from .session import Session
+    m = add_varlen_function(module.clone())
+    exe = k3ir.compile(m, target=target, dtype=dtype, device=device)
+    return Engine(Session(exe, params=params, seed=seed), **engine_kw)

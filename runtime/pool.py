@@ -1,0 +1,201 @@
+"""One paged state pool for serving (SPEC.md 9): MLA latent pages by token block and KDA state
+snapshots (conv + recurrent) at block boundaries, a prefix cache keyed by chained block hashes,
+reference counting and LRU eviction of unreferenced cached blocks.
+
+A block ``i`` of a sequence covers tokens ``[i*bs, (i+1)*bs)``. The pool holds, per block id:
+- for every MLA layer, the ``[bs, R+P]`` latent rows (``[c_kv | k_rope]``) of those tokens;
+- for every KDA layer, the conv states ``[C, K-1]`` and the recurrent state ``[H, K, V]`` (fp32)
+  *after* the block's last token (a snapshot at the block's end boundary).
+A full block is registered under the hash of its tokens chained with the previous block's hash,
+so a new prompt that starts with the same ``k*bs`` tokens resumes from block ``k-1``'s snapshot
+with the ``k`` blocks' pages as its MLA cache: exactly the state a fresh prefill reaches there.
+Shared blocks are always full, so they are never written again (no copy-on-write needed).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from k3ir.errors import K3RuntimeError
+from k3ir.types import StateType
+
+KDA_CHUNK = 64
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, salt: bytes = b"") -> list[bytes]:
+    """Chained hashes of the full blocks of ``tokens``: ``h_i = blake2b(h_{i-1} || ids of block i)``
+    (ids as little-endian int64); ``h_{-1} = salt``. A partial last block gets no hash."""
+    out: list[bytes] = []
+    prev = salt
+    a = np.asarray(tokens, dtype="<i8")
+    for i in range(len(a) // block_size):
+        prev = hashlib.blake2b(prev + a[i * block_size:(i + 1) * block_size].tobytes(), digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+class StatePool:
+    """Fixed-size pool of ``num_blocks`` blocks of ``block_size`` tokens.
+
+    ``specs``: the model's state signature ``[(name, StateType)]`` (``Session.state_specs``);
+    ``mla_cache`` entries get pages ``[num_blocks, bs, R+P]``, ``conv_state``/``kda_state`` entries
+    snapshots ``[num_blocks, *shape]``. Tensors live on ``device`` in ``dtype`` (fp32; float64 on
+    the reference target). ``block_size`` must be a positive multiple of the KDA chunk (64) so a
+    resumed prefill keeps the chunk grid of a fresh one. Raises K3RuntimeError on bad sizes and
+    when no block can be allocated."""
+
+    def __init__(self, specs: Sequence[tuple[str, StateType]], num_blocks: int, block_size: int = 512,
+                 device: Any = "cpu", dtype: Any = None, salt: bytes = b""):
+        import torch
+        if block_size <= 0 or block_size % KDA_CHUNK:
+            raise K3RuntimeError(f"pool block size must be a positive multiple of the KDA chunk {KDA_CHUNK}, "
+                                 f"got {block_size}")
+        if num_blocks <= 0:
+            raise K3RuntimeError(f"pool needs at least one block, got num_blocks={num_blocks}")
+        self.block_size, self.num_blocks, self.salt = block_size, num_blocks, salt
+        self.dtype = dtype or torch.float32
+        self.device = torch.device(device)
+        self.mla_names = [n for n, t in specs if t.kind == "mla_cache"]
+        self.kda_names = [n for n, t in specs if t.kind in ("conv_state", "kda_state")]
+        self.pages: dict[str, Any] = {}
+        self.snaps: dict[str, Any] = {}
+        for name, t in specs:
+            if t.kind == "mla_cache":
+                self.pages[name] = torch.zeros(num_blocks, block_size, t.params[0] + t.params[1],
+                                               dtype=self.dtype, device=self.device)
+            else:
+                self.snaps[name] = torch.zeros((num_blocks,) + tuple(t.params), dtype=self.dtype, device=self.device)
+        self.refcount = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.by_hash: dict[bytes, int] = {}
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))      # pop() yields 0, 1, ...
+        self.lru: OrderedDict[int, None] = OrderedDict()                 # cached, unreferenced; oldest first
+        self.stats = {"hits": 0, "hit_tokens": 0, "lookups": 0, "evictions": 0}
+
+    # ---- accounting --------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks on the free list (never used, evicted or released without a hash)."""
+        return len(self.free)
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks that still hold a cached prefix (evictable)."""
+        return len(self.lru)
+
+    @property
+    def num_referenced(self) -> int:
+        return sum(1 for r in self.refcount if r > 0)
+
+    def available(self) -> int:
+        """Blocks an allocation can get now: free plus evictable."""
+        return len(self.free) + len(self.lru)
+
+    def bytes_per_block(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in [*self.pages.values(), *self.snaps.values()])
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate(self) -> int:
+        """A block with reference count 1: from the free list, else the least recently used
+        cached block (its prefix entry is dropped). Raises K3RuntimeError when all are in use."""
+        if self.free:
+            b = self.free.pop()
+        elif self.lru:
+            b, _ = self.lru.popitem(last=False)
+            h = self.hash_of[b]
+            if h is not None and self.by_hash.get(h) == b:
+                del self.by_hash[h]
+            self.hash_of[b] = None
+            self.stats["evictions"] += 1
+        else:
+            raise K3RuntimeError(f"state pool exhausted: all {self.num_blocks} blocks are referenced")
+        self.refcount[b] = 1
+        return b
+
+    def retain(self, block: int) -> None:
+        if self.refcount[block] == 0:
+            self.lru.pop(block, None)
+        self.refcount[block] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference from each block; unreferenced hashed blocks stay cached (LRU, most
+        recent last), unhashed ones return to the free list."""
+        for b in blocks:
+            if self.refcount[b] <= 0:
+                raise K3RuntimeError(f"pool block {b} released more often than referenced")
+            self.refcount[b] -= 1
+            if self.refcount[b] == 0:
+                if self.hash_of[b] is not None:
+                    self.lru[b] = None
+                else:
+                    self.free.append(b)
+
+    def clear_cache(self) -> int:
+        """Forget every unreferenced cached prefix (their blocks go to the free list). Returns how many."""
+        n = len(self.lru)
+        for b in list(self.lru):
+            h = self.hash_of[b]
+            if h is not None and self.by_hash.get(h) == b:
+                del self.by_hash[h]
+            self.hash_of[b] = None
+            self.free.append(b)
+        self.lru.clear()
+        return n
+
+    # ---- prefix cache ------------------------------------------------------------------
+    def match(self, tokens: Sequence[int], max_tokens: int) -> tuple[list[int], list[bytes]]:
+        """Longest cached chain of full blocks that is a prefix of ``tokens`` and covers at most
+        ``max_tokens`` tokens. Returns (block ids, each retained once; all full-block hashes of
+        ``tokens``)."""
+        hashes = block_hashes(tokens, self.block_size, self.salt)
+        got: list[int] = []
+        for h in hashes[: max(0, max_tokens) // self.block_size]:
+            b = self.by_hash.get(h)
+            if b is None:
+                break
+            self.retain(b)
+            got.append(b)
+        self.stats["lookups"] += 1
+        if got:
+            self.stats["hits"] += 1
+            self.stats["hit_tokens"] += len(got) * self.block_size
+        return got, hashes
+
+    def register(self, block: int, h: bytes) -> bool:
+        """Publish a full block under its chained hash; False when that prefix is already cached
+        by another block (this one then stays private and is freed on release)."""
+        if h in self.by_hash:
+            return False
+        self.by_hash[h] = block
+        self.hash_of[block] = h
+        return True
+
+    # ---- data ----------------------------------------------------------------------------
+    def write_latents(self, name: str, block: int, offset: int, rows: Any) -> None:
+        """Store MLA latent rows ``[n, R+P]`` for tokens ``offset..offset+n`` of ``block``."""
+        n = rows.shape[0]
+        if offset + n > self.block_size:
+            raise K3RuntimeError(f"latent write of {n} rows at offset {offset} crosses a {self.block_size}-token block")
+        self.pages[name][block, offset:offset + n] = rows.to(self.dtype)
+
+    def gather_latents(self, name: str, blocks: Sequence[int], length: int) -> Any:
+        """The MLA cache ``[length, R+P]`` of a sequence whose tokens lie in ``blocks`` (in order)."""
+        import torch
+        if length == 0:
+            return self.pages[name].new_zeros((0, self.pages[name].shape[-1]))
+        nb = -(-length // self.block_size)
+        idx = torch.as_tensor(list(blocks[:nb]), device=self.device)
+        return self.pages[name].index_select(0, idx).reshape(-1, self.pages[name].shape[-1])[:length]
+
+    def write_snapshot(self, block: int, states: dict[str, Any]) -> None:
+        """Store the KDA states ``{name: [1, *shape]}`` reached after ``block``'s last token."""
+        for name in self.kda_names:
+            self.snaps[name][block] = states[name][0].to(self.dtype)
+
+    def read_snapshot(self, block: int) -> dict[str, Any]:
+        """The KDA states saved at ``block``'s end, as fresh ``[1, *shape]`` tensors."""
+        return {name: self.snaps[name][block:block + 1].clone() for name in self.kda_names}

@@ -1,0 +1,331 @@
+"""OpenAI-compatible HTTP API over the serving engine (FastAPI + uvicorn, SSE streaming through
+sse-starlette): ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``. Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
+status for bad input (400 malformed or over a limit, 404 unknown model/route, 413 body too large,
+429 too many concurrent requests). Binds 127.0.0.1 by default."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from k3ir.errors import K3Error
+
+from .engine import Engine, EngineThread, Request
+from .sampler import SamplingParams
+from .tokenizer import IncrementalDecoder, Tokenizer
+
+log = logging.getLogger("k3ir.server")
+
+
+@dataclass
+class ServerLimits:
+    """Per-request and global limits: body bytes, prompt tokens, output tokens (``max_tokens``),
+    requests in flight (queued + running; more get 429)."""
+    max_request_bytes: int = 1 << 20
+    max_prompt_tokens: int = 4096
+    max_output_tokens: int = 1024
+    max_concurrent: int = 64
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, code: str, param: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.kind = status, message, code, param, kind
+
+
+def error_body(message: str, kind: str, code: str | None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# ---- request schemas --------------------------------------------------------------------
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = Field(default=None, ge=0, lt=2 ** 63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    n: int = Field(default=1, ge=1, le=1)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+# ---- text with stop strings ---------------------------------------------------------------
+class _TextStream:
+    """Detokenise incrementally and cut at the first stop string; text that could still start a
+    stop string is held back until it cannot."""
+
+    def __init__(self, tok: Tokenizer, stops: list[str]):
+        self.dec, self.stops = IncrementalDecoder(tok), [s for s in stops if s]
+        self.text, self.sent, self.stopped = "", 0, False
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+
+    def _emit(self, final: bool) -> str:
+        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.text, self.stopped, final = self.text[:min(hits)], True, True
+        end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
+        delta, self.sent = self.text[self.sent:end], end
+        return delta
+
+    def push(self, token: int) -> str:
+        if self.stopped:
+            return ""
+        self.text += self.dec.push(token)
+        return self._emit(False)
+
+    def finish(self) -> str:
+        if not self.stopped:
+            self.text += self.dec.flush()
+        return self._emit(True)
+
+
+# ---- the app ---------------------------------------------------------------------------------
+class _BodyLimit:
+    """ASGI middleware: 413 for bodies over ``limit`` bytes (by Content-Length or by counting)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def _reject(self, send) -> None:
+        body = json.dumps(error_body(f"request body exceeds {self.limit} bytes", "invalid_request_error",
+                                     "request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        cl = dict(scope.get("headers") or []).get(b"content-length")
+        if cl is not None and cl.isdigit() and int(cl) > self.limit:
+            return await self._reject(send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge()
+            return msg
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._reject(send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: ServerLimits | None = None):
+    """The FastAPI app serving ``engine`` as ``model_name``. The engine runs in a background thread
+    started and stopped with the app's lifespan (use ``with TestClient(app)`` in tests)."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from jinja2 import TemplateError
+    from sse_starlette.sse import EventSourceResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    limits = limits or ServerLimits()
+    runner = EngineThread(engine)
+    in_flight = {"n": 0}
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        runner.start()
+        try:
+            yield
+        finally:
+            runner.stop()
+
+    app = FastAPI(title="k3ir", lifespan=lifespan)
+    app.state.engine, app.state.limits, app.state.runner = engine, limits, runner
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return JSONResponse(error_body(exc.message, exc.kind, exc.code, exc.param), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body(f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+                                           "invalid_request_error", "invalid_json"), status_code=400)
+        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in errs[:5])
+        return JSONResponse(error_body(msg or "invalid request", "invalid_request_error", "invalid_request", loc),
+                            status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error", f"http_{exc.status_code}"),
+                            status_code=exc.status_code)
+
+    def params_of(body: _Common, n_prompt: int) -> SamplingParams:
+        if body.model is not None and body.model != model_name:
+            raise APIError(404, f"model '{body.model}' does not exist (serving '{model_name}')", "model_not_found", "model")
+        if n_prompt > limits.max_prompt_tokens:
+            raise APIError(400, f"prompt has {n_prompt} tokens, the limit is {limits.max_prompt_tokens}",
+                           "context_length_exceeded", "prompt")
+        mt = body.max_tokens if body.max_tokens is not None else min(16, limits.max_output_tokens)
+        if mt > limits.max_output_tokens:
+            raise APIError(400, f"max_tokens {mt} exceeds the limit {limits.max_output_tokens}",
+                           "max_tokens_exceeded", "max_tokens")
+        seed = body.seed if body.seed is not None else secrets.randbits(62)
+        try:
+            return SamplingParams(max_tokens=mt, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                                  seed=seed, stop_token_ids=list(tokenizer.stop_ids))
+        except K3Error as e:
+            raise APIError(400, str(e), "invalid_request") from None
+
+    def stops_of(body: _Common) -> list[str]:
+        return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+
+    async def run(ids: list[int], body: _Common, chat: bool):
+        sp = params_of(body, len(ids))
+        if in_flight["n"] >= limits.max_concurrent:
+            raise APIError(429, f"too many concurrent requests (limit {limits.max_concurrent})", "rate_limit_exceeded",
+                           kind="rate_limit_error")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def on_event(req: Request, tok: int | None) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, tok)
+        try:
+            req = engine.make_request(ids, sp, on_event=on_event)
+        except K3Error as e:
+            raise APIError(400, str(e), "invalid_request", "prompt") from None
+        in_flight["n"] += 1
+        runner.submit(req)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        text = _TextStream(tokenizer, stops_of(body))
+        if body.stream:
+            return EventSourceResponse(stream(req, q, text, rid, chat), ping=15)
+        try:
+            while (tok := await q.get()) is not None:
+                text.push(tok)
+                if text.stopped:
+                    runner.abort(req)
+        finally:
+            in_flight["n"] -= 1
+            if not req.done:
+                runner.abort(req)
+        if req.finish_reason == "error":
+            raise APIError(500, f"generation failed: {req.error}", "engine_error", kind="server_error")
+        text.finish()
+        reason = "stop" if text.stopped or req.finish_reason == "stop" else "length"
+        usage = {"prompt_tokens": len(ids), "completion_tokens": len(req.output),
+                 "total_tokens": len(ids) + len(req.output)}
+        full = text.text
+        choice = ({"index": 0, "message": {"role": "assistant", "content": full}, "finish_reason": reason} if chat
+                  else {"index": 0, "text": full, "logprobs": None, "finish_reason": reason})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": model_name, "choices": [choice], "usage": usage}
+
+    async def stream(req: Request, q: asyncio.Queue, text: _TextStream, rid: str, chat: bool):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, reason: str | None, first: bool = False) -> str:
+            if chat:
+                d: dict[str, Any] = {"role": "assistant"} if first else {}
+                if delta:
+                    d["content"] = delta
+                c = {"index": 0, "delta": d, "finish_reason": reason}
+            else:
+                c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+            return json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                               "choices": [c]})
+        try:
+            if chat:
+                yield {"data": chunk(None, None, first=True)}
+            while (tok := await q.get()) is not None:
+                delta = text.push(tok)
+                if delta:
+                    yield {"data": chunk(delta, None)}
+                if text.stopped:
+                    runner.abort(req)
+            if req.finish_reason == "error":
+                yield {"data": json.dumps(error_body(f"generation failed: {req.error}", "server_error", "engine_error"))}
+                return
+            delta = text.finish()
+            reason = "stop" if text.stopped or req.finish_reason == "stop" else "length"
+            yield {"data": chunk(delta, reason)}
+            yield {"data": "[DONE]"}
+        finally:
+            in_flight["n"] -= 1
+            if not req.done:
+                runner.abort(req)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        if isinstance(body.prompt, str):
+            ids = tokenizer.encode(body.prompt)
+        else:
+            ids = list(body.prompt)
+        if not ids:
+            raise APIError(400, "prompt is empty", "invalid_request", "prompt")
+        return await run(ids, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest):
+        try:
+            ids = tokenizer.chat([m.model_dump() for m in body.messages])
+        except (TemplateError, TypeError, KeyError, ValueError) as e:   # the checkpoint's template failed
+            raise APIError(400, f"chat template failed: {e}", "invalid_request", "messages") from None
+        return await run(ids, body, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "k3ir"}]}
+
+    @app.get("/health")
+    async def health():
+        p = engine.pool
+        return {"status": "ok", "model": model_name, "in_flight": in_flight["n"],
+                "running": len(engine.running), "waiting": len(engine.waiting),
+                "pool": {"blocks": p.num_blocks, "block_size": p.block_size, "free": p.num_free,
+                         "cached": p.num_cached, "referenced": p.num_referenced, **p.stats},
+                "engine": dict(engine.stats)}
+
+    if limits.max_request_bytes:
+        app.add_middleware(_BodyLimit, limit=limits.max_request_bytes)
+    return app
+
+
+def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Run ``app`` with uvicorn until interrupted."""
+    import uvicorn
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
