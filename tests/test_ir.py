@@ -1,0 +1,221 @@
+"""IR core: text round trips, parse errors with line/column, the verifier, Builder shape
+inference with symbolic dims, ``canon_dim`` and the networkx view."""
+from __future__ import annotations
+
+import pytest
+from test_frontend import kimi_linear_tiny, write_config
+
+import k3ir
+from k3ir.builder import Builder
+from k3ir.errors import K3ParseError, K3VerifyError
+from k3ir.graph import to_networkx
+from k3ir.ir import Function, Module
+from k3ir.types import TensorType, canon_dim
+
+
+def roundtrip(m: Module) -> str:
+    text = k3ir.print_module(m)
+    again = k3ir.print_module(k3ir.parse_module(text))
+    assert again == text
+    return text
+
+
+# ---- round trips ----------------------------------------------------------------------------------
+def test_roundtrip_k3_tiny():
+    m = k3ir.load("k3-tiny")
+    text = roundtrip(m)
+    assert set(m.functions) >= {"forward", "prefill", "decode"}
+    k3ir.verify_module(k3ir.parse_module(text))
+
+
+def test_roundtrip_kimi_linear_tiny(tmp_path):
+    m = k3ir.load(write_config(tmp_path, kimi_linear_tiny()))
+    k3ir.verify_module(k3ir.parse_module(roundtrip(m)))
+
+
+def test_roundtrip_full_kimi_k3():
+    m = k3ir.load("kimi-k3")
+    p = k3ir.parse_module(roundtrip(m))
+    for f in ("forward", "prefill", "decode"):
+        assert len(list(p.functions[f].walk("k3.mla"))) == 24 and len(list(p.functions[f].walk("k3.kda"))) == 69
+    assert list(p.params) == list(m.params)
+
+
+def test_roundtrip_literals():
+    m = Module("odd name/1", {"f": 1e-05, "neg": -2.5, "ninf": float("-inf"), "big": 1e300, "l": [1, [2.0, "x"]],
+                              "s": 'a "quoted" \\ string', "t": True, "n": None, "d": {"b": 1, "a": [False]}})
+    m.add_param("model.layers.0.experts.{e}.w1.weight", TensorType("bf16", (3, 4, 5)), stack="e")
+    fn = Function("f")
+    b = Builder(m, fn)
+    x = b.arg("x", TensorType("f32", ("B", "T+1", 5)))
+    w = b.param("model.layers.0.experts.{e}.w1.weight")
+    y = b.einsum(x, w, equation="btd,eid->btei")
+    b.ret(b.mul(y, -0.125))
+    m.add_function(fn)
+    text = roundtrip(m)
+    p = k3ir.parse_module(text)
+    assert p.name == "odd name/1" and p.attrs == m.attrs
+    assert p.params["model.layers.0.experts.{e}.w1.weight"].stack == "e"
+    assert str(p.functions["f"].returns[0].type) == "f32[B,T+1,3,4]"
+
+
+# ---- parse errors -------------------------------------------------------------------------------------
+GOOD = """module @m {
+  param @w: f32[4,3]
+  func @f(%x: f32[B,3]) -> (f32[B,4]) {
+    %0: f32[4,3] = k3.param() {name="w"}
+    %y: f32[B,4] = k3.linear(%x, %0) {layer=3}
+    return %y
+  }
+}
+"""
+
+
+def test_good_text_parses_and_verifies():
+    m = k3ir.parse_module(GOOD)
+    k3ir.verify_module(m)
+    assert k3ir.print_module(m) == GOOD
+
+
+@pytest.mark.parametrize("old,new,line,col,what", [
+    ("k3.linear(", "k3.linearx(", 5, 20, "unknown op 'k3.linearx'"),
+    ("(%x, %0)", "(%x, %9)", 5, 34, "undefined value '%9'"),
+    ("param @w: f32", "param @w: f33", 2, 13, "unknown dtype 'f33'"),
+    ("  }\n}\n", "  }\n", 8, 1, "expected 'param', 'func' or '}'"),
+    ("%y: f32[B,4] = k3.linear(%x", "%x: f32[B,4] = k3.linear(%x", 5, 5, "'%x' defined twice"),
+    ('{name="w"}', "{name=w}", 4, 37, "expected a literal"),
+])
+def test_parse_error_line_col(old, new, line, col, what):
+    assert GOOD.count(old) == 1
+    bad = GOOD.replace(old, new)
+    with pytest.raises(K3ParseError) as e:
+        k3ir.parse_module(bad, source="bad.k3")
+    assert (e.value.line, e.value.col) == (line, col), str(e.value)
+    assert str(e.value).startswith(f"bad.k3:{line}:{col}: ")
+    assert what in str(e.value)
+
+
+def test_parse_file_reports_path(tmp_path):
+    p = tmp_path / "x.k3"
+    p.write_text(GOOD.replace("f32[B,4]) {", "f32[B,4] {"))
+    with pytest.raises(K3ParseError) as e:
+        k3ir.parse_file(str(p))
+    assert str(e.value).startswith(f"{p}:3:")
+
+
+# ---- verifier -------------------------------------------------------------------------------------------
+def test_verifier_rejects_wrong_result_type():
+    m = k3ir.parse_module(GOOD.replace("%y: f32[B,4] = k3.linear", "%y: f32[B,5] = k3.linear")
+                          .replace("-> (f32[B,4])", "-> (f32[B,5])"))
+    with pytest.raises(K3VerifyError) as e:
+        k3ir.verify_module(m)
+    msg = str(e.value)
+    assert "k3.linear" in msg and "(layer 3)" in msg and "%y" in msg and "f32[B,4]" in msg
+
+
+def test_verifier_rejects_wrong_operand_shape():
+    m = k3ir.parse_module(GOOD.replace("f32[4,3]", "f32[4,2]"))
+    with pytest.raises(K3VerifyError) as e:
+        k3ir.verify_module(m)
+    assert "k3.linear" in str(e.value) and "(layer 3)" in str(e.value) and "f32[4,2]" in str(e.value)
+
+
+def test_verifier_rejects_param_type_mismatch():
+    m = k3ir.parse_module(GOOD.replace('%0: f32[4,3] = k3.param() {name="w"}', '%0: f32[4,4] = k3.param() {name="w"}')
+                          .replace("f32[4,3]\n", "f32[4,3]\n", 1))
+    with pytest.raises(K3VerifyError, match="parameter 'w' is f32\\[4,3\\]"):
+        k3ir.verify_module(m)
+
+
+def test_verifier_catches_broken_model_layer():
+    m = k3ir.load("k3-tiny")
+    fn = m.functions["forward"]
+    op = next(o for o in fn.walk("k3.gated_rmsnorm") if o.attrs.get("layer") == 5)
+    op.results[0].type = op.results[0].type.with_dtype("f16")
+    with pytest.raises(K3VerifyError, match=r"@forward: .*k3.gated_rmsnorm \(layer 5\)"):
+        k3ir.verify_module(m)
+
+
+# ---- Builder shape inference ------------------------------------------------------------------------------
+def _builder():
+    m = Module("t")
+    fn = Function("f")
+    return Builder(m, fn)
+
+
+def test_builder_concat_then_slice_symbolic():
+    b = _builder()
+    x3 = b.arg("x3", TensorType("f32", ("B", 3, "C")))
+    xt = b.arg("xt", TensorType("f32", ("B", "T", "C")))
+    cat = b.concat(x3, xt, axis=1)
+    assert cat.type.shape == ("B", "T+3", "C")
+    back = b.slice(cat, axis=1, start=3)
+    assert back.type.shape == ("B", "T", "C")
+    head = b.slice(cat, axis=1, start=0, end=3)
+    assert head.type.shape == ("B", 3, "C")
+    last = b.slice(cat, axis=1, start=-2)
+    assert last.type.shape == ("B", 2, "C")
+
+
+def test_builder_reshape_linear_einsum_topk():
+    b = _builder()
+    x = b.arg("x", TensorType("bf16", ("B", "T", 8)))
+    assert b.reshape(x, shape=[0, 0, 2, -1]).type.shape == ("B", "T", 2, 4)
+    assert b.reshape(x, shape=[-1, 8]).type.shape == ("B*T", 8)
+    w = b.arg("w", TensorType("bf16", (5, 8)))
+    y = b.linear(x, w)
+    assert str(y.type) == "bf16[B,T,5]"
+    assert str(b.lm_head(x, b.arg("h", TensorType("bf16", (11, 8)))).type) == "f32[B,T,11]"
+    e = b.einsum(y, b.arg("u", TensorType("f32", (5, 7))), equation="btk,kn->bnt")
+    assert str(e.type) == "f32[B,7,T]"                      # dtype promoted
+    vals, idx = b.topk(y, k=2)
+    assert str(vals.type) == "bf16[B,T,2]" and str(idx.type) == "i64[B,T,2]"
+    with pytest.raises(K3VerifyError, match="k=6"):
+        b.topk(y, k=6)
+
+
+def test_builder_rejects_bad_shapes_naming_op_and_layer():
+    b = _builder()
+    b.layer = 7
+    x = b.arg("x", TensorType("f32", ("B", "T", 8)))
+    w = b.arg("w", TensorType("f32", (5, 9)))
+    with pytest.raises(K3VerifyError) as e:
+        b.linear(x, w)
+    assert "k3.linear (layer 7)" in str(e.value) and "f32[5,9]" in str(e.value)
+    with pytest.raises(K3VerifyError, match="k3.add"):
+        b.add(x, b.arg("z", TensorType("f32", ("B", "S", 8))))
+
+
+def test_state_types_print_and_parse():
+    m = k3ir.load("k3-tiny")
+    pre = m.functions["prefill"]
+    kinds = {str(a.type) for a in pre.args[1:]}
+    assert kinds == {"!conv_state<32,3>", "!kda_state<2,16,16>", "!mla_cache<32,8>"}
+    with pytest.raises(K3ParseError, match="kda_state"):
+        k3ir.parse_module(GOOD.replace("%x: f32[B,3]", "%s: !kda_state<2,16>, %x: f32[B,3]"))
+
+
+# ---- canon_dim --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dim,want", [
+    ("3+T-2-1", "T"), ("2+L", "L+2"), ("T+3-3", "T"), ("T-T", 0), ("T+T", "2*T"), ("L+T-1", "L+T-1"),
+    ("B*T", "B*T"), (" T + 1 ", "T+1"), (7, 7), ("5-2", 3), ("-T+L", "-T+L"), ("(B+1)*T", "(B+1)*T"),
+])
+def test_canon_dim(dim, want):
+    assert canon_dim(dim) == want
+
+
+# ---- networkx view -----------------------------------------------------------------------------------------------
+def test_networkx_view():
+    m = k3ir.load("k3-tiny")
+    fn = m.functions["decode"]
+    g = to_networkx(m, "decode")
+    op_nodes = [n for n, d in g.nodes(data=True) if d["op"] not in ("arg", "return")]
+    assert len(op_nodes) == len(fn.ops)
+    assert len([n for n in g.nodes if n.startswith("arg:")]) == len(fn.args)
+    assert g.number_of_edges() == sum(len(op.operands) for op in fn.ops) + len(fn.returns)
+    i = next(i for i, op in enumerate(fn.ops) if op.name == "k3.kda")
+    kda = fn.ops[i]
+    preds = [(u, d["value"]) for u, _, d in g.in_edges(f"op:{i}", data=True)]
+    assert [v for _, v in preds] == [v.name for v in kda.operands]
+    assert g.nodes[f"op:{i}"]["layer"] == kda.attrs["layer"]
+    assert g.in_degree("return") == len(fn.returns)
