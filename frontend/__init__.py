@@ -6,6 +6,14 @@ __all__ = ["BUNDLED", "ModelConfig", "apply_overrides", "build_config", "build_m
            "parse_override_value", "load"]
 
 
-def load(name_or_path: str, overrides=None):
-    """Build the Module for a bundled name, a config.json path or a checkpoint directory."""
-    return build_module(load_config(name_or_path, overrides))
+def load(name_or_path: str, overrides=None, strict: bool = True):
+    """Build the Module for a bundled name, a config.json path or a checkpoint directory. A
+    directory holding safetensors weights binds them lazily (``module.weights``, see
+    :func:`checkpoint.bind_checkpoint`; ``strict``: unused checkpoint tensors are an error)."""
+    import os
+    module = build_module(load_config(name_or_path, overrides))
+    if isinstance(name_or_path, (str, os.PathLike)) and os.path.isdir(name_or_path):
+        from .checkpoint import bind_checkpoint, is_checkpoint_dir
+        if is_checkpoint_dir(name_or_path):
+            bind_checkpoint(module, os.fspath(name_or_path), strict=strict)
+    return module

@@ -214,7 +214,7 @@ def build_config(raw: dict, path: str | None = None, name: str | None = None) ->
     r = _Reader(text, prefix, path)
     n_layers = r.get("num_hidden_layers", int, lo=1)
     hidden = r.get("hidden_size", int, lo=1)
-    lac = r.get("linear_attn_config", dict)
+    lac = _linear_attn_config(text, r, n_layers)
     la = _Reader(lac, prefix + "linear_attn_config.", path)
     full = la.get("full_attn_layers", list)
     for j, i in enumerate(full):
@@ -281,7 +281,7 @@ def build_config(raw: dict, path: str | None = None, name: str | None = None) ->
         situ_beta=r.get("activation_situ_beta", float, 4.0, lo=1e-9),
         situ_linear_beta=r.get("activation_situ_linear_beta", float, 25.0, lo=1e-9),
         intermediate_size=r.get("intermediate_size", int, lo=1),
-        first_k_dense_replace=r.get("first_k_dense_replace", int, 0, lo=0, hi=n_layers),
+        first_k_dense_replace=_first_dense(text, r, n_layers),
         num_attention_heads=heads, q_lora_rank=q_lora,
         kv_lora_rank=r.get("kv_lora_rank", int, lo=1),
         qk_nope_head_dim=r.get("qk_nope_head_dim", int, lo=1),
@@ -301,6 +301,44 @@ def build_config(raw: dict, path: str | None = None, name: str | None = None) ->
         attn_res_block_size=block, expert_quant=quant, quant_ignore=ignore,
         media_placeholder_token_id=raw.get("media_placeholder_token_id"),
         vision=vision, raw=raw, path=path)
+
+
+def _linear_attn_config(text: dict, r: _Reader, n_layers: int) -> dict:
+    """``linear_attn_config``, or one derived from the keys transformers' ``KimiLinearConfig``
+    writes (``layer_types``, ``linear_num_heads``, ``linear_head_dim``, ``linear_conv_kernel_dim``);
+    when both are present, ``layer_types`` must agree with ``full_attn_layers``."""
+    lt = text.get("layer_types")
+    if lt is not None and (not isinstance(lt, list) or len(lt) != n_layers
+                           or any(t not in ("full_attention", "linear_attention") for t in lt)):
+        r.fail("layer_types", f"must list {n_layers} entries of 'full_attention' / 'linear_attention'")
+    if "linear_attn_config" not in text and lt is not None:
+        lac = {"full_attn_layers": [i + 1 for i, t in enumerate(lt) if t == "full_attention"],
+               "num_heads": r.get("linear_num_heads", int, lo=1), "head_dim": r.get("linear_head_dim", int, lo=1),
+               "short_conv_kernel_size": r.get("linear_conv_kernel_dim", int, 4, lo=1)}
+        return lac
+    lac = r.get("linear_attn_config", dict)
+    full = lac.get("full_attn_layers")
+    if lt is not None and isinstance(full, list) and sorted(full) != [i + 1 for i, t in enumerate(lt)
+                                                                      if t == "full_attention"]:
+        r.fail("layer_types", f"disagrees with linear_attn_config.full_attn_layers {full} (1-based)")
+    return lac
+
+
+def _first_dense(text: dict, r: _Reader, n_layers: int) -> int:
+    """``first_k_dense_replace``; transformers' ``mlp_layer_types`` must be that many ``dense``
+    then ``sparse`` (and gives the count when the key is absent)."""
+    mt = text.get("mlp_layer_types")
+    if mt is None:
+        return r.get("first_k_dense_replace", int, 0, lo=0, hi=n_layers)
+    if not isinstance(mt, list) or len(mt) != n_layers or any(t not in ("dense", "sparse") for t in mt):
+        r.fail("mlp_layer_types", f"must list {n_layers} entries of 'dense' / 'sparse'")
+    k = mt.index("sparse") if "sparse" in mt else n_layers
+    if any(t != "sparse" for t in mt[k:]):
+        r.fail("mlp_layer_types", "dense layers must come first (only first_k_dense_replace is supported)")
+    fk = r.get("first_k_dense_replace", int, k, lo=0, hi=n_layers)
+    if fk != k:
+        r.fail("mlp_layer_types", f"has {k} leading dense layers but first_k_dense_replace is {fk}")
+    return k
 
 
 def _quant(text: dict, r: _Reader) -> tuple[str | None, list[str]]:

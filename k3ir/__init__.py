@@ -23,15 +23,33 @@ __version__ = "0.1.0"
 __all__ = ["Function", "K3BackendError", "K3CheckpointError", "K3ConfigError", "K3Error", "K3ParseError",
            "K3RuntimeError", "K3VerifyError", "Module", "Operation", "ParamDecl", "StateType", "TensorType",
            "Value", "compile", "load", "parse_file", "parse_module", "print_module", "verify_module",
-           "__version__"]
+           "save", "__version__"]
 
 
-def load(name_or_path: str, overrides: dict[str, Any] | None = None) -> Module:
+def load(name_or_path: str, overrides: dict[str, Any] | None = None, strict: bool = True) -> Module:
     """Build a Module from a bundled name (``kimi-k3``, ``k3-tiny``), a config.json path or a
     checkpoint directory. ``overrides`` sets config keys (dotted keys reach
-    ``linear_attn_config``). Raises K3ConfigError naming the key."""
+    ``linear_attn_config``). Raises K3ConfigError naming the key. A directory with safetensors
+    weights binds them lazily as ``module.weights`` (name -> array); missing, extra (unless
+    ``strict=False``), mis-shaped or wrongly typed tensors raise K3CheckpointError."""
     from .frontend import load as _load
-    return _load(name_or_path, overrides)
+    return _load(name_or_path, overrides, strict=strict)
+
+
+def save(module: Module, params: Any, directory: str, layout: str = "published", quantize: str | None = None,
+         **options: Any) -> list[str]:
+    """Write ``params`` (name -> array, IR names; stacked experts ``[E, ...]``; None: the weights
+    bound to ``module``) and ``config.json`` to ``directory`` as safetensors. ``layout``:
+    ``published`` | ``transformers`` | ``hf-runtime``; ``quantize``: None | ``mxfp4`` | ``int4``
+    (routed experts only, compressed-tensors packing, SPEC.md 7). ``options``: ``dtype``,
+    ``max_shard_bytes``, ``shared_experts`` (``fused`` | ``split``). Returns the file names
+    written; raises K3CheckpointError."""
+    from .frontend.checkpoint import save_checkpoint
+    if params is None:
+        if module.weights is None:
+            raise K3CheckpointError("save: no params given and the module has no bound weights")
+        params = module.weights
+    return save_checkpoint(module, params, directory, layout=layout, quantize=quantize, **options)
 
 
 def compile(module: Module, target: str = "torch", dtype: str = "float32", device: str = "cpu", **options: Any):
