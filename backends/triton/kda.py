@@ -1,0 +1,173 @@
+"""``kda_forward``: the fused chunked KDA (SPEC.md 3) on Triton kernels, with autograd.
+
+The forward runs two Triton launches (``kda_kernels``); the backward recomputes through the
+differentiable PyTorch form of the same factorisation (``kda_torch``) and takes its gradients
+with autograd (correct, not yet a fused backward kernel: see bench/KDA_NOTES.md).
+"""
+from __future__ import annotations
+
+import torch
+
+from k3ir.errors import K3RuntimeError
+
+from . import kda_kernels as kk
+from .kda_torch import kda_chunk_torch
+
+BT, BC = 64, 16
+#: dtype overrides of the intermediates ({'w': ..., 'qk': ..., 'A': ...}); default: q's dtype, as fla
+INTERMEDIATE_DTYPES: dict = {}
+
+
+def _interpret() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate):
+    if q.dim() != 4 or q.shape != k.shape or g.shape != k.shape:
+        raise K3RuntimeError(f"kda_forward: q {tuple(q.shape)}, k {tuple(k.shape)} and g {tuple(g.shape)} must "
+                             "all be [B, T, H, K]")
+    B, T, H, K = k.shape
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise K3RuntimeError(f"kda_forward: v {tuple(v.shape)} must be [B, T, H, V] with B, T, H of k {tuple(k.shape)}")
+    if tuple(beta.shape) != (B, T, H):
+        raise K3RuntimeError(f"kda_forward: beta {tuple(beta.shape)} must be [B, T, H] = {(B, T, H)}")
+    V = v.shape[-1]
+    for name, n in (("K", K), ("V", V)):
+        if n < 16 or n & (n - 1):
+            raise K3RuntimeError(f"kda_forward: head dim {name}={n} must be a power of two >= 16")
+    if gate != "precomputed":
+        if A_log is None or A_log.numel() < H:
+            raise K3RuntimeError(f"kda_forward: A_log needs at least H={H} entries (one per head)")
+        if dt_bias is None or dt_bias.numel() != H * K:
+            raise K3RuntimeError(f"kda_forward: dt_bias must hold H*K={H * K} values (per channel), got "
+                                 f"{None if dt_bias is None else dt_bias.numel()}")
+    N = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise K3RuntimeError(f"kda_forward: cu_seqlens needs batch 1 (flattened sequences), got B={B}")
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+            raise K3RuntimeError(f"kda_forward: cu_seqlens must rise from 0 to T={T}, got {cu}")
+        N = len(cu) - 1
+    if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
+        raise K3RuntimeError(f"kda_forward: initial_state {tuple(initial_state.shape)} must be [N, H, K, V] = "
+                             f"{(N, H, K, V)} (fp32, key rows)")
+    return N
+
+
+def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, initial_state=None,
+                        output_final_state=False, cu_seqlens=None, scale=None, gate: str = "raw"):
+    """The two Triton launches, no autograd. Same contract as ``kda_forward``."""
+    N = _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate)
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    dev = q.device
+    if gate == "precomputed":
+        GATE, lb = kk.GATE_PRECOMPUTED, 0.0
+        A_log = dt_bias = g                                     # unused pointers
+    elif lower_bound is None:
+        GATE, lb = kk.GATE_SOFTPLUS, 0.0
+    else:
+        if not lower_bound < 0:
+            raise K3RuntimeError(f"kda_forward: lower_bound must be negative, got {lower_bound}")
+        GATE, lb = kk.GATE_LOWER_BOUND, float(lower_bound)
+    if gate != "precomputed":
+        A_log = A_log.reshape(-1).contiguous()
+        dt_bias = dt_bias.reshape(-1).contiguous()
+    if cu_seqlens is not None:
+        cu = [int(x) for x in cu_seqlens.tolist()]
+        idx, offs = [], []
+        for n in range(N):
+            offs.append(len(idx))
+            idx += [(n, t) for t in range(-(-(cu[n + 1] - cu[n]) // BT))]
+        NC = len(idx)
+        chunk_indices = torch.tensor(idx or [(0, 0)], dtype=torch.int32, device=dev).reshape(-1)
+        chunk_offsets = torch.tensor(offs, dtype=torch.int32, device=dev)
+        cu_dev = torch.tensor(cu, dtype=torch.int32, device=dev)
+    else:
+        NC = B * (-(-T // BT))
+        chunk_indices = chunk_offsets = cu_dev = None
+    idt = q.dtype if q.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    dts = INTERMEDIATE_DTYPES
+    w = torch.empty(B, T, H, K, dtype=dts.get("w", idt), device=dev)
+    qg = torch.empty(B, T, H, K, dtype=dts.get("qk", idt), device=dev)
+    kg = torch.empty_like(qg)
+    u = torch.empty(B, T, H, V, dtype=dts.get("w", idt), device=dev)
+    Aqk = torch.empty(B, T, H, BT, dtype=dts.get("A", idt), device=dev)
+    gC = torch.empty(max(NC, 1), H, K, dtype=torch.float32, device=dev)
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=dev)
+    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    if T == 0:
+        if ht is not None:
+            ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
+        return o, ht
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    if NC > 0:
+        kk.kda_intra_kernel[(NC, H)](
+            q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gC, cu_dev, chunk_indices, T, scale, lb,
+            H=H, K=K, V=V, BT=BT, BC=BC, GATE=GATE, L2NORM=gate != "precomputed",
+            BETA_SIGMOID=gate != "precomputed", IS_VARLEN=cu_seqlens is not None, EXACT=GATE != kk.GATE_LOWER_BOUND,
+            PREC=prec, num_warps=4 if K <= 64 else 8)
+    BV = min(64, V) if N * H >= 128 or V < 64 else 32
+    kk.kda_recur_kernel[(V // BV, N * H)](
+        w, u, qg, kg, Aqk, gC, o, h0, ht, cu_dev, chunk_offsets, T,
+        H=H, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
+        IS_VARLEN=cu_seqlens is not None, PREC="ieee" if idt == torch.float32 else "tf32",
+        DOT_F32=_interpret(), num_warps=4, num_stages=2)
+    return o, ht
+
+
+class _KDAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, lower_bound, output_final_state,
+                cu_seqlens, scale, gate):
+        o, ht = kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state,
+                                    output_final_state, cu_seqlens, scale, gate)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+        ctx.lower_bound, ctx.scale, ctx.gate = lower_bound, scale, gate
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
+        leaves = [x.detach().requires_grad_(x.is_floating_point()) if x is not None else None
+                  for x in (q, k, v, g, beta, A_log, dt_bias, initial_state)]
+        with torch.enable_grad():
+            o, S = kda_chunk_torch(*leaves[:7], lower_bound=ctx.lower_bound, scale=ctx.scale,
+                                   initial_state=leaves[7], cu_seqlens=cu_seqlens, gate=ctx.gate)
+            outs, grads = [o], [do]
+            if dht is not None:
+                outs.append(S)
+                grads.append(dht)
+            need = [x for x in leaves if x is not None and x.requires_grad]
+            got = torch.autograd.grad(outs, need, grads, allow_unused=True)
+        it = iter(got)
+        res = [next(it) if (x is not None and x.requires_grad) else None for x in leaves]
+        res = [None if r is None else r.to(x.dtype) for r, x in zip(res, leaves)]
+        return (*res, None, None, None, None, None)
+
+
+def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None = None,
+                initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                cu_seqlens: torch.Tensor | None = None, scale: float | None = None,
+                gate: str = "raw") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fused chunked KDA (SPEC.md 3.3-3.5, chunk 64, 16-row sub-chunks) on Triton kernels.
+
+    q, k ``[B,T,H,K]`` after the short conv, before the L2 norm (eps 1e-6; ``q *= K^-0.5``);
+    v ``[B,T,H,V]``; g ``[B,T,H,K]`` the raw decay pre-activation; beta ``[B,T,H]`` the raw logit
+    (the kernel applies the sigmoid); A_log ``[H]`` (first H entries used); dt_bias ``[H*K]`` (per
+    channel). ``lower_bound=None`` selects the softplus gate ``g = -exp(A_log) softplus(g + dt_bias)``
+    (Kimi Linear), a negative value the K3 gate ``lower_bound * sigmoid(exp(A_log) (g + dt_bias))``.
+    ``initial_state`` fp32 ``[N,H,K,V]`` (key rows); ``cu_seqlens`` int ``[N+1]`` with B = 1 for
+    variable-length batches (states never cross sequences). ``gate="precomputed"`` takes g as the
+    log-decay, beta after the sigmoid and q, k as given (the ``k3.kda`` op).
+    Returns (o ``[B,T,H,V]`` in v's dtype: the recurrence output before the head norm and output
+    gate, final state fp32 ``[N,H,K,V]`` or None). Differentiable in q, k, v, g, beta, A_log,
+    dt_bias and initial_state. Raises K3RuntimeError on bad shapes or a non-negative bound."""
+    return _KDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, lower_bound, output_final_state,
+                              cu_seqlens, scale, gate)
