@@ -38,18 +38,41 @@ class Session:
     def __init__(self, executable, params: dict[str, Any] | None = None, seed: int = 0):
         self.exe = executable
         self.module = executable.module
-        if params is None:
-            params = bound_params(self.module)
-        if params is None:
-            params = init_params(self.module, seed)
-        missing = [k for k in self.module.params if k not in params]
-        if missing:
-            raise K3RuntimeError(f"{len(missing)} parameters missing, e.g. '{missing[0]}'")
-        self.params = self.exe.prepare_params({k: params[k] for k in self.module.params})
+        if params is None and getattr(executable, "weights_inside", False):
+            self.params = self.exe.prepare_params({})      # a loaded artifact that holds its weights
+        else:
+            if params is None:
+                params = bound_params(self.module)
+            if params is None:
+                params = init_params(self.module, seed)
+            missing = [k for k in self.module.params if k not in params]
+            if missing:
+                raise K3RuntimeError(f"{len(missing)} parameters missing, e.g. '{missing[0]}'")
+            self.params = self.exe.prepare_params({k: params[k] for k in self.module.params})
         self.vocab = int(self.module.attrs.get("vocab_size", 0))
         pre = self.module.functions.get("prefill")
         self.state_specs: list[tuple[str, StateType]] = (
             [(a.name, a.type) for a in pre.args[1:]] if pre is not None else [])
+
+    @classmethod
+    def load(cls, directory: str, params: dict[str, Any] | None = None, seed: int = 0) -> Session:
+        """A Session over a compiled artifact directory (``k3ir compile ... -o DIR``) without
+        recompiling: ``DIR/manifest.json`` names the loader (``"module:function"``) that reopens the
+        executable; weights stored in the artifact are used unless ``params`` is given.
+        Raises K3RuntimeError when DIR is not an artifact."""
+        import importlib
+        import json
+        import os
+        path = os.path.join(directory, "manifest.json")
+        if not os.path.isfile(path):
+            raise K3RuntimeError(f"{directory}: not a compiled artifact (no manifest.json)")
+        with open(path) as f:
+            loader = json.load(f).get("loader", "")
+        mod, _, fn = loader.partition(":")
+        if not mod or not fn:
+            raise K3RuntimeError(f"{path}: no 'loader' entry (want 'module:function')")
+        exe = getattr(importlib.import_module(mod), fn)(directory)
+        return cls(exe, params=params, seed=seed)
 
     # ---- helpers -----------------------------------------------------------------
     def _ids(self, ids, what: str = "input_ids") -> np.ndarray:

@@ -1,1 +1,172 @@
-"""The onnx target (not built yet)."""
+"""The ``onnx`` target: export each entry function to a standard ONNX model (``export.py``,
+lowering table in ``lowering.py``) and run it with onnxruntime on CPU. Prefill/decode states are
+graph inputs and outputs (``present.<state>``). ``save(dir)`` writes a reloadable artifact
+(one ``.onnx`` per function sharing ``weights.bin``); ``load_executable(dir)`` reads it back
+without re-exporting (``Session.load``)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from k3ir.errors import K3BackendError
+from k3ir.ir import Module
+
+from .. import Backend, Executable, register_backend
+
+ARTIFACT = "k3ir-artifact"
+FUNCTIONS = ("forward", "prefill", "decode")
+
+
+def _ort():
+    try:
+        import onnxruntime
+    except ImportError as e:  # pragma: no cover
+        raise K3BackendError("target 'onnx' needs onnxruntime (pip install 'k3ir[onnx]')") from e
+    return onnxruntime
+
+
+def _to_numpy(a, dtype=None):
+    if hasattr(a, "detach"):
+        a = a.detach().cpu().numpy()
+    a = np.asarray(a)
+    return a.astype(dtype) if dtype is not None and a.dtype != dtype else a
+
+
+class OnnxExecutable(Executable):
+    """Runs ``forward``/``prefill``/``decode`` as onnxruntime sessions (CPU provider, float32).
+    Models are exported lazily per function once the weights are known (``prepare_params``), or
+    read from an artifact directory (``weights_inside``: the weights are in the files)."""
+
+    def __init__(self, module: Module, dtype: str = "float32", device: str = "cpu",
+                 model_paths: dict[str, str] | None = None):
+        if dtype not in ("float32", "float16"):
+            raise K3BackendError(f"target 'onnx' runs float32 or float16, not '{dtype}'")
+        if device != "cpu":
+            raise K3BackendError(f"target 'onnx' runs on the CPU (onnxruntime), not '{device}'")
+        super().__init__(module, "onnx", dtype, device)
+        self.model_paths = dict(model_paths or {})
+        self.weights_inside = bool(model_paths)
+        self._arrays: dict[str, np.ndarray] | None = None
+        self._sessions: dict[str, Any] = {}
+        self.threads = 0
+
+    def prepare_params(self, arrays: dict[str, Any]) -> dict[str, Any]:
+        if self.weights_inside and not arrays:
+            return {}
+        self._arrays = {k: _to_numpy(v, np.float32 if np.asarray(_to_numpy(v)).dtype.kind == "f" else None)
+                        for k, v in arrays.items()}
+        self._sessions.clear()
+        self.weights_inside = False
+        return self._arrays
+
+    def model(self, function: str):
+        """The ``onnx.ModelProto`` of ``@function`` with the prepared weights embedded."""
+        from .export import OnnxExporter
+        return OnnxExporter(self.module, self.dtype, weights="embedded", params=self._arrays).export_function(function)
+
+    def session(self, function: str):
+        if function not in self._sessions:
+            ort = _ort()
+            so = ort.SessionOptions()
+            so.log_severity_level = 3
+            if self.threads:
+                so.intra_op_num_threads = self.threads
+            if self.weights_inside:
+                if function not in self.model_paths:
+                    raise K3BackendError(f"artifact has no model for '@{function}'")
+                src = self.model_paths[function]
+            else:
+                if self._arrays is None:
+                    raise K3BackendError("onnx executable: call prepare_params before run")
+                src = self.model(function).SerializeToString()
+            self._sessions[function] = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+        return self._sessions[function]
+
+    def run(self, function: str, args: list[Any], params: dict[str, Any]) -> list[Any]:
+        sess = self.session(function)
+        feeds = {}
+        for spec, a in zip(sess.get_inputs(), args):
+            want = np.int64 if spec.type == "tensor(int64)" else (np.float16 if "float16" in spec.type else np.float32)
+            feeds[spec.name] = _to_numpy(a, want)
+        return sess.run(None, feeds)
+
+    def to_numpy(self, x: Any):
+        return np.asarray(x)
+
+    def save(self, directory: str, params: dict[str, Any] | None = None) -> str:
+        """Write the artifact: ``<fn>.onnx`` per function, weights in ``weights.bin`` (external
+        data shared by all functions), ``module.k3`` and ``manifest.json``. ``params`` defaults
+        to the prepared weights. Returns the directory."""
+        import onnx
+
+        from .export import OnnxExporter
+        params = params if params is not None else self._arrays
+        if params is None:
+            raise K3BackendError("onnx executable: no weights to save (pass params or call prepare_params)")
+        os.makedirs(directory, exist_ok=True)
+        x = OnnxExporter(self.module, self.dtype, weights="external", params=params)
+        files = {}
+        with open(os.path.join(directory, "weights.bin"), "wb") as f:
+            for fn in FUNCTIONS:
+                if fn in self.module.functions:
+                    model = x.export_function(fn, external_path="weights.bin", external_file=f)
+                    onnx.save_model(model, os.path.join(directory, f"{fn}.onnx"))
+                    files[fn] = f"{fn}.onnx"
+        write_manifest(directory, self.module, "onnx", self.dtype, "k3ir.backends.onnx:load_executable", files)
+        return directory
+
+
+def write_manifest(directory: str, module: Module, target: str, dtype: str, loader: str,
+                   files: dict[str, str], **extra: Any) -> None:
+    """``module.k3`` (the compiled IR) and ``manifest.json`` naming the loader (``module:function``)."""
+    from k3ir.printer import print_module
+    with open(os.path.join(directory, "module.k3"), "w") as f:
+        f.write(print_module(module))
+    man = {"format": ARTIFACT, "target": target, "dtype": dtype, "loader": loader, "files": files,
+           "module": "module.k3", **extra}
+    with open(os.path.join(directory, "manifest.json"), "w") as f:
+        json.dump(man, f, indent=2)
+
+
+def read_manifest(directory: str, target: str) -> tuple[dict, Module]:
+    from k3ir.errors import K3RuntimeError
+    from k3ir.parser import parse_file
+    path = os.path.join(directory, "manifest.json")
+    if not os.path.isfile(path):
+        raise K3RuntimeError(f"{directory}: not a compiled artifact (no manifest.json)")
+    with open(path) as f:
+        man = json.load(f)
+    if man.get("format") != ARTIFACT or man.get("target") != target:
+        raise K3RuntimeError(f"{path}: expected a '{target}' artifact, found target '{man.get('target')}'")
+    return man, parse_file(os.path.join(directory, man.get("module", "module.k3")))
+
+
+def load_executable(directory: str) -> OnnxExecutable:
+    """Reopen an artifact written by ``OnnxExecutable.save`` (no re-export)."""
+    man, module = read_manifest(directory, "onnx")
+    paths = {fn: os.path.join(directory, p) for fn, p in man["files"].items()}
+    return OnnxExecutable(module, man.get("dtype", "float32"), "cpu", model_paths=paths)
+
+
+def _build(module: Module, dtype: str = "float32", device: str = "cpu") -> OnnxExecutable:
+    return OnnxExecutable(module, dtype, device)
+
+
+def _lowers() -> set[str]:
+    from .lowering import TABLE
+    return set(TABLE)
+
+
+def _available() -> str | None:
+    import importlib.util
+    for pkg, pip in (("onnx", "onnx"), ("onnxruntime", "onnxruntime")):
+        if importlib.util.find_spec(pkg) is None:
+            return f"{pip} is not installed (pip install 'k3ir[onnx]')"
+    return None
+
+
+register_backend(Backend(name="onnx", description="standard ONNX (opset 20) run by onnxruntime (CPU)",
+                         build=_build, pipeline=["dce"], lowers=_lowers, available=_available))

@@ -1,0 +1,333 @@
+"""IR function -> ONNX graph (standard ``ai.onnx`` ops only, opset 20, dynamic batch/sequence).
+
+Ops are lowered through ``TABLE`` (op name -> emitter, in ``lowering.py``); an op without an
+entry is replaced by its decomposition into core ops (``decompose_op``), recursively, exactly
+like the interpreter does, so ``lowering_report`` can say which ops were lowered natively and
+which fell back. ``k3.scan`` (the KDA recurrence) becomes an ONNX ``Scan`` over the time axis
+whose body is the scan's body function.
+
+Weights (``weights=``): ``"embedded"`` (initializers with data), ``"external"`` (initializers
+whose data lives in one side file, streamed one tensor at a time) or ``"inputs"`` (parameters
+become graph inputs: structure only, no weight data at all).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from k3ir.errors import K3BackendError
+from k3ir.ir import Function, Module, Operation
+from k3ir.opdef import instantiate
+from k3ir.types import StateType, TensorType
+
+from ..interpreter import decompose_op
+
+log = logging.getLogger("k3ir.onnx")
+
+OPSET = 20
+WEIGHT_MODES = ("embedded", "external", "inputs")
+
+
+def _onnx():
+    try:
+        import onnx
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise K3BackendError("ONNX export needs the 'onnx' package (pip install 'k3ir[onnx]')") from e
+    return onnx
+
+
+def elem_type(ir_dtype: str, compute: str = "float32") -> int:
+    """ONNX TensorProto element type for an IR dtype; float IR dtypes compute in ``compute``."""
+    P = _onnx().TensorProto
+    if ir_dtype in ("bf16", "f16", "f32", "f64", "fp8e4m3"):
+        return {"float32": P.FLOAT, "float16": P.FLOAT16, "float64": P.DOUBLE}[compute]
+    return {"i64": P.INT64, "i32": P.INT32, "i8": P.INT8, "u8": P.UINT8, "bool": P.BOOL}[ir_dtype]
+
+
+def state_shape(t: StateType, batch="B") -> list:
+    from k3ir.ops.state import state_tensor_type
+    return list(state_tensor_type(t, batch).shape)
+
+
+class Graph:
+    """One ONNX graph under construction (the main graph or a Scan body)."""
+
+    def __init__(self, exporter: OnnxExporter, name: str):
+        self.x = exporter
+        self.name = name
+        self.nodes: list = []
+        self.inputs: list = []
+        self.outputs: list = []
+        self.initializers: list = []
+        self._consts: dict[tuple, str] = {}
+        self.dims: dict[str, tuple[str, int]] = {}      # symbolic dim name -> (value name, axis)
+        self._dim_cache: dict[str, str] = {}
+
+    def node(self, op_type: str, inputs: list[str], n_out: int = 1, **attrs: Any):
+        """Append a node; returns its output name (or a list when ``n_out > 1``)."""
+        onnx = _onnx()
+        outs = [self.x.fresh(op_type) for _ in range(n_out)]
+        self.nodes.append(onnx.helper.make_node(op_type, inputs, outs, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def const(self, value, dtype: str = "float32") -> str:
+        """A Constant node (deduplicated per graph); scalar or 1-D."""
+        onnx = _onnx()
+        arr = np.asarray(value, dtype=dtype)
+        key = (dtype, arr.shape, arr.tobytes())
+        if key not in self._consts:
+            out = self.x.fresh("const")
+            self.nodes.append(onnx.helper.make_node("Constant", [], [out],
+                                                    value=onnx.numpy_helper.from_array(arr, out)))
+            self._consts[key] = out
+        return self._consts[key]
+
+    def fconst(self, value: float) -> str:
+        return self.const(value, self.x.np_float)
+
+    def ints(self, values) -> str:
+        return self.const(np.asarray(values, dtype=np.int64).reshape(-1), "int64")
+
+    def bind_dims(self, name: str, t) -> None:
+        """Record where the symbolic dims of a graph input ``name`` of type ``t`` can be read."""
+        shape = state_shape(t) if isinstance(t, StateType) else list(t.shape)
+        for axis, d in enumerate(shape):
+            if isinstance(d, str) and d.isidentifier() and d not in self.dims:
+                self.dims[d] = (name, axis)
+
+    def dim(self, d) -> str:
+        """An int64 ``[1]`` tensor holding dimension ``d`` (int, name or ``+``/``-`` expression)."""
+        if isinstance(d, int):
+            return self.ints([d])
+        if d in self._dim_cache:
+            return self._dim_cache[d]
+        if d in self.dims:
+            src, axis = self.dims[d]
+            out = self.node("Shape", [src], start=axis, end=axis + 1)
+        else:
+            import re
+            terms = re.findall(r"([+-]?)([^+-]+)", d.replace(" ", ""))
+            if not terms or any("*" in a for _, a in terms):
+                raise K3BackendError(f"ONNX export: cannot resolve dimension '{d}'")
+            out = None
+            for sign, atom in terms:
+                t = self.ints([int(atom)]) if atom.isdigit() else self.dim(atom)
+                if out is None:
+                    out = t if sign != "-" else self.node("Neg", [t])
+                else:
+                    out = self.node("Sub" if sign == "-" else "Add", [out, t])
+        self._dim_cache[d] = out
+        return out
+
+    def make(self):
+        onnx = _onnx()
+        return onnx.helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
+
+
+class Lowering:
+    """What an emitter sees: the graph, the op (for operand/result IR types) and the exporter."""
+
+    def __init__(self, graph: Graph, op: Operation, exporter: OnnxExporter):
+        self.g, self.op, self.x = graph, op, exporter
+
+    def etype(self, i: int, result: bool = False) -> int:
+        v = (self.op.results if result else self.op.operands)[i]
+        t = v.type
+        return self.x.elem(t.dtype) if isinstance(t, TensorType) else self.x.elem("f32")
+
+    def cast_to(self, name: str, src: int, dst: int) -> str:
+        return name if src == dst else self.g.node("Cast", [name], to=dst)
+
+
+Emitter = Callable[..., Any]
+
+
+class OnnxExporter:
+    """Turns the functions of ``module`` into ONNX models.
+
+    ``dtype``: compute dtype of float tensors (``float32`` | ``float16``); ``weights``: one of
+    ``WEIGHT_MODES``; ``params``: name -> array for ``embedded``/``external`` (None there means a
+    deterministic random init, ``runtime.params.init_params``). Raises K3BackendError."""
+
+    def __init__(self, module: Module, dtype: str = "float32", weights: str = "embedded",
+                 params: dict[str, Any] | None = None, table: dict[str, Emitter] | None = None):
+        if weights not in WEIGHT_MODES:
+            raise K3BackendError(f"unknown weights mode '{weights}' (want one of {', '.join(WEIGHT_MODES)})")
+        if dtype not in ("float32", "float16"):
+            raise K3BackendError(f"ONNX export supports dtype float32 or float16, not '{dtype}'")
+        from .lowering import TABLE
+        self.module = module
+        self.dtype = dtype
+        self.np_float = dtype
+        self.weights = weights
+        self.params = params
+        self.table = TABLE if table is None else table
+        self._n = 0
+        self._decomp: dict[int, Function] = {}
+        self.native: dict[str, int] = {}
+        self.fallback: dict[str, int] = {}
+        self._ext_index: dict[str, tuple[int, int]] = {}
+
+    # ---- names and types -------------------------------------------------------------
+    def fresh(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def elem(self, ir_dtype: str) -> int:
+        return elem_type(ir_dtype, self.dtype)
+
+    def value_info(self, name: str, t, batch="B"):
+        onnx = _onnx()
+        if isinstance(t, StateType):
+            return onnx.helper.make_tensor_value_info(name, self.elem("f32"), [str(d) if isinstance(d, str) else d
+                                                                              for d in state_shape(t, batch)])
+        return onnx.helper.make_tensor_value_info(name, self.elem(t.dtype),
+                                                  [str(d) if isinstance(d, str) else d for d in t.shape])
+
+    # ---- walking ---------------------------------------------------------------------
+    def emit_function(self, g: Graph, fn: Function, arg_names: list[str]) -> list[str]:
+        env: dict[int, str] = {id(a): n for a, n in zip(fn.args, arg_names)}
+        for op in fn.ops:
+            if op.name == "k3.param":
+                env[id(op.results[0])] = self.param(g, op.attrs["name"])
+                continue
+            outs = self.emit_op(g, op, [env[id(v)] for v in op.operands])
+            for r, o in zip(op.results, outs):
+                env[id(r)] = o
+        return [env[id(v)] for v in fn.returns]
+
+    def emit_op(self, g: Graph, op: Operation, ins: list[str]) -> list[str]:
+        impl = self.table.get(op.name)
+        if impl is None:
+            self.fallback[op.name] = self.fallback.get(op.name, 0) + 1
+            fn = self._decomp.get(id(op))
+            if fn is None:
+                fn = self._decomp[id(op)] = decompose_op(self.module, op)
+            return self.emit_function(g, fn, ins)
+        self.native[op.name] = self.native.get(op.name, 0) + 1
+        out = impl(Lowering(g, op, self), instantiate(op), *ins)
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+
+    # ---- parameters ------------------------------------------------------------------
+    def param(self, g: Graph, name: str) -> str:
+        if name in self._param_names:
+            return self._param_names[name]
+        decl = self.module.params[name]
+        self._param_names[name] = name
+        self._used_params.append(name)
+        if self.weights == "inputs":
+            self.main.inputs.append(self.value_info(name, decl.type))
+        else:
+            self.main.initializers.append(self._initializer(name, decl))
+        return name
+
+    def _initializer(self, name: str, decl):
+        onnx = _onnx()
+        shape = [int(d) for d in decl.type.shape]
+        et = self.elem(decl.type.dtype)
+        np_dt = onnx.helper.tensor_dtype_to_np_dtype(et)
+        if self.weights == "external":       # data streamed to the side file, never held in the proto
+            t = onnx.TensorProto(name=name, data_type=et, dims=shape)
+            if name not in self._ext_index:    # functions exported into one file share the data
+                arr = np.ascontiguousarray(self._array(name, decl), dtype=np_dt)
+                off = self._ext.tell()
+                pad = (-off) % 64
+                self._ext.write(b"\0" * pad)
+                self._ext.write(arr.tobytes())
+                self._ext_index[name] = (off + pad, arr.nbytes)
+            off, length = self._ext_index[name]
+            t.data_location = onnx.TensorProto.EXTERNAL
+            for k, v in (("location", self._ext_name), ("offset", str(off)), ("length", str(length))):
+                e = t.external_data.add()
+                e.key, e.value = k, v
+            return t
+        arr = np.asarray(self._array(name, decl), dtype=np_dt).reshape(shape)
+        return onnx.numpy_helper.from_array(arr, name)
+
+    def _array(self, name: str, decl):
+        if self.params is None:
+            from k3ir.runtime.params import init_param
+            return init_param(decl)
+        a = self.params[name]
+        if hasattr(a, "detach"):
+            a = a.detach().cpu().float().numpy()
+        return np.asarray(a)
+
+    # ---- whole models ----------------------------------------------------------------
+    def export_function(self, function: str = "prefill", external_path: str | None = None,
+                        external_file=None):
+        """An ``onnx.ModelProto`` for ``@function``. Inputs: the function's arguments (named as in
+        the IR); outputs: ``logits`` then ``present.<state arg>`` per state. ``external_path``:
+        side-file name (relative to the model) for ``weights="external"``; ``external_file`` an
+        open binary file to append to (shared between functions)."""
+        onnx = _onnx()
+        if function not in self.module.functions:
+            raise K3BackendError(f"module has no function '@{function}' (have: {', '.join(self.module.functions)})")
+        fn = self.module.functions[function]
+        self._param_names: dict[str, str] = {}
+        self._used_params: list[str] = []
+        self.native, self.fallback = {}, {}
+        self.main = g = Graph(self, f"{self.module.name}.{function}")
+        opened = None
+        if self.weights == "external":
+            if external_path is None:
+                raise K3BackendError("weights='external' needs an external data file name")
+            self._ext_name = os.path.basename(external_path)
+            self._ext = external_file if external_file is not None else open(external_path, "wb")  # noqa: SIM115
+            opened = None if external_file is not None else self._ext
+            if external_file is None:
+                self._ext_index = {}
+        try:
+            names = []
+            for a in fn.args:
+                g.inputs.append(self.value_info(a.name, a.type))
+                g.bind_dims(a.name, a.type)
+                names.append(a.name)
+            outs = self.emit_function(g, fn, names)
+        finally:
+            if opened is not None:
+                opened.close()
+        out_names = ["logits"] + [f"present.{a.name}" for a in fn.args[1:]]
+        if len(out_names) != len(outs):
+            out_names = [f"out{i}" for i in range(len(outs))]
+        for name, src, v in zip(out_names, outs, fn.returns):
+            g.nodes.append(onnx.helper.make_node("Identity", [src], [name]))
+            g.outputs.append(self.value_info(name, v.type))
+        model = onnx.helper.make_model(g.make(), opset_imports=[onnx.helper.make_opsetid("", OPSET)],
+                                       producer_name="k3ir", producer_version="0.1.0")
+        model.ir_version = 10
+        meta = {"k3ir.function": function, "k3ir.module": self.module.name,
+                "k3ir.native_ops": ",".join(sorted(self.native)),
+                "k3ir.decomposed_ops": ",".join(sorted(self.fallback))}
+        for k, v in meta.items():
+            p = model.metadata_props.add()
+            p.key, p.value = k, v
+        return model
+
+
+def lowering_report(module: Module, function: str = "prefill") -> dict[str, dict[str, int]]:
+    """Which ops of ``@function`` the ONNX exporter lowers natively and which fall back to their
+    decomposition: ``{"native": {op: count}, "decomposed": {op: count}}`` (structure only)."""
+    x = OnnxExporter(module, weights="inputs")
+    x.export_function(function)
+    return {"native": dict(x.native), "decomposed": dict(x.fallback)}
+
+
+def export_onnx(module: Module, path: str, function: str = "prefill", weights: str = "external",
+                dtype: str = "float32", params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write ``@function`` of ``module`` to ``path`` (``.onnx``). ``weights="external"`` writes the
+    data to ``<path>.data`` next to it. Returns a summary (nodes, inputs, native/decomposed ops)."""
+    onnx = _onnx()
+    x = OnnxExporter(module, dtype=dtype, weights=weights, params=params)
+    ext = path + ".data" if weights == "external" else None
+    model = x.export_function(function, external_path=ext)
+    if weights == "embedded" and model.ByteSize() > 2_000_000_000:
+        raise K3BackendError("the model is over 2 GB: export with weights='external'")
+    onnx.save_model(model, path)
+    return {"path": path, "nodes": len(model.graph.node), "inputs": len(model.graph.input),
+            "initializers": len(model.graph.initializer), "native": x.native, "decomposed": x.fallback,
+            "external_data": ext, "params": list(x._used_params)}

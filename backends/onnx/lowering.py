@@ -1,0 +1,269 @@
+"""The ONNX lowering table: op name -> emitter ``(lw: Lowering, inst, *inputs) -> name(s)``.
+
+Every core op has an entry (decompositions bottom out here); model ops listed here are lowered
+natively (embedding, linear, lm_head, moe as a per-token expert gather); the rest fall back to
+their decomposition. Only standard ``ai.onnx`` ops are used (opset 20).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from k3ir.types import StateType
+
+from .export import Lowering, _onnx
+
+TABLE: dict = {}
+
+
+def lowers(*names: str):
+    def deco(fn):
+        for n in names:
+            TABLE[n] = fn
+        return fn
+    return deco
+
+
+def _P():
+    return _onnx().TensorProto
+
+
+# ---- elementwise ---------------------------------------------------------------------------
+_UNARY = {"k3.neg": "Neg", "k3.exp": "Exp", "k3.log": "Log", "k3.tanh": "Tanh", "k3.sigmoid": "Sigmoid",
+          "k3.softplus": "Softplus", "k3.sqrt": "Sqrt", "k3.reciprocal": "Reciprocal"}
+_BINARY = {"k3.add": "Add", "k3.sub": "Sub", "k3.mul": "Mul", "k3.div": "Div", "k3.maximum": "Max",
+           "k3.minimum": "Min"}
+
+
+@lowers(*_UNARY)
+def _unary(lw: Lowering, inst, x):
+    return lw.g.node(_UNARY[inst.name], [x])
+
+
+@lowers("k3.silu")
+def _silu(lw, inst, x):
+    return lw.g.node("Mul", [x, lw.g.node("Sigmoid", [x])])
+
+
+@lowers("k3.rsqrt")
+def _rsqrt(lw, inst, x):
+    return lw.g.node("Reciprocal", [lw.g.node("Sqrt", [x])])
+
+
+@lowers("k3.square")
+def _square(lw, inst, x):
+    return lw.g.node("Mul", [x, x])
+
+
+@lowers(*_BINARY)
+def _binary(lw: Lowering, inst, a, b):
+    want = lw.etype(0, result=True)
+    return lw.g.node(_BINARY[inst.name], [lw.cast_to(a, lw.etype(0), want), lw.cast_to(b, lw.etype(1), want)])
+
+
+@lowers("k3.where")
+def _where(lw, inst, c, a, b):
+    want = lw.etype(0, result=True)
+    cond = lw.cast_to(c, lw.etype(0), _P().BOOL)
+    return lw.g.node("Where", [cond, lw.cast_to(a, lw.etype(1), want), lw.cast_to(b, lw.etype(2), want)])
+
+
+@lowers("k3.cast")
+def _cast(lw, inst, x):
+    src, dst = lw.etype(0), lw.etype(0, result=True)
+    return lw.g.node("Identity", [x]) if src == dst else lw.g.node("Cast", [x], to=dst)
+
+
+@lowers("k3.constant")
+def _constant(lw, inst):
+    return lw.g.const(inst.value, _onnx().helper.tensor_dtype_to_np_dtype(lw.etype(0, result=True)).name)
+
+
+# ---- linear algebra / shapes ----------------------------------------------------------------
+@lowers("k3.matmul")
+def _matmul(lw, inst, a, b):
+    return lw.g.node("MatMul", [a, b])
+
+
+@lowers("k3.einsum")
+def _einsum(lw, inst, *xs):
+    return lw.g.node("Einsum", list(xs), equation=inst.equation.replace(" ", ""))
+
+
+@lowers("k3.reshape")
+def _reshape(lw, inst, x):
+    g = lw.g
+    if all(isinstance(d, int) for d in inst.shape):
+        shape = g.ints(inst.shape)
+    else:
+        shape = g.node("Concat", [g.dim(d) if isinstance(d, str) else g.ints([d]) for d in inst.shape], axis=0)
+    return g.node("Reshape", [x, shape])
+
+
+@lowers("k3.transpose")
+def _transpose(lw, inst, x):
+    return lw.g.node("Transpose", [x], perm=list(inst.perm))
+
+
+@lowers("k3.concat")
+def _concat(lw, inst, *xs):
+    want = lw.etype(0, result=True)
+    return lw.g.node("Concat", [lw.cast_to(x, lw.etype(i), want) for i, x in enumerate(xs)], axis=inst.axis)
+
+
+@lowers("k3.slice")
+def _slice(lw, inst, x):
+    g = lw.g
+    end = np.iinfo(np.int64).max if inst.end is None else inst.end
+    return g.node("Slice", [x, g.ints([inst.start]), g.ints([end]), g.ints([inst.axis])])
+
+
+@lowers("k3.reduce_sum", "k3.reduce_mean", "k3.reduce_max")
+def _reduce(lw, inst, x):
+    kind = {"k3.reduce_sum": "ReduceSum", "k3.reduce_mean": "ReduceMean", "k3.reduce_max": "ReduceMax"}[inst.name]
+    return lw.g.node(kind, [x, lw.g.ints(inst.axes)], keepdims=int(inst.keepdims))
+
+
+@lowers("k3.softmax")
+def _softmax(lw, inst, x):
+    return lw.g.node("Softmax", [x], axis=inst.axis)
+
+
+@lowers("k3.cumsum")
+def _cumsum(lw, inst, x):
+    return lw.g.node("CumSum", [x, lw.g.const(inst.axis, "int64")])
+
+
+@lowers("k3.causal_mask")
+def _causal_mask(lw, inst, x, lengths=None):
+    g = lw.g
+    shp = g.node("Shape", [x])
+    tq = g.node("Gather", [shp, g.const(-2, "int64")], axis=0)
+    tk = g.node("Gather", [shp, g.const(-1, "int64")], axis=0)
+    zero, one = g.const(0, "int64"), g.const(1, "int64")
+    rq = g.node("Unsqueeze", [g.node("Range", [zero, tq, one]), g.ints([1])])     # [Tq, 1]
+    j = g.node("Range", [zero, tk, one])
+    rk = g.node("Unsqueeze", [j, g.ints([0])])                                     # [1, Tk]
+    cached = g.node("Sub", [tk, tq])
+    keep = g.node("LessOrEqual", [rk, g.node("Add", [rq, cached])])
+    if lengths is not None:                                   # right-padded cache rows: mask the padding
+        rank = len(lw.op.operands[0].type.shape)
+        ln = g.node("Unsqueeze", [lw.cast_to(lengths, lw.etype(1), _P().INT64), g.ints([1])])   # [B, 1]
+        valid = g.node("Or", [g.node("Less", [rk, ln]), g.node("GreaterOrEqual", [rk, cached])])  # [B, Tk]
+        valid = g.node("Unsqueeze", [valid, g.ints(list(range(1, rank - 1)))])
+        keep = g.node("And", [keep, valid])
+    return g.node("Where", [keep, x, g.fconst(-np.inf)])
+
+
+@lowers("k3.topk")
+def _topk(lw, inst, x):
+    vals, idx = lw.g.node("TopK", [x, lw.g.ints([inst.k])], n_out=2, axis=-1, largest=1, sorted=1)
+    return vals, idx
+
+
+@lowers("k3.gather")
+def _gather(lw, inst, x, index):
+    return lw.g.node("GatherElements", [x, index], axis=inst.axis)
+
+
+@lowers("k3.take", "k3.embedding")
+def _take(lw, inst, a, b):
+    table, ids = (a, b) if inst.name == "k3.take" else (b, a)
+    return lw.g.node("Gather", [table, ids], axis=0)
+
+
+@lowers("k3.one_hot")
+def _one_hot(lw, inst, index):
+    g = lw.g
+    hot = g.node("Equal", [g.node("Unsqueeze", [index, g.ints([-1])]),
+                           g.node("Cast", [g.node("Range", [g.const(0, "int64"), g.const(inst.depth, "int64"),
+                                                            g.const(1, "int64")])], to=lw.etype(0))])
+    return g.node("Cast", [hot], to=lw.etype(0, result=True))
+
+
+# ---- state ----------------------------------------------------------------------------------
+@lowers("k3.state_zero")
+def _state_zero(lw, inst, like):
+    g = lw.g
+    batch = g.node("Shape", [like], start=0, end=1)
+    rest = [0, inst.params[0] + inst.params[1]] if inst.kind == "mla_cache" else list(inst.params)
+    shape = g.node("Concat", [batch, g.ints(rest)], axis=0)
+    value = _onnx().helper.make_tensor("zero", lw.x.elem("f32"), [1], [0.0])
+    return g.node("ConstantOfShape", [shape], value=value)
+
+
+@lowers("k3.state_load", "k3.state_store")
+def _state_identity(lw, inst, x):
+    return x
+
+
+# ---- control flow ---------------------------------------------------------------------------
+@lowers("k3.scan")
+def _scan(lw, inst, *xs):
+    """``k3.scan`` -> ONNX ``Scan`` over axis 1; the body function becomes the Scan body graph."""
+    from .export import Graph
+    onnx = _onnx()
+    x = lw.x
+    fn = x.module.functions[inst.body]
+    body = Graph(x, fn.name)
+    names = []
+    for a in fn.args:
+        n = x.fresh(f"{fn.name}.{a.name}")
+        body.inputs.append(onnx.helper.make_tensor_value_info(n, x.elem(a.type.dtype), None))
+        body.bind_dims(n, a.type)
+        names.append(n)
+    outs = x.emit_function(body, fn, names)
+    for o, v in zip(outs, fn.returns):
+        n = x.fresh(f"{fn.name}.out")
+        body.nodes.append(onnx.helper.make_node("Identity", [o], [n]))
+        body.outputs.append(onnx.helper.make_tensor_value_info(n, x.elem(v.type.dtype), None))
+    n_scan = len(xs) - inst.n_carry
+    n_out = len(fn.returns) - inst.n_carry
+    res = lw.g.node("Scan", list(xs), n_out=len(fn.returns), body=body.make(), num_scan_inputs=n_scan,
+                    scan_input_axes=[1] * n_scan, scan_output_axes=[1] * n_out)
+    return res if isinstance(res, list) else [res]
+
+
+# ---- model ops lowered natively ---------------------------------------------------------------
+@lowers("k3.linear")
+def _linear(lw, inst, x, w):
+    return lw.g.node("MatMul", [x, lw.g.node("Transpose", [w], perm=[1, 0])])
+
+
+@lowers("k3.lm_head")
+def _lm_head(lw, inst, x, w):
+    y = lw.g.node("MatMul", [x, lw.g.node("Transpose", [w], perm=[1, 0])])
+    return lw.cast_to(y, lw.etype(0), lw.etype(0, result=True))
+
+
+@lowers("k3.moe")
+def _moe(lw, inst, x, wts, idx, w1, w3, w2):
+    """Routed experts by per-token gather: each token gathers its k experts' matrices
+    (``Gather(w, idx) -> [N,k,I,D]``) and contracts them; no dense all-expert compute."""
+    g = lw.g
+    D = lw.op.operands[0].type.shape[-1]
+    k = lw.op.operands[1].type.shape[-1]
+    shp = g.node("Shape", [x])
+    xf = g.node("Reshape", [x, g.ints([-1, int(D)])])                       # [N, D]
+    idf = g.node("Reshape", [idx, g.ints([-1, int(k)])])                    # [N, k]
+    wf = g.node("Reshape", [wts, g.ints([-1, int(k)])])
+    wf = lw.cast_to(wf, lw.etype(1), lw.etype(0))
+    gate = g.node("Einsum", [xf, g.node("Gather", [w1, idf], axis=0)], equation="nd,nkid->nki")
+    up = g.node("Einsum", [xf, g.node("Gather", [w3, idf], axis=0)], equation="nd,nkid->nki")
+    h = _glu(lw, inst, gate, up)
+    y = g.node("Einsum", [h, g.node("Gather", [w2, idf], axis=0)], equation="nki,nkdi->nkd")
+    y = g.node("Einsum", [y, wf], equation="nkd,nk->nd")
+    return g.node("Reshape", [y, shp])
+
+
+def _glu(lw, inst, gate, up):
+    g = lw.g
+    if inst.act == "silu":
+        return g.node("Mul", [g.node("Mul", [gate, g.node("Sigmoid", [gate])]), up])
+    b1, b2 = g.fconst(inst.b1), g.fconst(inst.b2)
+    capped = g.node("Mul", [g.node("Tanh", [g.node("Div", [gate, b1])]), b1])
+    act = g.node("Mul", [capped, g.node("Sigmoid", [gate])])
+    return g.node("Mul", [act, g.node("Mul", [g.node("Tanh", [g.node("Div", [up, b2])]), b2])])
+
+
+def is_state(t) -> bool:
+    return isinstance(t, StateType)
