@@ -144,6 +144,8 @@ def report(module: Module, context: int = 4096) -> ModelReport:
             vis_bytes += decl.type.nbytes()
             continue
         pbytes += decl.type.nbytes()
+        if decl.attrs.get("role") == "scale":       # quantisation scales: bytes, not parameters
+            continue
         groups[g] = groups.get(g, 0) + n
         total += n
         act = 0.0 if g == "embedding" else (n * k / E if g == "routed_experts" else float(n))

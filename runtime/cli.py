@@ -75,6 +75,9 @@ def console():
 def cmd_inspect(args) -> int:
     from k3ir.accounting import report
     m = load_model(args)
+    if getattr(args, "after_passes", False):        # the module as the target's pipeline leaves it
+        from .cli_compile import apply_passes
+        apply_passes(m, args.target, quantize=args.quantize)
     r = report(m, context=args.context)
     if args.json:
         print(json.dumps(r.as_dict(), indent=2))
@@ -202,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_arg(s)
     s.add_argument("--json", action="store_true", help="machine-readable report")
     s.add_argument("--context", type=int, default=4096, help="context length for FLOPs/KV (default 4096)")
+    s.add_argument("--after-passes", action="store_true", help="report the module after --target's pass pipeline")
+    s.add_argument("--target", default="triton", help="target whose pipeline --after-passes runs (default triton)")
+    s.add_argument("--quantize", choices=("none", "mxfp4", "int4"), help="with --after-passes: expert quantisation")
     s.set_defaults(func=cmd_inspect)
 
     s = sub.add_parser("print", help="print the text IR of a model or re-print a .k3 file")

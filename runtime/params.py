@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from k3ir.errors import K3Error
 from k3ir.ir import Module, ParamDecl
 
 
@@ -41,8 +42,13 @@ def init_param(decl: ParamDecl, seed: int = 0, std: float = 0.02) -> np.ndarray:
 
 
 def init_params(module: Module, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random float64 values for every declared parameter (stacked experts as one array)."""
-    return {name: init_param(decl, seed) for name, decl in module.params.items()}
+    """Random float64 values for every declared parameter (stacked experts as one array).
+    Quantised expert parameters (made by the quantize-experts pass) are the quantisation of
+    the float weights this init gives their unquantised source parameter."""
+    from k3ir.passes.quantize_experts import is_derived, materialize
+    out = {name: init_param(decl, seed) for name, decl in module.params.items() if not is_derived(decl)}
+    out.update(materialize(module, lambda src, t: init_param(ParamDecl(src, t), seed)))
+    return out
 
 
 def bound_params(module: Module) -> dict[str, Any] | None:
@@ -50,4 +56,13 @@ def bound_params(module: Module) -> dict[str, Any] | None:
     w = getattr(module, "weights", None)
     if w is None:
         return None
-    return {name: w[name] for name in module.params}
+    from k3ir.passes.quantize_experts import is_derived, materialize
+
+    def have(name: str):
+        try:
+            return w[name]
+        except (KeyError, K3Error):
+            return None
+    out = {name: w[name] for name, decl in module.params.items() if not is_derived(decl)}
+    out.update(materialize(module, lambda src, t: np.asarray(w[src], dtype=np.float64), have))
+    return out

@@ -34,7 +34,7 @@ class TorchExecutable(Executable):
         self.f32 = torch.float64 if dtype == "float64" else torch.float32
         self._map = {"bf16": self.compute, "f16": self.compute, "f32": self.f32, "f64": torch.float64,
                      "i64": torch.int64, "i32": torch.int32, "u8": torch.uint8, "i8": torch.int8,
-                     "bool": torch.bool}
+                     "bool": torch.bool, "mxfp4": torch.uint8, "int4": torch.int32}   # packed experts
 
     def torch_dtype(self, ir_dtype: str):
         return self._map.get(ir_dtype, self.compute)
@@ -88,6 +88,11 @@ def _lowers() -> set[str]:
     return set(TABLE)
 
 
+def _pipeline() -> list[str]:
+    from k3ir.passes.pipelines import pipeline_for
+    return pipeline_for("torch")
+
+
 def _available() -> str | None:
     try:
         import torch  # noqa: F401
@@ -97,4 +102,4 @@ def _available() -> str | None:
 
 
 register_backend(Backend(name="torch", description="eager PyTorch (CPU/CUDA), autograd", build=_build,
-                         pipeline=["dce"], lowers=_lowers, available=_available))
+                         pipeline=_pipeline(), lowers=_lowers, available=_available))

@@ -293,3 +293,7 @@ TABLE = {**CORE, **MODEL}
 from .vision import VISION  # the vision ops (SPEC.md 8)
 
 TABLE.update(VISION)
+
+from .fused import FUSED  # the fused ops made by the passes (k3ir/ops/fused.py)
+
+TABLE.update(FUSED)

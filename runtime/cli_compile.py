@@ -1,0 +1,116 @@
+"""``k3ir compile``: run a target's pass pipeline on a model, optionally dumping the IR after
+every pass, then build the target (skipped with a note when the backend is not usable here).
+
+    k3ir compile kimi-k3 --target triton --dump-ir dumps/ --verify-each
+    k3ir compile k3-tiny --target torch --passes "fuse-kda-chunks{chunk_size=64},dce" -o out/
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+
+from k3ir.errors import K3BackendError
+
+from .cli import UsageError, console, human_bytes, load_model, model_arg
+
+FUSED_OPS = ("k3.fused_kda", "k3.moe_dispatch", "k3.grouped_matmul", "k3.moe_combine", "k3.attn_res_fused",
+             "k3.kda", "k3.moe", "k3.attn_res", "k3.mla")
+
+
+def target_pipeline(target: str) -> tuple[list[str], object | None, str | None]:
+    """(pass list, backend or None, why it cannot build here or None) for ``target``: the
+    backend's own pipeline when it declares one, else ``passes.pipelines.pipeline_for``."""
+    from k3ir.backends import get_backend
+    from k3ir.passes.pipelines import pipeline_for
+    try:
+        backend = get_backend(target)
+    except K3BackendError as e:
+        from k3ir.passes.pipelines import PIPELINES
+        if target.split("-")[0] not in PIPELINES:
+            raise
+        return pipeline_for(target), None, str(e)
+    pipe = list(backend.pipeline) or pipeline_for(backend.name)
+    return pipe, backend, backend.available()
+
+
+def apply_passes(module, target: str, passes: str | None = None, quantize: str | None = None,
+                 verify_each: bool = False, dump_dir: str | None = None):
+    """Run ``passes`` (comma-separated specs) or ``target``'s pipeline on ``module`` in place.
+    Returns (results, backend or None, why-not-buildable or None)."""
+    from k3ir.passes import run_pipeline
+    pipe, backend, why = target_pipeline(target)
+    if passes is not None:
+        pipe = passes
+    results: list = []
+    run_pipeline(module, pipe, verify_each=verify_each, dump_dir=dump_dir, quantize=quantize, results=results)
+    return results, backend, why
+
+
+def cmd_compile(args) -> int:
+    from k3ir.accounting import report
+    from k3ir.verify import verify_module
+    con = console()
+    t0 = time.perf_counter()
+    m = load_model(args)
+    t_load = time.perf_counter() - t0
+    bytes_before = report(m).param_bytes
+    t1 = time.perf_counter()
+    results, backend, why = apply_passes(m, args.target, args.passes, args.quantize, args.verify_each, args.dump_ir)
+    t_pass = time.perf_counter() - t1
+    if not args.verify_each:
+        verify_module(m)
+    bytes_after = report(m).param_bytes
+    from rich.table import Table
+    t = Table(title=f"{m.name}: passes for target '{args.target}'")
+    for c in ("#", "pass", "rewrites", "seconds", "details"):
+        t.add_column(c, justify="right" if c in ("#", "rewrites", "seconds") else "left")
+    for i, r in enumerate(results, 1):
+        t.add_row(str(i), r.name, str(r.rewrites), f"{r.seconds:.3f}",
+                  ", ".join(f"{k}={human_bytes(v) if k.startswith('bytes') else v}" for k, v in r.details.items()))
+    con.print(t)
+    counts = {fn: Counter(op.name for op in f.ops if op.name in FUSED_OPS) for fn, f in m.functions.items()}
+    for fn, c in counts.items():
+        if c:
+            con.print(f"@{fn}: " + ", ".join(f"{n} {k}" for k, n in sorted(c.items())))
+    con.print(f"parameters: {human_bytes(bytes_before)} -> {human_bytes(bytes_after)}")
+    con.print(f"load {t_load:.2f} s, passes {t_pass:.2f} s" + (f" (IR dumps in {args.dump_ir})" if args.dump_ir else ""))
+    if args.output:
+        os.makedirs(args.output, exist_ok=True)
+        from k3ir.printer import print_module
+        with open(os.path.join(args.output, "module.k3"), "w") as f:
+            f.write(print_module(m))
+        with open(os.path.join(args.output, "passes.json"), "w") as f:
+            json.dump({"target": args.target, "bytes_before": bytes_before, "bytes_after": bytes_after,
+                       "passes": [{"name": r.name, "rewrites": r.rewrites, "seconds": r.seconds,
+                                   "details": r.details} for r in results],
+                       "ops": {fn: dict(c) for fn, c in counts.items()}}, f, indent=2)
+        con.print(f"wrote {os.path.join(args.output, 'module.k3')} and passes.json")
+    if args.no_build:
+        con.print("build skipped (--no-build)")
+    elif backend is None or why:
+        con.print(f"note: target '{args.target}' cannot build here ({why}); ran its pipeline only")
+    else:
+        t2 = time.perf_counter()
+        exe = backend.build(m, dtype=args.dtype, device=args.device)
+        con.print(f"built {exe!r} in {time.perf_counter() - t2:.2f} s")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("compile", help="run a target's pass pipeline (dump IR per pass) and build it")
+    model_arg(p)
+    p.add_argument("--target", default="triton", help="target name (default triton)")
+    p.add_argument("--passes", help="comma-separated pass list, options as name{key=value,...}")
+    p.add_argument("--quantize", choices=("none", "mxfp4", "int4"), help="override the config's expert quantisation")
+    p.add_argument("--dump-ir", metavar="DIR", help="write 00-input.k3 and NN-<pass>.k3 after each pass")
+    p.add_argument("--verify-each", action="store_true", help="run the verifier after every pass")
+    p.add_argument("-o", "--output", metavar="DIR", help="write the final module.k3 and passes.json")
+    p.add_argument("--no-build", action="store_true", help="run the pipeline only")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype for the build (default bfloat16)")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_compile)
+
+
+__all__ = ["UsageError", "apply_passes", "cmd_compile", "register", "target_pipeline"]
