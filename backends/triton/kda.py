@@ -6,6 +6,8 @@ with autograd (correct, not yet a fused backward kernel: see bench/KDA_NOTES.md)
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from k3ir.errors import K3RuntimeError
@@ -47,7 +49,7 @@ def _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate):
         if B != 1:
             raise K3RuntimeError(f"kda_forward: cu_seqlens needs batch 1 (flattened sequences), got B={B}")
         cu = cu_seqlens.tolist()
-        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in itertools.pairwise(cu)):
             raise K3RuntimeError(f"kda_forward: cu_seqlens must rise from 0 to T={T}, got {cu}")
         N = len(cu) - 1
     if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):

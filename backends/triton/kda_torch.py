@@ -99,7 +99,7 @@ def kda_chunk_torch(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, scale=No
     """The whole fused KDA in differentiable PyTorch (fp32). Same arguments and layouts as
     ``kda_forward``; ``gate="precomputed"`` takes ``g`` as the log-decay, ``beta`` after the
     sigmoid and q, k already normalised. Returns (o in v's dtype, final state fp32 [N,H,K,V])."""
-    B, T, H, K = k.shape
+    B, _, H, K = k.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     qn, kn, gl, bb = kda_prelude(q, k, g, beta, A_log, dt_bias, lower_bound, scale, gate)

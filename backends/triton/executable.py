@@ -1,0 +1,94 @@
+"""The triton executable: the torch executable with KDA ops lowered to our Triton kernels.
+
+``KERNELS`` overrides the torch table for ``k3.fused_kda`` (prelude conv kernels, the fused
+chunked forward or the one-launch decode step, the epilogue kernel), ``k3.kda`` (chunked kernels
+with a precomputed gate), ``k3.short_conv`` and ``k3.gated_rmsnorm``. float64 modules keep the
+torch implementations (the kernels compute in bf16/fp32)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..torch import TorchExecutable
+from . import layer
+from .kda import kda_forward
+
+
+def _torch_impl(name):
+    from ..torch.ops import TABLE
+    return TABLE[name]
+
+
+def kda(inst, q, k, v, g, beta, s=None):
+    if q.dtype == torch.float64:
+        return _torch_impl("k3.kda")(inst, q, k, v, g, beta, s)
+    return kda_forward(q, k, v, g.float(), beta.float(), None, None, initial_state=s, output_final_state=True,
+                       scale=inst.scale, gate="precomputed")
+
+
+def short_conv(inst, x, w, s=None):
+    if x.dtype == torch.float64 or inst.activation not in ("silu", "none", None):
+        return _torch_impl("k3.short_conv")(inst, x, w, s)
+    return layer.short_conv(x, w, s, silu=inst.activation == "silu")
+
+
+def gated_rmsnorm(inst, x, gate, w):
+    if x.dtype == torch.float64:
+        return _torch_impl("k3.gated_rmsnorm")(inst, x, gate, w)
+    return layer.gated_rmsnorm(x, gate.to(x.dtype), w, inst.eps)
+
+
+def _lin(x, w):
+    return F.linear(x, w.to(x.dtype))
+
+
+def fused_kda(inst, *args):
+    """One KDA layer (SPEC.md 3): projections in torch, then 3 conv launches, the fused chunked
+    forward (or, for ``mode="recurrent"``, the one-launch decode step) and the epilogue launch."""
+    (x, w_q, w_k, w_v, c_q, c_k, c_v, w_fa, w_fb, A_log, dt_bias, w_b, o_norm), gate_w, states = inst._split(args)
+    if x.dtype == torch.float64 or inst.qk_eps != 1e-6:   # the kernels fix the L2 eps at SPEC's 1e-6
+        return _torch_impl("k3.fused_kda")(inst, *args)
+    H, D = inst.heads, inst.head_dim
+    B, Tn = x.shape[:2]
+    st = list(states) if states else [None] * 4
+    lb = inst.lower_bound if inst.gate == "lower_bound" else None
+    z = _lin(_lin(x, w_fa), w_fb)
+    bl = _lin(x, w_b)
+    gz = _lin(x, gate_w[0])
+    if not inst.full_rank_gate:
+        gz = _lin(gz, gate_w[1])
+    if inst.mode == "recurrent" and Tn == 1 and st[3] is not None:
+        pool = st[3].float().contiguous().clone()
+        cpools = [s.float().contiguous().clone() for s in st[:3]]
+        slots = torch.arange(B, device=x.device, dtype=torch.int32)
+        o = layer.kda_decode(_lin(x, w_q)[:, 0], _lin(x, w_k)[:, 0], _lin(x, w_v)[:, 0], z[:, 0], bl[:, 0],
+                             A_log, dt_bias, pool, slots, lower_bound=lb, scale=inst.scale,
+                             conv=(c_q, c_k, c_v, *cpools), norm=(o_norm, gz[:, 0], inst.eps))
+        return (o.reshape(B, 1, H * D), *cpools, pool)
+    ys, new = [], []
+    for w, c, s in zip((w_q, w_k, w_v), (c_q, c_k, c_v), st[:3]):
+        y, s_new = layer.short_conv(_lin(x, w), c, s)
+        ys.append(y.reshape(B, Tn, H, D))
+        new.append(s_new)
+    o, s_out = kda_forward(ys[0], ys[1], ys[2], z.reshape(B, Tn, H, D), bl, A_log, dt_bias, lower_bound=lb,
+                           initial_state=st[3], output_final_state=True, scale=inst.scale)
+    o = layer.gated_rmsnorm(o, gz.reshape(B, Tn, H, D).to(o.dtype), o_norm, inst.eps)
+    return (o.reshape(B, Tn, H * D), *new, s_out)
+
+
+KERNELS = {
+    "k3.kda": kda,
+    "k3.short_conv": short_conv,
+    "k3.gated_rmsnorm": gated_rmsnorm,
+    "k3.fused_kda": fused_kda,
+}
+
+
+class TritonExecutable(TorchExecutable):
+    """Runs the module op by op like the torch executable; KDA ops go to the Triton kernels."""
+
+    def __init__(self, module, dtype: str, device: str):
+        super().__init__(module, dtype, device)
+        self.target = "triton"
+        self.table = {**self.table, **KERNELS}
+

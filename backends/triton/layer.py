@@ -1,0 +1,79 @@
+"""Python entry points of the KDA prelude, epilogue and decode kernels (``layer_kernels``)."""
+from __future__ import annotations
+
+import torch
+
+from k3ir.errors import K3RuntimeError
+
+from . import layer_kernels as lk
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, silu: bool = True):
+    """Causal depthwise conv (SPEC.md 3.2) + SiLU. x ``[B,T,C]``, weight ``[C,1,W]`` or ``[C,W]``,
+    state ``[B,C,W-1]`` (last W-1 pre-conv inputs, oldest first) or None. Returns (y ``[B,T,C]`` in
+    x's dtype, new state fp32 ``[B,C,W-1]``)."""
+    B, T, C = x.shape
+    w = weight.reshape(C, -1).contiguous()
+    W = w.shape[1]
+    if state is not None and tuple(state.shape) != (B, C, W - 1):
+        raise K3RuntimeError(f"short_conv: state {tuple(state.shape)} must be [B, C, W-1] = {(B, C, W - 1)}")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    sT = torch.empty(B, C, W - 1, dtype=torch.float32, device=x.device)
+    BT, BCH = 32, 64
+    grid = (max(1, triton_cdiv(T, BT)), triton_cdiv(C, BCH), B)
+    lk.short_conv_kernel[grid](x, w, None if state is None else state.contiguous(), y, sT, T, C, W=W, BT=BT,
+                               BCH=BCH, HAS_S0=state is not None, STORE_S=True, SILU=silu)
+    return y, sT
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Head RMSNorm then sigmoid output gate (SPEC.md 3.6): x, gate ``[..., D]``, weight ``[D]``."""
+    D = x.shape[-1]
+    xx, gg = x.contiguous(), gate.contiguous()
+    y = torch.empty_like(xx)
+    R = xx.numel() // D
+    BR = 16
+    lk.gated_rmsnorm_kernel[(triton_cdiv(R, BR),)](xx, gg, weight.contiguous(), y, R, float(eps), D=D, BR=BR)
+    return y
+
+
+def kda_decode(q, k, v, z, beta, A_log, dt_bias, pool, slots, lower_bound=None, scale=None,
+               conv=None, norm=None, out=None):
+    """One KDA decode step (T = 1) in one launch, on state slots in a pool.
+
+    q, k ``[B, H*K]``, v ``[B, H*V]`` (pre-conv inputs when ``conv`` is given, else post-conv);
+    z ``[B, H*K]`` raw decay pre-activation; beta ``[B, H]`` logits; A_log ``[H]``; dt_bias
+    ``[H*K]``; pool ``f32[P, H, K, V]`` (key rows), slots int ``[B]`` (distinct): row b reads and
+    writes ``pool[slots[b]]`` in place, every other slot stays bit-identical.
+    ``conv = (w_q, w_k, w_v, cs_q, cs_k, cs_v)``: conv weights ``[C,1,W]`` and conv-state pools
+    ``[P, C, W-1]`` updated in place at the same slots. ``norm = (weight [V], gz [B, H*V], eps)``:
+    head RMSNorm then sigmoid output gate fused. Returns o ``[B, H*V]`` in v's dtype."""
+    B = q.shape[0]
+    _, H, K, V = pool.shape
+    if pool.dtype != torch.float32 or not pool.is_contiguous():
+        raise K3RuntimeError("kda_decode: the state pool must be contiguous fp32 [P, H, K, V]")
+    if tuple(k.shape) != (B, H * K) or tuple(v.shape) != (B, H * V) or tuple(beta.shape) != (B, H):
+        raise K3RuntimeError(f"kda_decode: want q, k [B, H*K], v [B, H*V], beta [B, H] for pool {tuple(pool.shape)}")
+    scale = K ** -0.5 if scale is None else scale
+    o = torch.empty(B, H * V, dtype=v.dtype, device=v.device) if out is None else out
+    has_conv, has_norm = conv is not None, norm is not None
+    BV = V if (has_conv or has_norm) else min(V, 32)
+    if has_conv:
+        w_q, w_k, w_v, cs_q, cs_k, cs_v = conv
+        W = w_q.shape[-1]
+        cw = [w.reshape(w.shape[0], -1).contiguous() for w in (w_q, w_k, w_v)]
+    else:
+        W, cw, cs_q, cs_k, cs_v = 4, [None] * 3, None, None, None
+    nw, gz, eps = (norm[0], norm[1].contiguous(), float(norm[2])) if has_norm else (None, None, 0.0)
+    GATE = 1 if lower_bound is None else 0
+    lk.kda_decode_kernel[(V // BV, B * H)](
+        q.contiguous(), k.contiguous(), v.contiguous(), *cw, cs_q, cs_k, cs_v, z.contiguous(), beta.contiguous(),
+        A_log.reshape(-1).contiguous(), dt_bias.reshape(-1).contiguous(), gz, nw, pool, slots, o,
+        float(scale), float(lower_bound or 0.0), eps, H=H, K=K, V=V, W=W, BV=BV, GATE=GATE, HAS_CONV=has_conv,
+        HAS_NORM=has_norm, num_warps=4 if BV <= 32 else 8)
+    return o

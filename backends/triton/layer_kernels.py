@@ -1,0 +1,121 @@
+"""Triton kernels around the KDA recurrence (SPEC.md 3): the prelude (causal short conv + SiLU),
+the epilogue (head RMSNorm then sigmoid output gate) and the one-launch decode step (T = 1:
+conv state update, gate, L2 norm, delta step, norm and output gate) on state slots in a pool."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def short_conv_kernel(x, w, s0, y, sT, T, C,
+                      W: tl.constexpr, BT: tl.constexpr, BCH: tl.constexpr, HAS_S0: tl.constexpr,
+                      STORE_S: tl.constexpr, SILU: tl.constexpr):
+    """y[b,t,c] = act(sum_j w[c,j] x[b, t-(W-1)+j, c]) (taps oldest to newest; inputs before the
+    sequence come from the conv state s0 ``[B,C,W-1]``, oldest first, else 0). sT gets the last
+    W-1 pre-conv inputs."""
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_t = i_t * BT + tl.arange(0, BT)
+    offs_c = i_c * BCH + tl.arange(0, BCH)
+    mc = offs_c < C
+    xb = x + i_b.to(tl.int64) * T * C
+    acc = tl.zeros([BT, BCH], dtype=tl.float32)
+    for j in tl.static_range(W):
+        tt = offs_t - (W - 1) + j
+        xv = tl.load(xb + tt.to(tl.int64)[:, None] * C + offs_c[None, :],
+                     mask=((tt >= 0) & (tt < T))[:, None] & mc[None, :], other=0.).to(tl.float32)
+        if HAS_S0:
+            sv = tl.load(s0 + (i_b * C + offs_c[None, :]) * (W - 1) + (W - 1 + tt[:, None]),
+                         mask=(tt < 0)[:, None] & (tt >= -(W - 1))[:, None] & mc[None, :], other=0.).to(tl.float32)
+            xv = tl.where((tt < 0)[:, None], sv, xv)
+        wj = tl.load(w + offs_c * W + j, mask=mc, other=0.).to(tl.float32)
+        acc += xv * wj[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(y + i_b.to(tl.int64) * T * C + offs_t.to(tl.int64)[:, None] * C + offs_c[None, :],
+             acc.to(y.dtype.element_ty), mask=(offs_t < T)[:, None] & mc[None, :])
+    if STORE_S:  # noqa: SIM102 (constexpr test, then a run-time one)
+        if i_t == 0:
+            for j in tl.static_range(W - 1):
+                p = T - (W - 1) + j + tl.zeros([BCH], dtype=tl.int32)
+                xv = tl.load(xb + p * C + offs_c, mask=mc & (p >= 0), other=0.).to(tl.float32)
+                if HAS_S0:
+                    sv = tl.load(s0 + (i_b * C + offs_c) * (W - 1) + (W - 1 + p), mask=mc & (p < 0), other=0.)
+                    xv = tl.where(p < 0, sv.to(tl.float32), xv)
+                tl.store(sT + (i_b * C + offs_c) * (W - 1) + j, xv.to(sT.dtype.element_ty), mask=mc)
+
+
+@triton.jit
+def gated_rmsnorm_kernel(x, gate, w, y, R, eps, D: tl.constexpr, BR: tl.constexpr):
+    """Rows of D: y = x rsqrt(mean(x^2) + eps) w sigmoid(gate) (SPEC.md 3.6)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    offs = tl.arange(0, D)
+    m = (rows < R)[:, None]
+    off = rows.to(tl.int64)[:, None] * D + offs[None, :]
+    bx = tl.load(x + off, mask=m, other=0.).to(tl.float32)
+    bg = tl.load(gate + off, mask=m, other=0.).to(tl.float32)
+    bw = tl.load(w + offs).to(tl.float32)
+    r = tl.rsqrt(tl.sum(bx * bx, 1) / D + eps)
+    tl.store(y + off, (bx * r[:, None] * bw[None, :] * tl.sigmoid(bg)).to(y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _conv_step(x_ptr, cw, cs, row, slot, offs, C, W: tl.constexpr, UPDATE: tl.constexpr):
+    """One decode step of the short conv for channels ``offs``: returns silu(conv) (fp32) and,
+    when UPDATE, shifts the new input into the conv state slot."""
+    xv = tl.load(x_ptr + row * C + offs).to(tl.float32)
+    acc = xv * tl.load(cw + offs * W + (W - 1)).to(tl.float32)
+    base = cs + (slot * C + offs) * (W - 1)
+    prev = tl.load(base).to(tl.float32)
+    acc += prev * tl.load(cw + offs * W).to(tl.float32)
+    for j in tl.static_range(1, W - 1):
+        cur = tl.load(base + j).to(tl.float32)
+        acc += cur * tl.load(cw + offs * W + j).to(tl.float32)
+        if UPDATE:
+            tl.store(base + (j - 1), cur.to(cs.dtype.element_ty))
+    if UPDATE:
+        tl.store(base + (W - 2), xv.to(cs.dtype.element_ty))
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def kda_decode_kernel(xq, xk, xv, cw_q, cw_k, cw_v, cs_q, cs_k, cs_v, z, beta, A_log, dt_bias, gz, norm_w,
+                      pool, slots, o, scale, lb, eps,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BV: tl.constexpr,
+                      GATE: tl.constexpr, HAS_CONV: tl.constexpr, HAS_NORM: tl.constexpr):
+    """One token per batch row. Program (value block, row*H + head). q/k/v ``[B, H*K|V]`` (pre-conv
+    when HAS_CONV), z ``[B, H*K]`` raw decay, beta ``[B, H]`` logits, gz ``[B, H*V]``; pool
+    ``f32[P, H, K, V]`` and conv pools ``[P, C, W-1]`` are read and written at ``slots[b]`` only."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    slot = tl.load(slots + i_b).to(tl.int64)
+    offs_k = i_h * K + tl.arange(0, K)
+    offs_v = i_h * V + i_v * BV + tl.arange(0, BV)
+    if HAS_CONV:
+        bq = _conv_step(xq, cw_q, cs_q, i_b, slot, offs_k, H * K, W, True)
+        bk = _conv_step(xk, cw_k, cs_k, i_b, slot, offs_k, H * K, W, True)
+        bv = _conv_step(xv, cw_v, cs_v, i_b, slot, offs_v, H * V, W, True)
+    else:
+        bq = tl.load(xq + i_b * H * K + offs_k).to(tl.float32)
+        bk = tl.load(xk + i_b * H * K + offs_k).to(tl.float32)
+        bv = tl.load(xv + i_b * H * V + offs_v).to(tl.float32)
+    bq = bq * tl.rsqrt(tl.sum(bq * bq, 0) + 1e-6) * scale
+    bk = bk * tl.rsqrt(tl.sum(bk * bk, 0) + 1e-6)
+    x = tl.load(z + i_b * H * K + offs_k).to(tl.float32) + tl.load(dt_bias + offs_k).to(tl.float32)
+    a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    if GATE == 0:
+        gk = lb * tl.sigmoid(a_h * x)
+    else:
+        gk = -a_h * (tl.maximum(x, 0.) + tl.log(1. + tl.exp(-tl.abs(x))))
+    bb = tl.sigmoid(tl.load(beta + i_b * H + i_h).to(tl.float32))
+    p_s = pool + ((slot * H + i_h) * K + tl.arange(0, K)[:, None]) * V + i_v * BV + tl.arange(0, BV)[None, :]
+    S = tl.load(p_s) * tl.exp(gk)[:, None]
+    uu = tl.sum(S * bk[:, None], 0)
+    S += bk[:, None] * ((bv - uu) * bb)[None, :]
+    bo = tl.sum(S * bq[:, None], 0)
+    tl.store(p_s, S)
+    if HAS_NORM:
+        bo = bo * tl.rsqrt(tl.sum(bo * bo, 0) / V + eps) * tl.load(norm_w + tl.arange(0, V)).to(tl.float32)
+        bo = bo * tl.sigmoid(tl.load(gz + i_b * H * V + offs_v).to(tl.float32))
+    tl.store(o + i_b * H * V + offs_v, bo.to(o.dtype.element_ty))

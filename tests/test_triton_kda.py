@@ -1,0 +1,325 @@
+"""The triton target's KDA kernels (SPEC.md 3) against independent float64 references.
+
+On a CPU machine the kernels run under ``TRITON_INTERPRET=1`` at tiny sizes (fp32, SPEC.md 11:
+1e-5); tests marked ``gpu`` run bf16 at real sizes with fla's tolerances (5e-3 outputs, 8e-3
+gradients). References: ``kda_recurrent``/``kda_gate_ref`` (NumPy float64) and, for gradients,
+autograd through a float64 token-by-token PyTorch recurrence written here from SPEC.md 3.5.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the kernels' import
+pytest.importorskip("triton")
+
+from conftest import rel_err  # noqa: E402
+
+from k3ir.backends.triton import kda_decode, kda_forward, short_conv  # noqa: E402
+from k3ir.backends.triton.layer import gated_rmsnorm  # noqa: E402
+from k3ir.errors import K3RuntimeError  # noqa: E402
+from k3ir.ops.kda import kda_gate_ref, kda_recurrent  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+
+
+def make(B, T, H, K, V=None, seed=0, dtype=torch.float32, lb=-5.0, strong=False, h0=True, N=None):
+    g = torch.Generator().manual_seed(seed)
+    V = V or K
+
+    def r(*s, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).to(DEV)
+    x = dict(q=r(B, T, H, K).to(dtype), k=r(B, T, H, K).to(dtype), v=r(B, T, H, V).to(dtype),
+             g=r(B, T, H, K).to(dtype), beta=r(B, T, H).to(dtype), A_log=r(H, scale=0.5),
+             dt_bias=r(H * K))
+    if strong:   # softplus gate with decays far past exp(-80) inside one sub-chunk
+        x["A_log"] = torch.full((H,), 2.5, device=DEV)
+        x["dt_bias"] = x["dt_bias"] * 3 + 6
+    x["h0"] = r(N or B, H, K, V) if h0 else None
+    x["lb"] = lb
+    return x
+
+
+def ref_np(x, cu=None):
+    """float64 NumPy reference: SPEC 3.3 (L2 norm, scale), 3.4 (gate), sigmoid beta, 3.5."""
+    f = {k: (v.detach().double().cpu().numpy() if torch.is_tensor(v) else v) for k, v in x.items()}
+    K = f["k"].shape[-1]
+    n = lambda a: a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
+    gl = kda_gate_ref(f["g"], f["A_log"], f["dt_bias"], "softplus" if f["lb"] is None else "lower_bound",
+                      f["lb"] if f["lb"] is not None else -5.0)
+    b = 1 / (1 + np.exp(-f["beta"]))
+    if cu is None:
+        return kda_recurrent(n(f["q"]), n(f["k"]), f["v"], gl, b, K ** -0.5, f["h0"])
+    os_, ss = [], []
+    for i in range(len(cu) - 1):
+        s, e = cu[i], cu[i + 1]
+        h = None if f["h0"] is None else f["h0"][i:i + 1]
+        o, S = kda_recurrent(n(f["q"][:, s:e]), n(f["k"][:, s:e]), f["v"][:, s:e], gl[:, s:e], b[:, s:e], K ** -0.5, h)
+        os_.append(o)
+        ss.append(S)
+    return np.concatenate(os_, axis=1), np.concatenate(ss, axis=0)
+
+
+def ref_torch64(q, k, v, g, beta, A_log, dt_bias, lb, h0):
+    """Differentiable float64 token-by-token KDA (SPEC.md 3.3-3.5), for gradient checks."""
+    q, k, v, g, beta, A_log, dt_bias = (t.double() for t in (q, k, v, g, beta, A_log, dt_bias))
+    B, T, H, K = k.shape
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * K ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    a = torch.exp(A_log)[:, None]
+    xg = g + dt_bias.reshape(H, K)
+    gl = lb * torch.sigmoid(a * xg) if lb is not None else -a * torch.nn.functional.softplus(xg)
+    b = torch.sigmoid(beta)
+    S = h0.double() if h0 is not None else q.new_zeros(B, H, K, v.shape[-1])
+    outs = []
+    for t in range(T):
+        S = S * torch.exp(gl[:, t])[..., None]
+        u = torch.einsum("bhkv,bhk->bhv", S, k[:, t])
+        S = S + torch.einsum("bhk,bhv->bhkv", k[:, t], (v[:, t] - u) * b[:, t, :, None])
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    return torch.stack(outs, 1), S
+
+
+def run(x, **kw):
+    return kda_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], lower_bound=x["lb"],
+                       initial_state=x["h0"], output_final_state=True, **kw)
+
+
+# ---- CPU interpreter (and GPU) at tiny sizes, fp32 --------------------------------------
+@pytest.mark.parametrize("T", [1, 65, 130])
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_forward_equals_recurrence(T, lb):
+    x = make(2, T, 2, 16, lb=lb, seed=T)
+    o, s = run(x)
+    o_r, s_r = ref_np(x)
+    tol = 1e-5 if not GPU else 3e-3     # tf32 dots on the GPU
+    assert rel_err(o, o_r) < tol and rel_err(s, s_r) < tol
+
+
+def test_unbounded_softplus_gate_stays_finite():
+    x = make(1, 40, 2, 16, lb=None, strong=True, h0=False)
+    o, s = run(x)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    o_r, s_r = ref_np(x)
+    assert rel_err(o, o_r) < (1e-5 if not GPU else 3e-3)
+
+
+def test_varlen_isolates_states():
+    cu = [0, 5, 5, 75, 100]
+    x = make(1, 100, 2, 16, N=4, seed=3)
+    o, s = run(x, cu_seqlens=torch.tensor(cu, device=DEV))
+    o_r, s_r = ref_np(x, cu)
+    tol = 1e-5 if not GPU else 3e-3
+    assert rel_err(o, o_r) < tol and rel_err(s, s_r) < tol
+    assert torch.equal(s[1], x["h0"][1])          # the empty sequence keeps its state
+
+
+def test_prefix_outputs_and_gradients_ignore_later_tokens():
+    x = make(1, 50, 2, 16, seed=5, h0=False)
+    y = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in x.items()}
+    for name in ("q", "k", "v", "g"):
+        y[name][:, 37:] = torch.randn_like(y[name][:, 37:])
+    y["beta"][:, 37:] += 3.0
+    outs, grads = [], []
+    for z in (x, y):
+        leaves = {n: z[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+        o, _ = kda_forward(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), z["A_log"], z["dt_bias"],
+                           lower_bound=z["lb"])
+        o[:, :37].square().sum().backward()
+        outs.append(o[:, :37].detach())
+        grads.append(leaves["k"].grad[:, :37])
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(grads[0], grads[1]) < 1e-6
+
+
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_gradients_match_float64_autograd(lb):
+    x = make(1, 70, 2, 16, lb=lb, seed=7)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
+    w = torch.randn(1, 70, 2, 16, device=DEV, generator=None)
+    ws = torch.randn(1, 2, 16, 16, device=DEV)
+    got, want = [], []
+    for fn in ("kernel", "ref"):
+        leaves = [x[n].clone().requires_grad_() for n in names]
+        if fn == "kernel":
+            o, s = kda_forward(*leaves[:7], lower_bound=lb, initial_state=leaves[7], output_final_state=True)
+        else:
+            o, s = ref_torch64(*leaves[:7], lb, leaves[7])
+        ((o * w.to(o.dtype)).sum() + (s * ws.to(s.dtype)).sum()).backward()
+        (got if fn == "kernel" else want).append([t.grad for t in leaves])
+    for n, a, b in zip(names, got[0], want[0]):
+        assert rel_err(a, b) < (1e-5 if not GPU else 3e-3), n
+
+
+def test_bad_inputs_raise():
+    x = make(1, 8, 2, 16)
+    with pytest.raises(K3RuntimeError, match="dt_bias"):
+        kda_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"][:5])
+    with pytest.raises(K3RuntimeError, match="lower_bound"):
+        kda_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], lower_bound=1.0)
+    with pytest.raises(K3RuntimeError, match="initial_state"):
+        kda_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
+                    initial_state=torch.zeros(2, 2, 16, 16, device=DEV))
+
+
+def _conv_ref(xs, w, s):
+    """float64 causal conv + SiLU: xs [B,T,C], w [C,W], s [B,C,W-1] -> (y, new state)."""
+    W = w.shape[1]
+    full = np.concatenate([s, np.swapaxes(xs, 1, 2)], axis=2)            # [B,C,W-1+T]
+    T = xs.shape[1]
+    y = np.stack([(full[:, :, t:t + W] * w[None]).sum(-1) for t in range(T)], axis=1)
+    return y / (1 + np.exp(-y)), full[:, :, T:]
+
+
+@pytest.mark.parametrize("T", [1, 2, 37])
+def test_short_conv_kernel(T):
+    B, C, W = 2, 80, 4
+    xs, w, s = torch.randn(B, T, C, device=DEV), torch.randn(C, 1, W, device=DEV), torch.randn(B, C, W - 1, device=DEV)
+    y, sn = short_conv(xs, w, s)
+    y_r, s_r = _conv_ref(xs.double().cpu().numpy(), w[:, 0].double().cpu().numpy(), s.double().cpu().numpy())
+    assert rel_err(y, y_r) < 1e-6 and rel_err(sn, s_r) < 1e-7
+    y0, _ = short_conv(xs, w, None)
+    y0_r, _ = _conv_ref(xs.double().cpu().numpy(), w[:, 0].double().cpu().numpy(), np.zeros((B, C, W - 1)))
+    assert rel_err(y0, y0_r) < 1e-6
+
+
+def test_gated_rmsnorm_kernel():
+    x, gz, w = torch.randn(3, 5, 2, 32, device=DEV), torch.randn(3, 5, 2, 32, device=DEV), torch.randn(32, device=DEV)
+    xd, gd, wd = (t.double().cpu().numpy() for t in (x, gz, w))
+    want = xd / np.sqrt((xd ** 2).mean(-1, keepdims=True) + 1e-5) * wd / (1 + np.exp(-gd))
+    assert rel_err(gated_rmsnorm(x, gz, w, 1e-5), want) < 1e-6
+
+
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_decode_step_on_pool_slots(lb):
+    P, B, H, K, W = 5, 3, 2, 16, 4
+    C = H * K
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEV)
+    pool = torch.randn(P, H, K, K, device=DEV)
+    cpools = [torch.randn(P, C, W - 1, device=DEV) for _ in range(3)]
+    cw = [torch.randn(C, 1, W, device=DEV) for _ in range(3)]
+    xq, xk, xv, z, gz = (torch.randn(B, C, device=DEV) for _ in range(5))
+    beta, A_log, dt, nw = torch.randn(B, H, device=DEV), torch.randn(H, device=DEV), torch.randn(C, device=DEV), \
+        torch.randn(K, device=DEV)
+    pool0, cp0 = pool.clone(), [c.clone() for c in cpools]
+    o = kda_decode(xq, xk, xv, z, beta, A_log, dt, pool, slots, lower_bound=lb,
+                   conv=(*cw, *cpools), norm=(nw, gz, 1e-5))
+    sl = slots.long().cpu().numpy()
+    ys, news = [], []
+    for xi, w, c in zip((xq, xk, xv), cw, cp0):
+        y, sn = _conv_ref(xi.double().cpu().numpy()[:, None], w[:, 0].double().cpu().numpy(),
+                          c.double().cpu().numpy()[sl])
+        ys.append(y.reshape(B, 1, H, K))
+        news.append(sn)
+    nrm = lambda a: a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
+    gl = kda_gate_ref(z.double().cpu().numpy().reshape(B, 1, H, K), A_log.cpu().numpy(), dt.cpu().numpy(),
+                      "softplus" if lb is None else "lower_bound", lb or -5.0)
+    o_r, s_r = kda_recurrent(nrm(ys[0]), nrm(ys[1]), ys[2], gl, 1 / (1 + np.exp(-beta.double().cpu().numpy()[:, None])),
+                             K ** -0.5, pool0.double().cpu().numpy()[sl])
+    o_r = o_r / np.sqrt((o_r ** 2).mean(-1, keepdims=True) + 1e-5) * nw.double().cpu().numpy()
+    o_r = o_r / (1 + np.exp(-gz.double().cpu().numpy().reshape(B, 1, H, K)))
+    assert rel_err(o, o_r.reshape(B, C)) < 1e-5
+    assert rel_err(pool[slots.long()], s_r) < 1e-6
+    for c, n in zip(cpools, news):
+        assert rel_err(c[slots.long()], n) < 1e-7
+    untouched = [1, 3]
+    assert torch.equal(pool[untouched], pool0[untouched])
+    assert all(torch.equal(c[untouched], c0[untouched]) for c, c0 in zip(cpools, cp0))
+
+
+def test_backend_registered_and_says_why_not():
+    from k3ir.backends import get_backend
+    be = get_backend("triton")
+    assert "k3.fused_kda" in be.lowers() and "k3.kda" in be.lowers()
+    if not GPU:
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "0"
+        try:
+            assert "TRITON_INTERPRET" in be.available()
+        finally:
+            os.environ["TRITON_INTERPRET"] = old if old is not None else "1"
+    else:
+        assert be.available() is None
+
+
+# ---- GPU: real sizes, bf16, fla's tolerances --------------------------------------------
+def _ref_torch_gpu(x, cu=None):
+    """float64 on the GPU, chunk by token (the torch backend's recurrence), for big sizes."""
+    from k3ir.backends.torch.ops import kda_recurrent as rec
+    q, k = x["q"].double(), x["k"].double()
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    H, K = k.shape[-2:]
+    a = torch.exp(x["A_log"].double())[:, None]
+    xg = x["g"].double() + x["dt_bias"].double().reshape(H, K)
+    gl = x["lb"] * torch.sigmoid(a * xg) if x["lb"] is not None else -a * torch.nn.functional.softplus(xg)
+    b = torch.sigmoid(x["beta"].double())
+    v = x["v"].double()
+    h0 = x["h0"].double() if x["h0"] is not None else None
+    if cu is None:
+        return rec(q, k, v, gl, b, K ** -0.5, h0)
+    os_, ss = [], []
+    for i in range(len(cu) - 1):
+        s, e = cu[i], cu[i + 1]
+        o, S = rec(q[:, s:e], k[:, s:e], v[:, s:e], gl[:, s:e], b[:, s:e], K ** -0.5,
+                   None if h0 is None else h0[i:i + 1])
+        os_.append(o)
+        ss.append(S)
+    return torch.cat(os_, 1), torch.cat(ss, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 63, 65, 1000])
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_gpu_forward_bf16(T, lb):
+    x = make(2, T, 4, 128, dtype=torch.bfloat16, lb=lb, seed=T)
+    o, s = run(x)
+    o_r, s_r = _ref_torch_gpu(x)
+    eo, es = rel_err(o, o_r), rel_err(s, s_r)
+    print(f"gpu fwd T={T} lb={lb}: o {eo:.2e} state {es:.2e}")
+    assert eo < 5e-3 and es < 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_bf16():
+    cu = [0, 1, 64, 65, 1100, 2048]
+    x = make(1, 2048, 4, 128, dtype=torch.bfloat16, N=5, seed=11)
+    o, s = run(x, cu_seqlens=torch.tensor(cu, device=DEV))
+    o_r, s_r = _ref_torch_gpu(x, cu)
+    assert rel_err(o, o_r) < 5e-3 and rel_err(s, s_r) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_gpu_gradients_bf16(lb):
+    x = make(1, 300, 2, 128, dtype=torch.bfloat16, lb=lb, seed=13)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
+    w = torch.randn(1, 300, 2, 128, device=DEV)
+    grads = []
+    for fn in ("kernel", "ref"):
+        leaves = [x[n].clone().requires_grad_() for n in names]
+        if fn == "kernel":
+            o, s = kda_forward(*leaves[:7], lower_bound=lb, initial_state=leaves[7], output_final_state=True)
+        else:
+            o, s = ref_torch64(*leaves[:7], lb, leaves[7])
+        ((o * w.to(o.dtype)).sum() + s.sum()).backward()
+        grads.append([t.grad for t in leaves])
+    for n, a, b in zip(names, *grads):
+        e = rel_err(a, b)
+        print(f"gpu grad {n} lb={lb}: {e:.2e}")
+        assert e < 8e-3, n
+
+
+@pytest.mark.gpu
+def test_gpu_prefix_invariance_bf16():
+    x = make(1, 3000, 4, 128, dtype=torch.bfloat16, seed=17, h0=False)
+    o1, _ = run(x)
+    for n in ("q", "k", "v", "g"):
+        x[n][:, 2001:] = torch.randn_like(x[n][:, 2001:])
+    o2, _ = run(x)
+    assert torch.equal(o1[:, :2001], o2[:, :2001])
