@@ -155,6 +155,9 @@ def test_builder_concat_then_slice_symbolic():
     assert head.type.shape == ("B", 3, "C")
     last = b.slice(cat, axis=1, start=-2)
     assert last.type.shape == ("B", 2, "C")
+    assert b.slice(xt, axis=1, start=-3, end=-1).type.shape == ("B", 2, "C")
+    assert b.slice(xt, axis=1, start=1, end=-1).type.shape == ("B", "T-2", "C")
+    assert b.slice(xt, axis=1, start=0, end=-2).type.shape == ("B", "T-2", "C")
 
 
 def test_builder_reshape_linear_einsum_topk():

@@ -297,6 +297,8 @@ class Slice(Op):
             n = max(0, e - s)
         elif e is None and s < 0:
             n = -s
+        elif s < 0 and e is not None and e < 0:
+            n = max(0, e - s)                          # both from the end: (d+e) - (d+s)
         elif e is None:
             n = d if s == 0 else f"{d}-{s}"
         else:
