@@ -121,7 +121,8 @@ def state_bytes(t: StateType, act_bytes: float) -> tuple[float, float]:
 
 
 def report(module: Module, context: int = 4096) -> ModelReport:
-    """Totals and per-layer numbers. Active parameters exclude the input embedding and count
+    """Totals and per-layer numbers (the vision tower and projector, group ``vision``, are counted
+    apart in ``params_vision``/``vision_bytes``, SPEC.md 1). Active parameters exclude the input embedding and count
     ``top_k / num_experts`` of the routed experts (SPEC.md 1). FLOPs per token are those of one
     ``decode`` step at ``context`` cached tokens with MLA absorbed (multiply-add = 2)."""
     a = module.attrs
