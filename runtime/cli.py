@@ -79,11 +79,34 @@ def cmd_inspect(args) -> int:
         from .cli_compile import apply_passes
         apply_passes(m, args.target, quantize=args.quantize)
     r = report(m, context=args.context)
+    ck = m.weights.summary() if hasattr(m.weights, "summary") else None   # checkpoint dir: headers only
     if args.json:
-        print(json.dumps(r.as_dict(), indent=2))
+        print(json.dumps(dict(r.as_dict(), **({"checkpoint": ck} if ck else {})), indent=2))
         return 0
     print_report(r)
+    if ck:
+        print_checkpoint(ck)
     return 0
+
+
+def print_checkpoint(s: dict, con=None) -> None:
+    """The checkpoint part of ``k3ir inspect DIR`` (from ``CheckpointWeights.summary()``)."""
+    from rich.table import Table
+    con = con or console()
+    t = Table(title=f"checkpoint {s['directory']}: {len(s['files'])} file(s), {human_bytes(s['bytes_on_disk'])} on disk")
+    for col in ("dtype", "tensors", "elements", "bytes"):
+        t.add_column(col, justify="left" if col == "dtype" else "right")
+    for dt, d in s["dtypes"].items():
+        t.add_row(dt, f"{d['tensors']:,}", human(d["elements"]), human_bytes(d["bytes"]))
+    con.print(t)
+    q = s["quantized"]
+    fmt = "/".join(q["formats"]) or "none"
+    con.print(f"quantised ({fmt}): {q['tensors']:,} packed tensors, {q['fraction_of_weights']:.1%} of "
+              f"{human(s['weights'])} weights, {q['fraction_of_bytes']:.1%} of the bytes on disk")
+    for n in s.get("notes", []):
+        con.print(f"note: {n}")
+    if s.get("unused"):
+        con.print(f"unused tensors ({len(s['unused'])}): {', '.join(s['unused'][:8])}")
 
 
 def print_report(r, con=None) -> None:
