@@ -290,8 +290,9 @@ MODEL = {
 
 TABLE = {**CORE, **MODEL}
 
-from .vision import VISION  # the vision ops (SPEC.md 8)
+from .vision import VISION, VISION_CORE  # the vision ops (SPEC.md 8)
 
+CORE.update(VISION_CORE)
 TABLE.update(VISION)
 
 from .fused import FUSED  # the fused ops made by the passes (k3ir/ops/fused.py)

@@ -107,11 +107,16 @@ def merge_media(inst, h, ids, f):
     return h.masked_scatter(mask[..., None], f.to(h.dtype))
 
 
-VISION = {
-    "k3.layernorm": layernorm,
-    "k3.gelu": gelu,
+#: the two index primitives are core ops (every backend lowers them)
+VISION_CORE = {
     "k3.interp_weights": interp_weights,
     "k3.rope_2d_table": rope_2d_table,
+}
+
+VISION = {
+    **VISION_CORE,
+    "k3.layernorm": layernorm,
+    "k3.gelu": gelu,
     "k3.rope_2d": rope_2d,
     "k3.patch_embed": patch_embed,
     "k3.vit_pos_emb": vit_pos_emb,

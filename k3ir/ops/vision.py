@@ -156,8 +156,8 @@ class GELU(Op):
         return 8.0 * numel(rt[0].shape, env)
 
 
-# ---- index primitives (tables from a runtime grid size; no decomposition) --------------------------
-@op("k3.interp_weights", "model")
+# ---- index primitives: core ops (leaves like k3.constant) giving tables for a runtime grid size -----
+@op("k3.interp_weights")
 class InterpWeights(Op):
     """Resampling weights ``f32[G, size]`` (``G`` = ``like.shape[axis]``) that map a length-``size``
     axis to ``G`` like ``F.interpolate(mode, align_corners)`` (see ``interp_matrix``)."""
@@ -181,7 +181,7 @@ class InterpWeights(Op):
         return interp_matrix(np.shape(like)[self.axis], self.size, self.mode, self.align_corners)
 
 
-@op("k3.rope_2d_table", "model")
+@op("k3.rope_2d_table")
 class Rope2DTable(Op):
     """``(cos, sin)``, each ``f32[GH, GW, dim/2]``, of MoonViT's axial RoPE for a grid ``like``
     ``[N, GH, GW, ...]`` (see ``rope_2d_angles``)."""
