@@ -180,7 +180,7 @@ class FusedKDA(Op):
         H, D = self.heads, self.head_dim
         HD, K = H * D, numel((ot[4].shape[2],), env)
         proj = 3 * HD * d + D * d + HD * D + H * d + (HD * d if self.full_rank_gate else D * d + HD * D)
-        return B * T * (2.0 * proj + 2.0 * 3 * HD * K + 8.0 * H * D * D)
+        return B * T * (2.0 * proj + 2.0 * 3 * HD * K + 8.0 * H * D * D + H)   # + the beta sigmoid
 
 
 # ---- MoE ---------------------------------------------------------------------------------
