@@ -27,6 +27,7 @@ Layouts accepted on read (all at once; the first rule that matches wins, per par
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -128,7 +129,11 @@ class Resolver:
         self.where = where
 
     def fail(self, msg: str):
-        raise K3CheckpointError(f"{self.where}: {msg}")
+        m = re.search(r"'([^']+)'", msg)              # name the shard holding the first key quoted
+        where = self.where
+        if m and m.group(1) in self.h:
+            where = f"{where}/{os.path.basename(self.h[m.group(1)].file)}"
+        raise K3CheckpointError(f"{where}: {msg}")
 
     # -- one checkpoint-unit tensor ------------------------------------------------------
     def unit(self, name: str, shape: tuple[int, ...], dtype: str, expert: int | None = None) -> Part | None:
