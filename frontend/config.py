@@ -126,7 +126,8 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
     """Set dotted keys. For a ``kimi_k3`` wrapper, keys not starting with ``text_config.``/
     ``vision_config.`` (or naming a top-level key) go to ``text_config``; dotted keys reach
     ``linear_attn_config``. Overriding ``num_hidden_layers`` alone re-derives the layer lists
-    (MLA layers beyond the new depth dropped; KDA = the complement)."""
+    (MLA layers beyond the new depth dropped; KDA = the complement); overriding ``hidden_size``
+    alone also sets ``vision_config.text_hidden_size`` (the projector's output width)."""
     if not overrides:
         return raw
     cfg = copy.deepcopy(raw)
@@ -145,6 +146,10 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
         node[parts[-1]] = value
     text = cfg["text_config"] if wrapped else cfg
     keys = {k.split(".")[-1] for k in overrides}
+    vision = cfg.get("vision_config") if wrapped else None
+    if ("hidden_size" in keys and isinstance(vision, dict) and "text_hidden_size" in vision
+            and not any(k.endswith("text_hidden_size") for k in overrides)):
+        vision["text_hidden_size"] = text.get("hidden_size")      # the projector follows the text width
     lac = text.get("linear_attn_config")
     if "num_hidden_layers" in keys and isinstance(lac, dict) and "full_attn_layers" not in keys:
         n = text["num_hidden_layers"]

@@ -20,6 +20,13 @@ def rel_err(got, want) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300))
 
 
+try:  # tiny models: one intra-op thread is much faster than two fighting over small kernels
+    import torch as _torch
+    _torch.set_num_threads(1)
+except ImportError:
+    pass
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
