@@ -195,6 +195,11 @@ def cmd_run(args) -> int:
               f"({time.perf_counter() - t0:.2f} s, verified)")
     print_report(report(big), con)
     t1 = time.perf_counter()
+    try:   # tiny shapes: one intra-op thread beats several contending over microsecond kernels
+        import torch
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
     tiny = k3ir.load(args.tiny)
     exe = k3ir.compile(tiny, target=args.target, dtype="float32", device=args.device)
     sess = Session(exe, seed=args.seed)
