@@ -2,8 +2,16 @@
 from .config import BUNDLED, ModelConfig, apply_overrides, build_config, load_config, parse_override_value
 from .model import build_module
 
-__all__ = ["BUNDLED", "ModelConfig", "apply_overrides", "build_config", "build_module", "load_config",
-           "parse_override_value", "load"]
+__all__ = [
+    "BUNDLED",
+    "ModelConfig",
+    "apply_overrides",
+    "build_config",
+    "build_module",
+    "load",
+    "load_config",
+    "parse_override_value",
+]
 
 
 def load(name_or_path: str, overrides=None, strict: bool = True):

@@ -247,7 +247,11 @@ def _to_numpy(t) -> np.ndarray:
 class CheckpointWeights(Mapping):
     """``name -> np.ndarray`` for every declared parameter, read on access (stacked experts as
     ``[E, ...]``; packed experts dequantised to float32). ``notes`` records adaptations (e.g. a
-    truncated ``A_log``), ``unused`` the checkpoint keys that belong to no parameter."""
+    truncated ``A_log``), ``unused`` the checkpoint keys that belong to no parameter.
+
+    ``weights["...w1.weight_packed"]`` / ``["...w1.weight_scale"]`` give a packed expert's raw
+    tensors (``u8`` MXFP4 or ``i32`` INT4, scales ``u8``/float) when the checkpoint stores it
+    packed, else KeyError; :meth:`packed` also quantises float weights on request."""
 
     def __init__(self, ckpt: Checkpoint, plans: dict[str, Plan], unused: list[str]):
         self.checkpoint = ckpt
@@ -259,9 +263,9 @@ class CheckpointWeights(Mapping):
         plan = self.plans.get(name)
         if plan is not None:
             return self._load(plan)
-        for suffix in ("weight_packed", "weight_scale"):
+        for suffix in ("weight_packed", "weight_scale"):     # packed experts, only as stored
             base = name[: -len(suffix)] + "weight" if name.endswith(suffix) else None
-            if base in self.plans:
+            if base in self.plans and self.plans[base].quantized:
                 packed, scales = self.packed(base)
                 return packed if suffix == "weight_packed" else scales
         raise KeyError(name)

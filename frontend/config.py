@@ -95,7 +95,7 @@ def resolve_config_path(name_or_path: str) -> str:
     if os.path.isdir(name_or_path):
         p = os.path.join(name_or_path, "config.json")
         if not os.path.exists(p):
-            raise K3ConfigError(f"directory has no config.json", path=name_or_path)
+            raise K3ConfigError("directory has no config.json", path=name_or_path)
         return p
     if os.path.isfile(name_or_path):
         return name_or_path

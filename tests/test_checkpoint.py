@@ -94,11 +94,13 @@ def test_int4_roundtrip_and_packed_access(tiny, tmp_path):
     packed, scales = loaded.weights.packed(name)          # as stored, no re-quantisation
     np.testing.assert_array_equal(packed[2], sd[key + "_packed"].numpy())
     np.testing.assert_array_equal(scales[2], sd[key.replace("weight", "weight_scale")].numpy())
-    # a float checkpoint hands out packed MXFP4 on request (for a quantisation pass)
+    assert loaded.weights[name.replace("weight", "weight_packed")].dtype == np.int32
+    # a float checkpoint stores no packed tensors, but quantises on request (for a quantisation pass)
     k3ir.save(m, params, str(tmp_path / "f"))
     f = k3ir.load(str(tmp_path / "f"))
-    np.testing.assert_array_equal(f.weights[name.replace("weight", "weight_packed")],
-                                  mxfp4_quantize(params[name])[0])
+    with pytest.raises(KeyError):
+        f.weights[name.replace("weight", "weight_packed")]
+    np.testing.assert_array_equal(f.weights.packed(name, "mxfp4")[0], mxfp4_quantize(params[name])[0])
 
 
 @pytest.mark.parametrize("layout,shared", [("published", "split"), ("transformers", "fused"),
