@@ -1,0 +1,171 @@
+"""OpenAI-compatible HTTP API (FastAPI TestClient) and a short loopback load test."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from k3ir.runtime import Session
+from k3ir.runtime.engine import build_engine
+from k3ir.runtime.tokenizer import load_tokenizer
+
+import k3ir
+
+pytest.importorskip("fastapi")
+pytest.importorskip("sse_starlette")
+from fastapi.testclient import TestClient
+from k3ir.runtime.server import ServerLimits, create_app
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return k3ir.load("k3-tiny")
+
+
+@pytest.fixture(scope="module")
+def session(tiny):
+    return Session(k3ir.compile(tiny, target="torch", dtype="float32"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def client(tiny):
+    eng = build_engine(tiny, block_size=64, num_blocks=32, max_batch=8)
+    app = create_app(eng, load_tokenizer("k3-tiny", tiny), "k3-tiny",
+                     ServerLimits(max_request_bytes=2000, max_prompt_tokens=100, max_output_tokens=20, max_concurrent=2))
+    with TestClient(app) as c:
+        yield c
+
+
+def greedy_text(session, ids, n):
+    out = session.generate(np.array([ids]), n)[0, len(ids):].tolist()
+    out = out[:out.index(257) + 1] if 257 in out else out
+    return out, bytes(t for t in out if t < 256).decode("utf-8", errors="replace")
+
+
+def test_completion_greedy_matches_session(client, session):
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200
+    body = r.json()
+    ids, text = greedy_text(session, [256] + list(b"Hello"), 6)
+    assert body["object"] == "text_completion" and body["model"] == "k3-tiny"
+    assert body["choices"][0]["text"] == text
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": len(ids), "total_tokens": 6 + len(ids)}
+    assert body["choices"][0]["finish_reason"] == ("stop" if 257 in ids else "length")
+
+
+def test_completion_token_prompt_and_seeded_sampling(client):
+    req = {"prompt": [256, 72, 105], "max_tokens": 8, "temperature": 0.9, "top_p": 0.9, "seed": 11}
+    a, b = client.post("/v1/completions", json=req).json(), client.post("/v1/completions", json=req).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"] and a["usage"]["prompt_tokens"] == 3
+
+
+def test_chat_completion(client, session):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200
+    body = r.json()
+    prompt = [256] + list(b"system: be brief\nuser: hi\nassistant: ")
+    _, text = greedy_text(session, prompt, 5)
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": text}
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+
+
+def _sse(client, path, payload):
+    with client.stream("POST", path, json=payload) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        return [ln[6:] for ln in r.read().decode().splitlines() if ln.startswith("data: ")]
+
+
+def test_streaming_equals_non_streaming(client):
+    req = {"prompt": "Stream me", "max_tokens": 10, "temperature": 0}
+    whole = client.post("/v1/completions", json=req).json()["choices"][0]
+    events = _sse(client, "/v1/completions", {**req, "stream": True})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert chunks[-1]["finish_reason"] == whole["finish_reason"]
+    assert all(c["finish_reason"] is None for c in chunks[:-1])
+    events = _sse(client, "/v1/chat/completions",
+                  {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "temperature": 0, "stream": True})
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["object"] == "chat.completion.chunk" and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_stop_string_cuts_text(client):
+    full = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 12, "temperature": 0}).json()
+    text = full["choices"][0]["text"]
+    stop = text[3:5]
+    if not stop or "\ufffd" in stop:
+        pytest.skip("generated text has no clean stop string to test with")
+    cut = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 12, "temperature": 0, "stop": stop}).json()
+    assert cut["choices"][0]["text"] == text[:text.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+def test_models_and_health(client):
+    m = client.get("/v1/models").json()
+    assert m["object"] == "list" and [d["id"] for d in m["data"]] == ["k3-tiny"]
+    h = client.get("/health").json()
+    assert h["status"] == "ok" and h["pool"]["blocks"] == 32 and h["pool"]["referenced"] == 0
+
+
+@pytest.mark.parametrize("body,status,code", [
+    (b"{not json", 400, "invalid_json"),
+    (json.dumps({"max_tokens": 3}).encode(), 400, "invalid_request"),                 # no prompt
+    (json.dumps({"prompt": "x", "temperature": -1}).encode(), 400, "invalid_request"),
+    (json.dumps({"prompt": "x", "top_p": 0}).encode(), 400, "invalid_request"),
+    (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), 400, "invalid_request"),
+    (json.dumps({"prompt": "x", "n": 2}).encode(), 400, "invalid_request"),
+    (json.dumps({"prompt": "x", "max_tokens": 21}).encode(), 400, "max_tokens_exceeded"),
+    (json.dumps({"prompt": "x" * 150}).encode(), 400, "context_length_exceeded"),
+    (json.dumps({"prompt": [1, 99999]}).encode(), 400, "invalid_request"),
+    (json.dumps({"prompt": []}).encode(), 400, "invalid_request"),
+    (json.dumps({"prompt": "x", "model": "other"}).encode(), 404, "model_not_found"),
+    (json.dumps({"prompt": "x" * 3000}).encode(), 413, "request_too_large"),
+])
+def test_bad_requests_get_json_errors(client, body, status, code):
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["code"] == code and err["message"]
+
+
+def test_chat_malformed_and_unknown_route(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400 and "error" in r.json()
+    r = client.post("/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "http_404"
+
+
+def test_concurrency_limit_gives_429(tiny):
+    eng = build_engine(tiny, block_size=64, num_blocks=16, max_batch=4)
+    app = create_app(eng, load_tokenizer("k3-tiny", tiny), "k3-tiny", ServerLimits(max_concurrent=1))
+    with TestClient(app) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": "hold", "max_tokens": 50, "stream": True}) as s:
+            r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+            s.read()
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_short_loopback_load_test():
+    """The suite's 5-second, 4-client version of bench/load_test.py (real uvicorn on 127.0.0.1)."""
+    pytest.importorskip("httpx")
+    path = Path(__file__).resolve().parents[1] / "bench" / "load_test.py"
+    spec = importlib.util.spec_from_file_location("k3ir_load_test", path)
+    lt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lt)
+    url, stop = lt.start_server("k3-tiny", block_size=64, max_batch=8)
+    try:
+        rep = asyncio.run(lt.run_load(url, clients=4, duration=5.0, max_tokens=8))
+    finally:
+        stop()
+    assert rep["errors"] == 0, rep["error_samples"]
+    assert rep["requests"] > 0 and set(rep["latency_s"]) >= {"p50", "p90", "p99"}
+    assert rep["server"]["pool"]["referenced"] == 0
