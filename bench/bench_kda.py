@@ -26,8 +26,8 @@ def bench(fn, graph=False, rep=200):
     if graph:
         try:
             return float(tt.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
-        except Exception:
-            pass
+        except Exception as e:  # noqa: BLE001 - not capturable (host syncs): time with events instead
+            print("no CUDA graph:", repr(e)[:80])
     return float(tt.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
 
 
@@ -60,9 +60,151 @@ def inputs(B, T, H, D, seed=0):
 
     def r(*s, dt=torch.bfloat16):
         return torch.randn(*s, device="cuda", generator=g).to(dt)
-    return dict(q=r(B, T, H, D), k=r(B, T, H, D), v=r(B, T, H, D), g=r(B, T, H, D), beta=r(B, T, H),
-                A_log=(torch.rand(H, device="cuda", generator=g) * 2 - 1).float(),
-                dt_bias=r(H * D, dt=torch.float32))
+    return {"q": r(B, T, H, D), "k": r(B, T, H, D), "v": r(B, T, H, D), "g": r(B, T, H, D), "beta": r(B, T, H),
+                "A_log": (torch.rand(H, device="cuda", generator=g) * 2 - 1).float(),
+                "dt_bias": r(H * D, dt=torch.float32)}
+
+
+def _ours_fwd(fn, x, lb, **kw):
+    def run():
+        return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], lower_bound=lb,
+                  output_final_state=True, **kw)
+    return run
+
+
+def _fla_fwd(chunk_kda, x, lb):
+    kw = {"safe_gate": True, "lower_bound": lb} if lb is not None else {}
+
+    def run():
+        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                         use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                         output_final_state=True, **kw)
+    return run
+
+
+def fwd_row(x, shape, gate, lb, ours_fn, chunk_kda):
+    nbytes, flops = fwd_cost(*shape)
+    ours = _ours_fwd(ours_fn, x, lb)
+    t_o = bench(ours)
+    row = {"kind": "fwd", "shape": list(shape), "gate": gate, "ours_ms": t_o,
+           "floor_ms": max(nbytes / MEM_BW, flops / MATMUL) * 1e3, "mem_frac": nbytes / MEM_BW / (t_o * 1e-3),
+           "flop_frac": flops / MATMUL / (t_o * 1e-3),
+           "intra_ms": bench(_ours_fwd(ours_fn, x, lb, stages=("intra",))),
+           "recur_ms": bench(_ours_fwd(ours_fn, x, lb, stages=("recur",)))}
+    if chunk_kda is not None:
+        fla = _fla_fwd(chunk_kda, x, lb)
+        t_f = bench(fla)
+        o1, s1 = ours()
+        o2, s2 = fla()
+        row.update(fla_ms=t_f, ratio=t_f / t_o, err_vs_fla_o=rel(o1, o2), err_vs_fla_state=rel(s1, s2))
+    return row
+
+
+def sweep(x, shape, lb, ours_fn, chunk_kda):
+    """Launch variants of the K3 forward on one shape: time, per-kernel time, error vs fla."""
+    from k3ir.backends.triton import kda as KD
+    base = dict(KD.TUNING)
+    ref = _fla_fwd(chunk_kda, x, lb)() if chunk_kda is not None else None
+    out = []
+    for inv in (False, True):
+        for bv, rw, iw in ((32, 4, 8), (64, 4, 8), (64, 8, 8), (32, 8, 8), (32, 4, 4), (128, 8, 8)):
+            KD.TUNING.update(inv_dots=inv, bv=bv, recur_warps=rw, intra_warps=iw)
+            try:
+                row = {"kind": "variant", "shape": list(shape), "gate": "k3", "tuning": dict(KD.TUNING),
+                       "ours_ms": bench(_ours_fwd(ours_fn, x, lb), rep=100),
+                       "intra_ms": bench(_ours_fwd(ours_fn, x, lb, stages=("intra",)), rep=100),
+                       "recur_ms": bench(_ours_fwd(ours_fn, x, lb, stages=("recur",)), rep=100)}
+                if ref is not None:
+                    o1, _ = _ours_fwd(ours_fn, x, lb)()
+                    row["err_vs_fla_o"] = rel(o1, ref[0])
+            except Exception as e:  # noqa: BLE001 - a variant that fails to compile is recorded, not fatal
+                row = {"kind": "variant", "shape": list(shape), "gate": "k3", "tuning": dict(KD.TUNING),
+                       "error": repr(e)[:200]}
+            print(row, flush=True)
+            out.append(row)
+    KD.TUNING.clear()
+    KD.TUNING.update(base)
+    return out
+
+
+def bwd_row(x, shape, gate, lb, kda_forward, chunk_kda):
+    nbytes, flops = fwd_cost(*shape)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+    leaves = {n: x[n].clone().requires_grad_() for n in names}
+    do = torch.randn_like(x["v"])
+
+    def fb_ours():
+        o, _ = kda_forward(*(leaves[n] for n in names), lower_bound=lb)
+        o.backward(do)
+
+    row = {"kind": "fwd+bwd", "shape": list(shape), "gate": gate}
+    try:
+        t_o = wall(fb_ours)
+        row.update(ours_ms=t_o, mem_frac=3 * nbytes / MEM_BW / (t_o * 1e-3),
+                   flop_frac=3 * flops / MATMUL / (t_o * 1e-3), floor_ms=3 * max(nbytes / MEM_BW, flops / MATMUL) * 1e3)
+    except Exception as e:  # noqa: BLE001 - OOM or the like: record and go on
+        row.update(ours_error=repr(e)[:200])
+    torch.cuda.empty_cache()
+    if chunk_kda is not None:
+        kw = {"safe_gate": True, "lower_bound": lb} if lb is not None else {}
+
+        def fb_fla():
+            o, _ = chunk_kda(*(leaves[n] for n in names[:5]), A_log=leaves["A_log"], dt_bias=leaves["dt_bias"],
+                             use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                             **kw)
+            o.backward(do)
+        t_f = bench(fb_fla, rep=100)
+        row.update(fla_ms=t_f, ratio=t_f / row["ours_ms"] if "ours_ms" in row else None)
+    return row
+
+
+def decode_rows(rows, kda_decode, fused_recurrent_kda, save):
+    H, D = 32, 128
+    for B in DECODE_B:
+        x = inputs(B, 1, H, D, seed=B)
+        S = torch.randn(B, H, D, D, device="cuda")
+        pool = S.clone()
+        slots = torch.arange(B, device="cuda", dtype=torch.int32)
+        qf, kf, vf, zf = (x[n].reshape(B, H * D) for n in ("q", "k", "v", "g"))
+        bf = x["beta"].reshape(B, H)
+        C = H * D
+        cw = [torch.randn(C, 1, 4, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        cs = [torch.randn(B, C, 3, device="cuda") for _ in range(3)]
+        nw, gz = torch.randn(D, device="cuda"), torch.randn(B, C, device="cuda", dtype=torch.bfloat16)
+
+        def ours(full=False, qf=qf, kf=kf, vf=vf, zf=zf, bf=bf, x=x, pool=pool, slots=slots, cw=cw, cs=cs, nw=nw,
+                 gz=gz):
+            if full:   # whole layer step: conv state update + norm + output gate in the same launch
+                return kda_decode(qf, kf, vf, zf, bf, x["A_log"], x["dt_bias"], pool, slots, lower_bound=-5.0,
+                                  conv=(*cw, *cs), norm=(nw, gz, 1e-5))
+            return kda_decode(qf, kf, vf, zf, bf, x["A_log"], x["dt_bias"], pool, slots, lower_bound=-5.0)
+
+        t_o = bench(ours, graph=True)
+        nbytes = 2 * B * H * D * D * 4 + 5 * B * H * D * 2
+        row = {"kind": "decode", "shape": [B, 1, H, D], "gate": "k3", "ours_ms": t_o, "floor_ms": nbytes / MEM_BW * 1e3,
+               "mem_frac": nbytes / MEM_BW / (t_o * 1e-3), "flop_frac": 8 * B * H * D * D / MATMUL / (t_o * 1e-3),
+               "ours_full_layer_ms": bench(lambda ours=ours: ours(True), graph=True)}
+        if fused_recurrent_kda is not None:
+            def fla(st=None, x=x, S=S):
+                return fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
+                                           dt_bias=x["dt_bias"], initial_state=S.clone() if st is None else st,
+                                           output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                           use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+            st = S.clone()
+            t_f = bench(lambda fla=fla, st=st: fla(st), graph=True)
+            pool.copy_(S)
+            o1 = ours()
+            o2, s2 = fla()
+            row.update(fla_ms=t_f, ratio=t_f / t_o, err_vs_fla_o=rel(o1, o2.reshape(B, H * D)),
+                       err_vs_fla_state=rel(pool, s2))
+        rows.append(row)
+        print(row, flush=True)
+        save()
+
+
+def _fmt(r, k, fmt):
+    v = r.get(k)
+    return fmt.format(v) if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)) else "-"
 
 
 def main():
@@ -76,132 +218,51 @@ def main():
     from k3ir.backends.triton.kda import kda_forward_kernels
     try:
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
-    except Exception as e:   # fla missing: our numbers only
+    except Exception as e:  # noqa: BLE001 - fla missing or broken: our numbers only
         print("fla not importable:", e)
         chunk_kda = fused_recurrent_kda = None
     rows = []
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     import triton
     meta["triton"] = triton.__version__
 
     def save():
         with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
+    decode_rows(rows, kda_decode, fused_recurrent_kda, save)
     shapes = FWD_SHAPES[:1] if args.quick else FWD_SHAPES
-    for (B, T, H, D) in shapes:
-        x = inputs(B, T, H, D)
-        nbytes, flops = fwd_cost(B, T, H, D)
+    for shape in shapes:
+        x = inputs(*shape)
         for gate, lb in (("k3", -5.0), ("softplus", None)):
-            ours = lambda: kda_forward_kernels(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"],  # noqa: E731
-                                               x["dt_bias"], lower_bound=lb, output_final_state=True)
-            t_o = bench(ours)
-            row = dict(kind="fwd", shape=[B, T, H, D], gate=gate, ours_ms=t_o, floor_ms=max(nbytes / MEM_BW,
-                       flops / MATMUL) * 1e3, mem_frac=nbytes / MEM_BW / (t_o * 1e-3),
-                       flop_frac=flops / MATMUL / (t_o * 1e-3))
-            if chunk_kda is not None:
-                kw = dict(safe_gate=True, lower_bound=lb) if lb is not None else {}
-                fla = lambda: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],  # noqa: E731
-                                        dt_bias=x["dt_bias"], use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                                        use_beta_sigmoid_in_kernel=True, output_final_state=True, **kw)
-                t_f = bench(fla)
-                o1, s1 = ours()
-                o2, s2 = fla()
-                row.update(fla_ms=t_f, ratio=t_f / t_o, err_vs_fla_o=rel(o1, o2), err_vs_fla_state=rel(s1, s2))
-            rows.append(row)
-            print(row, flush=True)
+            rows.append(fwd_row(x, shape, gate, lb, kda_forward_kernels, chunk_kda))
+            print(rows[-1], flush=True)
             save()
-            if args.no_bwd or ((B, T, H) != (1, 32768, 32) and not args.bwd_all):
-                continue
-            # forward + backward
-            leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")}
-            do = torch.randn_like(x["v"])
-
-            def fb_ours():
-                o, _ = kda_forward(*(leaves[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")),
-                                   lower_bound=lb)
-                o.backward(do)
-
-            row = dict(kind="fwd+bwd", shape=[B, T, H, D], gate=gate)
-            try:
-                t_o = wall(fb_ours)
-                row.update(ours_ms=t_o, mem_frac=3 * nbytes / MEM_BW / (t_o * 1e-3),
-                           flop_frac=3 * flops / MATMUL / (t_o * 1e-3), floor_ms=3 * max(nbytes / MEM_BW,
-                           flops / MATMUL) * 1e3)
-            except Exception as e:   # OOM or the like: record and go on
-                row.update(ours_error=repr(e)[:200])
-            torch.cuda.empty_cache()
-            if chunk_kda is not None:
-                def fb_fla():
-                    kw = dict(safe_gate=True, lower_bound=lb) if lb is not None else {}
-                    o, _ = chunk_kda(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), A_log=leaves["A_log"],
-                                     dt_bias=leaves["dt_bias"], use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                                     use_beta_sigmoid_in_kernel=True, **kw)
-                    o.backward(do)
-                try:
-                    t_f = bench(fb_fla, rep=100)
-                    row.update(fla_ms=t_f, ratio=t_f / row["ours_ms"] if "ours_ms" in row else None)
-                except Exception as e:
-                    row.update(fla_error=repr(e)[:200])
-            rows.append(row)
-            print(row, flush=True)
-            save()
-            del leaves
-            torch.cuda.empty_cache()
+            if shape == FWD_SHAPES[0] and gate == "k3" and not args.quick:
+                rows.extend(sweep(x, shape, lb, kda_forward_kernels, chunk_kda))
+                save()
         del x
         torch.cuda.empty_cache()
-
-    H, D = 32, 128
-    for B in DECODE_B:
-        x = inputs(B, 1, H, D, seed=B)
-        S = torch.randn(B, H, D, D, device="cuda")
-        pool = S.clone()
-        slots = torch.arange(B, device="cuda", dtype=torch.int32)
-        qf, kf, vf, zf = (x[n].reshape(B, H * D) for n in ("q", "k", "v", "g"))
-        bf = x["beta"].reshape(B, H)
-        ours = lambda: kda_decode(qf, kf, vf, zf, bf, x["A_log"], x["dt_bias"], pool, slots,  # noqa: E731
-                                  lower_bound=-5.0)
-        t_o = bench(ours, graph=True)
-        nbytes = 2 * B * H * D * D * 4 + 5 * B * H * D * 2
-        row = dict(kind="decode", shape=[B, 1, H, D], gate="k3", ours_ms=t_o, floor_ms=nbytes / MEM_BW * 1e3,
-                   mem_frac=nbytes / MEM_BW / (t_o * 1e-3), flop_frac=8 * B * H * D * D / MATMUL / (t_o * 1e-3))
-        # full layer step: conv state update + norm + output gate in the same launch
-        C = H * D
-        cw = [torch.randn(C, 1, 4, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-        cs = [torch.randn(B, C, 3, device="cuda") for _ in range(3)]
-        nw, gz = torch.randn(D, device="cuda"), torch.randn(B, C, device="cuda", dtype=torch.bfloat16)
-        full = lambda: kda_decode(qf, kf, vf, zf, bf, x["A_log"], x["dt_bias"], pool, slots,  # noqa: E731
-                                  lower_bound=-5.0, conv=(*cw, *cs), norm=(nw, gz, 1e-5))
-        row["ours_full_layer_ms"] = bench(full, graph=True)
-        if fused_recurrent_kda is not None:
-            st = S.clone()
-            fla = lambda: fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],  # noqa
-                                              dt_bias=x["dt_bias"], initial_state=st, output_final_state=True,
-                                              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                              use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
-            t_f = bench(fla, graph=True)
-            pool.copy_(S)
-            o1 = ours()
-            o2, s2 = fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
-                                         dt_bias=x["dt_bias"], initial_state=S.clone(), output_final_state=True,
-                                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                         use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
-            row.update(fla_ms=t_f, ratio=t_f / t_o, err_vs_fla_o=rel(o1, o2.reshape(B, H * D)),
-                       err_vs_fla_state=rel(pool, s2))
-        rows.append(row)
-        print(row, flush=True)
-        save()
+    if not args.no_bwd:
+        for shape in (FWD_SHAPES if args.bwd_all else FWD_SHAPES[:1]):
+            x = inputs(*shape)
+            for gate, lb in (("k3", -5.0),) if not args.bwd_all else (("k3", -5.0), ("softplus", None)):
+                rows.append(bwd_row(x, shape, gate, lb, kda_forward, chunk_kda))
+                print(rows[-1], flush=True)
+                save()
+            del x
+            torch.cuda.empty_cache()
 
     print(f"\n{meta}")
     hdr = f"{'kind':8} {'B,T,H,D':>18} {'gate':8} {'ours ms':>9} {'fla ms':>9} {'fla/ours':>8} {'mem%':>6} " \
           f"{'flop%':>6} {'floor ms':>8} {'err vs fla':>10}"
     print(hdr)
     for r in rows:
-        f = lambda k, fmt: (fmt.format(r[k]) if isinstance(r.get(k), (int, float)) and not  # noqa: E731
-                            (isinstance(r.get(k), float) and math.isnan(r[k])) else "-")
-        print(f"{r['kind']:8} {','.join(map(str, r['shape'])):>18} {r['gate']:8} {f('ours_ms', '{:9.3f}')} "
-              f"{f('fla_ms', '{:9.3f}')} {f('ratio', '{:8.2f}')} {f('mem_frac', '{:6.1%}')} "
-              f"{f('flop_frac', '{:6.1%}')} {f('floor_ms', '{:8.3f}')} {f('err_vs_fla_o', '{:10.1e}')}")
+        print(f"{r['kind']:8} {','.join(map(str, r['shape'])):>18} {r['gate']:8} {_fmt(r, 'ours_ms', '{:9.3f}')} "
+              f"{_fmt(r, 'fla_ms', '{:9.3f}')} {_fmt(r, 'ratio', '{:8.2f}')} {_fmt(r, 'mem_frac', '{:6.1%}')} "
+              f"{_fmt(r, 'flop_frac', '{:6.1%}')} {_fmt(r, 'floor_ms', '{:8.3f}')} {_fmt(r, 'err_vs_fla_o', '{:10.1e}')}"
+              + (f"  {r['tuning']}" if "tuning" in r else "")
+              + (f"  intra {r['intra_ms']:.3f} recur {r['recur_ms']:.3f}" if "intra_ms" in r else ""))
     save()
 
 

@@ -17,12 +17,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the kernels' import
 pytest.importorskip("triton")
 
-from conftest import rel_err  # noqa: E402
+from conftest import rel_err
+from k3ir.backends.triton import kda_decode, kda_forward, short_conv
+from k3ir.backends.triton.layer import gated_rmsnorm
 
-from k3ir.backends.triton import kda_decode, kda_forward, short_conv  # noqa: E402
-from k3ir.backends.triton.layer import gated_rmsnorm  # noqa: E402
-from k3ir.errors import K3RuntimeError  # noqa: E402
-from k3ir.ops.kda import kda_gate_ref, kda_recurrent  # noqa: E402
+from k3ir.errors import K3RuntimeError
+from k3ir.ops.kda import kda_gate_ref, kda_recurrent
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
@@ -34,9 +34,9 @@ def make(B, T, H, K, V=None, seed=0, dtype=torch.float32, lb=-5.0, strong=False,
 
     def r(*s, scale=1.0):
         return (torch.randn(*s, generator=g) * scale).to(DEV)
-    x = dict(q=r(B, T, H, K).to(dtype), k=r(B, T, H, K).to(dtype), v=r(B, T, H, V).to(dtype),
-             g=r(B, T, H, K).to(dtype), beta=r(B, T, H).to(dtype), A_log=r(H, scale=0.5),
-             dt_bias=r(H * K))
+    x = {"q": r(B, T, H, K).to(dtype), "k": r(B, T, H, K).to(dtype), "v": r(B, T, H, V).to(dtype),
+             "g": r(B, T, H, K).to(dtype), "beta": r(B, T, H).to(dtype), "A_log": r(H, scale=0.5),
+             "dt_bias": r(H * K)}
     if strong:   # softplus gate with decays far past exp(-80) inside one sub-chunk
         x["A_log"] = torch.full((H,), 2.5, device=DEV)
         x["dt_bias"] = x["dt_bias"] * 3 + 6
@@ -49,7 +49,7 @@ def ref_np(x, cu=None):
     """float64 NumPy reference: SPEC 3.3 (L2 norm, scale), 3.4 (gate), sigmoid beta, 3.5."""
     f = {k: (v.detach().double().cpu().numpy() if torch.is_tensor(v) else v) for k, v in x.items()}
     K = f["k"].shape[-1]
-    n = lambda a: a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
+    n = lambda a: a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6)
     gl = kda_gate_ref(f["g"], f["A_log"], f["dt_bias"], "softplus" if f["lb"] is None else "lower_bound",
                       f["lb"] if f["lb"] is not None else -5.0)
     b = 1 / (1 + np.exp(-f["beta"]))
@@ -105,7 +105,7 @@ def test_unbounded_softplus_gate_stays_finite():
     x = make(1, 40, 2, 16, lb=None, strong=True, h0=False)
     o, s = run(x)
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
-    o_r, s_r = ref_np(x)
+    o_r, _s_r = ref_np(x)
     assert rel_err(o, o_r) < (1e-5 if not GPU else 3e-3)
 
 
@@ -216,7 +216,7 @@ def test_decode_step_on_pool_slots(lb):
                           c.double().cpu().numpy()[sl])
         ys.append(y.reshape(B, 1, H, K))
         news.append(sn)
-    nrm = lambda a: a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
+    nrm = lambda a: a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6)
     gl = kda_gate_ref(z.double().cpu().numpy().reshape(B, 1, H, K), A_log.cpu().numpy(), dt.cpu().numpy(),
                       "softplus" if lb is None else "lower_bound", lb or -5.0)
     o_r, s_r = kda_recurrent(nrm(ys[0]), nrm(ys[1]), ys[2], gl, 1 / (1 + np.exp(-beta.double().cpu().numpy()[:, None])),

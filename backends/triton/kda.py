@@ -18,6 +18,8 @@ from .kda_torch import kda_chunk_torch
 BT, BC = 64, 16
 #: dtype overrides of the intermediates ({'w': ..., 'qk': ..., 'A': ...}); default: q's dtype, as fla
 INTERMEDIATE_DTYPES: dict = {}
+#: launch choices (the bench sweeps them): 16x16 inverse by dots, value block and warps of the recurrence
+TUNING: dict = {"inv_dots": False, "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8}
 
 
 def _interpret() -> bool:
@@ -59,8 +61,10 @@ def _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate):
 
 
 def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, initial_state=None,
-                        output_final_state=False, cu_seqlens=None, scale=None, gate: str = "raw"):
-    """The two Triton launches, no autograd. Same contract as ``kda_forward``."""
+                        output_final_state=False, cu_seqlens=None, scale=None, gate: str = "raw",
+                        stages: tuple[str, ...] = ("intra", "recur")):
+    """The two Triton launches, no autograd. Same contract as ``kda_forward``; ``stages`` picks
+    launches for timing one kernel alone (the outputs are then meaningless)."""
     N = _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate)
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -108,18 +112,21 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
         return o, ht
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    if NC > 0:
+    if NC > 0 and "intra" in stages:
         kk.kda_intra_kernel[(NC, H)](
             q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gC, cu_dev, chunk_indices, T, scale, lb,
             H=H, K=K, V=V, BT=BT, BC=BC, GATE=GATE, L2NORM=gate != "precomputed",
             BETA_SIGMOID=gate != "precomputed", IS_VARLEN=cu_seqlens is not None, EXACT=GATE != kk.GATE_LOWER_BOUND,
-            PREC=prec, num_warps=4 if K <= 64 else 8)
-    BV = min(64, V) if N * H >= 128 or V < 64 else 32
+            PREC=prec, INV_DOTS=TUNING["inv_dots"], num_warps=4 if K <= 64 else TUNING["intra_warps"])
+    BV = TUNING["bv"] or (min(64, V) if N * H >= 128 or V < 64 else 32)
+    BV = min(BV, V)
+    if "recur" not in stages:
+        return o, ht
     kk.kda_recur_kernel[(V // BV, N * H)](
         w, u, qg, kg, Aqk, gC, o, h0, ht, cu_dev, chunk_offsets, T,
         H=H, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
         IS_VARLEN=cu_seqlens is not None, PREC="ieee" if idt == torch.float32 else "tf32",
-        DOT_F32=_interpret(), num_warps=4, num_stages=2)
+        DOT_F32=_interpret(), num_warps=TUNING["recur_warps"], num_stages=TUNING["recur_stages"])
     return o, ht
 
 

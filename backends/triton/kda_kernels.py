@@ -88,8 +88,16 @@ def _diag_exact(a, kI, GI, BC: tl.constexpr):
 
 @triton.jit
 def _diag(a_pos, a, kI, GI, GsI, BC: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr):
+    """A diagonal tile. Bounded gates: the factorised dot (factors within exp(80)). Unbounded
+    gates: the same dot when this sub-chunk's total decay stays within exp(80) on every channel
+    (then no factor can overflow), else the exact element-wise loop."""
     if EXACT:
-        return _diag_exact(a, kI, GI, BC)
+        span = tl.max(tl.max(GsI[None, :] - GI, 1), 0)
+        if span <= 80.0:
+            out = _off_blk(a_pos, kI, GI, GsI, PREC)
+        else:
+            out = _diag_exact(a, kI, GI, BC)
+        return out
     else:
         return _off_blk(a_pos, kI, GI, GsI, PREC)
 
@@ -104,6 +112,28 @@ def _inv_unit_lower(N, BC: tl.constexpr):
         x_i = tl.sum(n_i[:, None] * X, 0)
         X = tl.where(rows[:, None] == i, X - x_i[None, :], X)
     return X
+
+
+@triton.jit
+def _inv_unit_lower_dots(N, BC: tl.constexpr):
+    """``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8)`` for a strictly lower 16x16 ``N``
+    (nilpotent: ``N^16 = 0``), fp32 dots."""
+    rows = tl.arange(0, BC)
+    eye = tl.where(rows[:, None] == rows[None, :], 1., 0.)
+    N2 = tl.dot(N, N, input_precision="ieee")
+    N4 = tl.dot(N2, N2, input_precision="ieee")
+    N8 = tl.dot(N4, N4, input_precision="ieee")
+    X = tl.dot(eye - N, eye + N2, input_precision="ieee")
+    X = tl.dot(X, eye + N4, input_precision="ieee")
+    return tl.dot(X, eye + N8, input_precision="ieee")
+
+
+@triton.jit
+def _inv(N, BC: tl.constexpr, INV_DOTS: tl.constexpr):
+    if INV_DOTS:
+        return _inv_unit_lower_dots(N, BC)
+    else:
+        return _inv_unit_lower(N, BC)
 
 
 @triton.jit
@@ -130,12 +160,13 @@ def _load_v(v, row0, r0, n_valid, i_h, H: tl.constexpr, V: tl.constexpr, BC: tl.
     return tl.load(v + off, mask=(rows < n_valid)[:, None], other=0.).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def kda_intra_kernel(q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gC, cu_seqlens, chunk_indices,
                      T, scale, lb,
                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                      GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-                     IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr):
+                     IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr,
+                     INV_DOTS: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
@@ -220,10 +251,10 @@ def kda_intra_kernel(q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gC, cu
              i_h, H, BT, BC)
 
     # ---- (I + A)^-1: diagonal blocks by substitution, then block forward substitution
-    X00 = _inv_unit_lower(A00, BC)
-    X11 = _inv_unit_lower(A11, BC)
-    X22 = _inv_unit_lower(A22, BC)
-    X33 = _inv_unit_lower(A33, BC)
+    X00 = _inv(A00, BC, INV_DOTS)
+    X11 = _inv(A11, BC, INV_DOTS)
+    X22 = _inv(A22, BC, INV_DOTS)
+    X33 = _inv(A33, BC, INV_DOTS)
     X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision="ieee"), input_precision="ieee")
     X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision="ieee"), input_precision="ieee")
     X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision="ieee") + tl.dot(A21, X10, input_precision="ieee"),
@@ -266,7 +297,7 @@ def kda_intra_kernel(q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gC, cu
                 row0, 3 * BC, nv, i_h, H, V, BC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def kda_recur_kernel(w, u, qg, kg, Aqk, gC, o, h0, ht, cu_seqlens, chunk_offsets, T,
                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                      USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
