@@ -93,7 +93,10 @@ def cmd_compile(args) -> int:
         con.print(f"note: target '{args.target}' cannot build here ({why}); ran its pipeline only")
     else:
         t2 = time.perf_counter()
-        exe = backend.build(m, dtype=args.dtype, device=args.device)
+        from k3ir.backends import _DTYPE_NAMES
+        if args.dtype not in _DTYPE_NAMES:
+            raise UsageError(f"unknown --dtype '{args.dtype}' (want one of float32, bfloat16, float16, float64)")
+        exe = backend.build(m, dtype=_DTYPE_NAMES[args.dtype], device=args.device)
         con.print(f"built {exe!r} in {time.perf_counter() - t2:.2f} s")
     return 0
 
@@ -108,7 +111,7 @@ def register(sub) -> None:
     p.add_argument("--verify-each", action="store_true", help="run the verifier after every pass")
     p.add_argument("-o", "--output", metavar="DIR", help="write the final module.k3 and passes.json")
     p.add_argument("--no-build", action="store_true", help="run the pipeline only")
-    p.add_argument("--dtype", default="bfloat16", help="compute dtype for the build (default bfloat16)")
+    p.add_argument("--dtype", default="float32", help="compute dtype for the build (default float32)")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_compile)
 
