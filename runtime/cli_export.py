@@ -1,0 +1,95 @@
+"""``k3ir export``: write a model as ONNX, MLIR or a picture.
+
+    k3ir export kimi-k3 --format onnx --weights inputs -o k3.onnx      # structure only
+    k3ir export k3-tiny --format onnx -o tiny.onnx                      # weights in tiny.onnx.data
+    k3ir export k3-tiny --format mlir -o tiny.mlir --iree-target vulkan-spirv   # + tiny.vulkan-spirv.vmfb
+    k3ir export kimi-k3 --format html -o k3.html                        # collapsible layer view
+    k3ir export k3-tiny --format svg --level op -o tiny.svg
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from .cli import UsageError, console, load_model, model_arg
+
+FORMATS = ("onnx", "mlir", "dot", "svg", "html")
+
+
+def _params(m):
+    """Bound checkpoint weights, else None: the exporter then draws the deterministic random init
+    (``runtime.params.init_param``, seed 0) one used parameter at a time."""
+    from .params import bound_params
+    return bound_params(m)
+
+
+def cmd_export(args) -> int:
+    con = console()
+    fmt = args.format or os.path.splitext(args.output)[1].lstrip(".").lower()
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown export format '{fmt}' (want one of {', '.join(FORMATS)})")
+    if args.weights and fmt != "onnx":
+        raise UsageError("--weights applies to --format onnx only")
+    if args.iree_target and fmt != "mlir":
+        raise UsageError("--iree-target applies to --format mlir only")
+    t0 = time.perf_counter()
+    m = load_model(args)
+    out = args.output
+    d = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(d):
+        raise UsageError(f"output directory '{d}' does not exist")
+    if fmt == "onnx":
+        from k3ir.backends.onnx.export import export_onnx
+        weights = args.weights or "external"
+        info = export_onnx(m, out, function=args.function or "prefill", weights=weights,
+                           params=None if weights == "inputs" else _params(m))
+        con.print(f"wrote {out}: {info['nodes']:,} nodes, {info['inputs']} inputs, {info['initializers']} initializers"
+                  + (f", data in {info['external_data']}" if info["external_data"] else "")
+                  + f" ({time.perf_counter() - t0:.2f} s)")
+        con.print(f"lowered natively: {', '.join(sorted(info['native']))}")
+        con.print(f"decomposed: {', '.join(sorted(info['decomposed'])) or '-'}")
+        return 0
+    if fmt == "mlir":
+        from k3ir.backends.mlir import compile_mlir, emit_mlir
+        fns = [args.function] if args.function else ["prefill", "decode"]
+        text, order = emit_mlir(m, fns)
+        with open(out, "w") as f:
+            f.write(text)
+        con.print(f"wrote {out}: {len(text.splitlines()):,} lines, functions {', '.join('@' + x for x in fns)}; "
+                  f"weights are trailing arguments ({len(order[fns[0]])} for @{fns[0]})")
+        if args.iree_target:
+            vm = os.path.splitext(out)[0] + f".{args.iree_target}.vmfb"
+            t1 = time.perf_counter()
+            data = compile_mlir(text, args.iree_target)
+            with open(vm, "wb") as f:
+                f.write(data)
+            con.print(f"wrote {vm} ({len(data):,} bytes, IREE {args.iree_target}, {time.perf_counter() - t1:.1f} s)")
+        return 0
+    from . import pictures
+    fn = args.function or "forward"
+    if fmt == "html":
+        if args.level != "layer":
+            raise UsageError("--format html shows layers with their ops inside; --level applies to dot/svg")
+        text = pictures.to_html(m, fn)
+    elif fmt == "dot":
+        text = pictures.to_dot(m, fn, args.level)
+    else:
+        text = pictures.to_svg(m, fn, args.level)
+    with open(out, "w") as f:
+        f.write(text)
+    con.print(f"wrote {out} ({fmt}, {args.level} level, @{fn}, {len(text):,} bytes)")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="write ONNX, MLIR or a graph picture (dot/svg/html)")
+    model_arg(p)
+    p.add_argument("--format", choices=FORMATS, help="output format (default: from the -o extension)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="output file")
+    p.add_argument("--function", help="entry function (onnx: prefill; mlir: prefill+decode; pictures: forward)")
+    p.add_argument("--weights", choices=("inputs", "external", "embedded"),
+                   help="onnx: weights as graph inputs (structure only), in OUT.data (default) or embedded")
+    p.add_argument("--iree-target", choices=("llvm-cpu", "rocm", "vulkan-spirv", "metal-spirv"),
+                   help="mlir: also compile a deployable IREE module OUT.<target>.vmfb")
+    p.add_argument("--level", choices=("layer", "op"), default="layer", help="pictures: layer (default) or op level")
+    p.set_defaults(func=cmd_export)
