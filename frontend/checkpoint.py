@@ -19,6 +19,7 @@ import copy
 import glob
 import json
 import logging
+import math
 import os
 import struct
 from collections.abc import Iterator, Mapping
@@ -73,10 +74,10 @@ def read_header(path: str) -> tuple[dict[str, Header], dict]:
         if dt not in ST_DTYPES:
             raise K3CheckpointError(f"{name}: tensor '{key}' has unknown dtype {dt!r} "
                                     f"(known: {', '.join(sorted(ST_DTYPES))})")
-        if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
-                or not isinstance(offs, list) or len(offs) != 2 or not all(isinstance(o, int) for o in offs)):
+        if (not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)
+                or not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)):
             raise K3CheckpointError(f"{name}: corrupt header entry for tensor '{key}'")
-        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        numel = math.prod(shape)
         if offs[1] - offs[0] != numel * ST_DTYPES[dt] or offs[0] < 0:
             raise K3CheckpointError(f"{name}: tensor '{key}' {dt}{shape} spans bytes {offs}, "
                                     f"expected {numel * ST_DTYPES[dt]} bytes")
@@ -147,17 +148,18 @@ class Checkpoint:
         wm = idx.get("weight_map") if isinstance(idx, dict) else None
         if not isinstance(wm, dict) or not wm:
             raise K3CheckpointError(f"{name}: bad index file: 'weight_map' must be a non-empty object")
-        shards: dict[str, list[str]] = {}
+        by_name: dict[str, list[str]] = {}
         for key, shard in wm.items():
-            if not isinstance(shard, str) or not shard or os.path.isabs(shard) or ".." in shard.split("/"):
-                raise K3CheckpointError(f"{name}: bad index file: weight_map['{key}'] = {shard!r} is not a shard file name")
-            p = os.path.join(self.directory, shard)
-            if p not in shards:
-                if not os.path.isfile(p):
+            lst = by_name.get(shard) if isinstance(shard, str) else None
+            if lst is None:
+                if not isinstance(shard, str) or not shard or os.path.isabs(shard) or ".." in shard.split("/"):
+                    raise K3CheckpointError(f"{name}: bad index file: weight_map['{key}'] = {shard!r} "
+                                            f"is not a shard file name")
+                if not os.path.isfile(os.path.join(self.directory, shard)):
                     raise K3CheckpointError(f"{name}: shard '{shard}' (holding '{key}') does not exist")
-                shards[p] = []
-            shards[p].append(key)
-        return shards
+                lst = by_name[shard] = []
+            lst.append(key)
+        return {os.path.join(self.directory, s): keys for s, keys in by_name.items()}
 
     # -- data ----------------------------------------------------------------------------
     def _handle(self, path: str):
@@ -203,7 +205,7 @@ class Checkpoint:
         fmts = set()
         for key, h in self.headers.items():
             d = dtypes.setdefault(h.dtype, {"tensors": 0, "bytes": 0, "elements": 0})
-            n = int(np.prod(h.shape, dtype=np.int64)) if h.shape else 1
+            n = math.prod(h.shape)
             d["tensors"] += 1
             d["bytes"] += h.nbytes
             d["elements"] += n

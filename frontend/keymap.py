@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from k3ir.errors import K3CheckpointError
 from k3ir.ir import Module, ParamDecl
@@ -48,8 +49,7 @@ ACCEPT: dict[str, tuple[str, ...]] = {
 WRITE_LAYOUTS = ("published", "transformers", "hf-runtime")
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
     """One tensor as its safetensors header describes it (no data read)."""
     key: str
     dtype: str
@@ -137,11 +137,15 @@ class Resolver:
 
     # -- one checkpoint-unit tensor ------------------------------------------------------
     def unit(self, name: str, shape: tuple[int, ...], dtype: str, expert: int | None = None) -> Part | None:
-        for cand in _candidates(name):
+        p = self._direct(name, shape, dtype) or self._packed(name, shape, dtype)     # the published name
+        if p is not None:
+            return p
+        cands = _candidates(name)
+        for cand in cands[1:]:
             p = self._direct(cand, shape, dtype) or self._packed(cand, shape, dtype)
             if p is not None:
                 return p
-        for cand in _candidates(name):
+        for cand in cands:
             p = self._fused(cand, shape, expert) or self._split_shared(cand, shape)
             if p is not None:
                 return p
