@@ -38,6 +38,12 @@ def cmd_export(args) -> int:
     d = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(d):
         raise UsageError(f"output directory '{d}' does not exist")
+    quant = args.quantize or m.attrs.get("expert_quant", "none")
+    if quant not in ("none", "mxfp4"):
+        raise UsageError(f"export keeps mxfp4 experts packed; '{quant}' experts are not supported (use --quantize none)")
+    if quant == "mxfp4" and fmt == "onnx":        # packed experts, dequantised inside the graph
+        from k3ir.passes import run_pipeline
+        run_pipeline(m, ["fuse-moe-dispatch", "quantize-experts{format=mxfp4}", "dce"])
     if fmt == "onnx":
         from k3ir.backends.onnx.export import export_onnx
         weights = args.weights or "external"
@@ -91,5 +97,7 @@ def register(sub) -> None:
                    help="onnx: weights as graph inputs (structure only), in OUT.data (default) or embedded")
     p.add_argument("--iree-target", choices=("llvm-cpu", "rocm", "vulkan-spirv", "metal-spirv"),
                    help="mlir: also compile a deployable IREE module OUT.<target>.vmfb")
+    p.add_argument("--quantize", choices=("none", "mxfp4"),
+                   help="onnx: routed experts as packed MXFP4 (default: what the config says)")
     p.add_argument("--level", choices=("layer", "op"), default="layer", help="pictures: layer (default) or op level")
     p.set_defaults(func=cmd_export)

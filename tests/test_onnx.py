@@ -87,7 +87,7 @@ def test_scaled_k3_with_random_weights_runs_in_onnxruntime(tmp_path):
     s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     ids = token_ids(512, 1, 9)
     (got,) = s.run(None, {"input_ids": ids})
-    exe = k3ir.compile(m, target="torch")
+    exe = k3ir.compile(m, target="torch", passes=["dce"])                 # unquantised, like the export
     (want,) = exe.run("forward", [ids], exe.prepare_params(params))
     assert info["nodes"] > 0 and rel_err(got, want) < 1e-4
 
@@ -128,3 +128,21 @@ def test_unknown_weights_mode_is_a_clear_error():
     from k3ir.backends.onnx.export import OnnxExporter
     with pytest.raises(k3ir.K3BackendError, match="weights mode"):
         OnnxExporter(m, weights="bogus")
+
+
+def test_mxfp4_experts_stay_packed_with_in_graph_dequantisation():
+    """fuse-moe-dispatch + quantize-experts: the packed u8 expert weights are graph inputs /
+    initializers as they are, dequantised inside the graph; logits match the reference."""
+    m = load_tiny("k3-tiny")
+    passes = ["fuse-moe-dispatch", "quantize-experts{format=mxfp4}", "dce"]
+    exe = k3ir.compile(m, target="onnx", passes=passes)
+    params = init_params(exe.module, seed=3)
+    ref = Session(k3ir.compile(m, target="reference", dtype="float64", passes=passes), params=params)
+    ids = token_ids(m.attrs["vocab_size"], 2, 9)
+    assert rel_err(Session(exe, params=params).prefill(ids)[0], ref.prefill(ids)[0]) < 1e-4
+    from k3ir.backends.onnx.export import OnnxExporter
+    x = OnnxExporter(exe.module, weights="inputs")
+    model = x.export_function("prefill")
+    packed = [i for i in model.graph.input if i.name.endswith("weight_packed")]
+    assert packed and all(i.type.tensor_type.elem_type == onnx.TensorProto.UINT8 for i in packed)
+    assert x.native.get("k3.grouped_matmul") and "BitShift" in {n.op_type for n in model.graph.node}

@@ -45,7 +45,16 @@ def elem_type(ir_dtype: str, compute: str = "float32") -> int:
     P = _onnx().TensorProto
     if ir_dtype in ("bf16", "f16", "f32", "f64", "fp8e4m3"):
         return {"float32": P.FLOAT, "float16": P.FLOAT16, "float64": P.DOUBLE}[compute]
-    return {"i64": P.INT64, "i32": P.INT32, "i8": P.INT8, "u8": P.UINT8, "bool": P.BOOL}[ir_dtype]
+    return {"i64": P.INT64, "i32": P.INT32, "i8": P.INT8, "u8": P.UINT8, "bool": P.BOOL,
+            "mxfp4": P.UINT8, "int4": P.INT32}[ir_dtype]
+
+
+def runtime_shape(t: TensorType) -> list:
+    """Run-time array shape: packed ``mxfp4[..., K]`` is ``u8[..., K/2]``, ``int4`` is ``i32[..., K/8]``."""
+    shape = list(t.shape)
+    if t.dtype in ("mxfp4", "int4") and shape:
+        shape[-1] = int(shape[-1]) // (2 if t.dtype == "mxfp4" else 8)
+    return shape
 
 
 def state_shape(t: StateType, batch="B") -> list:
@@ -186,7 +195,7 @@ class OnnxExporter:
             return onnx.helper.make_tensor_value_info(name, self.elem("f32"), [str(d) if isinstance(d, str) else d
                                                                               for d in state_shape(t, batch)])
         return onnx.helper.make_tensor_value_info(name, self.elem(t.dtype),
-                                                  [str(d) if isinstance(d, str) else d for d in t.shape])
+                                                  [str(d) if isinstance(d, str) else d for d in runtime_shape(t)])
 
     # ---- walking ---------------------------------------------------------------------
     def emit_function(self, g: Graph, fn: Function, arg_names: list[str]) -> list[str]:
@@ -227,7 +236,7 @@ class OnnxExporter:
 
     def _initializer(self, name: str, decl):
         onnx = _onnx()
-        shape = [int(d) for d in decl.type.shape]
+        shape = [int(d) for d in runtime_shape(decl.type)]
         et = self.elem(decl.type.dtype)
         np_dt = onnx.helper.tensor_dtype_to_np_dtype(et)
         if self.weights == "external":       # data streamed to the side file, never held in the proto

@@ -265,5 +265,42 @@ def _glu(lw, inst, gate, up):
     return g.node("Mul", [act, g.node("Mul", [g.node("Tanh", [g.node("Div", [up, b2])]), b2])])
 
 
+@lowers("k3.grouped_matmul")
+def _grouped_matmul(lw, inst, x, offsets, w, scales=None):
+    """Rows sorted by expert: row r belongs to expert ``#{e: offsets[e+1] <= r}``; each row
+    gathers its expert's matrix and contracts it. MXFP4 weights stay packed in the graph
+    (``u8[E,N,K/2]`` + E8M0 ``u8[E,N,K/32]``): only the gathered rows are dequantised
+    (nibbles -> E2M1 table, times ``2^(e-127)`` per group of 32, SPEC.md 7)."""
+    from k3ir.errors import K3BackendError
+    from k3ir.quant import E2M1_VALUES
+    g = lw.g
+    E = int(lw.op.operands[2].type.shape[0])
+    off = lw.cast_to(offsets, lw.etype(1), _P().INT64)
+    rows = g.node("Range", [g.const(0, "int64"), g.node("Gather", [g.node("Shape", [x]), g.const(0, "int64")], axis=0),
+                            g.const(1, "int64")])
+    ends = g.node("Unsqueeze", [g.node("Slice", [off, g.ints([1]), g.ints([E + 1]), g.ints([0])]), g.ints([0])])
+    past = g.node("Cast", [g.node("GreaterOrEqual", [g.node("Unsqueeze", [rows, g.ints([1])]), ends])], to=_P().INT64)
+    eid = g.node("ReduceSum", [past, g.ints([1])], keepdims=0)                 # [R] expert of each row
+    if inst.quant == "none":
+        W = g.node("Gather", [w, eid], axis=0)
+    elif inst.quant == "mxfp4":
+        wp = g.node("Gather", [w, eid], axis=0)                                   # u8[R,N,K/2]
+        sp = g.node("Gather", [scales, eid], axis=0)                              # u8[R,N,K/32]
+        lo = g.node("BitwiseAnd", [wp, g.const(15, "uint8")])
+        hi = g.node("BitShift", [wp, g.const(4, "uint8")], direction="RIGHT")
+        codes = g.node("Concat", [g.node("Unsqueeze", [lo, g.ints([-1])]), g.node("Unsqueeze", [hi, g.ints([-1])])],
+                       axis=-1)
+        codes = g.node("Reshape", [g.node("Cast", [codes], to=_P().INT64), g.ints([0, 0, -1, 32])])
+        table = g.const(np.concatenate([E2M1_VALUES, -E2M1_VALUES]), lw.x.np_float)
+        vals = g.node("Gather", [table, codes], axis=0)                          # [R,N,K/32,32]
+        expo = g.node("Sub", [g.node("Cast", [sp], to=lw.x.elem("f32")), g.fconst(127.0)])
+        scale = g.node("Unsqueeze", [g.node("Pow", [g.fconst(2.0), expo]), g.ints([-1])])
+        W = g.node("Reshape", [g.node("Mul", [vals, scale]), g.ints([0, 0, -1])])
+    else:
+        raise K3BackendError(f"ONNX export: k3.grouped_matmul quant={inst.quant} is not lowered (mxfp4 and none are)")
+    y = g.node("Einsum", [lw.cast_to(x, lw.etype(0), lw.x.elem("f32")), W], equation="rk,rnk->rn")
+    return lw.cast_to(y, lw.x.elem("f32"), lw.etype(0, result=True))
+
+
 def is_state(t) -> bool:
     return isinstance(t, StateType)
