@@ -240,6 +240,8 @@ def _read_errors() -> tuple[type[BaseException], ...]:
 
 def _to_numpy(t) -> np.ndarray:
     import torch
+    if t.dtype == getattr(torch, "float8_e8m0fnu", None):
+        return t.contiguous().view(torch.uint8).numpy()          # E8M0 scales: keep the exponent bytes
     if t.dtype in (torch.bfloat16,) or (t.is_floating_point() and t.element_size() == 1):
         t = t.float()
     return t.contiguous().numpy()

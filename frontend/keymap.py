@@ -185,7 +185,7 @@ class Resolver:
         K = int(shape[-1]) if shape else 0
         lead = tuple(int(d) for d in shape[:-1])
         if P.dtype == "U8":
-            op, want_p, want_s, sdt = "mxfp4", lead + (K // 2,), lead + (K // 32,), ("U8",)
+            op, want_p, want_s, sdt = "mxfp4", lead + (K // 2,), lead + (K // 32,), ("U8", "F8_E8M0")
         elif P.dtype == "I32":
             op, want_p, want_s, sdt = "int4", lead + (K // 8,), lead + (K // 32,), ST_FLOAT
         else:

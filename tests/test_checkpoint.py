@@ -253,3 +253,19 @@ def test_inspect_reads_no_tensor_data(tiny, tmp_path, capsys, monkeypatch):
     assert main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "quantised (mxfp4)" in out and "U8" in out
+
+
+def test_e8m0_typed_scales_read_as_bytes(tiny, tmp_path):
+    """Some exporters type MXFP4 scales as F8_E8M0 instead of U8: same bytes, same weights."""
+    m, params = tiny
+    k3ir.save(m, params, str(tmp_path / "u8"), quantize="mxfp4")
+    want = k3ir.load(str(tmp_path / "u8")).weights
+    sd = load_file(str(tmp_path / "u8" / "model.safetensors"))
+    sd = {k: (v.view(torch.float8_e8m0fnu) if k.endswith("weight_scale") else v) for k, v in sd.items()}
+    (tmp_path / "e8").mkdir()
+    save_file(sd, str(tmp_path / "e8" / "model.safetensors"))
+    (tmp_path / "e8" / "config.json").write_text((tmp_path / "u8" / "config.json").read_text())
+    got = k3ir.load(str(tmp_path / "e8")).weights
+    name = "model.layers.1.block_sparse_moe.experts.{e}.w3.weight"
+    np.testing.assert_array_equal(got[name], want[name])
+    assert k3ir.load(str(tmp_path / "e8")).weights.summary()["dtypes"]["F8_E8M0"]["tensors"] == 24

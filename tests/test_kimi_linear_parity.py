@@ -127,3 +127,16 @@ def test_runtime_state_dict_layout_loads(pair, tmp_path):
     a = sess.forward(ids)
     b = Session(k3ir.compile(fused, target="torch")).forward(ids)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["published", "transformers"])
+def test_written_checkpoint_loads_in_transformers(pair, tmp_path, layout):
+    """k3ir.save's layouts are read back by the peer: transformers' from_pretrained gives the
+    original model's logits."""
+    from transformers import KimiLinearForCausalLM
+    model, module, _, _ = pair
+    k3ir.save(module, None, str(tmp_path), layout=layout, max_shard_bytes=100_000)
+    peer = KimiLinearForCausalLM.from_pretrained(str(tmp_path)).eval()
+    ids = torch.from_numpy(np.random.default_rng(2).integers(0, module.attrs["vocab_size"], (2, 19)))
+    with torch.no_grad():
+        assert torch.equal(peer(ids).logits, model(ids).logits)
