@@ -140,3 +140,22 @@ def test_written_checkpoint_loads_in_transformers(pair, tmp_path, layout):
     ids = torch.from_numpy(np.random.default_rng(2).integers(0, module.attrs["vocab_size"], (2, 19)))
     with torch.no_grad():
         assert torch.equal(peer(ids).logits, model(ids).logits)
+
+
+def test_transformers_config_without_linear_attn_config(tmp_path):
+    """A config transformers writes from its own fields only (no ``linear_attn_config``) takes the
+    layer schedule from ``layer_types``/``mlp_layer_types`` and the KDA shape from ``linear_*``."""
+    import json
+
+    from transformers import KimiLinearConfig
+    KimiLinearConfig(num_hidden_layers=5, linear_num_heads=3, linear_head_dim=8, linear_conv_kernel_dim=3,
+                     first_k_dense_replace=2).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert "linear_attn_config" not in raw or raw["linear_attn_config"] is None
+    cfg = k3ir.load(str(tmp_path / "config.json")).config
+    assert cfg.mla_layers == [i for i, t in enumerate(raw["layer_types"]) if t == "full_attention"] == [4]
+    assert (cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel, cfg.first_k_dense_replace) == (3, 8, 3, 2)
+    raw["linear_attn_config"] = {"full_attn_layers": [2], "num_heads": 3, "head_dim": 8}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(k3ir.K3ConfigError, match="layer_types"):
+        k3ir.load(str(tmp_path / "config.json"))
