@@ -161,7 +161,8 @@ def materialize(module: Module, source: Callable[[str, TensorType], Any],
                 have: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Run-time values of the quantised parameters of ``module``: for each packed parameter,
     ``have(name)`` (a checkpoint's packed tensor, or None) or else the quantisation of
-    ``source(float_name, float_type)``. Returns ``{packed_name: u8/i32 array, scale_name: array}``."""
+    ``source(float_name, float_type)`` (also when the stored packing is another format than the one
+    asked for: u8 codes for mxfp4, i32 words for int4). Returns ``{packed_name: u8/i32 array, scale_name: array}``."""
     out: dict[str, Any] = {}
     for name, decl in module.params.items():
         src = decl.attrs.get("source")
@@ -170,7 +171,8 @@ def materialize(module: Module, source: Callable[[str, TensorType], Any],
         sc = decl.attrs["scale"]
         if have is not None:
             pk_v, sc_v = have(name), have(sc)
-            if pk_v is not None and sc_v is not None:
+            want = "uint8" if decl.attrs["quant"] == "mxfp4" else "int32"
+            if pk_v is not None and sc_v is not None and str(getattr(pk_v, "dtype", "")).endswith(want):
                 out[name], out[sc] = pk_v, sc_v
                 continue
         ftype = TensorType(decl.attrs.get("source_dtype", "bf16"), decl.type.shape)
