@@ -30,11 +30,13 @@ HIST_BINS = 2048
 @dataclass
 class MoELayer:
     """One MoE layer's routing facts: its layer index, the bias parameter name
-    (``...gate.e_score_correction_bias``, ``f32[E]``), experts ``E`` and ``top_k``."""
+    (``...gate.e_score_correction_bias``, ``f32[E]``), experts ``E``, ``top_k`` and the router
+    weight's parameter name (``...gate.weight``)."""
     layer: int
     bias: str
     experts: int
     top_k: int
+    weight: str | None = None
 
 
 def moe_layers(module: Module, function: str = "forward") -> list[MoELayer]:
@@ -53,7 +55,9 @@ def moe_layers(module: Module, function: str = "forward") -> list[MoELayer]:
             continue
         layer = int(op.attrs.get("layer", len(out)))
         E = int(op.operands[bias_index].type.shape[0])
-        out[layer] = MoELayer(layer, prod.attrs["name"], E, int(op.attrs["top_k"]))
+        wprod = op.operands[1].producer if len(op.operands) > 1 else None
+        wname = wprod.attrs["name"] if wprod is not None and wprod.name == "k3.param" else None
+        out[layer] = MoELayer(layer, prod.attrs["name"], E, int(op.attrs["top_k"]), wname)
     return [out[k] for k in sorted(out)]
 
 

@@ -32,7 +32,8 @@ class TrainConfig:
     """Hyper-parameters. ``lr`` peaks after ``warmup`` linear steps, then follows a cosine to
     ``lr * min_lr_ratio`` at ``steps``. ``weight_decay`` applies to matrices only (not norms,
     biases, AttnRes pseudo-queries, ``A_log``/``dt_bias``). ``clip``: max global grad norm
-    (0 = off). ``qb``: quantile | margin | sign | none. ``checkpointing``: recompute each layer
+    (0 = off). ``qb``: quantile | margin | sign | none. ``router_lr_scale`` multiplies the
+    learning rate of the router weights (no weight decay on them). ``checkpointing``: recompute each layer
     in backward. ``autocast``: ``auto`` (bf16 on CUDA, off on CPU) | ``bf16`` | ``off``."""
     steps: int = 300
     batch: int = 8
@@ -47,6 +48,7 @@ class TrainConfig:
     clip: float = 1.0
     qb: str = "quantile"
     qb_sign_step: float = 1e-3
+    router_lr_scale: float = 1.0
     checkpointing: bool = False
     autocast: str = "auto"
     seed: int = 0
@@ -147,16 +149,21 @@ class Trainer:
         self.layers = moe_layers(self.module)
         self.bias_names = {lay.layer: lay.bias for lay in self.layers}
         frozen = set(self.bias_names.values())
-        decay, no_decay = [], []
+        routers = {lay.weight for lay in self.layers if lay.weight}
+        decay, no_decay, router = [], [], []
         self.trainable: list[str] = []
         for name, t in self.params.items():
             if name in frozen or not t.is_floating_point():
                 continue
             t.requires_grad_(True)
             self.trainable.append(name)
-            (decay if decays(name, t.shape) else no_decay).append(t)
-        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+            if name in routers:
+                router.append(t)
+            else:
+                (decay if decays(name, t.shape) else no_decay).append(t)
+        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay, "lr_scale": 1.0},
+                  {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0},
+                  {"params": router, "weight_decay": 0.0, "lr_scale": self.cfg.router_lr_scale}]
         self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.cfg.lr,
                                      betas=(self.cfg.beta1, self.cfg.beta2), eps=self.cfg.eps)
         self.qb = QuantileBalancer(self.layers, self.cfg.qb, self.cfg.qb_sign_step)
@@ -229,7 +236,8 @@ class Trainer:
         with self._autocast():
             lg = self.logits(b[:, :-1], capture)
         tgt = torch.as_tensor(b[:, 1:], dtype=torch.int64, device=lg.device)
-        return F.cross_entropy(lg.float().reshape(-1, lg.shape[-1]), tgt.reshape(-1))
+        lg = lg.float() if lg.dtype in (torch.bfloat16, torch.float16) else lg
+        return F.cross_entropy(lg.reshape(-1, lg.shape[-1]), tgt.reshape(-1))
 
     # ---- one optimisation step ----------------------------------------------------------
     def train_step(self, batch) -> StepStats:
@@ -239,7 +247,7 @@ class Trainer:
         t0 = time.perf_counter()
         lr = lr_at(self.cfg, self.step)
         for g in self.opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)
         self.opt.zero_grad(set_to_none=True)
         scores: dict[int, Any] = {}
         loss = self.loss(batch, scores)

@@ -1,0 +1,224 @@
+"""``k3ir train``: next-token training of a K3-family model on byte-level text with Quantile
+Balancing, a progress bar, atomic checkpoints, resume and a loss/balance plot.
+
+    k3ir train                                   # k3-tiny, bundled text, 300 steps, out: .
+    k3ir train k3-tiny --steps 300 --qb sign --out runs/sign
+    k3ir train --resume runs/sign                # continue from its latest checkpoint
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+from k3ir.errors import K3RuntimeError
+
+log = logging.getLogger("k3ir.train")
+
+#: TrainConfig fields settable from the command line (flag -> field)
+FLAGS = {"steps": "steps", "batch": "batch", "seq": "seq", "lr": "lr", "warmup": "warmup",
+         "weight_decay": "weight_decay", "clip": "clip", "qb": "qb", "seed": "seed",
+         "router_lr_scale": "router_lr_scale"}
+DEFAULTS = {"steps": 300, "batch": 8, "seq": 128, "lr": 3e-3, "warmup": 20, "weight_decay": 0.1, "clip": 1.0,
+            "qb": "quantile", "seed": 0, "router_lr_scale": 1.0}
+PLOT_FILE = "training.png"
+LOG_FILE = "training.json"
+
+
+def register(sub) -> None:
+    from .cli import model_arg
+    p = sub.add_parser("train", help="train a model on byte-level text (QB balancing, checkpoints, plot)",
+                       description="Train MODEL (default k3-tiny) on byte-level tokens of --data (default: the "
+                                   "bundled public-domain text). Prints loss=<value> at each logged step, writes "
+                                   "checkpoints and a loss/balance plot into --out.")
+    model_arg(p, default="k3-tiny")
+    p.add_argument("--data", help="UTF-8/any text file to train on (default: bundled public-domain text)")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {DEFAULTS['steps']})")
+    p.add_argument("--out", default=".", help="output directory for checkpoints/, the plot and the log (default .)")
+    p.add_argument("--qb", choices=("quantile", "margin", "sign", "none"),
+                   help="MoE balancing rule: quantile | margin (QB, SPEC 6), sign (DeepSeek-V3), none "
+                        "(default quantile)")
+    p.add_argument("--batch", type=int, help=f"sequences per step (default {DEFAULTS['batch']})")
+    p.add_argument("--seq", type=int, help=f"tokens per sequence (default {DEFAULTS['seq']})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate (default {DEFAULTS['lr']})")
+    p.add_argument("--warmup", type=int, help=f"linear warmup steps (default {DEFAULTS['warmup']})")
+    p.add_argument("--weight-decay", dest="weight_decay", type=float,
+                   help=f"AdamW weight decay on matrices (default {DEFAULTS['weight_decay']})")
+    p.add_argument("--clip", type=float, help=f"max global gradient norm, 0 = off (default {DEFAULTS['clip']})")
+    p.add_argument("--seed", type=int, help="init and data seed (default 0)")
+    p.add_argument("--router-lr-scale", dest="router_lr_scale", type=float,
+                   help="learning-rate multiplier of the router weights (default 1.0)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint (a run's --out directory or a "
+                                                   "checkpoints/step-N directory); hyper-parameters come from it")
+    p.add_argument("--log-every", type=int, default=10, help="print loss=<value> every N steps (default 10)")
+    p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps, 0 = only at the end "
+                                                               "(default 100)")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda; default cpu)")
+    p.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    p.set_defaults(func=cmd_train)
+
+
+def _config(args, meta: dict | None):
+    from .trainer import TrainConfig
+    if meta is not None:
+        cfg = TrainConfig.from_dict(meta["config"])
+        for flag, fld in FLAGS.items():
+            v = getattr(args, flag)
+            if v is not None and v != getattr(cfg, fld):
+                raise K3RuntimeError(f"--{flag.replace('_', '-')} {v} differs from the checkpoint's {fld}="
+                                     f"{getattr(cfg, fld)}; a resumed run keeps its hyper-parameters")
+        cfg.checkpointing = bool(args.checkpointing)
+        return cfg
+    vals = {fld: (getattr(args, flag) if getattr(args, flag) is not None else DEFAULTS[flag])
+            for flag, fld in FLAGS.items()}
+    cfg = TrainConfig(**vals, checkpointing=bool(args.checkpointing))
+    for k in ("steps", "batch", "seq"):
+        if getattr(cfg, k) < 1:
+            raise K3RuntimeError(f"--{k} must be >= 1, got {getattr(cfg, k)}")
+    if cfg.lr <= 0:
+        raise K3RuntimeError(f"--lr must be > 0, got {cfg.lr}")
+    cfg.warmup = min(cfg.warmup, cfg.steps)
+    return cfg
+
+
+def cmd_train(args) -> int:
+    import torch
+
+    import k3ir
+
+    from .cli import load_model
+    from .train_checkpoint import load_checkpoint, read_meta, save_checkpoint
+    from .train_data import ByteBatches, read_bytes
+    from .trainer import Trainer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    meta = read_meta(args.resume) if args.resume else None
+    cfg = _config(args, meta)
+    data_path = args.data if meta is None else (args.data or meta.get("data"))
+    if meta is not None and args.data and meta.get("data") not in (None, args.data):
+        raise K3RuntimeError(f"--data {args.data} differs from the checkpoint's {meta.get('data')}")
+    if args.log_every < 1 or args.ckpt_every < 0:
+        raise K3RuntimeError("--log-every must be >= 1 and --ckpt-every >= 0")
+    module = load_model(args)
+    exe = k3ir.compile(module, target="torch", dtype="float32", device=args.device)
+    data = ByteBatches(read_bytes(data_path), cfg.batch, cfg.seq, cfg.seed)
+    tr = Trainer(exe, cfg)
+    if args.resume:
+        load_checkpoint(args.resume, tr)
+    out.mkdir(parents=True, exist_ok=True)
+    extra = {"data": data_path, "model_arg": args.model}
+    nlayers = len(tr.layers)
+    print(f"training {module.name}: {sum(p.numel() for p in tr.params.values()):,} parameters, "
+          f"{nlayers} MoE layers, qb={cfg.qb}, batch {cfg.batch} x seq {cfg.seq}, steps {tr.step}->{cfg.steps}, "
+          f"torch threads {torch.get_num_threads()}", flush=True)
+    t_start = time.perf_counter()
+    toks = 0
+    with _progress(cfg.steps, tr.step) as (prog, task):
+        while tr.step < cfg.steps:
+            st = tr.train_step(data.batch_at(tr.step))
+            toks += st.tokens
+            tps = toks / max(time.perf_counter() - t_start, 1e-9)
+            bal = st.worst_balance
+            prog.update(task, completed=tr.step, loss=st.loss, tps=tps, bal=bal)
+            if tr.step % args.log_every == 0 or tr.step == cfg.steps or tr.step == 1:
+                print(f"step {tr.step}/{cfg.steps} loss={st.loss:.6f} lr={st.lr:.2e} grad_norm={st.grad_norm:.3f} "
+                      f"tok/s={tps:.0f} max/mean_load={bal:.3f}", flush=True)
+            if (args.ckpt_every and tr.step % args.ckpt_every == 0) or tr.step == cfg.steps:
+                save_checkpoint(out, tr, extra)
+    ev = tr.eval_loss(data.eval_batch())
+    summary = _summary(tr, ev, time.perf_counter() - t_start)
+    (out / LOG_FILE).write_text(json.dumps(summary, indent=1))
+    print(f"done: final loss={summary['final_loss']:.6f} (mean of last 10: {summary['final_loss_10']:.4f}; "
+          f"ln(256)={math.log(256):.4f}), held-out loss={ev:.4f}, worst-layer max/mean load "
+          f"(mean of last 20 steps) {summary['worst_balance_20']:.3f}", flush=True)
+    if not args.no_plot:
+        path = write_plot(tr, out / PLOT_FILE, title=f"{module.name} qb={cfg.qb}")
+        print(f"plot: {path}", flush=True)
+    return 0
+
+
+def _summary(tr, eval_loss: float, seconds: float) -> dict:
+    h = tr.history
+    last = h[-10:]
+    last20 = h[-20:]
+    return {"steps": tr.step, "qb": tr.cfg.qb, "config": tr.cfg.to_dict(), "eval_loss": eval_loss,
+            "final_loss": h[-1].loss if h else float("nan"),
+            "final_loss_10": sum(s.loss for s in last) / max(len(last), 1),
+            "worst_balance_20": sum(s.worst_balance for s in last20) / max(len(last20), 1),
+            "per_layer_balance_20": {str(lay.layer): sum(s.balance.get(lay.layer, 1.0) for s in last20)
+                                     / max(len(last20), 1) for lay in tr.layers},
+            "seconds_this_process": seconds,
+            "loss": [s.loss for s in h], "worst_balance": [s.worst_balance for s in h]}
+
+
+class _progress:
+    """A rich progress bar on stderr (loss, tokens/s, worst max/mean load)."""
+
+    def __init__(self, total: int, done: int):
+        self.total, self.done = total, done
+
+    def __enter__(self):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        self.prog = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                             TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                             TextColumn("max/mean load {task.fields[bal]:.2f}"), TimeRemainingColumn(),
+                             console=Console(file=sys.stderr), transient=False)
+        self.prog.__enter__()
+        task = self.prog.add_task("train", total=self.total, completed=self.done, loss=float("nan"), tps=0.0,
+                                  bal=float("nan"))
+        return self.prog, task
+
+    def __exit__(self, *exc):
+        return self.prog.__exit__(*exc)
+
+
+def write_plot(tr, path: Path, title: str = "") -> Path:
+    """PNG with the loss per step (and ln 256) and the per-step max-load / mean-load of the worst
+    MoE layer and the mean over layers. Needs matplotlib (``pip install k3ir[train]``)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise K3RuntimeError("the loss plot needs matplotlib (pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    h = tr.history
+    steps = [s.step + 1 for s in h]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.plot(steps, [s.loss for s in h], lw=1, label="train loss")
+    a1.axhline(math.log(256), color="gray", ls="--", lw=0.8, label="ln 256")
+    a1.set_xlabel("step")
+    a1.set_ylabel("cross entropy (nats/byte)")
+    a1.legend()
+    a1.set_title(title or "loss")
+    if h and h[0].balance:
+        a2.plot(steps, [s.worst_balance for s in h], lw=1, label="worst layer")
+        a2.plot(steps, [sum(s.balance.values()) / len(s.balance) for s in h], lw=1, label="mean over layers")
+    a2.axhline(1.0, color="gray", ls="--", lw=0.8)
+    a2.set_xlabel("step")
+    a2.set_ylabel("max load / mean load")
+    a2.set_title(f"MoE balance (qb={tr.cfg.qb})")
+    a2.legend()
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .cli import main as cli_main
+    return cli_main(["train", *(argv or [])])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
