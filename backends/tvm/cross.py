@@ -1,0 +1,2 @@
+def register_cross_targets():
+    pass

@@ -1,0 +1,256 @@
+"""TE compute definitions and TIR kernels used by the Relax lowering (``lower.py``).
+
+Every function here takes TE tensors whose shapes may hold symbolic ``int64`` dims (batch,
+sequence, cache length) and returns TE tensors; ``emit_te`` turns each into a PrimFunc.
+Semantics follow SPEC.md exactly as the float64 references in ``k3ir/ops`` do:
+
+- ``kda_kernel``: the KDA delta-rule recurrence (SPEC.md 3.5) as a hand-written TIR kernel,
+  parallel over (batch, head, value column): column ``j`` of the state only depends on itself,
+  so each thread carries one ``[K]`` column through time. Exact, O(T H K V), symbolic B/T/H/K/V.
+- ``topk``: largest-k with ties broken toward the lower index (rank counting; O(E^2) per row).
+- ``moe_dispatch`` / ``grouped_matmul`` / ``moe_combine``: MoE with a stable sort by expert,
+  a gather-GEMM over sorted rows (expert id from the offsets; MXFP4/INT4 dequantised in the
+  inner loop, SPEC.md 7) and the weighted un-permute.
+"""
+from __future__ import annotations
+
+from functools import cache
+
+from tvm import te, tirx
+from tvm.script import tirx as T
+
+I64 = "int64"
+
+
+def i64(v) -> tirx.PrimExpr:
+    return tirx.const(int(v), I64) if isinstance(v, int) else v
+
+
+@cache
+def kda_kernel(dtype: str = "float32"):
+    """TIR PrimFunc ``(q, k, v, g, beta, s0) -> (o, s)``: q, k, g ``[B,T,H,K]`` (q pre-scaled),
+    v ``[B,T,H,V]``, beta ``[B,T,H]``, s0/s ``[B,H,K,V]``, o ``[B,T,H,V]``; per token
+    ``S = S*exp(g); S += k (beta (v - k^T S))^T; o = S^T q`` (SPEC.md 3.5)."""
+
+    @T.prim_func(private=True)
+    def kda_recurrent(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
+                      s0_h: T.handle, o_h: T.handle, s_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int64()
+        L = T.int64()
+        H = T.int64()
+        K = T.int64()
+        V = T.int64()
+        q = T.match_buffer(q_h, (B, L, H, K), dtype)
+        k = T.match_buffer(k_h, (B, L, H, K), dtype)
+        v = T.match_buffer(v_h, (B, L, H, V), dtype)
+        g = T.match_buffer(g_h, (B, L, H, K), dtype)
+        beta = T.match_buffer(b_h, (B, L, H), dtype)
+        s0 = T.match_buffer(s0_h, (B, H, K, V), dtype)
+        o = T.match_buffer(o_h, (B, L, H, V), dtype)
+        s = T.match_buffer(s_h, (B, H, K, V), dtype)
+        for f in T.parallel(B * H * V):
+            acc = T.alloc_buffer((2,), dtype, scope="local")
+            b = f // (H * V)
+            h = f // V % H
+            j = f % V
+            for i in range(K):
+                s[b, h, i, j] = s0[b, h, i, j]
+            for t in range(L):
+                acc[0] = T.Cast(dtype, 0)
+                for i in range(K):
+                    s[b, h, i, j] = s[b, h, i, j] * T.exp(g[b, t, h, i])
+                    acc[0] = acc[0] + s[b, h, i, j] * k[b, t, h, i]
+                acc[0] = (v[b, t, h, j] - acc[0]) * beta[b, t, h]
+                acc[1] = T.Cast(dtype, 0)
+                for i in range(K):
+                    s[b, h, i, j] = s[b, h, i, j] + k[b, t, h, i] * acc[0]
+                    acc[1] = acc[1] + s[b, h, i, j] * q[b, t, h, i]
+                o[b, t, h, j] = acc[1]
+
+    return kda_recurrent
+
+
+# ---- elementwise helpers ----------------------------------------------------------------
+def softplus(x):
+    """Overflow-free ``log(1 + exp(x))``."""
+    return tirx.max(x, tirx.const(0, _dt(x))) + tirx.log1p(tirx.exp(-tirx.abs(x)))
+
+
+def _dt(x) -> str:
+    """dtype string of a PrimExpr or TE tensor (TVM 0.27 spells it ``.ty``)."""
+    t = getattr(x, "dtype", None)
+    return str(t if t is not None else x.ty)
+
+
+def silu(x):
+    return x * tirx.sigmoid(x)
+
+
+# ---- model-op computes ------------------------------------------------------------------
+def short_conv(x, w, s=None, activation: str = "silu"):
+    """Causal depthwise conv + SiLU (SPEC.md 3.2). x ``[B,T,C]``, w ``[C,1,K]``, s ``[B,C,K-1]``
+    (the last K-1 inputs, oldest first). Returns (y ``[B,T,C]``, new state ``[B,C,K-1]``)."""
+    B, Tn, C = x.shape
+    K = int(w.shape[2])
+    W = K - 1
+    zero = tirx.const(0, _dt(x))
+
+    def xx(b, u, c):   # the input history then x, as one sequence of length K-1+T
+        past = s[b, c, u] if s is not None else zero
+        return tirx.if_then_else(u < W, past, x[b, tirx.max(u - W, i64(0)), c])
+
+    j = te.reduce_axis((0, K), "j")
+    y = te.compute((B, Tn, C), lambda b, t, c: te.sum(xx(b, t + j, c) * w[c, 0, j], axis=j), name="conv")
+    if activation == "silu":
+        y = te.compute(y.shape, lambda b, t, c: silu(y[b, t, c]), name="conv_silu")
+    st = te.compute((B, C, W), lambda b, c, i: xx(b, Tn + i, c), name="conv_state")
+    return y, st
+
+
+def kda_gate(z, a_log, dt_bias, form: str, lower_bound: float):
+    """SPEC.md 3.4: z ``[..., H, D]``, a_log flat ``[>=H]``, dt_bias ``[H*D]`` -> g ``[..., H, D]``."""
+    D = int(z.shape[-1])
+
+    def f(*i):
+        h, d = i[-2], i[-1]
+        x = z(*i) + dt_bias[h * D + d]
+        a = tirx.exp(a_log[h])
+        if form == "lower_bound":
+            return tirx.const(lower_bound, _dt(z)) * tirx.sigmoid(a * x)
+        return -a * softplus(x)
+    return te.compute(z.shape, f, name="kda_gate")
+
+
+def causal_mask(x, lengths=None):
+    """Scores ``[..., Tq, Tk]``: keep key j <= i + Tk - Tq (and, with lengths ``[B]``, cache keys
+    j < lengths[b] or j >= Tk - Tq); masked entries become the dtype's lowest value."""
+    tq, tk = x.shape[-2], x.shape[-1]
+    low = tirx.min_value(_dt(x))
+
+    def f(*i):
+        q, k = i[-2], i[-1]
+        keep = k <= q + (tk - tq)
+        if lengths is not None:
+            keep = tirx.all(keep, tirx.any(k < lengths[i[0]], k >= tk - tq))
+        return tirx.Select(keep, x(*i), low)
+    return te.compute(x.shape, f, name="causal_mask")
+
+
+def topk(x, k: int):
+    """(values, int64 indices) of the k largest along the last axis, sorted descending; ties go
+    to the lower index (the stable order of SPEC.md 5)."""
+    shp = list(x.shape)
+    E = shp[-1]
+
+    def rank(*i):
+        j = te.reduce_axis((0, E), "j")
+        lead, me = i[:-1], i[-1]
+        better = tirx.any(x(*lead, j) > x(*lead, me), tirx.all(x(*lead, j) == x(*lead, me), j < me))
+        return te.sum(tirx.Select(better, i64(1), i64(0)), axis=j)
+    r = te.compute(shp, rank, name="topk_rank")
+
+    def pick(*i):
+        e = te.reduce_axis((0, E), "e")
+        lead, m = i[:-1], i[-1]
+        return te.sum(tirx.Select(r(*lead, e) == m, e.astype(I64), i64(0)), axis=e)
+    idx = te.compute(shp[:-1] + [k], pick, name="topk_idx")
+    val = te.compute(idx.shape, lambda *i: x(*i[:-1], idx(*i)), name="topk_val")
+    return val, idx
+
+
+def one_hot(index, depth: int, dtype: str):
+    return te.compute(list(index.shape) + [depth],
+                      lambda *i: tirx.Select(index(*i[:-1]) == i[-1], tirx.const(1, dtype), tirx.const(0, dtype)),
+                      name="one_hot")
+
+
+# ---- MoE --------------------------------------------------------------------------------
+def moe_dispatch(x, w, flat, num_experts: int, k: int):
+    """x ``[R/k, D]`` (token rows, k = top_k), w ``[R]`` combine weights and flat ``int64[R]`` expert ids of
+    the R routed slots (slot = token*k + j). Returns (x_sorted ``[R,D]``, offsets ``[E+1]``,
+    pos ``[R]`` (slot -> sorted row), comb_w ``[R]``); a stable sort by expert."""
+    R = flat.shape[0]
+    E = num_experts
+
+    def before(r):      # slots s < r routed to the same expert (stable rank within the expert)
+        s = te.reduce_axis((0, R), "s")
+        return te.sum(tirx.Select(tirx.all(s < r, flat[s] == flat[r]), i64(1), i64(0)), axis=s)
+    rank = te.compute((R,), before, name="moe_rank")
+
+    def count(e):
+        s = te.reduce_axis((0, R), "s")
+        return te.sum(tirx.Select(flat[s] < e, i64(1), i64(0)), axis=s)
+    offsets = te.compute((E + 1,), count, name="moe_offsets")   # slots with expert < e
+    pos = te.compute((R,), lambda r: offsets[flat[r]] + rank[r], name="moe_pos")
+
+    def order(r):
+        s = te.reduce_axis((0, R), "s")
+        return te.sum(tirx.Select(pos[s] == r, s.astype(I64), i64(0)), axis=s)
+    perm = te.compute((R,), order, name="moe_order")
+    xs = te.compute((R, x.shape[1]), lambda r, d: x[perm[r] // k, d], name="moe_x_sorted")
+    cw = te.compute((R,), lambda r: w[perm[r]], name="moe_comb_w")
+    return xs, offsets, pos, cw
+
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _e2m1(code, dtype):
+    m = code & 7
+    val = tirx.const(0.0, dtype)
+    for i in range(7, 0, -1):
+        val = tirx.Select(m == i, tirx.const(_E2M1[i], dtype), val)
+    return tirx.Select((code & 8) != 0, -val, val)
+
+
+def grouped_matmul(x, offsets, w, scales=None, quant: str = "none"):
+    """y ``[R,N]``: row r (sorted by expert) times ``W_e^T`` for the expert e whose rows
+    ``offsets[e]:offsets[e+1]`` hold r. w ``[E,N,K]`` float, or packed MXFP4 ``u8[E,N,K/2]``
+    (low nibble = even k) with E8M0 scales ``u8[E,N,K/32]``, or INT4 ``i32[E,N,K/8]`` (nibble
+    i of a word = k%8, value nibble-8) with float scales ``[E,N,K/32]`` (SPEC.md 7)."""
+    R, K = x.shape
+    E, N = w.shape[0], w.shape[1]
+    dt = _dt(x)
+
+    def expert(r):
+        e = te.reduce_axis((1, E), "e")
+        return te.sum(tirx.Select(offsets[e] <= r, i64(1), i64(0)), axis=e)
+    eid = te.compute((R,), expert, name="gmm_expert")
+
+    def weight(e, n, kk):
+        if quant == "none":
+            return w[e, n, kk].astype(dt)
+        if quant == "mxfp4":
+            byte = w[e, n, kk // 2].astype("int32")
+            code = tirx.Select(kk % 2 == 0, byte & 15, byte >> 4)
+            scale = tirx.exp2((scales[e, n, kk // 32].astype("int32") - 127).astype(dt))
+            return _e2m1(code, dt) * scale
+        word = w[e, n, kk // 8]
+        q = ((word >> ((kk % 8) * 4).astype("int32")) & 15) - 8
+        return q.astype(dt) * scales[e, n, kk // 32].astype(dt)
+
+    kr = te.reduce_axis((0, K), "kr")
+    return te.compute((R, N), lambda r, n: te.sum(x[r, kr] * weight(eid[r], n, kr), axis=kr), name="grouped_matmul")
+
+
+def moe_combine(y, comb_w, inv):
+    """``out[b,t,d] = sum_j comb_w[inv[b,t,j]] * y[inv[b,t,j], d]``."""
+    B, Tn, k = inv.shape
+    j = te.reduce_axis((0, k), "j")
+    return te.compute((B, Tn, y.shape[1]),
+                      lambda b, t, d: te.sum(comb_w[inv[b, t, j]].astype(_dt(y)) * y[inv[b, t, j], d], axis=j),
+                      name="moe_combine")
+
+
+def attn_res_store(v, buf, slot: int, slots: int):
+    """Write v ``[B,T,d]`` into slot ``slot`` of ``[B,T,slots,d]`` (a zero buffer when absent)."""
+    B, Tn, d = v.shape
+    zero = tirx.const(0, _dt(v))
+    return te.compute((B, Tn, slots, d),
+                      lambda b, t, s, c: tirx.Select(s == slot, v[b, t, c], buf[b, t, s, c] if buf is not None else zero),
+                      name="attn_res_store")
+
+
+def zeros(shape, dtype):
+    return te.compute(shape, lambda *i: tirx.const(0, dtype), name="zeros")

@@ -1,0 +1,347 @@
+"""k3ir -> Relax: one Relax function per entry function (``forward``, ``prefill``, ``decode``).
+
+The Relax function takes the entry function's arguments (token ids, then the states as
+tensors) followed by the parameters it reads, in first-use order. Batch, sequence and MLA
+cache length stay symbolic (Relax ``int64`` shape variables named after the IR dims), so one
+compiled module serves every batch size and length: there is no re-compilation per shape.
+
+Lowering: ``TABLE[op name](lw, inst, *operands) -> result exprs`` (operands in declaration
+order, missing optional ones as ``None``). An op without an entry is replaced by its
+decomposition (``k3ir.backends.interpreter.decompose_op``) lowered inline, recursively; an op
+with neither raises K3BackendError naming it (``k3ir check`` lists all of this up front).
+Every IR float dtype computes in the compile dtype (float32 by default); integers are int64.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from k3ir.backends.interpreter import decompose_op
+from tvm import relax, te, tirx
+
+from k3ir.errors import K3BackendError
+from k3ir.ir import Function, Module, Operation
+from k3ir.opdef import get_opdef
+from k3ir.ops.state import state_tensor_type
+from k3ir.types import StateType, TensorType
+
+from . import kernels as K
+
+R_ = relax.op
+Lowering = Callable[..., Any]
+TABLE: dict[str, Lowering] = {}
+
+
+def lowers(*names: str):
+    def deco(fn):
+        for n in names:
+            TABLE[n] = fn
+        return fn
+    return deco
+
+
+class RelaxLowering:
+    """Builds ``tvm.IRModule`` with one Relax function per requested entry function."""
+
+    def __init__(self, module: Module, dtype: str = "float32"):
+        self.module = module
+        self.fdt = dtype
+        self.syms: dict[str, tirx.Var] = {}
+        self.bb = relax.BlockBuilder()
+        self.params: dict[str, list[str]] = {}
+        self._kda = None
+
+    # ---- types ---------------------------------------------------------------------
+    def rt(self, ir_dtype: str) -> str:
+        """Run-time dtype of an IR dtype."""
+        return {"i64": "int64", "i32": "int64", "u8": "uint8", "i8": "int8", "bool": "bool",
+                "mxfp4": "uint8", "int4": "int32"}.get(ir_dtype, self.fdt)
+
+    def dim(self, d) -> Any:
+        if isinstance(d, int):
+            return d
+        d = str(d)
+        if d.lstrip("-").isdigit():
+            return int(d)
+        if not d.isidentifier():
+            raise K3BackendError(f"tvm: cannot express the dimension '{d}' of an argument")
+        if d not in self.syms:
+            self.syms[d] = tirx.Var(d, "int64")
+        return self.syms[d]
+
+    def arg_type(self, t) -> relax.TensorType:
+        if isinstance(t, StateType):
+            t = state_tensor_type(t, "B")
+        shape = [self.dim(d) for d in t.shape]
+        if t.dtype == "mxfp4":
+            shape[-1] = shape[-1] // 2
+        elif t.dtype == "int4":
+            shape[-1] = shape[-1] // 8
+        return relax.TensorType(shape, self.rt(t.dtype))
+
+    # ---- emit helpers (used by the lowering table) -----------------------------------
+    def emit(self, expr) -> relax.Var:
+        return self.bb.emit(expr)
+
+    def te(self, fn, *args, name: str = "k3", **kw) -> relax.Var:
+        return self.bb.emit_te(fn, *args, primfunc_name_hint=name, **kw)
+
+    @staticmethod
+    def shape(x) -> list:
+        return list(x.ty.shape.values)
+
+    @staticmethod
+    def dtype(x) -> str:
+        return str(x.ty.dtype)
+
+    def cast(self, x, dtype: str):
+        return x if self.dtype(x) == dtype else self.emit(R_.astype(x, dtype))
+
+    def f(self, x):
+        """``x`` in the compute float dtype."""
+        return self.cast(x, self.fdt)
+
+    def const(self, v, dtype: str | None = None):
+        return relax.const(v, dtype or self.fdt)
+
+    def kda_kernel(self):
+        if self._kda is None:
+            self._kda = self.bb.add_func(K.kda_kernel(self.fdt), "kda_recurrent")
+        return self._kda
+
+    # ---- functions -------------------------------------------------------------------
+    def lower_function(self, name: str) -> list[str]:
+        """Add Relax function ``name``; returns the parameter names it takes after the args."""
+        fn = self.module.functions[name]
+        pnames = list(dict.fromkeys(op.attrs["name"] for op in fn.ops if op.name == "k3.param"))
+        args = [relax.Var(a.name, self.arg_type(a.type)) for a in fn.args]
+        pvars = {p: relax.Var("p_" + p.replace(".", "_"), self.arg_type(self.module.params[p].type)) for p in pnames}
+        with self.bb.function(name, args + list(pvars.values())):
+            with self.bb.dataflow():
+                env = {id(a): v for a, v in zip(fn.args, args)}
+                for op in fn.ops:
+                    if op.name == "k3.param":
+                        env[id(op.results[0])] = pvars[op.attrs["name"]]
+                    else:
+                        self.lower_op(op, env)
+                outs = [env[id(v)] for v in fn.returns]
+                out = self.bb.emit_output(relax.Tuple(outs) if len(outs) != 1 else outs[0])
+            self.bb.emit_func_output(out)
+        self.params[name] = pnames
+        return pnames
+
+    def lower_op(self, op: Operation, env: dict[int, Any]) -> None:
+        vals = [env[id(v)] for v in op.operands]
+        impl = TABLE.get(op.name)
+        if impl is None:
+            sub = decompose_op(self.module, op)
+            outs = self.lower_inline(sub, vals)
+        else:
+            cls = get_opdef(op.name)
+            inst = cls(op.attrs, [v.type for v in op.operands])
+            grouped = cls.group_operands(vals)
+            outs = impl(self, inst, *cls.ordered(grouped))
+            outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        if len(outs) != len(op.results):
+            raise K3BackendError(f"tvm lowering of {op.name} gave {len(outs)} results, expected {len(op.results)}")
+        for r, x in zip(op.results, outs):
+            want = self.rt(r.type.dtype) if isinstance(r.type, TensorType) else self.fdt
+            env[id(r)] = self.cast(x, want)
+
+    def lower_inline(self, fn: Function, vals: list) -> list:
+        env = {id(a): v for a, v in zip(fn.args, vals)}
+        for op in fn.ops:
+            if op.name == "k3.param":
+                raise K3BackendError(f"decomposition @{fn.name} reads a parameter")
+            self.lower_op(op, env)
+        return [env[id(v)] for v in fn.returns]
+
+    def get(self):
+        return self.bb.get()
+
+
+def build_relax(module: Module, functions: list[str], dtype: str = "float32"):
+    """(tvm.IRModule, {function: parameter names}) for ``functions`` of ``module``."""
+    lw = RelaxLowering(module, dtype)
+    for fn in functions:
+        lw.lower_function(fn)
+    return lw.get(), lw.params
+
+
+# ---- core ops ------------------------------------------------------------------------
+def _unary(fn):
+    return lambda lw, inst, x: lw.emit(fn(lw.f(x)))
+
+
+for _n, _f in {"k3.neg": R_.negative, "k3.exp": R_.exp, "k3.log": R_.log, "k3.tanh": R_.tanh,
+               "k3.sigmoid": R_.sigmoid, "k3.silu": R_.nn.silu, "k3.sqrt": R_.sqrt, "k3.rsqrt": R_.rsqrt,
+               "k3.square": R_.square}.items():
+    TABLE[_n] = _unary(_f)
+
+
+@lowers("k3.softplus")
+def _softplus(lw, inst, x):
+    return lw.te(lambda a: te.compute(a.shape, lambda *i: K.softplus(a(*i)), name="softplus"), lw.f(x), name="softplus")
+
+
+@lowers("k3.reciprocal")
+def _reciprocal(lw, inst, x):
+    return lw.emit(R_.divide(lw.const(1.0), lw.f(x)))
+
+
+def _binary(fn):
+    def low(lw, inst, a, b):
+        dt = lw.fdt if lw.fdt in (lw.dtype(a), lw.dtype(b)) else lw.dtype(a)
+        return lw.emit(fn(lw.cast(a, dt), lw.cast(b, dt)))
+    return low
+
+
+for _n, _f in {"k3.add": R_.add, "k3.sub": R_.subtract, "k3.mul": R_.multiply, "k3.div": R_.divide,
+               "k3.maximum": R_.maximum, "k3.minimum": R_.minimum}.items():
+    TABLE[_n] = _binary(_f)
+
+
+@lowers("k3.where")
+def _where(lw, inst, c, a, b):
+    cond = c if lw.dtype(c) == "bool" else lw.emit(R_.not_equal(c, relax.const(0, lw.dtype(c))))
+    return lw.emit(R_.where(cond, lw.f(a), lw.f(b)))
+
+
+@lowers("k3.constant")
+def _constant(lw, inst):
+    return lw.const(inst.value, lw.rt(inst.dtype))
+
+
+@lowers("k3.cast")
+def _cast(lw, inst, x):
+    return lw.cast(x, lw.rt(inst.dtype))
+
+
+@lowers("k3.matmul")
+def _matmul(lw, inst, a, b):
+    return lw.emit(R_.matmul(lw.f(a), lw.f(b)))
+
+
+@lowers("k3.einsum")
+def _einsum(lw, inst, xs):
+    return lw.emit(R_.einsum(relax.Tuple([lw.f(x) for x in xs]), inst.equation))
+
+
+@lowers("k3.reshape")
+def _reshape(lw, inst, x):
+    shp = lw.shape(x)
+    new = [shp[i] if d == 0 else (lw.dim(d) if isinstance(d, str) else d) for i, d in enumerate(inst.shape)]
+    return lw.emit(R_.reshape(x, new))
+
+
+@lowers("k3.transpose")
+def _transpose(lw, inst, x):
+    return lw.emit(R_.permute_dims(x, list(inst.perm)))
+
+
+@lowers("k3.concat")
+def _concat(lw, inst, xs):
+    dt = lw.fdt if any(lw.dtype(x) == lw.fdt for x in xs) else lw.dtype(xs[0])
+    return lw.emit(R_.concat([lw.cast(x, dt) for x in xs], axis=inst.axis))
+
+
+def slice_axis(lw, x, axis: int, start: int, end):
+    shp = lw.shape(x)
+    a = axis % len(shp)
+    d = shp[a]
+    if isinstance(d, (tirx.IntImm, int)):
+        s, e, _ = slice(start, end).indices(int(d))
+        e = max(e, s)
+    else:
+        s = start if start >= 0 else d + start
+        e = d if end is None else (end if end >= 0 else d + end)
+    out = list(shp)
+    out[a] = e - s
+
+    def f(t):
+        return te.compute(out, lambda *i: t(*i[:a], i[a] + s, *i[a + 1:]), name="slice")
+    return lw.te(f, x, name="slice")
+
+
+@lowers("k3.slice")
+def _slice(lw, inst, x):
+    return slice_axis(lw, x, inst.axis, inst.start, inst.end)
+
+
+def _reduce(fn):
+    return lambda lw, inst, x: lw.emit(fn(lw.f(x) if fn is not R_.max else x, axis=list(inst.axes),
+                                          keepdims=inst.keepdims))
+
+
+TABLE["k3.reduce_sum"] = _reduce(R_.sum)
+TABLE["k3.reduce_mean"] = _reduce(R_.mean)
+TABLE["k3.reduce_max"] = _reduce(R_.max)
+
+
+@lowers("k3.softmax")
+def _softmax(lw, inst, x):
+    return lw.emit(R_.nn.softmax(lw.f(x), axis=inst.axis))
+
+
+@lowers("k3.cumsum")
+def _cumsum(lw, inst, x):
+    return lw.emit(R_.cumsum(x, axis=inst.axis))
+
+
+@lowers("k3.causal_mask")
+def _causal_mask(lw, inst, x, lengths=None):
+    if lengths is None:
+        return lw.te(K.causal_mask, lw.f(x), name="causal_mask")
+    return lw.te(K.causal_mask, lw.f(x), lw.cast(lengths, "int64"), name="causal_mask")
+
+
+@lowers("k3.topk")
+def _topk(lw, inst, x):
+    t = lw.te(K.topk, lw.f(x), inst.k, name="topk")
+    return lw.emit(relax.TupleGetItem(t, 0)), lw.emit(relax.TupleGetItem(t, 1))
+
+
+@lowers("k3.gather")
+def _gather(lw, inst, x, index):
+    return lw.emit(R_.gather_elements(x, lw.cast(index, "int64"), axis=inst.axis))
+
+
+@lowers("k3.take", "k3.embedding")
+def _take(lw, inst, a, b):
+    table, ids = (a, b) if inst.name == "k3.take" else (b, a)
+    return lw.emit(R_.take(table, lw.cast(ids, "int64"), axis=0, mode="clip"))
+
+
+@lowers("k3.one_hot")
+def _one_hot(lw, inst, index):
+    return lw.te(K.one_hot, lw.cast(index, "int64"), inst.depth, lw.rt(inst.dtype), name="one_hot")
+
+
+@lowers("k3.state_zero")
+def _state_zero(lw, inst, like):
+    b = lw.shape(like)[0]
+    shape = [b, 0, sum(inst.params)] if inst.kind == "mla_cache" else [b, *inst.params]
+    return lw.te(lambda: K.zeros(shape, lw.fdt), name="state_zero")
+
+
+@lowers("k3.state_load", "k3.state_store")
+def _identity(lw, inst, x):
+    return x
+
+
+@lowers("k3.interp_weights", "k3.rope_2d_table")
+def _shape_table(lw, inst, like):
+    """Index tables that depend on static dims only: folded to constants at compile time."""
+    shp = lw.shape(like)
+    used = [inst.axis] if inst.name == "k3.interp_weights" else [1, 2]
+    if not all(isinstance(shp[a], (int, tirx.IntImm)) for a in used):
+        raise K3BackendError(f"tvm: {inst.name} needs static dims {used} of its input, got {shp}")
+    dims = [int(d) if isinstance(d, (int, tirx.IntImm)) else 1 for d in shp]
+    val = inst.reference(np.zeros(dims))
+    vals = val if isinstance(val, tuple) else (val,)
+    out = [relax.const(np.asarray(v, dtype=lw.fdt)) for v in vals]
+    return out if isinstance(val, tuple) else out[0]
+
+
+from . import lower_model  # noqa: F401  (model and fused ops register into TABLE)
