@@ -115,5 +115,31 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_compile)
 
+    p = sub.add_parser("check", help="list the ops a target lowers natively / by decomposition, before compiling")
+    model_arg(p)
+    p.add_argument("--target", required=True, help="target name (see k3ir backends)")
+    p.add_argument("--quantize", choices=("none", "mxfp4", "int4"), help="override the config's expert quantisation")
+    p.add_argument("--json", action="store_true", help="machine-readable report")
+    p.set_defaults(func=cmd_check)
 
-__all__ = ["UsageError", "apply_passes", "cmd_compile", "register", "target_pipeline"]
+
+def cmd_check(args) -> int:
+    """Run the target's pipeline, then classify every op (k3ir.backends.check); exit 2 when an
+    op has neither a native lowering nor a decomposition."""
+    from k3ir.backends import get_backend
+    from k3ir.backends.check import check_module, render
+    get_backend(args.target)                          # unknown target: K3BackendError, exit 2
+    m = load_model(args)
+    apply_passes(m, args.target, quantize=args.quantize)
+    rep = check_module(m, args.target)
+    if args.json:
+        print(json.dumps(rep.as_dict(), indent=2))
+    else:
+        render(rep, console())
+    if rep.errors:
+        raise K3BackendError(f"target '{args.target}' cannot run {m.name}: "
+                             + "; ".join(f"{r.op}: {r.why}" for r in rep.errors))
+    return 0
+
+
+__all__ = ["UsageError", "apply_passes", "cmd_check", "cmd_compile", "register", "target_pipeline"]
