@@ -3,6 +3,8 @@
 
     python bench/cpu_backends.py --out bench/results/cpu_backends.json
 
+Targets: ``torch`` (its default pipeline: fused KDA, MoE dispatch, MXFP4 experts, ...),
+``torch-unfused`` (torch on the graph the exporters see: ``dce`` only), ``onnx``, ``mlir``.
 Models: k3-tiny and ``k3-100m`` (k3-tiny's layer schedule at hidden 512, 16 experts top-4,
 vocab 32000: ~105 M parameters, ~50 M active). Prefill: T=64 tokens, median of 3 runs after a
 warm-up; decode: 16 steps after a 64-token prefill, tokens/s = 16 / wall time. IREE compile time
@@ -57,7 +59,10 @@ def bench(sess: Session, T: int, steps: int, reps: int = 3) -> dict:
 
 def make_session(m, target: str, params: dict) -> tuple[Session, float]:
     t = time.perf_counter()
-    exe = k3ir.compile(m, target=target, dtype="float32")
+    if target == "torch-unfused":                  # torch on the same unfused, unquantised graph as onnx/mlir
+        exe = k3ir.compile(m, target="torch", dtype="float32", passes=["dce"])
+    else:
+        exe = k3ir.compile(m, target=target, dtype="float32")
     s = Session(exe, params=params)
     if target == "mlir":                                                  # compile now, not in the timing
         exe.compile_group(("prefill", "decode"))
@@ -68,7 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--models", default="k3-tiny,k3-100m")
-    ap.add_argument("--targets", default="torch,onnx,mlir")
+    ap.add_argument("--targets", default="torch,torch-unfused,onnx,mlir")
     ap.add_argument("--T", type=int, default=64)
     ap.add_argument("--steps", type=int, default=16)
     a = ap.parse_args()
