@@ -2,11 +2,11 @@
 to continue a run bit-exactly (optimizer state, QB state, step/data position, RNG state).
 
 A checkpoint is a directory ``<out>/checkpoints/step-NNNNNN/`` holding
-- ``model.safetensors``: every parameter under its checkpoint key(s); stacked routed experts
-  (``...experts.{e}.w1.weight``, ``[E, I, D]``) are written as one tensor per expert
-  (``...experts.0.w1.weight`` ...), i.e. ``ParamDecl.keys()``; fp32 master weights. The QB
-  bias is the ``gate.e_score_correction_bias`` parameter, so it lives here too.
-- ``optimizer.safetensors``: AdamW ``exp_avg.<key>``, ``exp_avg_sq.<key>`` (same key expansion),
+- ``model.safetensors`` + ``config.json``: every parameter in the published layout, written by
+  ``k3ir.save`` (the checkpoint reader's writer; stacked routed experts ``[E, I, D]`` become one
+  tensor per expert), fp32 master weights; so ``k3ir.load(<checkpoint dir>)`` loads the model.
+  The QB bias is the ``gate.e_score_correction_bias`` parameter, so it lives here too.
+- ``train_state/optimizer.safetensors`` (a subfolder, so model loaders do not see it): AdamW ``exp_avg.<key>``, ``exp_avg_sq.<key>`` (same key expansion),
   ``step.<parameter name>`` and ``rng.torch`` (the CPU torch RNG state, uint8).
 - ``trainer.json``: step, TrainConfig, QB state (rule, load history), loss history, data
   source/seed (the data position is the step: batches depend only on (seed, step)).
@@ -23,10 +23,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from k3ir.errors import K3CheckpointError
 
 MODEL_FILE = "model.safetensors"
-OPTIM_FILE = "optimizer.safetensors"
+OPTIM_FILE = "train_state/optimizer.safetensors"
+STATE_DIR = "train_state"
 META_FILE = "trainer.json"
 CONFIG_FILE = "config.json"
 LATEST = "latest"
@@ -88,6 +91,35 @@ def collapse(module, flat: dict[str, Any], prefix: str = "", names=None, where: 
     return out
 
 
+def _save_model(module, params: dict[str, Any], directory: Path) -> None:
+    """The model tensors in the published layout: through ``k3ir.save`` (the checkpoint reader's
+    own writer, fp32) when present, else one tensor per ``ParamDecl.keys()`` key."""
+    try:
+        from k3ir import save
+    except ImportError:
+        save = None
+    if save is not None:
+        save(module, {n: t.detach() for n, t in params.items()}, str(directory), layout="published", dtype="f32")
+        return
+    from safetensors.torch import save_file
+    save_file(expand(module, params), str(directory / MODEL_FILE), metadata={"format": "pt"})
+
+
+def _load_model(module, directory: Path) -> dict[str, Any]:
+    """Parameter name -> tensor from the checkpoint's model files (inverse of ``_save_model``)."""
+    import torch
+    try:
+        from k3ir.frontend.checkpoint import bind_checkpoint
+    except ImportError:
+        bind_checkpoint = None
+    if bind_checkpoint is not None:
+        m = module.clone()
+        bind_checkpoint(m, str(directory))
+        return {n: torch.from_numpy(np.ascontiguousarray(m.weights[n])) for n in module.params}
+    from safetensors.torch import load_file
+    return collapse(module, load_file(str(directory / MODEL_FILE)), where=str(directory / MODEL_FILE))
+
+
 def save_checkpoint(out_dir: str | Path, trainer, extra: dict | None = None) -> Path:
     """Write ``trainer``'s state as ``<out_dir>/checkpoints/step-<step>`` atomically and point
     ``latest`` at it. Returns the checkpoint directory. ``extra`` is stored in trainer.json."""
@@ -103,7 +135,7 @@ def save_checkpoint(out_dir: str | Path, trainer, extra: dict | None = None) -> 
     tmp.mkdir()
     m = trainer.module
     files: dict[str, bytes] = {}
-    files[MODEL_FILE] = st_save(expand(m, trainer.params), metadata={"format": "pt", "k3ir": "train"})
+    _save_model(m, trainer.params, tmp)
     opt: dict[str, Any] = {}
     for n, st in trainer.optimizer_state().items():
         for k, v in st.items():
@@ -120,14 +152,19 @@ def save_checkpoint(out_dir: str | Path, trainer, extra: dict | None = None) -> 
                          "balance": {str(k): v for k, v in s.balance.items()}} for s in trainer.history],
             "model": m.name, **(extra or {})}
     files[META_FILE] = json.dumps(meta, indent=1).encode()
-    cfg = getattr(m, "config", None)
-    if cfg is not None and getattr(cfg, "raw", None):
-        files[CONFIG_FILE] = json.dumps(cfg.raw, indent=2).encode()
+    if not (tmp / CONFIG_FILE).exists():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and getattr(cfg, "raw", None):
+            files[CONFIG_FILE] = json.dumps(cfg.raw, indent=2).encode()
+    (tmp / STATE_DIR).mkdir()
     for fname, data in files.items():
         with open(tmp / fname, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+    for f in sorted(tmp.rglob("*")):                   # everything on disk before the rename
+        if f.is_file():
+            with open(f, "rb+") as fh:
+                os.fsync(fh.fileno())
+    _fsync_dir(tmp / STATE_DIR)
     _fsync_dir(tmp)
     if final.exists():
         old = root / f".{name}.old-{os.getpid()}"
@@ -178,11 +215,10 @@ def load_checkpoint(path: str | Path, trainer) -> dict:
     meta = read_meta(d)
     m = trainer.module
     try:
-        flat = load_file(str(d / MODEL_FILE))
+        params = _load_model(m, d)
         oflat = load_file(str(d / OPTIM_FILE))
     except (OSError, SafetensorError) as e:
         raise K3CheckpointError(f"{d}: cannot read safetensors ({e})") from None
-    params = collapse(m, flat, where=str(d / MODEL_FILE))
     for n, t in params.items():
         want = tuple(trainer.params[n].shape)
         if tuple(t.shape) != want:

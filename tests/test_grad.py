@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from k3ir.backends.reference import ReferenceExecutable
 from k3ir.backends.torch import TorchExecutable
+
 from k3ir.builder import Builder
 from k3ir.ir import Function, Module
 from k3ir.opdef import all_ops
@@ -264,9 +264,10 @@ def test_k3_tiny_loss_grad_matches_reference_finite_differences(rng):
     """Next-token cross entropy of k3-tiny (torch float64 autograd) vs central differences of the
     reference backend's float64 loss, along one random direction per parameter group (every
     layer's attention, FFN/MoE, AttnRes, the embedding and head). The QB bias has zero gradient."""
-    import k3ir
     from k3ir.runtime.params import init_params
-    from k3ir.runtime.trainer import Trainer, TrainConfig
+    from k3ir.runtime.trainer import TrainConfig, Trainer
+
+    import k3ir
     m = k3ir.load("k3-tiny")
     exe = k3ir.compile(m, target="torch", dtype="float64")
     params = init_params(m, seed=3)
