@@ -58,8 +58,9 @@ def fused_kda(inst, *args):
     if not inst.full_rank_gate:
         gz = _lin(gz, gate_w[1])
     if inst.mode == "recurrent" and Tn == 1 and st[3] is not None:
-        pool = st[3].float().contiguous().clone()
-        cpools = [s.float().contiguous().clone() for s in st[:3]]
+        own = (lambda t: t.float().contiguous()) if GRAPH_STEP["in_place"] else (lambda t: t.float().contiguous().clone())
+        pool = own(st[3])          # a CUDA-graph decode (graphs.py) updates its static buffers in place
+        cpools = [own(s) for s in st[:3]]
         slots = torch.arange(B, device=x.device, dtype=torch.int32)
         o = layer.kda_decode(_lin(x, w_q)[:, 0], _lin(x, w_k)[:, 0], _lin(x, w_v)[:, 0], z[:, 0], bl[:, 0],
                              A_log, dt_bias, pool, slots, lower_bound=lb, scale=inst.scale,
@@ -76,6 +77,9 @@ def fused_kda(inst, *args):
     return (o.reshape(B, Tn, H * D), *new, s_out)
 
 
+#: set by the CUDA-graph decode (graphs.py): states are static buffers updated in place
+GRAPH_STEP = {"in_place": False}
+
 KERNELS = {
     "k3.kda": kda,
     "k3.short_conv": short_conv,
@@ -85,10 +89,41 @@ KERNELS = {
 
 
 class TritonExecutable(TorchExecutable):
-    """Runs the module op by op like the torch executable; KDA ops go to the Triton kernels."""
+    """Runs the module op by op like the torch executable; KDA, MoE (grouped GEMMs with the GLU
+    and combine weight fused, lowering.py), MLA, RMSNorm and AttnRes ops go to the Triton
+    kernels. On CUDA the ``decode`` function runs as a captured CUDA graph (graphs.py; set
+    ``cuda_graphs = False`` to run it eagerly)."""
 
     def __init__(self, module, dtype: str, device: str):
         super().__init__(module, dtype, device)
+        from . import lowering
         self.target = "triton"
-        self.table = {**self.table, **KERNELS}
+        self.table = {**self.table, **KERNELS, **lowering.table(self)}
+        self.graph_ctx = None
+        self.plans = {name: lowering.plan(f) for name, f in module.functions.items()}
+        self.cuda_graphs = self.tdev.type == "cuda" and "decode" in module.functions
+        self._graph = None
+
+    def _run_eager(self, function, targs, params):
+        from .lowering import PlanInterpreter
+        GRAPH_STEP["in_place"] = self.graph_ctx is not None
+        try:
+            interp = PlanInterpreter(self.module, self.table, params.__getitem__, post=self._post, plans=self.plans)
+            return interp.run(function, targs)
+        finally:
+            GRAPH_STEP["in_place"] = False
+
+    def run(self, function, args, params):
+        from k3ir.types import TensorType
+        targs = []
+        for a, spec in zip(args, self.module.functions[function].args):
+            t = a if isinstance(a, torch.Tensor) else torch.as_tensor(a)
+            dt = self.torch_dtype(spec.type.dtype) if isinstance(spec.type, TensorType) else self.f32
+            targs.append(t.to(device=self.tdev, dtype=dt))
+        if function == "decode" and self.cuda_graphs and self.compute != torch.float64:
+            if self._graph is None:
+                from .graphs import GraphDecode
+                self._graph = GraphDecode(self)
+            return self._graph(targs, params, lambda a, p: self._run_eager(function, a, p))
+        return self._run_eager(function, targs, params)
 

@@ -1,0 +1,194 @@
+"""Lowerings of the MoE, MLA and norm ops to the Triton kernels, plus the MoE fusion plan.
+
+``table(exe)`` gives op name -> ``impl(inst, *operands)`` for the triton executable. ``plan(fn)``
+finds, per function, the routed-expert chains made by ``fuse-moe-dispatch``
+(``grouped_matmul`` gate + up -> ``situ_glu``/``swiglu`` -> ``grouped_matmul`` down -> ``moe_combine``)
+and ``PlanInterpreter`` runs them as two grouped-GEMM launches (gate/up with the GLU fused; down
+with the combine weight fused) and one combine launch. float64 modules keep the torch
+implementations everywhere.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..interpreter import Interpreter
+from . import mla as mla_k
+from . import moe as moe_k
+from . import norm as norm_k
+
+
+def _torch_impl(name):
+    from ..torch.fused import FUSED
+    from ..torch.ops import TABLE
+    return {**TABLE, **FUSED}[name]
+
+
+def grouped_matmul(inst, x, offsets, w, scales=None):
+    if x.dtype == torch.float64:
+        return _torch_impl("k3.grouped_matmul")(inst, x, offsets, w, scales)
+    return moe_k.grouped_matmul(x, offsets, w, scales, inst.quant)
+
+
+def moe_dispatch(inst, x, w, idx):
+    """``k3.moe_dispatch`` without host syncs (capturable): stable sort of the slots by expert,
+    counts by scatter-add."""
+    if x.dtype == torch.float64:
+        return _torch_impl("k3.moe_dispatch")(inst, x, w, idx)
+    k = w.shape[-1]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    inv = torch.empty_like(order)
+    inv.scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    counts = torch.zeros(inst.num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    xs = x.reshape(-1, x.shape[-1]).index_select(0, order // k)
+    return xs, offsets, inv.reshape(w.shape), w.reshape(-1).index_select(0, order).float()
+
+
+def moe_combine(inst, y, comb_w, inv):
+    if y.dtype == torch.float64:
+        return _torch_impl("k3.moe_combine")(inst, y, comb_w, inv)
+    return moe_k.moe_combine(y, comb_w, inv)
+
+
+def rmsnorm(inst, x, w):
+    if x.dtype == torch.float64:
+        return _torch_impl("k3.rmsnorm")(inst, x, w)
+    return norm_k.rmsnorm(x, w, inst.eps)
+
+
+def attn_res_fused(inst, w, r, buf, pref):
+    if pref.dtype == torch.float64:
+        return _torch_impl("k3.attn_res_fused")(inst, w, r, buf, pref)
+    return norm_k.attn_res_fused(w, r, buf, pref, inst.n_blocks, inst.eps)
+
+
+def make_mla(exe):
+    """``k3.mla`` (SPEC.md 4): prefill through the flash kernel on up-projected keys, decode
+    (absorbed, T == 1) through the latent-cache kernel. Under a CUDA-graph decode (``exe.graph_ctx``)
+    the cache operand is a preallocated buffer and the valid length lives on the device."""
+    def mla(inst, q, kv, w, c=None, lengths=None):
+        if q.dtype == torch.float64:
+            return _torch_impl("k3.mla")(inst, q, kv, w, c, lengths)
+        H, n, r, vd = inst.heads, inst.nope, inst.rope, inst.v_dim
+        B, T = q.shape[:2]
+        R = w.shape[1]
+        wh = w.to(q.dtype).reshape(H, n + vd, R)
+        w_uk, w_uv = wh[:, :n], wh[:, n:]
+        ctx = getattr(exe, "graph_ctx", None)
+        if inst.absorbed and T == 1:
+            qt = torch.einsum("bhn,hnr->bhr", q[:, 0, :, :n], w_uk)
+            qr = q[:, 0, :, n:]
+            if ctx is not None:                          # graph mode: c is the static buffer
+                c.index_copy_(1, ctx["pos"], kv.to(c.dtype))
+                full, cache, nlen = c, c, ctx["nlen"]
+            else:
+                full = kv.float() if c is None else torch.cat([c.float(), kv.float()], dim=1)
+                cache = full
+                nlen = torch.full((1,), full.shape[1], dtype=torch.int32, device=q.device)
+            olat = mla_k.mla_decode(qt, qr, cache, nlen, inst.scale, lengths)
+            o = torch.einsum("bhr,hvr->bhv", olat.to(q.dtype), w_uv)
+            return o[:, None], full
+        full = kv.float() if c is None else torch.cat([c.float(), kv.float()], dim=1)
+        ckv, kr = full[..., :R].to(q.dtype), full[..., R:].to(q.dtype)
+        kn = torch.einsum("bsr,hnr->bshn", ckv, w_uk)
+        v = torch.einsum("bsr,hvr->bshv", ckv, w_uv)
+        return mla_k.mla_prefill(q, kn, kr, v, inst.scale, lengths), full
+    return mla
+
+
+def table(exe) -> dict:
+    return {"k3.moe_dispatch": moe_dispatch, "k3.grouped_matmul": grouped_matmul, "k3.moe_combine": moe_combine, "k3.rmsnorm": rmsnorm,
+            "k3.attn_res_fused": attn_res_fused, "k3.mla": make_mla(exe)}
+
+
+def _uses(fn) -> dict[int, list]:
+    uses: dict[int, list] = {}
+    for op in fn.ops:
+        for v in op.operands:
+            if v is not None:
+                uses.setdefault(id(v), []).append(op)
+    for v in fn.returns:
+        uses.setdefault(id(v), []).append(None)
+    return uses
+
+
+def plan(fn) -> dict[int, tuple]:
+    """op id -> action for the fusable MoE chains of ``fn`` (see the module docstring)."""
+    uses = _uses(fn)
+    out: dict[int, tuple] = {}
+    producer = {id(r): op for op in fn.ops for r in op.results}
+    for op in fn.ops:
+        if op.name not in ("k3.situ_glu", "k3.swiglu"):
+            continue
+        g, u = (producer.get(id(v)) for v in op.operands[:2])
+        if (g is None or u is None or g.name != "k3.grouped_matmul" or u.name != "k3.grouped_matmul"
+                or g.operands[0] is not u.operands[0] or g.operands[1] is not u.operands[1]
+                or g.attrs.get("quant", "none") != u.attrs.get("quant", "none")
+                or len(uses.get(id(g.results[0]), [])) != 1 or len(uses.get(id(u.results[0]), [])) != 1):
+            continue
+        out[id(g)] = ("skip",)
+        out[id(u)] = ("skip",)
+        out[id(op)] = ("glu", g, u)
+        downs = uses.get(id(op.results[0]), [])
+        if len(downs) == 1 and downs[0] is not None and downs[0].name == "k3.grouped_matmul":
+            d = downs[0]
+            comb = uses.get(id(d.results[0]), [])
+            if len(comb) == 1 and comb[0] is not None and comb[0].name == "k3.moe_combine":
+                out[id(d)] = ("down", comb[0])
+                out[id(comb[0])] = ("combine",)
+    return out
+
+
+class PlanInterpreter(Interpreter):
+    """The interpreter with the MoE fusion plan applied (``plans``: function name -> ``plan``)."""
+
+    def __init__(self, *a, plans: dict, **k):
+        super().__init__(*a, **k)
+        self.plans = plans
+
+    def run(self, fn, args):
+        f = self.module.functions[fn] if isinstance(fn, str) else fn
+        self._plan = self.plans.get(f.name, {}) if f is self.module.functions.get(f.name) else {}
+        return super().run(fn, args)
+
+    def exec_op(self, op, env, observe=True):
+        act = getattr(self, "_plan", {}).get(id(op))
+        if act is None:
+            return super().exec_op(op, env, observe)
+        kind = act[0]
+        if kind == "skip":
+            return
+        val = [env.get(id(v)) if v is not None else None for v in op.operands]
+        if kind == "glu":
+            g, u = act[1], act[2]
+            gv = [env[id(v)] for v in g.operands]
+            uv = [env[id(v)] for v in u.operands]
+            x = gv[0]
+            if x.dtype == torch.float64:
+                for o in (g, u):
+                    super().exec_op(o, env, observe)
+                return super().exec_op(op, env, observe)
+            acts = {"k3.situ_glu": "situ", "k3.swiglu": "silu"}[op.name]
+            q = g.attrs.get("quant", "none")
+            out = moe_k.grouped_matmul(x, gv[1], gv[2], gv[3] if len(gv) > 3 else None, q, w3=uv[2],
+                                       scales3=uv[3] if len(uv) > 3 else None, act=acts,
+                                       b1=float(op.attrs.get("b1", 4.0)), b2=float(op.attrs.get("b2", 25.0)))
+        elif kind == "down":
+            comb = act[1]
+            x = val[0]
+            if x.dtype == torch.float64:
+                return super().exec_op(op, env, observe)
+            out = moe_k.grouped_matmul(x, val[1], val[2], val[3] if len(val) > 3 else None,
+                                       op.attrs.get("quant", "none"), row_scale=env[id(comb.operands[1])])
+            env[("scaled", id(op.results[0]))] = True
+        else:   # combine of pre-scaled rows
+            y = val[0]
+            if y.dtype == torch.float64 or not env.get(("scaled", id(op.operands[0]))):
+                return super().exec_op(op, env, observe)
+            out = moe_k.moe_combine(y, None, val[2])
+        outs = [out]
+        if self.post is not None:
+            outs = self.post(op, outs)
+        env[id(op.results[0])] = outs[0]

@@ -1,0 +1,144 @@
+"""MLA attention (SPEC.md 4) as Triton kernels.
+
+Prefill (``mla_prefill``): flash attention over the up-projected keys/values with the NoPE part
+(``nope`` wide, per head) and the shared RoPE key (``rope`` wide) scored in two tensor-core dots
+per tile (192-wide scores for K3 and Kimi Linear), the causal mask aligned to the end of the
+cached prefix (query i sits at S - T + i), optional right-padded cache lengths, online softmax.
+
+Decode (``mla_decode``): the absorbed form over the latent cache: ``q~ = W_uk^T q_nope`` (R wide)
+and the rope query score directly against the cached ``[c_kv | k_rope]`` rows (R + P = 576 wide),
+one program per (batch row, block of heads), the attention-weighted latent sum accumulated in
+fp32; ``W_uv`` is applied after. The number of valid cache rows is read from device memory, so the
+step can be captured in a CUDA graph over a preallocated cache buffer.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+
+@triton.jit
+def mla_prefill_kernel(q, kn, kr, v, o, lens, T, S, H, scale,
+                       DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
+                       DNP: tl.constexpr, DRP: tl.constexpr, DVP: tl.constexpr,
+                       HAS_LEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """q [B,T,H,DN+DR], kn [B,S,H,DN], kr [B,S,DR], v [B,S,H,DV] -> o [B,T,H,DV]."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    b64 = b.to(tl.int64)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mm = offs_m < T
+    dn, dr, dv = tl.arange(0, DNP), tl.arange(0, DRP), tl.arange(0, DVP)
+    qrow = q + ((b64 * T + offs_m) * H + h)[:, None] * (DN + DR)
+    qn = tl.load(qrow + dn[None, :], mask=mm[:, None] & (dn < DN)[None, :], other=0.)
+    qr = tl.load(qrow + DN + dr[None, :], mask=mm[:, None] & (dr < DR)[None, :], other=0.)
+    pos = S - T + offs_m
+    if HAS_LEN:
+        nvalid = tl.load(lens + b).to(tl.int32)
+    m_i = tl.zeros([BM], dtype=tl.float32) - 1e30
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, DVP], dtype=tl.float32)
+    hi = tl.minimum(S, S - T + (pid_m + 1) * BM)
+    for n0 in range(0, hi, BN):
+        keys = n0 + tl.arange(0, BN)
+        mk = keys < S
+        krow = (b64 * S + keys) * H + h
+        kt = tl.load(kn + krow[:, None] * DN + dn[None, :], mask=mk[:, None] & (dn < DN)[None, :], other=0.)
+        rt = tl.load(kr + (b64 * S + keys)[:, None] * DR + dr[None, :], mask=mk[:, None] & (dr < DR)[None, :],
+                     other=0.)
+        s = tl.dot(qn, tl.trans(kt)) + tl.dot(qr, tl.trans(rt))
+        s = s * scale
+        keep = (keys[None, :] <= pos[:, None]) & mk[None, :]
+        if HAS_LEN:
+            keep = keep & ((keys < nvalid) | (keys >= S - T))[None, :]
+        s = tl.where(keep, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v + krow[:, None] * DV + dv[None, :], mask=mk[:, None] & (dv < DV)[None, :], other=0.)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(o + ((b64 * T + offs_m) * H + h)[:, None] * DV + dv[None, :], out.to(o.dtype.element_ty),
+             mask=mm[:, None] & (dv < DV)[None, :])
+
+
+@triton.jit
+def mla_decode_kernel(qt, qr, cache, olat, nlen, lens, H, L_STRIDE, scale,
+                      R: tl.constexpr, P: tl.constexpr, RP: tl.constexpr, PP: tl.constexpr,
+                      HAS_LEN: tl.constexpr, BH: tl.constexpr, BL: tl.constexpr):
+    """qt [B,H,R], qr [B,H,P], cache [B,L_STRIDE,R+P] with nlen[0] valid rows -> olat [B,H,R] (fp32)."""
+    hb, b = tl.program_id(0), tl.program_id(1)
+    b64 = b.to(tl.int64)
+    heads = hb * BH + tl.arange(0, BH)
+    mh = heads < H
+    dr, dp = tl.arange(0, RP), tl.arange(0, PP)
+    qa = tl.load(qt + (b64 * H + heads)[:, None] * R + dr[None, :], mask=mh[:, None] & (dr < R)[None, :], other=0.)
+    qb = tl.load(qr + (b64 * H + heads)[:, None] * P + dp[None, :], mask=mh[:, None] & (dp < P)[None, :], other=0.)
+    n = tl.load(nlen).to(tl.int32)
+    if HAS_LEN:
+        nvalid = tl.load(lens + b).to(tl.int32)
+    m_i = tl.zeros([BH], dtype=tl.float32) - 1e30
+    l_i = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BH, RP], dtype=tl.float32)
+    base = cache + b64 * L_STRIDE * (R + P)
+    for l0 in range(0, n, BL):
+        rows = l0 + tl.arange(0, BL)
+        mr = rows < n
+        c = tl.load(base + rows.to(tl.int64)[:, None] * (R + P) + dr[None, :], mask=mr[:, None] & (dr < R)[None, :],
+                    other=0.).to(qa.dtype)
+        cr = tl.load(base + rows.to(tl.int64)[:, None] * (R + P) + R + dp[None, :],
+                     mask=mr[:, None] & (dp < P)[None, :], other=0.).to(qa.dtype)
+        s = (tl.dot(qa, tl.trans(c)) + tl.dot(qb, tl.trans(cr))) * scale
+        keep = mr
+        if HAS_LEN:
+            keep = keep & ((rows < nvalid) | (rows >= n - 1))
+        s = tl.where(keep[None, :], s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        m_i = m_new
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(olat + (b64 * H + heads)[:, None] * R + dr[None, :], out, mask=mh[:, None] & (dr < R)[None, :])
+
+
+def _p2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def mla_prefill(q, kn, kr, v, scale: float, lengths=None) -> torch.Tensor:
+    """Causal MLA attention. q ``[B,T,H,n+r]``, kn ``[B,S,H,n]``, kr ``[B,S,r]``, v ``[B,S,H,v]``
+    (S >= T: the last T keys are the queries' own). Returns ``[B,T,H,v]`` in q's dtype."""
+    B, T, H, _ = q.shape
+    S, DN, DR, DV = kn.shape[1], kn.shape[3], kr.shape[2], v.shape[3]
+    o = torch.empty(B, T, H, DV, device=q.device, dtype=q.dtype)
+    BM, BN, warps, stages = (16, 16, 4, 1) if interpreting() else (64, 64, 8 if DN + DR > 128 else 4, 2)
+    lens = lengths.contiguous() if lengths is not None else None
+    mla_prefill_kernel[(triton.cdiv(T, BM), B * H)](
+        q.contiguous(), kn.contiguous(), kr.to(q.dtype).contiguous(), v.contiguous(), o, lens, T, S, H, float(scale),
+        DN=DN, DR=DR, DV=DV, DNP=_p2(DN), DRP=_p2(DR), DVP=_p2(DV), HAS_LEN=lens is not None, BM=BM, BN=BN,
+        num_warps=warps, num_stages=stages)
+    return o
+
+
+def mla_decode(qt, qr, cache, nlen, scale: float, lengths=None) -> torch.Tensor:
+    """Absorbed decode attention: qt ``[B,H,R]``, qr ``[B,H,P]`` (one query per row), cache
+    ``[B,Lcap,R+P]`` (fp32 or bf16) whose first ``nlen[0]`` rows are valid (int32 device tensor).
+    Returns the attention-weighted latent ``[B,H,R]`` (fp32)."""
+    B, H, R = qt.shape
+    P = qr.shape[2]
+    olat = torch.empty(B, H, R, device=qt.device, dtype=torch.float32)
+    BH = 16
+    BL = 16 if interpreting() else 32
+    lens = lengths.contiguous() if lengths is not None else None
+    mla_decode_kernel[(triton.cdiv(H, BH), B)](
+        qt.contiguous(), qr.contiguous(), cache, olat, nlen, lens, H, cache.shape[1], float(scale),
+        R=R, P=P, RP=_p2(R), PP=_p2(P), HAS_LEN=lens is not None, BH=BH, BL=BL,
+        num_warps=4 if interpreting() else 8, num_stages=1 if interpreting() else 2)
+    return olat

@@ -1,0 +1,206 @@
+"""Grouped GEMM over all routed experts (``k3.grouped_matmul``, SPEC.md 5-7) as Triton kernels.
+
+Rows come sorted by expert (``k3.moe_dispatch``): expert ``e`` owns rows ``offsets[e]:offsets[e+1]``
+of ``x [R, K]``. One launch covers every expert: program ``(n, e, s)`` computes the ``BN`` output
+columns ``n`` of expert ``e`` for its row tiles ``s, s+MS, ...`` (empty experts exit at once), so
+no host sync and no tile schedule is needed and the launch is graph-capturable.
+
+Weights: bf16/fp32 ``[E, N, K]``; MXFP4 ``u8[E, N, K/2]`` (low nibble = even element, E2M1) with
+E8M0 scale bytes ``u8[E, N, K/32]``; INT4 ``i32[E, N, K/8]`` (nibble j of a word = element 8w+j,
+value nibble-8) with float scales ``[E, N, K/32]``. Dequantisation is fused into the K loop (the
+packed tile is decoded in registers, scaled per 32-group and fed to the tensor cores in the
+activation dtype), so a quantised product equals dequantise-then-matmul (SPEC.md 7) up to the
+fp32 accumulation order.
+
+``moe_glu``: gate and up GEMMs in one kernel (two accumulators over the same x tile) with SiTU-GLU
+or SwiGLU applied in the epilogue, so ``h [R, I]`` is the only intermediate written.
+``grouped_matmul(..., row_scale=comb_w)`` multiplies each output row by its combine weight in the
+epilogue; ``moe_combine`` then sums each token's ``k`` rows (one program per token block).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+QUANT_IDS = {"none": 0, "mxfp4": 1, "int4": 2}
+ACT_IDS = {"none": 0, "situ": 1, "silu": 2, "swiglu": 2}
+
+
+@triton.jit
+def _w_tile(w, s, e, offs_n, k0, N, K, QUANT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Weight tile ``W_e[offs_n, k0:k0+BK]`` as fp32 ``[BN, BK]`` (K % BK == 0 for packed formats)."""
+    mn = (offs_n < N)[:, None]
+    e64 = e.to(tl.int64)
+    rows = offs_n.to(tl.int64)[:, None]
+    if QUANT == 0:
+        kk = k0 + tl.arange(0, BK)
+        t = tl.load(w + e64 * N * K + rows * K + kk[None, :], mask=mn & (kk < K)[None, :], other=0.)
+        return t.to(tl.float32)
+    elif QUANT == 1:
+        kp = k0 // 2 + tl.arange(0, BK // 2)
+        p = tl.load(w + e64 * N * (K // 2) + rows * (K // 2) + kp[None, :], mask=mn, other=0).to(tl.int32)
+        c = tl.reshape(tl.join(p & 15, p >> 4), (BN, BK))           # even element = low nibble
+        mag = c & 7
+        bits = tl.where(mag < 2, mag * (126 << 23), (mag << 22) + (126 << 23)) | ((c & 8) << 28)
+        v = bits.to(tl.float32, bitcast=True)                       # E2M1 value in fp32
+        kg = k0 // 32 + tl.arange(0, BK // 32)
+        sb = tl.load(s + e64 * N * (K // 32) + rows * (K // 32) + kg[None, :], mask=mn, other=127)
+        sc = tl.exp2(sb.to(tl.float32) - 127.)                      # E8M0 -> 2^(s-127)
+        v = tl.reshape(v, (BN, BK // 32, 32)) * sc[:, :, None]
+        return tl.reshape(v, (BN, BK))
+    else:
+        kw = k0 // 8 + tl.arange(0, BK // 8)
+        p = tl.load(w + e64 * N * (K // 8) + rows * (K // 8) + kw[None, :], mask=mn, other=0)
+        sh = tl.arange(0, 8) * 4
+        q = ((p[:, :, None] >> sh[None, None, :]) & 15) - 8
+        kg = k0 // 32 + tl.arange(0, BK // 32)
+        sc = tl.load(s + e64 * N * (K // 32) + rows * (K // 32) + kg[None, :], mask=mn, other=0.).to(tl.float32)
+        v = tl.reshape(q.to(tl.float32), (BN, BK // 32, 32)) * sc[:, :, None]
+        return tl.reshape(v, (BN, BK))
+
+
+@triton.jit
+def grouped_gemm_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, b1, b2,
+                        QUANT: tl.constexpr, ACT: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MS: tl.constexpr):
+    """y[r, n] = act(x[r] W1_e^T, x[r] W3_e^T)[n] (ACT 0: just x W1^T; 1: SiTU-GLU; 2: SwiGLU),
+    times rscale[r] when SCALE_ROWS. Grid (cdiv(N, BN), E, MS)."""
+    pid_n, e, ms = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(offsets + e).to(tl.int32)
+    end = tl.load(offsets + e + 1).to(tl.int32)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    for m0 in range(start + ms * BM, end, BM * MS):
+        rows = m0 + tl.arange(0, BM)
+        mr = rows < end
+        xrow = x + rows.to(tl.int64)[:, None] * K
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        acc3 = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + offs_k
+            a = tl.load(xrow + kk[None, :], mask=mr[:, None] & (kk < K)[None, :], other=0.)
+            wt = _w_tile(w1, s1, e, offs_n, k0, N, K, QUANT, BN, BK).to(a.dtype)
+            acc = tl.dot(a, tl.trans(wt), acc)
+            if ACT != 0:
+                wt3 = _w_tile(w3, s3, e, offs_n, k0, N, K, QUANT, BN, BK).to(a.dtype)
+                acc3 = tl.dot(a, tl.trans(wt3), acc3)
+        if ACT == 1:     # SiTU-GLU: b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2)  (tanh(z) = 2 sigmoid(2z) - 1)
+            g = acc.to(y.dtype.element_ty).to(tl.float32)
+            u = acc3.to(y.dtype.element_ty).to(tl.float32)
+            acc = (b1 * (2. * tl.sigmoid(2. * g / b1) - 1.) * tl.sigmoid(g)) * (b2 * (2. * tl.sigmoid(2. * u / b2) - 1.))
+        elif ACT == 2:   # SwiGLU: silu(g) * u
+            g = acc.to(y.dtype.element_ty).to(tl.float32)
+            u = acc3.to(y.dtype.element_ty).to(tl.float32)
+            acc = g * tl.sigmoid(g) * u
+        if SCALE_ROWS:
+            acc = acc * tl.load(rscale + rows, mask=mr, other=0.)[:, None]
+        tl.store(y + rows.to(tl.int64)[:, None] * N + offs_n[None, :], acc.to(y.dtype.element_ty),
+                 mask=mr[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def combine_kernel(y, cw, inv, out, T, D, KSLOT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """out[t] = sum_j cw[inv[t, j]] y[inv[t, j]] (fp32 accumulation); cw may be absent (pre-scaled y)."""
+    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    mt, md = offs_t < T, offs_d < D
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for j in tl.static_range(KSLOT):
+        r = tl.load(inv + offs_t.to(tl.int64) * KSLOT + j, mask=mt, other=0)
+        v = tl.load(y + r[:, None] * D + offs_d[None, :], mask=mt[:, None] & md[None, :], other=0.).to(tl.float32)
+        if cw is not None:
+            v = v * tl.load(cw + r, mask=mt, other=0.)[:, None]
+        acc += v
+    tl.store(out + offs_t.to(tl.int64)[:, None] * D + offs_d[None, :], acc.to(out.dtype.element_ty),
+             mask=mt[:, None] & md[None, :])
+
+
+def _config(R: int, E: int, N: int, K: int, quant: str, glu: bool):
+    """(BM, BN, BK, MS, warps, stages): tiny tiles under the interpreter; on the GPU, small M tiles
+    when experts hold few rows (decode: weight streaming) and 64/128-row tiles for prefill."""
+    if interpreting():
+        return 16, 16, 32, 1, 4, 1
+    rows_per_expert = R / max(E, 1)
+    BK = 128 if quant != "none" else 64
+    if rows_per_expert <= 16:
+        return 16, 64 if glu else 128, BK, 1, 4, 4
+    if rows_per_expert <= 64:
+        return 64, 64 if glu else 128, BK, 1, 4, 4
+    return 128, 64 if glu else 128, 64, 1, 8, 3
+
+
+def _check(x, offsets, w, quant):
+    if quant not in QUANT_IDS:
+        raise ValueError(f"unknown expert quantisation '{quant}' (known: {', '.join(QUANT_IDS)})")
+    if x.dim() != 2 or w.dim() != 3 or offsets.dim() != 1 or offsets.numel() != w.shape[0] + 1:
+        raise ValueError(f"grouped_matmul: x {tuple(x.shape)} must be [R,K], w {tuple(w.shape)} [E,N,*] and "
+                         f"offsets {tuple(offsets.shape)} [E+1]")
+
+
+def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
+                   quant: str = "none", *, w3: torch.Tensor | None = None, scales3: torch.Tensor | None = None,
+                   act: str = "none", b1: float = 4.0, b2: float = 25.0, row_scale: torch.Tensor | None = None,
+                   config: tuple | None = None) -> torch.Tensor:
+    """``y[r] = x[r] W_e^T`` for the rows of each expert (``k3.grouped_matmul``, SPEC.md 5, 7).
+
+    x ``[R, K]`` (bf16/fp16/fp32, rows sorted by expert), offsets ``int[E+1]``, w ``[E, N, K]``
+    float, or packed ``u8[E, N, K/2]`` (mxfp4) / ``i32[E, N, K/8]`` (int4) with ``scales [E, N, K/32]``.
+    With ``w3`` and ``act`` in ("situ", "silu"): the GLU ``act(x W^T, x W3^T)`` (SiTU-GLU with b1, b2;
+    SwiGLU). ``row_scale f32[R]``: multiplies output row r. Returns ``[R, N]`` in x's dtype.
+    Raises ValueError on inconsistent shapes or an unknown format."""
+    _check(x, offsets, w, quant)
+    x = x.contiguous()
+    R, K = x.shape
+    E, N = w.shape[0], w.shape[1]
+    if quant != "none" and K % 32:
+        raise ValueError(f"quantised experts need K % 32 == 0, got K={K}")
+    glu = act != "none"
+    if glu and w3 is None:
+        raise ValueError("a fused GLU needs w3")
+    y = torch.empty(R, N, device=x.device, dtype=x.dtype)
+    if R == 0:
+        return y
+    BM, BN, BK, MS, warps, stages = config or _config(R, E, N, K, quant, glu)
+    if quant == "none":
+        w = w.to(x.dtype).contiguous()
+        w3 = w3.to(x.dtype).contiguous() if glu else w
+    else:
+        w, scales = w.contiguous(), scales.contiguous()
+        w3, scales3 = (w3.contiguous(), scales3.contiguous()) if glu else (w, scales)
+    if quant == "int4":
+        scales = scales.float()
+        scales3 = scales3.float()
+    rs = row_scale.float().contiguous() if row_scale is not None else None
+    grid = (triton.cdiv(N, BN), E, MS)
+    grouped_gemm_kernel[grid](x, offsets.contiguous(), w, scales, w3, scales3, y, rs, N, K, float(b1), float(b2),
+                              QUANT=QUANT_IDS[quant], ACT=ACT_IDS[act], SCALE_ROWS=rs is not None,
+                              BM=BM, BN=BN, BK=BK, MS=MS, num_warps=warps, num_stages=stages)
+    return y
+
+
+def moe_combine(y: torch.Tensor, comb_w: torch.Tensor | None, inv: torch.Tensor) -> torch.Tensor:
+    """``out[b,t] = sum_j comb_w[inv[b,t,j]] y[inv[b,t,j]]`` (``k3.moe_combine``; ``comb_w=None`` when the
+    rows were already scaled). y ``[R, D]``, inv ``int[B, T, k]``. Returns ``[B, T, D]`` in y's dtype."""
+    B, T, k = inv.shape
+    D = y.shape[1]
+    out = torch.empty(B, T, D, device=y.device, dtype=y.dtype)
+    n = B * T
+    if n == 0:
+        return out
+    BT, BD = (16, 32) if interpreting() else (4, 512)
+    cw = comb_w.float().contiguous() if comb_w is not None else None
+    combine_kernel[(triton.cdiv(n, BT), triton.cdiv(D, BD))](y.contiguous(), cw, inv.contiguous(), out, n, D,
+                                                             KSLOT=k, BT=BT, BD=BD)
+    return out
+
+
+def moe_forward(x_sorted, offsets, w1, w3, w2, comb_w, inv, quant: str = "none", scales=(None, None, None),
+                act: str = "situ", b1: float = 4.0, b2: float = 25.0):
+    """A whole routed-expert block after dispatch: gate/up GEMM with the GLU fused, the down GEMM
+    with the combine weight fused into its epilogue, then the per-token sum. Returns ``[B, T, D]``."""
+    h = grouped_matmul(x_sorted, offsets, w1, scales[0], quant, w3=w3, scales3=scales[1], act=act, b1=b1, b2=b2)
+    y = grouped_matmul(h, offsets, w2, scales[2], quant, row_scale=comb_w)
+    return moe_combine(y, None, inv)
