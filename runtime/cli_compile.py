@@ -98,6 +98,13 @@ def cmd_compile(args) -> int:
             raise UsageError(f"unknown --dtype '{args.dtype}' (want one of float32, bfloat16, float16, float64)")
         exe = backend.build(m, dtype=_DTYPE_NAMES[args.dtype], device=args.device)
         con.print(f"built {exe!r} in {time.perf_counter() - t2:.2f} s")
+        if args.output and hasattr(exe, "save"):
+            from k3ir.runtime.params import bound_params, init_params
+            params = bound_params(m)
+            if params is None:
+                params = init_params(m, args.seed)
+            exe.save(args.output, params)
+            con.print(f"wrote the {exe.target} artifact to {args.output} (load it with Session.load)")
     return 0
 
 
@@ -113,6 +120,7 @@ def register(sub) -> None:
     p.add_argument("--no-build", action="store_true", help="run the pipeline only")
     p.add_argument("--dtype", default="float32", help="compute dtype for the build (default float32)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0, help="random-init seed when the model has no weights")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("check", help="list the ops a target lowers natively / by decomposition, before compiling")
