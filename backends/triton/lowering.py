@@ -71,8 +71,8 @@ def make_mla(exe):
     def mla(inst, q, kv, w, c=None, lengths=None):
         if q.dtype == torch.float64:
             return _torch_impl("k3.mla")(inst, q, kv, w, c, lengths)
-        H, n, r, vd = inst.heads, inst.nope, inst.rope, inst.v_dim
-        B, T = q.shape[:2]
+        H, n, vd = inst.heads, inst.nope, inst.v_dim
+        T = q.shape[1]
         R = w.shape[1]
         wh = w.to(q.dtype).reshape(H, n + vd, R)
         w_uk, w_uv = wh[:, :n], wh[:, n:]
