@@ -46,6 +46,14 @@ def _load() -> None:
     for name in BUILTIN:                 # built-in targets register themselves on import
         if importlib.util.find_spec(f"{__name__}.{name}") is not None:
             importlib.import_module(f"{__name__}.{name}")
+    load_plugins()
+
+
+def load_plugins() -> list[str]:
+    """Register the backends of the entry-point group ``k3ir.backends`` (each entry point is a
+    Backend or a callable returning one); returns the names registered. Called once on first
+    use of the registry; call again after installing a plugin into a running process."""
+    names = []
     try:
         from importlib.metadata import entry_points
         for ep in entry_points(group="k3ir.backends"):
@@ -54,9 +62,11 @@ def _load() -> None:
                 obj = obj()
             if isinstance(obj, Backend):
                 register_backend(obj)
+                names.append(obj.name)
     except Exception as e:  # a broken plugin must not break the built-in targets
         import logging
         logging.getLogger("k3ir").warning("backend plugin failed to load: %s", e)
+    return names
 
 
 def get_backend(target: str) -> Backend:

@@ -96,9 +96,9 @@ def check_module(module: Module, target: str, native: set[str] | None = None) ->
     if native is None:
         from . import get_backend
         native = set(get_backend(target).lowers())
-    ch = _Checker(module, set(native) | {"k3.param"})
+    ch = _Checker(module.clone(), set(native) | {"k3.param"})    # decompositions may add helper functions
     rows: dict[tuple[str, str, str], OpRow] = {}
-    for fname, fn in module.functions.items():
+    for fname, fn in list(module.functions.items()):
         for op in fn.ops:
             if op.name == "k3.param":
                 continue

@@ -1,0 +1,53 @@
+"""``k3ir check``: ops a target lowers natively vs by decomposition, decided before compiling."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from k3ir.backends.check import DECOMPOSED, ERROR, NATIVE, check_module
+from k3ir.runtime.cli import main
+
+import k3ir
+
+
+def test_k3_on_tvm_llvm_has_no_unexplained_ops(capsys):
+    pytest.importorskip("tvm")
+    assert main(["check", "kimi-k3", "--target", "tvm-llvm"]) == 0
+    out = capsys.readouterr().out
+    assert "0 with neither" in out
+    for op in ("k3.fused_kda", "k3.grouped_matmul", "k3.moe_dispatch", "k3.mla", "k3.attn_res_fused"):
+        assert op in out
+    assert main(["check", "kimi-k3", "--target", "tvm-llvm", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["ops"]
+    from k3ir.backends import get_backend
+    native = get_backend("tvm").lowers()
+    status = {r["op"]: r["status"] for r in rows}
+    assert status["k3.fused_kda"] == NATIVE and status["k3.grouped_matmul"] == NATIVE   # MXFP4 experts
+    assert status["k3.layernorm"] == DECOMPOSED                  # vision tower ops fall back
+    for r in rows:
+        assert r["status"] in (NATIVE, DECOMPOSED), r
+        assert (r["status"] == NATIVE) == (r["op"] in native)
+        assert set(r["via"]) <= native                            # each expansion ends in native ops
+
+
+def test_op_with_neither_is_an_error():
+    """MXFP4 grouped matmul has no decomposition (bit unpacking): a target lowering only core
+    ops cannot run it, and the report says why."""
+    from k3ir.passes import run_pipeline
+    from k3ir.passes.pipelines import pipeline_for
+    m = run_pipeline(k3ir.load("k3-tiny"), pipeline_for("torch"), quantize="mxfp4")
+    core = {n for n, c in k3ir.opdef.all_ops().items() if c.family == "core"}
+    rep = check_module(m, "core-only", native=core)
+    bad = {r.op: r.why for r in rep.errors}
+    assert "k3.grouped_matmul" in bad and "decomposition refused" in bad["k3.grouped_matmul"]
+    assert all(r.status != ERROR for r in rep.rows if r.op == "k3.fused_kda")   # decomposes to core ops
+    # with quant=none the same op decomposes into core ops
+    m2 = run_pipeline(k3ir.load("k3-tiny"), pipeline_for("torch"), quantize="none")
+    rep2 = check_module(m2, "core-only", native=core)
+    assert not rep2.errors
+    assert {r.status for r in rep2.rows if r.op == "k3.grouped_matmul"} == {DECOMPOSED}
+
+
+def test_check_unknown_target_exits_2(capsys):
+    assert main(["check", "k3-tiny", "--target", "no-such-target"]) == 2
+    assert "unknown target" in capsys.readouterr().err

@@ -1,0 +1,112 @@
+"""The ``tvm`` target (Relax on llvm) against the float64 reference and the torch backend.
+
+Compiled modules are cached per process (symbolic batch/length: one build per model), and the
+suite builds with ``K3IR_TVM_OPT_LEVEL=0`` (3x faster LLVM builds, same numerics)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+os.environ.setdefault("K3IR_TVM_OPT_LEVEL", "0")
+
+from _tiny_models import load_tiny, prefill_decode, token_ids
+from conftest import rel_err
+from k3ir.runtime import Session
+from k3ir.runtime.params import init_params
+
+import k3ir
+from k3ir.errors import K3BackendError
+
+_CACHE: dict = {}
+
+
+def _sessions(key: str):
+    if key not in _CACHE:
+        m = load_tiny(key)
+        params = init_params(m, seed=3)
+        ref = Session(k3ir.compile(m, target="reference", dtype="float64"), params=params)
+        exe = k3ir.compile(m, target="tvm-llvm", dtype="float32")
+        _CACHE[key] = (m, params, ref, exe, Session(exe, params=params))
+    return _CACHE[key]
+
+
+@pytest.mark.parametrize("key", ["k3-tiny", "kimi-linear-tiny"])
+@pytest.mark.parametrize("T", [1, 17, 65])
+def test_tvm_prefill_decode_match_reference(key, T):
+    m, _, ref, _, sess = _sessions(key)
+    ids = token_ids(m.attrs["vocab_size"], 2, T)
+    nxt = token_ids(m.attrs["vocab_size"], 2, 1, seed=99)
+    want_p, want_d = prefill_decode(ref, ids, nxt)
+    got_p, got_d = prefill_decode(sess, ids, nxt)
+    assert rel_err(got_p, want_p) < 1e-4
+    assert rel_err(got_d, want_d) < 1e-4
+
+
+@pytest.mark.parametrize("key", ["k3-tiny", "kimi-linear-tiny"])
+def test_tvm_greedy_generation_matches_torch(key):
+    m, params, _, _, sess = _sessions(key)
+    torch_sess = Session(k3ir.compile(m, target="torch", dtype="float32"), params=params)
+    prompt = token_ids(m.attrs["vocab_size"], 2, 7, seed=11)
+    want = torch_sess.generate(prompt, max_new_tokens=16)
+    got = sess.generate(prompt, max_new_tokens=16)
+    assert got.tolist() == want.tolist()
+
+
+def test_symbolic_shapes_need_no_recompile():
+    """Batch 1 and 3, lengths 5 and 2 run on the same compiled prefill/decode functions."""
+    from k3ir.backends import tvm as tb
+    m, _, ref, _, sess = _sessions("kimi-linear-tiny")
+    before = len(tb._COMPILED)
+    for B, T in ((1, 5), (3, 2)):
+        ids = token_ids(m.attrs["vocab_size"], B, T, seed=B)
+        got, state = sess.prefill(ids)
+        want, _ = ref.prefill(ids)
+        assert rel_err(got, want) < 1e-4
+        cache = next(n for n in state.names if n.endswith("mla_cache"))
+        assert state.values[cache].shape[:2] == (B, T)
+    assert len(tb._COMPILED) == before
+
+
+@pytest.mark.parametrize("quant", ["mxfp4", "int4"])
+def test_grouped_matmul_dequantises_packed_experts(quant, rng):
+    """The gather-GEMM kernel on packed experts equals k3.grouped_matmul's float64 reference."""
+    from k3ir.backends.tvm import kernels
+    from tvm import relax
+
+    from k3ir import quant as q
+    from k3ir.ops.fused import GroupedMatmul
+    E, N, K, R = 3, 8, 64, 10
+    w = rng.normal(size=(E, N, K))
+    packed, scales = q.mxfp4_quantize(w) if quant == "mxfp4" else q.int4_quantize(w.astype(np.float32))
+    x = rng.normal(size=(R, K)).astype(np.float32)
+    offsets = np.array([0, 4, 4, R], dtype=np.int64)                     # expert 1 gets no rows
+    want = GroupedMatmul({"quant": quant}).reference(x, offsets, packed, scales)
+    bb = relax.BlockBuilder()
+    sc_dt = "uint8" if quant == "mxfp4" else "float32"
+    args = [relax.Var("x", relax.TensorType([R, K], "float32")), relax.Var("o", relax.TensorType([E + 1], "int64")),
+            relax.Var("w", relax.TensorType(list(packed.shape), str(packed.dtype))),
+            relax.Var("s", relax.TensorType(list(scales.shape), sc_dt))]
+    with bb.function("main", args):
+        with bb.dataflow():
+            y = bb.emit_output(bb.emit_te(kernels.grouped_matmul, *args, quant))
+        bb.emit_func_output(y)
+    vm = relax.VirtualMachine(tvm.compile(bb.get(), target="llvm"), tvm.cpu())
+    got = vm["main"](*[tvm.runtime.tensor(a) for a in (x, offsets, packed, scales.astype(sc_dt))]).numpy()
+    assert rel_err(got, want) < 1e-5
+
+
+def test_cross_targets_emit_device_code():
+    from k3ir.backends import get_backend
+    from k3ir.backends.tvm.cross import emit_source
+    expect = {"cuda": "__global__", "metal": "kernel void", "opencl": "__kernel", "webgpu": "@compute"}
+    for kind, marker in expect.items():
+        src = emit_source(kind)
+        assert marker in src and "k3_linear_silu" in src, kind
+        assert "does not run here" in get_backend(f"tvm-{kind}").available()
+    with pytest.raises(K3BackendError, match="tvm-vulkan"):
+        emit_source("vulkan")
+    with pytest.raises(K3BackendError, match="cannot run here"):
+        k3ir.compile(load_tiny("kimi-linear-tiny"), target="tvm-cuda")
