@@ -139,9 +139,9 @@ def test_prefix_outputs_and_gradients_ignore_later_tokens():
 
 @pytest.mark.parametrize("lb", [-5.0, None])
 def test_gradients_match_float64_autograd(lb):
-    x = make(1, 70, 2, 16, lb=lb, seed=7)
+    x = make(1, 40, 2, 16, lb=lb, seed=7)
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
-    w = torch.randn(1, 70, 2, 16, device=DEV, generator=None)
+    w = torch.randn(1, 40, 2, 16, device=DEV)
     ws = torch.randn(1, 2, 16, 16, device=DEV)
     got, want = [], []
     for fn in ("kernel", "ref"):
@@ -323,3 +323,18 @@ def test_gpu_prefix_invariance_bf16():
         x[n][:, 2001:] = torch.randn_like(x[n][:, 2001:])
     o2, _ = run(x)
     assert torch.equal(o1[:, :2001], o2[:, :2001])
+
+
+def test_k3_tiny_forward_through_triton_target_matches_torch():
+    """The pipeline's k3.fused_kda lowered to the kernels (conv, chunked KDA, norm) equals the
+    torch target on a whole small model."""
+    from k3ir.runtime.session import Session
+
+    import k3ir
+    m = k3ir.load("k3-tiny")
+    ex_t = k3ir.compile(m, target="triton", dtype="float32", device=DEV)
+    ex_r = k3ir.compile(m, target="torch", dtype="float32", device=DEV)
+    assert any(op.name == "k3.fused_kda" for f in ex_t.module.functions.values() for op in f.ops)
+    ids = np.random.default_rng(0).integers(0, m.attrs["vocab_size"], size=(1, 20))
+    a, b = Session(ex_t).forward(ids), Session(ex_r).forward(ids)
+    assert rel_err(ex_t.to_numpy(a), ex_r.to_numpy(b)) < (1e-4 if not GPU else 3e-3)

@@ -19,7 +19,7 @@ BT, BC = 64, 16
 #: dtype overrides of the intermediates ({'w': ..., 'qk': ..., 'A': ...}); default: q's dtype, as fla
 INTERMEDIATE_DTYPES: dict = {}
 #: launch choices (the bench sweeps them): 16x16 inverse by dots, value block and warps of the recurrence
-TUNING: dict = {"inv_dots": False, "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8}
+TUNING: dict = {"inv_dots": True, "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8}
 
 
 def _interpret() -> bool:
