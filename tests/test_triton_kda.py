@@ -153,7 +153,9 @@ def test_gradients_match_float64_autograd(lb):
         ((o * w.to(o.dtype)).sum() + (s * ws.to(s.dtype)).sum()).backward()
         (got if fn == "kernel" else want).append([t.grad for t in leaves])
     for n, a, b in zip(names, got[0], want[0]):
-        assert rel_err(a, b) < (1e-5 if not GPU else 3e-3), n
+        # A_log/dt_bias gradients sum fp32 terms over every token and channel: 5e-5
+        tol = 3e-3 if GPU else (5e-5 if n in ("A_log", "dt_bias") else 1e-5)
+        assert rel_err(a, b) < tol, n
 
 
 def test_bad_inputs_raise():
