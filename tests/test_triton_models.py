@@ -83,9 +83,11 @@ def test_kimi_linear_tiny_matches_transformers(tmp_path):
 def test_gpu_models_match_torch_backend(name):
     overrides = None
     if name == "kimi-linear-tiny":
-        name, overrides = "kimi-linear-6p6b", {"num_hidden_layers": 4, "hidden_size": 256, "vocab_size": 512,
-                                              "num_experts": 8, "moe_intermediate_size": 128,
-                                              "intermediate_size": 512}
+        name, overrides = "kimi-linear-6p6b", {"num_hidden_layers": 4, "hidden_size": 256, "vocab_size": 512, "num_experts": 8,
+                "moe_intermediate_size": 128, "intermediate_size": 512,
+                "layer_types": ["linear_attention"] * 3 + ["full_attention"], "mlp_layer_types": ["dense"] + ["sparse"] * 3,
+                "linear_attn_config": {"full_attn_layers": [4], "kda_layers": [1, 2, 3], "head_dim": 128, "num_heads": 2,
+                                       "short_conv_kernel_size": 4}}
     m = k3ir.load(name, overrides)
     ref = Session(k3ir.compile(m, target="torch", dtype="float32", device="cuda"))
     tri = Session(k3ir.compile(m, target="triton", dtype="bfloat16", device="cuda"))

@@ -1,0 +1,364 @@
+"""Issue 6 benchmarks in one device call: GPU correctness checks, one K3 MoE layer (bf16 vs
+torch._grouped_mm, MXFP4 vs its weight-bytes floor), Kimi Linear 6.6B prefill/decode vs
+transformers' KimiLinearForCausalLM (fla kernels when installed), a 4-layer full-width K3 with
+MXFP4 experts. Prints a table last and writes $OUT/bench_models.json (after every section).
+
+    python bench/bench_models.py [--sections check,moe,kimi,k3] [--smoke]
+
+``--smoke`` runs tiny sizes (CPU interpreter too) to check the script itself."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+KL_SMALL = {"num_hidden_layers": 4, "hidden_size": 256, "vocab_size": 512, "num_experts": 8,
+            "moe_intermediate_size": 128, "intermediate_size": 512,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"], "mlp_layer_types": ["dense"] + ["sparse"] * 3,
+            "linear_attn_config": {"full_attn_layers": [4], "kda_layers": [1, 2, 3], "head_dim": 128, "num_heads": 2,
+                                   "short_conv_kernel_size": 4}}
+HBM = 4.25e12          # copy bandwidth measured on the H200 (bytes/s)
+MM = 679e12            # bf16 matmul rate measured by the issue author
+ROWS: list[dict] = []
+OUT = os.environ.get("OUT", ".")
+
+
+def save():
+    with open(os.path.join(OUT, "bench_models.json"), "w") as f:
+        json.dump(ROWS, f, indent=1)
+
+
+def row(section, name, **kv):
+    r = {"section": section, "name": name, **kv}
+    ROWS.append(r)
+    print(json.dumps(r), flush=True)
+    save()
+
+
+def bench(fn, rep_ms=200):
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------------------------------------
+def gpu_params(module, seed=0, std=0.02):
+    """Random parameters on the device by role (as runtime/params.py, drawn on the GPU)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    out = {}
+    for name, decl in module.params.items():
+        shape = [int(s) for s in decl.type.shape]
+        dt = decl.type.dtype
+        if dt == "mxfp4":
+            shape[-1] //= 2
+            out[name] = torch.randint(0, 256, shape, generator=g, device=DEV, dtype=torch.uint8)
+        elif dt == "int4":
+            shape[-1] //= 8
+            out[name] = torch.randint(-2**31, 2**31 - 1, shape, generator=g, device=DEV, dtype=torch.int32)
+        elif dt == "u8":                                    # E8M0 scales near 2^-7
+            out[name] = torch.randint(118, 123, shape, generator=g, device=DEV, dtype=torch.uint8)
+        elif name.endswith("_res_proj.weight") or name.endswith("e_score_correction_bias"):
+            out[name] = torch.zeros(shape, device=DEV)
+        elif name.endswith(("norm.weight", "layernorm.weight")):
+            out[name] = torch.ones(shape, device=DEV)
+        elif name.endswith("A_log"):
+            out[name] = torch.log(torch.empty(shape, device=DEV).uniform_(1.0, 16.0, generator=g))
+        elif name.endswith("dt_bias"):
+            dtv = torch.exp(torch.empty(shape, device=DEV).uniform_(math.log(1e-3), math.log(0.1), generator=g))
+            out[name] = dtv + torch.log(-torch.expm1(-dtv))
+        elif "conv1d" in name:
+            k = shape[-1]
+            out[name] = torch.empty(shape, device=DEV).uniform_(-k ** -0.5, k ** -0.5, generator=g)
+        else:
+            t = torch.empty(shape, device=DEV, dtype=torch.bfloat16)
+            out[name] = t.normal_(0.0, std, generator=g)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+def section_check(smoke):
+    import k3ir
+    import k3ir.backends.torch.ops  # noqa: F401  (the ops table imports the fused module)
+    from k3ir.backends.torch.fused import dequantize
+    from k3ir.backends.triton import moe
+    from k3ir.runtime import Session
+    E, N, K, R = (4, 32, 64, 40) if smoke else (64, 512, 1024, 4096)
+    x = torch.randn(R, K, device=DEV, dtype=DT)
+    cnt = torch.multinomial(torch.ones(E), R, replacement=True).bincount(minlength=E)
+    off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)]).to(DEV)
+    for quant in ("none", "mxfp4", "int4"):
+        if quant == "none":
+            w, s = torch.randn(E, N, K, device=DEV, dtype=DT), None
+            W = w
+        elif quant == "mxfp4":
+            w = torch.randint(0, 256, (E, N, K // 2), device=DEV, dtype=torch.uint8)
+            s = torch.randint(120, 130, (E, N, K // 32), device=DEV, dtype=torch.uint8)
+            W = dequantize("mxfp4", w, s, torch.float32)
+        else:
+            w = torch.randint(-2**31, 2**31 - 1, (E, N, K // 8), device=DEV, dtype=torch.int32)
+            s = torch.rand(E, N, K // 32, device=DEV) * 0.1
+            W = dequantize("int4", w, s, torch.float32)
+        y = moe.grouped_matmul(x, off, w, s, quant)
+        want = torch.cat([x[off[e]:off[e + 1]].float() @ W[e].float().t() for e in range(E)])
+        row("check", f"grouped_matmul {quant}", rel_err=rel(y, want), ok=rel(y, want) < 1e-2)
+    for name, ov in (("k3-tiny", None), ("kimi-linear-small", KL_SMALL)):
+        m = k3ir.load("kimi-linear-6p6b" if ov else name, ov)
+        params = {k: v.float() for k, v in gpu_params(m, std=0.08).items()}
+        ref = Session(k3ir.compile(m, target="torch", dtype="float32", device=DEV), params=params)
+        tri = Session(k3ir.compile(m, target="triton", dtype=DTN, device=DEV), params=params)
+        ids = np.random.default_rng(0).integers(0, 250, (2, 37 if not smoke else 5))
+        a, sa = ref.prefill(ids)
+        b, sb = tri.prefill(ids)
+        errs = [rel(b, a)]
+        for step in range(3):
+            nx = np.array([[5 + step], [17 + step]])
+            a, sa = ref.decode(nx, sa)
+            b, sb = tri.decode(nx, sb)
+            errs.append(rel(b, a))
+        row("check", f"{name} triton {DTN} vs torch f32 (prefill, 3 decode)", rel_err=max(errs),
+            ok=max(errs) < 3e-2, graphs=getattr(tri.exe._graph, "captures", 0) if tri.exe._graph else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+def section_moe(smoke):
+    from k3ir.backends.triton import moe
+    E, D, I, k = (8, 64, 64, 2) if smoke else (896, 3584, 3072, 16)
+    toks = (16, 64) if smoke else (256, 8192)
+    w1 = torch.randn(E, I, D, device=DEV, dtype=DT) * 0.02
+    w3 = torch.randn(E, I, D, device=DEV, dtype=DT) * 0.02
+    w2 = torch.randn(E, D, I, device=DEV, dtype=DT) * 0.02
+    wbytes = 3 * E * I * D
+    for T in toks:
+        logits = torch.randn(T, E, device=DEV)
+        wts, idx = torch.topk(torch.sigmoid(logits), k, dim=-1)
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=DEV)
+        cnt = torch.bincount(flat, minlength=E)
+        off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
+        x = torch.randn(T, D, device=DEV, dtype=DT)
+        xs = x[order // k]
+        cw = wts.reshape(-1)[order].float()
+        inv3 = inv.reshape(1, T, k)
+        offs32 = cnt.cumsum(0).to(torch.int32)
+        used = int((cnt > 0).sum())
+        flops = 2 * T * k * 3 * I * D
+        floor = max(wbytes * 2 * used / E / HBM, flops / MM) * 1e3
+
+        def ours():
+            return moe.moe_forward(xs, off, w1, w3, w2, cw, inv3, "none", act="situ")
+
+        def theirs():
+            g = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs32)
+            u = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs32)
+            h = 4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0))
+            y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs32) * cw[:, None].to(DT)
+            return y[inv3].float().sum(-2).to(DT)
+        a = ours()
+        b = theirs()
+        t_o, t_t = bench(ours), bench(theirs)
+        row("moe", f"K3 MoE layer bf16 T={T}", ms=t_o, grouped_mm_ms=t_t, speedup=t_t / t_o, floor_ms=floor,
+            rel_err_vs_grouped_mm=rel(a, b), experts_used=used)
+    del w1, w3, w2
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    p = [torch.randint(0, 256, s, device=DEV, dtype=torch.uint8) for s in ((E, I, D // 2), (E, I, D // 2),
+                                                                              (E, D, I // 2))]
+    sc = [torch.randint(118, 123, s, device=DEV, dtype=torch.uint8) for s in ((E, I, D // 32), (E, I, D // 32),
+                                                                              (E, D, I // 32))]
+    for T in toks:
+        idx = torch.topk(torch.randn(T, E, device=DEV), k, dim=-1).indices
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=DEV)
+        cnt = torch.bincount(flat, minlength=E)
+        off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
+        xs = torch.randn(T, D, device=DEV, dtype=DT)[order // k]
+        cw = torch.rand(T * k, device=DEV)
+        used = int((cnt > 0).sum())
+        fb = wbytes * (0.5 + 1 / 32) * used / E
+        t = bench(lambda: moe.moe_forward(xs, off, p[0], p[1], p[2], cw, inv.reshape(1, T, k), "mxfp4",
+                                          (sc[0], sc[1], sc[2]), act="situ"))
+        row("moe", f"K3 MoE layer MXFP4 T={T}", ms=t, floor_ms=max(fb / HBM, 2 * T * k * 3 * I * D / MM) * 1e3,
+            weight_GBps=fb / t / 1e6)
+
+
+# ---------------------------------------------------------------------------------------------
+def _time_session(sess, B, T, prompt=512, steps=32, smoke=False):
+    V = int(sess.module.attrs["vocab_size"])
+    ids = np.random.default_rng(B * T).integers(3, V, (B, T))
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sess.prefill(ids[:, :8])
+    sync()
+    t0 = time.perf_counter()
+    sess.prefill(ids)
+    sync()
+    return (time.perf_counter() - t0)
+
+
+def _decode_rate(sess, B, prompt, steps):
+    V = int(sess.module.attrs["vocab_size"])
+    ids = np.random.default_rng(B).integers(3, V, (B, prompt))
+    logits, st = sess.prefill(ids)
+    nxt = logits[:, -1].argmax(-1, keepdim=True).cpu().numpy()
+    for _ in range(3):                                   # capture + warm
+        logits, st = sess.decode(nxt, st)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        logits, st = sess.decode(nxt, st)
+    sync()
+    return B * steps / (time.perf_counter() - t0)
+
+
+def section_kimi(smoke):
+    import k3ir
+    from k3ir.runtime import Session
+    ov = KL_SMALL if smoke else None
+    m = k3ir.load("kimi-linear-6p6b", ov)
+    hf = None
+    try:
+        sys.modules.pop("fla", None)
+        import transformers
+        from k3ir.backends.triton.peer import params_from_transformers
+        cfg = transformers.AutoConfig.from_pretrained(os.path.join(os.path.dirname(k3ir.__file__), "frontend",
+                                                                   "configs", "kimi-linear-6p6b.json"))
+        for kk, vv in (ov or {}).items():
+            setattr(cfg, {"num_experts": "num_local_experts"}.get(kk, kk), vv)
+        with torch.device(DEV):
+            hf = transformers.KimiLinearForCausalLM(cfg).to(DT).eval()
+        params = params_from_transformers(m, hf)
+        try:
+            import fla  # noqa: F401
+            fla_ok = True
+        except Exception:
+            fla_ok = False
+    except Exception as e:      # no transformers model: our own random weights
+        row("kimi", "transformers model", error=repr(e)[:300])
+        params = gpu_params(m)
+        fla_ok = False
+    act = 0
+    for name, decl in m.params.items():
+        n = decl.type.numel()
+        if ".experts." in name:
+            n = n * m.config.top_k // m.config.num_experts
+        if "embed_tokens" not in name:
+            act += n
+    sess = Session(k3ir.compile(m, target="triton", dtype=DTN, device=DEV), params=params)
+    roof = HBM / (2 * act)
+    if hf is not None:
+        ids = torch.from_numpy(np.random.default_rng(1).integers(3, cfg.vocab_size, (2, 64))).to(DEV)
+        with torch.no_grad():
+            want = hf(ids).logits.float()
+        got = sess.forward(ids.cpu().numpy())
+        row("kimi", "logits vs transformers (B2 T64)", rel_err=rel(got.to(want.device), want), fla=fla_ok)
+    shapes = ((1, 64), (2, 32)) if smoke else ((1, 4096), (8, 2048))
+    for B, T in shapes:
+        s = _time_session(sess, B, T)
+        r = {"tok_s": B * T / s}
+        if hf is not None:
+            ids = torch.from_numpy(np.random.default_rng(2).integers(3, cfg.vocab_size, (B, T))).to(DEV)
+            with torch.no_grad():
+                hf(ids[:, :8])
+                torch.cuda.synchronize() if torch.cuda.is_available() else None
+                t0 = time.perf_counter()
+                hf(ids, use_cache=False)
+                torch.cuda.synchronize() if torch.cuda.is_available() else None
+            r["transformers_tok_s"] = B * T / (time.perf_counter() - t0)
+            r["speedup"] = r["tok_s"] / r["transformers_tok_s"]
+        row("kimi", f"prefill B{B} T{T}", **r)
+    prompt, steps = (16, 4) if smoke else (512, 32)
+    for B in (1, 32 if not smoke else 2):
+        r = {"tok_s": _decode_rate(sess, B, prompt, steps)}
+        if B == 1:
+            r["roofline_tok_s"] = roof
+            r["roofline_frac"] = r["tok_s"] / roof
+        if hf is not None:
+            ids = torch.from_numpy(np.random.default_rng(3).integers(3, cfg.vocab_size, (B, prompt))).to(DEV)
+            with torch.no_grad():
+                out = hf(ids, use_cache=True)
+                pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                for _ in range(2):
+                    out = hf(nxt, past_key_values=pkv, use_cache=True)
+                    pkv = out.past_key_values
+                torch.cuda.synchronize() if torch.cuda.is_available() else None
+                t0 = time.perf_counter()
+                for _ in range(steps // 2):
+                    out = hf(nxt, past_key_values=pkv, use_cache=True)
+                    pkv = out.past_key_values
+                torch.cuda.synchronize() if torch.cuda.is_available() else None
+            r["transformers_tok_s"] = B * (steps // 2) / (time.perf_counter() - t0)
+            r["speedup"] = r["tok_s"] / r["transformers_tok_s"]
+        row("kimi", f"decode B{B} after {prompt}", active_params=act, **r)
+    del sess, hf, params
+
+
+def section_k3(smoke):
+    import k3ir
+    from k3ir.runtime import Session
+    la = {"full_attn_layers": [4], "kda_layers": [1, 2, 3], "num_heads": 96, "head_dim": 128,
+          "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True}
+    ov = {"num_hidden_layers": 4, "linear_attn_config": la, "vocab_size": 32000}
+    if smoke:
+        m = k3ir.load("k3-tiny")
+    else:
+        m = k3ir.load("kimi-k3", ov)
+    m.attrs["expert_quant"] = "mxfp4"
+    exe = k3ir.compile(m, target="triton", dtype=DTN, device=DEV)
+    sess = Session(exe, params=gpu_params(exe.module))
+    for B, T in (((1, 16),) if smoke else ((1, 4096), (4, 2048))):
+        row("k3", f"K3 4-layer MXFP4 prefill B{B} T{T}", tok_s=B * T / _time_session(sess, B, T))
+    for B in ((1,) if smoke else (1, 32)):
+        row("k3", f"K3 4-layer MXFP4 decode B{B} after 512",
+            tok_s=_decode_rate(sess, B, 16 if smoke else 512, 4 if smoke else 16))
+
+
+def main():
+    global DEV, DT, DTN
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="check,moe,kimi,k3")
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args()
+    gpu = torch.cuda.is_available()
+    DEV, DT, DTN = ("cuda", torch.bfloat16, "bfloat16") if gpu else ("cpu", torch.float32, "float32")
+    if gpu:
+        row("env", "device", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+            triton=__import__("triton").__version__)
+    fns = {"check": section_check, "moe": section_moe, "kimi": section_kimi, "k3": section_k3}
+    for s in a.sections.split(","):
+        t0 = time.perf_counter()
+        try:
+            fns[s](a.smoke)
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            row(s, "FAILED", error=repr(e)[:400])
+        row(s, "section time", s=time.perf_counter() - t0)
+        if gpu:
+            torch.cuda.empty_cache()
+    print("\n| section | name | numbers |\n|---|---|---|")
+    for r in ROWS:
+        nums = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+                         if k not in ("section", "name"))
+        print(f"| {r['section']} | {r['name']} | {nums} |")
+
+
+DEV, DT, DTN = "cpu", torch.float32, "float32"
+if __name__ == "__main__":
+    main()
