@@ -31,7 +31,9 @@ def target_pipeline(target: str) -> tuple[list[str], object | None, str | None]:
         if target.split("-")[0] not in PIPELINES:
             raise
         return pipeline_for(target), None, str(e)
-    pipe = list(backend.pipeline) or pipeline_for(backend.name)
+    from k3ir.passes.pipelines import PIPELINES
+    known = backend.name in PIPELINES or backend.name.split("-")[0] in PIPELINES
+    pipe = list(backend.pipeline) or (pipeline_for(backend.name) if known else [])
     return pipe, backend, backend.available()
 
 
