@@ -185,7 +185,7 @@ class MlirExecutable(Executable):
         ``module.k3`` and ``manifest.json``. Returns the directory."""
         from safetensors.numpy import save_file
 
-        from ..onnx import write_manifest
+        from ..artifact import write_manifest
         params = params if params is not None else self._arrays
         if params is None:
             raise K3BackendError("mlir executable: no weights to save (pass params or call prepare_params)")
@@ -211,7 +211,7 @@ def load_executable(directory: str) -> MlirExecutable:
     """Reopen an artifact written by ``MlirExecutable.save`` (no MLIR emission, no compilation)."""
     from safetensors.numpy import load_file
 
-    from ..onnx import read_manifest
+    from ..artifact import read_manifest
     man, module = read_manifest(directory, "mlir")
     exe = MlirExecutable(module, man.get("dtype", "float32"))
     with open(os.path.join(directory, man["files"]["vmfb"]), "rb") as f:

@@ -15,8 +15,7 @@ from k3ir.errors import K3BackendError
 from k3ir.ir import Module
 
 from .. import Backend, Executable, register_backend
-
-ARTIFACT = "k3ir-artifact"
+from ..artifact import ARTIFACT, read_manifest, write_manifest  # noqa: F401 (re-exported)
 FUNCTIONS = ("forward", "prefill", "decode")
 
 
@@ -117,31 +116,6 @@ class OnnxExecutable(Executable):
                     files[fn] = f"{fn}.onnx"
         write_manifest(directory, self.module, "onnx", self.dtype, "k3ir.backends.onnx:load_executable", files)
         return directory
-
-
-def write_manifest(directory: str, module: Module, target: str, dtype: str, loader: str,
-                   files: dict[str, str], **extra: Any) -> None:
-    """``module.k3`` (the compiled IR) and ``manifest.json`` naming the loader (``module:function``)."""
-    from k3ir.printer import print_module
-    with open(os.path.join(directory, "module.k3"), "w") as f:
-        f.write(print_module(module))
-    man = {"format": ARTIFACT, "target": target, "dtype": dtype, "loader": loader, "files": files,
-           "module": "module.k3", **extra}
-    with open(os.path.join(directory, "manifest.json"), "w") as f:
-        json.dump(man, f, indent=2)
-
-
-def read_manifest(directory: str, target: str) -> tuple[dict, Module]:
-    from k3ir.errors import K3RuntimeError
-    from k3ir.parser import parse_file
-    path = os.path.join(directory, "manifest.json")
-    if not os.path.isfile(path):
-        raise K3RuntimeError(f"{directory}: not a compiled artifact (no manifest.json)")
-    with open(path) as f:
-        man = json.load(f)
-    if man.get("format") != ARTIFACT or man.get("target") != target:
-        raise K3RuntimeError(f"{path}: expected a '{target}' artifact, found target '{man.get('target')}'")
-    return man, parse_file(os.path.join(directory, man.get("module", "module.k3")))
 
 
 def load_executable(directory: str) -> OnnxExecutable:

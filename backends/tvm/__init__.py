@@ -17,6 +17,7 @@ Relax VM on this CPU through the usual ``Session`` API.
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 import numpy as np
@@ -67,6 +68,9 @@ class TVMExecutable(Executable):
             raise K3BackendError(f"target 'tvm' runs on the CPU (llvm); '{device}' is a cross target only")
         super().__init__(module, "tvm", dtype, device)
         self._vms: dict[str, tuple[Any, list[str]]] = {}
+        self._loaded: dict[str, tuple[Any, dict[str, list[str]]]] = {}   # group key -> (library, names)
+        self._arrays: dict[str, np.ndarray] | None = None
+        self.weights_inside = False
 
     def _group(self, function: str) -> list[str]:
         for g in GROUPS:
@@ -90,6 +94,8 @@ class TVMExecutable(Executable):
         from tvm import relax
         group = self._group(function)
         key = self._key(group)
+        if key not in _COMPILED and key in self._loaded:
+            _COMPILED[key] = self._loaded[key]
         if key not in _COMPILED:
             from .lower import build_relax
             mod, params = build_relax(self.module, group, self.dtype)
@@ -103,6 +109,12 @@ class TVMExecutable(Executable):
 
     def prepare_params(self, arrays: dict[str, Any]) -> dict[str, Any]:
         import tvm
+        if self.weights_inside and not arrays:
+            arrays = self._arrays or {}
+        else:
+            self.weights_inside = False
+        self._arrays = {k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v))
+                        for k, v in arrays.items()}
         out = {}
         for name, a in arrays.items():
             decl = self.module.params.get(name)
@@ -127,6 +139,67 @@ class TVMExecutable(Executable):
 
     def to_numpy(self, x: Any):
         return np.asarray(x)
+
+    def save(self, directory: str, params: dict[str, Any] | None = None) -> str:
+        """Write the artifact: one shared library per function group (``tvm_<group>.so``, built
+        with ``export_library``), ``weights.safetensors``, ``module.k3`` and ``manifest.json``.
+        ``params`` defaults to the prepared weights. Returns the directory."""
+        import os
+
+        from safetensors.numpy import save_file
+
+        from ..artifact import write_manifest
+        params = params if params is not None else self._arrays
+        if params is None:
+            raise K3BackendError("tvm executable: no weights to save (pass params or call prepare_params)")
+        os.makedirs(directory, exist_ok=True)
+        files: dict[str, str] = {}
+        groups = []
+        for fn in ("forward", "prefill", "decode"):
+            if fn not in self.module.functions:
+                continue
+            g = self._group(fn)
+            if any(x in groups for x in g):
+                continue
+            self.compile(fn)
+            ex, names = _COMPILED[self._key(g)]
+            lib = f"tvm_{'_'.join(g)}.so"
+            ex.export_library(os.path.join(directory, lib))
+            files["|".join(g)] = lib
+            groups.extend(g)
+            files["names:" + "|".join(g)] = json.dumps(names)
+        arrays = {}
+        for k, a in params.items():
+            a = a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
+            arrays[k] = np.ascontiguousarray(a.astype(np.float32) if a.dtype.kind == "f" else a)
+        save_file(arrays, os.path.join(directory, "weights.safetensors"))
+        files["weights"] = "weights.safetensors"
+        write_manifest(directory, self.module, "tvm", self.dtype, "k3ir.backends.tvm:load_executable", files,
+                       opt_level=opt_level())
+        return directory
+
+
+def load_executable(directory: str) -> TVMExecutable:
+    """Reopen an artifact written by ``TVMExecutable.save`` (``tvm.runtime.load_module``, no
+    lowering and no compilation)."""
+    import os
+
+    import tvm
+    from safetensors.numpy import load_file
+
+    from ..artifact import read_manifest
+    man, module = read_manifest(directory, "tvm")
+    exe = TVMExecutable(module, man.get("dtype", "float32"), "cpu")
+    files = man["files"]
+    for key, lib in files.items():
+        if key.startswith("names:") or key == "weights":
+            continue
+        group = key.split("|")
+        names = json.loads(files["names:" + key])
+        exe._loaded[exe._key(group)] = (tvm.runtime.load_module(os.path.join(directory, lib)), names)
+    exe._arrays = load_file(os.path.join(directory, files["weights"]))
+    exe.weights_inside = True
+    return exe
 
 
 def _build(module: Module, dtype: str = "float32", device: str = "cpu") -> TVMExecutable:

@@ -1,0 +1,49 @@
+"""Compiled artifacts: ``k3ir compile MODEL --target tvm -o DIR`` then ``Session.load(DIR)``
+reopens the TVM libraries without lowering or compiling, with the saved weights."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import k3ir
+from k3ir.runtime import Session
+
+from conftest import rel_err
+
+pytest.importorskip("tvm")
+
+
+@pytest.fixture(scope="module")
+def tvm_artifact(tmp_path_factory):
+    import os
+    os.environ.setdefault("K3IR_TVM_OPT_LEVEL", "0")
+    m = k3ir.load("k3-tiny")
+    exe = k3ir.compile(m, target="tvm")
+    from k3ir.runtime.params import init_params
+    params = init_params(exe.module, seed=5)
+    d = tmp_path_factory.mktemp("tvm_art")
+    exe.save(str(d), params)
+    return str(d), m
+
+
+def test_tvm_artifact_reloads_without_compiling(tvm_artifact, monkeypatch):
+    d, m = tvm_artifact
+    import k3ir.backends.tvm as tb
+    import k3ir.backends.tvm.lower as lower
+
+    def no_build(*a, **k):
+        raise AssertionError("Session.load must not lower or compile again")
+    tb._COMPILED.clear()
+    monkeypatch.setattr(lower, "build_relax", no_build)
+    s = Session.load(d)
+    ids = np.random.default_rng(0).integers(0, 256, (2, 17))
+    want = Session(k3ir.compile(m, target="reference"), seed=5).forward(ids)
+    assert rel_err(s.forward(ids), want) < 1e-4
+    logits, st = s.prefill(ids[:, :16])
+    step, _ = s.decode(ids[:, 16:], st)
+    assert rel_err(step[:, 0], want[:, 16]) < 1e-4
+
+
+def test_load_rejects_a_non_artifact(tmp_path):
+    with pytest.raises(k3ir.K3RuntimeError, match="not a compiled artifact"):
+        Session.load(str(tmp_path))
