@@ -1,3 +1,4 @@
+# ruff: noqa: B023, BLE001, F821
 """Issue 6 benchmarks in one device call: GPU correctness checks, one K3 MoE layer (bf16 vs
 torch._grouped_mm, MXFP4 vs its weight-bytes floor), Kimi Linear 6.6B prefill/decode vs
 transformers' KimiLinearForCausalLM (fla kernels when installed), a 4-layer full-width K3 with
@@ -71,7 +72,7 @@ def gpu_params(module, seed=0, std=0.02):
             out[name] = torch.randint(-2**31, 2**31 - 1, shape, generator=g, device=DEV, dtype=torch.int32)
         elif dt == "u8":                                    # E8M0 scales near 2^-7
             out[name] = torch.randint(118, 123, shape, generator=g, device=DEV, dtype=torch.uint8)
-        elif name.endswith("_res_proj.weight") or name.endswith("e_score_correction_bias"):
+        elif name.endswith(("_res_proj.weight", "e_score_correction_bias")):
             out[name] = torch.zeros(shape, device=DEV)
         elif name.endswith(("norm.weight", "layernorm.weight")):
             out[name] = torch.ones(shape, device=DEV)
@@ -91,11 +92,12 @@ def gpu_params(module, seed=0, std=0.02):
 
 # ---------------------------------------------------------------------------------------------
 def section_check(smoke):
-    import k3ir
-    import k3ir.backends.torch.ops  # noqa: F401  (the ops table imports the fused module)
+    import k3ir.backends.torch.ops
     from k3ir.backends.torch.fused import dequantize
     from k3ir.backends.triton import moe
     from k3ir.runtime import Session
+
+    import k3ir
     E, N, K, R = (4, 32, 64, 40) if smoke else (64, 512, 1024, 4096)
     x = torch.randn(R, K, device=DEV, dtype=DT)
     cnt = torch.multinomial(torch.ones(E), R, replacement=True).bincount(minlength=E)
@@ -118,19 +120,28 @@ def section_check(smoke):
     for name, ov in (("k3-tiny", None), ("kimi-linear-small", KL_SMALL)):
         m = k3ir.load("kimi-linear-6p6b" if ov else name, ov)
         params = {k: v.float() for k, v in gpu_params(m, std=0.08).items()}
+        # control: the torch target in the same dtype; random-weight MoE models amplify rounding (routing
+        # flips), so the triton error is judged against the torch-bf16 error, not an absolute bound
         ref = Session(k3ir.compile(m, target="torch", dtype="float32", device=DEV), params=params)
+        ctl = Session(k3ir.compile(m, target="torch", dtype=DTN, device=DEV), params=params)
         tri = Session(k3ir.compile(m, target="triton", dtype=DTN, device=DEV), params=params)
         ids = np.random.default_rng(0).integers(0, 250, (2, 37 if not smoke else 5))
         a, sa = ref.prefill(ids)
+        c, sc = ctl.prefill(ids)
         b, sb = tri.prefill(ids)
-        errs = [rel(b, a)]
+        errs, cerrs, bc = [rel(b, a)], [rel(c, a)], [rel(b, c)]
         for step in range(3):
             nx = np.array([[5 + step], [17 + step]])
             a, sa = ref.decode(nx, sa)
+            c, sc = ctl.decode(nx, sc)
             b, sb = tri.decode(nx, sb)
             errs.append(rel(b, a))
+            cerrs.append(rel(c, a))
+            bc.append(rel(b, c))
         row("check", f"{name} triton {DTN} vs torch f32 (prefill, 3 decode)", rel_err=max(errs),
-            ok=max(errs) < 3e-2, graphs=getattr(tri.exe._graph, "captures", 0) if tri.exe._graph else 0)
+            torch_same_dtype_rel_err=max(cerrs), triton_vs_torch_same_dtype=max(bc), per_step=errs,
+            ok=max(errs) < 2 * max(cerrs) + 1e-2,
+            graphs=getattr(tri.exe._graph, "captures", 0) if tri.exe._graph else 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,6 +183,14 @@ def section_moe(smoke):
         a = ours()
         b = theirs()
         t_o, t_t = bench(ours), bench(theirs)
+        if T == toks[-1] and not smoke:
+            for cg, cd in (((128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 3)), ((64, 128, 64, 1, 4, 4), (64, 256, 64, 1, 8, 3)),
+                           ((128, 64, 64, 1, 4, 4), (128, 128, 64, 1, 4, 4)), ((256, 64, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3))):
+                try:
+                    tt = bench(lambda: moe.moe_forward(xs, off, w1, w3, w2, cw, inv3, "none", act="situ", configs=(cg, cd)))
+                    row("moe", f"sweep bf16 T={T} glu{cg[:3]}w{cg[4]} down{cd[:3]}w{cd[4]}", ms=tt)
+                except Exception as e:
+                    row("moe", f"sweep bf16 T={T} {cg} {cd}", error=repr(e)[:200])
         row("moe", f"K3 MoE layer bf16 T={T}", ms=t_o, grouped_mm_ms=t_t, speedup=t_t / t_o, floor_ms=floor,
             rel_err_vs_grouped_mm=rel(a, b), experts_used=used)
     del w1, w3, w2
@@ -194,6 +213,14 @@ def section_moe(smoke):
         fb = wbytes * (0.5 + 1 / 32) * used / E
         t = bench(lambda: moe.moe_forward(xs, off, p[0], p[1], p[2], cw, inv.reshape(1, T, k), "mxfp4",
                                           (sc[0], sc[1], sc[2]), act="situ"))
+        if T == toks[0] and not smoke:
+            for cg in ((16, 128, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (16, 32, 128, 1, 2, 4), (16, 128, 256, 1, 8, 3)):
+                try:
+                    tt = bench(lambda: moe.moe_forward(xs, off, p[0], p[1], p[2], cw, inv.reshape(1, T, k), "mxfp4",
+                                                       (sc[0], sc[1], sc[2]), act="situ", configs=(cg, cg)))
+                    row("moe", f"sweep MXFP4 T={T} {cg[:3]}w{cg[4]}s{cg[5]}", ms=tt)
+                except Exception as e:
+                    row("moe", f"sweep MXFP4 T={T} {cg}", error=repr(e)[:200])
         row("moe", f"K3 MoE layer MXFP4 T={T}", ms=t, floor_ms=max(fb / HBM, 2 * T * k * 3 * I * D / MM) * 1e3,
             weight_GBps=fb / t / 1e6)
 
@@ -228,17 +255,19 @@ def _decode_rate(sess, B, prompt, steps):
 
 
 def section_kimi(smoke):
-    import k3ir
     from k3ir.runtime import Session
+
+    import k3ir
     ov = KL_SMALL if smoke else None
     m = k3ir.load("kimi-linear-6p6b", ov)
     hf = None
     try:
         sys.modules.pop("fla", None)
+        import k3ir.frontend
         import transformers
         from k3ir.backends.triton.peer import params_from_transformers
-        cfg = transformers.AutoConfig.from_pretrained(os.path.join(os.path.dirname(k3ir.__file__), "frontend",
-                                                                   "configs", "kimi-linear-6p6b.json"))
+        with open(os.path.join(os.path.dirname(k3ir.frontend.__file__), "configs", "kimi-linear-6p6b.json")) as f:
+            cfg = transformers.KimiLinearConfig(**{k: v for k, v in json.load(f).items() if k != "architectures"})
         for kk, vv in (ov or {}).items():
             setattr(cfg, {"num_experts": "num_local_experts"}.get(kk, kk), vv)
         with torch.device(DEV):
@@ -310,8 +339,9 @@ def section_kimi(smoke):
 
 
 def section_k3(smoke):
-    import k3ir
     from k3ir.runtime import Session
+
+    import k3ir
     la = {"full_attn_layers": [4], "kda_layers": [1, 2, 3], "num_heads": 96, "head_dim": 128,
           "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True}
     ov = {"num_hidden_layers": 4, "linear_attn_config": la, "vocab_size": 32000}
@@ -327,12 +357,13 @@ def section_k3(smoke):
     for B in ((1,) if smoke else (1, 32)):
         row("k3", f"K3 4-layer MXFP4 decode B{B} after 512",
             tok_s=_decode_rate(sess, B, 16 if smoke else 512, 4 if smoke else 16))
+    del sess, exe
 
 
 def main():
     global DEV, DT, DTN
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sections", default="check,moe,kimi,k3")
+    ap.add_argument("--sections", default="moe,check,kimi,k3")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     gpu = torch.cuda.is_available()
@@ -351,6 +382,8 @@ def main():
             row(s, "FAILED", error=repr(e)[:400])
         row(s, "section time", s=time.perf_counter() - t0)
         if gpu:
+            import gc
+            gc.collect()
             torch.cuda.empty_cache()
     print("\n| section | name | numbers |\n|---|---|---|")
     for r in ROWS:

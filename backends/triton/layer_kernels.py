@@ -38,11 +38,11 @@ def short_conv_kernel(x, w, s0, y, sT, T, C,
         if i_t == 0:
             for j in tl.static_range(W - 1):
                 p = T - (W - 1) + j + tl.zeros([BCH], dtype=tl.int32)
-                xv = tl.load(xb + p * C + offs_c, mask=mc & (p >= 0), other=0.).to(tl.float32)
+                xl = tl.load(xb + p * C + offs_c, mask=mc & (p >= 0), other=0.).to(tl.float32)
                 if HAS_S0:
-                    sv = tl.load(s0 + (i_b * C + offs_c) * (W - 1) + (W - 1 + p), mask=mc & (p < 0), other=0.)
-                    xv = tl.where(p < 0, sv.to(tl.float32), xv)
-                tl.store(sT + (i_b * C + offs_c) * (W - 1) + j, xv.to(sT.dtype.element_ty), mask=mc)
+                    sl = tl.load(s0 + (i_b * C + offs_c) * (W - 1) + (W - 1 + p), mask=mc & (p < 0), other=0.)
+                    xl = tl.where(p < 0, sl.to(tl.float32), xl)
+                tl.store(sT + (i_b * C + offs_c) * (W - 1) + j, xl.to(sT.dtype.element_ty), mask=mc)
 
 
 @triton.jit

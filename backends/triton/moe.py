@@ -198,9 +198,10 @@ def moe_combine(y: torch.Tensor, comb_w: torch.Tensor | None, inv: torch.Tensor)
 
 
 def moe_forward(x_sorted, offsets, w1, w3, w2, comb_w, inv, quant: str = "none", scales=(None, None, None),
-                act: str = "situ", b1: float = 4.0, b2: float = 25.0):
+                act: str = "situ", b1: float = 4.0, b2: float = 25.0, configs=(None, None)):
     """A whole routed-expert block after dispatch: gate/up GEMM with the GLU fused, the down GEMM
     with the combine weight fused into its epilogue, then the per-token sum. Returns ``[B, T, D]``."""
-    h = grouped_matmul(x_sorted, offsets, w1, scales[0], quant, w3=w3, scales3=scales[1], act=act, b1=b1, b2=b2)
-    y = grouped_matmul(h, offsets, w2, scales[2], quant, row_scale=comb_w)
+    h = grouped_matmul(x_sorted, offsets, w1, scales[0], quant, w3=w3, scales3=scales[1], act=act, b1=b1, b2=b2,
+                       config=configs[0])
+    y = grouped_matmul(h, offsets, w2, scales[2], quant, row_scale=comb_w, config=configs[1])
     return moe_combine(y, None, inv)
