@@ -10,17 +10,11 @@ from __future__ import annotations
 
 from k3ir.errors import K3BackendError
 
+from ..lowering import LoweringTable
 from .emit import FLOAT, MlirEmitter, Val, elem, ttype
 
-TABLE: dict = {}
-
-
-def lowers(*names: str):
-    def deco(fn):
-        for n in names:
-            TABLE[n] = fn
-        return fn
-    return deco
+TABLE = LoweringTable()
+lowers = TABLE.lowers
 
 
 def _d(n: int) -> list[str]:

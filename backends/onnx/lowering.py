@@ -10,17 +10,11 @@ import numpy as np
 
 from k3ir.types import StateType
 
+from ..lowering import LoweringTable
 from .export import Lowering, _onnx
 
-TABLE: dict = {}
-
-
-def lowers(*names: str):
-    def deco(fn):
-        for n in names:
-            TABLE[n] = fn
-        return fn
-    return deco
+TABLE = LoweringTable()
+lowers = TABLE.lowers
 
 
 def _P():

@@ -26,19 +26,13 @@ from k3ir.opdef import get_opdef
 from k3ir.ops.state import state_tensor_type
 from k3ir.types import StateType, TensorType
 
+from ..lowering import LoweringTable
 from . import kernels as K
 
 R_ = relax.op
 Lowering = Callable[..., Any]
-TABLE: dict[str, Lowering] = {}
-
-
-def lowers(*names: str):
-    def deco(fn):
-        for n in names:
-            TABLE[n] = fn
-        return fn
-    return deco
+TABLE = LoweringTable()
+lowers = TABLE.lowers
 
 
 class RelaxLowering:
