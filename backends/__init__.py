@@ -3,13 +3,14 @@
 Out-of-tree backends register through the entry-point group ``k3ir.backends``."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from k3ir.errors import K3BackendError
 from k3ir.ir import Module
 
-_BACKENDS: dict[str, "Backend"] = {}
+_BACKENDS: dict[str, Backend] = {}
 _ALIASES: dict[str, str] = {}
 _LOADED = False
 #: built-in backend packages (folders under backends/); each registers on import and must import
@@ -22,7 +23,7 @@ class Backend:
     """A target: ``build(module, dtype, device) -> Executable`` plus its pass pipeline."""
     name: str
     description: str
-    build: Callable[..., "Executable"]
+    build: Callable[..., Executable]
     pipeline: list[str] = field(default_factory=list)
     lowers: Callable[[], set[str]] = field(default=lambda: set())
     aliases: tuple[str, ...] = ()
@@ -53,19 +54,22 @@ def load_plugins() -> list[str]:
     """Register the backends of the entry-point group ``k3ir.backends`` (each entry point is a
     Backend or a callable returning one); returns the names registered. Called once on first
     use of the registry; call again after installing a plugin into a running process."""
+    import logging
+    from importlib.metadata import entry_points
     names = []
-    try:
-        from importlib.metadata import entry_points
-        for ep in entry_points(group="k3ir.backends"):
+    for ep in entry_points(group="k3ir.backends"):
+        try:
             obj = ep.load()
             if callable(obj) and not isinstance(obj, Backend):
                 obj = obj()
-            if isinstance(obj, Backend):
-                register_backend(obj)
-                names.append(obj.name)
-    except Exception as e:  # a broken plugin must not break the built-in targets
-        import logging
-        logging.getLogger("k3ir").warning("backend plugin failed to load: %s", e)
+        except Exception as e:  # noqa: BLE001 - one broken plugin must not break the other targets
+            logging.getLogger("k3ir").warning("backend plugin '%s' failed to load: %s", ep.name, e)
+            continue
+        if isinstance(obj, Backend):
+            register_backend(obj)
+            names.append(obj.name)
+        else:
+            logging.getLogger("k3ir").warning("backend plugin '%s' is not a k3ir.backends.Backend", ep.name)
     return names
 
 

@@ -10,8 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import (K3BackendError, K3CheckpointError, K3ConfigError, K3Error, K3ParseError,
-                     K3RuntimeError, K3VerifyError)
+from .errors import (
+    K3BackendError,
+    K3CheckpointError,
+    K3ConfigError,
+    K3Error,
+    K3ParseError,
+    K3RuntimeError,
+    K3VerifyError,
+)
 from .ir import Function, Module, Operation, ParamDecl, Value
 from .parser import parse_file, parse_module
 from .printer import print_module
@@ -20,10 +27,30 @@ from .verify import verify_module
 
 __version__ = "0.1.0"
 
-__all__ = ["Function", "K3BackendError", "K3CheckpointError", "K3ConfigError", "K3Error", "K3ParseError",
-           "K3RuntimeError", "K3VerifyError", "Module", "Operation", "ParamDecl", "StateType", "TensorType",
-           "Value", "compile", "load", "parse_file", "parse_module", "print_module", "verify_module",
-           "save", "__version__"]
+__all__ = [
+    "Function",
+    "K3BackendError",
+    "K3CheckpointError",
+    "K3ConfigError",
+    "K3Error",
+    "K3ParseError",
+    "K3RuntimeError",
+    "K3VerifyError",
+    "Module",
+    "Operation",
+    "ParamDecl",
+    "StateType",
+    "TensorType",
+    "Value",
+    "__version__",
+    "compile",
+    "load",
+    "parse_file",
+    "parse_module",
+    "print_module",
+    "save",
+    "verify_module",
+]
 
 
 def load(name_or_path: str, overrides: dict[str, Any] | None = None, strict: bool = True) -> Module:

@@ -6,8 +6,9 @@ Operations in SSA order; every Value is produced once (a function argument or an
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from .types import TensorType, Type
 
@@ -15,9 +16,9 @@ from .types import TensorType, Type
 class Value:
     """An SSA value: a name (printed as ``%name``) and a type."""
 
-    __slots__ = ("name", "type", "producer", "index")
+    __slots__ = ("index", "name", "producer", "type")
 
-    def __init__(self, name: str, type: Type, producer: "Operation | None" = None, index: int = 0):
+    def __init__(self, name: str, type: Type, producer: Operation | None = None, index: int = 0):
         self.name = name
         self.type = type
         self.producer = producer
@@ -38,7 +39,7 @@ class Value:
 class Operation:
     """One op instance: ``results = name(operands) {attrs}``."""
 
-    __slots__ = ("name", "operands", "results", "attrs")
+    __slots__ = ("attrs", "name", "operands", "results")
 
     def __init__(self, name: str, operands: list[Value], results: list[Value], attrs: dict[str, Any]):
         self.name = name
@@ -153,7 +154,7 @@ class Module:
         for fn in self.functions.values():
             yield from fn.walk(name)
 
-    def clone(self) -> "Module":
+    def clone(self) -> Module:
         from .parser import parse_module
         from .printer import print_module
         m = parse_module(print_module(self))

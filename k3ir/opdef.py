@@ -18,7 +18,7 @@ from .types import StateType, TensorType, Type
 
 REQUIRED = object()
 
-_OPS: dict[str, type["Op"]] = {}
+_OPS: dict[str, type[Op]] = {}
 
 
 class Operand:

@@ -24,7 +24,7 @@ _TOKEN = re.compile(r"""
 
 
 class _Tok:
-    __slots__ = ("kind", "text", "line", "col")
+    __slots__ = ("col", "kind", "line", "text")
 
     def __init__(self, kind, text, line, col):
         self.kind, self.text, self.line, self.col = kind, text, line, col

@@ -11,7 +11,7 @@ from typing import Union
 
 import numpy as np
 
-Dim = Union[int, str]
+Dim = Union[int, str]  # noqa: UP007 - a runtime alias, also used with isinstance-free checks on 3.10
 
 #: dtype name -> bytes per element (packed 4-bit formats are 0.5; their scales are separate tensors)
 DTYPE_BYTES: dict[str, float] = {
@@ -40,10 +40,10 @@ class TensorType(Type):
     def rank(self) -> int:
         return len(self.shape)
 
-    def with_shape(self, shape) -> "TensorType":
+    def with_shape(self, shape) -> TensorType:
         return TensorType(self.dtype, tuple(shape))
 
-    def with_dtype(self, dtype: str) -> "TensorType":
+    def with_dtype(self, dtype: str) -> TensorType:
         return TensorType(dtype, self.shape)
 
     def is_static(self) -> bool:
@@ -93,7 +93,7 @@ def eval_dim(d: Dim, env: dict[str, int]) -> int:
     if d in env:
         return env[d]
     try:
-        return int(eval(d, {"__builtins__": {}}, dict(env)))  # noqa: S307 - names/ints/+-* only
+        return int(eval(d, {"__builtins__": {}}, dict(env)))
     except NameError as e:
         raise KeyError(f"dimension '{d}' is not bound ({e})") from None
 
@@ -124,7 +124,7 @@ def canon_dim(d: Dim) -> Dim:
     if const:
         parts.append(f"{const:+d}")
     out = "".join(parts)
-    return out[1:] if out.startswith("+") else out
+    return out.removeprefix("+")
 
 
 def dim_mul(a: Dim, b: Dim) -> Dim:

@@ -4,11 +4,11 @@ overrides. User errors exit with code 2 and one message, no traceback."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from k3ir.errors import K3Error
 
@@ -66,8 +66,9 @@ def human_bytes(n: float) -> str:
 
 
 def console():
-    from rich.console import Console
     import shutil
+
+    from rich.console import Console
     return Console(highlight=False, width=max(110, shutil.get_terminal_size((110, 24)).columns))
 
 
@@ -162,8 +163,8 @@ def cmd_print(args) -> int:
 
 
 def cmd_backends(args) -> int:
-    from rich.table import Table
     from k3ir.backends import list_backends
+    from rich.table import Table
     t = Table(title="registered targets")
     for c in ("target", "aliases", "available here", "pipeline", "description"):
         t.add_column(c)
@@ -182,9 +183,10 @@ def cmd_run(args) -> int:
     """The main job: summarise the bundled Kimi K3 graph, then compile k3-tiny for torch and
     generate from a fixed prompt."""
     import numpy as np
+    from k3ir.runtime import Session
+
     import k3ir
     from k3ir.accounting import report
-    from k3ir.runtime import Session
     con = console()
     t0 = time.perf_counter()
     big = k3ir.load(args.model, overrides=parse_overrides(args.overrides))

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-import k3ir
+from conftest import rel_err
 from k3ir.runtime import Session
 
-from conftest import rel_err
+import k3ir
 
 pytest.importorskip("tvm")
 
@@ -29,7 +28,7 @@ def tvm_artifact(tmp_path_factory):
 def test_tvm_artifact_reloads_without_compiling(tvm_artifact, monkeypatch):
     d, m = tvm_artifact
     import k3ir.backends.tvm as tb
-    import k3ir.backends.tvm.lower as lower
+    from k3ir.backends.tvm import lower
 
     def no_build(*a, **k):
         raise AssertionError("Session.load must not lower or compile again")
@@ -39,7 +38,7 @@ def test_tvm_artifact_reloads_without_compiling(tvm_artifact, monkeypatch):
     ids = np.random.default_rng(0).integers(0, 256, (2, 17))
     want = Session(k3ir.compile(m, target="reference"), seed=5).forward(ids)
     assert rel_err(s.forward(ids), want) < 1e-4
-    logits, st = s.prefill(ids[:, :16])
+    _, st = s.prefill(ids[:, :16])
     step, _ = s.decode(ids[:, 16:], st)
     assert rel_err(step[:, 0], want[:, 16]) < 1e-4
 

@@ -8,13 +8,12 @@ import os
 
 import numpy as np
 import pytest
-
-import k3ir
+from _tiny_models import load_tiny, prefill_decode, token_ids
+from conftest import rel_err
 from k3ir.runtime import Session
 from k3ir.runtime.params import init_params
 
-from _tiny_models import load_tiny, prefill_decode, token_ids
-from conftest import rel_err
+import k3ir
 
 ROUTES = [("torch", None), ("tvm", "tvm"), ("onnx", "onnxruntime"), ("mlir", "iree.runtime")]
 

@@ -5,7 +5,6 @@ graph inputs and outputs (``present.<state>``). ``save(dir)`` writes a reloadabl
 without re-exporting (``Session.load``)."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -16,6 +15,7 @@ from k3ir.ir import Module
 
 from .. import Backend, Executable, register_backend
 from ..artifact import ARTIFACT, read_manifest, write_manifest  # noqa: F401 (re-exported)
+
 FUNCTIONS = ("forward", "prefill", "decode")
 
 

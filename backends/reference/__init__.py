@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from k3ir.opdef import all_ops
 from k3ir.ir import Module
+from k3ir.opdef import all_ops
 
 from .. import Backend, Executable, register_backend
 from ..interpreter import Interpreter

@@ -210,7 +210,7 @@ def gated_rmsnorm(inst, x, gate, w):
 
 
 def mla(inst, q, kv, w, c=None, lengths=None):
-    H, n, r, vd = inst.heads, inst.nope, inst.rope, inst.v_dim
+    H, n, vd = inst.heads, inst.nope, inst.v_dim
     R = w.shape[1]
     new = _f32(kv)
     full = new if c is None else torch.cat([_f32(c), new], dim=1)

@@ -6,7 +6,7 @@ import numpy as np
 
 from ..opdef import Attr, Op, Operand, Result, op, require, tensor
 from ..types import TensorType, canon_dim
-from ._util import broadcast_shapes, norm_axis, numel, promote, prod, sigmoid, silu, softplus
+from ._util import broadcast_shapes, norm_axis, numel, prod, promote, sigmoid, silu, softplus
 
 
 @op("k3.param")

@@ -15,7 +15,7 @@ def mla_ref(q, kv, w_kvb, cache, *, heads, nope, rope, v_dim, scale, absorbed, l
     ``lengths`` (int ``[B]``, optional): row b's cache is right-padded, only its first
     ``lengths[b]`` entries are attended (variable-length batches; padding stays in the result)."""
     q, kv, w = f64(q), f64(kv), f64(w_kvb)
-    B, T = q.shape[:2]
+    T = q.shape[1]
     R = w.shape[1]
     full = kv if cache is None else np.concatenate([f64(cache), kv], axis=1)
     S = full.shape[1]

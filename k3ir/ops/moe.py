@@ -140,7 +140,7 @@ def qb_update(scores, bias, top_k: int, rule: str = "quantile", sign_step: float
     Quantiles use NumPy's default linear interpolation. Returns the new bias, centred
     (``c - mean(c)``) for the quantile rules."""
     s, b = f64(scores), f64(bias)
-    m, n = s.shape
+    n = s.shape[1]
     if rule == "none":
         return b.copy()
     biased = s + b
