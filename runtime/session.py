@@ -27,6 +27,18 @@ class State:
         return self.values[name]
 
 
+def _check_shapes(module, params: dict[str, Any]) -> None:
+    """K3RuntimeError naming the first parameter whose array shape differs from its declaration
+    (packed 4-bit weights and their scales are stored in other shapes and are skipped)."""
+    for name, decl in module.params.items():
+        if decl.type.dtype in ("mxfp4", "int4") or decl.attrs.get("role") == "scale":
+            continue
+        shape = getattr(params[name], "shape", None)
+        want = tuple(int(d) for d in decl.type.shape)
+        if shape is not None and tuple(int(d) for d in shape) != want:
+            raise K3RuntimeError(f"parameter '{name}' has shape {list(shape)}, the model declares {list(want)}")
+
+
 class Session:
     """Run a compiled model.
 
@@ -48,6 +60,7 @@ class Session:
             missing = [k for k in self.module.params if k not in params]
             if missing:
                 raise K3RuntimeError(f"{len(missing)} parameters missing, e.g. '{missing[0]}'")
+            _check_shapes(self.module, params)
             self.params = self.exe.prepare_params({k: params[k] for k in self.module.params})
         self.vocab = int(self.module.attrs.get("vocab_size", 0))
         pre = self.module.functions.get("prefill")

@@ -180,3 +180,16 @@ def test_explicit_params_and_seeds(model):
     missing.pop(next(iter(missing)))
     with pytest.raises(K3RuntimeError, match="missing"):
         Session(exe, params=missing)
+
+
+def test_wrong_shaped_parameter_is_named():
+    import k3ir
+    from k3ir.errors import K3RuntimeError
+    from k3ir.runtime import Session, init_params
+    m = k3ir.load("k3-tiny")
+    exe = k3ir.compile(m, target="torch")
+    params = init_params(exe.module, seed=0)
+    name = next(n for n in params if n.endswith("lm_head.weight"))
+    params[name] = params[name][:, :-1]
+    with pytest.raises(K3RuntimeError, match="lm_head.weight' has shape"):
+        Session(exe, params=params)
