@@ -6,6 +6,8 @@ with a precomputed gate), ``k3.short_conv`` and ``k3.gated_rmsnorm``. float64 mo
 torch implementations (the kernels compute in bf16/fp32)."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -101,7 +103,9 @@ class TritonExecutable(TorchExecutable):
         self.table = {**self.table, **KERNELS, **lowering.table(self)}
         self.graph_ctx = None
         self.plans = {name: lowering.plan(f) for name, f in module.functions.items()}
-        self.cuda_graphs = self.tdev.type == "cuda" and "decode" in module.functions
+        # K3IR_CUDA_GRAPHS=0 runs decode eagerly (to bisect graph capture vs kernels; bench/MOE_NOTES.md)
+        self.cuda_graphs = (self.tdev.type == "cuda" and "decode" in module.functions
+                            and os.environ.get("K3IR_CUDA_GRAPHS", "1") != "0")
         self._graph = None
 
     def _run_eager(self, function, targs, params):
