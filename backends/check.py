@@ -7,6 +7,11 @@ asks the backend's ``lowers()`` set: a listed op is *native*; otherwise the op's
 the expansion is checked the same way, recursively. An op that is neither native nor
 decomposable (or whose decomposition reaches such an op, or refuses these attributes, e.g.
 ``k3.grouped_matmul`` with ``quant=mxfp4``) is an *error*: the target cannot run the module.
+
+Only the functions the target builds are classified: ``Backend.functions`` (e.g. ONNX and MLIR
+build ``forward``/``prefill``/``decode``; default every function), plus the functions those
+reach through op attributes (e.g. a ``k3.scan`` body). The others are listed in
+``CheckReport.skipped`` and in the rendered summary, so nothing is hidden.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ class CheckReport:
     target: str
     module: str
     rows: list[OpRow]
+    skipped: list[str] = field(default_factory=list)    # functions the target does not build
 
     @property
     def errors(self) -> list[OpRow]:
@@ -49,7 +55,8 @@ class CheckReport:
     def as_dict(self) -> dict:
         return {"target": self.target, "module": self.module,
                 "ops": [{"op": r.op, "family": r.family, "status": r.status, "count": r.count,
-                         "functions": sorted(r.functions), "via": dict(r.via), "why": r.why} for r in self.rows]}
+                         "functions": sorted(r.functions), "via": dict(r.via), "why": r.why} for r in self.rows],
+                "skipped_functions": list(self.skipped)}
 
 
 class _Checker:
@@ -89,16 +96,46 @@ class _Checker:
         return res
 
 
-def check_module(module: Module, target: str, native: set[str] | None = None) -> CheckReport:
-    """Classify every op of ``module`` (already through ``target``'s pipeline) for ``target``.
-    ``native`` defaults to the backend's ``lowers()``. Raises K3BackendError for an unknown
-    target; errors in the module are reported in the rows, not raised."""
-    if native is None:
+def built_functions(module: Module, entries) -> list[str]:
+    """Names of ``module``'s functions a target building ``entries`` (None: all) compiles: the
+    entries present in the module plus every function they reach through op attributes (a
+    string or list of strings naming a module function, e.g. a ``k3.scan`` body), in module order."""
+    if entries is None:
+        return list(module.functions)
+    seen: set[str] = set()
+    todo = [f for f in entries if f in module.functions]
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for op in module.functions[f].ops:
+            for v in op.attrs.values():
+                for name in (v if isinstance(v, (list, tuple)) else [v]):
+                    if isinstance(name, str) and name in module.functions and name not in seen:
+                        todo.append(name)
+    return [f for f in module.functions if f in seen]
+
+
+def check_module(module: Module, target: str, native: set[str] | None = None,
+                 functions: tuple[str, ...] | list[str] | None = None) -> CheckReport:
+    """Classify every op of the functions ``target`` builds in ``module`` (already through
+    ``target``'s pipeline). ``native`` defaults to the backend's ``lowers()`` and then ``functions``
+    (the entry functions built) to the backend's ``functions`` (None: every function); functions not
+    built are listed in ``report.skipped``. Raises K3BackendError for an unknown target; errors
+    in the module are reported in the rows, not raised."""
+    if native is None:                 # the registered backend decides both
         from . import get_backend
-        native = set(get_backend(target).lowers())
+        be = get_backend(target)
+        native = set(be.lowers())
+        if functions is None:
+            functions = getattr(be, "functions", None)
+    built = built_functions(module, functions)
+    skipped = [f for f in module.functions if f not in built]
     ch = _Checker(module.clone(), set(native) | {"k3.param"})    # decompositions may add helper functions
     rows: dict[tuple[str, str, str], OpRow] = {}
-    for fname, fn in list(module.functions.items()):
+    for fname in built:
+        fn = module.functions[fname]
         for op in fn.ops:
             if op.name == "k3.param":
                 continue
@@ -111,7 +148,8 @@ def check_module(module: Module, target: str, native: set[str] | None = None) ->
             if status != NATIVE:
                 r.via.update({k: 0 for k in leaves})
     order = {ERROR: 0, DECOMPOSED: 1, NATIVE: 2}
-    return CheckReport(target, module.name, sorted(rows.values(), key=lambda r: (order[r.status], r.family, r.op)))
+    return CheckReport(target, module.name, sorted(rows.values(), key=lambda r: (order[r.status], r.family, r.op)),
+                       skipped=skipped)
 
 
 def render(report: CheckReport, console=None) -> None:
@@ -136,3 +174,5 @@ def render(report: CheckReport, console=None) -> None:
     n = Counter(r.status for r in report.rows)
     console.print(f"{len({r.op for r in report.rows})} distinct ops: {n[NATIVE]} native, {n[DECOMPOSED]} via "
                   f"decomposition, {n[ERROR]} with neither")
+    if report.skipped:
+        console.print(f"not checked (target '{report.target}' does not build them): {', '.join(report.skipped)}")

@@ -21,7 +21,9 @@ def load(name_or_path: str, overrides=None, strict: bool = True):
     import os
     module = build_module(load_config(name_or_path, overrides))
     if isinstance(name_or_path, (str, os.PathLike)) and os.path.isdir(name_or_path):
-        from .checkpoint import bind_checkpoint, is_checkpoint_dir
+        from .checkpoint import bind_checkpoint, is_checkpoint_dir, note_no_weights
         if is_checkpoint_dir(name_or_path):
             bind_checkpoint(module, os.fspath(name_or_path), strict=strict)
+        else:                             # config.json only: warn, random init (module.attrs note)
+            note_no_weights(module, os.fspath(name_or_path))
     return module

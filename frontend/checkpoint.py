@@ -29,7 +29,7 @@ import numpy as np
 
 from k3ir.errors import K3CheckpointError
 from k3ir.ir import Module
-from k3ir.quant import int4_dequantize, int4_quantize, mxfp4_dequantize, mxfp4_quantize
+from k3ir.quant import int4_dequantize, int4_quantize, mxfp4_check_scales, mxfp4_dequantize, mxfp4_quantize
 
 from .keymap import ST_DTYPES, Header, Part, Plan, is_routed_expert, resolve, write_key
 
@@ -130,6 +130,11 @@ class Checkpoint:
                                             f"and {os.path.basename(path)}")
                 self.headers[key] = h
             if listed is not None:
+                unlisted = sorted(k for k in hdr if k not in set(listed))
+                if unlisted:
+                    raise K3CheckpointError(f"{os.path.basename(self.index_path)}: does not list '{unlisted[0]}', which "
+                                            f"{os.path.basename(path)} contains"
+                                            f"{f' (and {len(unlisted) - 1} more)' if len(unlisted) > 1 else ''}")
                 missing = sorted(k for k in listed if k not in hdr)
                 if missing:
                     raise K3CheckpointError(f"{os.path.basename(self.index_path)}: lists '{missing[0]}' in "
@@ -291,7 +296,7 @@ class CheckpointWeights(Mapping):
         elif p.op == "truncate":
             a = c.read(p.keys[0]).reshape(-1)[: int(np.prod(p.shape))]
         elif p.op == "mxfp4":
-            a = _as_float(mxfp4_dequantize(c.read(p.keys[0]), c.read(p.keys[1])), dtype)
+            a = _as_float(mxfp4_dequantize(c.read(p.keys[0]), c.read(p.keys[1]), where=self._where(p.keys[1])), dtype)
         elif p.op == "int4":
             a = _as_float(int4_dequantize(c.read(p.keys[0]), c.read(p.keys[1])), dtype)
             if len(p.keys) > 2:
@@ -301,6 +306,10 @@ class CheckpointWeights(Mapping):
         else:
             raise K3CheckpointError(f"internal: unknown part op {p.op}")
         return a.reshape(p.shape)
+
+    def _where(self, key: str) -> str:
+        h = self.checkpoint.headers.get(key)
+        return f"{os.path.basename(h.file)}: tensor '{key}'" if h else f"tensor '{key}'"
 
     def _load(self, plan: Plan) -> np.ndarray:
         arrs = [self._part(p, plan.dtype) for p in plan.parts]
@@ -316,6 +325,9 @@ class CheckpointWeights(Mapping):
             raise K3CheckpointError(f"unknown packed format '{fmt}' (want mxfp4 or int4)")
         if stored == fmt and all(p.op == fmt for p in plan.parts):
             ps = [(self.checkpoint.read(p.keys[0]), self.checkpoint.read(p.keys[1])) for p in plan.parts]
+            if fmt == "mxfp4":                  # packed values bypass the decoder: check the E8M0 bytes here
+                for p, (_, s) in zip(plan.parts, ps):
+                    mxfp4_check_scales(s, where=self._where(p.keys[1]))
             if plan.stacked:
                 return np.stack([a for a, _ in ps]), np.stack([b for _, b in ps])
             return ps[0]
@@ -331,6 +343,18 @@ class CheckpointWeights(Mapping):
 
 def _as_float(a: np.ndarray, dtype: str) -> np.ndarray:
     return a if dtype == "f64" else a.astype(np.float32)
+
+
+NO_WEIGHTS_NOTE = "checkpoint_note"
+
+
+def note_no_weights(module: Module, directory: str) -> Module:
+    """A directory with ``config.json`` but no safetensors weights: log a warning that random init
+    will be used and record it as ``module.attrs["checkpoint_note"]`` (shown by ``k3ir inspect``)."""
+    msg = f"no weights: {os.path.basename(os.path.normpath(directory))} has no *.safetensors files; random init is used"
+    log.warning("checkpoint: %s", msg)
+    module.attrs[NO_WEIGHTS_NOTE] = msg
+    return module
 
 
 def bind_checkpoint(module: Module, directory: str, strict: bool = True) -> Module:
@@ -355,6 +379,21 @@ def bind_checkpoint(module: Module, directory: str, strict: bool = True) -> Modu
 # ---- writer --------------------------------------------------------------------------------
 _TORCH_DT = {"f64": "float64", "f32": "float32", "bf16": "bfloat16", "f16": "float16",
              "i64": "int64", "i32": "int32", "i8": "int8", "u8": "uint8", "bool": "bool"}
+
+
+#: user-facing ``dtype`` names accepted by :func:`save_checkpoint` -> IR dtype
+SAVE_DTYPES = {"float32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16", "float16": "f16", "f16": "f16",
+               "float64": "f64", "f64": "f64"}
+
+
+def save_dtype(dtype: str | None) -> str | None:
+    """IR dtype for a user-facing ``dtype`` option (None stays None); K3CheckpointError otherwise."""
+    if dtype is None:
+        return None
+    dt = SAVE_DTYPES.get(str(dtype).lower()) if isinstance(dtype, str) else None
+    if dt is None:
+        raise K3CheckpointError(f"save: unknown dtype {dtype!r} (want one of {', '.join(SAVE_DTYPES)})")
+    return dt
 
 
 def _tensor(a, dtype: str):
@@ -387,11 +426,16 @@ def save_checkpoint(module: Module, params: Mapping[str, Any], directory: str, *
     ``layout``: ``published`` | ``transformers`` | ``hf-runtime`` (see :mod:`keymap`);
     ``quantize``: None | ``mxfp4`` | ``int4`` packs routed experts only (compressed-tensors keys
     ``weight_packed``/``weight_scale``, plus ``weight_shape`` for int4; SPEC.md 7);
-    ``dtype``: float dtype of unquantised tensors (default: each parameter's IR dtype);
+    ``dtype``: float dtype of the unquantised float tensors, ``float32`` | ``bfloat16`` |
+    ``float16`` | ``float64`` (short forms ``f32``/``bf16``/``f16``/``f64``); default: each
+    parameter's IR dtype (bf16 for the published models). A bf16 save rounds float32/float64
+    weights to bfloat16 (round to nearest even); MXFP4/INT4 experts are quantised from the values
+    as stored in that dtype;
     ``max_shard_bytes``: split into ``model-0000i-of-0000n.safetensors`` with an index;
     ``shared_experts``: ``fused`` (one MLP) | ``split`` (``shared_experts.{j}.*``).
     Returns the written file names. Raises K3CheckpointError on a bad option or missing parameter."""
     from safetensors.torch import save_file
+    dtype = save_dtype(dtype)
     if quantize not in (None, "mxfp4", "int4"):
         raise K3CheckpointError(f"unknown quantize '{quantize}' (want mxfp4 or int4)")
     if layout == "hf-runtime" and quantize:

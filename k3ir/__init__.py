@@ -68,9 +68,12 @@ def save(module: Module, params: Any, directory: str, layout: str = "published",
     """Write ``params`` (name -> array, IR names; stacked experts ``[E, ...]``; None: the weights
     bound to ``module``) and ``config.json`` to ``directory`` as safetensors. ``layout``:
     ``published`` | ``transformers`` | ``hf-runtime``; ``quantize``: None | ``mxfp4`` | ``int4``
-    (routed experts only, compressed-tensors packing, SPEC.md 7). ``options``: ``dtype``,
+    (routed experts only, compressed-tensors packing, SPEC.md 7). ``options``: ``dtype``
+    (``float32`` | ``bfloat16`` | ``float16`` | ``float64``, or ``f32``/``bf16``/``f16``/``f64``:
+    the stored dtype of unquantised float tensors; default each parameter's IR dtype, bf16 for
+    the published models, so a default or bf16 save rounds float32 weights to bfloat16),
     ``max_shard_bytes``, ``shared_experts`` (``fused`` | ``split``). Returns the file names
-    written; raises K3CheckpointError."""
+    written; raises K3CheckpointError (also for an unknown ``dtype``, naming the allowed values)."""
     from .frontend.checkpoint import save_checkpoint
     if params is None:
         if module.weights is None:

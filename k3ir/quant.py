@@ -22,7 +22,7 @@ import numpy as np
 
 from .errors import K3CheckpointError
 
-__all__ = ["E2M1_VALUES", "GROUP", "int4_dequantize", "int4_quantize", "mxfp4_decode_scales",
+__all__ = ["E2M1_VALUES", "GROUP", "int4_dequantize", "int4_quantize", "mxfp4_check_scales", "mxfp4_decode_scales",
            "mxfp4_dequantize", "mxfp4_quantize", "mxfp4_unpack_codes"]
 
 #: group size along the input axis (both formats)
@@ -102,24 +102,36 @@ def mxfp4_unpack_codes(packed: np.ndarray) -> np.ndarray:
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def mxfp4_decode_scales(scales: np.ndarray) -> np.ndarray:
-    """E8M0 scale bytes -> float64 ``2^(e-127)``; raises K3CheckpointError on byte 255 (NaN)."""
+def mxfp4_check_scales(scales: np.ndarray, where: str = "") -> np.ndarray:
+    """Validate E8M0 scale bytes (SPEC.md 7) and return them as a uint8 array.
+
+    ``where`` (e.g. the checkpoint key) prefixes the message. Raises K3CheckpointError when the
+    dtype is not uint8 or a byte is 255 (E8M0 NaN), naming the first bad index."""
     scales = np.asarray(scales)
+    pre = f"{where}: " if where else ""
     if scales.dtype != np.uint8:
-        raise K3CheckpointError(f"MXFP4 scales must be uint8 (E8M0), found {scales.dtype}")
+        raise K3CheckpointError(f"{pre}MXFP4 scales must be uint8 (E8M0), found {scales.dtype}")
     bad = scales == _E8M0_NAN
     if np.any(bad):
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise K3CheckpointError(f"MXFP4 scale byte 255 (E8M0 NaN) at index {where}: not a valid scale")
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise K3CheckpointError(f"{pre}MXFP4 scale byte 255 (E8M0 NaN) at index {idx}: not a valid scale "
+                                f"({int(bad.sum())} such byte(s))")
+    return scales
+
+
+def mxfp4_decode_scales(scales: np.ndarray, where: str = "") -> np.ndarray:
+    """E8M0 scale bytes -> float64 ``2^(e-127)``; raises K3CheckpointError on byte 255 (NaN)."""
+    scales = mxfp4_check_scales(scales, where)
     return np.ldexp(1.0, scales.astype(np.int64) - 127)
 
 
-def mxfp4_dequantize(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+def mxfp4_dequantize(packed: np.ndarray, scales: np.ndarray, where: str = "") -> np.ndarray:
     """Decode MXFP4 to float64 ``[..., K]`` (``packed uint8[..., K//2]``, ``scales uint8[..., K//32]``).
 
-    Raises K3CheckpointError for a scale byte 255, wrong dtypes or inconsistent shapes."""
+    ``where`` (e.g. the scale tensor's key) prefixes error messages. Raises K3CheckpointError for
+    a scale byte 255, wrong dtypes or inconsistent shapes."""
     codes = mxfp4_unpack_codes(packed)
-    s = mxfp4_decode_scales(scales)
+    s = mxfp4_decode_scales(scales, where)
     K = codes.shape[-1]
     if K % GROUP or tuple(s.shape) != tuple(codes.shape[:-1]) + (K // GROUP,):
         raise K3CheckpointError(f"MXFP4 scales shape {tuple(s.shape)} does not match packed shape "

@@ -162,7 +162,9 @@ def materialize(module: Module, source: Callable[[str, TensorType], Any],
     """Run-time values of the quantised parameters of ``module``: for each packed parameter,
     ``have(name)`` (a checkpoint's packed tensor, or None) or else the quantisation of
     ``source(float_name, float_type)`` (also when the stored packing is another format than the one
-    asked for: u8 codes for mxfp4, i32 words for int4). Returns ``{packed_name: u8/i32 array, scale_name: array}``."""
+    asked for: u8 codes for mxfp4, i32 words for int4). Returns ``{packed_name: u8/i32 array, scale_name: array}``.
+    Raises K3CheckpointError (naming the scale parameter) when bound MXFP4 scales hold byte 255
+    (E8M0 NaN, SPEC.md 7)."""
     out: dict[str, Any] = {}
     for name, decl in module.params.items():
         src = decl.attrs.get("source")
@@ -173,6 +175,9 @@ def materialize(module: Module, source: Callable[[str, TensorType], Any],
             pk_v, sc_v = have(name), have(sc)
             want = "uint8" if decl.attrs["quant"] == "mxfp4" else "int32"
             if pk_v is not None and sc_v is not None and str(getattr(pk_v, "dtype", "")).endswith(want):
+                if decl.attrs["quant"] == "mxfp4":       # bound as is: reject E8M0 NaN bytes now (SPEC.md 7)
+                    from k3ir.quant import mxfp4_check_scales
+                    mxfp4_check_scales(np.asarray(sc_v.cpu() if hasattr(sc_v, "cpu") else sc_v), where=f"parameter '{sc}'")
                 out[name], out[sc] = pk_v, sc_v
                 continue
         ftype = TensorType(decl.attrs.get("source_dtype", "bf16"), decl.type.shape)

@@ -51,3 +51,36 @@ def test_op_with_neither_is_an_error():
 def test_check_unknown_target_exits_2(capsys):
     assert main(["check", "k3-tiny", "--target", "no-such-target"]) == 2
     assert "unknown target" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", ["onnx", "mlir"])
+def test_check_classifies_only_built_functions(capsys, target):
+    """ONNX/MLIR build forward/prefill/decode only: the vision functions (whose k3.rope_2d needs
+    k3.rope_2d_table) are listed as not checked instead of failing the check."""
+    from k3ir.backends import get_backend
+    assert set(get_backend(target).functions) == {"forward", "prefill", "decode"}
+    assert main(["check", "k3-tiny", "--target", target]) == 0
+    out = capsys.readouterr().out
+    assert "0 with neither" in out and "not checked" in out and "encode_images" in out
+    assert main(["check", "k3-tiny", "--target", target, "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    m = k3ir.load("k3-tiny")
+    assert set(rep["skipped_functions"]) == set(m.functions) - {"forward", "prefill", "decode"}
+    assert all(set(r["functions"]) <= {"forward", "prefill", "decode"} for r in rep["ops"])
+    assert not any(r["status"] == ERROR for r in rep["ops"])
+
+
+def test_check_every_function_by_default_and_explicit_functions():
+    """A backend that does not declare functions is checked on all of them; passing the vision
+    function explicitly to a core-op target still reports its op with neither lowering."""
+    from k3ir.backends import get_backend
+    from k3ir.backends.check import built_functions
+    m = k3ir.load("k3-tiny")
+    assert get_backend("reference").functions is None
+    rep = check_module(m, "reference")
+    assert rep.skipped == [] and not rep.errors
+    assert built_functions(m, ("forward", "no-such")) == ["forward"]
+    lowers = set(get_backend("onnx").lowers())
+    vis = check_module(m, "onnx-like", native=lowers, functions=("encode_images",))
+    assert "forward" in vis.skipped and vis.errors                # the vision ops, if built, would fail
+    assert any("k3.rope_2d" in r.op or "rope_2d" in r.why for r in vis.errors)

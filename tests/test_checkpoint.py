@@ -163,6 +163,15 @@ def _drop_key(d, key):
     (d / "model.safetensors.index.json").write_text(json.dumps(idx))
 
 
+def _add_key(d, key, value):
+    """A tensor in Q's shard and in the index (consistent files, but no parameter takes it)."""
+    shard = _shard_of(d, Q)
+    _edit_tensors(shard, lambda sd: sd.__setitem__(key, value))
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    idx["weight_map"][key] = shard.rsplit("/", 1)[1]
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+
+
 def _shard_of(d, key):
     wm = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
     return str(d / wm[key])
@@ -174,8 +183,7 @@ CORRUPTIONS = {
     "wrong shape": (lambda d: _edit_tensors(_shard_of(d, Q), lambda sd: sd.__setitem__(Q, torch.zeros(24, 31))),
                     [Q, "[24,31]", "expected [24,32]"]),
     "missing key": (lambda d: _drop_key(d, Q), ["missing tensor", Q, "expected f32[24,32]"]),
-    "extra key": (lambda d: _edit_tensors(_shard_of(d, Q), lambda sd: sd.__setitem__("model.foo.weight",
-                                                                                  torch.zeros(2))),
+    "extra key": (lambda d: _add_key(d, "model.foo.weight", torch.zeros(2)),
                   ["model.foo.weight", "belongs to no parameter"]),
     "wrong dtype": (lambda d: _edit_tensors(_shard_of(d, Q), lambda sd: sd.__setitem__(Q, torch.zeros(24, 32,
                                                                                                    dtype=torch.int32))),
@@ -190,7 +198,15 @@ CORRUPTIONS = {
         {"weight_map": dict(json.loads((d / "model.safetensors.index.json").read_text())["weight_map"],
                             **{"model.bar.weight": _shard_of(d, Q).rsplit("/", 1)[1]})})),
         ["model.bar.weight", "does not contain it"]),
+    "index omits key": (lambda d: _unlist_key(d, Q), ["does not list", Q, "which model-0000"]),
 }
+
+
+def _unlist_key(d, key):
+    """Delete ``key`` from the index only: the tensor stays in its shard."""
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    del idx["weight_map"][key]
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
 
 
 @pytest.mark.parametrize("what", sorted(CORRUPTIONS))
@@ -269,3 +285,89 @@ def test_e8m0_typed_scales_read_as_bytes(tiny, tmp_path):
     name = "model.layers.1.block_sparse_moe.experts.{e}.w3.weight"
     np.testing.assert_array_equal(got[name], want[name])
     assert k3ir.load(str(tmp_path / "e8")).weights.summary()["dtypes"]["F8_E8M0"]["tensors"] == 24
+
+
+# ---- E8M0 NaN on every path that binds packed values (SPEC.md 7) ----------------------------------
+def test_scale_byte_255_rejected_on_torch_target(tiny, tmp_path):
+    """The torch pipeline binds the stored MXFP4 bytes as they are (quantize-experts' materialize):
+    one NaN scale byte must raise naming the key, not give NaN logits."""
+    m, params = tiny
+    k3ir.save(m, params, str(tmp_path), quantize="mxfp4")
+    key = "model.layers.1.block_sparse_moe.experts.0.w1.weight_scale"
+
+    def poke(sd):
+        sd[key].view(-1)[5] = 255
+    _edit_tensors(str(tmp_path / "model.safetensors"), poke)
+    loaded = k3ir.load(str(tmp_path))
+    with pytest.raises(K3CheckpointError, match=r"255") as e:
+        loaded.weights.packed("model.layers.1.block_sparse_moe.experts.{e}.w1.weight")
+    assert key in str(e.value)
+    ids = np.arange(9).reshape(1, 9) % 64
+    with pytest.raises(K3CheckpointError, match=r"255") as e:
+        Session(k3ir.compile(k3ir.load(str(tmp_path)), target="torch")).forward(ids)
+    assert key in str(e.value)
+    with pytest.raises(K3CheckpointError, match=r"255"):
+        Session(k3ir.compile(k3ir.load(str(tmp_path)), target="reference")).forward(ids)
+
+
+def test_materialize_checks_bound_mxfp4_scales(tiny):
+    """materialize's ``have()`` path (values bound as stored) validates E8M0 bytes itself."""
+    from k3ir.passes import run_pipeline
+    from k3ir.passes.pipelines import pipeline_for
+    from k3ir.passes.quantize_experts import materialize
+    m, params = tiny
+    q = run_pipeline(m.clone(), pipeline_for("torch"), quantize="mxfp4")
+    packed = {n: d for n, d in q.params.items() if d.attrs.get("source") and d.attrs.get("role") != "scale"}
+    assert packed
+    good = {}
+    for n, d in packed.items():
+        pk, sc = mxfp4_quantize(params[d.attrs["source"]])
+        good[n], good[d.attrs["scale"]] = pk, sc
+    out = materialize(q, lambda src, t: params[src], lambda n: good.get(n))
+    assert all(out[n] is good[n] for n in good)
+    bad_name = next(iter(packed.values())).attrs["scale"]
+    bad = dict(good)
+    bad[bad_name] = good[bad_name].copy()
+    bad[bad_name][0, 0, 0] = 255
+    with pytest.raises(K3CheckpointError, match="255") as e:
+        materialize(q, lambda src, t: params[src], lambda n: bad.get(n))
+    assert bad_name in str(e.value)
+
+
+# ---- save(dtype=...) --------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,st,torch_dt", [("float32", "F32", torch.float32), ("f32", "F32", torch.float32),
+                                              ("bfloat16", "BF16", torch.bfloat16), ("bf16", "BF16", torch.bfloat16),
+                                              ("float16", "F16", torch.float16), ("f16", "F16", torch.float16)])
+def test_save_dtype_names(tiny, tmp_path, name, st, torch_dt):
+    m, params = tiny
+    k3ir.save(m, params, str(tmp_path), dtype=name)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    floats = {k: v for k, v in sd.items() if v.is_floating_point()}
+    assert floats and {v.dtype for v in floats.values()} == {torch_dt}
+    got = k3ir.load(str(tmp_path)).weights[Q]           # the values as rounded by torch to that dtype
+    np.testing.assert_array_equal(got, torch.from_numpy(params[Q]).to(torch_dt).float().numpy())
+    with open(tmp_path / "model.safetensors", "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        assert json.loads(f.read(n))[Q]["dtype"] == st
+
+
+@pytest.mark.parametrize("bad", ["fp32", "float8", "int8", 32])
+def test_save_unknown_dtype_names_allowed_values(tiny, tmp_path, bad):
+    m, params = tiny
+    with pytest.raises(K3CheckpointError, match="unknown dtype") as e:
+        k3ir.save(m, params, str(tmp_path), dtype=bad)
+    for ok in ("float32", "bfloat16", "float16", "bf16"):
+        assert ok in str(e.value)
+
+
+# ---- a directory with config.json and no weights ------------------------------------------------------
+def test_config_only_directory_warns_and_inspect_says_no_weights(tiny, tmp_path, caplog, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LINEAR))
+    with caplog.at_level("WARNING", logger="k3ir.checkpoint"):
+        m = k3ir.load(str(tmp_path))
+    assert m.weights is None
+    assert any("no weights" in r.getMessage() and "random init" in r.getMessage() for r in caplog.records)
+    assert "no weights" in m.attrs["checkpoint_note"]
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "no weights" in capsys.readouterr().out

@@ -59,7 +59,8 @@ def moe_dispatch(inst, x, w, idx):
     counts = torch.bincount(flat, minlength=inst.num_experts)
     offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
     xs = x.reshape(-1, x.shape[-1])[order // k]
-    return xs, offsets, inv.reshape(w.shape), w.reshape(-1)[order].float()
+    acc = torch.float64 if torch.float64 in (w.dtype, x.dtype) else torch.float32   # combine weights: f32 or wider
+    return xs, offsets, inv.reshape(w.shape), w.reshape(-1)[order].to(acc)
 
 
 def dequantize(quant: str, packed: T, scales: T, dtype) -> T:
