@@ -87,6 +87,8 @@ def cmd_inspect(args) -> int:
     print_report(r)
     if ck:
         print_checkpoint(ck)
+    elif m.attrs.get("checkpoint_note"):            # a directory with config.json but no weights
+        print(f"checkpoint: {m.attrs['checkpoint_note']}")
     return 0
 
 
