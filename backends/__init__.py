@@ -118,7 +118,10 @@ _DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "f32": "float32", "bflo
 
 def compile_module(module: Module, target: str = "torch", dtype: str = "float32", device: str = "cpu",
                    passes: list[str] | None = None, verify_each: bool = False, **options: Any) -> Executable:
-    """Run the target's pipeline (or ``passes``) on a copy of ``module``, then build."""
+    """Verify ``module`` (K3VerifyError with ``file:line:col`` for a parsed module: an invalid module
+    never compiles), run the target's pipeline (or ``passes``) on a copy of it, then build."""
+    from k3ir.verify import verify_module
+    verify_module(module)
     backend = get_backend(target)
     why = backend.available()
     if why:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .types import TensorType, Type
 
@@ -36,16 +36,31 @@ class Value:
         return f"%{self.name}: {self.type}"
 
 
+class Loc(NamedTuple):
+    """Where an op was written in a text-IR file (1-based; ``source`` is the file name or None).
+    ``str(loc)`` is ``file:line:col`` (``line:col`` without a file)."""
+
+    line: int
+    col: int
+    source: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.source + ':' if self.source else ''}{self.line}:{self.col}"
+
+
 class Operation:
-    """One op instance: ``results = name(operands) {attrs}``."""
+    """One op instance: ``results = name(operands) {attrs}``. ``loc`` is the op's source
+    location when it was parsed from text (never printed; None for built ops)."""
 
-    __slots__ = ("attrs", "name", "operands", "results")
+    __slots__ = ("attrs", "loc", "name", "operands", "results")
 
-    def __init__(self, name: str, operands: list[Value], results: list[Value], attrs: dict[str, Any]):
+    def __init__(self, name: str, operands: list[Value], results: list[Value], attrs: dict[str, Any],
+                 loc: Loc | None = None):
         self.name = name
         self.operands = list(operands)
         self.results = list(results)
         self.attrs = dict(attrs)
+        self.loc = loc
         for i, r in enumerate(self.results):
             r.producer = self
             r.index = i
@@ -158,6 +173,9 @@ class Module:
         from .parser import parse_module
         from .printer import print_module
         m = parse_module(print_module(self))
+        for name, fn in self.functions.items():     # keep the original source locations, not the copy's
+            for a, b in zip(fn.ops, m.functions[name].ops):
+                b.loc = a.loc
         m.weights = self.weights
         if hasattr(self, "config"):
             m.config = self.config

@@ -32,8 +32,14 @@ class Result:
 
 
 class Attr:
-    def __init__(self, type: Any, default: Any = REQUIRED, doc: str = "", choices: tuple | None = None):
+    """A declared attribute. ``type`` is int, float, bool, str, list or object (anything); the
+    verifier checks it (an int is accepted for a float, a bool is not an int). Float values must
+    be finite unless ``finite=False`` (e.g. a ``-inf`` constant)."""
+
+    def __init__(self, type: Any, default: Any = REQUIRED, doc: str = "", choices: tuple | None = None,
+                 *, finite: bool = True):
         self.type, self.default, self.doc, self.choices = type, default, doc, choices
+        self.finite = finite
 
 
 def require(cond: bool, message: str) -> None:

@@ -5,8 +5,8 @@ import json
 import re
 from typing import Any
 
-from .errors import K3ParseError, K3VerifyError
-from .ir import Function, Module, Operation, Value
+from .errors import K3Error, K3ParseError, K3VerifyError
+from .ir import Function, Loc, Module, Operation, Value
 from .types import DTYPE_BYTES, StateType, TensorType, Type
 
 _TOKEN = re.compile(r"""
@@ -306,7 +306,7 @@ class _Parser:
                 raise self.error(f"k3.param reads undeclared parameter {pname!r}", start)
         for r in results:
             env[r.name] = r
-        return Operation(name_tok.text, operands, results, attrs)
+        return Operation(name_tok.text, operands, results, attrs, loc=Loc(start.line, start.col, self.source))
 
 
 def parse_module(text: str, source: str | None = None) -> Module:
@@ -315,5 +315,18 @@ def parse_module(text: str, source: str | None = None) -> Module:
 
 
 def parse_file(path: str) -> Module:
-    with open(path, encoding="utf-8") as f:
-        return parse_module(f.read(), source=str(path))
+    """Parse a text-IR file. Each op records its ``Loc`` (file, line, column) for verifier errors.
+    Raises K3Error when the file cannot be read (missing, a directory, no permission) and
+    K3ParseError (with line and column) when it is not valid UTF-8 or not valid text IR."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise K3Error(f"{path}: cannot read the IR file: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = len(data[data.rfind(b"\n", 0, e.start) + 1:e.start].decode("utf-8")) + 1   # valid before e.start
+        raise K3ParseError(f"invalid UTF-8 (byte 0x{data[e.start]:02x}): {e.reason}", line, col, str(path)) from None
+    return parse_module(text, source=str(path))

@@ -1,22 +1,86 @@
-"""Verifier: SSA order, operand/result types against each op's type rule, attributes,
-parameter reads against their declarations."""
+"""Verifier: SSA order, operand/result types against each op's type rule, attributes (declared
+names and types, finite floats), parameter reads against their declarations. Errors start with
+``file:line:col`` when the op was parsed from a file (``Operation.loc``)."""
 from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
 
 from .errors import K3VerifyError
 from .ir import Function, Module, Operation
-from .opdef import get_opdef
+from .opdef import Attr, Op, get_opdef
 from .types import TensorType
 
+#: Annotations any op may carry besides its declared attributes (name -> expected type). They
+#: do not change an op's semantics; passes, accounting and backends read them.
+#: ``layer``: the decoder layer an op belongs to (set by the Builder on model/fused ops and by
+#: passes that rewrite them: fuse_kda_chunks, fuse_attn_res).
+ANNOTATIONS: dict[str, type] = {"layer": int}
 
-def _where(fn: Function, op: Operation) -> str:
+
+def _where(fn: Function | None, op: Operation) -> str:
     layer = op.attrs.get("layer")
     res = ", ".join("%" + r.name for r in op.results)
-    return f"@{fn.name}: {res} = {op.name}" + (f" (layer {layer})" if layer is not None else "")
+    head = f"@{fn.name}: {res} = {op.name}" if fn is not None else op.name
+    loc = f"{op.loc}: " if getattr(op, "loc", None) is not None else ""
+    return loc + head + (f" (layer {layer})" if layer is not None else "")
+
+
+def _type_ok(v: Any, t: Any) -> bool:
+    if t is object:
+        return True
+    if t is bool:
+        return isinstance(v, bool)
+    if t is int:
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    if t is float:
+        return isinstance(v, numbers.Real) and not isinstance(v, bool)
+    if t is list:
+        return isinstance(v, (list, tuple))
+    return isinstance(v, t)
+
+
+def _nonfinite(v: Any) -> bool:
+    if isinstance(v, float):
+        return not math.isfinite(v)
+    if isinstance(v, (list, tuple)):
+        return any(_nonfinite(x) for x in v)
+    if isinstance(v, dict):
+        return any(_nonfinite(x) for x in v.values())
+    return False
+
+
+def _check_attrs(op: Operation, cls: type[Op], where: str) -> None:
+    """Every attribute is declared by the op (or an ANNOTATION; ``name`` on k3.param), has the
+    declared type, and float values are finite unless the declaration allows otherwise."""
+    declared: dict[str, Attr] = cls._attrs
+    for k, v in op.attrs.items():
+        spec = declared.get(k)
+        if spec is not None:
+            want, finite = spec.type, spec.finite
+            if v is None and spec.default is None:
+                continue
+        elif k in ANNOTATIONS:
+            want, finite = ANNOTATIONS[k], True
+        elif op.name == "k3.param" and k == "name":
+            want, finite = str, True
+        else:
+            known = sorted(declared) + sorted(ANNOTATIONS)
+            raise K3VerifyError(f"{where}: unknown attribute '{k}' (known: {', '.join(known)})")
+        if not _type_ok(v, want):
+            raise K3VerifyError(f"{where}: attribute {k}={v!r} must be {getattr(want, '__name__', want)}, "
+                                f"got {type(v).__name__}")
+        if finite and _nonfinite(v):
+            raise K3VerifyError(f"{where}: attribute {k}={v!r} must be finite")
 
 
 def verify_op(op: Operation, fn: Function | None = None, module: Module | None = None) -> None:
-    where = _where(fn, op) if fn else op.name
+    """Check one op's attributes and types (``fn``/``module`` add context and parameter checks).
+    Raises K3VerifyError naming the location, function, results, op and layer."""
+    where = _where(fn, op)
     if op.name == "k3.param":
+        _check_attrs(op, get_opdef(op.name), where)
         name = op.attrs.get("name")
         if module is not None:
             decl = module.params.get(name)
@@ -27,6 +91,7 @@ def verify_op(op: Operation, fn: Function | None = None, module: Module | None =
                                     f"result typed {op.results[0].type}")
         return
     cls = get_opdef(op.name)
+    _check_attrs(op, cls, where)
     for k, spec in cls._attrs.items():
         if k in op.attrs and spec.choices is not None and op.attrs[k] not in spec.choices:
             raise K3VerifyError(f"{where}: attribute {k}={op.attrs[k]!r} not in {list(spec.choices)}")
@@ -37,6 +102,8 @@ def verify_op(op: Operation, fn: Function | None = None, module: Module | None =
         inst.verify()
     except K3VerifyError as e:
         raise K3VerifyError(f"{where}: {e}") from None
+    except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError) as e:   # odd values past the type check
+        raise K3VerifyError(f"{where}: invalid attributes or operands: {e}") from None
     if len(types) != len(op.results):
         raise K3VerifyError(f"{where}: {len(op.results)} results, the op defines {len(types)}")
     for r, t in zip(op.results, types):
@@ -68,7 +135,8 @@ def verify_module(m: Module) -> None:
     """Raise K3VerifyError naming the function, op and layer of the first broken invariant."""
     for fn in m.functions.values():
         verify_function(fn, m)
-    for op in m.ops():
-        body = op.attrs.get("body")
-        if body is not None and body not in m.functions:
-            raise K3VerifyError(f"{op.name}: body function @{body} is not defined")
+    for fn in m.functions.values():
+        for op in fn.ops:
+            body = op.attrs.get("body")
+            if body is not None and body not in m.functions:
+                raise K3VerifyError(f"{_where(fn, op)}: body function @{body} is not defined")

@@ -27,7 +27,7 @@ class UsageError(K3Error):
 
 def model_arg(p: argparse.ArgumentParser, default: str = "kimi-k3") -> None:
     p.add_argument("model", nargs="?", default=default, metavar="MODEL",
-                   help=f"config.json path, checkpoint directory or bundled name (default: {default})")
+                   help=f"config.json path, checkpoint directory, bundled name or .k3 IR file (default: {default})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (dotted keys reach linear_attn_config); repeatable")
 
@@ -45,8 +45,27 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def is_ir_file(model: str) -> bool:
+    """MODEL names a text-IR file (``*.k3``, as ``k3ir print`` writes)."""
+    return str(model).lower().endswith(".k3")
+
+
 def load_model(args) -> Any:
+    """The Module for ``args.model``: a ``.k3`` text-IR file (parsed and verified: K3Error for
+    an unreadable file, K3ParseError / K3VerifyError with ``file:line:col``; ``--set`` is a
+    UsageError there) or a config path / checkpoint directory / bundled name (``--set`` applies)."""
     import k3ir
+    if is_ir_file(args.model):
+        if getattr(args, "overrides", None):
+            raise UsageError(f"--set does not apply to a .k3 MODEL ({args.model} is already built IR); "
+                             "edit the file or pass a config")
+        m = k3ir.parse_file(args.model)
+        k3ir.verify_module(m)
+        cmd = getattr(args, "command", None)
+        if cmd in ("generate", "serve") and "prefill_varlen" not in m.functions:
+            raise UsageError(f"{cmd} needs a config or checkpoint MODEL: {args.model} is a .k3 IR file without "
+                             "@prefill_varlen, which only a model config can build")
+        return m
     return k3ir.load(args.model, overrides=parse_overrides(args.overrides))
 
 
@@ -150,10 +169,7 @@ def print_report(r, con=None) -> None:
 
 def cmd_print(args) -> int:
     import k3ir
-    if args.model.endswith(".k3"):
-        m = k3ir.parse_file(args.model)
-    else:
-        m = load_model(args)
+    m = load_model(args)         # a .k3 file is parsed and verified (exit 2 with file:line:col)
     if args.function:
         from k3ir.printer import print_function
         if args.function not in m.functions:

@@ -222,3 +222,146 @@ def test_networkx_view():
     assert [v for _, v in preds] == [v.name for v in kda.operands]
     assert g.nodes[f"op:{i}"]["layer"] == kda.attrs["layer"]
     assert g.in_degree("return") == len(fn.returns)
+
+
+# ---- source locations, attribute checks, .k3 files through the CLI and compile -----------------------------------
+@pytest.fixture(scope="module")
+def tiny_text() -> str:
+    return k3ir.print_module(k3ir.load("k3-tiny"))
+
+
+def _kda_line(text: str) -> tuple[int, str]:
+    """1-based number and text of the first ``k3.kda`` line of ``k3ir print k3-tiny``."""
+    i, line = next((i, ln) for i, ln in enumerate(text.split("\n")) if "= k3.kda(" in ln)
+    assert "chunk_size=64" in line and "scale=0.25" in line and "layer=0" in line and "bf16[B,T,2,16]" in line
+    return i + 1, line
+
+
+def _edit_kda(text: str, old: str, new: str) -> tuple[str, int, int]:
+    """``text`` with ``old`` replaced by ``new`` on the first k3.kda line; returns (text, line, col of the op)."""
+    n, line = _kda_line(text)
+    lines = text.split("\n")
+    lines[n - 1] = line.replace(old, new, 1)
+    return "\n".join(lines), n, len(line) - len(line.lstrip()) + 1
+
+
+def test_parser_records_locations_not_printed_and_clone_keeps_them():
+    m = k3ir.parse_module(GOOD, source="g.k3")
+    ops = m.functions["f"].ops
+    assert [(o.loc.line, o.loc.col, o.loc.source) for o in ops] == [(4, 5, "g.k3"), (5, 5, "g.k3")]
+    assert str(ops[1].loc) == "g.k3:5:5"
+    assert k3ir.print_module(m) == GOOD
+    assert [str(o.loc) for o in m.clone().functions["f"].ops] == ["g.k3:4:5", "g.k3:5:5"]
+    assert all(o.loc is None for o in k3ir.load("k3-tiny").functions["decode"].ops[:5])
+
+
+BAD_KDA = [   # (old, new on the first k3.kda line, words the error must contain)
+    ("bf16[B,T,2,16], %", "bf16[B,T,2,17], %", ["typed bf16[B,T,2,17]", "gives bf16[B,T,2,16]"]),
+    ("chunk_size=64", "chunk_size=-64", ["chunk_size must be a positive multiple of 16"]),
+    ("chunk_size=64", "nosuch=1", ["unknown attribute 'nosuch'", "chunk_size", "scale"]),
+    ("chunk_size=64", 'chunk_size="x"', ["chunk_size='x' must be int, got str"]),
+    ("chunk_size=64", "chunk_size=true", ["chunk_size=True must be int, got bool"]),
+    ("chunk_size=64", "chunk_size=64.0", ["chunk_size=64.0 must be int, got float"]),
+    ("scale=0.25", "scale=nan", ["scale=nan must be finite"]),
+    ("scale=0.25", "scale=-inf", ["scale=-inf must be finite"]),
+    ("scale=0.25", 'scale="0.25"', ["must be float, got str"]),
+    ("layer=0", "layer=1e999", ["layer=inf must be int"]),
+    ("layer=0", 'layer="0"', ["layer='0' must be int"]),
+]
+
+
+@pytest.mark.parametrize("old,new,words", BAD_KDA, ids=[b[1] for b in BAD_KDA])
+def test_verifier_rejects_bad_kda_with_location(tiny_text, old, new, words):
+    text, line, col = _edit_kda(tiny_text, old, new)
+    m = k3ir.parse_module(text, source="tiny.k3")
+    with pytest.raises(K3VerifyError) as e:
+        k3ir.verify_module(m)
+    msg = str(e.value)
+    assert msg.startswith(f"tiny.k3:{line}:{col}: @forward: ") and "k3.kda" in msg, msg
+    for w in words:
+        assert w in msg, msg
+    with pytest.raises(K3VerifyError, match=f"^tiny.k3:{line}:{col}: "):   # an invalid module never compiles
+        k3ir.compile(m, target="reference")
+
+
+def test_verifier_attribute_type_rules():
+    for attrs, what in [("{nosuch=1}", "unknown attribute 'nosuch'"), ("{layer=true}", "layer=True must be int"),
+                        ("{layer=[1.5, nan]}", "must be int")]:
+        with pytest.raises(K3VerifyError, match=what):
+            k3ir.verify_module(k3ir.parse_module(GOOD.replace("{layer=3}", attrs)))
+    with pytest.raises(K3VerifyError, match="unknown attribute 'extra'"):
+        k3ir.verify_module(k3ir.parse_module(GOOD.replace('{name="w"}', '{name="w", extra=1}')))
+    m = k3ir.parse_module(GOOD, source="g.k3")
+    m.functions["f"].ops[0].attrs["name"] = 3
+    with pytest.raises(K3VerifyError, match="^g.k3:4:5: @f: %0 = k3.param: attribute name=3 must be str"):
+        k3ir.verify_module(m)
+    m = Module("c")
+    fn = Function("f")
+    b = Builder(m, fn)
+    b.ret(b.op("k3.constant", value=float("-inf"), dtype="f32"))   # k3.constant allows non-finite values
+    m.add_function(fn)
+    text = k3ir.print_module(m)
+    assert "value=-inf" in text
+    k3ir.verify_module(k3ir.parse_module(text))
+    k3ir.verify_module(k3ir.parse_module(text.replace("value=-inf", "value=2")))   # an int for a float
+    with pytest.raises(K3VerifyError, match="value=False must be float, got bool"):
+        k3ir.verify_module(k3ir.parse_module(text.replace("value=-inf", "value=false")))
+
+
+def test_parse_file_unreadable_inputs(tmp_path):
+    from k3ir.errors import K3Error
+    with pytest.raises(K3Error, match="missing.k3: cannot read"):
+        k3ir.parse_file(str(tmp_path / "missing.k3"))
+    (tmp_path / "dir.k3").mkdir()
+    with pytest.raises(K3Error, match="dir.k3: cannot read"):
+        k3ir.parse_file(str(tmp_path / "dir.k3"))
+    p = tmp_path / "bad.k3"
+    p.write_bytes(GOOD.replace("param @w", "param @\u00e9w").encode("utf-8").replace(b"\xc3\xa9", b"\xc3\xa9\xff"))
+    with pytest.raises(K3ParseError, match="invalid UTF-8") as e:
+        k3ir.parse_file(str(p))
+    assert (e.value.line, e.value.col) == (2, 11) and str(e.value).startswith(f"{p}:2:11: ")
+
+
+def _cli(capsys, *argv):
+    from k3ir.runtime.cli import main
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_print_verifies_and_fails_with_one_line(tmp_path, capsys, tiny_text):
+    good = tmp_path / "tiny.k3"
+    good.write_text(tiny_text)
+    rc, out, err = _cli(capsys, "print", good)
+    assert rc == 0 and out == tiny_text and err == ""
+    text, line, col = _edit_kda(tiny_text, "chunk_size=64", "nosuch=1")
+    bad = tmp_path / "bad.k3"
+    bad.write_text(text)
+    (tmp_path / "dir.k3").mkdir()
+    utf = tmp_path / "utf.k3"
+    utf.write_bytes(b"module @m {\n  \xff\n}\n")
+    for path, want in [(bad, f"{bad}:{line}:{col}: "), (tmp_path / "missing.k3", "missing.k3: cannot read"),
+                       (tmp_path / "dir.k3", "dir.k3: cannot read"), (utf, f"{utf}:2:3: invalid UTF-8")]:
+        rc, out, err = _cli(capsys, "print", path)
+        assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("k3ir: error: "), err
+        assert want in err, err
+
+
+def test_cli_commands_take_a_k3_model(tmp_path, capsys, tiny_text):
+    import json
+    p = tmp_path / "tiny.k3"
+    p.write_text(tiny_text)
+    rc, out, _ = _cli(capsys, "inspect", p, "--json")
+    rc2, out2, _ = _cli(capsys, "inspect", "k3-tiny", "--json")
+    assert rc == rc2 == 0 and json.loads(out) == json.loads(out2)
+    rc, out, err = _cli(capsys, "compile", p, "--target", "torch")
+    assert rc == 0 and "target=torch" in out, err
+    rc, out, err = _cli(capsys, "check", p, "--target", "tvm")
+    rc2, out2, _ = _cli(capsys, "check", "k3-tiny", "--target", "tvm")
+    assert rc == rc2 == 0 and out == out2 and "distinct ops" in out, err
+    rc, out, err = _cli(capsys, "inspect", p, "--set", "hidden_size=32")
+    assert rc == 2 and "--set does not apply to a .k3 MODEL" in err and err.count("\n") == 1
+    bad = tmp_path / "bad.k3"
+    bad.write_text(_edit_kda(tiny_text, "scale=0.25", "scale=nan")[0])
+    rc, out, err = _cli(capsys, "compile", bad, "--target", "torch")
+    assert rc == 2 and "scale=nan must be finite" in err and err.count("\n") == 1

@@ -22,7 +22,7 @@ class Param(Op):
 class Constant(Op):
     """A scalar constant: ``dtype[]``."""
     out = Result()
-    value = Attr(float)
+    value = Attr(float, finite=False)   # -inf/inf/nan constants are legitimate (masks, fills)
     dtype = Attr(str, "f32")
 
     def infer(self):
