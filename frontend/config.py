@@ -6,7 +6,9 @@ Accepts the ``kimi_k3`` wrapper (``text_config`` + ``vision_config``) and a plai
 from __future__ import annotations
 
 import copy
+import difflib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +17,39 @@ from k3ir.errors import K3ConfigError
 
 BUNDLED_DIR = os.path.join(os.path.dirname(__file__), "configs")
 BUNDLED = {"kimi-k3": "kimi-k3.json", "k3-tiny": "k3-tiny.json", "kimi-linear-6p6b": "kimi-linear-6p6b.json"}
+
+log = logging.getLogger("k3ir.config")
+
+#: keys the reader may read, per level (an override may set one of these or a key the file has)
+TEXT_KEYS = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "rms_norm_eps", "tie_word_embeddings", "dtype", "torch_dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "hidden_act", "activation_situ_beta",
+    "activation_situ_linear_beta", "intermediate_size", "first_k_dense_replace", "mlp_layer_types",
+    "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "mla_use_nope", "mla_use_output_gate", "linear_attn_config", "layer_types",
+    "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_token",
+    "num_shared_experts", "moe_intermediate_size", "routed_expert_hidden_size", "latent_moe_use_norm",
+    "moe_router_activation_func", "num_expert_group", "routed_scaling_factor", "moe_renormalize",
+    "attn_res_block_size", "quantization_config"})
+LAC_KEYS = frozenset({"full_attn_layers", "kda_layers", "num_heads", "head_dim", "short_conv_kernel_size",
+                      "gate_lower_bound", "use_full_rank_gate"})
+#: ``vision_config`` keys ``frontend/vision.py: vision_spec`` reads
+VISION_KEYS = frozenset({"vt_hidden_size", "vt_num_attention_heads", "vt_num_hidden_layers", "vt_intermediate_size",
+                         "merge_kernel_size", "mm_hidden_size", "text_hidden_size", "mm_projector_type",
+                         "projector_hidden_act", "pos_emb_type", "merge_type", "patch_size", "init_pos_emb_height",
+                         "init_pos_emb_width", "init_pos_emb_time", "projector_ln_eps"})
+WRAPPER_KEYS = frozenset({"model_type", "text_config", "vision_config", "media_placeholder_token_id"})
+#: keys HF configs carry that k3ir deliberately ignores (no warning for these)
+HF_EXTRAS = frozenset({
+    "architectures", "model_type", "auto_map", "transformers_version", "_name_or_path", "use_cache",
+    "initializer_range", "max_position_embeddings", "model_max_length", "attention_bias", "attention_dropout",
+    "head_dim", "qk_head_dim", "id2label", "label2id", "pretraining_tp", "output_router_logits",
+    "output_attentions", "output_hidden_states", "return_dict", "problem_type", "is_encoder_decoder",
+    "chunk_size_feed_forward", "moe_layer_freq", "topk_method", "use_grouped_topk", "topk_group",
+    "num_nextn_predict_layers", "rope_theta", "rope_scaling", "rope_parameters", "tokenizer_class",
+    "ignore_keys_at_rope_validation"})
+#: keys whose explicit null means "use the default" (transformers writes ``dtype: null``)
+NULL_MEANS_DEFAULT = frozenset({"dtype", "torch_dtype"})
 
 _DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "bf16": "bf16", "f32": "f32", "f16": "f16"}
 
@@ -133,9 +168,7 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
     cfg = copy.deepcopy(raw)
     wrapped = "text_config" in cfg
     for key, value in overrides.items():
-        parts = key.split(".")
-        if wrapped and parts[0] not in ("text_config", "vision_config") and parts[0] not in cfg:
-            parts = ["text_config"] + parts
+        parts = override_path(cfg, key)
         node = cfg
         for p in parts[:-1]:
             if p not in node or not isinstance(node[p], dict):
@@ -163,11 +196,88 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
     return cfg
 
 
+def override_path(raw: dict, key: str) -> list[str]:
+    """The path an override ``key`` sets in ``raw`` (see ``apply_overrides``)."""
+    parts = key.split(".")
+    if "text_config" in raw and parts[0] not in ("text_config", "vision_config") and parts[0] not in raw:
+        parts = ["text_config"] + parts
+    return parts
+
+
+def _known(raw: dict, parts: list[str]) -> bool:
+    """Whether an override may set ``parts``: the file has it, or k3ir reads it."""
+    node: Any = raw
+    for p in parts:
+        if not isinstance(node, dict) or p not in node:
+            break
+        node = node[p]
+    else:
+        return True
+    wrapped = "text_config" in raw
+    rel = parts[1:] if wrapped and parts[0] == "text_config" else parts
+    if wrapped and parts[0] == "vision_config":
+        return len(parts) == 2 and parts[1] in VISION_KEYS
+    if wrapped and len(parts) == 1:
+        return parts[0] in WRAPPER_KEYS
+    if not rel:
+        return False
+    if rel[0] == "linear_attn_config":
+        return len(rel) == 2 and rel[1] in LAC_KEYS
+    if rel[0] == "quantization_config":          # compressed-tensors' own schema
+        return True
+    return len(rel) == 1 and rel[0] in TEXT_KEYS
+
+
+def check_override_keys(raw: dict, overrides: dict[str, Any] | None, path: str | None = None) -> None:
+    """K3ConfigError (``.override`` = the key) for an override naming a key that is neither in
+    ``raw`` nor read by k3ir (a typo would otherwise be ignored silently)."""
+    for key in overrides or {}:
+        parts = override_path(raw, key)
+        if not all(parts) or not _known(raw, parts):
+            last = parts[-1]
+            pool = VISION_KEYS if "vision_config" in parts[:1] else LAC_KEYS if "linear_attn_config" in parts \
+                else TEXT_KEYS | WRAPPER_KEYS
+            near = difflib.get_close_matches(last, sorted(pool), n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            err = K3ConfigError(f"'{key}' is not a known key (not in the config and not read by k3ir){hint}",
+                                path=_override_where(path, key))
+            err.override, err.bare = key, f"'{key}' is not a known key (not in the config and not read by k3ir){hint}"
+            raise err
+
+
+def _override_where(path: str | None, key: str) -> str:
+    return f"{path}, override '{key}'" if path else f"override '{key}'"
+
+
+def _warn_unknown(raw: dict, path: str | None) -> None:
+    """Log (warning) keys of a config FILE that k3ir neither reads nor knows to ignore."""
+    wrapped = "text_config" in raw
+    text = raw.get("text_config") if wrapped else raw
+    extra = [k for k in raw if k not in WRAPPER_KEYS | HF_EXTRAS] if wrapped else []
+    if isinstance(text, dict):
+        pre = "text_config." if wrapped else ""
+        extra += [pre + k for k in text if k not in TEXT_KEYS | HF_EXTRAS]
+        lac = text.get("linear_attn_config")
+        if isinstance(lac, dict):
+            extra += [f"{pre}linear_attn_config.{k}" for k in lac if k not in LAC_KEYS]
+    vc = raw.get("vision_config") if wrapped else None
+    if isinstance(vc, dict):
+        extra += [f"vision_config.{k}" for k in vc if k not in VISION_KEYS | HF_EXTRAS]
+    if extra:
+        log.warning("%s: ignoring %d unknown config key(s): %s", path or "config", len(extra), ", ".join(extra))
+
+
 class _Reader:
     """Typed access to a config dict; errors name the dotted key and the file."""
 
-    def __init__(self, d: dict, prefix: str, path: str | None):
+    def __init__(self, d: dict, prefix: str, path: str | None, reads: set[str] | None = None):
         self.d, self.prefix, self.path = d, prefix, path
+        self.reads = reads if reads is not None else set()     # dotted keys read (tests check them)
+
+    def peek(self, k: str) -> Any:
+        """``d.get(k)``, recorded as read (keys whose null is legal: token ids, layer lists)."""
+        self.reads.add(self.key(k))
+        return self.d.get(k)
 
     def key(self, k: str) -> str:
         return f"{self.prefix}{k}"
@@ -176,7 +286,11 @@ class _Reader:
         raise K3ConfigError(msg, key=self.key(k), path=self.path)
 
     def get(self, k: str, typ, default: Any = ..., *, lo=None, hi=None, allow_none=False, choices=None):
-        if k not in self.d or (self.d[k] is None and not allow_none and default is not ...):
+        """The value of ``k`` checked against ``typ``/``lo``/``hi``/``choices``; ``default`` when
+        absent (``...``: required). An explicit null is an error unless ``allow_none`` (or the key
+        is in NULL_MEANS_DEFAULT): the default may mean something else than "none"."""
+        self.reads.add(self.key(k))
+        if k not in self.d or (self.d[k] is None and k in NULL_MEANS_DEFAULT and default is not ...):
             if default is ...:
                 self.fail(k, "is required")
             return default
@@ -184,11 +298,9 @@ class _Reader:
         if v is None:
             if allow_none:
                 return None
-            self.fail(k, "must not be null")
+            self.fail(k, "must not be null" + ("" if default is ... else " (omit it for the default)"))
         if typ is float and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)
-        if typ is int and isinstance(v, float) and v.is_integer():
-            v = int(v)
         if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
             self.fail(k, f"must be {typ.__name__}, got {type(v).__name__} {v!r}")
         if choices is not None and v not in choices:
@@ -200,7 +312,10 @@ class _Reader:
         return v
 
 
-def build_config(raw: dict, path: str | None = None, name: str | None = None) -> ModelConfig:
+def build_config(raw: dict, path: str | None = None, name: str | None = None,
+                 reads: set[str] | None = None) -> ModelConfig:
+    """Validate ``raw`` (a config dict) into a ModelConfig; K3ConfigError names ``path`` and the
+    key. ``reads``, when given, collects the dotted keys the reader looked at."""
     if not isinstance(raw, dict):
         raise K3ConfigError("config must be a JSON object", path=path)
     mt = raw.get("model_type")
@@ -216,11 +331,11 @@ def build_config(raw: dict, path: str | None = None, name: str | None = None) ->
             raise K3ConfigError(f"unsupported model_type {mt!r} (want 'kimi_k3' or 'kimi_linear')",
                                 key="model_type", path=path)
         text, prefix, kp, model_type = raw, "", "", "kimi_linear"
-    r = _Reader(text, prefix, path)
+    r = _Reader(text, prefix, path, reads)
     n_layers = r.get("num_hidden_layers", int, lo=1)
     hidden = r.get("hidden_size", int, lo=1)
     lac = _linear_attn_config(text, r, n_layers)
-    la = _Reader(lac, prefix + "linear_attn_config.", path)
+    la = _Reader(lac, prefix + "linear_attn_config.", path, r.reads)
     full = la.get("full_attn_layers", list)
     for j, i in enumerate(full):
         if not isinstance(i, int) or isinstance(i, bool):
@@ -280,8 +395,8 @@ def build_config(raw: dict, path: str | None = None, name: str | None = None) ->
         rms_norm_eps=r.get("rms_norm_eps", float, 1e-6, lo=0.0),
         tie_word_embeddings=r.get("tie_word_embeddings", bool, False),
         dtype=_DTYPES[dtype_name],
-        bos_token_id=text.get("bos_token_id"), eos_token_id=text.get("eos_token_id"),
-        pad_token_id=text.get("pad_token_id"),
+        bos_token_id=r.peek("bos_token_id"), eos_token_id=r.peek("eos_token_id"),
+        pad_token_id=r.peek("pad_token_id"),
         hidden_act=act,
         situ_beta=r.get("activation_situ_beta", float, 4.0, lo=1e-9),
         situ_linear_beta=r.get("activation_situ_linear_beta", float, 25.0, lo=1e-9),
@@ -312,7 +427,7 @@ def _linear_attn_config(text: dict, r: _Reader, n_layers: int) -> dict:
     """``linear_attn_config``, or one derived from the keys transformers' ``KimiLinearConfig``
     writes (``layer_types``, ``linear_num_heads``, ``linear_head_dim``, ``linear_conv_kernel_dim``);
     when both are present, ``layer_types`` must agree with ``full_attn_layers``."""
-    lt = text.get("layer_types")
+    lt = r.peek("layer_types")
     if lt is not None and (not isinstance(lt, list) or len(lt) != n_layers
                            or any(t not in ("full_attention", "linear_attention") for t in lt)):
         r.fail("layer_types", f"must list {n_layers} entries of 'full_attention' / 'linear_attention'")
@@ -332,7 +447,7 @@ def _linear_attn_config(text: dict, r: _Reader, n_layers: int) -> dict:
 def _first_dense(text: dict, r: _Reader, n_layers: int) -> int:
     """``first_k_dense_replace``; transformers' ``mlp_layer_types`` must be that many ``dense``
     then ``sparse`` (and gives the count when the key is absent)."""
-    mt = text.get("mlp_layer_types")
+    mt = r.peek("mlp_layer_types")
     if mt is None:
         return r.get("first_k_dense_replace", int, 0, lo=0, hi=n_layers)
     if not isinstance(mt, list) or len(mt) != n_layers or any(t not in ("dense", "sparse") for t in mt):
@@ -347,7 +462,7 @@ def _first_dense(text: dict, r: _Reader, n_layers: int) -> int:
 
 
 def _quant(text: dict, r: _Reader) -> tuple[str | None, list[str]]:
-    qc = text.get("quantization_config")
+    qc = r.peek("quantization_config")
     if qc is None:
         return None, []
     if not isinstance(qc, dict):
@@ -368,10 +483,67 @@ def _quant(text: dict, r: _Reader) -> tuple[str | None, list[str]]:
 
 
 def load_config(name_or_path: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
-    """Read, override and validate a config (bundled name, config.json, or checkpoint dir)."""
+    """Read, override and validate a config (bundled name, config.json, or checkpoint dir).
+    Keys of the FILE that k3ir does not know are logged (warning) and ignored; an override naming
+    an unknown key, or one that makes the config invalid, raises K3ConfigError attributed to the
+    override (message ``<file>, override 'key': ...``, ``.override`` = the key; the CLI shows
+    ``--set key=value: ...``)."""
     raw, path = read_config(name_or_path)
-    raw = apply_overrides(raw, overrides)
+    if isinstance(raw, dict):
+        _warn_unknown(raw, path)
+        check_override_keys(raw, overrides, path)
     name = name_or_path if name_or_path in BUNDLED else None
     if name is None and os.path.isdir(name_or_path):
         name = os.path.basename(os.path.normpath(name_or_path))
-    return build_config(raw, path, name)
+    base = raw
+    try:
+        raw = apply_overrides(raw, overrides)
+        cfg = _build_checked(raw, path, name)
+    except K3ConfigError as e:
+        key = _override_for(raw, overrides, e.key)
+        if key is None and overrides and _valid(base):       # the file alone is fine: an override broke it
+            key = next(iter(overrides)) if len(overrides) == 1 else ", ".join(overrides)
+        if key is None:
+            raise
+        bare = str(e)
+        if e.path and bare.startswith(f"{e.path}: "):
+            bare = bare[len(e.path) + 2:]
+        err = K3ConfigError(bare, path=_override_where(path, key))
+        err.key, err.override, err.bare = e.key, key, bare
+        raise err from None
+    return cfg
+
+
+def _build_checked(raw: Any, path: str | None, name: str | None) -> ModelConfig:
+    """build_config plus the vision_config check (``vision_spec``), so that both fail here."""
+    cfg = build_config(raw, path, name)
+    if cfg.vision is not None:
+        from .vision import vision_spec
+        vision_spec(cfg.vision, cfg.hidden_size, path)
+    return cfg
+
+
+def _valid(raw: Any) -> bool:
+    try:
+        _build_checked(raw, None, None)
+    except K3ConfigError:
+        return False
+    return True
+
+
+#: keys apply_overrides derives from others (the override to blame when they are invalid)
+_DERIVED = {"text_hidden_size": ("hidden_size",), "kda_layers": ("num_hidden_layers", "full_attn_layers")}
+
+
+def _override_for(raw: Any, overrides: dict[str, Any] | None, key: str | None) -> str | None:
+    """The override key responsible for an error on dotted ``key`` (None: the file's own)."""
+    if not overrides or not key or not isinstance(raw, dict):
+        return None
+    for k in overrides:
+        if ".".join(override_path(raw, k)) == key or k == key:
+            return k
+    last = key.split(".")[-1]
+    for k in overrides:
+        if k.split(".")[-1] in _DERIVED.get(last, ()):
+            return k
+    return None

@@ -77,6 +77,12 @@ def human(n: float, unit: str = "") -> str:
     return f"{n:,.0f} {unit}".strip()
 
 
+def count(n: float) -> str:
+    """A parameter count: billions with one decimal from 1e9 up (``2,779.5 B``, as model cards
+    write them), else ``human`` (``504.56 K``, ``471.14 M``)."""
+    return f"{n / 1e9:,.1f} B" if abs(n) >= 1e9 else human(n)
+
+
 def human_bytes(n: float) -> str:
     for div, suf in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
         if abs(n) >= div:
@@ -157,10 +163,10 @@ def print_report(r, con=None) -> None:
     kv_seq = r.kv_bytes_per_token * r.context + r.state_bytes_per_sequence
     con.print(f"layers: {r.counts['kda']} KDA + {r.counts['mla']} MLA "
               f"({r.counts['moe']} MoE, {r.counts['dense']} dense FFN)")
-    con.print(f"parameters: {r.params_total / 1e9:,.1f} B total ({r.params_total:,}), "
-              f"{r.params_active / 1e9:,.1f} B active per token; weights {human_bytes(r.param_bytes)}")
+    con.print(f"parameters: {count(r.params_total)} total ({r.params_total:,}), "
+              f"{count(r.params_active)} active per token; weights {human_bytes(r.param_bytes)}")
     if getattr(r, "params_vision", 0):
-        con.print(f"vision tower: {r.params_vision / 1e9:,.2f} B parameters ({r.params_vision:,}, with the "
+        con.print(f"vision tower: {count(r.params_vision)} parameters ({r.params_vision:,}, with the "
                   f"projector; not in the totals above); weights {human_bytes(r.vision_bytes)}")
     con.print(f"FLOPs per token (decode at {r.context:,} tokens): {human(r.flops_per_token, 'FLOP')}")
     con.print(f"state per sequence: KDA {human_bytes(r.state_bytes_per_sequence)} fixed + MLA "
@@ -293,13 +299,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(func(args) or 0)
     except K3Error as e:
-        print(f"k3ir: error: {e}", file=sys.stderr)
+        print(f"k3ir: error: {_error_text(e, args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("k3ir: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as e:       # last line of defence for user paths (unreadable, unwritable, a directory...)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"k3ir: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+
+
+def _error_text(e: K3Error, args) -> str:
+    """The message of ``e``; a config error caused by ``--set K=V`` names that flag."""
+    key = getattr(e, "override", None)
+    if key is None:
+        return str(e)
+    items = [it for it in getattr(args, "overrides", None) or [] if it.split("=", 1)[0].strip() == key]
+    flag = f"--set {items[-1]}" if items else f"--set {key}"
+    return f"{flag}: {getattr(e, 'bare', e)}"
 
 
 if __name__ == "__main__":

@@ -50,10 +50,25 @@ def apply_passes(module, target: str, passes: str | None = None, quantize: str |
     return results, backend, why
 
 
+def make_dir(path: str, flag: str) -> None:
+    """Create output directory ``path`` (for ``flag``) or raise UsageError naming it."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"{flag} {path}: exists and is not a directory") from None
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot create the directory ({e.strerror or e})") from None
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {path}: directory is not writable")
+
+
 def cmd_compile(args) -> int:
     from k3ir.accounting import report
     from k3ir.verify import verify_module
     con = console()
+    for path, flag in ((args.dump_ir, "--dump-ir"), (args.output, "-o")):
+        if path:
+            make_dir(path, flag)       # before the (long) pipeline, so a bad path fails at once
     t0 = time.perf_counter()
     m = load_model(args)
     t_load = time.perf_counter() - t0

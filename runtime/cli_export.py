@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -23,6 +24,35 @@ def _params(m):
     return bound_params(m)
 
 
+def _check_writable(paths: list[str]) -> None:
+    """UsageError when an output path is a directory or its folder is missing / not writable."""
+    for p in paths:
+        if os.path.isdir(p):
+            raise UsageError(f"{p}: is a directory (want an output file path)")
+        d = os.path.dirname(os.path.abspath(p))
+        if not os.path.isdir(d):
+            raise UsageError(f"output directory '{d}' does not exist")
+        if not os.access(d, os.W_OK):
+            raise UsageError(f"{d}: output directory is not writable")
+
+
+@contextlib.contextmanager
+def _writing(paths: list[str]):
+    """Remove the ``paths`` this block created when it fails (no partial output is left); an
+    OSError becomes a UsageError naming the path."""
+    existed = {p for p in paths if os.path.lexists(p)}
+    try:
+        yield
+    except BaseException as e:
+        for p in paths:
+            if p not in existed and os.path.isfile(p):
+                with contextlib.suppress(OSError):
+                    os.remove(p)
+        if isinstance(e, OSError):
+            raise UsageError(f"{e.filename or paths[0]}: cannot write ({e.strerror or e})") from None
+        raise
+
+
 def cmd_export(args) -> int:
     con = console()
     fmt = args.format or os.path.splitext(args.output)[1].lstrip(".").lower()
@@ -35,9 +65,7 @@ def cmd_export(args) -> int:
     t0 = time.perf_counter()
     m = load_model(args)
     out = args.output
-    d = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(d):
-        raise UsageError(f"output directory '{d}' does not exist")
+    _check_writable([out])
     quant = args.quantize or m.attrs.get("expert_quant", "none")
     if quant not in ("none", "mxfp4"):
         raise UsageError(f"export keeps mxfp4 experts packed; '{quant}' experts are not supported (use --quantize none)")
@@ -47,8 +75,11 @@ def cmd_export(args) -> int:
     if fmt == "onnx":
         from k3ir.backends.onnx.export import export_onnx
         weights = args.weights or "external"
-        info = export_onnx(m, out, function=args.function or "prefill", weights=weights,
-                           params=None if weights == "inputs" else _params(m))
+        outs = [out] + ([out + ".data"] if weights == "external" else [])
+        _check_writable(outs)
+        with _writing(outs):
+            info = export_onnx(m, out, function=args.function or "prefill", weights=weights,
+                               params=None if weights == "inputs" else _params(m))
         con.print(f"wrote {out}: {info['nodes']:,} nodes, {info['inputs']} inputs, {info['initializers']} initializers"
                   + (f", data in {info['external_data']}" if info["external_data"] else "")
                   + f" ({time.perf_counter() - t0:.2f} s)")
@@ -59,15 +90,17 @@ def cmd_export(args) -> int:
         from k3ir.backends.mlir import compile_mlir, emit_mlir
         fns = [args.function] if args.function else ["prefill", "decode"]
         text, order = emit_mlir(m, fns)
-        with open(out, "w") as f:
+        vm = os.path.splitext(out)[0] + f".{args.iree_target}.vmfb" if args.iree_target else None
+        if vm:
+            _check_writable([vm])
+        with _writing([out]), open(out, "w") as f:
             f.write(text)
         con.print(f"wrote {out}: {len(text.splitlines()):,} lines, functions {', '.join('@' + x for x in fns)}; "
                   f"weights are trailing arguments ({len(order[fns[0]])} for @{fns[0]})")
         if args.iree_target:
-            vm = os.path.splitext(out)[0] + f".{args.iree_target}.vmfb"
             t1 = time.perf_counter()
             data = compile_mlir(text, args.iree_target)
-            with open(vm, "wb") as f:
+            with _writing([vm]), open(vm, "wb") as f:
                 f.write(data)
             con.print(f"wrote {vm} ({len(data):,} bytes, IREE {args.iree_target}, {time.perf_counter() - t1:.1f} s)")
         return 0
@@ -81,7 +114,7 @@ def cmd_export(args) -> int:
         text = pictures.to_dot(m, fn, args.level)
     else:
         text = pictures.to_svg(m, fn, args.level)
-    with open(out, "w") as f:
+    with _writing([out]), open(out, "w") as f:
         f.write(text)
     con.print(f"wrote {out} ({fmt}, {args.level} level, @{fn}, {len(text):,} bytes)")
     return 0

@@ -3,7 +3,7 @@ Balancing, a progress bar, atomic checkpoints, resume and a loss/balance plot.
 
     k3ir train                                   # k3-tiny, bundled text, 300 steps, out: .
     k3ir train k3-tiny --steps 300 --qb sign --out runs/sign
-    k3ir train --resume runs/sign                # continue from its latest checkpoint
+    k3ir train --resume runs/sign                # continue from its latest checkpoint, writing into runs/sign
 """
 from __future__ import annotations
 
@@ -33,11 +33,13 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="train a model on byte-level text (QB balancing, checkpoints, plot)",
                        description="Train MODEL (default k3-tiny) on byte-level tokens of --data (default: the "
                                    "bundled public-domain text). Prints loss=<value> at each logged step, writes "
-                                   "checkpoints and a loss/balance plot into --out.")
+                                   "checkpoints and a loss/balance plot into --out. A resumed run (--resume) keeps "
+                                   "its hyper-parameters and, without --out, writes into its own run directory.")
     model_arg(p, default="k3-tiny")
     p.add_argument("--data", help="UTF-8/any text file to train on (default: bundled public-domain text)")
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {DEFAULTS['steps']})")
-    p.add_argument("--out", default=".", help="output directory for checkpoints/, the plot and the log (default .)")
+    p.add_argument("--out", help="output directory for checkpoints/, the plot and the log (default: the run "
+                                 "directory of --resume, else .)")
     p.add_argument("--qb", choices=("quantile", "margin", "sign", "none"),
                    help="MoE balancing rule: quantile | margin (QB, SPEC 6), sign (DeepSeek-V3), none "
                         "(default quantile)")
@@ -53,7 +55,8 @@ def register(sub) -> None:
                    help="learning-rate multiplier of the router weights (default 1.0)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint (a run's --out directory or a "
-                                                   "checkpoints/step-N directory); hyper-parameters come from it")
+                                                   "checkpoints/step-N directory); hyper-parameters come from it "
+                                                   "and output goes to its run directory unless --out is given")
     p.add_argument("--log-every", type=int, default=10, help="print loss=<value> every N steps (default 10)")
     p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps, 0 = only at the end "
                                                                "(default 100)")
@@ -74,6 +77,14 @@ def _config(args, meta: dict | None):
                                      f"{getattr(cfg, fld)}; a resumed run keeps its hyper-parameters")
         cfg.checkpointing = bool(args.checkpointing)
         return cfg
+    for flag in FLAGS:
+        v = getattr(args, flag)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise K3RuntimeError(f"--{flag.replace('_', '-')} must be a finite number, got {v}")
+    for flag in ("weight_decay", "clip", "router_lr_scale"):
+        v = getattr(args, flag)
+        if v is not None and v < 0:
+            raise K3RuntimeError(f"--{flag.replace('_', '-')} must be >= 0, got {v}")
     vals = {fld: (getattr(args, flag) if getattr(args, flag) is not None else DEFAULTS[flag])
             for flag, fld in FLAGS.items()}
     cfg = TrainConfig(**vals, checkpointing=bool(args.checkpointing))
@@ -98,8 +109,8 @@ def cmd_train(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = Path(args.out)
     meta = read_meta(args.resume) if args.resume else None
+    out = Path(args.out) if args.out is not None else run_dir(args.resume) if args.resume else Path(".")
     cfg = _config(args, meta)
     data_path = args.data if meta is None else (args.data or meta.get("data"))
     if meta is not None and args.data and meta.get("data") not in (None, args.data):
@@ -107,12 +118,15 @@ def cmd_train(args) -> int:
     if args.log_every < 1 or args.ckpt_every < 0:
         raise K3RuntimeError("--log-every must be >= 1 and --ckpt-every >= 0")
     module = load_model(args)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise K3RuntimeError(f"--out {out}: cannot create the directory ({e.strerror or e})") from None
     exe = k3ir.compile(module, target="torch", dtype="float32", device=args.device)
     data = ByteBatches(read_bytes(data_path), cfg.batch, cfg.seq, cfg.seed)
     tr = Trainer(exe, cfg)
     if args.resume:
         load_checkpoint(args.resume, tr)
-    out.mkdir(parents=True, exist_ok=True)
     extra = {"data": data_path, "model_arg": args.model}
     nlayers = len(tr.layers)
     print(f"training {module.name}: {sum(p.numel() for p in tr.params.values()):,} parameters, "
@@ -142,6 +156,15 @@ def cmd_train(args) -> int:
         path = write_plot(tr, out / PLOT_FILE, title=f"{module.name} qb={cfg.qb}")
         print(f"plot: {path}", flush=True)
     return 0
+
+
+def run_dir(resume: str) -> Path:
+    """The run directory (the ``--out`` that wrote it) of the checkpoint ``resume`` names:
+    ``<run>/checkpoints/step-N`` -> ``<run>``; a checkpoint outside a ``checkpoints/`` folder ->
+    its own directory."""
+    from .train_checkpoint import resolve_checkpoint
+    ck = resolve_checkpoint(resume).resolve()
+    return ck.parent.parent if ck.parent.name == "checkpoints" else ck
 
 
 def _summary(tr, eval_loss: float, seconds: float) -> dict:

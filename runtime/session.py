@@ -178,10 +178,24 @@ class Session:
             raise K3RuntimeError("decode needs the state returned by prefill")
         return self._step("decode", ids, state)
 
+    def _check_state(self, state) -> None:
+        """K3RuntimeError unless ``state`` is a State with this model's state names."""
+        if not isinstance(state, State):
+            raise K3RuntimeError(f"state must be the State returned by prefill/decode (or empty_state), "
+                                 f"got {type(state).__name__}")
+        want = [n for n, _ in self.state_specs]
+        if list(state.names) != want or any(n not in state.values for n in want):
+            missing = [n for n in want if n not in state.values or n not in state.names]
+            extra = [n for n in state.names if n not in want]
+            detail = f"missing '{missing[0]}'" if missing else f"unexpected '{extra[0]}'" if extra else "order differs"
+            raise K3RuntimeError(f"state does not belong to this model ({detail}; want {len(want)} entries "
+                                 f"{want[:2]}...)")
+
     def _step(self, fn: str, ids: np.ndarray, state: State | None, extra: list | None = None):
         B = ids.shape[0]
         if state is None:
             state = self.empty_state(B)
+        self._check_state(state)
         if state.batch != B:
             raise K3RuntimeError(f"state holds batch {state.batch}, input has batch {B}")
         outs = self.exe.run(fn, [ids] + list(extra or []) + [state.values[n] for n in state.names], self.params)
