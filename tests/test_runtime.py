@@ -183,9 +183,10 @@ def test_explicit_params_and_seeds(model):
 
 
 def test_wrong_shaped_parameter_is_named():
+    from k3ir.runtime import Session, init_params
+
     import k3ir
     from k3ir.errors import K3RuntimeError
-    from k3ir.runtime import Session, init_params
     m = k3ir.load("k3-tiny")
     exe = k3ir.compile(m, target="torch")
     params = init_params(exe.module, seed=0)
