@@ -31,3 +31,22 @@ def prefill_decode(session, ids: np.ndarray, next_ids: np.ndarray):
     logits, state = session.prefill(ids)
     step, _ = session.decode(next_ids, state)
     return logits.double().numpy(), step.double().numpy()
+
+
+_ROUTES: dict = {}
+
+
+def route_sessions(key: str, target: str, **compile_kw):
+    """(module, params, float64 reference Session, target Executable, target Session) for one
+    tiny model on the same random weights (seed 3); cached per (model, target) for a test run."""
+    if (key, target) not in _ROUTES:
+        from k3ir.runtime import Session
+        from k3ir.runtime.params import init_params
+
+        import k3ir
+        m = load_tiny(key)
+        params = init_params(m, seed=3)
+        ref = Session(k3ir.compile(m, target="reference", dtype="float64"), params=params)
+        exe = k3ir.compile(m, target=target, **compile_kw)
+        _ROUTES[key, target] = (m, params, ref, exe, Session(exe, params=params))
+    return _ROUTES[key, target]

@@ -9,28 +9,19 @@ import pytest
 pytest.importorskip("iree.compiler")
 pytest.importorskip("iree.runtime")
 
-from _tiny_models import load_tiny, prefill_decode, token_ids
+from _tiny_models import prefill_decode, route_sessions, token_ids
 from conftest import rel_err
 from k3ir.backends.mlir import compile_mlir, emit_mlir
 from k3ir.runtime import Session
-from k3ir.runtime.params import init_params
 
 import k3ir
 from k3ir.builder import Builder
 from k3ir.ir import Function, Module
 from k3ir.types import TensorType
 
-_CACHE: dict = {}
-
 
 def _sessions(key: str):
-    if key not in _CACHE:
-        m = load_tiny(key)
-        params = init_params(m, seed=3)
-        ref = Session(k3ir.compile(m, target="reference", dtype="float64"), params=params)
-        exe = k3ir.compile(m, target="mlir")
-        _CACHE[key] = (m, params, ref, exe, Session(exe, params=params))
-    return _CACHE[key]
+    return route_sessions(key, "mlir")
 
 
 @pytest.mark.parametrize("key", ["k3-tiny", "kimi-linear-tiny"])

@@ -9,24 +9,16 @@ import pytest
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from _tiny_models import load_tiny, prefill_decode, token_ids
+from _tiny_models import load_tiny, prefill_decode, route_sessions, token_ids
 from conftest import rel_err
 from k3ir.runtime import Session
 from k3ir.runtime.params import init_params
 
 import k3ir
 
-_CACHE: dict = {}
-
 
 def _sessions(key: str):
-    if key not in _CACHE:
-        m = load_tiny(key)
-        params = init_params(m, seed=3)
-        ref = Session(k3ir.compile(m, target="reference", dtype="float64"), params=params)
-        exe = k3ir.compile(m, target="onnx")
-        _CACHE[key] = (m, params, ref, exe, Session(exe, params=params))
-    return _CACHE[key]
+    return route_sessions(key, "onnx")
 
 
 @pytest.mark.parametrize("key", ["k3-tiny", "kimi-linear-tiny"])
