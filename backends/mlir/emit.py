@@ -20,7 +20,7 @@ from k3ir.ir import Function, Module, Operation
 from k3ir.opdef import instantiate
 from k3ir.types import StateType
 
-from ..interpreter import decompose_op
+from ..lowering import lower_or_decompose
 
 FLOAT = "f32"
 
@@ -234,14 +234,9 @@ class MlirEmitter:
         return [env[id(v)] for v in fn.returns]
 
     def emit_op(self, op: Operation, ins: list[Val]) -> list[Val]:
-        impl = self.table.get(op.name)
-        if impl is None:
-            self.fallback[op.name] = self.fallback.get(op.name, 0) + 1
-            fn = self._decomp.get(id(op))
-            if fn is None:
-                fn = self._decomp[id(op)] = decompose_op(self.module, op)
+        impl, fn = lower_or_decompose(self, op)
+        if fn is not None:
             return self.emit_function(fn, ins)
-        self.native[op.name] = self.native.get(op.name, 0) + 1
         out = impl(self, op, instantiate(op), *ins)
         return list(out) if isinstance(out, (list, tuple)) else [out]
 

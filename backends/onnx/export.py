@@ -24,7 +24,7 @@ from k3ir.ir import Function, Module, Operation
 from k3ir.opdef import instantiate
 from k3ir.types import StateType, TensorType
 
-from ..interpreter import decompose_op
+from ..lowering import lower_or_decompose
 
 log = logging.getLogger("k3ir.onnx")
 
@@ -210,14 +210,9 @@ class OnnxExporter:
         return [env[id(v)] for v in fn.returns]
 
     def emit_op(self, g: Graph, op: Operation, ins: list[str]) -> list[str]:
-        impl = self.table.get(op.name)
-        if impl is None:
-            self.fallback[op.name] = self.fallback.get(op.name, 0) + 1
-            fn = self._decomp.get(id(op))
-            if fn is None:
-                fn = self._decomp[id(op)] = decompose_op(self.module, op)
+        impl, fn = lower_or_decompose(self, op)
+        if fn is not None:
             return self.emit_function(g, fn, ins)
-        self.native[op.name] = self.native.get(op.name, 0) + 1
         out = impl(Lowering(g, op, self), instantiate(op), *ins)
         return list(out) if isinstance(out, (list, tuple)) else [out]
 
