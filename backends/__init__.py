@@ -107,6 +107,12 @@ class Executable:
     def to_numpy(self, x: Any):
         raise NotImplementedError
 
+    def save(self, directory: str, params: dict[str, Any]) -> str:
+        """Write a loadable artifact (``Session.load(directory)``). Targets that compile to code
+        (onnx, mlir, tvm) override this; the default stores the compiled IR and the weights."""
+        from .artifact import save_ir_artifact
+        return save_ir_artifact(self, directory, params)
+
     def __repr__(self) -> str:
         return f"<Executable {self.module.name} target={self.target} dtype={self.dtype} device={self.device}>"
 

@@ -36,3 +36,46 @@ def read_manifest(directory: str, target: str) -> tuple[dict, Module]:
     if man.get("format") != ARTIFACT or man.get("target") != target:
         raise K3RuntimeError(f"{path}: expected a '{target}' artifact, found target '{man.get('target')}'")
     return man, parse_file(os.path.join(directory, man.get("module", "module.k3")))
+
+
+def save_ir_artifact(exe: Any, directory: str, params: dict[str, Any]) -> str:
+    """The artifact of a target that runs the IR directly (reference, torch, triton, plugins):
+    ``module.k3`` (after the pipeline), ``weights.safetensors`` and a manifest; ``Session.load``
+    rebuilds the executable from the IR without running the pipeline again."""
+    import numpy as np
+    from safetensors.numpy import save_file
+    os.makedirs(directory, exist_ok=True)
+    arrays = {}
+    for k, a in params.items():
+        if hasattr(a, "detach"):
+            a = a.detach().cpu()
+            a = a.float() if a.is_floating_point() else a
+            a = a.numpy()
+        a = np.asarray(a)
+        arrays[k] = np.ascontiguousarray(a.astype(np.float32) if a.dtype.kind == "f" else a)
+    save_file(arrays, os.path.join(directory, "weights.safetensors"))
+    write_manifest(directory, exe.module, exe.target, exe.dtype, "k3ir.backends.artifact:load_ir_artifact",
+                   {"weights": "weights.safetensors"}, device=exe.device)
+    return directory
+
+
+def load_ir_artifact(directory: str, device: str | None = None):
+    """Reopen an artifact written by ``save_ir_artifact`` (``device`` overrides the saved one);
+    the weights come with it (``Session.load(DIR)`` uses them)."""
+    import json as _json
+
+    from safetensors.numpy import load_file
+
+    from . import get_backend
+    with open(os.path.join(directory, "manifest.json")) as f:
+        target = _json.load(f).get("target", "")
+    man, module = read_manifest(directory, target)
+    exe = get_backend(target).build(module, dtype=man.get("dtype", "float32"), device=device or man.get("device", "cpu"))
+    arrays = load_file(os.path.join(directory, man["files"]["weights"]))
+    base_prepare = exe.prepare_params
+
+    def prepare(given: dict[str, Any]) -> dict[str, Any]:
+        return base_prepare(given or arrays)
+    exe.prepare_params = prepare
+    exe.weights_inside = True
+    return exe

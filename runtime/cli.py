@@ -101,15 +101,24 @@ def console():
 def cmd_inspect(args) -> int:
     from k3ir.accounting import report
     m = load_model(args)
+    before = None
     if getattr(args, "after_passes", False):        # the module as the target's pipeline leaves it
         from .cli_compile import apply_passes
-        apply_passes(m, args.target, quantize=args.quantize)
+        before = report(m, context=args.context).param_bytes
+        results, _, _ = apply_passes(m, args.target, quantize=args.quantize)
     r = report(m, context=args.context)
     ck = m.weights.summary() if hasattr(m.weights, "summary") else None   # checkpoint dir: headers only
+    extra = {"checkpoint": ck} if ck else {}
+    if before is not None:
+        extra.update(param_bytes_before_passes=before, target=args.target,
+                     passes=[r_.name for r_ in results])
     if args.json:
-        print(json.dumps(dict(r.as_dict(), **({"checkpoint": ck} if ck else {})), indent=2))
+        print(json.dumps(dict(r.as_dict(), **extra), indent=2))
         return 0
     print_report(r)
+    if before is not None:
+        console().print(f"after the '{args.target}' pipeline ({', '.join(extra['passes'])}): weights "
+                        f"{human_bytes(before)} -> {human_bytes(r.param_bytes)}")
     if ck:
         print_checkpoint(ck)
     elif m.attrs.get("checkpoint_note"):            # a directory with config.json but no weights

@@ -149,3 +149,7 @@ def test_cli_inspect_after_passes(capsys):
     assert before["param_bytes"] - after["param_bytes"] == routed * 2 - routed * 0.53125
     assert after["params_total"] == before["params_total"]
     assert after["flops_per_token"] == pytest.approx(before["flops_per_token"], rel=1e-12)
+    assert after["param_bytes_before_passes"] == before["param_bytes"]
+    assert "quantize-experts{format=mxfp4}" in after["passes"]
+    assert main(["inspect", "k3-tiny", "--after-passes", "--target", "torch", "--quantize", "mxfp4"]) == 0
+    assert "weights 1.01 MB -> 720.88 kB" in " ".join(capsys.readouterr().out.split())   # 1,009,648 - 73,728 B

@@ -194,3 +194,16 @@ def test_wrong_shaped_parameter_is_named():
     params[name] = params[name][:, :-1]
     with pytest.raises(K3RuntimeError, match="lm_head.weight' has shape"):
         Session(exe, params=params)
+
+
+def test_torch_artifact_round_trip(tmp_path):
+    """``exe.save(DIR, params)`` then ``Session.load(DIR)``: same logits, weights from the artifact."""
+    import k3ir
+    from k3ir.runtime import Session, init_params
+    exe = k3ir.compile(k3ir.load("k3-tiny"), target="torch")
+    params = init_params(exe.module, seed=7)
+    exe.save(str(tmp_path), params)
+    ids = np.random.default_rng(1).integers(0, 256, (2, 9))
+    want = Session(exe, params=params).forward(ids)
+    got = Session.load(str(tmp_path)).forward(ids)
+    assert torch.equal(got, want)
