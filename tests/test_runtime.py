@@ -198,8 +198,9 @@ def test_wrong_shaped_parameter_is_named():
 
 def test_torch_artifact_round_trip(tmp_path):
     """``exe.save(DIR, params)`` then ``Session.load(DIR)``: same logits, weights from the artifact."""
-    import k3ir
     from k3ir.runtime import Session, init_params
+
+    import k3ir
     exe = k3ir.compile(k3ir.load("k3-tiny"), target="torch")
     params = init_params(exe.module, seed=7)
     exe.save(str(tmp_path), params)
