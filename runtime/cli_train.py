@@ -57,13 +57,18 @@ def register(sub) -> None:
     p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint (a run's --out directory or a "
                                                    "checkpoints/step-N directory); hyper-parameters come from it "
                                                    "and output goes to its run directory unless --out is given")
-    p.add_argument("--log-every", type=int, default=10, help="print loss=<value> every N steps (default 10)")
-    p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps, 0 = only at the end "
-                                                               "(default 100)")
+    p.add_argument("--log-every", type=int, help="print loss=<value> every N steps (default 10; a resumed run "
+                                                 "keeps its own)")
+    p.add_argument("--ckpt-every", type=int, help="checkpoint every N steps, 0 = only at the end (default 100; a "
+                                                  "resumed run keeps its own)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda; default cpu)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
     p.set_defaults(func=cmd_train)
+
+
+#: run settings (not hyper-parameters): a resumed run keeps its own unless a flag overrides them
+RUN_DEFAULTS = {"log_every": 10, "ckpt_every": 100, "threads": None}
 
 
 def _config(args, meta: dict | None):
@@ -107,9 +112,14 @@ def cmd_train(args) -> int:
     from .train_data import ByteBatches, read_bytes
     from .trainer import Trainer
 
+    meta = read_meta(args.resume) if args.resume else None
+    run = dict(RUN_DEFAULTS, **((meta or {}).get("run") or {}))     # logging/checkpoint cadence, threads
+    for k in RUN_DEFAULTS:
+        if getattr(args, k) is not None:
+            run[k] = getattr(args, k)
+    args.log_every, args.ckpt_every, args.threads = run["log_every"], run["ckpt_every"], run["threads"]
     if args.threads:
         torch.set_num_threads(args.threads)
-    meta = read_meta(args.resume) if args.resume else None
     out = Path(args.out) if args.out is not None else run_dir(args.resume) if args.resume else Path(".")
     cfg = _config(args, meta)
     data_path = args.data if meta is None else (args.data or meta.get("data"))
@@ -127,7 +137,7 @@ def cmd_train(args) -> int:
     tr = Trainer(exe, cfg)
     if args.resume:
         load_checkpoint(args.resume, tr)
-    extra = {"data": data_path, "model_arg": args.model}
+    extra = {"data": data_path, "model_arg": args.model, "run": run}
     nlayers = len(tr.layers)
     print(f"training {module.name}: {sum(p.numel() for p in tr.params.values()):,} parameters, "
           f"{nlayers} MoE layers, qb={cfg.qb}, batch {cfg.batch} x seq {cfg.seq}, steps {tr.step}->{cfg.steps}, "

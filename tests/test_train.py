@@ -235,3 +235,21 @@ def test_cli_writes_plot_and_summary(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((tmp_path / "training.json").read_text())
     assert summary["qb"] == "sign" and len(summary["loss"]) == 3 and len(summary["per_layer_balance_20"]) == 8
+
+
+def test_resume_keeps_the_run_settings(tmp_path):
+    """--log-every/--ckpt-every/--threads are saved with the run: a plain --resume logs at the
+    original cadence (every step here) instead of the default every 10."""
+    import subprocess
+    import sys
+    out = tmp_path / "run"
+    base = [sys.executable, "-m", "k3ir.runtime.cli", "train"]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(base + ["k3-tiny", "--steps", "4", "--ckpt-every", "2", "--log-every", "1", "--threads", "1",
+                           "--batch", "2", "--seq", "16", "--out", str(out), "--no-plot"],
+                   check=True, capture_output=True, text=True, env=env)
+    res = subprocess.run(base + ["--resume", str(out / "checkpoints" / "step-000002"), "--no-plot"],
+                         check=True, capture_output=True, text=True, env=env)
+    steps = [ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("step ")]
+    assert steps == ["3/4", "4/4"]
+    assert "torch threads 1" in res.stdout
