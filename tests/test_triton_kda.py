@@ -137,22 +137,32 @@ def test_prefix_outputs_and_gradients_ignore_later_tokens():
     assert rel_err(grads[0], grads[1]) < 1e-6
 
 
-@pytest.mark.parametrize("lb", [-5.0, None])
-def test_gradients_match_float64_autograd(lb):
-    x = make(1, 40, 2, 16, lb=lb, seed=7)
-    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
-    w = torch.randn(1, 40, 2, 16, device=DEV)
-    ws = torch.randn(1, 2, 16, 16, device=DEV)
-    got, want = [], []
+GRAD_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
+
+
+def _kernel_and_reference_grads(x, lb, w, ws=None):
+    """Gradients of ``sum(o * w) + sum(S * ws)`` (``ws=None``: ``sum(S)``) w.r.t. every input,
+    through ``kda_forward`` and through the float64 torch reference: (kernel grads, reference grads)."""
+    grads = []
     for fn in ("kernel", "ref"):
-        leaves = [x[n].clone().requires_grad_() for n in names]
+        leaves = [x[n].clone().requires_grad_() for n in GRAD_NAMES]
         if fn == "kernel":
             o, s = kda_forward(*leaves[:7], lower_bound=lb, initial_state=leaves[7], output_final_state=True)
         else:
             o, s = ref_torch64(*leaves[:7], lb, leaves[7])
-        ((o * w.to(o.dtype)).sum() + (s * ws.to(s.dtype)).sum()).backward()
-        (got if fn == "kernel" else want).append([t.grad for t in leaves])
-    for n, a, b in zip(names, got[0], want[0]):
+        state_term = s.sum() if ws is None else (s * ws.to(s.dtype)).sum()
+        ((o * w.to(o.dtype)).sum() + state_term).backward()
+        grads.append([t.grad for t in leaves])
+    return grads
+
+
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_gradients_match_float64_autograd(lb):
+    x = make(1, 40, 2, 16, lb=lb, seed=7)
+    w = torch.randn(1, 40, 2, 16, device=DEV)
+    ws = torch.randn(1, 2, 16, 16, device=DEV)
+    got, want = _kernel_and_reference_grads(x, lb, w, ws)
+    for n, a, b in zip(GRAD_NAMES, got, want):
         # A_log/dt_bias gradients sum fp32 terms over every token and channel: 5e-5
         tol = 3e-3 if GPU else (5e-5 if n in ("A_log", "dt_bias") else 1e-5)
         assert rel_err(a, b) < tol, n
@@ -300,18 +310,8 @@ def test_gpu_varlen_bf16():
 @pytest.mark.parametrize("lb", [-5.0, None])
 def test_gpu_gradients_bf16(lb):
     x = make(1, 300, 2, 128, dtype=torch.bfloat16, lb=lb, seed=13)
-    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
     w = torch.randn(1, 300, 2, 128, device=DEV)
-    grads = []
-    for fn in ("kernel", "ref"):
-        leaves = [x[n].clone().requires_grad_() for n in names]
-        if fn == "kernel":
-            o, s = kda_forward(*leaves[:7], lower_bound=lb, initial_state=leaves[7], output_final_state=True)
-        else:
-            o, s = ref_torch64(*leaves[:7], lb, leaves[7])
-        ((o * w.to(o.dtype)).sum() + s.sum()).backward()
-        grads.append([t.grad for t in leaves])
-    for n, a, b in zip(names, *grads):
+    for n, a, b in zip(GRAD_NAMES, *_kernel_and_reference_grads(x, lb, w)):
         e = rel_err(a, b)
         print(f"gpu grad {n} lb={lb}: {e:.2e}")
         assert e < 8e-3, n
