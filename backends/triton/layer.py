@@ -74,6 +74,6 @@ def kda_decode(q, k, v, z, beta, A_log, dt_bias, pool, slots, lower_bound=None, 
     lk.kda_decode_kernel[(V // BV, B * H)](
         q.contiguous(), k.contiguous(), v.contiguous(), *cw, cs_q, cs_k, cs_v, z.contiguous(), beta.contiguous(),
         A_log.reshape(-1).contiguous(), dt_bias.reshape(-1).contiguous(), gz, nw, pool, slots, o,
-        float(scale), float(lower_bound or 0.0), eps, H=H, K=K, V=V, W=W, BV=BV, GATE=GATE, HAS_CONV=has_conv,
+        float(scale), float(lower_bound or 0.0), eps, H=H, K=K, V=V, W=W, WP=max(2, 1 << (W - 2).bit_length()), BV=BV, GATE=GATE, HAS_CONV=has_conv,
         HAS_NORM=has_norm, num_warps=4 if BV <= 32 else 8)
     return o

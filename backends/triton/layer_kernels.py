@@ -60,20 +60,23 @@ def gated_rmsnorm_kernel(x, gate, w, y, R, eps, D: tl.constexpr, BR: tl.constexp
 
 
 @triton.jit
-def _conv_step(x_ptr, cw, cs, row, slot, offs, C, W: tl.constexpr, UPDATE: tl.constexpr):
+def _conv_step(x_ptr, cw, cs, row, slot, offs, C, W: tl.constexpr, WP: tl.constexpr, UPDATE: tl.constexpr):
     """One decode step of the short conv for channels ``offs``: returns silu(conv) (fp32) and,
-    when UPDATE, shifts the new input into the conv state slot."""
+    when UPDATE, shifts the new input into the conv state slot.
+
+    The state taps are held in registers ``[len(offs), WP]`` and a CTA barrier separates every
+    load from the shifted stores: on the GPU a channel's value is replicated over several warps
+    (K = 128 channels over 256 threads), so load-then-store per tap would race across warps."""
     xv = tl.load(x_ptr + row * C + offs).to(tl.float32)
-    acc = xv * tl.load(cw + offs * W + (W - 1)).to(tl.float32)
+    taps = tl.arange(0, WP)
+    mt = taps < W - 1
     base = cs + (slot * C + offs) * (W - 1)
-    prev = tl.load(base).to(tl.float32)
-    acc += prev * tl.load(cw + offs * W).to(tl.float32)
-    for j in tl.static_range(1, W - 1):
-        cur = tl.load(base + j).to(tl.float32)
-        acc += cur * tl.load(cw + offs * W + j).to(tl.float32)
-        if UPDATE:
-            tl.store(base + (j - 1), cur.to(cs.dtype.element_ty))
+    st = tl.load(base[:, None] + taps[None, :], mask=mt[None, :], other=0.).to(tl.float32)
+    wt = tl.load(cw + offs[:, None] * W + taps[None, :], mask=mt[None, :], other=0.).to(tl.float32)
+    acc = tl.sum(st * wt, 1) + xv * tl.load(cw + offs * W + (W - 1)).to(tl.float32)
     if UPDATE:
+        tl.debug_barrier()
+        tl.store(base[:, None] + taps[None, :] - 1, st.to(cs.dtype.element_ty), mask=(mt & (taps >= 1))[None, :])
         tl.store(base + (W - 2), xv.to(cs.dtype.element_ty))
     return acc * tl.sigmoid(acc)
 
@@ -81,7 +84,7 @@ def _conv_step(x_ptr, cw, cs, row, slot, offs, C, W: tl.constexpr, UPDATE: tl.co
 @triton.jit
 def kda_decode_kernel(xq, xk, xv, cw_q, cw_k, cw_v, cs_q, cs_k, cs_v, z, beta, A_log, dt_bias, gz, norm_w,
                       pool, slots, o, scale, lb, eps,
-                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BV: tl.constexpr,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
                       GATE: tl.constexpr, HAS_CONV: tl.constexpr, HAS_NORM: tl.constexpr):
     """One token per batch row. Program (value block, row*H + head). q/k/v ``[B, H*K|V]`` (pre-conv
     when HAS_CONV), z ``[B, H*K]`` raw decay, beta ``[B, H]`` logits, gz ``[B, H*V]``; pool
@@ -93,9 +96,9 @@ def kda_decode_kernel(xq, xk, xv, cw_q, cw_k, cw_v, cs_q, cs_k, cs_v, z, beta, A
     offs_k = i_h * K + tl.arange(0, K)
     offs_v = i_h * V + i_v * BV + tl.arange(0, BV)
     if HAS_CONV:
-        bq = _conv_step(xq, cw_q, cs_q, i_b, slot, offs_k, H * K, W, True)
-        bk = _conv_step(xk, cw_k, cs_k, i_b, slot, offs_k, H * K, W, True)
-        bv = _conv_step(xv, cw_v, cs_v, i_b, slot, offs_v, H * V, W, True)
+        bq = _conv_step(xq, cw_q, cs_q, i_b, slot, offs_k, H * K, W, WP, True)
+        bk = _conv_step(xk, cw_k, cs_k, i_b, slot, offs_k, H * K, W, WP, True)
+        bv = _conv_step(xv, cw_v, cs_v, i_b, slot, offs_v, H * V, W, WP, True)
     else:
         bq = tl.load(xq + i_b * H * K + offs_k).to(tl.float32)
         bk = tl.load(xk + i_b * H * K + offs_k).to(tl.float32)
