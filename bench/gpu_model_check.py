@@ -32,7 +32,7 @@ def main() -> int:
     for key, (name, ov) in MODELS.items():
         m = k3ir.load(name, ov)
         ids = np.random.default_rng(0).integers(0, 250, (2, 37))
-        for dt, tol in (("float32", 1e-4), ("bfloat16", 3e-2)):
+        for dt, tol in (("float32", 2e-3), ("bfloat16", 5e-2)):   # TF32 dots; bf16 routing flips
             ref = Session(k3ir.compile(m, target="torch", dtype=dt, device="cuda"))
             tri = Session(k3ir.compile(m, target="triton", dtype=dt, device="cuda"))
             want, s_ref = ref.prefill(ids)

@@ -7,6 +7,7 @@ torch implementations (the kernels compute in bf16/fp32)."""
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +41,41 @@ def gated_rmsnorm(inst, x, gate, w):
     return layer.gated_rmsnorm(x, gate.to(x.dtype), w, inst.eps)
 
 
+def router(inst, x, w, bias):
+    """``k3.router`` in one launch (layer.router) for up to 256 experts; larger routers (K3: 896)
+    keep the torch path (cuBLAS for the score matmul)."""
+    if x.dtype == torch.float64 or w.shape[0] > 256:
+        return _torch_impl("k3.router")(inst, x, w, bias)
+    return layer.router(x, w, bias, inst.top_k, inst.renormalize, inst.routed_scaling_factor, inst.eps)
+
+
 def _lin(x, w):
     return F.linear(x, w.to(x.dtype))
+
+
+#: concatenated projection weights of a KDA layer's decode step, keyed by the first weight (weakly)
+_CAT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _cat_weights(ws, dtype):
+    """``cat(ws, 0)`` in ``dtype``, cached while ``ws[0]`` lives (validated by identity of every member)."""
+    hit = _CAT.get(ws[0])
+    if hit is not None and len(hit[0]) == len(ws) and all(r() is w for r, w in zip(hit[0], ws)) \
+            and hit[1].dtype == dtype:
+        return hit[1]
+    cat = torch.cat([w.to(dtype) for w in ws], 0).contiguous()
+    _CAT[ws[0]] = ([weakref.ref(w) for w in ws], cat)
+    return cat
+
+
+_SLOTS: dict = {}
+
+
+def _slots(B, device):
+    key = (B, str(device))
+    if key not in _SLOTS:
+        _SLOTS[key] = torch.arange(B, device=device, dtype=torch.int32)
+    return _SLOTS[key]
 
 
 def fused_kda(inst, *args):
@@ -54,20 +88,26 @@ def fused_kda(inst, *args):
     B, Tn = x.shape[:2]
     st = list(states) if states else [None] * 4
     lb = inst.lower_bound if inst.gate == "lower_bound" else None
+    if inst.mode == "recurrent" and Tn == 1 and st[3] is not None:
+        # decode: the six projections of x in one GEMM (weights concatenated once), then the two
+        # low-rank up-projections and the one-launch decode kernel
+        ws = [w_q, w_k, w_v, w_fa, w_b, gate_w[0]]
+        sizes = [w.shape[0] for w in ws]
+        parts = torch.split(F.linear(x[:, 0], _cat_weights(ws, x.dtype)), sizes, dim=-1)
+        q, k, v, fa, bl, ga = parts
+        z = _lin(fa, w_fb)
+        gz = ga if inst.full_rank_gate else _lin(ga, gate_w[1])
+        own = (lambda t: t.float().contiguous()) if GRAPH_STEP["in_place"] else (lambda t: t.float().contiguous().clone())
+        pool = own(st[3])          # a CUDA-graph decode (graphs.py) updates its static buffers in place
+        cpools = [own(s) for s in st[:3]]
+        o = layer.kda_decode(q, k, v, z, bl, A_log, dt_bias, pool, _slots(B, x.device), lower_bound=lb,
+                             scale=inst.scale, conv=(c_q, c_k, c_v, *cpools), norm=(o_norm, gz, inst.eps))
+        return (o.reshape(B, 1, H * D), *cpools, pool)
     z = _lin(_lin(x, w_fa), w_fb)
     bl = _lin(x, w_b)
     gz = _lin(x, gate_w[0])
     if not inst.full_rank_gate:
         gz = _lin(gz, gate_w[1])
-    if inst.mode == "recurrent" and Tn == 1 and st[3] is not None:
-        own = (lambda t: t.float().contiguous()) if GRAPH_STEP["in_place"] else (lambda t: t.float().contiguous().clone())
-        pool = own(st[3])          # a CUDA-graph decode (graphs.py) updates its static buffers in place
-        cpools = [own(s) for s in st[:3]]
-        slots = torch.arange(B, device=x.device, dtype=torch.int32)
-        o = layer.kda_decode(_lin(x, w_q)[:, 0], _lin(x, w_k)[:, 0], _lin(x, w_v)[:, 0], z[:, 0], bl[:, 0],
-                             A_log, dt_bias, pool, slots, lower_bound=lb, scale=inst.scale,
-                             conv=(c_q, c_k, c_v, *cpools), norm=(o_norm, gz[:, 0], inst.eps))
-        return (o.reshape(B, 1, H * D), *cpools, pool)
     ys, new = [], []
     for w, c, s in zip((w_q, w_k, w_v), (c_q, c_k, c_v), st[:3]):
         y, s_new = layer.short_conv(_lin(x, w), c, s)
@@ -87,6 +127,7 @@ KERNELS = {
     "k3.short_conv": short_conv,
     "k3.gated_rmsnorm": gated_rmsnorm,
     "k3.fused_kda": fused_kda,
+    "k3.router": router,
 }
 
 
@@ -107,6 +148,12 @@ class TritonExecutable(TorchExecutable):
         self.cuda_graphs = (self.tdev.type == "cuda" and "decode" in module.functions
                             and os.environ.get("K3IR_CUDA_GRAPHS", "1") != "0")
         self._graph = None
+
+    def prepare_params(self, arrays):
+        """As the torch executable, plus every parameter made contiguous once: the kernels need
+        unit-stride weights and would otherwise copy a strided view (e.g. the gate half of a
+        transformers ``gate_up_proj``) on every call (bench/MOE_NOTES.md, decode)."""
+        return {k: v.contiguous() for k, v in super().prepare_params(arrays).items()}
 
     def _run_eager(self, function, targs, params):
         from .lowering import PlanInterpreter

@@ -42,11 +42,17 @@ def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
     return y
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t ``[B, C]`` with unit column stride (row stride free: slices of one GEMM output pass as they are)."""
+    return t if t.dim() == 2 and t.stride(-1) == 1 else t.reshape(t.shape[0], -1).contiguous()
+
+
 def kda_decode(q, k, v, z, beta, A_log, dt_bias, pool, slots, lower_bound=None, scale=None,
                conv=None, norm=None, out=None):
     """One KDA decode step (T = 1) in one launch, on state slots in a pool.
 
-    q, k ``[B, H*K]``, v ``[B, H*V]`` (pre-conv inputs when ``conv`` is given, else post-conv);
+    q, k ``[B, H*K]``, v ``[B, H*V]`` (pre-conv inputs when ``conv`` is given, else post-conv;
+    any row stride, unit column stride: column slices of one projection output need no copy);
     z ``[B, H*K]`` raw decay pre-activation; beta ``[B, H]`` logits; A_log ``[H]``; dt_bias
     ``[H*K]``; pool ``f32[P, H, K, V]`` (key rows), slots int ``[B]`` (distinct): row b reads and
     writes ``pool[slots[b]]`` in place, every other slot stays bit-identical.
@@ -71,9 +77,38 @@ def kda_decode(q, k, v, z, beta, A_log, dt_bias, pool, slots, lower_bound=None, 
         W, cw, cs_q, cs_k, cs_v = 4, [None] * 3, None, None, None
     nw, gz, eps = (norm[0], norm[1].contiguous(), float(norm[2])) if has_norm else (None, None, 0.0)
     GATE = 1 if lower_bound is None else 0
+    q, k, v, beta = (_rows(t) for t in (q, k, v, beta))
     lk.kda_decode_kernel[(V // BV, B * H)](
-        q.contiguous(), k.contiguous(), v.contiguous(), *cw, cs_q, cs_k, cs_v, z.contiguous(), beta.contiguous(),
+        q, k, v, *cw, cs_q, cs_k, cs_v, z.contiguous(), beta,
         A_log.reshape(-1).contiguous(), dt_bias.reshape(-1).contiguous(), gz, nw, pool, slots, o,
-        float(scale), float(lower_bound or 0.0), eps, H=H, K=K, V=V, W=W, WP=max(2, 1 << (W - 2).bit_length()), BV=BV, GATE=GATE, HAS_CONV=has_conv,
+        float(scale), float(lower_bound or 0.0), eps, q.stride(0), k.stride(0), v.stride(0), beta.stride(0), H=H, K=K, V=V, W=W, WP=max(2, 1 << (W - 2).bit_length()), BV=BV, GATE=GATE, HAS_CONV=has_conv,
         HAS_NORM=has_norm, num_warps=4 if BV <= 32 else 8)
     return o
+
+
+def router(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool = True,
+           scale: float = 1.0, eps: float = 1e-20):
+    """``k3.router`` (SPEC.md 5) in one launch: x ``[..., D]``, w ``[E, D]``, bias ``[E]``. Returns
+    (weights f32 ``[..., k]``, indices i64 ``[..., k]``, scores f32 ``[..., E]``); top-k ties pick the
+    lower expert index, as ``torch.sort(stable=True)``. Raises K3RuntimeError on shape mismatch."""
+    D = x.shape[-1]
+    E = w.shape[0]
+    if tuple(w.shape) != (E, D) or bias.numel() != E or not 0 < top_k <= E:
+        raise K3RuntimeError(f"router: weight {tuple(w.shape)}, bias {tuple(bias.shape)}, top_k {top_k} "
+                             f"do not fit x [..., {D}]")
+    lead = x.shape[:-1]
+    xx = x.reshape(-1, D).contiguous()
+    R = xx.shape[0]
+    wout = torch.empty(R, top_k, dtype=torch.float32, device=x.device)
+    iout = torch.empty(R, top_k, dtype=torch.int64, device=x.device)
+    sout = torch.empty(R, E, dtype=torch.float32, device=x.device)
+    if R:
+        from . import interpreting
+        BR, BK = (16, 32) if interpreting() else (16, 128)
+        EP = max(16, 1 << (E - 1).bit_length())
+        ieee = xx.dtype == torch.float32 or w.dtype == torch.float32
+        lk.router_kernel[(triton_cdiv(R, BR),)](
+            xx, w.contiguous(), bias.float().contiguous(), wout, iout, sout, R, D, E, float(scale), float(eps),
+            TOPK=top_k, KP=max(2, 1 << (top_k - 1).bit_length()), EP=EP, RENORM=bool(renormalize), BR=BR, BK=BK,
+            IEEE=ieee, num_warps=4)
+    return wout.reshape(*lead, top_k), iout.reshape(*lead, top_k), sout.reshape(*lead, E)

@@ -60,14 +60,14 @@ def gated_rmsnorm_kernel(x, gate, w, y, R, eps, D: tl.constexpr, BR: tl.constexp
 
 
 @triton.jit
-def _conv_step(x_ptr, cw, cs, row, slot, offs, C, W: tl.constexpr, WP: tl.constexpr, UPDATE: tl.constexpr):
+def _conv_step(x_ptr, cw, cs, row, slot, offs, C, RS, W: tl.constexpr, WP: tl.constexpr, UPDATE: tl.constexpr):
     """One decode step of the short conv for channels ``offs``: returns silu(conv) (fp32) and,
-    when UPDATE, shifts the new input into the conv state slot.
+    when UPDATE, shifts the new input into the conv state slot. ``RS``: the row stride of x.
 
     The state taps are held in registers ``[len(offs), WP]`` and a CTA barrier separates every
     load from the shifted stores: on the GPU a channel's value is replicated over several warps
     (K = 128 channels over 256 threads), so load-then-store per tap would race across warps."""
-    xv = tl.load(x_ptr + row * C + offs).to(tl.float32)
+    xv = tl.load(x_ptr + row * RS + offs).to(tl.float32)
     taps = tl.arange(0, WP)
     mt = taps < W - 1
     base = cs + (slot * C + offs) * (W - 1)
@@ -83,11 +83,12 @@ def _conv_step(x_ptr, cw, cs, row, slot, offs, C, W: tl.constexpr, WP: tl.conste
 
 @triton.jit
 def kda_decode_kernel(xq, xk, xv, cw_q, cw_k, cw_v, cs_q, cs_k, cs_v, z, beta, A_log, dt_bias, gz, norm_w,
-                      pool, slots, o, scale, lb, eps,
+                      pool, slots, o, scale, lb, eps, q_rs, k_rs, v_rs, b_rs,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
                       GATE: tl.constexpr, HAS_CONV: tl.constexpr, HAS_NORM: tl.constexpr):
     """One token per batch row. Program (value block, row*H + head). q/k/v ``[B, H*K|V]`` (pre-conv
-    when HAS_CONV), z ``[B, H*K]`` raw decay, beta ``[B, H]`` logits, gz ``[B, H*V]``; pool
+    when HAS_CONV; rows ``q_rs``/``k_rs``/``v_rs`` apart), z ``[B, H*K]`` raw decay, beta ``[B, H]``
+    logits (rows ``b_rs`` apart), gz ``[B, H*V]``; pool
     ``f32[P, H, K, V]`` and conv pools ``[P, C, W-1]`` are read and written at ``slots[b]`` only."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b = i_bh // H
@@ -96,13 +97,13 @@ def kda_decode_kernel(xq, xk, xv, cw_q, cw_k, cw_v, cs_q, cs_k, cs_v, z, beta, A
     offs_k = i_h * K + tl.arange(0, K)
     offs_v = i_h * V + i_v * BV + tl.arange(0, BV)
     if HAS_CONV:
-        bq = _conv_step(xq, cw_q, cs_q, i_b, slot, offs_k, H * K, W, WP, True)
-        bk = _conv_step(xk, cw_k, cs_k, i_b, slot, offs_k, H * K, W, WP, True)
-        bv = _conv_step(xv, cw_v, cs_v, i_b, slot, offs_v, H * V, W, WP, True)
+        bq = _conv_step(xq, cw_q, cs_q, i_b, slot, offs_k, H * K, q_rs, W, WP, True)
+        bk = _conv_step(xk, cw_k, cs_k, i_b, slot, offs_k, H * K, k_rs, W, WP, True)
+        bv = _conv_step(xv, cw_v, cs_v, i_b, slot, offs_v, H * V, v_rs, W, WP, True)
     else:
-        bq = tl.load(xq + i_b * H * K + offs_k).to(tl.float32)
-        bk = tl.load(xk + i_b * H * K + offs_k).to(tl.float32)
-        bv = tl.load(xv + i_b * H * V + offs_v).to(tl.float32)
+        bq = tl.load(xq + i_b * q_rs + offs_k).to(tl.float32)
+        bk = tl.load(xk + i_b * k_rs + offs_k).to(tl.float32)
+        bv = tl.load(xv + i_b * v_rs + offs_v).to(tl.float32)
     bq = bq * tl.rsqrt(tl.sum(bq * bq, 0) + 1e-6) * scale
     bk = bk * tl.rsqrt(tl.sum(bk * bk, 0) + 1e-6)
     x = tl.load(z + i_b * H * K + offs_k).to(tl.float32) + tl.load(dt_bias + offs_k).to(tl.float32)
@@ -111,7 +112,7 @@ def kda_decode_kernel(xq, xk, xv, cw_q, cw_k, cw_v, cs_q, cs_k, cs_v, z, beta, A
         gk = lb * tl.sigmoid(a_h * x)
     else:
         gk = -a_h * (tl.maximum(x, 0.) + tl.log(1. + tl.exp(-tl.abs(x))))
-    bb = tl.sigmoid(tl.load(beta + i_b * H + i_h).to(tl.float32))
+    bb = tl.sigmoid(tl.load(beta + i_b * b_rs + i_h).to(tl.float32))
     p_s = pool + ((slot * H + i_h) * K + tl.arange(0, K)[:, None]) * V + i_v * BV + tl.arange(0, BV)[None, :]
     S = tl.load(p_s) * tl.exp(gk)[:, None]
     uu = tl.sum(S * bk[:, None], 0)
@@ -122,3 +123,46 @@ def kda_decode_kernel(xq, xk, xv, cw_q, cw_k, cw_v, cs_q, cs_k, cs_v, z, beta, A
         bo = bo * tl.rsqrt(tl.sum(bo * bo, 0) / V + eps) * tl.load(norm_w + tl.arange(0, V)).to(tl.float32)
         bo = bo * tl.sigmoid(tl.load(gz + i_b * H * V + offs_v).to(tl.float32))
     tl.store(o + i_b * H * V + offs_v, bo.to(o.dtype.element_ty))
+
+
+@triton.jit
+def router_kernel(x, w, bias, wout, iout, sout, R, D, E, rsf, eps,
+                  TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr,
+                  BR: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """MoE router (``k3.router``, SPEC.md 5) for a block of BR rows: s = sigmoid(x W^T) (fp32),
+    top-k of s + bias (ties: lower expert first), weights = s at the picks, renormalised (sum + eps)
+    and scaled. x ``[R, D]``, w ``[E, D]``, bias f32 ``[E]``; outputs f32 ``[R, TOPK]``, i64
+    ``[R, TOPK]``, f32 ``[R, E]``. bf16 inputs: exact products, fp32 sums (as the fp32 matmul)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    mr = rows < R
+    cols = tl.arange(0, EP)
+    me = cols < E
+    acc = tl.zeros([BR, EP], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        kk = k0 + tl.arange(0, BK)
+        mk = kk < D
+        a = tl.load(x + rows.to(tl.int64)[:, None] * D + kk[None, :], mask=mr[:, None] & mk[None, :], other=0.)
+        b = tl.load(w + cols.to(tl.int64)[:, None] * D + kk[None, :], mask=me[:, None] & mk[None, :], other=0.)
+        if IEEE:
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b.to(a.dtype)), acc)
+    s = tl.sigmoid(acc)
+    tl.store(sout + rows.to(tl.int64)[:, None] * E + cols[None, :], s, mask=mr[:, None] & me[None, :])
+    choice = tl.where(me[None, :], s + tl.load(bias + cols, mask=me, other=0.)[None, :], -float("inf"))
+    kc = tl.arange(0, KP)
+    picked_w = tl.zeros([BR, KP], dtype=tl.float32)
+    picked_i = tl.zeros([BR, KP], dtype=tl.int32)
+    for j in tl.static_range(TOPK):
+        m = tl.max(choice, 1)
+        hit = tl.min(tl.where(choice == m[:, None], cols[None, :], EP), 1)
+        sel = tl.sum(tl.where(cols[None, :] == hit[:, None], s, 0.), 1)
+        picked_w = tl.where(kc[None, :] == j, sel[:, None], picked_w)
+        picked_i = tl.where(kc[None, :] == j, hit[:, None], picked_i)
+        choice = tl.where(cols[None, :] == hit[:, None], -float("inf"), choice)
+    if RENORM:
+        picked_w = picked_w / (tl.sum(picked_w, 1) + eps)[:, None]
+    mo = mr[:, None] & (kc < TOPK)[None, :]
+    out = rows.to(tl.int64)[:, None] * TOPK + kc[None, :]
+    tl.store(wout + out, picked_w * rsf, mask=mo)
+    tl.store(iout + out, picked_i.to(tl.int64), mask=mo)

@@ -68,11 +68,13 @@ def mla_prefill_kernel(q, kn, kr, v, o, lens, T, S, H, scale,
 
 
 @triton.jit
-def mla_decode_kernel(qt, qr, cache, olat, nlen, lens, H, L_STRIDE, scale,
+def mla_decode_kernel(qt, qr, cache, olat, ml, nlen, lens, H, L_STRIDE, scale,
                       R: tl.constexpr, P: tl.constexpr, RP: tl.constexpr, PP: tl.constexpr,
-                      HAS_LEN: tl.constexpr, BH: tl.constexpr, BL: tl.constexpr):
-    """qt [B,H,R], qr [B,H,P], cache [B,L_STRIDE,R+P] with nlen[0] valid rows -> olat [B,H,R] (fp32)."""
-    hb, b = tl.program_id(0), tl.program_id(1)
+                      HAS_LEN: tl.constexpr, BH: tl.constexpr, BL: tl.constexpr, NS: tl.constexpr):
+    """qt [B,H,R], qr [B,H,P], cache [B,L_STRIDE,R+P] with nlen[0] valid rows -> olat [B,H,R] (fp32).
+    NS > 1: split s of the rows (flash-decoding) writes its unnormalised partial sum to
+    olat [B,NS,H,R] and (max, sum) to ml [B,NS,H,2]; ``mla_decode_combine_kernel`` merges them."""
+    hb, b, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b64 = b.to(tl.int64)
     heads = hb * BH + tl.arange(0, BH)
     mh = heads < H
@@ -86,9 +88,12 @@ def mla_decode_kernel(qt, qr, cache, olat, nlen, lens, H, L_STRIDE, scale,
     l_i = tl.zeros([BH], dtype=tl.float32)
     acc = tl.zeros([BH, RP], dtype=tl.float32)
     base = cache + b64 * L_STRIDE * (R + P)
-    for l0 in range(0, n, BL):
+    per = tl.cdiv(tl.cdiv(n, NS), BL) * BL
+    lo = sp * per
+    hi = tl.minimum(n, lo + per)
+    for l0 in range(lo, hi, BL):
         rows = l0 + tl.arange(0, BL)
-        mr = rows < n
+        mr = rows < hi
         c = tl.load(base + rows.to(tl.int64)[:, None] * (R + P) + dr[None, :], mask=mr[:, None] & (dr < R)[None, :],
                     other=0.).to(qa.dtype)
         cr = tl.load(base + rows.to(tl.int64)[:, None] * (R + P) + R + dp[None, :],
@@ -104,8 +109,31 @@ def mla_decode_kernel(qt, qr, cache, olat, nlen, lens, H, L_STRIDE, scale,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
         m_i = m_new
-    out = acc / tl.maximum(l_i, 1e-30)[:, None]
-    tl.store(olat + (b64 * H + heads)[:, None] * R + dr[None, :], out, mask=mh[:, None] & (dr < R)[None, :])
+    if NS == 1:
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(olat + (b64 * H + heads)[:, None] * R + dr[None, :], out, mask=mh[:, None] & (dr < R)[None, :])
+    else:
+        row = (b64 * NS + sp) * H + heads
+        tl.store(olat + row[:, None] * R + dr[None, :], acc, mask=mh[:, None] & (dr < R)[None, :])
+        tl.store(ml + row * 2, m_i, mask=mh)
+        tl.store(ml + row * 2 + 1, l_i, mask=mh)
+
+
+@triton.jit
+def mla_decode_combine_kernel(part, ml, olat, H, R: tl.constexpr, RP: tl.constexpr, NS: tl.constexpr):
+    """Merge the NS partial sums of one (batch row, head): olat[b,h] = sum_s e^(m_s-M) acc_s / sum_s e^(m_s-M) l_s."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    dr = tl.arange(0, RP)
+    sp = tl.arange(0, NS)
+    row = (b * NS + sp) * H + h
+    m = tl.load(ml + row * 2)
+    lsum = tl.load(ml + row * 2 + 1)
+    mx = tl.max(m, 0)
+    f = tl.exp(m - mx)
+    a = tl.load(part + row[:, None] * R + dr[None, :], mask=(dr < R)[None, :], other=0.)
+    out = tl.sum(a * f[:, None], 0) / tl.maximum(tl.sum(lsum * f, 0), 1e-30)
+    tl.store(olat + bh * R + dr, out, mask=dr < R)
 
 
 def _p2(n: int) -> int:
@@ -127,18 +155,30 @@ def mla_prefill(q, kn, kr, v, scale: float, lengths=None) -> torch.Tensor:
     return o
 
 
-def mla_decode(qt, qr, cache, nlen, scale: float, lengths=None) -> torch.Tensor:
+def mla_decode(qt, qr, cache, nlen, scale: float, lengths=None, splits: int | None = None) -> torch.Tensor:
     """Absorbed decode attention: qt ``[B,H,R]``, qr ``[B,H,P]`` (one query per row), cache
     ``[B,Lcap,R+P]`` (fp32 or bf16) whose first ``nlen[0]`` rows are valid (int32 device tensor).
-    Returns the attention-weighted latent ``[B,H,R]`` (fp32)."""
+    ``splits``: programs per (row, head block) over the cache rows (default: enough to fill the GPU
+    when the batch is small, a power of two up to 16). Returns the attention-weighted latent
+    ``[B,H,R]`` (fp32)."""
     B, H, R = qt.shape
     P = qr.shape[2]
     olat = torch.empty(B, H, R, device=qt.device, dtype=torch.float32)
     BH = 16
     BL = 16 if interpreting() else 32
     lens = lengths.contiguous() if lengths is not None else None
-    mla_decode_kernel[(triton.cdiv(H, BH), B)](
-        qt.contiguous(), qr.contiguous(), cache, olat, nlen, lens, H, cache.shape[1], float(scale),
-        R=R, P=P, RP=_p2(R), PP=_p2(P), HAS_LEN=lens is not None, BH=BH, BL=BL,
+    progs = triton.cdiv(H, BH) * B
+    # split the rows over NS programs when few (row, head block) programs would run; NS is fixed
+    # by the buffer capacity (not the valid length) so a CUDA graph can replay it
+    NS = splits if splits is not None else min(16, max(1, 128 // progs), triton.next_power_of_2(
+        max(1, cache.shape[1] // 64)))
+    NS = 1 << (max(1, NS).bit_length() - 1)
+    part = olat if NS == 1 else torch.empty(B, NS, H, R, device=qt.device, dtype=torch.float32)
+    ml = torch.empty(B, NS, H, 2, device=qt.device, dtype=torch.float32) if NS > 1 else None
+    mla_decode_kernel[(triton.cdiv(H, BH), B, NS)](
+        qt.contiguous(), qr.contiguous(), cache, part, ml, nlen, lens, H, cache.shape[1], float(scale),
+        R=R, P=P, RP=_p2(R), PP=_p2(P), HAS_LEN=lens is not None, BH=BH, BL=BL, NS=NS,
         num_warps=4 if interpreting() else 8, num_stages=1 if interpreting() else 2)
+    if NS > 1:
+        mla_decode_combine_kernel[(B * H,)](part, ml, olat, H, R=R, RP=_p2(R), NS=NS, num_warps=4)
     return olat
