@@ -95,6 +95,62 @@ def test_fused_glu_down_and_combine_match_reference(act, quant):
     assert rel_err(c.double().cpu().numpy(), _ref("k3.moe_combine", {}, y, cw, inv)) < TOL
 
 
+@pytest.mark.parametrize("quant", ["none", "mxfp4", "int4"])
+@pytest.mark.parametrize("config", [None, (16, 16, 32, 2, 4, 1)])
+def test_grouped_kernels_uneven_experts(quant, config):
+    """Expert sizes 5 (one tile), 0, 20 (two accumulators, one weight pass), 40 (three row tiles) and 1,
+    through the swapped kernel (default) and the row-major kernel (explicit 6-tuple config)."""
+    rng = np.random.default_rng(7)
+    cnt = [5, 0, 20, 40, 1]
+    E, N, K = len(cnt), 24, 64
+    off = np.concatenate([[0], np.cumsum(cnt)])
+    xs = rng.standard_normal((off[-1], K))
+    W = rng.standard_normal((E, N, K))
+    packed, scales, Wd = _pack(quant, W)
+    t = lambda a: torch.from_numpy(np.asarray(a)).to(DEV)
+    got = moe.grouped_matmul(t(xs).to(ACT_DT), t(off), packed.to(DEV), scales.to(DEV) if scales is not None else None,
+                             quant, config=config).double().cpu().numpy()
+    for e in range(E):
+        a, b = off[e], off[e + 1]
+        if b > a:
+            assert rel_err(got[a:b], xs[a:b] @ Wd[e].T) < TOL, (quant, e)
+
+
+@pytest.mark.parametrize("config", [None, (16, 16, 32, 1, 4, 1)])
+def test_mxfp4_decode_exact_for_all_scale_bytes(config):
+    """Unit-vector rows pick single weights, so y equals the decoded weight exactly: every nibble with
+    every scale byte 2..252 (0 and 1 give fp32-subnormal values, 253/254 overflow to inf, which a
+    matmul turns into NaN: those bytes are covered by the bit-placement test)."""
+    rng = np.random.default_rng(11)
+    E, N, K = 2, 16, 64
+    packed = rng.integers(0, 256, (E, N, K // 2)).astype(np.uint8)
+    s = rng.integers(2, 253, (E, N, K // 32)).astype(np.uint8)
+    s[0, 0, :] = [2, 252]
+    W = Q.mxfp4_dequantize(packed, s)
+    off = np.array([0, K, 2 * K])
+    xs = np.concatenate([np.eye(K), np.eye(K)])
+    t = lambda a: torch.from_numpy(np.asarray(a)).to(DEV)
+    got = moe.grouped_matmul(t(xs).to(ACT_DT), t(off), t(packed), t(s), "mxfp4", config=config).double().cpu().numpy()
+    np.testing.assert_array_equal(got, np.concatenate([W[0].T, W[1].T]))
+
+
+def test_mxfp4_bit_placement_is_exact():
+    """The GPU decode's arithmetic (bf16 bits ((n&7)<<6)|((n&8)<<12) = fp4(n) 2^-126, then times
+    2^(min(s,128)-1) and 2^(max(s,128)-128)) equals the reference decoder for every nibble and every
+    scale byte 0..254 (emulated exactly in float64)."""
+    n = np.arange(16)
+    bits = (((n & 7) << 6) | ((n & 8) << 12)).astype(np.uint32) << 16
+    v = bits.astype(np.uint32).view(np.float32).astype(np.float64)
+    s = np.arange(255)
+    m1 = 2.0 ** (np.minimum(s, 128) - 1)
+    m2 = 2.0 ** (np.maximum(s, 128) - 128)
+    got = v[None, :] * m1[:, None] * m2[:, None]
+    packed = np.repeat((n[0::2] | (n[1::2] << 4)).astype(np.uint8)[None], 255, 0)
+    packed = np.concatenate([packed, np.zeros((255, 8), np.uint8)], 1)                    # K = 32
+    want = Q.mxfp4_dequantize(packed, s.astype(np.uint8)[:, None])[:, :16]
+    np.testing.assert_array_equal(got, want)
+
+
 def _mla_inputs(rng, B, T, S0, H, n, r, vd, R):
     q = rng.standard_normal((B, T, H, n + r))
     kv = rng.standard_normal((B, T, R + r))

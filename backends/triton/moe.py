@@ -73,6 +73,7 @@ def grouped_gemm_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, b1, b2,
     end = tl.load(offsets + e + 1).to(tl.int32)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
+    DT: tl.constexpr = x.dtype.element_ty
     for m0 in range(start + ms * BM, end, BM * MS):
         rows = m0 + tl.arange(0, BM)
         mr = rows < end
@@ -82,10 +83,10 @@ def grouped_gemm_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, b1, b2,
         for k0 in range(0, K, BK):
             kk = k0 + offs_k
             a = tl.load(xrow + kk[None, :], mask=mr[:, None] & (kk < K)[None, :], other=0.)
-            wt = _w_tile(w1, s1, e, offs_n, k0, N, K, QUANT, BN, BK).to(a.dtype)
+            wt = _w_tile_t(w1, s1, e, offs_n, k0, N, K, QUANT, BN, BK, DT)
             acc = tl.dot(a, tl.trans(wt), acc)
             if ACT != 0:
-                wt3 = _w_tile(w3, s3, e, offs_n, k0, N, K, QUANT, BN, BK).to(a.dtype)
+                wt3 = _w_tile_t(w3, s3, e, offs_n, k0, N, K, QUANT, BN, BK, DT)
                 acc3 = tl.dot(a, tl.trans(wt3), acc3)
         if ACT == 1:     # SiTU-GLU: b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2)  (tanh(z) = 2 sigmoid(2z) - 1)
             g = acc.to(y.dtype.element_ty).to(tl.float32)
@@ -99,6 +100,139 @@ def grouped_gemm_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, b1, b2,
             acc = acc * tl.load(rscale + rows, mask=mr, other=0.)[:, None]
         tl.store(y + rows.to(tl.int64)[:, None] * N + offs_n[None, :], acc.to(y.dtype.element_ty),
                  mask=mr[:, None] & (offs_n < N)[None, :])
+
+
+# E2M1 nibble n = s e1 e0 m placed as bf16 bits ((n&7)<<6) | ((n&8)<<12) is exactly fp4(n) * 2^-126 (a
+# bf16 subnormal when e1e0 = 0), so a decode is integer bit moves plus one bf16x2 fma by 2^(s-1)
+# (s <= 128) and a second by 2^(s-128) (s > 128): exact for every scale byte 0..254, no conversions.
+# Per 4 packed bytes (8 elements): byte j is spread into a 16-bit lane by prmt, then shl/shl/lop3.
+_MX_ASM_HEAD = """
+{
+.reg .b32 w4, t0, t1, t2, t3, a, b, z;
+mov.b32 z, 0x80008000;
+shr.u32 w4, $4, 4;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+prmt.b32 t2, w4, 0, 0x4140;
+prmt.b32 t3, w4, 0, 0x4342;
+"""
+
+
+def _mx_asm(two: bool) -> str:
+    s = _MX_ASM_HEAD
+    for out, t, m in ((0, "t0", 5), (1, "t1", 6), (2, "t2", 5), (3, "t3", 6)):
+        s += (f"shl.b32 a, {t}, 6;\nshl.b32 b, {t}, 12;\nor.b32 a, a, b;\nand.b32 a, a, 0x81C081C0;\n"
+              f"fma.rn.bf16x2 ${out}, a, ${m}, z;\n")
+        if two:
+            s += f"fma.rn.bf16x2 ${out}, ${out}, ${m + 2}, z;\n"
+    return s + "}"
+
+
+MX_ASM2 = _mx_asm(True)
+MX_ASM1 = _mx_asm(False)
+
+
+@triton.jit
+def _w_tile_t(w, s, e, offs_n, k0, N, K, QUANT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              DT: tl.constexpr):
+    """Weight tile ``W_e[offs_n, k0:k0+BK]`` in dtype DT. QUANT 0/1/2 as ``_w_tile`` (1: exact fp32
+    decode); 3: MXFP4 through the bf16 bit-placement asm (exact, two fma); 4: same with one fma
+    (only valid while every scale byte <= 128; the sweep measures it, it is never a default)."""
+    if QUANT == 3 or QUANT == 4:
+        mn = (offs_n < N)[:, None]
+        e64 = e.to(tl.int64)
+        rows = offs_n.to(tl.int64)[:, None]
+        kp = k0 // 2 + tl.arange(0, BK // 2)
+        p = tl.load(w + e64 * N * (K // 2) + rows * (K // 2) + kp[None, :], mask=mn, other=0)
+        kg = k0 // 32 + tl.arange(0, BK // 32)
+        sb = tl.load(s + e64 * N * (K // 32) + rows * (K // 32) + kg[None, :], mask=mn, other=127).to(tl.int32)
+        m1 = ((tl.minimum(sb, 128) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        m1 = tl.reshape(tl.broadcast_to(m1[:, :, None], (BN, BK // 32, 16)), (BN, BK // 2))
+        if QUANT == 3:
+            m2 = ((tl.maximum(sb, 128) - 1) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            m2 = tl.reshape(tl.broadcast_to(m2[:, :, None], (BN, BK // 32, 16)), (BN, BK // 2))
+            lo, hi = tl.inline_asm_elementwise(MX_ASM2, "=r,=r,=r,=r,r,r,r,r,r", [p, m1, m2],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(MX_ASM1, "=r,=r,=r,=r,r,r,r", [p, m1],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return tl.reshape(tl.join(lo, hi), (BN, BK)).to(DT)
+    else:
+        return _w_tile(w, s, e, offs_n, k0, N, K, QUANT, BN, BK).to(DT)
+
+
+@triton.jit
+def _epilogue_t(acc, acc3, rows, mr, offs_n, y, rscale, N, b1, b2, ACT: tl.constexpr, SCALE_ROWS: tl.constexpr):
+    """acc [BW, BT] holds y^T for the rows ``rows``: activation, row scale, transposed store."""
+    if ACT == 1:
+        g = acc.to(y.dtype.element_ty).to(tl.float32)
+        u = acc3.to(y.dtype.element_ty).to(tl.float32)
+        acc = (b1 * (2. * tl.sigmoid(2. * g / b1) - 1.) * tl.sigmoid(g)) * (b2 * (2. * tl.sigmoid(2. * u / b2) - 1.))
+    elif ACT == 2:
+        g = acc.to(y.dtype.element_ty).to(tl.float32)
+        u = acc3.to(y.dtype.element_ty).to(tl.float32)
+        acc = g * tl.sigmoid(g) * u
+    if SCALE_ROWS:
+        acc = acc * tl.load(rscale + rows, mask=mr, other=0.)[None, :]
+    tl.store(y + rows.to(tl.int64)[None, :] * N + offs_n[:, None], acc.to(y.dtype.element_ty),
+             mask=mr[None, :] & (offs_n < N)[:, None])
+
+
+@triton.jit
+def grouped_gemm_t_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, b1, b2,
+                          QUANT: tl.constexpr, ACT: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                          BW: tl.constexpr, BT: tl.constexpr, TAIL: tl.constexpr, BK: tl.constexpr):
+    """Same contract as ``grouped_gemm_kernel`` with the operands swapped: the weight rows are the MMA's
+    M side (``acc[BW, BT] = W_e[n-tile] x[rows]^T``), tokens its N side (wgmma N can be 8..256, so a
+    decode batch of ~5 rows per expert no longer pads to a 64-row M tile). An expert with
+    BT < rows <= BT + TAIL is done in ONE pass over its weights (two accumulators), so the weight
+    bytes are read once; other experts loop over BT-row tiles. Grid (cdiv(N, BW), E)."""
+    pid_n, e = tl.program_id(0), tl.program_id(1)
+    start = tl.load(offsets + e).to(tl.int32)
+    end = tl.load(offsets + e + 1).to(tl.int32)
+    offs_n = pid_n * BW + tl.arange(0, BW)
+    offs_k = tl.arange(0, BK)
+    DT: tl.constexpr = x.dtype.element_ty
+    t0 = start
+    if TAIL > 0:  # noqa: SIM102  (constexpr test, then a runtime one)
+        if (end - start > BT) & (end - start <= BT + TAIL):
+            ra = start + tl.arange(0, BT)
+            rb = start + BT + tl.arange(0, TAIL)
+            ma, mb = ra < end, rb < end
+            acc_a = tl.zeros([BW, BT], dtype=tl.float32)
+            acc_b = tl.zeros([BW, TAIL], dtype=tl.float32)
+            acc3_a = tl.zeros([BW, BT], dtype=tl.float32)
+            acc3_b = tl.zeros([BW, TAIL], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                kk = k0 + offs_k
+                mk = (kk < K)[None, :]
+                xa = tl.load(x + ra.to(tl.int64)[:, None] * K + kk[None, :], mask=ma[:, None] & mk, other=0.)
+                xb = tl.load(x + rb.to(tl.int64)[:, None] * K + kk[None, :], mask=mb[:, None] & mk, other=0.)
+                wt = _w_tile_t(w1, s1, e, offs_n, k0, N, K, QUANT, BW, BK, DT)
+                acc_a = tl.dot(wt, tl.trans(xa), acc_a)
+                acc_b = tl.dot(wt, tl.trans(xb), acc_b)
+                if ACT != 0:
+                    wt3 = _w_tile_t(w3, s3, e, offs_n, k0, N, K, QUANT, BW, BK, DT)
+                    acc3_a = tl.dot(wt3, tl.trans(xa), acc3_a)
+                    acc3_b = tl.dot(wt3, tl.trans(xb), acc3_b)
+            _epilogue_t(acc_a, acc3_a, ra, ma, offs_n, y, rscale, N, b1, b2, ACT, SCALE_ROWS)
+            _epilogue_t(acc_b, acc3_b, rb, mb, offs_n, y, rscale, N, b1, b2, ACT, SCALE_ROWS)
+            t0 = end
+    for m0 in range(t0, end, BT):
+        rows = m0 + tl.arange(0, BT)
+        mr = rows < end
+        acc = tl.zeros([BW, BT], dtype=tl.float32)
+        acc3 = tl.zeros([BW, BT], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + offs_k
+            a = tl.load(x + rows.to(tl.int64)[:, None] * K + kk[None, :], mask=mr[:, None] & (kk < K)[None, :],
+                        other=0.)
+            wt = _w_tile_t(w1, s1, e, offs_n, k0, N, K, QUANT, BW, BK, DT)
+            acc = tl.dot(wt, tl.trans(a), acc)
+            if ACT != 0:
+                wt3 = _w_tile_t(w3, s3, e, offs_n, k0, N, K, QUANT, BW, BK, DT)
+                acc3 = tl.dot(wt3, tl.trans(a), acc3)
+        _epilogue_t(acc, acc3, rows, mr, offs_n, y, rscale, N, b1, b2, ACT, SCALE_ROWS)
 
 
 @triton.jit
@@ -119,17 +253,30 @@ def combine_kernel(y, cw, inv, out, T, D, KSLOT: tl.constexpr, BT: tl.constexpr,
 
 
 def _config(R: int, E: int, N: int, K: int, quant: str, glu: bool):
-    """(BM, BN, BK, MS, warps, stages): tiny tiles under the interpreter; on the GPU, small M tiles
-    when experts hold few rows (decode: weight streaming) and 64/128-row tiles for prefill."""
+    """Launch config. ``("t", BW, BT, TAIL, BK, warps, stages)``: the swapped kernel
+    (``grouped_gemm_t_kernel``); a 6-tuple ``(BM, BN, BK, MS, warps, stages)``: the row-major kernel.
+    Tiny tiles under the interpreter; on the GPU chosen by rows per expert: decode batches stream the
+    weights with 16-token tiles; prefill (~146 rows/expert at 8192 tokens, K3) covers up to 192 rows
+    in one weight pass (BT 128 + TAIL 64)."""
     if interpreting():
-        return 16, 16, 32, 1, 4, 1
+        return ("t", 16, 16, 16, 32, 4, 1)
     rows_per_expert = R / max(E, 1)
-    BK = 128 if quant != "none" else 64
+    packed = quant != "none"
     if rows_per_expert <= 16:
-        return 16, 64 if glu else 128, BK, 1, 4, 4
+        return ("t", 64, 16, 16, 256 if packed else 128, 4, 3 if packed else 4)
     if rows_per_expert <= 64:
-        return 64, 64 if glu else 128, BK, 1, 4, 4
-    return 128, 64 if glu else 128, 64, 1, 8, 3
+        return ("t", 64, 64, 32, 128 if packed else 64, 4, 3)
+    return ("t", 64, 128, 64, 64, 8, 3) if glu else ("t", 128, 128, 64, 64, 8, 3)
+
+
+def _packed_bk(BK: int, K: int, quant: str) -> int:
+    """Packed tiles are not masked along K: halve BK until it divides K (K % 32 == 0 is checked)."""
+    while quant != "none" and K % BK and BK > 32:
+        BK //= 2
+    return BK
+
+
+MXFP4_DECODES = {"exact": 1, "asm": 3, "asm1": 4}
 
 
 def _check(x, offsets, w, quant):
@@ -143,13 +290,16 @@ def _check(x, offsets, w, quant):
 def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
                    quant: str = "none", *, w3: torch.Tensor | None = None, scales3: torch.Tensor | None = None,
                    act: str = "none", b1: float = 4.0, b2: float = 25.0, row_scale: torch.Tensor | None = None,
-                   config: tuple | None = None) -> torch.Tensor:
+                   config: tuple | None = None, mxfp4_decode: str | None = None) -> torch.Tensor:
     """``y[r] = x[r] W_e^T`` for the rows of each expert (``k3.grouped_matmul``, SPEC.md 5, 7).
 
     x ``[R, K]`` (bf16/fp16/fp32, rows sorted by expert), offsets ``int[E+1]``, w ``[E, N, K]``
     float, or packed ``u8[E, N, K/2]`` (mxfp4) / ``i32[E, N, K/8]`` (int4) with ``scales [E, N, K/32]``.
     With ``w3`` and ``act`` in ("situ", "silu"): the GLU ``act(x W^T, x W3^T)`` (SiTU-GLU with b1, b2;
-    SwiGLU). ``row_scale f32[R]``: multiplies output row r. Returns ``[R, N]`` in x's dtype.
+    SwiGLU). ``row_scale f32[R]``: multiplies output row r. ``config``: see ``_config`` (None: chosen
+    by rows per expert). ``mxfp4_decode``: "asm" (default on the GPU: bf16 bit placement + bf16x2 fma,
+    exact for scale bytes 0..254), "exact" (fp32 decode; the interpreter's), "asm1" (one fma; only
+    correct while all scale bytes are <= 128: for measurements). Returns ``[R, N]`` in x's dtype.
     Raises ValueError on inconsistent shapes or an unknown format."""
     _check(x, offsets, w, quant)
     x = x.contiguous()
@@ -163,7 +313,7 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
     y = torch.empty(R, N, device=x.device, dtype=x.dtype)
     if R == 0:
         return y
-    BM, BN, BK, MS, warps, stages = config or _config(R, E, N, K, quant, glu)
+    cfg = config or _config(R, E, N, K, quant, glu)
     if quant == "none":
         w = w.to(x.dtype).contiguous()
         w3 = w3.to(x.dtype).contiguous() if glu else w
@@ -173,11 +323,27 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
     if quant == "int4":
         scales = scales.float()
         scales3 = scales3.float()
+    qid = QUANT_IDS[quant]
+    if quant == "mxfp4":
+        dec = mxfp4_decode or ("exact" if interpreting() else "asm")
+        if dec not in MXFP4_DECODES:
+            raise ValueError(f"unknown mxfp4_decode '{dec}' (known: {', '.join(MXFP4_DECODES)})")
+        qid = MXFP4_DECODES["exact"] if interpreting() else MXFP4_DECODES[dec]
     rs = row_scale.float().contiguous() if row_scale is not None else None
-    grid = (triton.cdiv(N, BN), E, MS)
-    grouped_gemm_kernel[grid](x, offsets.contiguous(), w, scales, w3, scales3, y, rs, N, K, float(b1), float(b2),
-                              QUANT=QUANT_IDS[quant], ACT=ACT_IDS[act], SCALE_ROWS=rs is not None,
-                              BM=BM, BN=BN, BK=BK, MS=MS, num_warps=warps, num_stages=stages)
+    off = offsets.contiguous()
+    common = {"QUANT": qid, "ACT": ACT_IDS[act], "SCALE_ROWS": rs is not None}
+    if cfg[0] == "t":
+        _, BW, BT, TAIL, BK, warps, stages = cfg
+        BK = _packed_bk(BK, K, quant)
+        grouped_gemm_t_kernel[(triton.cdiv(N, BW), E)](x, off, w, scales, w3, scales3, y, rs, N, K, float(b1),
+                                                      float(b2), BW=BW, BT=BT, TAIL=TAIL, BK=BK, num_warps=warps,
+                                                      num_stages=stages, **common)
+    else:
+        BM, BN, BK, MS, warps, stages = cfg
+        BK = _packed_bk(BK, K, quant)
+        grouped_gemm_kernel[(triton.cdiv(N, BN), E, MS)](x, off, w, scales, w3, scales3, y, rs, N, K, float(b1),
+                                                        float(b2), BM=BM, BN=BN, BK=BK, MS=MS, num_warps=warps,
+                                                        num_stages=stages, **common)
     return y
 
 
@@ -198,10 +364,12 @@ def moe_combine(y: torch.Tensor, comb_w: torch.Tensor | None, inv: torch.Tensor)
 
 
 def moe_forward(x_sorted, offsets, w1, w3, w2, comb_w, inv, quant: str = "none", scales=(None, None, None),
-                act: str = "situ", b1: float = 4.0, b2: float = 25.0, configs=(None, None)):
+                act: str = "situ", b1: float = 4.0, b2: float = 25.0, configs=(None, None),
+                mxfp4_decode: str | None = None):
     """A whole routed-expert block after dispatch: gate/up GEMM with the GLU fused, the down GEMM
     with the combine weight fused into its epilogue, then the per-token sum. Returns ``[B, T, D]``."""
     h = grouped_matmul(x_sorted, offsets, w1, scales[0], quant, w3=w3, scales3=scales[1], act=act, b1=b1, b2=b2,
-                       config=configs[0])
-    y = grouped_matmul(h, offsets, w2, scales[2], quant, row_scale=comb_w, config=configs[1])
+                       config=configs[0], mxfp4_decode=mxfp4_decode)
+    y = grouped_matmul(h, offsets, w2, scales[2], quant, row_scale=comb_w, config=configs[1],
+                       mxfp4_decode=mxfp4_decode)
     return moe_combine(y, None, inv)
