@@ -119,6 +119,90 @@ def test_varlen_isolates_states():
     assert torch.equal(s[1], x["h0"][1])          # the empty sequence keeps its state
 
 
+@pytest.fixture
+def tuning():
+    """``kda.TUNING`` restored after the test."""
+    from k3ir.backends.triton import kda as kd
+    saved = dict(kd.TUNING)
+    yield kd.TUNING
+    kd.TUNING.clear()
+    kd.TUNING.update(saved)
+
+
+def _mixed_strong(x, K):
+    """Softplus gates whose sub-chunk decay passes exp(-160) on the first half of the channels only:
+    the split kernel takes the exact diagonal path on some K slices and the dense dot on others."""
+    x["A_log"] = torch.full_like(x["A_log"], 2.5)
+    db = x["dt_bias"].reshape(-1, K)
+    db[:, : K // 2] = db[:, : K // 2] * 3 + 6
+    db[:, K // 2:] = db[:, K // 2:] - 4
+    return x
+
+
+@pytest.mark.parametrize("variant", [
+    {"bk": 16, "wu_bk": 16, "wu_bv": 16},
+    {"bk": 32, "inv_dots": False, "xb": "io"},
+    {"intra": "fused"},
+])
+@pytest.mark.parametrize("case", ["k3", "softplus", "mixed"])
+def test_forward_variants_k_slices(variant, case, tuning):
+    """K = 32 in 16-column slices (several slices per program), T = 70 (neither a multiple of 16 nor 64),
+    every TUNING variant and gate path (mixed: exact and dense diagonal slices in one block)."""
+    tuning.update(variant)
+    K = 32
+    x = make(1, 70, 2, K, lb=-5.0 if case == "k3" else None, seed=21)
+    if case == "mixed":
+        _mixed_strong(x, K)
+    o, s = run(x)
+    o_r, s_r = ref_np(x)
+    tol = 1e-5 if not GPU else 3e-3
+    assert torch.isfinite(o).all() and rel_err(o, o_r) < tol and rel_err(s, s_r) < tol
+
+
+def test_varlen_softplus_exact_path():
+    cu = [0, 1, 18, 18, 83]
+    x = _mixed_strong(make(1, 83, 2, 32, lb=None, N=4, seed=23), 32)
+    o, s = run(x, cu_seqlens=torch.tensor(cu, device=DEV))
+    o_r, s_r = ref_np(x, cu)
+    tol = 1e-5 if not GPU else 3e-3
+    assert rel_err(o, o_r) < tol and rel_err(s, s_r) < tol
+    assert torch.equal(s[2], x["h0"][2])
+
+
+def test_precomputed_gate_forward():
+    """``gate="precomputed"``: g is the log-decay, beta after the sigmoid, q and k used as given."""
+    x = make(1, 37, 2, 32, seed=29, h0=True)
+    gl = -torch.nn.functional.softplus(x["g"]) * 0.5
+    b = torch.sigmoid(x["beta"])
+    o, s = kda_forward(x["q"], x["k"], x["v"], gl, b, None, None, initial_state=x["h0"], output_final_state=True,
+                       gate="precomputed", scale=0.25)
+    f = lambda t: t.double().cpu().numpy()
+    o_r, s_r = kda_recurrent(f(x["q"]), f(x["k"]), f(x["v"]), f(gl), f(b), 0.25, f(x["h0"]))
+    tol = 1e-5 if not GPU else 3e-3
+    assert rel_err(o, o_r) < tol and rel_err(s, s_r) < tol
+
+
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_forward_intermediates(lb):
+    """The intermediates of one chunk with zero initial state: ``u = Xb V``, ``o = P u``,
+    ``gC = exp(sum of the log-decays)``, ``rk = 1/|k|``, against float64 from the inputs."""
+    from k3ir.backends.triton.kda import kda_forward_kernels
+    x = make(1, 50, 2, 16, lb=lb, seed=31, h0=False)
+    _o, _, it = kda_forward_kernels(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
+                                    lower_bound=lb, return_intermediates=True)
+    o_r, _ = ref_np(x)
+    Xb = torch.tril(it["Xb"][0].permute(1, 0, 2)[:, :, :50].double())      # [H, T, T]
+    u = Xb @ x["v"][0].permute(1, 0, 2).double()
+    P = it["Aqk"][0].permute(1, 0, 2)[:, :, :50].double()
+    tol = 1e-5 if not GPU else 3e-3
+    assert rel_err(u.permute(1, 0, 2)[None], it["u"]) < tol
+    assert rel_err((P @ u).permute(1, 0, 2)[None], o_r) < tol
+    f = {k: v.double().cpu().numpy() for k, v in x.items() if torch.is_tensor(v)}
+    gl = kda_gate_ref(f["g"], f["A_log"], f["dt_bias"], "softplus" if lb is None else "lower_bound", -5.0)
+    assert rel_err(it["gC"][0], np.exp(gl[0].sum(0))) < tol
+    assert rel_err(it["rk"], 1 / np.sqrt((f["k"] ** 2).sum(-1) + 1e-6)) < tol
+
+
 def test_prefix_outputs_and_gradients_ignore_later_tokens():
     x = make(1, 50, 2, 16, seed=5, h0=False)
     y = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in x.items()}

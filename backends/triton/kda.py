@@ -1,6 +1,8 @@
 """``kda_forward``: the fused chunked KDA (SPEC.md 3) on Triton kernels, with autograd.
 
-The forward runs two Triton launches (``kda_kernels``); the backward recomputes through the
+The forward runs three Triton launches by default (``kda_fwd_kernels``: A/P/inverse, then w/u; then
+the recurrence in ``kda_kernels``; ``TUNING["intra"] = "fused"``: the older one-launch intra kernel);
+the backward recomputes through the
 differentiable PyTorch form of the same factorisation (``kda_torch``) and takes its gradients
 with autograd (correct, not yet a fused backward kernel: see bench/KDA_NOTES.md).
 """
@@ -12,14 +14,23 @@ import torch
 
 from k3ir.errors import K3RuntimeError
 
+from . import kda_fwd_kernels as kf
 from . import kda_kernels as kk
 from .kda_torch import kda_chunk_torch
 
 BT, BC = 64, 16
 #: dtype overrides of the intermediates ({'w': ..., 'qk': ..., 'A': ...}); default: q's dtype, as fla
 INTERMEDIATE_DTYPES: dict = {}
-#: launch choices (the bench sweeps them): 16x16 inverse by dots, value block and warps of the recurrence
-TUNING: dict = {"inv_dots": True, "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8}
+#: launch choices (``bench/bench_kda.py --sweep`` sweeps them). ``intra``: "split" (``kda_akk_kernel`` then
+#: ``kda_wu_kernel``, kda_fwd_kernels.py) or "fused" (the one-launch ``kda_intra_kernel``); ``bk``/``warps``/
+#: ``stages``: K-slice width, warps and pipeline stages of the A/P/inverse launch; ``wu_bk``, ``wu_bv``,
+#: ``wu_warps``, ``wu_stages``: the w/u launch; ``xb``: dtype of ``(I+A)^-1 diag(beta)`` between them
+#: ("fp32" or "io" = q's dtype); ``inv_dots``: 16x16 inverses by Neumann dots (else substitution);
+#: ``inv_prec``: input precision of the inverse dots on the GPU; ``bv``, ``recur_*``: the recurrence;
+#: ``intra_warps``: the fused kernel's warps.
+TUNING: dict = {"intra": "split", "bk": 32, "warps": 4, "stages": 1, "wu_bk": 32, "wu_bv": 32, "wu_warps": 4,
+                "wu_stages": 2, "xb": "fp32", "inv_dots": True, "inv_prec": "ieee", "bv": None, "recur_warps": 4,
+                "recur_stages": 2, "intra_warps": 8}
 
 
 def _interpret() -> bool:
@@ -62,9 +73,14 @@ def _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate):
 
 def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, initial_state=None,
                         output_final_state=False, cu_seqlens=None, scale=None, gate: str = "raw",
-                        stages: tuple[str, ...] = ("intra", "recur")):
-    """The two Triton launches, no autograd. Same contract as ``kda_forward``; ``stages`` picks
-    launches for timing one kernel alone (the outputs are then meaningless)."""
+                        stages: tuple[str, ...] = ("intra", "recur"), return_intermediates: bool = False):
+    """The Triton launches, no autograd. Same contract as ``kda_forward``; ``stages`` picks launches
+    for timing one kernel alone (the outputs are then meaningless): "intra" (all intra-chunk launches),
+    "akk" / "wu" (one of the split pair), "recur". With ``return_intermediates`` a third value, a dict:
+    ``w, u, qg, kg`` ``[B,T,H,K|V]`` (q's dtype), ``Aqk`` (P, ``[B,T,H,64]``), ``gC`` (``exp(G_C)``, fp32
+    ``[chunks,H,K]``, chunks in sequence order) and, split path only, ``Xb`` (``(I+A)^-1 diag(beta)``
+    per chunk, ``[B,T,H,64]``, lower blocks valid), ``rq`` (``scale / |q|``) and ``rk`` (``1 / |k|``)
+    fp32 ``[B,T,H]``."""
     N = _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate)
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -106,28 +122,50 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
     gC = torch.empty(max(NC, 1), H, K, dtype=torch.float32, device=dev)
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=dev)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    inter = {"w": w, "u": u, "qg": qg, "kg": kg, "Aqk": Aqk, "gC": gC}
     if T == 0:
         if ht is not None:
             ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
-        return o, ht
+        return (o, ht, inter) if return_intermediates else (o, ht)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    if NC > 0 and "intra" in stages:
+    common = {"GATE": GATE, "IS_VARLEN": cu_seqlens is not None}
+    if NC > 0 and TUNING["intra"] == "split":
+        exact = GATE != kk.GATE_LOWER_BOUND
+        inter["Xb"] = Xb = torch.empty(B, T, H, BT, dtype=torch.float32 if TUNING["xb"] == "fp32" else idt,
+                                       device=dev)
+        inter["rq"] = rq = torch.empty(B, T, H, dtype=torch.float32, device=dev)
+        inter["rk"] = rk = torch.empty_like(rq)
+        Gbuf = torch.empty(B, T, H, K, dtype=torch.float32, device=dev) if exact else rq
+        bk = min(TUNING["bk"], K)
+        if "intra" in stages or "akk" in stages:
+            kf.kda_akk_kernel[(NC, H)](
+                q, k, g, beta, A_log, dt_bias, Xb, Aqk, rq, rk, Gbuf, cu_dev, chunk_indices, T, scale, lb,
+                H=H, K=K, BT=BT, BC=BC, BK=bk, L2NORM=gate != "precomputed", BETA_SIGMOID=gate != "precomputed",
+                EXACT=exact, PREC=prec, INV_DOTS=TUNING["inv_dots"],
+                IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"],
+                num_warps=TUNING["warps"], num_stages=TUNING["stages"], **common)
+        if "intra" in stages or "wu" in stages:
+            kf.kda_wu_kernel[(NC, H)](
+                q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, cu_dev, chunk_indices, T, lb,
+                H=H, K=K, V=V, BT=BT, BK=min(TUNING["wu_bk"], K), BV=min(TUNING["wu_bv"], V), PREC=prec,
+                DOT_F32=_interpret(), num_warps=TUNING["wu_warps"], num_stages=TUNING["wu_stages"], **common)
+    elif NC > 0 and "intra" in stages:
         kk.kda_intra_kernel[(NC, H)](
             q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gC, cu_dev, chunk_indices, T, scale, lb,
-            H=H, K=K, V=V, BT=BT, BC=BC, GATE=GATE, L2NORM=gate != "precomputed",
-            BETA_SIGMOID=gate != "precomputed", IS_VARLEN=cu_seqlens is not None, EXACT=GATE != kk.GATE_LOWER_BOUND,
-            PREC=prec, INV_DOTS=TUNING["inv_dots"], num_warps=4 if K <= 64 else TUNING["intra_warps"])
+            H=H, K=K, V=V, BT=BT, BC=BC, L2NORM=gate != "precomputed",
+            BETA_SIGMOID=gate != "precomputed", EXACT=GATE != kk.GATE_LOWER_BOUND,
+            PREC=prec, INV_DOTS=TUNING["inv_dots"], num_warps=4 if K <= 64 else TUNING["intra_warps"], **common)
     BV = TUNING["bv"] or (min(64, V) if N * H >= 128 or V < 64 else 32)
     BV = min(BV, V)
     if "recur" not in stages:
-        return o, ht
+        return (o, ht, inter) if return_intermediates else (o, ht)
     kk.kda_recur_kernel[(V // BV, N * H)](
         w, u, qg, kg, Aqk, gC, o, h0, ht, cu_dev, chunk_offsets, T,
         H=H, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
         IS_VARLEN=cu_seqlens is not None, PREC="ieee" if idt == torch.float32 else "tf32",
         DOT_F32=_interpret(), num_warps=TUNING["recur_warps"], num_stages=TUNING["recur_stages"])
-    return o, ht
+    return (o, ht, inter) if return_intermediates else (o, ht)
 
 
 class _KDAFunction(torch.autograd.Function):
