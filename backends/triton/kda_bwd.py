@@ -1,0 +1,156 @@
+"""Driver of the chunked KDA backward kernels (``kda_bwd_kernels``, SPEC.md 3): gradients of
+``kda_forward``'s (o, final state) with respect to q, k, v, g (raw), beta (raw logit), A_log,
+dt_bias and the initial state, for both gates, variable-length batches and ``gate="precomputed"``.
+
+Seven launches: prelude, prep (Akk, P, (I+Akk)^-1, w, u, qg, kg), fwd_h (states per chunk and v'),
+bwd_dh (reverse state-gradient recurrence), bwd_wy, bwd_intra, chain. ``TUNING`` holds the launch
+choices (the bench sweeps them); ``DTYPES`` the storage dtypes of intermediates (default: q's
+dtype, as fla; fp32 for G, the 64x64 gradients and the dq/dk/dG partial sums).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import kda_bwd_kernels as kb
+
+BT, BC = 64, 16
+#: storage dtype overrides: 'h' (states per chunk), 'dh', 'vn' (v'), 'dvn', 'w' (w, u, qg, kg, q/k
+#: normalised), 'A' (P and the inverse)
+DTYPES: dict = {}
+#: launch choices: K slice of prep/wy/intra, value blocks of the recurrences and of wy, warps
+TUNING: dict = {"bk_prep": 32, "bk_wy": 32, "bk_intra": 32, "bv_rec": 32, "bv_wy": 64,
+                "w_prelude": 8, "w_prep": 4, "w_rec": 4, "w_wy": 4, "w_intra": 4, "w_chain": 8,
+                "stages_rec": 2}
+
+
+def _interpret() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def chunk_index(cu_seqlens, B, T, dev):
+    """(number of chunks NC, number of sequences N, chunk_indices int32 [NC*2] | None,
+    chunk_offsets int32 [N] | None, cu_seqlens int32 | None)."""
+    if cu_seqlens is None:
+        return B * (-(-T // BT)), B, None, None, None
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    idx, offs = [], []
+    for n in range(len(cu) - 1):
+        offs.append(len(idx))
+        idx += [(n, t) for t in range(-(-(cu[n + 1] - cu[n]) // BT))]
+    ci = torch.tensor(idx or [(0, 0)], dtype=torch.int32, device=dev).reshape(-1)
+    return (len(idx), len(cu) - 1, ci, torch.tensor(offs, dtype=torch.int32, device=dev),
+            torch.tensor(cu, dtype=torch.int32, device=dev))
+
+
+def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower_bound=None, scale=None,
+                 cu_seqlens=None, gate: str = "raw", timings: dict | None = None):
+    """Gradients of ``kda_forward`` (same arguments) given ``do`` ``[B,T,H,V]`` and ``dht``
+    ``[N,H,K,V]`` (or None). Returns (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0), each in its
+    input's dtype and shape (None for inputs that are None; dA_log/ddt_bias None when
+    ``gate="precomputed"``). ``timings``: when a dict, each launch is timed alone (CUDA events,
+    synchronising) into it in ms."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    dev = q.device
+    scale = K ** -0.5 if scale is None else float(scale)
+    pre = gate == "precomputed"
+    if pre:
+        GATE, lb = kb.GATE_PRECOMPUTED, 0.0
+    elif lower_bound is None:
+        GATE, lb = kb.GATE_SOFTPLUS, 0.0
+    else:
+        GATE, lb = kb.GATE_LOWER_BOUND, float(lower_bound)
+    EXACT = GATE != kb.GATE_LOWER_BOUND
+    shift = -lb * BC / 2 if not EXACT else 0.0
+    NC, N, ci, co, cu = chunk_index(cu_seqlens, B, T, dev)
+    VAR = cu_seqlens is not None
+    idt = q.dtype if q.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    dt = lambda name: DTYPES.get(name, idt)
+    f32 = torch.float32
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    do = do.contiguous().to(idt)
+    A_log_ = A_log.reshape(-1).contiguous() if not pre else g
+    dtb_ = dt_bias.reshape(-1).contiguous() if not pre else g
+    zeros = lambda x: None if x is None else torch.zeros_like(x)
+    if T == 0 or NC == 0:
+        dh0 = None
+        if initial_state is not None:
+            dh0 = dht.to(initial_state.dtype) if dht is not None else torch.zeros_like(initial_state)
+        return (zeros(q), zeros(k), zeros(v), zeros(g), zeros(beta), None if pre else zeros(A_log),
+                None if pre else zeros(dt_bias), dh0)
+    prec = "ieee" if idt == torch.float32 else "tf32"
+    tu = TUNING
+    e = lambda *s, d: torch.empty(*s, dtype=d, device=dev)
+    qn, kn = e(B, T, H, K, d=dt("w")), e(B, T, H, K, d=dt("w"))
+    G, bn = e(B, T, H, K, d=f32), e(B, T, H, d=f32)
+    Ai, P = e(B, T, H, BT, d=dt("A")), e(B, T, H, BT, d=dt("A"))
+    w, qg, kg = e(B, T, H, K, d=dt("w")), e(B, T, H, K, d=dt("w")), e(B, T, H, K, d=dt("w"))
+    u = e(B, T, H, V, d=dt("w"))
+    h, dh = e(NC, H, K, V, d=dt("h")), e(NC, H, K, V, d=dt("dh"))
+    vn, dvn = e(B, T, H, V, d=dt("vn")), e(B, T, H, V, d=dt("dvn"))
+    dq, dk, dG = e(B, T, H, K, d=f32), e(B, T, H, K, d=f32), e(B, T, H, K, d=f32)
+    dAq, dAk = e(B, T, H, BT, d=f32), e(B, T, H, BT, d=f32)
+    dv = torch.empty_like(v)
+    bk_i = min(tu["bk_intra"], K)
+    NK = K // bk_i
+    db = e(1 + NK, B * T, H, d=f32)
+    dh0 = e(N, H, K, V, d=f32) if initial_state is not None else None
+    dq_o, dk_o, dg_o = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
+    dA_part, ddt_part = e(NC, H, d=f32), e(NC, H, K, d=f32)
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    dht_ = dht.float().contiguous() if dht is not None else None
+    bv_rec = min(tu["bv_rec"], V)
+    bv_wy = min(tu["bv_wy"], V)
+
+    launches = [
+        ("prelude", lambda: kb.kda_bwd_prelude_kernel[(NC, H)](
+            q, k, g, beta, A_log_, dtb_, qn, kn, G, bn, cu, ci, T, scale, lb,
+            H=H, K=K, BT=BT, GATE=GATE, L2NORM=not pre, BETA_SIGMOID=not pre, IS_VARLEN=VAR,
+            num_warps=tu["w_prelude"])),
+        ("prep", lambda: kb.kda_bwd_prep_kernel[(NC, H)](
+            qn, kn, G, bn, v, Ai, P, w, u, qg, kg, cu, ci, T, shift,
+            H=H, K=K, V=V, BT=BT, BC=BC, BK=min(tu["bk_prep"], K), BV=min(tu["bk_prep"], V), IS_VARLEN=VAR,
+            EXACT=EXACT, PREC=prec, num_warps=tu["w_prep"])),
+        ("fwd_h", lambda: kb.kda_bwd_fwd_h_kernel[(V // bv_rec, N * H)](
+            w, u, kg, G, h, vn, h0, cu, co, T, H=H, K=K, V=V, BT=BT, BV=bv_rec, USE_H0=h0 is not None,
+            IS_VARLEN=VAR, PREC=prec, num_warps=tu["w_rec"], num_stages=tu["stages_rec"])),
+        ("bwd_dh", lambda: kb.kda_bwd_dh_kernel[(V // bv_rec, N * H)](
+            qg, kg, w, P, G, do, dh, dvn, dht_, dh0, cu, co, T, H=H, K=K, V=V, BT=BT, BV=bv_rec,
+            USE_DHT=dht_ is not None, STORE_DH0=dh0 is not None, IS_VARLEN=VAR, PREC=prec,
+            num_warps=tu["w_rec"], num_stages=tu["stages_rec"])),
+        ("bwd_wy", lambda: kb.kda_bwd_wy_kernel[(NC, H)](
+            qn, kn, G, bn, v, vn, Ai, h, dh, do, dvn, dq, dk, dG, dv, db, dAq, dAk, cu, ci, T,
+            H=H, K=K, V=V, BT=BT, BK=min(tu["bk_wy"], K), BV=bv_wy, IS_VARLEN=VAR, PREC=prec,
+            num_warps=tu["w_wy"])),
+        ("bwd_intra", lambda: kb.kda_bwd_intra_kernel[(NC * (BT // BC), NK, H)](
+            qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu, ci, T, B * T, shift,
+            H=H, K=K, BT=BT, BC=BC, BK=bk_i, IS_VARLEN=VAR, EXACT=EXACT, PREC=prec,
+            num_warps=tu["w_intra"])),
+        ("chain", lambda: kb.kda_bwd_chain_kernel[(NC, H)](
+            q, k, g, A_log_, dtb_, dq, dk, dG, dq_o, dk_o, dg_o, dA_part, ddt_part, cu, ci, T, scale, lb,
+            H=H, K=K, BT=BT, GATE=GATE, L2NORM=not pre, IS_VARLEN=VAR, num_warps=tu["w_chain"])),
+    ]
+    for name, fn in launches:
+        if timings is None:
+            fn()
+        else:
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            fn()
+            t1.record()
+            torch.cuda.synchronize()
+            timings[name] = timings.get(name, 0.0) + t0.elapsed_time(t1)
+    dbeta = db.sum(0).reshape(B, T, H)
+    if not pre:
+        s = torch.sigmoid(beta.float())
+        dbeta = dbeta * s * (1 - s)
+        dA = torch.zeros(A_log.numel(), dtype=f32, device=dev)
+        dA[:H] = dA_part.sum(0)
+        dA = dA.reshape(A_log.shape).to(A_log.dtype)
+        ddt = ddt_part.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
+    else:
+        dA = ddt = None
+    if dh0 is not None:
+        dh0 = dh0.to(initial_state.dtype)
+    return dq_o, dk_o, dv, dg_o, dbeta.to(beta.dtype), dA, ddt, dh0

@@ -1,0 +1,670 @@
+"""Triton kernels of the chunked KDA backward (SPEC.md 3), chunk 64 in 16-row sub-chunks.
+
+Notation per chunk (rows i, j; channels c): q, k after the L2 norm (q scaled), G the in-chunk
+cumulative log-decay, beta after the sigmoid, ``Akk_ij = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)``
+(j < i), ``Ai = (I + Akk)^-1``, ``w = Ai (beta exp(G) k)``, ``u = Ai (beta v)``, ``P`` the causal
+q.k product (j <= i), ``v' = u - w S``, ``o = qg S + P v'``, ``S' = exp(G_C) S + kg^T v'`` with
+``qg = q exp(G)``, ``kg = k exp(G_C - G)``. Seven launches (``kda_bwd.py`` drives them):
+
+1. ``prelude``: L2 norms, scale, gate (SPEC.md 3.4), beta sigmoid, G (chunk-local cumsum).
+2. ``prep``: recompute Akk and P (decays factorised around a row of each 16-row sub-chunk, every
+   off-diagonal factor <= 1; bounded gates: centred dense diagonal tiles within exp(+-8|lb|);
+   unbounded gates: exact diagonal tiles column by column), ``Ai`` (16x16 Neumann inverses +
+   block substitution), and w, u, qg, kg. K is walked in slices of BK columns.
+3. ``fwd_h``: the state entering every chunk, h, and v' (fp32 state in registers).
+4. ``bwd_dh``: the reverse recurrence ``dS = exp(G_C) dS' + qg^T do - w^T dv'`` with
+   ``dv' = P^T do + kg dS'``; stores dS' per chunk and dv'; dS at the start is dh0.
+5. ``bwd_wy``: per chunk, dP, dv, the inter-chunk dq/dk/dG, the WY terms (dAi -> dAkk =
+   -(Ai^T dAi Ai^T) strictly lower), the dbeta terms of u and w.
+6. ``bwd_intra``: per 16-row sub-chunk and K slice, the dq/dk/dG/dbeta terms of dAkk and dP.
+7. ``chain``: the reverse in-chunk cumsum of dG and the gate, L2-norm chain rules; per-chunk
+   partial sums for dA_log and dt_bias.
+
+Rows past a sequence end load as zeros (G as the last valid row's G), so padding never reaches
+a gradient. No API newer than Triton 3.6.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+GATE_LOWER_BOUND = 0
+GATE_SOFTPLUS = 1
+GATE_PRECOMPUTED = 2
+
+
+# ---------------------------------------------------------------- helpers
+@triton.jit
+def _pos(i_c, cu_seqlens, chunk_indices, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(first flattened row of chunk ``i_c``, rows of its sequence left from there)."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        NT = tl.cdiv(T, BT)
+        i_n = (i_c // NT).to(tl.int64)
+        i_t = (i_c % NT).to(tl.int64)
+        bos = i_n * T
+        T_seq = i_n * 0 + T
+    return bos + i_t * BT, T_seq - i_t * BT
+
+
+@triton.jit
+def _seq(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(first row, length, first global chunk index) of sequence ``i_n``."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = bos * 0 + T
+        c0 = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    return bos, T_seq, c0
+
+
+@triton.jit
+def _ld(ptr, row0, r0, nv, i_h, c0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """Rows ``r0..r0+R`` (of a chunk starting at flattened row ``row0``, ``nv`` valid), columns
+    ``c0..c0+C`` of head ``i_h`` of a ``[rows, H, D]`` tensor, in its own dtype (0 past the end)."""
+    rows = r0 + tl.arange(0, R)
+    off = (row0 + rows).to(tl.int64)[:, None] * (H * D) + i_h * D + c0 + tl.arange(0, C)[None, :]
+    return tl.load(ptr + off, mask=(rows < nv)[:, None], other=0.)
+
+
+@triton.jit
+def _ldf(ptr, row0, r0, nv, i_h, c0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    return _ld(ptr, row0, r0, nv, i_h, c0, H, D, R, C).to(tl.float32)
+
+
+@triton.jit
+def _ldT(ptr, row0, r0, nv, i_h, c0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """The transpose of ``_ld``: ``[C, R]``."""
+    rows = r0 + tl.arange(0, R)
+    off = (row0 + rows).to(tl.int64)[None, :] * (H * D) + i_h * D + c0 + tl.arange(0, C)[:, None]
+    return tl.load(ptr + off, mask=(rows < nv)[None, :], other=0.)
+
+
+@triton.jit
+def _st(ptr, x, row0, r0, nv, i_h, c0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    rows = r0 + tl.arange(0, R)
+    off = (row0 + rows).to(tl.int64)[:, None] * (H * D) + i_h * D + c0 + tl.arange(0, C)[None, :]
+    tl.store(ptr + off, x.to(ptr.dtype.element_ty), mask=(rows < nv)[:, None])
+
+
+@triton.jit
+def _row(ptr, row0, r, nv, i_h, c0, H: tl.constexpr, D: tl.constexpr, C: tl.constexpr):
+    """Row ``r`` (0 if before the chunk or past the end), columns ``c0..c0+C``, fp32."""
+    rr = tl.zeros([C], dtype=tl.int64) + r
+    off = (row0 + rr) * (H * D) + i_h * D + c0 + tl.arange(0, C)
+    return tl.load(ptr + off, mask=(rr >= 0) & (rr < nv), other=0.).to(tl.float32)
+
+
+@triton.jit
+def _vec(ptr, row0, r0, nv, i_h, H: tl.constexpr, R: tl.constexpr):
+    """``[rows, H]`` per-row values (beta), fp32, 0 past the end."""
+    rows = r0 + tl.arange(0, R)
+    return tl.load(ptr + (row0 + rows).to(tl.int64) * H + i_h, mask=rows < nv, other=0.).to(tl.float32)
+
+
+@triton.jit
+def _ldG(G, row0, r0, nv, i_h, c0, Gl, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """G rows; rows past the end take the last valid row's G ``Gl`` (their gate is 0)."""
+    rows = r0 + tl.arange(0, R)
+    return tl.where((rows < nv)[:, None], _ldf(G, row0, r0, nv, i_h, c0, H, K, R, C), Gl[None, :])
+
+
+@triton.jit
+def _Grow(G, row0, r, nv, i_h, c0, Gl, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
+    return tl.where(r < nv, _row(G, row0, r, nv, i_h, c0, H, K, C), Gl)
+
+
+@triton.jit
+def _tile(aI, GI, n, bJ, GJ, PREC: tl.constexpr):
+    """``sum_c aI[i,c] bJ[j,c] exp(GI[i,c] - GJ[j,c])`` factorised at the anchor ``n [C]``."""
+    return tl.dot(aI * tl.exp(GI - n[None, :]), tl.trans(bJ * tl.exp(n[None, :] - GJ)), input_precision=PREC)
+
+
+@triton.jit
+def _diag_exact(aI, GI, kp, G, row0, r0, nv, i_h, c0, Gl, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+                BK: tl.constexpr):
+    """``out[i, j] = sum_c aI[i,c] k[r0+j,c] exp(GI[i,c] - G[r0+j,c])`` for ``j <= i`` (0 above),
+    element-wise, rows j loaded from memory: finite for any gate."""
+    rows = tl.arange(0, BC)
+    out = tl.zeros([BC, BC], dtype=tl.float32)
+    for j in range(BC):
+        kj = _row(kp, row0, r0 + j, nv, i_h, c0, H, K, BK)
+        Gj = _Grow(G, row0, r0 + j, nv, i_h, c0, Gl, H, K, BK)
+        e = tl.exp(tl.where(rows[:, None] >= j, GI - Gj[None, :], float("-inf")))
+        col = tl.sum(aI * kj[None, :] * e, 1)
+        out = tl.where(rows[None, :] == j, col[:, None], out)
+    return out
+
+
+@triton.jit
+def _inv16(N, BC: tl.constexpr):
+    """``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8)`` for a strictly lower 16x16 ``N``."""
+    rows = tl.arange(0, BC)
+    eye = tl.where(rows[:, None] == rows[None, :], 1., 0.)
+    N2 = tl.dot(N, N, input_precision="ieee")
+    N4 = tl.dot(N2, N2, input_precision="ieee")
+    N8 = tl.dot(N4, N4, input_precision="ieee")
+    X = tl.dot(eye - N, eye + N2, input_precision="ieee")
+    X = tl.dot(X, eye + N4, input_precision="ieee")
+    return tl.dot(X, eye + N8, input_precision="ieee")
+
+
+@triton.jit
+def _st_blk(ptr, blk, row0, r0, c0, nv, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    _st(ptr, blk, row0, r0, nv, i_h, c0, H, BT, BC, BC)
+
+
+# ---------------------------------------------------------------- 1. prelude
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_prelude_kernel(q, k, g, beta, A_log, dt_bias, qn, kn, G, bn, cu_seqlens, chunk_indices, T, scale, lb,
+                           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr,
+                           L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    row0, nv = _pos(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    rows = tl.arange(0, BT)
+    m = rows < nv
+    bq = _ldf(q, row0, 0, nv, i_h, 0, H, K, BT, K)
+    bk = _ldf(k, row0, 0, nv, i_h, 0, H, K, BT, K)
+    if L2NORM:
+        bq = bq * tl.rsqrt(tl.sum(bq * bq, 1) + 1e-6)[:, None]
+        bk = bk * tl.rsqrt(tl.sum(bk * bk, 1) + 1e-6)[:, None]
+    _st(qn, bq * scale, row0, 0, nv, i_h, 0, H, K, BT, K)
+    _st(kn, bk, row0, 0, nv, i_h, 0, H, K, BT, K)
+    bg = _ldf(g, row0, 0, nv, i_h, 0, H, K, BT, K)
+    if GATE == 2:
+        gate = bg
+    else:
+        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        x = bg + tl.load(dt_bias + i_h * K + tl.arange(0, K)).to(tl.float32)[None, :]
+        if GATE == 0:
+            gate = lb * tl.sigmoid(a_h * x)
+        else:
+            gate = -a_h * (tl.maximum(x, 0.) + tl.log(1. + tl.exp(-tl.abs(x))))
+    gate = tl.where(m[:, None], gate, 0.)
+    _st(G, tl.cumsum(gate, 0), row0, 0, nv, i_h, 0, H, K, BT, K)
+    bb = tl.load(beta + (row0 + rows).to(tl.int64) * H + i_h, mask=m, other=0.).to(tl.float32)
+    if BETA_SIGMOID:
+        bb = tl.sigmoid(bb)
+    tl.store(bn + (row0 + rows).to(tl.int64) * H + i_h, bb, mask=m)
+
+
+# ---------------------------------------------------------------- 2. prep: Akk, P, Ai, w, u, qg, kg
+@triton.jit
+def _acc_tiles(qn, kn, G, row0, nv, i_h, c0, shift,
+               A00, A10, A11, A20, A21, A22, A30, A31, A32, A33,
+               P00, P10, P11, P20, P21, P22, P30, P31, P32, P33,
+               H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+               EXACT: tl.constexpr, PREC: tl.constexpr):
+    """Add one K slice's contribution to the ten A and ten P tiles."""
+    Gl = _row(G, row0, tl.minimum(nv, BC * 4) - 1, nv, i_h, c0, H, K, BK)
+    k0 = _ldf(kn, row0, 0, nv, i_h, c0, H, K, BC, BK)
+    k1 = _ldf(kn, row0, BC, nv, i_h, c0, H, K, BC, BK)
+    k2 = _ldf(kn, row0, 2 * BC, nv, i_h, c0, H, K, BC, BK)
+    k3 = _ldf(kn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
+    q0 = _ldf(qn, row0, 0, nv, i_h, c0, H, K, BC, BK)
+    q1 = _ldf(qn, row0, BC, nv, i_h, c0, H, K, BC, BK)
+    q2 = _ldf(qn, row0, 2 * BC, nv, i_h, c0, H, K, BC, BK)
+    q3 = _ldf(qn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
+    G0 = _ldG(G, row0, 0, nv, i_h, c0, Gl, H, K, BC, BK)
+    G1 = _ldG(G, row0, BC, nv, i_h, c0, Gl, H, K, BC, BK)
+    G2 = _ldG(G, row0, 2 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
+    G3 = _ldG(G, row0, 3 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
+    n1 = _Grow(G, row0, BC - 1, nv, i_h, c0, Gl, H, K, BK)          # G just before sub-chunk 1
+    n2 = _Grow(G, row0, 2 * BC - 1, nv, i_h, c0, Gl, H, K, BK)
+    n3 = _Grow(G, row0, 3 * BC - 1, nv, i_h, c0, Gl, H, K, BK)
+    A10 += _tile(k1, G1, n1, k0, G0, PREC)
+    P10 += _tile(q1, G1, n1, k0, G0, PREC)
+    A20 += _tile(k2, G2, n2, k0, G0, PREC)
+    P20 += _tile(q2, G2, n2, k0, G0, PREC)
+    A21 += _tile(k2, G2, n2, k1, G1, PREC)
+    P21 += _tile(q2, G2, n2, k1, G1, PREC)
+    A30 += _tile(k3, G3, n3, k0, G0, PREC)
+    P30 += _tile(q3, G3, n3, k0, G0, PREC)
+    A31 += _tile(k3, G3, n3, k1, G1, PREC)
+    P31 += _tile(q3, G3, n3, k1, G1, PREC)
+    A32 += _tile(k3, G3, n3, k2, G2, PREC)
+    P32 += _tile(q3, G3, n3, k2, G2, PREC)
+    if EXACT:
+        A00 += _diag_exact(k0, G0, kn, G, row0, 0, nv, i_h, c0, Gl, H, K, BC, BK)
+        P00 += _diag_exact(q0, G0, kn, G, row0, 0, nv, i_h, c0, Gl, H, K, BC, BK)
+        A11 += _diag_exact(k1, G1, kn, G, row0, BC, nv, i_h, c0, Gl, H, K, BC, BK)
+        P11 += _diag_exact(q1, G1, kn, G, row0, BC, nv, i_h, c0, Gl, H, K, BC, BK)
+        A22 += _diag_exact(k2, G2, kn, G, row0, 2 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
+        P22 += _diag_exact(q2, G2, kn, G, row0, 2 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
+        A33 += _diag_exact(k3, G3, kn, G, row0, 3 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
+        P33 += _diag_exact(q3, G3, kn, G, row0, 3 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
+    else:   # |g| <= |lb|: anchors centred in each sub-chunk keep both factors within exp(8|lb|)
+        n0 = tl.zeros([BK], dtype=tl.float32) - shift
+        A00 += _tile(k0, G0, n0, k0, G0, PREC)
+        P00 += _tile(q0, G0, n0, k0, G0, PREC)
+        A11 += _tile(k1, G1, n1 - shift, k1, G1, PREC)
+        P11 += _tile(q1, G1, n1 - shift, k1, G1, PREC)
+        A22 += _tile(k2, G2, n2 - shift, k2, G2, PREC)
+        P22 += _tile(q2, G2, n2 - shift, k2, G2, PREC)
+        A33 += _tile(k3, G3, n3 - shift, k3, G3, PREC)
+        P33 += _tile(q3, G3, n3 - shift, k3, G3, PREC)
+    return A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, P00, P10, P11, P20, P21, P22, P30, P31, P32, P33
+
+
+@triton.jit
+def _wy_rows(ptr, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, r0, r1, r2, r3, row0, nv, i_h, c0,
+             H: tl.constexpr, D: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+    """Store ``X @ [r0; r1; r2; r3]`` (X block lower triangular) as rows of ``ptr``."""
+    _st(ptr, tl.dot(X00, r0, input_precision=PREC), row0, 0, nv, i_h, c0, H, D, BC, BD)
+    _st(ptr, tl.dot(X10, r0, input_precision=PREC) + tl.dot(X11, r1, input_precision=PREC),
+        row0, BC, nv, i_h, c0, H, D, BC, BD)
+    _st(ptr, tl.dot(X20, r0, input_precision=PREC) + tl.dot(X21, r1, input_precision=PREC)
+        + tl.dot(X22, r2, input_precision=PREC), row0, 2 * BC, nv, i_h, c0, H, D, BC, BD)
+    _st(ptr, tl.dot(X30, r0, input_precision=PREC) + tl.dot(X31, r1, input_precision=PREC)
+        + tl.dot(X32, r2, input_precision=PREC) + tl.dot(X33, r3, input_precision=PREC),
+        row0, 3 * BC, nv, i_h, c0, H, D, BC, BD)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_prep_kernel(qn, kn, G, bn, v, Ai, P, w, u, qg, kg, cu_seqlens, chunk_indices, T, shift,
+                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr,
+                        PREC: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    row0, nv = _pos(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = z, z, z, z, z, z, z, z, z, z
+    P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = z, z, z, z, z, z, z, z, z, z
+    for c0 in range(0, K, BK):
+        A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = \
+            _acc_tiles(qn, kn, G, row0, nv, i_h, c0, shift,
+                       A00, A10, A11, A20, A21, A22, A30, A31, A32, A33,
+                       P00, P10, P11, P20, P21, P22, P30, P31, P32, P33, H, K, BC, BK, EXACT, PREC)
+    rows = tl.arange(0, BC)
+    strict = rows[:, None] > rows[None, :]
+    incl = rows[:, None] >= rows[None, :]
+    b0 = _vec(bn, row0, 0, nv, i_h, H, BC)
+    b1 = _vec(bn, row0, BC, nv, i_h, H, BC)
+    b2 = _vec(bn, row0, 2 * BC, nv, i_h, H, BC)
+    b3 = _vec(bn, row0, 3 * BC, nv, i_h, H, BC)
+    # P (causal, diagonal included)
+    _st_blk(P, tl.where(incl, P00, 0.), row0, 0, 0, nv, i_h, H, BT, BC)
+    _st_blk(P, z, row0, 0, BC, nv, i_h, H, BT, BC)
+    _st_blk(P, z, row0, 0, 2 * BC, nv, i_h, H, BT, BC)
+    _st_blk(P, z, row0, 0, 3 * BC, nv, i_h, H, BT, BC)
+    _st_blk(P, P10, row0, BC, 0, nv, i_h, H, BT, BC)
+    _st_blk(P, tl.where(incl, P11, 0.), row0, BC, BC, nv, i_h, H, BT, BC)
+    _st_blk(P, z, row0, BC, 2 * BC, nv, i_h, H, BT, BC)
+    _st_blk(P, z, row0, BC, 3 * BC, nv, i_h, H, BT, BC)
+    _st_blk(P, P20, row0, 2 * BC, 0, nv, i_h, H, BT, BC)
+    _st_blk(P, P21, row0, 2 * BC, BC, nv, i_h, H, BT, BC)
+    _st_blk(P, tl.where(incl, P22, 0.), row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC)
+    _st_blk(P, z, row0, 2 * BC, 3 * BC, nv, i_h, H, BT, BC)
+    _st_blk(P, P30, row0, 3 * BC, 0, nv, i_h, H, BT, BC)
+    _st_blk(P, P31, row0, 3 * BC, BC, nv, i_h, H, BT, BC)
+    _st_blk(P, P32, row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
+    _st_blk(P, tl.where(incl, P33, 0.), row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
+    # Akk (strictly lower, rows scaled by beta) and its inverse
+    A00 = tl.where(strict, A00, 0.) * b0[:, None]
+    A11 = tl.where(strict, A11, 0.) * b1[:, None]
+    A22 = tl.where(strict, A22, 0.) * b2[:, None]
+    A33 = tl.where(strict, A33, 0.) * b3[:, None]
+    A10 = A10 * b1[:, None]
+    A20 = A20 * b2[:, None]
+    A21 = A21 * b2[:, None]
+    A30 = A30 * b3[:, None]
+    A31 = A31 * b3[:, None]
+    A32 = A32 * b3[:, None]
+    X00 = _inv16(A00, BC)
+    X11 = _inv16(A11, BC)
+    X22 = _inv16(A22, BC)
+    X33 = _inv16(A33, BC)
+    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision="ieee"), input_precision="ieee")
+    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision="ieee"), input_precision="ieee")
+    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision="ieee") + tl.dot(A21, X10, input_precision="ieee"),
+                  input_precision="ieee")
+    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision="ieee"), input_precision="ieee")
+    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision="ieee") + tl.dot(A32, X21, input_precision="ieee"),
+                  input_precision="ieee")
+    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision="ieee") + tl.dot(A31, X10, input_precision="ieee")
+                  + tl.dot(A32, X20, input_precision="ieee"), input_precision="ieee")
+    _st_blk(Ai, X00, row0, 0, 0, nv, i_h, H, BT, BC)
+    _st_blk(Ai, z, row0, 0, BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, z, row0, 0, 2 * BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, z, row0, 0, 3 * BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X10, row0, BC, 0, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X11, row0, BC, BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, z, row0, BC, 2 * BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, z, row0, BC, 3 * BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X20, row0, 2 * BC, 0, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X21, row0, 2 * BC, BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X22, row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, z, row0, 2 * BC, 3 * BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X30, row0, 3 * BC, 0, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X31, row0, 3 * BC, BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X32, row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X33, row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
+    # w = Ai (beta exp(G) k), qg = q exp(G), kg = k exp(G_C - G), per K slice; u = Ai (beta v)
+    for c0 in range(0, K, BK):
+        Gl = _row(G, row0, tl.minimum(nv, BT) - 1, nv, i_h, c0, H, K, BK)
+        G0 = _ldG(G, row0, 0, nv, i_h, c0, Gl, H, K, BC, BK)
+        G1 = _ldG(G, row0, BC, nv, i_h, c0, Gl, H, K, BC, BK)
+        G2 = _ldG(G, row0, 2 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
+        G3 = _ldG(G, row0, 3 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
+        k0 = _ldf(kn, row0, 0, nv, i_h, c0, H, K, BC, BK)
+        k1 = _ldf(kn, row0, BC, nv, i_h, c0, H, K, BC, BK)
+        k2 = _ldf(kn, row0, 2 * BC, nv, i_h, c0, H, K, BC, BK)
+        k3 = _ldf(kn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
+        _st(kg, k0 * tl.exp(Gl[None, :] - G0), row0, 0, nv, i_h, c0, H, K, BC, BK)
+        _st(kg, k1 * tl.exp(Gl[None, :] - G1), row0, BC, nv, i_h, c0, H, K, BC, BK)
+        _st(kg, k2 * tl.exp(Gl[None, :] - G2), row0, 2 * BC, nv, i_h, c0, H, K, BC, BK)
+        _st(kg, k3 * tl.exp(Gl[None, :] - G3), row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
+        _wy_rows(w, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33,
+                 k0 * tl.exp(G0) * b0[:, None], k1 * tl.exp(G1) * b1[:, None],
+                 k2 * tl.exp(G2) * b2[:, None], k3 * tl.exp(G3) * b3[:, None], row0, nv, i_h, c0, H, K, BC, BK, PREC)
+        _st(qg, _ldf(qn, row0, 0, nv, i_h, c0, H, K, BC, BK) * tl.exp(G0), row0, 0, nv, i_h, c0, H, K, BC, BK)
+        _st(qg, _ldf(qn, row0, BC, nv, i_h, c0, H, K, BC, BK) * tl.exp(G1), row0, BC, nv, i_h, c0, H, K, BC, BK)
+        _st(qg, _ldf(qn, row0, 2 * BC, nv, i_h, c0, H, K, BC, BK) * tl.exp(G2), row0, 2 * BC, nv, i_h, c0,
+            H, K, BC, BK)
+        _st(qg, _ldf(qn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK) * tl.exp(G3), row0, 3 * BC, nv, i_h, c0,
+            H, K, BC, BK)
+    for c0 in range(0, V, BV):
+        _wy_rows(u, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33,
+                 _ldf(v, row0, 0, nv, i_h, c0, H, V, BC, BV) * b0[:, None],
+                 _ldf(v, row0, BC, nv, i_h, c0, H, V, BC, BV) * b1[:, None],
+                 _ldf(v, row0, 2 * BC, nv, i_h, c0, H, V, BC, BV) * b2[:, None],
+                 _ldf(v, row0, 3 * BC, nv, i_h, c0, H, V, BC, BV) * b3[:, None], row0, nv, i_h, c0, H, V, BC, BV, PREC)
+
+
+# ---------------------------------------------------------------- 3. forward states per chunk
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_fwd_h_kernel(w, u, kg, G, h, vn, h0, cu_seqlens, chunk_offsets, T,
+                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                         USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T_seq, c0 = _seq(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    NT = tl.cdiv(T_seq, BT)
+    offs_k = tl.arange(0, K)
+    v0 = i_v * BV
+    p_s = offs_k[:, None] * V + v0 + tl.arange(0, BV)[None, :]
+    if USE_H0:
+        S = tl.load(h0 + i_nh.to(tl.int64) * K * V + p_s).to(tl.float32)
+    else:
+        S = tl.zeros([K, BV], dtype=tl.float32)
+    for i_t in range(NT):
+        row0 = bos + i_t * BT
+        nv = T_seq - i_t * BT
+        tl.store(h + ((c0 + i_t) * H + i_h) * K * V + p_s, S.to(h.dtype.element_ty))
+        b_w = _ld(w, row0, 0, nv, i_h, 0, H, K, BT, K)
+        b_u = _ldf(u, row0, 0, nv, i_h, v0, H, V, BT, BV)
+        vnew = b_u - tl.dot(b_w, S.to(b_w.dtype), input_precision=PREC)
+        _st(vn, vnew, row0, 0, nv, i_h, v0, H, V, BT, BV)
+        b_kgT = _ldT(kg, row0, 0, nv, i_h, 0, H, K, BT, K)
+        gc = tl.exp(_row(G, row0, tl.minimum(nv, BT) - 1, nv, i_h, 0, H, K, K))
+        S = S * gc[:, None] + tl.dot(b_kgT, vnew.to(b_kgT.dtype), input_precision=PREC)
+
+
+# ---------------------------------------------------------------- 4. reverse state-gradient recurrence
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_dh_kernel(qg, kg, w, P, G, do, dh, dvn, dht, dh0, cu_seqlens, chunk_offsets, T,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                      USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
+                      PREC: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T_seq, c0 = _seq(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    NT = tl.cdiv(T_seq, BT)
+    offs_k = tl.arange(0, K)
+    v0 = i_v * BV
+    p_s = offs_k[:, None] * V + v0 + tl.arange(0, BV)[None, :]
+    if USE_DHT:
+        dS = tl.load(dht + i_nh.to(tl.int64) * K * V + p_s).to(tl.float32)
+    else:
+        dS = tl.zeros([K, BV], dtype=tl.float32)
+    for i in range(NT):
+        i_t = NT - 1 - i
+        row0 = bos + i_t * BT
+        nv = T_seq - i_t * BT
+        tl.store(dh + ((c0 + i_t) * H + i_h) * K * V + p_s, dS.to(dh.dtype.element_ty))
+        b_do = _ld(do, row0, 0, nv, i_h, v0, H, V, BT, BV)
+        b_PT = _ldT(P, row0, 0, nv, i_h, 0, H, BT, BT, BT)
+        b_kg = _ld(kg, row0, 0, nv, i_h, 0, H, K, BT, K)
+        dv = tl.dot(b_PT.to(b_do.dtype), b_do, input_precision=PREC)
+        dv += tl.dot(b_kg, dS.to(b_kg.dtype), input_precision=PREC)
+        _st(dvn, dv, row0, 0, nv, i_h, v0, H, V, BT, BV)
+        b_qgT = _ldT(qg, row0, 0, nv, i_h, 0, H, K, BT, K)
+        b_wT = _ldT(w, row0, 0, nv, i_h, 0, H, K, BT, K)
+        gc = tl.exp(_row(G, row0, tl.minimum(nv, BT) - 1, nv, i_h, 0, H, K, K))
+        dS = dS * gc[:, None] + tl.dot(b_qgT, b_do.to(b_qgT.dtype), input_precision=PREC) \
+            - tl.dot(b_wT, dv.to(b_wT.dtype), input_precision=PREC)
+    if STORE_DH0:
+        tl.store(dh0 + i_nh.to(tl.int64) * K * V + p_s, dS)
+
+
+# ---------------------------------------------------------------- 5. per-chunk inter + WY backward
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_wy_kernel(qn, kn, G, bn, v, vn, Ai, h, dh, do, dvn, dq, dk, dG, dv, db, dAq, dAk,
+                      cu_seqlens, chunk_indices, T,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    row0, nv = _pos(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    rows = tl.arange(0, BT)
+    m = rows < nv
+    DT = vn.dtype.element_ty
+    b = _vec(bn, row0, 0, nv, i_h, H, BT)
+    b_Ai = _ld(Ai, row0, 0, nv, i_h, 0, H, BT, BT, BT).to(DT)
+    b_AiT = tl.trans(b_Ai)
+    dP = tl.zeros([BT, BT], dtype=tl.float32)
+    dAi = tl.zeros([BT, BT], dtype=tl.float32)
+    dbeta = tl.zeros([BT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        b_do = _ld(do, row0, 0, nv, i_h, v0, H, V, BT, BV).to(DT)
+        b_vn = _ld(vn, row0, 0, nv, i_h, v0, H, V, BT, BV)
+        b_dvn = _ld(dvn, row0, 0, nv, i_h, v0, H, V, BT, BV).to(DT)
+        b_v = _ldf(v, row0, 0, nv, i_h, v0, H, V, BT, BV)
+        dP += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+        dvb = tl.dot(b_AiT, b_dvn, input_precision=PREC)
+        _st(dv, dvb * b[:, None], row0, 0, nv, i_h, v0, H, V, BT, BV)
+        dbeta += tl.sum(dvb * b_v, 1)
+        dAi += tl.dot(b_dvn, tl.trans((b_v * b[:, None]).to(DT)), input_precision=PREC)
+    dP = tl.where((rows[:, None] >= rows[None, :]) & m[:, None] & m[None, :], dP, 0.)
+    _st(dAq, dP, row0, 0, nv, i_h, 0, H, BT, BT, BT)
+    last = tl.minimum(nv, BT) - 1
+    p_h = h + (i_c.to(tl.int64) * H + i_h) * K * V
+    p_dh = dh + (i_c.to(tl.int64) * H + i_h) * K * V
+    for k0 in range(0, K, BK):
+        dqg = tl.zeros([BT, BK], dtype=tl.float32)
+        dkg = tl.zeros([BT, BK], dtype=tl.float32)
+        dW = tl.zeros([BT, BK], dtype=tl.float32)
+        dgc = tl.zeros([BK], dtype=tl.float32)
+        for v0 in range(0, V, BV):
+            p_s = (k0 + tl.arange(0, BK))[:, None] * V + v0 + tl.arange(0, BV)[None, :]
+            b_h = tl.load(p_h + p_s).to(DT)
+            b_dh = tl.load(p_dh + p_s).to(DT)
+            b_do = _ld(do, row0, 0, nv, i_h, v0, H, V, BT, BV).to(DT)
+            b_vn = _ld(vn, row0, 0, nv, i_h, v0, H, V, BT, BV)
+            b_dvn = _ld(dvn, row0, 0, nv, i_h, v0, H, V, BT, BV).to(DT)
+            dqg += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
+            dkg += tl.dot(b_vn, tl.trans(b_dh), input_precision=PREC)
+            dW -= tl.dot(b_dvn, tl.trans(b_h), input_precision=PREC)
+            dgc += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+        Gl = _row(G, row0, last, nv, i_h, k0, H, K, BK)
+        b_G = _ldG(G, row0, 0, nv, i_h, k0, Gl, H, K, BT, BK)
+        b_k = _ldf(kn, row0, 0, nv, i_h, k0, H, K, BT, BK)
+        eG = tl.exp(b_G)
+        eC = tl.exp(Gl[None, :] - b_G)
+        kb = b_k * eG * b[:, None]
+        dkb = tl.dot(b_AiT, dW.to(DT), input_precision=PREC)
+        dAi += tl.dot(dW.to(DT), tl.trans(kb.to(DT)), input_precision=PREC)
+        b_q = _ldf(qn, row0, 0, nv, i_h, k0, H, K, BT, BK)
+        kgv = b_k * eC
+        b_dG = dqg * b_q * eG - dkg * kgv + dkb * kb
+        dGC = tl.sum(dkg * kgv, 0) + dgc * tl.exp(Gl)
+        b_dG += tl.where(rows[:, None] == last, dGC[None, :], 0.)
+        dbeta += tl.sum(dkb * b_k * eG, 1)
+        _st(dq, dqg * eG, row0, 0, nv, i_h, k0, H, K, BT, BK)
+        _st(dk, dkg * eC + dkb * b[:, None] * eG, row0, 0, nv, i_h, k0, H, K, BT, BK)
+        _st(dG, b_dG, row0, 0, nv, i_h, k0, H, K, BT, BK)
+    # Ai = (I + Akk)^-1: dAkk = -(Ai^T dAi Ai^T), strictly lower
+    b_Aif = b_Ai.to(tl.float32)
+    dL = tl.dot(tl.trans(b_Aif), tl.dot(dAi, tl.trans(b_Aif), input_precision=PREC), input_precision=PREC)
+    dL = tl.where((rows[:, None] > rows[None, :]) & m[:, None] & m[None, :], -dL, 0.)
+    _st(dAk, dL, row0, 0, nv, i_h, 0, H, BT, BT, BT)
+    tl.store(db + (row0 + rows).to(tl.int64) * H + i_h, dbeta, mask=m)
+
+
+# ---------------------------------------------------------------- 6. intra-chunk backward
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_intra_kernel(qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu_seqlens, chunk_indices, T, NTOK, shift,
+                         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                         IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr):
+    i_ci, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NS: tl.constexpr = BT // BC
+    i_c, i_i = i_ci // NS, i_ci % NS
+    row0, nv = _pos(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    r0 = i_i * BC
+    if r0 >= nv:
+        return
+    k0 = i_k * BK
+    rows = tl.arange(0, BC)
+    mrow = (r0 + rows) < nv
+    nvc = tl.minimum(nv, BT)
+    Gl = _row(G, row0, nvc - 1, nv, i_h, k0, H, K, BK)
+    b_q = _ldf(qn, row0, r0, nv, i_h, k0, H, K, BC, BK)
+    b_k = _ldf(kn, row0, r0, nv, i_h, k0, H, K, BC, BK)
+    b_G = _ldG(G, row0, r0, nv, i_h, k0, Gl, H, K, BC, BK)
+    b_b = _vec(bn, row0, r0, nv, i_h, H, BC)
+    # ---- row side: dq2_i = sum_j dAq_ij k_j e_ij, dk2_i = sum_j dAk_ij k_j e_ij (j <= i)
+    dq2 = tl.zeros([BC, BK], dtype=tl.float32)
+    dk2 = tl.zeros([BC, BK], dtype=tl.float32)
+    if i_i > 0:
+        n = _Grow(G, row0, r0, nv, i_h, k0, Gl, H, K, BK)      # G_j >= n >= G_i: both factors <= 1
+        for j in range(i_i):
+            kJ = _ldf(kn, row0, j * BC, nv, i_h, k0, H, K, BC, BK)
+            GJ = _ldG(G, row0, j * BC, nv, i_h, k0, Gl, H, K, BC, BK)
+            kgJ = kJ * tl.exp(n[None, :] - GJ)
+            dq2 += tl.dot(_ldf(dAq, row0, r0, nv, i_h, j * BC, H, BT, BC, BC), kgJ, input_precision=PREC)
+            dk2 += tl.dot(_ldf(dAk, row0, r0, nv, i_h, j * BC, H, BT, BC, BC), kgJ, input_precision=PREC)
+        eq = tl.exp(b_G - n[None, :])
+        dq2 *= eq
+        dk2 *= eq
+    if EXACT:
+        for j in range(BC):
+            kj = _row(kn, row0, r0 + j, nv, i_h, k0, H, K, BK)
+            Gj = _Grow(G, row0, r0 + j, nv, i_h, k0, Gl, H, K, BK)
+            e = tl.exp(tl.where(rows[:, None] > j, b_G - Gj[None, :], float("-inf")))
+            p_col = dAq + (row0 + r0 + rows).to(tl.int64) * (H * BT) + i_h * BT + r0 + j
+            aq = tl.load(p_col, mask=mrow, other=0.)
+            ak = tl.load(dAk + (row0 + r0 + rows).to(tl.int64) * (H * BT) + i_h * BT + r0 + j, mask=mrow, other=0.)
+            ke = kj[None, :] * e
+            dq2 += aq[:, None] * ke
+            dk2 += ak[:, None] * ke
+    else:
+        n = _Grow(G, row0, r0 - 1, nv, i_h, k0, Gl, H, K, BK) - shift     # row -1 loads as 0
+        gq = tl.exp(b_G - n[None, :])
+        kgk = b_k * tl.exp(n[None, :] - b_G)
+        strict = rows[:, None] > rows[None, :]
+        aq = tl.where(strict, _ldf(dAq, row0, r0, nv, i_h, r0, H, BT, BC, BC), 0.)
+        ak = tl.where(strict, _ldf(dAk, row0, r0, nv, i_h, r0, H, BT, BC, BC), 0.)
+        dq2 += tl.dot(aq, kgk, input_precision=PREC) * gq
+        dk2 += tl.dot(ak, kgk, input_precision=PREC) * gq
+    dbeta = tl.sum(dk2 * b_k, 1)
+    dk2 *= b_b[:, None]
+    b_dG = b_q * dq2 + b_k * dk2
+    # the diagonal i == j of P (decay 1) reaches dq and dk but not dG: kept out of the sums above
+    # (its +/- q_i k_i dP_ii terms would cancel in dG only up to rounding of the large terms)
+    d = tl.load(dAq + (row0 + r0 + rows).to(tl.int64) * (H * BT) + i_h * BT + r0 + rows, mask=mrow, other=0.)
+    dq2 += d[:, None] * b_k
+    # ---- column side: dkt_j = sum_i (dAq_ij q_i + dAk_ij beta_i k_i) e_ij (i >= j)
+    dkt = tl.zeros([BC, BK], dtype=tl.float32)
+    NSv = tl.cdiv(nvc, BC)
+    if i_i < NSv - 1:
+        n = _Grow(G, row0, r0 + BC - 1, nv, i_h, k0, Gl, H, K, BK)   # G_i <= n <= G_j
+        for j in range(i_i + 1, NSv):
+            qJ = _ldf(qn, row0, j * BC, nv, i_h, k0, H, K, BC, BK)
+            kJ = _ldf(kn, row0, j * BC, nv, i_h, k0, H, K, BC, BK)
+            GJ = _ldG(G, row0, j * BC, nv, i_h, k0, Gl, H, K, BC, BK)
+            bJ = _vec(bn, row0, j * BC, nv, i_h, H, BC)
+            eJ = tl.exp(GJ - n[None, :])
+            aqT = _ldT(dAq, row0, j * BC, nv, i_h, r0, H, BT, BC, BC).to(tl.float32)
+            akT = _ldT(dAk, row0, j * BC, nv, i_h, r0, H, BT, BC, BC).to(tl.float32)
+            dkt += tl.dot(aqT, qJ * eJ, input_precision=PREC)
+            dkt += tl.dot(akT, kJ * bJ[:, None] * eJ, input_precision=PREC)
+        dkt *= tl.exp(n[None, :] - b_G)
+    if EXACT:
+        for i in range(BC):
+            qi = _row(qn, row0, r0 + i, nv, i_h, k0, H, K, BK)
+            ki = _row(kn, row0, r0 + i, nv, i_h, k0, H, K, BK)
+            Gi = _Grow(G, row0, r0 + i, nv, i_h, k0, Gl, H, K, BK)
+            ri = tl.zeros([BK], dtype=tl.int64) + (row0 + r0 + i)
+            bi = tl.load(bn + ri * H + i_h, mask=ri < row0 + nv, other=0.)          # beta_i on every lane
+            e = tl.exp(tl.where(rows[:, None] < i, Gi[None, :] - b_G, float("-inf")))
+            p_r = (row0 + r0 + i).to(tl.int64) * (H * BT) + i_h * BT + r0 + rows
+            vi = mrow & ((tl.zeros([BC], dtype=tl.int64) + r0 + i) < nv)
+            aq = tl.load(dAq + p_r, mask=vi, other=0.)
+            ak = tl.load(dAk + p_r, mask=vi, other=0.)
+            dkt += (aq[:, None] * qi[None, :] + ak[:, None] * (bi * ki)[None, :]) * e
+    else:
+        n = _Grow(G, row0, r0 - 1, nv, i_h, k0, Gl, H, K, BK) - shift     # row -1 loads as 0
+        ge = tl.exp(b_G - n[None, :])
+        kn_ = tl.exp(n[None, :] - b_G)
+        upper = rows[:, None] < rows[None, :]
+        aqT = tl.where(upper, _ldT(dAq, row0, r0, nv, i_h, r0, H, BT, BC, BC).to(tl.float32), 0.)
+        akT = tl.where(upper, _ldT(dAk, row0, r0, nv, i_h, r0, H, BT, BC, BC).to(tl.float32), 0.)
+        dkt += tl.dot(aqT, b_q * ge, input_precision=PREC) * kn_
+        dkt += tl.dot(akT, b_k * b_b[:, None] * ge, input_precision=PREC) * kn_
+    b_dG -= b_k * dkt
+    dkt += d[:, None] * b_q
+    _st(dq, _ldf(dq, row0, r0, nv, i_h, k0, H, K, BC, BK) + dq2, row0, r0, nv, i_h, k0, H, K, BC, BK)
+    _st(dk, _ldf(dk, row0, r0, nv, i_h, k0, H, K, BC, BK) + dk2 + dkt, row0, r0, nv, i_h, k0, H, K, BC, BK)
+    _st(dG, _ldf(dG, row0, r0, nv, i_h, k0, H, K, BC, BK) + b_dG, row0, r0, nv, i_h, k0, H, K, BC, BK)
+    tl.store(db + (i_k + 1) * NTOK * H + (row0 + r0 + rows).to(tl.int64) * H + i_h, dbeta, mask=mrow)
+
+
+# ---------------------------------------------------------------- 7. chain rules
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_chain_kernel(q, k, g, A_log, dt_bias, dq, dk, dG, dq_out, dk_out, dg_out, dA_part, ddt_part,
+                         cu_seqlens, chunk_indices, T, scale, lb,
+                         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr,
+                         L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    row0, nv = _pos(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    m = (tl.arange(0, BT) < nv)[:, None]
+    offs_k = tl.arange(0, K)
+    # gate: G = cumsum(gl) inside the chunk -> dgl = reverse cumsum of dG
+    dgl = tl.cumsum(_ldf(dG, row0, 0, nv, i_h, 0, H, K, BT, K), 0, reverse=True)
+    if GATE == 2:
+        dx = dgl
+    else:
+        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        x = _ldf(g, row0, 0, nv, i_h, 0, H, K, BT, K) + tl.load(dt_bias + i_h * K + offs_k).to(tl.float32)[None, :]
+        if GATE == 0:
+            s = tl.sigmoid(a_h * x)
+            d = dgl * lb * s * (1. - s)
+            dx = d * a_h
+            da = tl.where(m, d * a_h * x, 0.)
+        else:
+            sp = tl.maximum(x, 0.) + tl.log(1. + tl.exp(-tl.abs(x)))
+            dx = -a_h * tl.sigmoid(x) * dgl
+            da = tl.where(m, -a_h * sp * dgl, 0.)
+        dx = tl.where(m, dx, 0.)
+        tl.store(ddt_part + (i_c.to(tl.int64) * H + i_h) * K + offs_k, tl.sum(dx, 0))
+        tl.store(dA_part + i_c.to(tl.int64) * H + i_h, tl.sum(tl.sum(da, 1), 0))
+    _st(dg_out, dx, row0, 0, nv, i_h, 0, H, K, BT, K)
+    # q = scale * x / sqrt(|x|^2 + eps): dx = r (dy - r^2 x <x, dy>)
+    dy = _ldf(dq, row0, 0, nv, i_h, 0, H, K, BT, K) * scale
+    if L2NORM:
+        xq = _ldf(q, row0, 0, nv, i_h, 0, H, K, BT, K)
+        r = tl.rsqrt(tl.sum(xq * xq, 1) + 1e-6)[:, None]
+        dy = r * dy - (r * r * r) * xq * tl.sum(xq * dy, 1)[:, None]
+    _st(dq_out, dy, row0, 0, nv, i_h, 0, H, K, BT, K)
+    dy = _ldf(dk, row0, 0, nv, i_h, 0, H, K, BT, K)
+    if L2NORM:
+        xk = _ldf(k, row0, 0, nv, i_h, 0, H, K, BT, K)
+        r = tl.rsqrt(tl.sum(xk * xk, 1) + 1e-6)[:, None]
+        dy = r * dy - (r * r * r) * xk * tl.sum(xk * dy, 1)[:, None]
+    _st(dk_out, dy, row0, 0, nv, i_h, 0, H, K, BT, K)
