@@ -83,10 +83,11 @@ def _check(x, cu=None, seed=0, via=_direct, tol=None):
         assert e < (tol or TOL)[n], f"{n}: {e:.2e}"
 
 
-@pytest.mark.parametrize("T", [1, 17, 64, 65, 130])
-@pytest.mark.parametrize("lb", [-5.0, None])
+@pytest.mark.parametrize(("T", "lb"), [(1, -5.0), (17, -5.0), (64, -5.0), (65, -5.0), (130, -5.0),
+                                       (1, None), (65, None)])
 def test_gradients_all_inputs(T, lb):
-    _check(make(2, T, 2, 16, lb=lb, seed=100 + T), seed=T)
+    B = 2 if lb is not None or T == 1 else 1        # softplus: slow exact loops under the interpreter
+    _check(make(B, T, 2, 16, lb=lb, seed=100 + T), seed=T)
 
 
 def test_gradients_wider_heads_no_initial_state():
@@ -101,9 +102,9 @@ def test_gradients_softplus_strong_decay():
     _check(make(1, 40, 2, 16, lb=None, strong=True, seed=5), seed=6, tol=tol)
 
 
-@pytest.mark.parametrize("lb", [-5.0, None])
-def test_gradients_varlen(lb):
-    _check(make(1, 100, 2, 16, N=4, lb=lb, seed=9), cu=[0, 5, 5, 75, 100], seed=10)
+@pytest.mark.parametrize(("lb", "cu"), [(-5.0, [0, 5, 5, 75, 100]), (None, [0, 5, 5, 70])])
+def test_gradients_varlen(lb, cu):
+    _check(make(1, cu[-1], 2, 16, N=len(cu) - 1, lb=lb, seed=9), cu=cu, seed=10)
 
 
 @pytest.mark.parametrize("lb", [-5.0, None])
