@@ -5,15 +5,20 @@ memory (4.25 TB/s) and compute (679 TFLOP/s bf16) ceilings our kernel reaches. P
 last and writes JSON.
 
     python bench/bench_kda.py --out bench_kda.json [--quick]
+    python bench/bench_kda.py --sweep --out kda_sweep.json [--budget 200]   # forward TUNING variants
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 MEM_BW = 4.25e12
 MATMUL = 679e12
@@ -127,6 +132,160 @@ def sweep(x, shape, lb, ours_fn, chunk_kda):
     return out
 
 
+# ---- --sweep: forward variants of kda.TUNING, per launch, registers/spills, errors ----------------
+SWEEP_SHAPES = [(1, 32768, 32, 128), (8, 4096, 32, 128)]
+SWEEP_EXTRA = [(1, 8192, 96, 128)]          # default and fla only
+#: (name, TUNING overrides); the first is the default. See kda.TUNING for the keys.
+VARIANTS = [
+    ("default", {}),
+    ("akk_w4", {"warps": 4}),
+    ("akk_bk16", {"bk": 16}),
+    ("inv_tf32", {"inv_prec": "tf32"}),
+    ("xb_bf16", {"xb": "io"}),
+    ("wu_w4", {"wu_warps": 4}),
+    ("wu_bk64_bv64", {"wu_bk": 64, "wu_bv": 64}),
+    ("recur_bv64", {"bv": 64}),
+    ("akk_stages2", {"stages": 2}),
+    ("inv_subst", {"inv_dots": False}),
+    ("akk_bk64", {"bk": 64}),
+    ("fused_old", {"intra": "fused"}),
+]
+
+
+def stage_bytes(B, T, H, D):
+    """Bytes each launch must move at least (bf16 io, fp32 Xb; L2 re-reads not counted), per call."""
+    n = B * T * H
+    return {"akk": n * (3 * D * 2 + 2 + 64 * 2 + 64 * 4 + 8), "wu": n * (4 * D * 2 + 64 * 4 + 8 + 4 * D * 2),
+            "recur": n * (3 * D * 2 + 64 * 2 + D * 2 + D * 2)}
+
+
+def _regs(seen):
+    """Registers/spills of the KDA forward kernels compiled since the last call."""
+    from gpu_diag import compiled_kernels
+    from k3ir.backends.triton import kda_fwd_kernels, kda_kernels
+    out = []
+    for mod in (kda_fwd_kernels, kda_kernels):
+        for name, ck in compiled_kernels(mod):
+            if id(ck) in seen:
+                continue
+            seen.add(id(ck))
+            md = ck.metadata
+            out.append({"kernel": name, "regs": getattr(ck, "n_regs", -1), "spill": getattr(ck, "n_spills", -1),
+                        "smem": getattr(md, "shared", -1), "warps": getattr(md, "num_warps", -1),
+                        "stages": getattr(md, "num_stages", -1)})
+    return out
+
+
+def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
+    """Phase 1: default + fla at every sweep shape and gate (and the default at (1,8192,96,128));
+    phase 2: every variant, shape by shape, until ``--budget`` seconds have passed."""
+    from k3ir.backends.triton import kda as KD
+    base = dict(KD.TUNING)
+    t0 = time.time()
+    seen = set()
+    gates = (("k3", -5.0), ("softplus", None))
+    refs = {}
+
+    def one(x, shape, gate, lb, name, over, ref_o, fla_o):
+        KD.TUNING.clear()
+        KD.TUNING.update(base)
+        KD.TUNING.update(over)
+        row = {"kind": "variant", "variant": name, "shape": list(shape), "gate": gate, "tuning": over}
+        try:
+            t = time.time()
+            o, _ = _ours_fwd(kda_forward_kernels, x, lb)()
+            torch.cuda.synchronize()
+            row["first_call_s"] = time.time() - t
+            row["regs"] = _regs(seen)
+            row["ours_ms"] = bench(_ours_fwd(kda_forward_kernels, x, lb), rep=args.rep)
+            launches = ("intra", "recur") if KD.TUNING["intra"] == "fused" else ("akk", "wu", "recur")
+            nb = stage_bytes(*shape)
+            for st in launches:
+                ms = bench(_ours_fwd(kda_forward_kernels, x, lb, stages=(st,)), rep=args.rep)
+                row[f"{st}_ms"] = ms
+                if st in nb:
+                    row[f"{st}_mem_frac"] = nb[st] / MEM_BW / (ms * 1e-3)
+            row["finite"] = bool(torch.isfinite(o).all())
+            if ref_o is not None:
+                row["err_vs_default_o"] = rel(o, ref_o)
+            if fla_o is not None:
+                row["err_vs_fla_o"] = rel(o, fla_o)
+                row["fla_ms"] = refs.get((tuple(shape), gate, "fla_ms"))
+                if row["fla_ms"]:
+                    row["ratio"] = row["fla_ms"] / row["ours_ms"]
+            nbytes, flops = fwd_cost(*shape)
+            row.update(mem_frac=nbytes / MEM_BW / (row["ours_ms"] * 1e-3),
+                       flop_frac=flops / MATMUL / (row["ours_ms"] * 1e-3))
+            del o
+        except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, not fatal
+            row["error"] = repr(e)[:300]
+        KD.TUNING.clear()
+        KD.TUNING.update(base)
+        print(row, flush=True)
+        rows.append(row)
+        save()
+        return row
+
+    # phase 1: defaults and fla
+    for shape in SWEEP_SHAPES + SWEEP_EXTRA:
+        x = inputs(*shape)
+        for gate, lb in gates:
+            fla_o = None
+            if chunk_kda is not None:
+                try:
+                    fla = _fla_fwd(chunk_kda, x, lb)
+                    fla_o = fla()[0]
+                    refs[(tuple(shape), gate, "fla_ms")] = bench(fla, rep=args.rep)
+                except Exception as e:  # noqa: BLE001
+                    print("fla failed:", repr(e)[:200])
+            r = one(x, shape, gate, lb, "default", {}, None, fla_o)
+            if shape in SWEEP_SHAPES:
+                refs[(tuple(shape), gate)] = (r, fla_o, None)
+        del x
+        torch.cuda.empty_cache()
+    # phase 2: variants
+    for shape in SWEEP_SHAPES:
+        x = inputs(*shape)
+        for gate, lb in gates:
+            ref_o, _ = _ours_fwd(kda_forward_kernels, x, lb)()
+            fla_o = refs[(tuple(shape), gate)][1]
+            for name, over in VARIANTS[1:]:
+                if time.time() - t0 > args.budget:
+                    print(f"budget of {args.budget} s used: skipping {name} {shape} {gate}", flush=True)
+                    continue
+                if name == "fused_old" and shape != SWEEP_SHAPES[0]:
+                    continue
+                one(x, shape, gate, lb, name, over, ref_o, fla_o)
+            del ref_o
+        del x
+        torch.cuda.empty_cache()
+
+
+def print_sweep(rows):
+    print(f"\n{'variant':14} {'B,T,H,D':>16} {'gate':8} {'ours ms':>8} {'fla ms':>7} {'fla/ours':>8} "
+          f"{'akk ms':>7} {'wu ms':>7} {'recur ms':>8} {'akk mem%':>8} {'wu mem%':>7} {'err dflt':>8} {'err fla':>8}")
+    for r in rows:
+        if r.get("kind") != "variant":
+            continue
+        if "error" in r:
+            print(f"{r['variant']:14} {','.join(map(str, r['shape'])):>16} {r['gate']:8} ERROR {r['error'][:120]}")
+            continue
+        intra = _fmt(r, "akk_ms", "{:7.3f}") if "akk_ms" in r else _fmt(r, "intra_ms", "{:7.3f}")
+        shp = ",".join(map(str, r["shape"]))
+        print(f"{r['variant']:14} {shp:>16} {r['gate']:8} {_fmt(r, 'ours_ms', '{:8.3f}')} "
+              f"{_fmt(r, 'fla_ms', '{:7.3f}')} {_fmt(r, 'ratio', '{:8.2f}')} {intra:>7} "
+              f"{_fmt(r, 'wu_ms', '{:7.3f}'):>7} "
+              f"{_fmt(r, 'recur_ms', '{:8.3f}')} {_fmt(r, 'akk_mem_frac', '{:8.1%}')} "
+              f"{_fmt(r, 'wu_mem_frac', '{:7.1%}')} {_fmt(r, 'err_vs_default_o', '{:8.1e}')} "
+              f"{_fmt(r, 'err_vs_fla_o', '{:8.1e}')}")
+    print(f"\n{'variant':14} {'gate':8} {'kernel':22} {'regs':>5} {'spill B':>8} {'smem B':>7} {'warps':>5} "
+          f"{'stages':>6}")
+    for r in rows:
+        for k in r.get("regs", []):
+            print(f"{r['variant']:14} {r['gate']:8} {k['kernel']:22} {k['regs']:>5} {k['spill']:>8} {k['smem']:>7} "
+                  f"{k['warps']:>5} {k['stages']:>6}")
+
+
 def bwd_row(x, shape, gate, lb, kda_forward, chunk_kda):
     nbytes, flops = fwd_cost(*shape)
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
@@ -213,6 +372,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="first shape only")
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--bwd-all", action="store_true", help="forward+backward at every shape (default: B1 T32768 H32)")
+    ap.add_argument("--sweep", action="store_true", help="forward variants of kda.TUNING only (see VARIANTS)")
+    ap.add_argument("--budget", type=float, default=200.0, help="--sweep: seconds before variants are skipped")
+    ap.add_argument("--rep", type=int, default=60, help="--sweep: timing window per measurement (ms)")
     args = ap.parse_args()
     from k3ir.backends.triton import kda_decode, kda_forward
     from k3ir.backends.triton.kda import kda_forward_kernels
@@ -230,6 +392,14 @@ def main():
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
+    if args.sweep:
+        try:
+            sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda)
+        finally:
+            print(f"\n{meta}")
+            print_sweep(rows)
+            save()
+        return
     decode_rows(rows, kda_decode, fused_recurrent_kda, save)
     shapes = FWD_SHAPES[:1] if args.quick else FWD_SHAPES
     for shape in shapes:

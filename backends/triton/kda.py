@@ -28,7 +28,7 @@ INTERMEDIATE_DTYPES: dict = {}
 #: ("fp32" or "io" = q's dtype); ``inv_dots``: 16x16 inverses by Neumann dots (else substitution);
 #: ``inv_prec``: input precision of the inverse dots on the GPU; ``bv``, ``recur_*``: the recurrence;
 #: ``intra_warps``: the fused kernel's warps.
-TUNING: dict = {"intra": "split", "bk": 32, "warps": 4, "stages": 1, "wu_bk": 32, "wu_bv": 32, "wu_warps": 4,
+TUNING: dict = {"intra": "split", "bk": 32, "warps": 8, "stages": 1, "wu_bk": 32, "wu_bv": 32, "wu_warps": 8,
                 "wu_stages": 2, "xb": "fp32", "inv_dots": True, "inv_prec": "ieee", "bv": None, "recur_warps": 4,
                 "recur_stages": 2, "intra_warps": 8}
 
@@ -143,11 +143,12 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
                                        device=dev)
         inter["rq"] = rq = torch.empty(B, T, H, dtype=torch.float32, device=dev)
         inter["rk"] = rk = torch.empty_like(rq)
+        Ascr = Xb if Xb.dtype == torch.float32 else torch.empty(B, T, H, BT, dtype=torch.float32, device=dev)
         Gbuf = torch.empty(B, T, H, K, dtype=torch.float32, device=dev) if exact else rq
         bk = min(TUNING["bk"], K)
         if "intra" in stages or "akk" in stages:
             kf.kda_akk_kernel[(NC, H)](
-                q, k, g, beta, A_log, dt_bias, Xb, Aqk, rq, rk, Gbuf, cu_dev, chunk_indices, T, scale, lb,
+                q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, cu_dev, chunk_indices, T, scale, lb,
                 H=H, K=K, BT=BT, BC=BC, BK=bk, L2NORM=gate != "precomputed", BETA_SIGMOID=gate != "precomputed",
                 EXACT=exact, PREC=prec, INV_DOTS=TUNING["inv_dots"],
                 IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"],

@@ -24,8 +24,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kda_kernels import GATE_PRECOMPUTED, GATE_SOFTPLUS
-
 
 @triton.jit
 def _gate(bg, dtb, a_h, lb, GATE: tl.constexpr):
@@ -55,16 +53,6 @@ def _slice(q, k, g, row0, r0, nv, i_h, offs, a_h, dtb, lb,
 
 
 @triton.jit
-def _off(accA, accP, kl, ql, kJ, GJ, GsI, PREC: tl.constexpr):
-    """Off-diagonal block (row sub-chunk I, column sub-chunk J < I): left factors ``exp(G_I - Gs_I)``
-    (in ``kl``, ``ql``), right ``exp(Gs_I - G_J)``, both <= 1."""
-    kr = tl.trans(kJ * tl.exp(GsI[None, :] - GJ))
-    accA = tl.dot(kl, kr, accA, input_precision=PREC)
-    accP = tl.dot(ql, kr, accP, input_precision=PREC)
-    return accA, accP
-
-
-@triton.jit
 def _diag_rows(accA, accP, qI, kI, GI, k, Gbuf, row0, r0, nv, i_h, offs,
                H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
     """Exact diagonal block: ``sum_c x[i,c] k[j,c] exp(G[i,c] - G[j,c])`` for ``j <= i``; row ``j`` of k
@@ -88,32 +76,52 @@ def _diag_rows(accA, accP, qI, kI, GI, k, Gbuf, row0, r0, nv, i_h, offs,
 
 
 @triton.jit
-def _diag(accA, accP, qI, kI, GI, GsI, GeI, kl, ql, k, Gbuf, row0, r0, nv, i_h, offs,
-          H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr, EXACT: tl.constexpr,
-          PREC: tl.constexpr):
-    """Diagonal block of sub-chunk I for one K slice (see the module docstring)."""
-    if EXACT:
-        mid = 0.5 * (GsI + GeI)
-        if GATE == GATE_SOFTPLUS:        # G falls monotonically: the span is Gs - Ge per channel
-            span = tl.max(GsI - GeI, 0)
-        else:
-            span = 2.0 * tl.max(tl.max(tl.abs(GI - mid[None, :]), 1), 0)
-        if span <= 160.0:
-            kr = tl.trans(kI * tl.exp(mid[None, :] - GI))
-            eL = tl.exp(GI - mid[None, :])
-            accA = tl.dot(kI * eL, kr, accA, input_precision=PREC)
-            accP = tl.dot(qI * eL, kr, accP, input_precision=PREC)
-        else:
-            rows = r0 + tl.arange(0, BC)
-            off = (row0 + rows).to(tl.int64)[:, None] * (H * K) + i_h * K + offs[None, :]
-            tl.store(Gbuf + off, GI, mask=(rows < nv)[:, None])
-            tl.debug_barrier()
-            accA, accP = _diag_rows(accA, accP, qI, kI, GI, k, Gbuf, row0, r0, nv, i_h, offs, H, K, BC)
+def _diag(accA, accP, qI, kI, GI, GsI, GeI, k, Gbuf, row0, r0, nv, i_h, offs,
+          H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr):
+    """Diagonal block of sub-chunk I for one K slice, unbounded gates (see the module docstring)."""
+    mid = 0.5 * (GsI + GeI)
+    if GATE == 1:        # softplus: G falls monotonically, the span is Gs - Ge per channel
+        span = tl.max(GsI - GeI, 0)
     else:
-        kr = tl.trans(kI * tl.exp(GsI[None, :] - GI))
-        accA = tl.dot(kl, kr, accA, input_precision=PREC)
-        accP = tl.dot(ql, kr, accP, input_precision=PREC)
+        span = 2.0 * tl.max(tl.max(tl.abs(GI - mid[None, :]), 1), 0)
+    if span <= 160.0:
+        kr = tl.trans(kI * tl.exp(mid[None, :] - GI))
+        eL = tl.exp(GI - mid[None, :])
+        accA = tl.dot(kI * eL, kr, accA, input_precision=PREC)
+        accP = tl.dot(qI * eL, kr, accP, input_precision=PREC)
+    else:
+        rows = r0 + tl.arange(0, BC)
+        off = (row0 + rows).to(tl.int64)[:, None] * (H * K) + i_h * K + offs[None, :]
+        tl.store(Gbuf + off, GI, mask=(rows < nv)[:, None])
+        tl.debug_barrier()
+        accA, accP = _diag_rows(accA, accP, qI, kI, GI, k, Gbuf, row0, r0, nv, i_h, offs, H, K, BC)
     return accA, accP
+
+
+@triton.jit
+def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv, i_h, offs, a_h, dtb, lb,
+           I: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+           GATE: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr):
+    """Row strip ``I`` (16 rows x 64 columns) of A and P for one K slice: one dot each against all
+    earlier rows of the chunk (and, bounded gates, the diagonal block) with reference ``Gs_I``;
+    unbounded gates accumulate the diagonal block separately (``accD``, ``accQ``). Returns the
+    accumulators and the sums of squares of this strip's q and k rows."""
+    qI, kI, gt = _slice(q, k, g, row0, I * BC, nv, i_h, offs, a_h, dtb, lb, H, K, BC, GATE)
+    GI = GsI[None, :] + tl.cumsum(gt, 0)
+    blk = tl.arange(0, BT) // BC
+    if EXACT:
+        keep = blk < I
+    else:
+        keep = blk <= I
+    if (not EXACT) or I > 0:
+        eL = tl.exp(GI - GsI[None, :])
+        kr = tl.trans(tl.where(keep[:, None], kA * tl.exp(GsI[None, :] - G_all), 0.))
+        accA = tl.dot(kI * eL, kr, accA, input_precision=PREC)
+        accP = tl.dot(qI * eL, kr, accP, input_precision=PREC)
+    if EXACT:
+        accD, accQ = _diag(accD, accQ, qI, kI, GI, GsI, GeI, k, Gbuf, row0, I * BC, nv, i_h, offs, H, K, BC,
+                           GATE, PREC)
+    return accA, accP, accD, accQ, tl.sum(qI * qI, 1), tl.sum(kI * kI, 1)
 
 
 @triton.jit
@@ -167,8 +175,42 @@ def _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT: tl.constexpr, IS_VARLEN: t
     return bos + i_t * BT, T_seq - i_t * BT
 
 
+@triton.jit
+def _st_strip(Aqk, Ascr, P, A, D, Q, rqI, rkI, bI, rk_all, row0, nv, i_h,
+              I: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, EXACT: tl.constexpr):
+    """Scales (norms, beta, q scale) and masks strip ``I``; P goes to ``Aqk`` (zeros above the diagonal),
+    A to the fp32 scratch ``Ascr`` (its diagonal block from ``D``/``Q`` when EXACT)."""
+    sub = tl.arange(0, BC)
+    rows = I * BC + sub
+    cols = tl.arange(0, BT)
+    m = (rows < nv)[:, None]
+    off = (row0 + rows).to(tl.int64)[:, None] * (H * BT) + i_h * BT + cols[None, :]
+    P = tl.where(cols[None, :] <= rows[:, None], P, 0.) * rqI[:, None] * rk_all[None, :]
+    A = tl.where(cols[None, :] < rows[:, None], A, 0.) * (bI * rkI)[:, None] * rk_all[None, :]
+    if EXACT:       # the strip holds no diagonal block: store around it, then the block itself
+        outside = (cols[None, :] < I * BC) | (cols[None, :] >= I * BC + BC)
+        tl.store(Aqk + off, P.to(Aqk.dtype.element_ty), mask=m & outside)
+        tl.store(Ascr + off, A, mask=m & outside)
+        offd = (row0 + rows).to(tl.int64)[:, None] * (H * BT) + i_h * BT + I * BC + sub[None, :]
+        tl.store(Aqk + offd, (tl.where(sub[None, :] <= sub[:, None], Q, 0.) * rqI[:, None]
+                              * rkI[None, :]).to(Aqk.dtype.element_ty), mask=m)
+        tl.store(Ascr + offd, tl.where(sub[None, :] < sub[:, None], D, 0.) * (bI * rkI)[:, None] * rkI[None, :],
+                 mask=m)
+    else:
+        tl.store(Aqk + off, P.to(Aqk.dtype.element_ty), mask=m)
+        tl.store(Ascr + off, A, mask=m)
+
+
+@triton.jit
+def _ld(ptr, row0, r0, c0, nv, i_h, H: tl.constexpr, W: tl.constexpr, BC: tl.constexpr):
+    rows = r0 + tl.arange(0, BC)
+    cols = c0 + tl.arange(0, BC)
+    off = (row0 + rows).to(tl.int64)[:, None] * (H * W) + i_h * W + cols[None, :]
+    return tl.load(ptr + off, mask=(rows < nv)[:, None], other=0.).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["T"])
-def kda_akk_kernel(q, k, g, beta, A_log, dt_bias, Xb, Aqk, rq, rk, Gbuf, cu_seqlens, chunk_indices,
+def kda_akk_kernel(q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, cu_seqlens, chunk_indices,
                    T, scale, lb,
                    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                    GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
@@ -176,131 +218,101 @@ def kda_akk_kernel(q, k, g, beta, A_log, dt_bias, Xb, Aqk, rq, rk, Gbuf, cu_seql
                    INV_DOTS: tl.constexpr, IP: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     row0, nv = _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT, IS_VARLEN)
-    if GATE == GATE_PRECOMPUTED:
+    if GATE == 2:
         a_h = 1.0
     else:
         a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    rows = tl.arange(0, BC)
-    strict = rows[:, None] > rows[None, :]
-    incl = rows[:, None] >= rows[None, :]
-    z = tl.zeros([BC, BC], dtype=tl.float32)
-    A10, A20, A21, A30, A31, A32 = z, z, z, z, z, z
-    A00, A11, A22, A33 = z, z, z, z
-    P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = z, z, z, z, z, z, z, z, z, z
+    rows = tl.arange(0, BT)
+    blk = rows // BC
+    m = rows < nv
+    roff = (row0 + rows).to(tl.int64)
+    zs = tl.zeros([BC, BT], dtype=tl.float32)
+    A0, A1, A2, A3, P0, P1, P2, P3 = zs, zs, zs, zs, zs, zs, zs, zs
+    zd = tl.zeros([BC, BC], dtype=tl.float32)
+    D0, D1, D2, D3, Q0, Q1, Q2, Q3 = zd, zd, zd, zd, zd, zd, zd, zd
     zr = tl.zeros([BC], dtype=tl.float32)
     sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3 = zr, zr, zr, zr, zr, zr, zr, zr
+    sk_all = tl.zeros([BT], dtype=tl.float32)
     for c0 in range(0, K, BK):
         offs = c0 + tl.arange(0, BK)
-        if GATE == GATE_PRECOMPUTED:
+        if GATE == 2:
             dtb = tl.zeros([BK], dtype=tl.float32)
         else:
             dtb = tl.load(dt_bias + i_h * K + offs).to(tl.float32)
-        Gs0 = tl.zeros([BK], dtype=tl.float32)
-        # sub-chunk 0
-        q0, k0, gt = _slice(q, k, g, row0, 0, nv, i_h, offs, a_h, dtb, lb, H, K, BC, GATE)
-        G0 = tl.cumsum(gt, 0)
-        Gs1 = tl.sum(gt, 0)
-        sq0 += tl.sum(q0 * q0, 1)
-        sk0 += tl.sum(k0 * k0, 1)
-        eL = tl.exp(G0)
-        A00, P00 = _diag(A00, P00, q0, k0, G0, Gs0, Gs1, k0 * eL, q0 * eL, k, Gbuf, row0, 0, nv, i_h, offs,
-                         H, K, BC, GATE, EXACT, PREC)
-        # sub-chunk 1
-        q1, k1, gt = _slice(q, k, g, row0, BC, nv, i_h, offs, a_h, dtb, lb, H, K, BC, GATE)
-        G1 = Gs1[None, :] + tl.cumsum(gt, 0)
-        Gs2 = Gs1 + tl.sum(gt, 0)
-        sq1 += tl.sum(q1 * q1, 1)
-        sk1 += tl.sum(k1 * k1, 1)
-        eL = tl.exp(G1 - Gs1[None, :])
-        kl, ql = k1 * eL, q1 * eL
-        A10, P10 = _off(A10, P10, kl, ql, k0, G0, Gs1, PREC)
-        A11, P11 = _diag(A11, P11, q1, k1, G1, Gs1, Gs2, kl, ql, k, Gbuf, row0, BC, nv, i_h, offs,
-                         H, K, BC, GATE, EXACT, PREC)
-        # sub-chunk 2
-        q2, k2, gt = _slice(q, k, g, row0, 2 * BC, nv, i_h, offs, a_h, dtb, lb, H, K, BC, GATE)
-        G2 = Gs2[None, :] + tl.cumsum(gt, 0)
-        Gs3 = Gs2 + tl.sum(gt, 0)
-        sq2 += tl.sum(q2 * q2, 1)
-        sk2 += tl.sum(k2 * k2, 1)
-        eL = tl.exp(G2 - Gs2[None, :])
-        kl, ql = k2 * eL, q2 * eL
-        A20, P20 = _off(A20, P20, kl, ql, k0, G0, Gs2, PREC)
-        A21, P21 = _off(A21, P21, kl, ql, k1, G1, Gs2, PREC)
-        A22, P22 = _diag(A22, P22, q2, k2, G2, Gs2, Gs3, kl, ql, k, Gbuf, row0, 2 * BC, nv, i_h, offs,
-                         H, K, BC, GATE, EXACT, PREC)
-        # sub-chunk 3
-        q3, k3, gt = _slice(q, k, g, row0, 3 * BC, nv, i_h, offs, a_h, dtb, lb, H, K, BC, GATE)
-        G3 = Gs3[None, :] + tl.cumsum(gt, 0)
-        Gs4 = Gs3 + tl.sum(gt, 0)
-        sq3 += tl.sum(q3 * q3, 1)
-        sk3 += tl.sum(k3 * k3, 1)
-        eL = tl.exp(G3 - Gs3[None, :])
-        kl, ql = k3 * eL, q3 * eL
-        A30, P30 = _off(A30, P30, kl, ql, k0, G0, Gs3, PREC)
-        A31, P31 = _off(A31, P31, kl, ql, k1, G1, Gs3, PREC)
-        A32, P32 = _off(A32, P32, kl, ql, k2, G2, Gs3, PREC)
-        A33, P33 = _diag(A33, P33, q3, k3, G3, Gs3, Gs4, kl, ql, k, Gbuf, row0, 3 * BC, nv, i_h, offs,
-                         H, K, BC, GATE, EXACT, PREC)
+        off = roff[:, None] * (H * K) + i_h * K + offs[None, :]
+        kA = tl.load(k + off, mask=m[:, None], other=0.).to(tl.float32)
+        bg = tl.load(g + off, mask=m[:, None], other=0.).to(tl.float32)
+        gA = tl.where(m[:, None], _gate(bg, dtb, a_h, lb, GATE), 0.)
+        G_all = tl.cumsum(gA, 0)
+        sk_all += tl.sum(kA * kA, 1)
+        Gs1 = tl.sum(tl.where(blk[:, None] < 1, gA, 0.), 0)
+        Gs2 = tl.sum(tl.where(blk[:, None] < 2, gA, 0.), 0)
+        Gs3 = tl.sum(tl.where(blk[:, None] < 3, gA, 0.), 0)
+        Gs4 = tl.sum(gA, 0)
+        Gs0 = Gs1 * 0.
+        A0, P0, D0, Q0, a, b = _strip(A0, P0, D0, Q0, q, k, g, Gbuf, kA, G_all, Gs0, Gs1, row0, nv, i_h, offs,
+                                      a_h, dtb, lb, 0, H, K, BT, BC, GATE, EXACT, PREC)
+        sq0 += a
+        sk0 += b
+        A1, P1, D1, Q1, a, b = _strip(A1, P1, D1, Q1, q, k, g, Gbuf, kA, G_all, Gs1, Gs2, row0, nv, i_h, offs,
+                                      a_h, dtb, lb, 1, H, K, BT, BC, GATE, EXACT, PREC)
+        sq1 += a
+        sk1 += b
+        A2, P2, D2, Q2, a, b = _strip(A2, P2, D2, Q2, q, k, g, Gbuf, kA, G_all, Gs2, Gs3, row0, nv, i_h, offs,
+                                      a_h, dtb, lb, 2, H, K, BT, BC, GATE, EXACT, PREC)
+        sq2 += a
+        sk2 += b
+        A3, P3, D3, Q3, a, b = _strip(A3, P3, D3, Q3, q, k, g, Gbuf, kA, G_all, Gs3, Gs4, row0, nv, i_h, offs,
+                                      a_h, dtb, lb, 3, H, K, BT, BC, GATE, EXACT, PREC)
+        sq3 += a
+        sk3 += b
 
     # ---- row scales: L2 norms (eps 1e-6), q scale, beta
     if L2NORM:
         rq0, rq1 = tl.rsqrt(sq0 + 1e-6) * scale, tl.rsqrt(sq1 + 1e-6) * scale
         rq2, rq3 = tl.rsqrt(sq2 + 1e-6) * scale, tl.rsqrt(sq3 + 1e-6) * scale
         rk0, rk1, rk2, rk3 = tl.rsqrt(sk0 + 1e-6), tl.rsqrt(sk1 + 1e-6), tl.rsqrt(sk2 + 1e-6), tl.rsqrt(sk3 + 1e-6)
+        rk_all = tl.rsqrt(sk_all + 1e-6)
     else:
         rq0, rq1, rq2, rq3 = zr + scale, zr + scale, zr + scale, zr + scale
         rk0, rk1, rk2, rk3 = zr + 1., zr + 1., zr + 1., zr + 1.
+        rk_all = sk_all * 0. + 1.
     _st_vec(rq, rq0, row0, 0, nv, i_h, H, BC)
     _st_vec(rq, rq1, row0, BC, nv, i_h, H, BC)
     _st_vec(rq, rq2, row0, 2 * BC, nv, i_h, H, BC)
     _st_vec(rq, rq3, row0, 3 * BC, nv, i_h, H, BC)
-    _st_vec(rk, rk0, row0, 0, nv, i_h, H, BC)
-    _st_vec(rk, rk1, row0, BC, nv, i_h, H, BC)
-    _st_vec(rk, rk2, row0, 2 * BC, nv, i_h, H, BC)
-    _st_vec(rk, rk3, row0, 3 * BC, nv, i_h, H, BC)
-    b0 = tl.load(beta + (row0 + rows).to(tl.int64) * H + i_h, mask=rows < nv, other=0.).to(tl.float32)
-    b1 = tl.load(beta + (row0 + BC + rows).to(tl.int64) * H + i_h, mask=BC + rows < nv, other=0.).to(tl.float32)
-    b2 = tl.load(beta + (row0 + 2 * BC + rows).to(tl.int64) * H + i_h, mask=2 * BC + rows < nv,
+    tl.store(rk + roff * H + i_h, rk_all, mask=m)
+    sub = tl.arange(0, BC)
+    b0 = tl.load(beta + (row0 + sub).to(tl.int64) * H + i_h, mask=sub < nv, other=0.).to(tl.float32)
+    b1 = tl.load(beta + (row0 + BC + sub).to(tl.int64) * H + i_h, mask=BC + sub < nv, other=0.).to(tl.float32)
+    b2 = tl.load(beta + (row0 + 2 * BC + sub).to(tl.int64) * H + i_h, mask=2 * BC + sub < nv,
                  other=0.).to(tl.float32)
-    b3 = tl.load(beta + (row0 + 3 * BC + rows).to(tl.int64) * H + i_h, mask=3 * BC + rows < nv,
+    b3 = tl.load(beta + (row0 + 3 * BC + sub).to(tl.int64) * H + i_h, mask=3 * BC + sub < nv,
                  other=0.).to(tl.float32)
     if BETA_SIGMOID:
         b0, b1, b2, b3 = tl.sigmoid(b0), tl.sigmoid(b1), tl.sigmoid(b2), tl.sigmoid(b3)
-    b0 = tl.where(rows < nv, b0, 0.)
-    b1 = tl.where(BC + rows < nv, b1, 0.)
-    b2 = tl.where(2 * BC + rows < nv, b2, 0.)
-    b3 = tl.where(3 * BC + rows < nv, b3, 0.)
+    b0 = tl.where(sub < nv, b0, 0.)
+    b1 = tl.where(BC + sub < nv, b1, 0.)
+    b2 = tl.where(2 * BC + sub < nv, b2, 0.)
+    b3 = tl.where(3 * BC + sub < nv, b3, 0.)
 
-    # ---- P = scale diag(rq) (...) diag(rk), causal; zeros above the diagonal blocks
-    _st(Aqk, tl.where(incl, P00, 0.) * rq0[:, None] * rk0[None, :], row0, 0, 0, nv, i_h, H, BT, BC)
-    _st(Aqk, z, row0, 0, BC, nv, i_h, H, BT, BC)
-    _st(Aqk, z, row0, 0, 2 * BC, nv, i_h, H, BT, BC)
-    _st(Aqk, z, row0, 0, 3 * BC, nv, i_h, H, BT, BC)
-    _st(Aqk, P10 * rq1[:, None] * rk0[None, :], row0, BC, 0, nv, i_h, H, BT, BC)
-    _st(Aqk, tl.where(incl, P11, 0.) * rq1[:, None] * rk1[None, :], row0, BC, BC, nv, i_h, H, BT, BC)
-    _st(Aqk, z, row0, BC, 2 * BC, nv, i_h, H, BT, BC)
-    _st(Aqk, z, row0, BC, 3 * BC, nv, i_h, H, BT, BC)
-    _st(Aqk, P20 * rq2[:, None] * rk0[None, :], row0, 2 * BC, 0, nv, i_h, H, BT, BC)
-    _st(Aqk, P21 * rq2[:, None] * rk1[None, :], row0, 2 * BC, BC, nv, i_h, H, BT, BC)
-    _st(Aqk, tl.where(incl, P22, 0.) * rq2[:, None] * rk2[None, :], row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC)
-    _st(Aqk, z, row0, 2 * BC, 3 * BC, nv, i_h, H, BT, BC)
-    _st(Aqk, P30 * rq3[:, None] * rk0[None, :], row0, 3 * BC, 0, nv, i_h, H, BT, BC)
-    _st(Aqk, P31 * rq3[:, None] * rk1[None, :], row0, 3 * BC, BC, nv, i_h, H, BT, BC)
-    _st(Aqk, P32 * rq3[:, None] * rk2[None, :], row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
-    _st(Aqk, tl.where(incl, P33, 0.) * rq3[:, None] * rk3[None, :], row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
-
-    # ---- A = diag(beta rk) (...) diag(rk), strictly lower; (I + A)^-1 by blocks
-    w0, w1, w2, w3 = b0 * rk0, b1 * rk1, b2 * rk2, b3 * rk3
-    A00 = tl.where(strict, A00, 0.) * w0[:, None] * rk0[None, :]
-    A11 = tl.where(strict, A11, 0.) * w1[:, None] * rk1[None, :]
-    A22 = tl.where(strict, A22, 0.) * w2[:, None] * rk2[None, :]
-    A33 = tl.where(strict, A33, 0.) * w3[:, None] * rk3[None, :]
-    A10 = A10 * w1[:, None] * rk0[None, :]
-    A20 = A20 * w2[:, None] * rk0[None, :]
-    A21 = A21 * w2[:, None] * rk1[None, :]
-    A30 = A30 * w3[:, None] * rk0[None, :]
-    A31 = A31 * w3[:, None] * rk1[None, :]
-    A32 = A32 * w3[:, None] * rk2[None, :]
+    # ---- P to Aqk, A to the scratch; then (I + A)^-1 by blocks from there
+    _st_strip(Aqk, Ascr, P0, A0, D0, Q0, rq0, rk0, b0, rk_all, row0, nv, i_h, 0, H, BT, BC, EXACT)
+    _st_strip(Aqk, Ascr, P1, A1, D1, Q1, rq1, rk1, b1, rk_all, row0, nv, i_h, 1, H, BT, BC, EXACT)
+    _st_strip(Aqk, Ascr, P2, A2, D2, Q2, rq2, rk2, b2, rk_all, row0, nv, i_h, 2, H, BT, BC, EXACT)
+    _st_strip(Aqk, Ascr, P3, A3, D3, Q3, rq3, rk3, b3, rk_all, row0, nv, i_h, 3, H, BT, BC, EXACT)
+    tl.debug_barrier()
+    A00 = _ld(Ascr, row0, 0, 0, nv, i_h, H, BT, BC)
+    A10 = _ld(Ascr, row0, BC, 0, nv, i_h, H, BT, BC)
+    A11 = _ld(Ascr, row0, BC, BC, nv, i_h, H, BT, BC)
+    A20 = _ld(Ascr, row0, 2 * BC, 0, nv, i_h, H, BT, BC)
+    A21 = _ld(Ascr, row0, 2 * BC, BC, nv, i_h, H, BT, BC)
+    A22 = _ld(Ascr, row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC)
+    A30 = _ld(Ascr, row0, 3 * BC, 0, nv, i_h, H, BT, BC)
+    A31 = _ld(Ascr, row0, 3 * BC, BC, nv, i_h, H, BT, BC)
+    A32 = _ld(Ascr, row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
+    A33 = _ld(Ascr, row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
+    tl.debug_barrier()
     X00 = _inv16(A00, BC, INV_DOTS, IP)
     X11 = _inv16(A11, BC, INV_DOTS, IP)
     X22 = _inv16(A22, BC, INV_DOTS, IP)
@@ -335,7 +347,7 @@ def kda_wu_kernel(q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, cu_s
                   DOT_F32: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     row0, nv = _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT, IS_VARLEN)
-    if GATE == GATE_PRECOMPUTED:
+    if GATE == 2:
         a_h = 1.0
     else:
         a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
@@ -350,7 +362,7 @@ def kda_wu_kernel(q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, cu_s
     b_rk = tl.load(rk + roff * H + i_h, mask=m, other=0.)
     for c0 in range(0, K, BK):
         offs = c0 + tl.arange(0, BK)
-        if GATE == GATE_PRECOMPUTED:
+        if GATE == 2:
             dtb = tl.zeros([BK], dtype=tl.float32)
         else:
             dtb = tl.load(dt_bias + i_h * K + offs).to(tl.float32)
