@@ -39,10 +39,10 @@ def test_k3_tiny_prefill_decode_match_reference():
     want, s_ref = ref.prefill(ids)
     got, s_tri = tri.prefill(ids)
     assert rel_err(got.double().numpy(), want) < 1e-4
-    nxt = np.array([[3], [200]])
-    want, _ = ref.decode(nxt, s_ref)
-    got, _ = tri.decode(nxt, s_tri)
-    assert rel_err(got.double().numpy(), want) < 1e-4
+    for nxt in (np.array([[3], [200]]), np.array([[9], [41]])):     # twice: cached fused weights reused
+        want, s_ref = ref.decode(nxt, s_ref)
+        got, s_tri = tri.decode(nxt, s_tri)
+        assert rel_err(got.double().numpy(), want) < 1e-4
     assert rel_err(got[0].double().numpy(), got[1].double().numpy()) > 1e-2     # rows differ
 
 

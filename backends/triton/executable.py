@@ -11,6 +11,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..torch import TorchExecutable
 from . import layer
@@ -54,7 +55,7 @@ def _lin(x, w):
 
 
 #: concatenated projection weights of a KDA layer's decode step, keyed by the first weight (weakly)
-_CAT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CAT = WeakIdKeyDictionary()
 
 
 def _cat_weights(ws, dtype):
