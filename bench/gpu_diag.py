@@ -1,14 +1,19 @@
 """Where the time goes on the GPU (issues 5 and 6): registers and spills of every compiled Triton
 kernel of the triton target, and a kernel-time profile of one decode step of a model.
 
-    python3 bench/gpu_diag.py [--sections regs,decode] [--model kimi-linear-6p6b] [--batch 1]
+    python3 bench/gpu_diag.py [--sections regs,count,decode,prefill] [--model kimi-linear-6p6b] [--batch 1]
+                              [--prefill 1x4096,8x2048] [--small]
+    TRITON_INTERPRET=1 python bench/gpu_diag.py --sections count --small      # on the CPU
 
 ``regs``: runs the KDA forward (K3 gate and softplus, B1 T4096 H32 D128), the MoE grouped GEMMs
 (bf16 and MXFP4, K3 expert shape, 16 experts) and MLA kernels once, then lists every compiled
 kernel with its registers per thread, spilled bytes, shared memory and warps (a kernel that
 spills is the first suspect when it runs far below both ceilings).
-``decode``: a model with random weights, a 512-token prefill, then one decode step under
-``torch.profiler`` run eagerly (kernel table, top 25 by GPU time) and the CUDA-graph step time.
+``count``: launches and torch ops of one eager decode step per IR op, with the bytes each touches
+(runs on the CPU too). ``decode``: random weights, a 64-token prefill, one eager decode step under
+``torch.profiler`` (GPU time per IR op, kernel table), then the CUDA-graph step time, the bare
+replay time and a kernel table of one replay. ``prefill``: per shape, a warm-up of the same shape,
+the wall time and the same two tables.
 """
 from __future__ import annotations
 
@@ -74,40 +79,205 @@ def section_regs():
                   f"{getattr(md, 'shared', -1):>8} {getattr(md, 'num_warps', -1):>5} {getattr(md, 'num_stages', -1):>6}")
 
 
-def section_decode(model, batch):
+KL_SMALL = {"num_hidden_layers": 2, "hidden_size": 256, "vocab_size": 512, "num_experts": 8, "moe_intermediate_size": 128,
+            "intermediate_size": 512, "first_k_dense_replace": 0, "layer_types": ["linear_attention", "full_attention"],
+            "mlp_layer_types": ["sparse", "sparse"],
+            "linear_attn_config": {"full_attn_layers": [2], "kda_layers": [1], "head_dim": 128, "num_heads": 16,
+                                   "short_conv_kernel_size": 4}}
+
+
+def _log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _ir_ranges(on=True):
+    """Wrap every top-level IR op of the triton executable in ``record_function('ir:<op>')`` so the
+    profiler attributes GPU time per IR op (``CUDA total`` of the range)."""
+    from k3ir.backends.triton import lowering
+    cls = lowering.PlanInterpreter
+    if not hasattr(cls, "_orig_exec_op"):
+        cls._orig_exec_op = cls.exec_op
+    if not on:
+        cls.exec_op = cls._orig_exec_op
+        return
+    depth = [0]
+
+    def exec_op(self, op, env, observe=True):
+        if depth[0] or op.name == "k3.param":
+            return cls._orig_exec_op(self, op, env, observe)
+        depth[0] += 1
+        try:
+            with torch.profiler.record_function(f"ir:{op.name}"):
+                return cls._orig_exec_op(self, op, env, observe)
+        finally:
+            depth[0] -= 1
+    cls.exec_op = exec_op
+
+
+def _dev_us(e):
+    return getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+
+
+def _tables(prof, title, n=25):
+    ev = prof.key_averages()
+    ir = sorted((e for e in ev if e.key.startswith("ir:")), key=_dev_us, reverse=True)
+    tot = sum(_dev_us(e) for e in ir)
+    if ir:
+        print(f"\n{title}: GPU time per IR op (sum {tot / 1e3:.3f} ms)")
+        print(f"{'IR op':<28} {'calls':>6} {'GPU ms':>9} {'share':>6}")
+        for e in ir:
+            print(f"{e.key[3:]:<28} {e.count:>6} {_dev_us(e) / 1e3:>9.3f} {_dev_us(e) / max(tot, 1e-9):>6.1%}")
+    kern = sorted((e for e in ev if not e.key.startswith("ir:") and getattr(e, "self_device_time_total",
+                                                                           getattr(e, "self_cuda_time_total", 0)) > 0),
+                  key=lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)),
+                  reverse=True)
+    ktot = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in kern)
+    nk = sum(e.count for e in kern)
+    print(f"\n{title}: kernels ({nk} launches, {ktot / 1e3:.3f} ms GPU), top {n}")
+    print(f"{'kernel':<70} {'calls':>6} {'GPU ms':>9} {'avg us':>8}")
+    for e in kern[:n]:
+        t = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+        print(f"{e.key[:70]:<70} {e.count:>6} {t / 1e3:>9.3f} {t / max(e.count, 1):>8.1f}")
+
+
+def _session(model, small):
     from bench_models import gpu_params
     from k3ir.runtime import Session
 
     import k3ir
-    m = k3ir.load(model)
-    exe = k3ir.compile(m, target="triton", dtype="bfloat16", device="cuda")
-    sess = Session(exe, params=gpu_params(exe.module))
-    ids = np.random.default_rng(0).integers(3, 1000, (batch, 512))
+    m = k3ir.load(model, KL_SMALL if small else None)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    import bench_models
+    bench_models.DEV = dev
+    exe = k3ir.compile(m, target="triton", dtype="bfloat16" if dev == "cuda" else "float32", device=dev)
+    return Session(exe, params=gpu_params(exe.module)), exe
+
+
+def section_count(model, batch, small):
+    """Kernel launches and torch ops of ONE eager decode step, per IR op (no GPU needed: on the CPU
+    run it under TRITON_INTERPRET=1 with --small). Bytes = sizes of the tensors each launch touches
+    (an upper bound: a grouped GEMM is charged every expert's weights)."""
+    import collections
+
+    from k3ir.backends.triton import lowering
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    sess, exe = _session(model, small)
+    _log("session ready")
+    _, st = sess.prefill(np.random.default_rng(0).integers(3, 500, (batch, 16)))
+    exe.cuda_graphs = False
+    nxt = np.full((batch, 1), 7)
+    _, st = sess.decode(nxt, st)          # compile + fused weights
+    log, cur = [], {"op": None, "kern": 0}
+    skip = {"view", "_unsafe_view", "reshape", "expand", "t", "transpose", "permute", "select", "slice", "unsqueeze",
+            "squeeze", "as_strided", "alias", "detach", "empty", "empty_like", "new_empty", "empty_strided", "split",
+            "split_with_sizes", "unbind", "lift_fresh", "_local_scalar_dense"}
+
+    def nb(t):
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if not cur["kern"] and name not in skip:
+                log.append(("torch", name, cur["op"], sum(nb(a) for a in tree_leaves((args, kwargs, out)))))
+            return out
+    import triton
+    kinds = [triton.runtime.jit.JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        kinds.append(InterpretedFunction)
+    except ImportError:
+        pass
+    origs = {k: k.run for k in kinds}
+
+    def hook(orig):
+        def run(self, *args, grid, warmup, **kw):
+            if not warmup:
+                name = getattr(getattr(self, "fn", None), "__name__", None) or getattr(self, "__name__", "?")
+                log.append(("triton", name, cur["op"], sum(nb(a) for a in args)))
+            cur["kern"] += 1
+            try:
+                return orig(self, *args, grid=grid, warmup=warmup, **kw)
+            finally:
+                cur["kern"] -= 1
+        return run
+    for k in kinds:
+        k.run = hook(origs[k])
+    oe = lowering.PlanInterpreter.exec_op
+
+    def exec_op(self, op, env, observe=True):
+        top = cur["op"] is None
+        if top:
+            cur["op"] = op.name
+        try:
+            return oe(self, op, env, observe)
+        finally:
+            if top:
+                cur["op"] = None
+    lowering.PlanInterpreter.exec_op = exec_op
+    try:
+        with Mode():
+            sess.decode(nxt, st)
+    finally:
+        lowering.PlanInterpreter.exec_op = oe
+        for k in kinds:
+            k.run = origs[k]
+    per_op, per_k = collections.Counter(), collections.Counter()
+    byt = collections.Counter()
+    for kind, name, op, b in log:
+        per_op[op] += 1
+        per_k[(kind, name)] += 1
+        byt[(kind, name)] += b
+    print(f"\none eager decode step, batch {batch}: {len(log)} launches "
+          f"({sum(1 for r in log if r[0] == 'triton')} Triton); at ~4 us each inside a graph: "
+          f"{len(log) * 4e-3:.2f} ms")
+    print(f"{'IR op':<24} {'launches':>8}")
+    for k, v in per_op.most_common():
+        print(f"{k!s:<24} {v:>8}")
+    print(f"\n{'kind':<7} {'kernel/op':<28} {'count':>6} {'MB touched':>11} {'us at 4.25TB/s':>15}")
+    for k, v in sorted(byt.items(), key=lambda kv: -kv[1]):
+        print(f"{k[0]:<7} {k[1]:<28} {per_k[k]:>6} {v / 1e6:>11.2f} {v / 4.25e12 * 1e6:>15.1f}")
+
+
+def section_decode(model, batch, small, prompt=64):
+    """One decode step: eager under the profiler (per-IR-op and kernel tables), then the CUDA-graph
+    step (Session.decode and bare replay) and a profile of one replay."""
+    from torch.profiler import ProfilerActivity, profile
+    sess, exe = _session(model, small)
+    _log("session ready")
+    ids = np.random.default_rng(0).integers(3, 500, (batch, prompt))
     _, st = sess.prefill(ids)
+    torch.cuda.synchronize()
+    _log(f"prefill {batch}x{prompt} done")
     nxt = np.full((batch, 1), 7)
     exe.cuda_graphs = False
     for _ in range(2):
         _, st = sess.decode(nxt, st)
     torch.cuda.synchronize()
-    from torch.profiler import ProfilerActivity, profile
+    _log("eager decode warm")
+    _ir_ranges(True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _, st = sess.decode(nxt, st)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+    _ir_ranges(False)
+    _tables(prof, f"eager decode step B{batch}")
     t = time.perf_counter()
     for _ in range(5):
         _, st = sess.decode(nxt, st)
     torch.cuda.synchronize()
-    print(f"eager decode step: {(time.perf_counter() - t) / 5 * 1e3:.2f} ms")
+    print(f"eager decode step: {(time.perf_counter() - t) / 5 * 1e3:.2f} ms", flush=True)
     exe.cuda_graphs = True
     for _ in range(2):
         _, st = sess.decode(nxt, st)
     torch.cuda.synchronize()
+    _log("graph captured")
     t = time.perf_counter()
     for _ in range(10):
         _, st = sess.decode(nxt, st)
     torch.cuda.synchronize()
-    print(f"graph decode step (Session.decode, incl. host): {(time.perf_counter() - t) / 10 * 1e3:.2f} ms")
+    print(f"graph decode step (Session.decode, incl. host): {(time.perf_counter() - t) / 10 * 1e3:.3f} ms")
     gd = exe._graph
     if gd is not None and gd.graph is not None:
         gd.graph.replay()
@@ -116,7 +286,33 @@ def section_decode(model, batch):
         for _ in range(20):
             gd.graph.replay()
         torch.cuda.synchronize()
-        print(f"graph replay alone: {(time.perf_counter() - t) / 20 * 1e3:.3f} ms")
+        print(f"graph replay alone: {(time.perf_counter() - t) / 20 * 1e3:.3f} ms", flush=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            gd.graph.replay()
+            torch.cuda.synchronize()
+        _tables(prof, f"graph replay B{batch}", n=30)
+
+
+def section_prefill(model, shapes, small):
+    """One prefill per shape after a warm-up of the same shape: wall time, per-IR-op and kernel tables."""
+    from torch.profiler import ProfilerActivity, profile
+    sess, _ = _session(model, small)
+    _log("session ready")
+    for B, T in shapes:
+        ids = np.random.default_rng(1).integers(3, 500, (B, T))
+        sess.prefill(ids)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        sess.prefill(ids)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        print(f"prefill B{B} T{T}: {dt * 1e3:.1f} ms = {B * T / dt:,.0f} tok/s", flush=True)
+        _ir_ranges(True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            sess.prefill(ids)
+            torch.cuda.synchronize()
+        _ir_ranges(False)
+        _tables(prof, f"prefill B{B} T{T}")
 
 
 def main():
@@ -124,14 +320,30 @@ def main():
     ap.add_argument("--sections", default="regs,decode")
     ap.add_argument("--model", default="kimi-linear-6p6b")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--small", action="store_true", help="a 2-layer hidden-256 Kimi Linear (CPU interpreter)")
+    ap.add_argument("--prefill", default="1x4096,8x2048", help="prefill shapes BxT,BxT")
     a = ap.parse_args()
+    shapes = [tuple(int(v) for v in p.split("x")) for p in a.prefill.split(",")]
     for s in a.sections.split(","):
-        print(f"==== {s}", flush=True)
+        _log(f"==== {s}")
         try:
-            section_regs() if s == "regs" else section_decode(a.model, a.batch)
+            if s == "regs":
+                section_regs()
+            elif s == "count":
+                section_count(a.model, a.batch, a.small)
+            elif s == "decode":
+                section_decode(a.model, a.batch, a.small)
+            elif s == "prefill":
+                section_prefill(a.model, shapes, a.small)
+            else:
+                print(f"unknown section {s}")
         except Exception:  # noqa: BLE001 - a diagnostic: print and go on to the next section
             import traceback
             traceback.print_exc()
+        if torch.cuda.is_available():
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
