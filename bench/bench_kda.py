@@ -138,6 +138,7 @@ SWEEP_EXTRA = [(1, 8192, 96, 128)]          # default and fla only
 #: (name, TUNING overrides); the first is the default. See kda.TUNING for the keys.
 VARIANTS = [
     ("default", {}),
+    ("order_k", {"order": "k"}),
     ("akk_w4", {"warps": 4}),
     ("akk_bk16", {"bk": 16}),
     ("inv_tf32", {"inv_prec": "tf32"}),

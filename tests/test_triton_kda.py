@@ -142,6 +142,7 @@ def _mixed_strong(x, K):
 @pytest.mark.parametrize("variant", [
     {"bk": 16, "wu_bk": 16, "wu_bv": 16},
     {"bk": 32, "inv_dots": False, "xb": "io"},
+    {"order": "k", "bk": 16, "warps": 4},
     {"intra": "fused"},
 ])
 @pytest.mark.parametrize("case", ["k3", "softplus", "mixed"])

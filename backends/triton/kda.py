@@ -23,14 +23,16 @@ BT, BC = 64, 16
 INTERMEDIATE_DTYPES: dict = {}
 #: launch choices (``bench/bench_kda.py --sweep`` sweeps them). ``intra``: "split" (``kda_akk_kernel`` then
 #: ``kda_wu_kernel``, kda_fwd_kernels.py) or "fused" (the one-launch ``kda_intra_kernel``); ``bk``/``warps``/
-#: ``stages``: K-slice width, warps and pipeline stages of the A/P/inverse launch; ``wu_bk``, ``wu_bv``,
+#: ``stages``: K-slice width, warps and pipeline stages of the A/P/inverse launch; ``order``: its loop order,
+#: "strip" (per 16-row strip the whole K loop: few live registers, gate recomputed per strip) or "k" (one
+#: K loop accumulating all four strips); ``wu_bk``, ``wu_bv``,
 #: ``wu_warps``, ``wu_stages``: the w/u launch; ``xb``: dtype of ``(I+A)^-1 diag(beta)`` between them
 #: ("fp32" or "io" = q's dtype); ``inv_dots``: 16x16 inverses by Neumann dots (else substitution);
 #: ``inv_prec``: input precision of the inverse dots on the GPU; ``bv``, ``recur_*``: the recurrence;
 #: ``intra_warps``: the fused kernel's warps.
-TUNING: dict = {"intra": "split", "bk": 32, "warps": 8, "stages": 1, "wu_bk": 32, "wu_bv": 32, "wu_warps": 8,
-                "wu_stages": 2, "xb": "fp32", "inv_dots": True, "inv_prec": "ieee", "bv": None, "recur_warps": 4,
-                "recur_stages": 2, "intra_warps": 8}
+TUNING: dict = {"intra": "split", "order": "strip", "bk": 32, "warps": 8, "stages": 1, "wu_bk": 32, "wu_bv": 32,
+                "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True, "inv_prec": "ieee", "bv": None,
+                "recur_warps": 4, "recur_stages": 2, "intra_warps": 8}
 
 
 def _bwd_mode() -> str:
@@ -150,7 +152,7 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
             kf.kda_akk_kernel[(NC, H)](
                 q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, cu_dev, chunk_indices, T, scale, lb,
                 H=H, K=K, BT=BT, BC=BC, BK=bk, L2NORM=gate != "precomputed", BETA_SIGMOID=gate != "precomputed",
-                EXACT=exact, PREC=prec, INV_DOTS=TUNING["inv_dots"],
+                EXACT=exact, PREC=prec, INV_DOTS=TUNING["inv_dots"], STRIP_OUTER=TUNING["order"] == "strip",
                 IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"],
                 num_warps=TUNING["warps"], num_stages=TUNING["stages"], **common)
         if "intra" in stages or "wu" in stages:

@@ -209,19 +209,74 @@ def _ld(ptr, row0, r0, c0, nv, i_h, H: tl.constexpr, W: tl.constexpr, BC: tl.con
     return tl.load(ptr + off, mask=(rows < nv)[:, None], other=0.).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["T"])
-def kda_akk_kernel(q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, cu_seqlens, chunk_indices,
-                   T, scale, lb,
-                   H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                   GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-                   IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr,
-                   INV_DOTS: tl.constexpr, IP: tl.constexpr):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    row0, nv = _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT, IS_VARLEN)
-    if GATE == 2:
-        a_h = 1.0
+@triton.jit
+def _beta(beta, row0, r0, nv, i_h, H: tl.constexpr, BC: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    rows = r0 + tl.arange(0, BC)
+    b = tl.load(beta + (row0 + rows).to(tl.int64) * H + i_h, mask=rows < nv, other=0.).to(tl.float32)
+    if BETA_SIGMOID:
+        b = tl.sigmoid(b)
+    return tl.where(rows < nv, b, 0.)
+
+
+@triton.jit
+def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale,
+             I: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+             BK: tl.constexpr, GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+             EXACT: tl.constexpr, PREC: tl.constexpr):
+    """Strip-outer order: the whole K loop of strip ``I`` (the chunk's gate cumsum recomputed per strip,
+    from L1/L2), then its scales and stores. Only this strip's accumulators are live. Returns beta."""
+    rows = tl.arange(0, BT)
+    blk = rows // BC
+    m = rows < nv
+    roff = (row0 + rows).to(tl.int64)
+    accA = tl.zeros([BC, BT], dtype=tl.float32)
+    accP = tl.zeros([BC, BT], dtype=tl.float32)
+    accD = tl.zeros([BC, BC], dtype=tl.float32)
+    accQ = tl.zeros([BC, BC], dtype=tl.float32)
+    sq = tl.zeros([BC], dtype=tl.float32)
+    sk = tl.zeros([BC], dtype=tl.float32)
+    sk_all = tl.zeros([BT], dtype=tl.float32)
+    for c0 in range(0, K, BK):
+        offs = c0 + tl.arange(0, BK)
+        if GATE == 2:
+            dtb = tl.zeros([BK], dtype=tl.float32)
+        else:
+            dtb = tl.load(dt_bias + i_h * K + offs).to(tl.float32)
+        off = roff[:, None] * (H * K) + i_h * K + offs[None, :]
+        kA = tl.load(k + off, mask=m[:, None], other=0.).to(tl.float32)
+        bg = tl.load(g + off, mask=m[:, None], other=0.).to(tl.float32)
+        gA = tl.where(m[:, None], _gate(bg, dtb, a_h, lb, GATE), 0.)
+        G_all = tl.cumsum(gA, 0)
+        sk_all += tl.sum(kA * kA, 1)
+        GsI = tl.sum(tl.where(blk[:, None] < I, gA, 0.), 0)
+        GeI = tl.sum(tl.where(blk[:, None] < I + 1, gA, 0.), 0)
+        accA, accP, accD, accQ, a, b = _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0,
+                                              nv, i_h, offs, a_h, dtb, lb, I, H, K, BT, BC, GATE, EXACT, PREC)
+        sq += a
+        sk += b
+    if L2NORM:
+        rqI = tl.rsqrt(sq + 1e-6) * scale
+        rkI = tl.rsqrt(sk + 1e-6)
+        rk_all = tl.rsqrt(sk_all + 1e-6)
     else:
-        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        rqI = sq * 0. + scale
+        rkI = sk * 0. + 1.
+        rk_all = sk_all * 0. + 1.
+    _st_vec(rq, rqI, row0, I * BC, nv, i_h, H, BC)
+    if I == 0:
+        tl.store(rk + roff * H + i_h, rk_all, mask=m)
+    bI = _beta(beta, row0, I * BC, nv, i_h, H, BC, BETA_SIGMOID)
+    _st_strip(Aqk, Ascr, accP, accA, accD, accQ, rqI, rkI, bI, rk_all, row0, nv, i_h, I, H, BT, BC, EXACT)
+    return bI
+
+
+@triton.jit
+def _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale,
+                 H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                 GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EXACT: tl.constexpr,
+                 PREC: tl.constexpr):
+    """K-outer order: one pass over the K slices accumulates all four strips (more live registers,
+    the gate computed once). Scales and stores the strips; returns beta per strip."""
     rows = tl.arange(0, BT)
     blk = rows // BC
     m = rows < nv
@@ -282,25 +337,44 @@ def kda_akk_kernel(q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, c
     _st_vec(rq, rq2, row0, 2 * BC, nv, i_h, H, BC)
     _st_vec(rq, rq3, row0, 3 * BC, nv, i_h, H, BC)
     tl.store(rk + roff * H + i_h, rk_all, mask=m)
-    sub = tl.arange(0, BC)
-    b0 = tl.load(beta + (row0 + sub).to(tl.int64) * H + i_h, mask=sub < nv, other=0.).to(tl.float32)
-    b1 = tl.load(beta + (row0 + BC + sub).to(tl.int64) * H + i_h, mask=BC + sub < nv, other=0.).to(tl.float32)
-    b2 = tl.load(beta + (row0 + 2 * BC + sub).to(tl.int64) * H + i_h, mask=2 * BC + sub < nv,
-                 other=0.).to(tl.float32)
-    b3 = tl.load(beta + (row0 + 3 * BC + sub).to(tl.int64) * H + i_h, mask=3 * BC + sub < nv,
-                 other=0.).to(tl.float32)
-    if BETA_SIGMOID:
-        b0, b1, b2, b3 = tl.sigmoid(b0), tl.sigmoid(b1), tl.sigmoid(b2), tl.sigmoid(b3)
-    b0 = tl.where(sub < nv, b0, 0.)
-    b1 = tl.where(BC + sub < nv, b1, 0.)
-    b2 = tl.where(2 * BC + sub < nv, b2, 0.)
-    b3 = tl.where(3 * BC + sub < nv, b3, 0.)
+    b0 = _beta(beta, row0, 0, nv, i_h, H, BC, BETA_SIGMOID)
+    b1 = _beta(beta, row0, BC, nv, i_h, H, BC, BETA_SIGMOID)
+    b2 = _beta(beta, row0, 2 * BC, nv, i_h, H, BC, BETA_SIGMOID)
+    b3 = _beta(beta, row0, 3 * BC, nv, i_h, H, BC, BETA_SIGMOID)
 
     # ---- P to Aqk, A to the scratch; then (I + A)^-1 by blocks from there
     _st_strip(Aqk, Ascr, P0, A0, D0, Q0, rq0, rk0, b0, rk_all, row0, nv, i_h, 0, H, BT, BC, EXACT)
     _st_strip(Aqk, Ascr, P1, A1, D1, Q1, rq1, rk1, b1, rk_all, row0, nv, i_h, 1, H, BT, BC, EXACT)
     _st_strip(Aqk, Ascr, P2, A2, D2, Q2, rq2, rk2, b2, rk_all, row0, nv, i_h, 2, H, BT, BC, EXACT)
     _st_strip(Aqk, Ascr, P3, A3, D3, Q3, rq3, rk3, b3, rk_all, row0, nv, i_h, 3, H, BT, BC, EXACT)
+    return b0, b1, b2, b3
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_akk_kernel(q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, cu_seqlens, chunk_indices,
+                   T, scale, lb,
+                   H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                   GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+                   IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr,
+                   INV_DOTS: tl.constexpr, IP: tl.constexpr, STRIP_OUTER: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    row0, nv = _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT, IS_VARLEN)
+    if GATE == 2:
+        a_h = 1.0
+    else:
+        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    if STRIP_OUTER:
+        b0 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 0,
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC)
+        b1 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 1,
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC)
+        b2 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 2,
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC)
+        b3 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 3,
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC)
+    else:
+        b0, b1, b2, b3 = _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb,
+                                      scale, H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC)
     tl.debug_barrier()
     A00 = _ld(Ascr, row0, 0, 0, nv, i_h, H, BT, BC)
     A10 = _ld(Ascr, row0, BC, 0, nv, i_h, H, BT, BC)
