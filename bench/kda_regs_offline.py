@@ -1,0 +1,83 @@
+"""Registers and spills of the split KDA forward kernels for sm_90, without a GPU: compiles with the
+local Triton for ``GPUTarget("cuda", 90, 32)`` and runs the bundled ptxas with ``-v`` (local Triton may
+be newer than the GPU machine's, so counts can differ a little). K=V=128, H=32, bf16 inputs.
+
+    python bench/kda_regs_offline.py                 # the default table
+    python bench/kda_regs_offline.py akk 32 8 1 strip  # kernel, BK, warps, gate (0 K3, 1 softplus), order
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from k3ir.backends.triton import kda_fwd_kernels as kf
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TGT = GPUTarget("cuda", 90, 32)
+
+
+def _ptxas():
+    d = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+    for name in ("ptxas-blackwell", "ptxas"):      # the newest one reads the newest PTX version
+        if os.path.exists(os.path.join(d, name)):
+            return os.path.join(d, name)
+    raise FileNotFoundError("no ptxas next to triton's nvidia backend")
+
+
+def _compile(fn, names, types, const, warps, stages):
+    sig = dict(zip(names, types))
+    sig.update({c: "constexpr" for c in const})
+    ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=TGT,
+                        options={"num_warps": warps, "num_stages": stages})
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.ptx")
+        with open(p, "w") as f:
+            f.write(ck.asm["ptx"])
+        out = subprocess.run([_ptxas(), "-v", "--gpu-name", "sm_90a", p, "-o", os.path.join(d, "k.cubin")],
+                             check=False, capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1, ck.metadata.shared
+
+
+def akk(bk=32, warps=8, gate=0, order="strip", stages=1, inv_dots=True, ip="ieee"):
+    names = ["q", "k", "g", "beta", "A_log", "dt_bias", "Xb", "Ascr", "Aqk", "rq", "rk", "Gbuf", "cu_seqlens",
+             "chunk_indices", "T", "scale", "lb"]
+    types = ["*bf16"] * 4 + ["*fp32"] * 4 + ["*bf16"] + ["*fp32"] * 3 + ["*i32"] * 2 + ["i32", "fp32", "fp32"]
+    const = {"H": 32, "K": 128, "BT": 64, "BC": 16, "BK": bk, "GATE": gate, "L2NORM": True, "BETA_SIGMOID": True,
+             "IS_VARLEN": False, "EXACT": gate != 0, "PREC": "tf32", "INV_DOTS": inv_dots, "IP": ip,
+             "STRIP_OUTER": order == "strip"}
+    return _compile(kf.kda_akk_kernel, names, types, const, warps, stages)
+
+
+def wu(bk=32, warps=8, bv=32, gate=0, stages=2):
+    names = ["q", "k", "v", "g", "A_log", "dt_bias", "Xb", "rq", "rk", "w", "u", "qg", "kg", "gC", "cu_seqlens",
+             "chunk_indices", "T", "lb"]
+    types = ["*bf16"] * 4 + ["*fp32"] * 5 + ["*bf16"] * 4 + ["*fp32"] + ["*i32"] * 2 + ["i32", "fp32"]
+    const = {"H": 32, "K": 128, "V": 128, "BT": 64, "BK": bk, "BV": bv, "GATE": gate, "IS_VARLEN": False,
+             "PREC": "tf32", "DOT_F32": False}
+    return _compile(kf.kda_wu_kernel, names, types, const, warps, stages)
+
+
+def main():
+    if len(sys.argv) > 1:
+        kind, *rest = sys.argv[1:]
+        args = [int(a) if a.isdigit() else a for a in rest]
+        print(kind, args, (akk if kind == "akk" else wu)(*args))
+        return
+    print(f"{'kernel':6} {'config':34} {'regs':>5} {'spill B':>8} {'smem B':>7}")
+    for cfg in [{"gate": 0}, {"gate": 1}, {"gate": 0, "order": "k"}, {"gate": 0, "warps": 4}, {"gate": 0, "bk": 16}]:
+        r = akk(**cfg)
+        print(f"{'akk':6} {cfg!s:34} {r[0]:>5} {r[1]:>8} {r[2]:>7}")
+    for cfg in [{}, {"warps": 4}, {"bk": 64, "bv": 64}]:
+        r = wu(**cfg)
+        print(f"{'wu':6} {cfg!s:34} {r[0]:>5} {r[1]:>8} {r[2]:>7}")
+
+
+if __name__ == "__main__":
+    main()
