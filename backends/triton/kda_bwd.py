@@ -1,4 +1,4 @@
-"""Driver of the chunked KDA backward kernels (``kda_bwd_kernels``, SPEC.md 3): gradients of
+"""Driver of the chunked KDA backward kernels (``kda_bwd_kernels``, ``kda_bwd_intra``; SPEC.md 3): gradients of
 ``kda_forward``'s (o, final state) with respect to q, k, v, g (raw), beta (raw logit), A_log,
 dt_bias and the initial state, for both gates, variable-length batches and ``gate="precomputed"``.
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kda_bwd_intra as ki
 from . import kda_bwd_kernels as kb
 
 BT, BC = 64, 16
@@ -123,11 +124,11 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
             qn, kn, G, bn, v, vn, Ai, h, dh, do, dvn, dq, dk, dG, dv, db, dAq, dAk, cu, ci, T,
             H=H, K=K, V=V, BT=BT, BK=min(tu["bk_wy"], K), BV=bv_wy, IS_VARLEN=VAR, PREC=prec,
             num_warps=tu["w_wy"])),
-        ("bwd_intra", lambda: kb.kda_bwd_intra_kernel[(NC * (BT // BC), NK, H)](
+        ("bwd_intra", lambda: ki.kda_bwd_intra_kernel[(NC * (BT // BC), NK, H)](
             qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu, ci, T, B * T, shift,
             H=H, K=K, BT=BT, BC=BC, BK=bk_i, IS_VARLEN=VAR, EXACT=EXACT, PREC=prec,
             num_warps=tu["w_intra"])),
-        ("chain", lambda: kb.kda_bwd_chain_kernel[(NC, H)](
+        ("chain", lambda: ki.kda_bwd_chain_kernel[(NC, H)](
             q, k, g, A_log_, dtb_, dq, dk, dG, dq_o, dk_o, dg_o, dA_part, ddt_part, cu, ci, T, scale, lb,
             H=H, K=K, BT=BT, GATE=GATE, L2NORM=not pre, IS_VARLEN=VAR, num_warps=tu["w_chain"])),
     ]
