@@ -27,7 +27,7 @@ TOL = {n: (3e-3 if GPU else (5e-5 if n in ("A_log", "dt_bias") else 1e-5)) for n
 
 def _ref(x, w, ws, cu=None):
     """float64 autograd gradients of ``sum(o * w) + sum(S * ws)`` through ``ref_torch64``."""
-    leaves = [x[n].clone().requires_grad_() if x[n] is not None else None for n in GRAD_NAMES]
+    leaves = [x[n].double().requires_grad_() if x[n] is not None else None for n in GRAD_NAMES]
     if cu is None:
         o, s = ref_torch64(*leaves[:7], x["lb"], leaves[7])
     else:
