@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..interpreter import Interpreter
+from . import dispatch as disp_k
 from . import mla as mla_k
 from . import moe as moe_k
 from . import norm as norm_k
@@ -30,10 +31,13 @@ def grouped_matmul(inst, x, offsets, w, scales=None):
 
 
 def moe_dispatch(inst, x, w, idx):
-    """``k3.moe_dispatch`` without host syncs (capturable): stable sort of the slots by expert,
-    counts by scatter-add."""
+    """``k3.moe_dispatch`` without host syncs (capturable): the Triton counting sort (dispatch.py: one
+    launch for decode batches, three for prefill) where supported, else a stable torch sort of the
+    slots by expert with counts by scatter-add."""
     if x.dtype == torch.float64:
         return _torch_impl("k3.moe_dispatch")(inst, x, w, idx)
+    if disp_k.supported(inst.num_experts, w.numel()):
+        return disp_k.moe_dispatch(x, w, idx, inst.num_experts)
     k = w.shape[-1]
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -119,6 +123,16 @@ def plan(fn) -> dict[int, tuple]:
     uses = _uses(fn)
     out: dict[int, tuple] = {}
     producer = {id(r): op for op in fn.ops for r in op.results}
+    for op in fn.ops:      # router -> moe_dispatch of the same x: one front (dispatch.route_dispatch)
+        if op.name != "k3.moe_dispatch":
+            continue
+        r = producer.get(id(op.operands[1]))
+        if (r is None or r.name != "k3.router" or op.operands[2] is not r.results[1]
+                or op.operands[0] is not r.operands[0]
+                or any(len(uses.get(id(v), [])) != 1 for v in r.results[:2])):
+            continue
+        out[id(r)] = ("route", op)
+        out[id(op)] = ("routed",)
     for op in fn.ops:
         if op.name not in ("k3.situ_glu", "k3.swiglu"):
             continue
@@ -160,6 +174,13 @@ class PlanInterpreter(Interpreter):
         kind = act[0]
         if kind == "skip":
             return
+        if kind == "route":
+            return self._route(op, act[1], env, observe)
+        if kind == "routed":
+            stash = env.pop(("routed", id(op)), None)
+            if stash is None:
+                return super().exec_op(op, env, observe)
+            return self._store(op, list(stash), env, observe)
         val = [env.get(id(v)) if v is not None else None for v in op.operands]
         if kind == "glu":
             g, u = act[1], act[2]
@@ -192,3 +213,26 @@ class PlanInterpreter(Interpreter):
         if self.post is not None:
             outs = self.post(op, outs)
         env[id(op.results[0])] = outs[0]
+
+    def _store(self, op, outs, env, observe):
+        if self.post is not None:
+            outs = self.post(op, outs)
+        if observe and self.observe is not None:
+            self.observe(op, outs)
+        for r, v in zip(op.results, outs):
+            env[id(r)] = v
+
+    def _route(self, op, d, env, observe):
+        """Router + dispatch of a decode-size batch in two launches (``dispatch.route_dispatch``);
+        other sizes, float64 and routers without a fitting tile run the two ops as usual."""
+        x, w, bias = (env[id(v)] for v in op.operands)
+        a = op.attrs
+        E, k = int(w.shape[0]), int(a["top_k"])
+        rows = x.numel() // x.shape[-1]
+        if (x.dtype == torch.float64 or x.dim() != 3 or int(d.attrs["num_experts"]) != E
+                or not disp_k.route_supported(rows, E, k)):
+            return super().exec_op(op, env, observe)
+        rout, dout = disp_k.route_dispatch(x, w, bias, k, E, bool(a.get("renormalize", True)),
+                                           float(a.get("routed_scaling_factor", 1.0)), float(a.get("eps", 1e-20)))
+        env[("routed", id(d))] = dout
+        self._store(op, list(rout), env, observe)

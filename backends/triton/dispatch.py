@@ -1,0 +1,259 @@
+"""MoE dispatch (``k3.moe_dispatch``, SPEC.md 5) and the decode router front as Triton kernels.
+
+A counting sort replaces torch's argsort/scatter/cumsum/index_select chain (about a dozen launches
+per MoE layer): slot ``n = (b*T + t)*k + j`` of expert ``e_n`` goes to sorted row
+``pos_n = offsets[e_n] + #{m < n : e_m == e_n}`` (stable: ties keep slot order, as
+``argsort(stable=True)``). Ranks come from a cumulative sum over a one-hot ``[slots, experts]``
+tile, so no atomics and nothing depends on the run (CUDA-graph capturable, deterministic).
+
+* Small batches (all slots in one block, e.g. decode): ONE launch (``dispatch_kernel`` with
+  ``SINGLE``), its programs split the row copy over the model width.
+* Larger batches: ``dispatch_hist_kernel`` (per-block expert counts), ``dispatch_scan_kernel``
+  (one program: block prefixes and the expert offsets), then ``dispatch_kernel``.
+* ``route_dispatch``: decode front of a MoE layer in two launches: ``router_partial_kernel``
+  (router logits split over experts and the model width, many programs) and ``dispatch_kernel``
+  with ``ROUTE``, which sums the partial logits, applies the sigmoid, picks the top-k (ties: lower
+  expert first), renormalises and dispatches: the router's own outputs are written too.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+
+@triton.jit
+def router_partial_kernel(x, w, part, R, D, E, DS, BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                          IEEE: tl.constexpr):
+    """part[s, r, e] = sum_{d in split s} x[r, d] w[e, d] (fp32). Grid (cdiv(E, BE), cdiv(R, BR), splits);
+    split s covers columns [s*DS, (s+1)*DS) (DS % BK == 0)."""
+    pe, pr, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pr * BR + tl.arange(0, BR)
+    cols = pe * BE + tl.arange(0, BE)
+    mr, me = rows < R, cols < E
+    acc = tl.zeros([BR, BE], dtype=tl.float32)
+    for k0 in range(sp * DS, tl.minimum(D, sp * DS + DS), BK):
+        kk = k0 + tl.arange(0, BK)
+        mk = kk < D
+        a = tl.load(x + rows.to(tl.int64)[:, None] * D + kk[None, :], mask=mr[:, None] & mk[None, :], other=0.)
+        b = tl.load(w + cols.to(tl.int64)[:, None] * D + kk[None, :], mask=me[:, None] & mk[None, :], other=0.)
+        if IEEE:
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b.to(a.dtype)), acc)
+    tl.store(part + (sp * R + rows.to(tl.int64))[:, None] * E + cols[None, :], acc, mask=mr[:, None] & me[None, :])
+
+
+@triton.jit
+def _block_slots(idx, n0, N, BS: tl.constexpr, EP: tl.constexpr):
+    """Experts of slots n0..n0+BS (-1 past N), their one-hot ``[BS, EP]`` (int32) and per-expert counts."""
+    offs = n0 + tl.arange(0, BS)
+    e = tl.load(idx + offs, mask=offs < N, other=-1).to(tl.int32)
+    oh = (e[:, None] == tl.arange(0, EP)[None, :]).to(tl.int32)
+    return offs, e, oh, tl.sum(oh, 0)
+
+
+@triton.jit
+def dispatch_hist_kernel(idx, hist, N, BS: tl.constexpr, EP: tl.constexpr):
+    """hist[b, e] = number of slots of block b (BS slots) routed to expert e."""
+    b = tl.program_id(0)
+    _, _, _, cnt = _block_slots(idx, b * BS, N, BS, EP)
+    tl.store(hist + b * EP + tl.arange(0, EP), cnt)
+
+
+@triton.jit
+def dispatch_scan_kernel(hist, base, offsets, NB, E, EP: tl.constexpr, HB: tl.constexpr):
+    """One program: base[b, e] = sum_{b' < b} hist[b', e] and offsets = [0, cumsum(counts)] (int64)."""
+    cols = tl.arange(0, EP)
+    run = tl.zeros([EP], dtype=tl.int32)
+    for b0 in range(0, NB, HB):
+        rb = b0 + tl.arange(0, HB)
+        m = (rb < NB)[:, None]
+        h = tl.load(hist + rb[:, None] * EP + cols[None, :], mask=m, other=0)
+        tl.store(base + rb[:, None] * EP + cols[None, :], tl.cumsum(h, 0) - h + run[None, :], mask=m)
+        run += tl.sum(h, 0)
+    tl.store(offsets + 1 + cols, tl.cumsum(run, 0).to(tl.int64), mask=cols < E)
+    tl.store(offsets + cols, tl.zeros([EP], dtype=tl.int64), mask=cols == 0)
+
+
+@triton.jit
+def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
+                    part, bias, wout, iout, sout,
+                    N, D, E, NSPLIT, rsf, eps, DPP,
+                    KSLOT: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr, BS: tl.constexpr, EP: tl.constexpr,
+                    BD: tl.constexpr, SINGLE: tl.constexpr, ROUTE: tl.constexpr, RENORM: tl.constexpr):
+    """Program (slot block b, column group d): sorted rows of the block's slots, then
+    ``xs[pos_n, cols] = x[n // KSLOT, cols]`` for the DPP columns of group d (BD at a time); programs
+    with d == 0 write ``inv`` (slot -> row) and ``cw`` (combine weight per sorted row), program
+    (0, 0) the offsets when SINGLE.
+
+    SINGLE: all N slots in this block (offsets computed here); else the block's expert bases come
+    from ``base [NB, EP]`` + ``offsets`` (dispatch_scan_kernel). ROUTE (implies SINGLE, N = R*KSLOT):
+    the router runs here from ``part [NSPLIT, R, E]`` partial logits: s = sigmoid(sum), top-KSLOT of
+    s + bias, weights renormalised and scaled by ``rsf``; writes wout/iout ``[R, KSLOT]`` and sout
+    ``[R, E]``. Slots are then laid out ``[RB, KP]`` (padded rows/picks are masked)."""
+    pb, pd = tl.program_id(0), tl.program_id(1)
+    cols = tl.arange(0, EP)
+    if ROUTE:
+        R = N // KSLOT
+        r = tl.arange(0, RB)
+        mr = r < R
+        me = cols < E
+        logit = tl.zeros([RB, EP], dtype=tl.float32)
+        for s in range(NSPLIT):
+            logit += tl.load(part + (s * R + r)[:, None] * E + cols[None, :], mask=mr[:, None] & me[None, :], other=0.)
+        sg = tl.sigmoid(logit)
+        choice = tl.where(me[None, :], sg + tl.load(bias + cols, mask=me, other=0.)[None, :], -float("inf"))
+        kc = tl.arange(0, KP)
+        pw = tl.zeros([RB, KP], dtype=tl.float32)
+        pi = tl.zeros([RB, KP], dtype=tl.int32) - 1
+        for j in tl.static_range(KSLOT):
+            mx = tl.max(choice, 1)
+            hit = tl.min(tl.where(choice == mx[:, None], cols[None, :], EP), 1)
+            sel = tl.sum(tl.where(cols[None, :] == hit[:, None], sg, 0.), 1)
+            pw = tl.where(kc[None, :] == j, sel[:, None], pw)
+            pi = tl.where(kc[None, :] == j, hit[:, None], pi)
+            choice = tl.where(cols[None, :] == hit[:, None], -float("inf"), choice)
+        if RENORM:
+            pw = pw / (tl.sum(pw, 1) + eps)[:, None]
+        pw = pw * rsf
+        valid2 = mr[:, None] & (kc < KSLOT)[None, :]
+        pi = tl.where(valid2, pi, -1)
+        slot2 = r[:, None] * KSLOT + kc[None, :]
+        if pd == 0:
+            tl.store(wout + slot2, pw, mask=valid2)
+            tl.store(iout + slot2, pi.to(tl.int64), mask=valid2)
+            tl.store(sout + r[:, None] * E + cols[None, :], sg, mask=mr[:, None] & me[None, :])
+        e = tl.reshape(pi, (RB * KP,))
+        slot = tl.reshape(slot2, (RB * KP,))
+        wv = tl.reshape(pw, (RB * KP,))
+        valid = e >= 0
+        oh = (e[:, None] == cols[None, :]).to(tl.int32)
+        cnt = tl.sum(oh, 0)
+    else:
+        slot, e, oh, cnt = _block_slots(idx, pb * BS, N, BS, EP)
+        valid = slot < N
+        wv = tl.load(wts + slot, mask=valid, other=0.)
+    if SINGLE:
+        start = tl.cumsum(cnt, 0) - cnt
+        if (pb == 0) & (pd == 0):
+            tl.store(offsets + 1 + cols, tl.cumsum(cnt, 0).to(tl.int64), mask=cols < E)
+            tl.store(offsets + cols, tl.zeros([EP], dtype=tl.int64), mask=cols == 0)
+    else:
+        start = tl.load(base + pb * EP + cols) + tl.load(offsets + cols, mask=cols < E, other=0).to(tl.int32)
+    pos = tl.sum(oh * (tl.cumsum(oh, 0) - 1 + start[None, :]), 1)
+    if pd == 0:
+        tl.store(inv + slot, pos.to(tl.int64), mask=valid)
+        tl.store(cw + pos, wv, mask=valid)
+    tok = (slot // KSLOT).to(tl.int64)
+    p64 = pos.to(tl.int64)
+    for d0 in range(pd * DPP, tl.minimum(D, pd * DPP + DPP), BD):
+        dd = d0 + tl.arange(0, BD)
+        md = valid[:, None] & (dd < D)[None, :]
+        v = tl.load(x + tok[:, None] * D + dd[None, :], mask=md, other=0.)
+        tl.store(xs + p64[:, None] * D + dd[None, :], v, mask=md)
+
+
+def _p2(n: int, lo: int = 1) -> int:
+    return max(lo, triton.next_power_of_2(max(1, n)))
+
+
+#: largest one-hot tile (slots x padded experts) of a single-block program; MTILE: per block when several
+#: (offline sm_90 ptxas, Triton 3.6: 208-214 registers at 8 warps, no spill; 16384 per block spilled)
+TILE = 16384
+MTILE = 8192
+
+
+def _warps(tile: int) -> int:
+    return 8 if tile > 2048 else 4
+
+
+def supported(num_experts: int, slots: int) -> bool:
+    """Whether ``moe_dispatch`` takes the Triton path for this expert count and slot count: one block
+    for any count that fits a tile, several blocks only for up to 256 experts (the scan is per block)."""
+    EP = _p2(num_experts, 16)
+    return _p2(slots, 16) * EP <= TILE or EP <= 256
+
+
+def _bd(S: int, D: int) -> int:
+    return min(_p2(D, 16), max(32, TILE // 2 // S))
+
+
+def moe_dispatch(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, num_experts: int):
+    """``k3.moe_dispatch``: x ``[B,T,D]``, w f32 ``[B,T,k]``, idx int ``[B,T,k]`` (experts < num_experts).
+    Returns (x_sorted ``[B*T*k, D]``, offsets i64 ``[E+1]``, inv i64 ``[B,T,k]``, comb_w f32 ``[B*T*k]``)."""
+    B, T, k = w.shape
+    D = x.shape[-1]
+    N, E = B * T * k, num_experts
+    dev = x.device
+    xs = torch.empty(N, D, device=dev, dtype=x.dtype)
+    offsets = torch.empty(E + 1, device=dev, dtype=torch.int64)
+    inv = torch.empty(B, T, k, device=dev, dtype=torch.int64)
+    cw = torch.empty(N, device=dev, dtype=torch.float32)
+    if N == 0:
+        offsets.zero_()
+        return xs, offsets, inv, cw
+    EP = _p2(E, 16)
+    xx, ii, ww = x.reshape(-1, D).contiguous(), idx.reshape(-1).contiguous(), w.reshape(-1).float().contiguous()
+    S = _p2(N, 16)
+    common = {"KP": 1, "RB": 1, "EP": EP, "ROUTE": False, "RENORM": False}
+    if S * EP <= TILE:
+        BD = _bd(S, D)
+        dispatch_kernel[(1, triton.cdiv(D, BD))](xx, ii, ww, None, offsets, xs, inv, cw, None, None, None, None, None,
+                                                 N, D, E, 0, 1.0, 0.0, BD, KSLOT=k, BS=S, BD=BD, SINGLE=True, **common,
+                                                 num_warps=_warps(S * EP))
+        return xs, offsets, inv, cw
+    BS = max(16, MTILE // EP)
+    NB = triton.cdiv(N, BS)
+    hist = torch.empty(NB, EP, device=dev, dtype=torch.int32)
+    base = torch.empty(NB, EP, device=dev, dtype=torch.int32)
+    dispatch_hist_kernel[(NB,)](ii, hist, N, BS=BS, EP=EP, num_warps=_warps(BS * EP))
+    dispatch_scan_kernel[(1,)](hist, base, offsets, NB, E, EP=EP, HB=max(1, MTILE // EP), num_warps=4)
+    BD = min(_p2(D, 16), max(32, MTILE // BS))
+    groups = max(1, min(triton.cdiv(D, BD), 512 // NB))        # ~512 programs: each copies DPP columns
+    DPP = BD * triton.cdiv(triton.cdiv(D, BD), groups)
+    dispatch_kernel[(NB, triton.cdiv(D, DPP))](xx, ii, ww, base, offsets, xs, inv, cw, None, None, None, None, None,
+                                               N, D, E, 0, 1.0, 0.0, DPP, KSLOT=k, BS=BS, BD=BD, SINGLE=False,
+                                               **common, num_warps=_warps(BS * EP))
+    return xs, offsets, inv, cw
+
+
+def route_supported(rows: int, num_experts: int, top_k: int) -> bool:
+    """Whether ``route_dispatch`` handles ``rows`` tokens (all slots in one tile)."""
+    return _p2(rows) * _p2(top_k, 2) * _p2(num_experts, 16) <= TILE and rows <= 64
+
+
+def route_dispatch(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k: int, num_experts: int,
+                   renormalize: bool, scale: float, eps: float):
+    """``k3.router`` followed by ``k3.moe_dispatch`` in two launches (decode batches, ``route_supported``).
+    x ``[B,T,D]``, wr ``[E, D]``, bias ``[E]``. Returns ((weights f32 ``[B,T,k]``, indices i64, scores f32
+    ``[B,T,E]``), (x_sorted, offsets, inv, comb_w)) as the two ops."""
+    B, T, D = x.shape
+    E, k = num_experts, top_k
+    R, N = B * T, B * T * top_k
+    dev = x.device
+    xx = x.reshape(R, D).contiguous()
+    BK = 32 if interpreting() else 128
+    DS = BK * max(1, triton.cdiv(D, BK * 8))
+    NSPLIT = triton.cdiv(D, DS)
+    BE, BR = 16, 16
+    part = torch.empty(NSPLIT, R, E, device=dev, dtype=torch.float32)
+    ieee = xx.dtype == torch.float32 or wr.dtype == torch.float32
+    router_partial_kernel[(triton.cdiv(E, BE), triton.cdiv(R, BR), NSPLIT)](
+        xx, wr.contiguous(), part, R, D, E, DS, BR=BR, BE=BE, BK=BK, IEEE=ieee, num_warps=4)
+    wout = torch.empty(B, T, k, device=dev, dtype=torch.float32)
+    iout = torch.empty(B, T, k, device=dev, dtype=torch.int64)
+    sout = torch.empty(B, T, E, device=dev, dtype=torch.float32)
+    xs = torch.empty(N, D, device=dev, dtype=x.dtype)
+    offsets = torch.empty(E + 1, device=dev, dtype=torch.int64)
+    inv = torch.empty(B, T, k, device=dev, dtype=torch.int64)
+    cw = torch.empty(N, device=dev, dtype=torch.float32)
+    RB, KP, EP = _p2(R), _p2(k, 2), _p2(E, 16)
+    BD = _bd(RB * KP, D)
+    dispatch_kernel[(1, triton.cdiv(D, BD))](
+        xx, None, None, None, offsets, xs, inv, cw, part, bias.float().contiguous(), wout, iout, sout,
+        N, D, E, NSPLIT, float(scale), float(eps), BD, KSLOT=k, KP=KP, RB=RB, BS=1, EP=EP, BD=BD, SINGLE=True,
+        ROUTE=True, RENORM=bool(renormalize), num_warps=_warps(RB * KP * EP))
+    return (wout, iout, sout), (xs, offsets, inv, cw)

@@ -1,0 +1,82 @@
+"""Offline sm_90 compile of the whole-model kernels (dispatch, router, norms, MLA, KDA decode) in bf16
+and float32, without a GPU: registers, spills and shared memory per configuration (ptxas -v), so a
+float32 config that needs more than the H200's 232,448 B of shared memory is caught before device
+time. Use the device's Triton: ``PYTHONPATH=/tmp/triton36 python bench/models_regs_offline.py``."""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from k3ir.backends.triton import dispatch, layer_kernels, mla, norm
+from kda_regs_offline import _compile
+
+SMEM = 232448
+
+
+def _sig(spec):
+    names, types, const = [], [], {}
+    for n, t in spec:
+        if isinstance(t, str):
+            names.append(n)
+            types.append(t)
+        else:
+            const[n] = t
+    return names, types, const
+
+
+def run(label, fn, spec, warps, stages=1):
+    names, types, const = _sig(spec)
+    try:
+        regs, spill, smem = _compile(fn, names, types, const, warps, stages)
+        flag = "OVER SMEM" if smem > SMEM else ""
+        print(f"{label:44} {regs:>5} {spill:>8} {smem:>8} {flag}", flush=True)
+    except Exception as e:      # noqa: BLE001
+        print(f"{label:44} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
+def main():
+    print(f"{'kernel/config':44} {'regs':>5} {'spill B':>8} {'smem B':>8}")
+    for dt in ("bf16", "fp32"):
+        p = "*" + dt
+        run(f"router_partial {dt}", dispatch.router_partial_kernel,
+            [("x", p), ("w", p), ("part", "*fp32"), ("R", "i32"), ("D", "i32"), ("E", "i32"), ("DS", "i32"),
+             ("BR", 16), ("BE", 16), ("BK", 128), ("IEEE", dt == "fp32")], 4, 3)
+        for route, single, S, BD, KP, RB in ((True, True, 1, 1024, 8, 1), (True, True, 1, 32, 8, 32),
+                                             (False, True, 16, 512, 1, 1), (False, False, 256, 64, 1, 1)):
+            spec = [("x", p), ("idx", None if route else "*i64"), ("wts", None if route else "*fp32"),
+                    ("base", None if single else "*i32"), ("offsets", "*i64"), ("xs", p), ("inv", "*i64"),
+                    ("cw", "*fp32"), ("part", "*fp32" if route else None), ("bias", "*fp32" if route else None),
+                    ("wout", "*fp32" if route else None), ("iout", "*i64" if route else None),
+                    ("sout", "*fp32" if route else None), ("N", "i32"), ("D", "i32"), ("E", "i32"),
+                    ("NSPLIT", "i32"), ("rsf", "fp32"), ("eps", "fp32"), ("DPP", "i32"), ("KSLOT", 8), ("KP", KP),
+                    ("RB", RB), ("BS", S), ("EP", 64), ("BD", BD), ("SINGLE", single), ("ROUTE", route),
+                    ("RENORM", True)]
+            run(f"dispatch {dt} route={route} single={single} RB={RB}", dispatch.dispatch_kernel, spec,
+                4 if single else 8)
+        run(f"rmsnorm {dt} D2048", norm.rmsnorm_kernel,
+            [("x", p), ("w", p), ("y", p), ("R", "i32"), ("D", "i32"), ("eps", "fp32"), ("BR", 2), ("BD", 2048)], 4)
+        run(f"router_kernel {dt} E64", layer_kernels.router_kernel,
+            [("x", p), ("w", p), ("bias", "*fp32"), ("wout", "*fp32"), ("iout", "*i64"), ("sout", "*fp32"),
+             ("R", "i32"), ("D", "i32"), ("E", "i32"), ("rsf", "fp32"), ("eps", "fp32"), ("TOPK", 8), ("KP", 8),
+             ("EP", 64), ("RENORM", True), ("BR", 16), ("BK", 128), ("IEEE", dt == "fp32")], 4)
+        run(f"mla_prefill {dt}", mla.mla_prefill_kernel,
+            [("q", p), ("kn", p), ("kr", p), ("v", p), ("o", p), ("lens", None), ("T", "i32"), ("S", "i32"),
+             ("H", "i32"), ("scale", "fp32"), ("DN", 128), ("DR", 64), ("DV", 128), ("DNP", 128), ("DRP", 64),
+             ("DVP", 128), ("HAS_LEN", False), ("BM", 64), ("BN", 64)], 8, 2)
+        run(f"mla_decode {dt} (cache fp32)", mla.mla_decode_kernel,
+            [("qt", p), ("qr", p), ("cache", "*fp32"), ("olat", "*fp32"), ("ml", "*fp32"), ("nlen", "*i32"),
+             ("lens", None), ("H", "i32"), ("L_STRIDE", "i32"), ("scale", "fp32"), ("R", 512), ("P", 64),
+             ("RP", 512), ("PP", 64), ("HAS_LEN", False), ("BH", 16), ("BL", 32), ("NS", 8)], 8, 2)
+        run(f"kda_decode {dt} conv+norm", layer_kernels.kda_decode_kernel,
+            [("xq", p), ("xk", p), ("xv", p), ("cw_q", p), ("cw_k", p), ("cw_v", p), ("cs_q", "*fp32"),
+             ("cs_k", "*fp32"), ("cs_v", "*fp32"), ("z", p), ("beta", p), ("A_log", "*fp32"), ("dt_bias", "*fp32"),
+             ("gz", p), ("norm_w", p), ("pool", "*fp32"), ("slots", "*i32"), ("o", p), ("scale", "fp32"),
+             ("lb", "fp32"), ("eps", "fp32"), ("q_rs", "i32"), ("k_rs", "i32"), ("v_rs", "i32"), ("b_rs", "i32"),
+             ("H", 16), ("K", 128), ("V", 128), ("W", 4), ("WP", 4), ("BV", 128), ("GATE", 1), ("HAS_CONV", True),
+             ("HAS_NORM", True)], 8)
+
+
+if __name__ == "__main__":
+    main()
