@@ -45,23 +45,30 @@ def _compile(fn, names, types, const, warps, stages):
     return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1, ck.metadata.shared
 
 
-def akk(bk=32, warps=8, gate=0, order="strip", stages=1, inv_dots=True, ip="ieee"):
+def akk(bk=32, warps=8, gate=0, order="strip", stages=1, inv_dots=True, ip="ieee", gpre=True):
     names = ["q", "k", "g", "beta", "A_log", "dt_bias", "Xb", "Ascr", "Aqk", "rq", "rk", "Gbuf", "cu_seqlens",
              "chunk_indices", "T", "scale", "lb"]
     types = ["*bf16"] * 4 + ["*fp32"] * 4 + ["*bf16"] + ["*fp32"] * 3 + ["*i32"] * 2 + ["i32", "fp32", "fp32"]
     const = {"H": 32, "K": 128, "BT": 64, "BC": 16, "BK": bk, "GATE": gate, "L2NORM": True, "BETA_SIGMOID": True,
              "IS_VARLEN": False, "EXACT": gate != 0, "PREC": "tf32", "INV_DOTS": inv_dots, "IP": ip,
-             "STRIP_OUTER": order == "strip"}
+             "STRIP_OUTER": order == "strip", "GPRE": bool(gpre)}
     return _compile(kf.kda_akk_kernel, names, types, const, warps, stages)
 
 
-def wu(bk=32, warps=8, bv=32, gate=0, stages=2):
-    names = ["q", "k", "v", "g", "A_log", "dt_bias", "Xb", "rq", "rk", "w", "u", "qg", "kg", "gC", "cu_seqlens",
-             "chunk_indices", "T", "lb"]
-    types = ["*bf16"] * 4 + ["*fp32"] * 5 + ["*bf16"] * 4 + ["*fp32"] + ["*i32"] * 2 + ["i32", "fp32"]
+def wu(bk=32, warps=8, bv=32, gate=0, stages=2, gpre=True):
+    names = ["q", "k", "v", "g", "A_log", "dt_bias", "Xb", "rq", "rk", "w", "u", "qg", "kg", "gC", "Gbuf",
+             "cu_seqlens", "chunk_indices", "T", "lb"]
+    types = ["*bf16"] * 4 + ["*fp32"] * 5 + ["*bf16"] * 4 + ["*fp32"] * 2 + ["*i32"] * 2 + ["i32", "fp32"]
     const = {"H": 32, "K": 128, "V": 128, "BT": 64, "BK": bk, "BV": bv, "GATE": gate, "IS_VARLEN": False,
-             "PREC": "tf32", "DOT_F32": False}
+             "PREC": "tf32", "DOT_F32": False, "GPRE": bool(gpre)}
     return _compile(kf.kda_wu_kernel, names, types, const, warps, stages)
+
+
+def gcum(bk=32, warps=4, gate=0):
+    names = ["g", "A_log", "dt_bias", "Gbuf", "gC", "cu_seqlens", "chunk_indices", "T", "lb"]
+    types = ["*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "i32", "fp32"]
+    const = {"H": 32, "K": 128, "BT": 64, "BK": bk, "GATE": gate, "IS_VARLEN": False}
+    return _compile(kf.kda_gcum_kernel, names, types, const, warps, 1)
 
 
 def main():

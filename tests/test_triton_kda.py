@@ -142,7 +142,9 @@ def _mixed_strong(x, K):
 @pytest.mark.parametrize("variant", [
     {"bk": 16, "wu_bk": 16, "wu_bv": 16},
     {"bk": 32, "inv_dots": False, "xb": "io"},
+    {"bk": 16, "gcum": False},
     {"order": "k", "bk": 16, "warps": 4},
+    {"order": "k", "bk": 16, "gcum": False, "gcum_bk": 16},
     {"intra": "fused"},
 ])
 @pytest.mark.parametrize("case", ["k3", "softplus", "mixed"])
@@ -202,6 +204,8 @@ def test_forward_intermediates(lb):
     gl = kda_gate_ref(f["g"], f["A_log"], f["dt_bias"], "softplus" if lb is None else "lower_bound", -5.0)
     assert rel_err(it["gC"][0], np.exp(gl[0].sum(0))) < tol
     assert rel_err(it["rk"], 1 / np.sqrt((f["k"] ** 2).sum(-1) + 1e-6)) < tol
+    Gl = np.cumsum(gl[0], 0)              # T = 50: one chunk, so G is the cumsum over all rows
+    assert rel_err(it["G"][0], Gl) < tol                     # kda_gcum_kernel (TUNING["gcum"], default)
 
 
 def test_prefix_outputs_and_gradients_ignore_later_tokens():

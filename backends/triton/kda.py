@@ -1,6 +1,6 @@
 """``kda_forward``: the fused chunked KDA (SPEC.md 3) on Triton kernels, with autograd.
 
-The forward runs three Triton launches by default (``kda_fwd_kernels``: A/P/inverse, then w/u; then
+The forward runs four Triton launches by default (``kda_fwd_kernels``: gate cumsum, A/P/inverse, then w/u; then
 the recurrence in ``kda_kernels``; ``TUNING["intra"] = "fused"``: the older one-launch intra kernel);
 the backward recomputes through the
 differentiable PyTorch form of the same factorisation (``kda_torch``) and takes its gradients
@@ -29,8 +29,9 @@ INTERMEDIATE_DTYPES: dict = {}
 #: ``wu_warps``, ``wu_stages``: the w/u launch; ``xb``: dtype of ``(I+A)^-1 diag(beta)`` between them
 #: ("fp32" or "io" = q's dtype); ``inv_dots``: 16x16 inverses by Neumann dots (else substitution);
 #: ``inv_prec``: input precision of the inverse dots on the GPU; ``bv``, ``recur_*``: the recurrence;
-#: ``intra_warps``: the fused kernel's warps.
-TUNING: dict = {"intra": "split", "order": "strip", "bk": 32, "warps": 8, "stages": 1, "wu_bk": 32, "wu_bv": 32,
+#: ``intra_warps``: the fused kernel's warps; ``gcum``: the gate and its in-chunk cumsum once in
+#: ``kda_gcum_kernel`` (fp32 G read by both split launches; else each recomputes it), ``gcum_bk``/``gcum_warps``.
+TUNING: dict = {"intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "order": "strip", "bk": 32, "warps": 8, "stages": 1, "wu_bk": 32, "wu_bv": 32,
                 "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True, "inv_prec": "ieee", "bv": None,
                 "recur_warps": 4, "recur_stages": 2, "intra_warps": 8}
 
@@ -85,11 +86,11 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
                         stages: tuple[str, ...] = ("intra", "recur"), return_intermediates: bool = False):
     """The Triton launches, no autograd. Same contract as ``kda_forward``; ``stages`` picks launches
     for timing one kernel alone (the outputs are then meaningless): "intra" (all intra-chunk launches),
-    "akk" / "wu" (one of the split pair), "recur". With ``return_intermediates`` a third value, a dict:
+    "gcum" / "akk" / "wu" (one launch of the split path), "recur". With ``return_intermediates`` a third value, a dict:
     ``w, u, qg, kg`` ``[B,T,H,K|V]`` (q's dtype), ``Aqk`` (P, ``[B,T,H,64]``), ``gC`` (``exp(G_C)``, fp32
     ``[chunks,H,K]``, chunks in sequence order) and, split path only, ``Xb`` (``(I+A)^-1 diag(beta)``
     per chunk, ``[B,T,H,64]``, lower blocks valid), ``rq`` (``scale / |q|``) and ``rk`` (``1 / |k|``)
-    fp32 ``[B,T,H]``."""
+    fp32 ``[B,T,H]``, and with ``TUNING["gcum"]`` ``G`` (in-chunk cumulative log-decay, fp32 ``[B,T,H,K]``)."""
     N = _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate)
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -146,20 +147,28 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
         inter["rq"] = rq = torch.empty(B, T, H, dtype=torch.float32, device=dev)
         inter["rk"] = rk = torch.empty_like(rq)
         Ascr = Xb if Xb.dtype == torch.float32 else torch.empty(B, T, H, BT, dtype=torch.float32, device=dev)
-        Gbuf = torch.empty(B, T, H, K, dtype=torch.float32, device=dev) if exact else rq
+        gpre = bool(TUNING["gcum"])
+        Gbuf = torch.empty(B, T, H, K, dtype=torch.float32, device=dev) if exact or gpre else rq
+        if gpre:
+            inter["G"] = Gbuf
         bk = min(TUNING["bk"], K)
+        if gpre and ("intra" in stages or "gcum" in stages):
+            gbk = min(TUNING["gcum_bk"], K)
+            kf.kda_gcum_kernel[(NC, H, K // gbk)](
+                g, A_log, dt_bias, Gbuf, gC, cu_dev, chunk_indices, T, lb, H=H, K=K, BT=BT, BK=gbk, GATE=GATE,
+                IS_VARLEN=cu_seqlens is not None, num_warps=TUNING["gcum_warps"])
         if "intra" in stages or "akk" in stages:
             kf.kda_akk_kernel[(NC, H)](
                 q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, cu_dev, chunk_indices, T, scale, lb,
                 H=H, K=K, BT=BT, BC=BC, BK=bk, L2NORM=gate != "precomputed", BETA_SIGMOID=gate != "precomputed",
                 EXACT=exact, PREC=prec, INV_DOTS=TUNING["inv_dots"], STRIP_OUTER=TUNING["order"] == "strip",
-                IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"],
+                IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"], GPRE=gpre,
                 num_warps=TUNING["warps"], num_stages=TUNING["stages"], **common)
         if "intra" in stages or "wu" in stages:
             kf.kda_wu_kernel[(NC, H)](
-                q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, cu_dev, chunk_indices, T, lb,
+                q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, Gbuf, cu_dev, chunk_indices, T, lb,
                 H=H, K=K, V=V, BT=BT, BK=min(TUNING["wu_bk"], K), BV=min(TUNING["wu_bv"], V), PREC=prec,
-                DOT_F32=_interpret(), num_warps=TUNING["wu_warps"], num_stages=TUNING["wu_stages"], **common)
+                DOT_F32=_interpret(), GPRE=gpre, num_warps=TUNING["wu_warps"], num_stages=TUNING["wu_stages"], **common)
     elif NC > 0 and "intra" in stages:
         kk.kda_intra_kernel[(NC, H)](
             q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gC, cu_dev, chunk_indices, T, scale, lb,

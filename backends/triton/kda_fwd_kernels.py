@@ -77,7 +77,8 @@ def _diag_rows(accA, accP, qI, kI, GI, k, Gbuf, row0, r0, nv, i_h, offs,
 
 @triton.jit
 def _diag(accA, accP, qI, kI, GI, GsI, GeI, k, Gbuf, row0, r0, nv, i_h, offs,
-          H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr):
+          H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
+          GPRE: tl.constexpr):
     """Diagonal block of sub-chunk I for one K slice, unbounded gates (see the module docstring)."""
     mid = 0.5 * (GsI + GeI)
     if GATE == 1:        # softplus: G falls monotonically, the span is Gs - Ge per channel
@@ -90,10 +91,11 @@ def _diag(accA, accP, qI, kI, GI, GsI, GeI, k, Gbuf, row0, r0, nv, i_h, offs,
         accA = tl.dot(kI * eL, kr, accA, input_precision=PREC)
         accP = tl.dot(qI * eL, kr, accP, input_precision=PREC)
     else:
-        rows = r0 + tl.arange(0, BC)
-        off = (row0 + rows).to(tl.int64)[:, None] * (H * K) + i_h * K + offs[None, :]
-        tl.store(Gbuf + off, GI, mask=(rows < nv)[:, None])
-        tl.debug_barrier()
+        if not GPRE:     # G rows come from Gbuf: written here unless kda_gcum_kernel did
+            rows = r0 + tl.arange(0, BC)
+            off = (row0 + rows).to(tl.int64)[:, None] * (H * K) + i_h * K + offs[None, :]
+            tl.store(Gbuf + off, GI, mask=(rows < nv)[:, None])
+            tl.debug_barrier()
         accA, accP = _diag_rows(accA, accP, qI, kI, GI, k, Gbuf, row0, r0, nv, i_h, offs, H, K, BC)
     return accA, accP
 
@@ -101,13 +103,22 @@ def _diag(accA, accP, qI, kI, GI, GsI, GeI, k, Gbuf, row0, r0, nv, i_h, offs,
 @triton.jit
 def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv, i_h, offs, a_h, dtb, lb,
            I: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-           GATE: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr):
+           GATE: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr, GPRE: tl.constexpr):
     """Row strip ``I`` (16 rows x 64 columns) of A and P for one K slice: one dot each against all
     earlier rows of the chunk (and, bounded gates, the diagonal block) with reference ``Gs_I``;
     unbounded gates accumulate the diagonal block separately (``accD``, ``accQ``). Returns the
-    accumulators and the sums of squares of this strip's q and k rows."""
-    qI, kI, gt = _slice(q, k, g, row0, I * BC, nv, i_h, offs, a_h, dtb, lb, H, K, BC, GATE)
-    GI = GsI[None, :] + tl.cumsum(gt, 0)
+    accumulators and the sums of squares of this strip's q and k rows. ``GPRE``: G comes from ``Gbuf``
+    (``kda_gcum_kernel``), padded rows get ``G = Gs_I``."""
+    if GPRE:
+        rI = I * BC + tl.arange(0, BC)
+        mI = rI < nv
+        offI = (row0 + rI).to(tl.int64)[:, None] * (H * K) + i_h * K + offs[None, :]
+        qI = tl.load(q + offI, mask=mI[:, None], other=0.).to(tl.float32)
+        kI = tl.load(k + offI, mask=mI[:, None], other=0.).to(tl.float32)
+        GI = tl.where(mI[:, None], tl.load(Gbuf + offI, mask=mI[:, None], other=0.), GsI[None, :])
+    else:
+        qI, kI, gt = _slice(q, k, g, row0, I * BC, nv, i_h, offs, a_h, dtb, lb, H, K, BC, GATE)
+        GI = GsI[None, :] + tl.cumsum(gt, 0)
     blk = tl.arange(0, BT) // BC
     if EXACT:
         keep = blk < I
@@ -115,12 +126,13 @@ def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv,
         keep = blk <= I
     if (not EXACT) or I > 0:
         eL = tl.exp(GI - GsI[None, :])
+        keep = keep & (tl.arange(0, BT) < nv)
         kr = tl.trans(tl.where(keep[:, None], kA * tl.exp(GsI[None, :] - G_all), 0.))
         accA = tl.dot(kI * eL, kr, accA, input_precision=PREC)
         accP = tl.dot(qI * eL, kr, accP, input_precision=PREC)
     if EXACT:
         accD, accQ = _diag(accD, accQ, qI, kI, GI, GsI, GeI, k, Gbuf, row0, I * BC, nv, i_h, offs, H, K, BC,
-                           GATE, PREC)
+                           GATE, PREC, GPRE)
     return accA, accP, accD, accQ, tl.sum(qI * qI, 1), tl.sum(kI * kI, 1)
 
 
@@ -175,6 +187,36 @@ def _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT: tl.constexpr, IS_VARLEN: t
     return bos + i_t * BT, T_seq - i_t * BT
 
 
+@triton.jit(do_not_specialize=["T"])
+def kda_gcum_kernel(g, A_log, dt_bias, Gbuf, gC, cu_seqlens, chunk_indices, T, lb,
+                    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
+                    IS_VARLEN: tl.constexpr):
+    """Gate (SPEC.md 3.4) and its cumulative sum inside the chunk, once: ``Gbuf`` (fp32 ``[B,T,H,K]``, valid
+    rows only) and ``gC = exp(G_C)`` (fp32 ``[chunks,H,K]``). One program per chunk, head and K slice."""
+    i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row0, nv = _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT, IS_VARLEN)
+    rows = tl.arange(0, BT)
+    m = rows < nv
+    offs = i_k * BK + tl.arange(0, BK)
+    if GATE == 2:
+        a_h = 1.0
+        dtb = tl.zeros([BK], dtype=tl.float32)
+    else:
+        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        dtb = tl.load(dt_bias + i_h * K + offs).to(tl.float32)
+    off = (row0 + rows).to(tl.int64)[:, None] * (H * K) + i_h * K + offs[None, :]
+    bg = tl.load(g + off, mask=m[:, None], other=0.).to(tl.float32)
+    gt = tl.where(m[:, None], _gate(bg, dtb, a_h, lb, GATE), 0.)
+    tl.store(Gbuf + off, tl.cumsum(gt, 0), mask=m[:, None])
+    tl.store(gC + (i_c * H + i_h).to(tl.int64) * K + offs, tl.exp(tl.sum(gt, 0)))
+
+
+@triton.jit
+def _grow(Gbuf, row0, r, i_h, offs, H: tl.constexpr, K: tl.constexpr):
+    """Row ``r`` (>= 0) of the precomputed G of this chunk, columns ``offs``."""
+    return tl.load(Gbuf + (row0 + r).to(tl.int64) * (H * K) + i_h * K + offs)
+
+
 @triton.jit
 def _st_strip(Aqk, Ascr, P, A, D, Q, rqI, rkI, bI, rk_all, row0, nv, i_h,
               I: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, EXACT: tl.constexpr):
@@ -222,9 +264,10 @@ def _beta(beta, row0, r0, nv, i_h, H: tl.constexpr, BC: tl.constexpr, BETA_SIGMO
 def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale,
              I: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
              BK: tl.constexpr, GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-             EXACT: tl.constexpr, PREC: tl.constexpr):
-    """Strip-outer order: the whole K loop of strip ``I`` (the chunk's gate cumsum recomputed per strip,
-    from L1/L2), then its scales and stores. Only this strip's accumulators are live. Returns beta."""
+             EXACT: tl.constexpr, PREC: tl.constexpr, GPRE: tl.constexpr):
+    """Strip-outer order: the whole K loop of strip ``I`` (G loaded from ``Gbuf`` when ``GPRE``, else the
+    chunk's gate cumsum recomputed per strip), then its scales and stores. Only this strip's accumulators
+    are live. Returns beta."""
     rows = tl.arange(0, BT)
     blk = rows // BC
     m = rows < nv
@@ -244,20 +287,36 @@ def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h
             dtb = tl.load(dt_bias + i_h * K + offs).to(tl.float32)
         off = roff[:, None] * (H * K) + i_h * K + offs[None, :]
         kA = tl.load(k + off, mask=m[:, None], other=0.).to(tl.float32)
-        bg = tl.load(g + off, mask=m[:, None], other=0.).to(tl.float32)
-        gA = tl.where(m[:, None], _gate(bg, dtb, a_h, lb, GATE), 0.)
-        G_all = tl.cumsum(gA, 0)
-        sk_all += tl.sum(kA * kA, 1)
-        GsI = tl.sum(tl.where(blk[:, None] < I, gA, 0.), 0)
-        GeI = tl.sum(tl.where(blk[:, None] < I + 1, gA, 0.), 0)
+        if I == 0:      # the norms of all the chunk's k rows: once, in strip 0 (later strips load rk)
+            sk_all += tl.sum(kA * kA, 1)
+        if GPRE:
+            G_all = tl.load(Gbuf + off, mask=m[:, None], other=0.)
+            if I == 0:
+                GsI = tl.zeros([BK], dtype=tl.float32)
+            else:
+                GsI = _grow(Gbuf, row0, tl.minimum(nv, I * BC) - 1, i_h, offs, H, K)
+            if EXACT:
+                GeI = _grow(Gbuf, row0, tl.minimum(nv, I * BC + BC) - 1, i_h, offs, H, K)
+            else:
+                GeI = GsI
+        else:
+            bg = tl.load(g + off, mask=m[:, None], other=0.).to(tl.float32)
+            gA = tl.where(m[:, None], _gate(bg, dtb, a_h, lb, GATE), 0.)
+            G_all = tl.cumsum(gA, 0)
+            GsI = tl.sum(tl.where(blk[:, None] < I, gA, 0.), 0)
+            GeI = tl.sum(tl.where(blk[:, None] < I + 1, gA, 0.), 0)
         accA, accP, accD, accQ, a, b = _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0,
-                                              nv, i_h, offs, a_h, dtb, lb, I, H, K, BT, BC, GATE, EXACT, PREC)
+                                              nv, i_h, offs, a_h, dtb, lb, I, H, K, BT, BC, GATE, EXACT, PREC,
+                                              GPRE)
         sq += a
         sk += b
     if L2NORM:
         rqI = tl.rsqrt(sq + 1e-6) * scale
         rkI = tl.rsqrt(sk + 1e-6)
-        rk_all = tl.rsqrt(sk_all + 1e-6)
+        if I == 0:
+            rk_all = tl.rsqrt(sk_all + 1e-6)
+        else:           # strip 0 stored it; a CTA barrier separates the strips (kda_akk_kernel)
+            rk_all = tl.load(rk + roff * H + i_h, mask=m, other=0.)
     else:
         rqI = sq * 0. + scale
         rkI = sk * 0. + 1.
@@ -274,7 +333,7 @@ def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h
 def _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale,
                  H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                  GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EXACT: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, GPRE: tl.constexpr):
     """K-outer order: one pass over the K slices accumulates all four strips (more live registers,
     the gate computed once). Scales and stores the strips; returns beta per strip."""
     rows = tl.arange(0, BT)
@@ -296,29 +355,36 @@ def _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h,
             dtb = tl.load(dt_bias + i_h * K + offs).to(tl.float32)
         off = roff[:, None] * (H * K) + i_h * K + offs[None, :]
         kA = tl.load(k + off, mask=m[:, None], other=0.).to(tl.float32)
-        bg = tl.load(g + off, mask=m[:, None], other=0.).to(tl.float32)
-        gA = tl.where(m[:, None], _gate(bg, dtb, a_h, lb, GATE), 0.)
-        G_all = tl.cumsum(gA, 0)
         sk_all += tl.sum(kA * kA, 1)
-        Gs1 = tl.sum(tl.where(blk[:, None] < 1, gA, 0.), 0)
-        Gs2 = tl.sum(tl.where(blk[:, None] < 2, gA, 0.), 0)
-        Gs3 = tl.sum(tl.where(blk[:, None] < 3, gA, 0.), 0)
-        Gs4 = tl.sum(gA, 0)
+        if GPRE:
+            G_all = tl.load(Gbuf + off, mask=m[:, None], other=0.)
+            Gs1 = _grow(Gbuf, row0, tl.minimum(nv, BC) - 1, i_h, offs, H, K)
+            Gs2 = _grow(Gbuf, row0, tl.minimum(nv, 2 * BC) - 1, i_h, offs, H, K)
+            Gs3 = _grow(Gbuf, row0, tl.minimum(nv, 3 * BC) - 1, i_h, offs, H, K)
+            Gs4 = _grow(Gbuf, row0, tl.minimum(nv, 4 * BC) - 1, i_h, offs, H, K)
+        else:
+            bg = tl.load(g + off, mask=m[:, None], other=0.).to(tl.float32)
+            gA = tl.where(m[:, None], _gate(bg, dtb, a_h, lb, GATE), 0.)
+            G_all = tl.cumsum(gA, 0)
+            Gs1 = tl.sum(tl.where(blk[:, None] < 1, gA, 0.), 0)
+            Gs2 = tl.sum(tl.where(blk[:, None] < 2, gA, 0.), 0)
+            Gs3 = tl.sum(tl.where(blk[:, None] < 3, gA, 0.), 0)
+            Gs4 = tl.sum(gA, 0)
         Gs0 = Gs1 * 0.
         A0, P0, D0, Q0, a, b = _strip(A0, P0, D0, Q0, q, k, g, Gbuf, kA, G_all, Gs0, Gs1, row0, nv, i_h, offs,
-                                      a_h, dtb, lb, 0, H, K, BT, BC, GATE, EXACT, PREC)
+                                      a_h, dtb, lb, 0, H, K, BT, BC, GATE, EXACT, PREC, GPRE)
         sq0 += a
         sk0 += b
         A1, P1, D1, Q1, a, b = _strip(A1, P1, D1, Q1, q, k, g, Gbuf, kA, G_all, Gs1, Gs2, row0, nv, i_h, offs,
-                                      a_h, dtb, lb, 1, H, K, BT, BC, GATE, EXACT, PREC)
+                                      a_h, dtb, lb, 1, H, K, BT, BC, GATE, EXACT, PREC, GPRE)
         sq1 += a
         sk1 += b
         A2, P2, D2, Q2, a, b = _strip(A2, P2, D2, Q2, q, k, g, Gbuf, kA, G_all, Gs2, Gs3, row0, nv, i_h, offs,
-                                      a_h, dtb, lb, 2, H, K, BT, BC, GATE, EXACT, PREC)
+                                      a_h, dtb, lb, 2, H, K, BT, BC, GATE, EXACT, PREC, GPRE)
         sq2 += a
         sk2 += b
         A3, P3, D3, Q3, a, b = _strip(A3, P3, D3, Q3, q, k, g, Gbuf, kA, G_all, Gs3, Gs4, row0, nv, i_h, offs,
-                                      a_h, dtb, lb, 3, H, K, BT, BC, GATE, EXACT, PREC)
+                                      a_h, dtb, lb, 3, H, K, BT, BC, GATE, EXACT, PREC, GPRE)
         sq3 += a
         sk3 += b
 
@@ -356,7 +422,7 @@ def kda_akk_kernel(q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, c
                    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                    GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
                    IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr,
-                   INV_DOTS: tl.constexpr, IP: tl.constexpr, STRIP_OUTER: tl.constexpr):
+                   INV_DOTS: tl.constexpr, IP: tl.constexpr, STRIP_OUTER: tl.constexpr, GPRE: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     row0, nv = _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT, IS_VARLEN)
     if GATE == 2:
@@ -365,16 +431,18 @@ def kda_akk_kernel(q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, c
         a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     if STRIP_OUTER:
         b0 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 0,
-                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC)
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
+        tl.debug_barrier()      # rk of strip 0 visible to every thread
         b1 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 1,
-                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC)
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
         b2 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 2,
-                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC)
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
         b3 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 3,
-                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC)
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
     else:
         b0, b1, b2, b3 = _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb,
-                                      scale, H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC)
+                                      scale, H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC,
+                                      GPRE)
     tl.debug_barrier()
     A00 = _ld(Ascr, row0, 0, 0, nv, i_h, H, BT, BC)
     A10 = _ld(Ascr, row0, BC, 0, nv, i_h, H, BT, BC)
@@ -414,11 +482,11 @@ def kda_akk_kernel(q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, c
 
 
 @triton.jit(do_not_specialize=["T"])
-def kda_wu_kernel(q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, cu_seqlens, chunk_indices,
+def kda_wu_kernel(q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, Gbuf, cu_seqlens, chunk_indices,
                   T, lb,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                  DOT_F32: tl.constexpr):
+                  DOT_F32: tl.constexpr, GPRE: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     row0, nv = _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT, IS_VARLEN)
     if GATE == 2:
@@ -442,17 +510,21 @@ def kda_wu_kernel(q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, cu_s
             dtb = tl.load(dt_bias + i_h * K + offs).to(tl.float32)
         off = roff[:, None] * (H * K) + i_h * K + offs[None, :]
         bk = tl.load(k + off, mask=m[:, None], other=0.).to(tl.float32) * b_rk[:, None]
-        bg = tl.load(g + off, mask=m[:, None], other=0.).to(tl.float32)
-        gt = tl.where(m[:, None], _gate(bg, dtb, a_h, lb, GATE), 0.)
-        G = tl.cumsum(gt, 0)
-        GC = tl.sum(gt, 0)
+        if GPRE:      # G and exp(G_C) from kda_gcum_kernel
+            G = tl.load(Gbuf + off, mask=m[:, None], other=0.)
+            GC = _grow(Gbuf, row0, tl.minimum(nv, BT) - 1, i_h, offs, H, K)
+        else:
+            bg = tl.load(g + off, mask=m[:, None], other=0.).to(tl.float32)
+            gt = tl.where(m[:, None], _gate(bg, dtb, a_h, lb, GATE), 0.)
+            G = tl.cumsum(gt, 0)
+            GC = tl.sum(gt, 0)
+            tl.store(gC + (i_c * H + i_h).to(tl.int64) * K + offs, tl.exp(GC))
         eG = tl.exp(G)
         b_w = tl.dot(X, (bk * eG).to(X.dtype), input_precision=PREC)
         tl.store(w + off, b_w.to(w.dtype.element_ty), mask=m[:, None])
         tl.store(kg + off, (bk * tl.exp(GC[None, :] - G)).to(kg.dtype.element_ty), mask=m[:, None])
         bq = tl.load(q + off, mask=m[:, None], other=0.).to(tl.float32) * b_rq[:, None]
         tl.store(qg + off, (bq * eG).to(qg.dtype.element_ty), mask=m[:, None])
-        tl.store(gC + (i_c * H + i_h).to(tl.int64) * K + offs, tl.exp(GC))
     for c0 in range(0, V, BV):
         offs = c0 + tl.arange(0, BV)
         off = roff[:, None] * (H * V) + i_h * V + offs[None, :]
