@@ -1,11 +1,12 @@
 # ruff: noqa: BLE001
-"""MoE grouped-GEMM variants on the GPU (issue 6), one call under 3 minutes: one K3 MoE layer
-(E=896, top-16, D=3584, I=3072) in bf16 at 8192 and 256 tokens, MXFP4 at 256 and 8192, INT4 at 256;
-each variant timed (median, triton.testing.do_bench), compared with torch._grouped_mm (bf16; on
-dequantised bf16 weights for the packed formats: also the rel err reference), then every compiled
-MoE kernel with its registers/spills. Table last; JSON to $OUT/moe_sweep.json after every row.
+"""MoE grouped-GEMM variants on the GPU (issue 6), one call under ~2 minutes: one K3 MoE layer
+(E=896, top-16, D=3584, I=3072), MXFP4 at 256 and 8192 tokens, bf16 at 8192 and 256 (``VARIANTS``);
+each variant timed as a layer and per launch (GLU, down; median, triton.testing.do_bench), checked
+against torch._grouped_mm (on dequantised bf16 weights for MXFP4; timed again only with --baselines),
+then every compiled MoE kernel with its registers/spills. Table last; JSON to $OUT/moe_sweep.json
+after every row. Errors keep their last 1500 characters.
 
-    python3 bench/moe_sweep.py [--smoke]      (--smoke: tiny sizes, CPU interpreter too)
+    python3 bench/moe_sweep.py [--smoke] [--baselines]   (--smoke: tiny sizes, CPU interpreter too)
 """
 from __future__ import annotations
 
@@ -70,17 +71,39 @@ def _deq_bf16(quant, p, s):
     return out
 
 
-def sweep(smoke):
-    """Variants of the MoE layer kernels (K3: E=896, top-16, D=3584, I=3072), each timed, checked
-    against the torch._grouped_mm path (on dequantised bf16 weights for MXFP4/INT4) and listed with
-    registers/spills. Configs: ("t", BW, BT, TAIL, BK, warps, stages) = swapped kernel; 6-tuple =
-    row-major kernel (BM, BN, BK, MS, warps, stages). Stops starting variants after ~170 s."""
+# (label, quant, tokens, [(name, (glu config, down config), mxfp4 decode)]); configs: ("t", BW, BT, TAIL, BK,
+# warps, stages) = swapped kernel, 6-tuple = row-major (BM, BN, BK, MS, warps, stages), None = moe._config.
+# bench/moe_offline.py compiles every one of these for sm_90 (Triton 3.6) before a GPU run.
+T128 = ("t", 128, 128, 64, 64, 8, 3)
+T128S4 = ("t", 128, 128, 64, 64, 8, 4)
+VARIANTS = [
+    ("MXFP4 T=256", "mxfp4", 256, [
+        ("default (t, asm)", (None, None), None),
+        ("t asm1 (one fma)", (None, None), "asm1"),
+        ("t 64/16+16 BK256 s3 | 128/16+16 BK128 s4", (("t", 64, 16, 16, 256, 8, 3), ("t", 128, 16, 16, 128, 4, 4)),
+         "asm"),
+    ]),
+    ("MXFP4 T=8192", "mxfp4", 8192, [("default (t, asm)", (None, None), None)]),
+    ("bf16 T=8192", "none", 8192, [
+        ("default (t 128/128+64 s3 both)", (None, None), None),
+        ("t 128/128+64 s4 both", (T128S4, T128S4), None),
+        ("t 128/128+64 BK32 s6 both", (("t", 128, 128, 64, 32, 8, 6),) * 2, None),
+    ]),
+    ("bf16 T=256", "none", 256, [("default", (None, None), None)]),
+]
+
+
+def sweep(smoke, baselines):
+    """The VARIANTS of the K3 MoE layer (E=896, top-16, D=3584, I=3072): each timed as a whole layer and
+    per launch (GLU, down), checked against the torch._grouped_mm path (on dequantised bf16 weights for
+    MXFP4/INT4; its time only with ``baselines``: measured 2026-11-30 bf16 T=256 17.7 ms, T=8192
+    30.66 ms) and listed with registers/spills. Stops starting variants after ~90 s."""
     from gpu_diag import compiled_kernels
     from k3ir.backends.triton import moe
     E, D, I, k = (8, 64, 64, 2) if smoke else (896, 3584, 3072, 16)
-    T_big, T_small = (64, 16) if smoke else (8192, 256)
     t_start = time.perf_counter()
     wel = 3 * E * I * D
+    known = {("none", 256): 17.7, ("none", 8192): 30.66, ("mxfp4", 256): 17.62, ("mxfp4", 8192): 28.69}
 
     def theirs(xs, offs32, w1, w3, w2, cw, inv3):
         g = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs32)
@@ -99,74 +122,57 @@ def sweep(smoke):
         bytes_el = 2 if quant == "none" else (0.5 + 1 / 32)
         floor = max(wel * bytes_el * used / E / HBM, flops / MM) * 1e3
         ref = theirs(xs, offs32, *deq, cw, inv3) if torch.cuda.is_available() else None
-        t_ref = bench(lambda: theirs(xs, offs32, *deq, cw, inv3), 100) if ref is not None else float("nan")
+        t_ref = known.get((quant, T), float("nan")) if not smoke else float("nan")
+        if baselines and ref is not None:
+            t_ref = bench(lambda: theirs(xs, offs32, *deq, cw, inv3), 100)
         row("moe", f"{label} torch._grouped_mm" + ("" if quant == "none" else " (dequantised bf16)"),
-            ms=t_ref, floor_ms=floor, rows_per_expert=T * k / E)
+            ms=t_ref, measured_now=bool(baselines), floor_ms=floor, rows_per_expert=T * k / E)
         for name, cfgs, dec in variants:
-            if time.perf_counter() - t_start > 170:
+            if time.perf_counter() - t_start > 90:
                 row("moe", f"{label} {name}", skipped="time budget")
                 continue
             try:
+                def glu(cfgs=cfgs, dec=dec):
+                    return moe.grouped_matmul(xs, off, ws[0], ss[0], quant, w3=ws[1], scales3=ss[1], act="situ",
+                                              config=cfgs[0], mxfp4_decode=dec)
+
                 def fn(cfgs=cfgs, dec=dec):
                     return moe.moe_forward(xs, off, ws[0], ws[1], ws[2], cw, inv3, quant, ss, act="situ",
                                            configs=cfgs, mxfp4_decode=dec)
                 out = fn()
                 err = rel(out, ref) if ref is not None else None
+                h = glu()
                 ms = bench(fn, 100)
-                row("moe", f"{label} {name}", ms=ms, speedup_vs_grouped_mm=t_ref / ms, floor_ms=floor,
-                    frac_of_floor=floor / ms, rel_err=err, configs=str(cfgs), decode=dec)
+                ms_glu = bench(glu, 50)
+                ms_down = bench(lambda cfgs=cfgs, dec=dec, h=h: moe.grouped_matmul(
+                    h, off, ws[2], ss[2], quant, row_scale=cw, config=cfgs[1], mxfp4_decode=dec), 50)
+                R = xs.shape[0]
+                planned = [moe.plan(R, E, n_, k_, quant, g_, xs.element_size(), c_)
+                           for (n_, k_, g_), c_ in zip(((I, D, True), (D, I, False)), cfgs)]
+                row("moe", f"{label} {name}", ms=ms, ms_glu=ms_glu, ms_down=ms_down,
+                    speedup_vs_grouped_mm=t_ref / ms, floor_ms=floor, frac_of_floor=floor / ms, rel_err=err,
+                    configs=str(planned), decode=dec)
             except Exception as e:
-                row("moe", f"{label} {name}", error=repr(e)[:300])
+                row("moe", f"{label} {name}", error=repr(e)[-1500:])
 
-    # MXFP4 ------------------------------------------------------------------------------------
+    todo = {lab: (T, vs) for lab, _, T, vs in VARIANTS}
     shapes = ((E, I, D), (E, I, D), (E, D, I))
+    T_of = (lambda T: {8192: 64, 256: 16}[T]) if smoke else (lambda T: T)
+    # MXFP4 ------------------------------------------------------------------------------------
     p = [torch.randint(0, 256, (a, b, c // 2), device=DEV, dtype=torch.uint8) for a, b, c in shapes]
     sc = [torch.randint(118, 123, (a, b, c // 32), device=DEV, dtype=torch.uint8) for a, b, c in shapes]
     deq = [_deq_bf16("mxfp4", pp, ss) for pp, ss in zip(p, sc)]
-    case(f"MXFP4 T={T_small}", T_small, "mxfp4", p, sc, deq, [
-        ("default (t, asm)", (None, None), None),
-        ("t exact decode", (None, None), "exact"),
-        ("t asm1 (one fma)", (None, None), "asm1"),
-        ("rowmajor BM16 asm", ((16, 64, 256, 1, 4, 3), (16, 128, 256, 1, 4, 3)), "asm"),
-        ("rowmajor BM16 exact (old)", ((16, 64, 256, 1, 4, 3), (16, 128, 256, 1, 4, 3)), "exact"),
-        ("t 128/16+16 BK256 asm", (("t", 128, 16, 16, 256, 4, 3),) * 2, "asm"),
-        ("t 64/16+16 BK128 s4 asm", (("t", 64, 16, 16, 128, 4, 4),) * 2, "asm"),
-    ])
-    case(f"MXFP4 T={T_big}", T_big, "mxfp4", p, sc, deq, [
-        ("default (t, asm)", (None, None), None),
-        ("t exact decode", (None, None), "exact"),
-    ])
-    del p, sc, deq
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    # INT4 -------------------------------------------------------------------------------------
-    p = [torch.randint(-2**31, 2**31 - 1, (a, b, c // 8), device=DEV, dtype=torch.int32) for a, b, c in shapes]
-    sc = [torch.rand(a, b, c // 32, device=DEV) * 0.01 for a, b, c in shapes]
-    deq = [_deq_bf16("int4", pp, ss) for pp, ss in zip(p, sc)]
-    case(f"INT4 T={T_small}", T_small, "int4", p, sc, deq, [
-        ("default (t)", (None, None), None),
-        ("rowmajor BM16 (old)", ((16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 4)), None),
-    ])
+    for lab in ("MXFP4 T=256", "MXFP4 T=8192"):
+        T, vs = todo[lab]
+        case(lab, T_of(T), "mxfp4", p, sc, deq, vs)
     del p, sc, deq
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     # bf16 -------------------------------------------------------------------------------------
     w = [torch.randn(E, I, D, device=DEV, dtype=DT) * 0.02, torch.randn(E, I, D, device=DEV, dtype=DT) * 0.02,
          torch.randn(E, D, I, device=DEV, dtype=DT) * 0.02]
-    case(f"bf16 T={T_big}", T_big, "none", w, (None,) * 3, w, [
-        ("default", (None, None), None),
-        ("rowmajor glu256x64 down128x256 (old best)", ((256, 64, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3)), None),
-        ("t 64/128+32 | 128/128+32", (("t", 64, 128, 32, 64, 8, 3), ("t", 128, 128, 32, 64, 8, 3)), None),
-        ("t 64/128+64 s4 | 128/128+64 s4", (("t", 64, 128, 64, 64, 8, 4), ("t", 128, 128, 64, 64, 8, 4)), None),
-        ("t 128/128+64 | 128/128+64", (("t", 128, 128, 64, 64, 8, 3), ("t", 128, 128, 64, 64, 8, 3)), None),
-        ("t 64/256 | 128/256", (("t", 64, 256, 0, 64, 8, 3), ("t", 128, 256, 0, 64, 8, 3)), None),
-        ("t 64/128+64 BK128 s2 | 128/128+64 BK128 s2",
-         (("t", 64, 128, 64, 128, 8, 2), ("t", 128, 128, 64, 128, 8, 2)), None),
-    ])
-    case(f"bf16 T={T_small}", T_small, "none", w, (None,) * 3, w, [
-        ("default", (None, None), None),
-        ("rowmajor BM16 (old default)", ((16, 64, 64, 1, 4, 4), (16, 128, 64, 1, 4, 4)), None),
-        ("t 128/16+16 BK128", (("t", 128, 16, 16, 128, 4, 4),) * 2, None),
-        ("t 64/16+16 BK256 s3", (("t", 64, 16, 16, 256, 4, 3),) * 2, None),
-    ])
+    for lab in ("bf16 T=8192", "bf16 T=256"):
+        T, vs = todo[lab]
+        case(lab, T_of(T), "none", w, (None,) * 3, w, vs)
     del w
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     for name, ck in compiled_kernels(moe):
@@ -181,17 +187,18 @@ def sweep(smoke):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--baselines", action="store_true", help="time torch._grouped_mm again (else known numbers)")
     a = ap.parse_args()
     if torch.cuda.is_available():
         import triton
         row("env", "device", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     t0 = time.perf_counter()
     try:
-        sweep(a.smoke)
+        sweep(a.smoke, a.baselines)
     except Exception as e:
         import traceback
         traceback.print_exc()
-        row("moe", "FAILED", error=repr(e)[:400])
+        row("moe", "FAILED", error=repr(e)[-1500:])
     row("moe", "total time", s=time.perf_counter() - t0)
     print("\n| name | numbers |\n|---|---|")
     for r in ROWS:

@@ -151,6 +151,106 @@ def test_mxfp4_bit_placement_is_exact():
     np.testing.assert_array_equal(got, want)
 
 
+def _run_ptx(src, regs):
+    """Executes the few PTX instructions of the MXFP4 decode asm on uint32 registers (``$i`` operands and
+    ``.reg`` names): mov, shr/shl, and/or, prmt (default mode), fma.rn.bf16x2 (exact products checked,
+    rounded to nearest even like the hardware)."""
+    env = dict(regs)
+
+    def val(t):
+        t = t.strip()
+        return int(t, 0) if t[0].isdigit() else env[t]
+
+    def bf(b):
+        return float(np.array([b << 16], np.uint32).view(np.float32)[0])
+
+    def to_bf(v):
+        with np.errstate(over="ignore"):
+            f = np.array([v], np.float32)
+        assert float(f[0]) == v or not np.isfinite(f[0]), "inexact bf16x2 product"
+        u = int(f.view(np.uint32)[0])
+        assert u & 0xFFFF == 0 or not np.isfinite(f[0]), "product not representable in bf16"
+        return u >> 16
+
+    for line in src.split(";"):
+        line = line.strip().strip("{}").strip()
+        if not line or line.startswith(".reg"):
+            continue
+        opc, rest = line.split(None, 1)
+        ops = [o.strip() for o in rest.split(",")]
+        d, a = ops[0], [val(o) for o in ops[1:]]
+        if opc == "mov.b32":
+            r = a[0]
+        elif opc == "shr.u32":
+            r = a[0] >> a[1]
+        elif opc == "shl.b32":
+            r = (a[0] << a[1]) & 0xFFFFFFFF
+        elif opc == "and.b32":
+            r = a[0] & a[1]
+        elif opc == "or.b32":
+            r = a[0] | a[1]
+        elif opc == "prmt.b32":
+            src8 = a[0] | (a[1] << 32)
+            r = sum(((src8 >> (8 * ((a[2] >> (4 * k)) & 7))) & 0xFF) << (8 * k) for k in range(4))
+        elif opc == "fma.rn.bf16x2":
+            r = sum(to_bf(bf((a[0] >> h) & 0xFFFF) * bf((a[1] >> h) & 0xFFFF) + bf((a[2] >> h) & 0xFFFF)) << h
+                    for h in (0, 16))
+        else:
+            raise AssertionError(f"unhandled PTX {opc}")
+        env[d] = r
+    return env
+
+
+@pytest.mark.parametrize("two", [True, False])
+def test_mxfp4_asm_decode_emulated_is_exact(two):
+    """The inline PTX of the GPU decode (``moe._mx_asm``), executed instruction by instruction, equals the
+    reference decoder (``k3ir.quant``) for every byte value and every scale byte 0..254 (asm1, one fma:
+    scale bytes 0..128 only). Operands as Triton packs them (pack=4): $4 = 4 packed bytes, $5/$6 = the
+    first multiplier for elements 0,1 / 2,3 (bf16x2), $7/$8 the second; outputs $0/$1 = low nibbles,
+    $2/$3 = high nibbles."""
+    rng = np.random.default_rng(5)
+    src = moe._mx_asm(two)
+    for sbyte in range(255 if two else 129):
+        for b0 in range(0, 256, 4):
+            b = [b0, b0 + 1, b0 + 2, b0 + 3]
+            rng.shuffle(b)
+            m1 = (min(sbyte, 128) + 126) << 7
+            m2 = (max(sbyte, 128) - 1) << 7
+            regs = {"$4": b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, "$5": m1 | m1 << 16, "$6": m1 | m1 << 16,
+                    "$7": m2 | m2 << 16, "$8": m2 | m2 << 16}
+            env = _run_ptx(src, regs)
+            packed = np.array([b + [0] * 12], np.uint8)
+            with np.errstate(over="ignore"):
+                want = Q.mxfp4_dequantize(packed, np.array([[sbyte]], np.uint8))[0, :8].astype(np.float32)
+            got = [(env[f"${r}"] >> h) & 0xFFFF for r in range(4) for h in (0, 16)]
+            got = np.array(got, np.uint32).__lshift__(16).view(np.float32)
+            # got order: lo0 lo1 lo2 lo3 hi0 hi1 hi2 hi3; want order: lo0 hi0 lo1 hi1 ...
+            np.testing.assert_array_equal(got[[0, 4, 1, 5, 2, 6, 3, 7]], want, err_msg=f"scale byte {sbyte}")
+
+
+def test_smem_plan_matches_device_and_fits():
+    """``moe.smem_bytes`` equals the shared memory Triton 3.6 reported on the H200 (2026-11-30 sweep) for
+    float weights, and ``moe.plan`` brings every config under the limit (fp32 activations: the k3-tiny
+    GPU run needed 327680 B with the bf16-sized default)."""
+    device = {(("t", 128, 128, 64, 64, 8, 3), True): 172032, (("t", 64, 128, 64, 64, 8, 4), True): 163840,
+              (("t", 128, 128, 64, 64, 8, 3), False): 122880, (("t", 64, 256, 0, 64, 8, 3), True): 147456,
+              (("t", 64, 16, 16, 128, 4, 4), False): 98304, (("t", 128, 16, 16, 128, 4, 4), True): 294912,
+              ((256, 64, 64, 1, 8, 3), True): 147456}
+    for (cfg, glu), b in device.items():
+        assert moe.smem_bytes(cfg, "none", 2, glu) == b, cfg
+    assert moe.smem_bytes(("t", 64, 16, 16, 128, 4, 4), "none", 4, True) == 327680
+    for cfg in [("t", 64, 16, 16, 128, 4, 4), ("t", 128, 16, 16, 128, 4, 4), ("t", 64, 16, 16, 256, 4, 3),
+                ("t", 128, 128, 64, 64, 8, 3)]:
+        for quant in ("none", "mxfp4", "int4"):
+            for xb in (2, 4):
+                got = moe.plan(4096, 64, 3072, 3584, quant, True, xb, cfg)
+                assert moe.smem_bytes(got, quant, xb, True) <= moe.SMEM_DEFAULT, (cfg, quant, xb, got)
+                assert got[:4] == cfg[:4] and got[4] <= cfg[4] and got[6] <= cfg[6]
+    assert moe.plan(4096, 64, 3072, 3584, "none", True, 2, ("t", 128, 128, 64, 64, 8, 3)) == \
+        ("t", 128, 128, 64, 64, 8, 3)
+    assert moe.plan(64, 8, 64, 96, "mxfp4", False, 2, ("t", 64, 16, 16, 128, 4, 4))[4] == 32   # BK | K
+
+
 def _mla_inputs(rng, B, T, S0, H, n, r, vd, R):
     q = rng.standard_normal((B, T, H, n + r))
     kv = rng.standard_normal((B, T, R + r))

@@ -1,0 +1,140 @@
+"""Compile the MoE grouped-GEMM kernels for sm_90 without a GPU (issue 6): every default config and every
+variant of ``bench/moe_sweep.py`` through ``moe.plan`` (the same shared-memory fit the launch uses), with
+the local Triton (run it with the device's Triton: ``PYTHONPATH=/tmp/triton36``) for
+``GPUTarget("cuda", 90, 32)`` with the launch's specialisation (16-divisible pointers, N and K), then the
+bundled ``ptxas -v`` (registers, spills) and, with ``--sass``, an opcode histogram of the cubin (cuobjdump).
+A CompilationError / OutOfResources here is one the device would raise.
+
+    PYTHONPATH=/tmp/triton36 python bench/moe_offline.py            # all configs, table
+    PYTHONPATH=/tmp/triton36 python bench/moe_offline.py --sass mxfp4  # + SASS opcode counts (filter)
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import triton
+from k3ir.backends.triton import moe
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TGT = GPUTarget("cuda", 90, 32)
+BIN = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+NAMES = ["x", "offsets", "w1", "s1", "w3", "s3", "y", "rscale", "N", "K", "b1", "b2"]
+E, D, I = 896, 3584, 3072
+
+
+def compile_cfg(quant: str, glu: bool, xdt: str, cfg: tuple, N: int, K: int, decode: str = "asm", sass=False):
+    """Compile one launch (config already planned). Returns dict(regs, spills, smem, ops?)."""
+    wt = {"none": f"*{xdt}", "mxfp4": "*u8", "int4": "*i32"}[quant]
+    st = {"none": None, "mxfp4": "*u8", "int4": "*fp32"}[quant]
+    types = [f"*{xdt}", "*i64", wt, st, wt, st, f"*{xdt}", None if glu else "*fp32", "i32", "i32", "fp32", "fp32"]
+    qid = {"none": 0, "int4": 2}.get(quant) if quant != "mxfp4" else moe.MXFP4_DECODES[decode]
+    const = {"QUANT": qid, "ACT": 1 if glu else 0, "SCALE_ROWS": not glu}
+    if cfg[0] == "t":
+        _, BW, BT, TAIL, BK, warps, stages = cfg
+        fn = moe.grouped_gemm_t_kernel
+        const.update(BW=BW, BT=BT, TAIL=TAIL, BK=BK)
+    else:
+        BM, BN, BK, MS, warps, stages = cfg
+        fn = moe.grouped_gemm_kernel
+        const.update(BM=BM, BN=BN, BK=BK, MS=MS)
+    sig, attrs = {}, {}
+    for i, (n, t) in enumerate(zip(NAMES, types)):
+        if t is None:
+            sig[n] = "constexpr"
+            const[n] = None
+        else:
+            sig[n] = t
+            if t.startswith("*") or (n == "N" and N % 16 == 0) or (n == "K" and K % 16 == 0):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    sig.update({c: "constexpr" for c in const if c not in sig})
+    ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=TGT,
+                        options={"num_warps": warps, "num_stages": stages})
+    out = {"smem": ck.metadata.shared}
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.ptx")
+        with open(p, "w") as f:
+            f.write(ck.asm["ptx"])
+        log = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name", "sm_90a", p, "-o",
+                              os.path.join(d, "k.cubin")], check=False, capture_output=True, text=True).stderr
+        m = re.search(r"Used (\d+) registers", log)
+        sp = re.search(r"(\d+) bytes spill stores", log)
+        out["regs"] = int(m.group(1)) if m else -1
+        out["spills"] = int(sp.group(1)) if sp else -1
+        if sass:
+            sa = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
+                                check=False, capture_output=True, text=True).stdout
+            ops = collections.Counter(mm.group(1).split(".")[0] for mm in
+                                      re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sa))
+            out["ops"] = dict(ops.most_common())
+            out["sass"] = sa
+    return out
+
+
+def cases():
+    """(label, quant, glu, x dtype, R, N, K, config or None, decode) for the defaults and the sweep."""
+    from moe_sweep import VARIANTS  # sets TRITON_INTERPRET without a GPU: compile as for the device
+    os.environ.pop("TRITON_INTERPRET", None)
+    out = []
+    for quant in ("none", "mxfp4", "int4"):
+        for xdt in ("bf16", "fp32"):
+            for T in (1, 256, 2048, 8192):
+                if quant != "none" and xdt == "fp32" and T > 256:
+                    continue
+                out.append((f"default {quant} {xdt} T={T} glu", quant, True, xdt, T * 16, I, D, None, "asm"))
+                out.append((f"default {quant} {xdt} T={T} down", quant, False, xdt, T * 16, D, I, None, "asm"))
+    for label, quant, T, variants in VARIANTS:
+        for name, cfgs, dec in variants:
+            for j, (glu, N, K) in enumerate(((True, I, D), (False, D, I))):
+                out.append((f"{label} {name} {'glu' if glu else 'down'}", quant, glu, "bf16", T * 16, N, K,
+                            cfgs[j], dec or "asm"))
+    # k3-tiny-like small shapes in fp32 (whole-model GPU test)
+    for T in (1, 37, 512):
+        out.append((f"small fp32 T={T} glu", "none", True, "fp32", T * 2, 64, 64, None, "asm"))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("filter", nargs="?", default="")
+    ap.add_argument("--sass", action="store_true")
+    a = ap.parse_args()
+    print(f"triton {triton.__version__} from {os.path.dirname(triton.__file__)}")
+    seen, bad = {}, 0
+    print(f"{'case':70} {'planned config':36} {'regs':>4} {'spill':>5} {'smem':>7} {'est':>7}")
+    for label, quant, glu, xdt, R, N, K, cfg, dec in cases():
+        if a.filter and a.filter not in label:
+            continue
+        xb = 4 if xdt == "fp32" else 2
+        plan = moe.plan(R, E if R > 64 else 8, N, K, quant, glu, xb, cfg)
+        key = (quant, glu, xdt, plan, N, K, dec)
+        try:
+            r = seen[key] if key in seen else compile_cfg(quant, glu, xdt, plan, N, K, dec, a.sass)
+        except Exception as e:  # noqa: BLE001
+            r = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
+        seen[key] = r
+        est = moe.smem_bytes(plan, quant, xb, glu)
+        if "error" in r or r["smem"] > moe.SMEM_DEFAULT or r["spills"] > 0:
+            bad += "error" in r or r["smem"] > moe.SMEM_DEFAULT
+        if "error" in r:
+            print(f"{label:70} {plan!s:36} ERROR {r['error']}")
+            continue
+        print(f"{label:70} {plan!s:36} {r['regs']:>4} {r['spills']:>5} {r['smem']:>7} {est:>7}")
+        if a.sass and "ops" in r:
+            print("    ", r["ops"])
+            with open(f"/tmp/moe_{len(seen)}.sass", "w") as f:
+                f.write(r["sass"])
+    print(f"{bad} configs fail (compile error or shared memory over {moe.SMEM_DEFAULT})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
