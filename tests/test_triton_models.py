@@ -182,3 +182,19 @@ def test_route_dispatch_matches_router_and_dispatch_reference(B, k, E, D):
     want = get_opdef("k3.moe_dispatch")({"num_experts": E}, []).reference(x.double().numpy(), ww, wi)
     assert np.array_equal(disp[1].numpy(), want[1]) and np.array_equal(disp[2].numpy(), want[2])
     assert np.array_equal(disp[0].double().numpy(), want[0]) and rel_err(disp[3].double().numpy(), want[3]) < 1e-5
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 40, 100), (3, 17, 64), (4, 64, 33)])
+def test_gemv_epilogues_match_float64(M, N, K):
+    """The decode linear (gemv.py): plain, SwiGLU of two weights, two residuals, strided rows."""
+    from k3ir.backends.triton.gemv import gemv
+    g = torch.Generator().manual_seed(M * N)
+    x = torch.randn(M, 1, K + 3, generator=g)[..., :K]            # rows K + 3 apart
+    w, w3 = torch.randn(N, K, generator=g), torch.randn(N, K, generator=g)
+    r1, r2 = torch.randn(M, 1, N, generator=g), torch.randn(M, 1, N, generator=g)
+    xd, wd = x.double(), w.double()
+    lin = xd @ wd.T
+    assert rel_err(gemv(x, w).double().numpy(), lin.numpy()) < 1e-5
+    want = torch.nn.functional.silu(lin) * (xd @ w3.double().T)
+    assert rel_err(gemv(x, w, w3).double().numpy(), want.numpy()) < 1e-5
+    assert rel_err(gemv(x, w, res=(r1, r2)).double().numpy(), (lin + r1.double() + r2.double()).numpy()) < 1e-5

@@ -51,6 +51,11 @@ def router(inst, x, w, bias):
 
 
 def _lin(x, w):
+    """x W^T: decode-size rows through the weight-streaming kernel (gemv.py), others cuBLAS."""
+    from . import interpreting
+    from .gemv import fits, gemv
+    if (x.is_cuda or interpreting()) and fits(x, w):
+        return gemv(x, w)
     return F.linear(x, w.to(x.dtype))
 
 
@@ -94,7 +99,7 @@ def fused_kda(inst, *args):
         # low-rank up-projections and the one-launch decode kernel
         ws = [w_q, w_k, w_v, w_fa, w_b, gate_w[0]]
         sizes = [w.shape[0] for w in ws]
-        parts = torch.split(F.linear(x[:, 0], _cat_weights(ws, x.dtype)), sizes, dim=-1)
+        parts = torch.split(_lin(x[:, 0], _cat_weights(ws, x.dtype)), sizes, dim=-1)
         q, k, v, fa, bl, ga = parts
         z = _lin(fa, w_fb)
         gz = ga if inst.full_rank_gate else _lin(ga, gate_w[1])

@@ -13,6 +13,8 @@ import torch
 
 from ..interpreter import Interpreter
 from . import dispatch as disp_k
+from . import gemv as gemv_k
+from . import interpreting
 from . import mla as mla_k
 from . import moe as moe_k
 from . import norm as norm_k
@@ -102,8 +104,20 @@ def make_mla(exe):
     return mla
 
 
+def _gemv_ok(x, w) -> bool:
+    return (x.is_cuda or interpreting()) and gemv_k.fits(x, w)
+
+
+def linear(inst, x, w):
+    """``k3.linear``: decode-size inputs (<= gemv.MAX_ROWS rows) through the weight-streaming kernel,
+    others through cuBLAS."""
+    if _gemv_ok(x, w):
+        return gemv_k.gemv(x, w)
+    return _torch_impl("k3.linear")(inst, x, w)
+
+
 def table(exe) -> dict:
-    return {"k3.moe_dispatch": moe_dispatch, "k3.grouped_matmul": grouped_matmul, "k3.moe_combine": moe_combine, "k3.rmsnorm": rmsnorm,
+    return {"k3.linear": linear, "k3.moe_dispatch": moe_dispatch, "k3.grouped_matmul": grouped_matmul, "k3.moe_combine": moe_combine, "k3.rmsnorm": rmsnorm,
             "k3.attn_res_fused": attn_res_fused, "k3.mla": make_mla(exe)}
 
 
@@ -137,6 +151,13 @@ def plan(fn) -> dict[int, tuple]:
         if op.name not in ("k3.situ_glu", "k3.swiglu"):
             continue
         g, u = (producer.get(id(v)) for v in op.operands[:2])
+        if (op.name == "k3.swiglu" and g is not None and u is not None and g.name == u.name == "k3.linear"
+                and g is not u and g.operands[0] is u.operands[0] and id(g) not in out and id(u) not in out
+                and len(uses.get(id(g.results[0]), [])) == 1 and len(uses.get(id(u.results[0]), [])) == 1):
+            out[id(g)] = ("skip",)          # shared-expert / dense MLP gate and up: one launch at decode
+            out[id(u)] = ("skip",)
+            out[id(op)] = ("lin_glu", g, u)
+            continue
         if (g is None or u is None or g.name != "k3.grouped_matmul" or u.name != "k3.grouped_matmul"
                 or g.operands[0] is not u.operands[0] or g.operands[1] is not u.operands[1]
                 or g.attrs.get("quant", "none") != u.attrs.get("quant", "none")
@@ -152,6 +173,23 @@ def plan(fn) -> dict[int, tuple]:
             if len(comb) == 1 and comb[0] is not None and comb[0].name == "k3.moe_combine":
                 out[id(d)] = ("down", comb[0])
                 out[id(comb[0])] = ("combine",)
+    for op in fn.ops:      # linear -> add (-> add): the residual additions in the linear's epilogue
+        if op.name != "k3.linear" or id(op) in out:
+            continue
+        chain, cur = [], op
+        while len(chain) < 2:
+            us = uses.get(id(cur.results[0]), [])
+            if len(us) != 1 or us[0] is None or us[0].name != "k3.add" or id(us[0]) in out:
+                break
+            a = us[0]
+            if a.operands[0] is a.operands[1]:
+                break
+            chain.append(a)
+            cur = a
+        if chain:
+            for o in [op] + chain[:-1]:
+                out[id(o)] = ("skip",)
+            out[id(chain[-1])] = ("lin_add", op, chain)
     return out
 
 
@@ -174,6 +212,8 @@ class PlanInterpreter(Interpreter):
         kind = act[0]
         if kind == "skip":
             return
+        if kind in ("lin_glu", "lin_add"):
+            return self._gemv_chain(op, act, env, observe)
         if kind == "route":
             return self._route(op, act[1], env, observe)
         if kind == "routed":
@@ -221,6 +261,30 @@ class PlanInterpreter(Interpreter):
             self.observe(op, outs)
         for r, v in zip(op.results, outs):
             env[id(r)] = v
+
+    def _gemv_chain(self, op, act, env, observe):
+        """A deferred linear chain (plan ``lin_glu``/``lin_add``) in one gemv launch when the rows fit,
+        else its ops one by one."""
+        if act[0] == "lin_glu":
+            g, u = act[1], act[2]
+            x, w, w3 = env[id(g.operands[0])], env[id(g.operands[1])], env[id(u.operands[1])]
+            if _gemv_ok(x, w) and tuple(w3.shape) == tuple(w.shape):
+                return self._store(op, [gemv_k.gemv(x, w, w3)], env, observe)
+            deferred = [g, u]
+        else:
+            lin, chain = act[1], act[2]
+            x, w = env[id(lin.operands[0])], env[id(lin.operands[1])]
+            prev, res = lin.results[0], []
+            for a in chain:
+                other = a.operands[1] if a.operands[0] is prev else a.operands[0]
+                res.append(env[id(other)])
+                prev = a.results[0]
+            if _gemv_ok(x, w) and all(r.shape == (*x.shape[:-1], w.shape[0]) and r.dtype == x.dtype for r in res):
+                return self._store(op, [gemv_k.gemv(x, w, res=res)], env, observe)
+            deferred = [lin, *chain[:-1]]
+        for o in deferred:
+            super().exec_op(o, env, observe)
+        return super().exec_op(op, env, observe)
 
     def _route(self, op, d, env, observe):
         """Router + dispatch of a decode-size batch in two launches (``dispatch.route_dispatch``);
