@@ -5,7 +5,7 @@ memory (4.25 TB/s) and compute (679 TFLOP/s bf16) ceilings our kernel reaches. P
 last and writes JSON.
 
     python bench/bench_kda.py --out bench_kda.json [--quick]
-    python bench/bench_kda.py --sweep --out kda_sweep.json [--budget 200]   # forward TUNING variants
+    python bench/bench_kda.py --sweep --no-fla --out kda_sweep.json [--budget 110]   # forward TUNING variants
 """
 from __future__ import annotations
 
@@ -133,30 +133,29 @@ def sweep(x, shape, lb, ours_fn, chunk_kda):
 
 
 # ---- --sweep: forward variants of kda.TUNING, per launch, registers/spills, errors ----------------
-SWEEP_SHAPES = [(1, 32768, 32, 128), (8, 4096, 32, 128)]
-SWEEP_EXTRA = [(1, 8192, 96, 128)]          # default and fla only
-#: (name, TUNING overrides); the first is the default. See kda.TUNING for the keys.
+SWEEP_SHAPES = [(1, 32768, 32, 128)]                 # default + every variant, both gates
+SWEEP_EXTRA = [(8, 4096, 32, 128), (1, 8192, 96, 128)]  # default only
+#: fla chunk_kda forward measured on the H200 (2026-11-30, Triton 3.6): used with --no-fla
+FLA_KNOWN_MS = {((1, 32768, 32, 128), "k3"): 3.73, ((1, 32768, 32, 128), "softplus"): 4.08,
+                ((8, 4096, 32, 128), "k3"): 3.67, ((8, 4096, 32, 128), "softplus"): 4.05}
+#: (name, TUNING overrides, only this gate or None); the first is the default. See kda.TUNING for the keys.
 VARIANTS = [
-    ("default", {}),
-    ("order_k", {"order": "k"}),
-    ("akk_w4", {"warps": 4}),
-    ("akk_bk16", {"bk": 16}),
-    ("inv_tf32", {"inv_prec": "tf32"}),
-    ("xb_bf16", {"xb": "io"}),
-    ("wu_w4", {"wu_warps": 4}),
-    ("wu_bk64_bv64", {"wu_bk": 64, "wu_bv": 64}),
-    ("recur_bv64", {"bv": 64}),
-    ("akk_stages2", {"stages": 2}),
-    ("inv_subst", {"inv_dots": False}),
-    ("akk_bk64", {"bk": 64}),
-    ("fused_old", {"intra": "fused"}),
+    ("default", {}, None),
+    ("no_gcum", {"gcum": False}, None),        # the gate cumsum recomputed inside akk and wu (the 00:58 design)
+    ("inv_tf32", {"inv_prec": "tf32"}, None),  # (I+A)^-1 blocks on tf32 mma instead of fp32 FMA dots
+    ("wu_stages1", {"wu_stages": 1}, None),    # w/u launch at 89 registers instead of 103
+    ("akk_w4_bk16", {"warps": 4, "bk": 16}, "k3"),   # akk on 4 warps: 17% fewer instructions, 230 regs
+    ("sp_bk32", {"exact_bk": 32}, "softplus"),       # softplus akk with 32-column slices (140 B spill at 128)
+    ("no_regcap", {"exact_maxnreg": None, "exact_bk": 32}, "softplus"),  # uncapped: 204 regs, 1 CTA/SM
 ]
 
 
 def stage_bytes(B, T, H, D):
     """Bytes each launch must move at least (bf16 io, fp32 Xb; L2 re-reads not counted), per call."""
     n = B * T * H
-    return {"akk": n * (3 * D * 2 + 2 + 64 * 2 + 64 * 4 + 8), "wu": n * (4 * D * 2 + 64 * 4 + 8 + 4 * D * 2),
+    return {"gcum": n * D * (2 + 4),
+            "akk": n * (2 * D * 2 + D * 4 + 2 + 64 * 2 + 64 * 4 + 8),
+            "wu": n * (3 * D * 2 + D * 4 + 64 * 4 + 8 + 4 * D * 2),
             "recur": n * (3 * D * 2 + 64 * 2 + D * 2 + D * 2)}
 
 
@@ -178,8 +177,9 @@ def _regs(seen):
 
 
 def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
-    """Phase 1: default + fla at every sweep shape and gate (and the default at (1,8192,96,128));
-    phase 2: every variant, shape by shape, until ``--budget`` seconds have passed."""
+    """Phase 1: the default at every sweep shape and gate (fla timed unless --no-fla, else the known
+    numbers); phase 2: every variant at SWEEP_SHAPES, K3 gate first, while ``--budget`` seconds last
+    (a variant is started only if ~8 s of budget are left: compiling akk costs most of that)."""
     from k3ir.backends.triton import kda as KD
     base = dict(KD.TUNING)
     t0 = time.time()
@@ -199,7 +199,10 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
             row["first_call_s"] = time.time() - t
             row["regs"] = _regs(seen)
             row["ours_ms"] = bench(_ours_fwd(kda_forward_kernels, x, lb), rep=args.rep)
-            launches = ("intra", "recur") if KD.TUNING["intra"] == "fused" else ("akk", "wu", "recur")
+            if KD.TUNING["intra"] == "fused":
+                launches = ("intra", "recur")
+            else:
+                launches = (("gcum",) if KD.TUNING["gcum"] else ()) + ("akk", "wu", "recur")
             nb = stage_bytes(*shape)
             for st in launches:
                 ms = bench(_ours_fwd(kda_forward_kernels, x, lb, stages=(st,)), rep=args.rep)
@@ -211,12 +214,12 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
                 row["err_vs_default_o"] = rel(o, ref_o)
             if fla_o is not None:
                 row["err_vs_fla_o"] = rel(o, fla_o)
-                row["fla_ms"] = refs.get((tuple(shape), gate, "fla_ms"))
-                if row["fla_ms"]:
-                    row["ratio"] = row["fla_ms"] / row["ours_ms"]
+            row["fla_ms"] = refs.get((tuple(shape), gate, "fla_ms"), FLA_KNOWN_MS.get((tuple(shape), gate)))
+            if row["fla_ms"]:
+                row["ratio"] = row["fla_ms"] / row["ours_ms"]
             nbytes, flops = fwd_cost(*shape)
             row.update(mem_frac=nbytes / MEM_BW / (row["ours_ms"] * 1e-3),
-                       flop_frac=flops / MATMUL / (row["ours_ms"] * 1e-3))
+                       flop_frac=flops / MATMUL / (row["ours_ms"] * 1e-3), t_s=time.time() - t0)
             del o
         except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, not fatal
             row["error"] = repr(e)[:300]
@@ -227,7 +230,7 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
         save()
         return row
 
-    # phase 1: defaults and fla
+    # phase 1: defaults (and fla unless --no-fla)
     for shape in SWEEP_SHAPES + SWEEP_EXTRA:
         x = inputs(*shape)
         for gate, lb in gates:
@@ -244,17 +247,21 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
                 refs[(tuple(shape), gate)] = (r, fla_o, None)
         del x
         torch.cuda.empty_cache()
-    # phase 2: variants
+    # phase 2: variants, K3 gate first
     for shape in SWEEP_SHAPES:
         x = inputs(*shape)
         for gate, lb in gates:
-            ref_o, _ = _ours_fwd(kda_forward_kernels, x, lb)()
-            fla_o = refs[(tuple(shape), gate)][1]
-            for name, over in VARIANTS[1:]:
-                if time.time() - t0 > args.budget:
-                    print(f"budget of {args.budget} s used: skipping {name} {shape} {gate}", flush=True)
+            try:
+                ref_o, _ = _ours_fwd(kda_forward_kernels, x, lb)()
+            except Exception as e:  # noqa: BLE001
+                print("default failed:", repr(e)[:200])
+                ref_o = None
+            fla_o = refs.get((tuple(shape), gate), (None, None))[1]
+            for name, over, only in VARIANTS[1:]:
+                if only is not None and only != gate:
                     continue
-                if name == "fused_old" and shape != SWEEP_SHAPES[0]:
+                if time.time() - t0 > args.budget - 8:
+                    print(f"budget of {args.budget} s used: skipping {name} {shape} {gate}", flush=True)
                     continue
                 one(x, shape, gate, lb, name, over, ref_o, fla_o)
             del ref_o
@@ -264,7 +271,8 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
 
 def print_sweep(rows):
     print(f"\n{'variant':14} {'B,T,H,D':>16} {'gate':8} {'ours ms':>8} {'fla ms':>7} {'fla/ours':>8} "
-          f"{'akk ms':>7} {'wu ms':>7} {'recur ms':>8} {'akk mem%':>8} {'wu mem%':>7} {'err dflt':>8} {'err fla':>8}")
+          f"{'gcum ms':>7} {'akk ms':>7} {'wu ms':>7} {'recur ms':>8} {'akk mem%':>8} {'wu mem%':>7} {'err dflt':>8} "
+          f"{'err fla':>8}")
     for r in rows:
         if r.get("kind") != "variant":
             continue
@@ -274,7 +282,8 @@ def print_sweep(rows):
         intra = _fmt(r, "akk_ms", "{:7.3f}") if "akk_ms" in r else _fmt(r, "intra_ms", "{:7.3f}")
         shp = ",".join(map(str, r["shape"]))
         print(f"{r['variant']:14} {shp:>16} {r['gate']:8} {_fmt(r, 'ours_ms', '{:8.3f}')} "
-              f"{_fmt(r, 'fla_ms', '{:7.3f}')} {_fmt(r, 'ratio', '{:8.2f}')} {intra:>7} "
+              f"{_fmt(r, 'fla_ms', '{:7.3f}')} {_fmt(r, 'ratio', '{:8.2f}')} {_fmt(r, 'gcum_ms', '{:7.3f}'):>7} "
+              f"{intra:>7} "
               f"{_fmt(r, 'wu_ms', '{:7.3f}'):>7} "
               f"{_fmt(r, 'recur_ms', '{:8.3f}')} {_fmt(r, 'akk_mem_frac', '{:8.1%}')} "
               f"{_fmt(r, 'wu_mem_frac', '{:7.1%}')} {_fmt(r, 'err_vs_default_o', '{:8.1e}')} "
@@ -374,16 +383,19 @@ def main():
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--bwd-all", action="store_true", help="forward+backward at every shape (default: B1 T32768 H32)")
     ap.add_argument("--sweep", action="store_true", help="forward variants of kda.TUNING only (see VARIANTS)")
-    ap.add_argument("--budget", type=float, default=200.0, help="--sweep: seconds before variants are skipped")
+    ap.add_argument("--budget", type=float, default=110.0, help="--sweep: seconds before variants are skipped")
+    ap.add_argument("--no-fla", action="store_true",
+                    help="do not import or time fla (--sweep: its known H200 times fill the fla column)")
     ap.add_argument("--rep", type=int, default=60, help="--sweep: timing window per measurement (ms)")
     args = ap.parse_args()
     from k3ir.backends.triton import kda_decode, kda_forward
     from k3ir.backends.triton.kda import kda_forward_kernels
-    try:
-        from fla.ops.kda import chunk_kda, fused_recurrent_kda
-    except Exception as e:  # noqa: BLE001 - fla missing or broken: our numbers only
-        print("fla not importable:", e)
-        chunk_kda = fused_recurrent_kda = None
+    chunk_kda = fused_recurrent_kda = None
+    if not args.no_fla:
+        try:
+            from fla.ops.kda import chunk_kda, fused_recurrent_kda
+        except Exception as e:  # noqa: BLE001 - fla missing or broken: our numbers only
+            print("fla not importable:", e)
     rows = []
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     import triton

@@ -4,6 +4,7 @@ be newer than the GPU machine's, so counts can differ a little). K=V=128, H=32, 
 
     python bench/kda_regs_offline.py                 # the default table
     python bench/kda_regs_offline.py akk 32 8 1 strip  # kernel, BK, warps, gate (0 K3, 1 softplus), order
+    PYTHONPATH=/tmp/triton36 python bench/kda_regs_offline.py   # with the GPU machine's Triton 3.6
 """
 from __future__ import annotations
 
@@ -29,11 +30,11 @@ def _ptxas():
     raise FileNotFoundError("no ptxas next to triton's nvidia backend")
 
 
-def _compile(fn, names, types, const, warps, stages):
+def _compile(fn, names, types, const, warps, stages, maxnreg=None):
     sig = dict(zip(names, types))
     sig.update({c: "constexpr" for c in const})
     ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=TGT,
-                        options={"num_warps": warps, "num_stages": stages})
+                        options={"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg})
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.ptx")
         with open(p, "w") as f:
@@ -45,29 +46,29 @@ def _compile(fn, names, types, const, warps, stages):
     return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1, ck.metadata.shared
 
 
-def akk(bk=32, warps=8, gate=0, order="strip", stages=1, inv_dots=True, ip="ieee", gpre=True):
+def akk(bk=32, warps=8, gate=0, order="strip", stages=1, inv_dots=True, ip="ieee", gpre=True, h=32, maxnreg=None):
     names = ["q", "k", "g", "beta", "A_log", "dt_bias", "Xb", "Ascr", "Aqk", "rq", "rk", "Gbuf", "cu_seqlens",
              "chunk_indices", "T", "scale", "lb"]
     types = ["*bf16"] * 4 + ["*fp32"] * 4 + ["*bf16"] + ["*fp32"] * 3 + ["*i32"] * 2 + ["i32", "fp32", "fp32"]
-    const = {"H": 32, "K": 128, "BT": 64, "BC": 16, "BK": bk, "GATE": gate, "L2NORM": True, "BETA_SIGMOID": True,
+    const = {"H": h, "K": 128, "BT": 64, "BC": 16, "BK": bk, "GATE": gate, "L2NORM": True, "BETA_SIGMOID": True,
              "IS_VARLEN": False, "EXACT": gate != 0, "PREC": "tf32", "INV_DOTS": inv_dots, "IP": ip,
              "STRIP_OUTER": order == "strip", "GPRE": bool(gpre)}
-    return _compile(kf.kda_akk_kernel, names, types, const, warps, stages)
+    return _compile(kf.kda_akk_kernel, names, types, const, warps, stages, maxnreg)
 
 
-def wu(bk=32, warps=8, bv=32, gate=0, stages=2, gpre=True):
+def wu(bk=32, warps=8, bv=32, gate=0, stages=2, gpre=True, h=32):
     names = ["q", "k", "v", "g", "A_log", "dt_bias", "Xb", "rq", "rk", "w", "u", "qg", "kg", "gC", "Gbuf",
              "cu_seqlens", "chunk_indices", "T", "lb"]
     types = ["*bf16"] * 4 + ["*fp32"] * 5 + ["*bf16"] * 4 + ["*fp32"] * 2 + ["*i32"] * 2 + ["i32", "fp32"]
-    const = {"H": 32, "K": 128, "V": 128, "BT": 64, "BK": bk, "BV": bv, "GATE": gate, "IS_VARLEN": False,
+    const = {"H": h, "K": 128, "V": 128, "BT": 64, "BK": bk, "BV": bv, "GATE": gate, "IS_VARLEN": False,
              "PREC": "tf32", "DOT_F32": False, "GPRE": bool(gpre)}
     return _compile(kf.kda_wu_kernel, names, types, const, warps, stages)
 
 
-def gcum(bk=32, warps=4, gate=0):
+def gcum(bk=32, warps=4, gate=0, h=32):
     names = ["g", "A_log", "dt_bias", "Gbuf", "gC", "cu_seqlens", "chunk_indices", "T", "lb"]
     types = ["*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "i32", "fp32"]
-    const = {"H": 32, "K": 128, "BT": 64, "BK": bk, "GATE": gate, "IS_VARLEN": False}
+    const = {"H": h, "K": 128, "BT": 64, "BK": bk, "GATE": gate, "IS_VARLEN": False}
     return _compile(kf.kda_gcum_kernel, names, types, const, warps, 1)
 
 
@@ -75,15 +76,18 @@ def main():
     if len(sys.argv) > 1:
         kind, *rest = sys.argv[1:]
         args = [int(a) if a.isdigit() else a for a in rest]
-        print(kind, args, (akk if kind == "akk" else wu)(*args))
+        print(kind, args, {"akk": akk, "wu": wu, "gcum": gcum}[kind](*args))
         return
-    print(f"{'kernel':6} {'config':34} {'regs':>5} {'spill B':>8} {'smem B':>7}")
-    for cfg in [{"gate": 0}, {"gate": 1}, {"gate": 0, "order": "k"}, {"gate": 0, "warps": 4}, {"gate": 0, "bk": 16}]:
-        r = akk(**cfg)
-        print(f"{'akk':6} {cfg!s:34} {r[0]:>5} {r[1]:>8} {r[2]:>7}")
-    for cfg in [{}, {"warps": 4}, {"bk": 64, "bv": 64}]:
-        r = wu(**cfg)
-        print(f"{'wu':6} {cfg!s:34} {r[0]:>5} {r[1]:>8} {r[2]:>7}")
+    print(f"{'kernel':6} {'config':44} {'regs':>5} {'spill B':>8} {'smem B':>7}")
+    rows = [("gcum", {"gate": g, "h": h}) for g in (0, 1) for h in (32, 96)]
+    rows += [("akk", dict(c, gate=g)) for g in (0, 1) for c in ({}, {"h": 96}, {"gpre": False}, {"ip": "tf32"},
+                                                             {"bk": 16})]
+    rows += [("akk", dict(c, gate=1, maxnreg=128)) for c in ({}, {"h": 96}, {"gpre": False}, {"ip": "tf32"},
+                                                             {"bk": 16})]   # TUNING exact_maxnreg
+    rows += [("wu", dict(c, gate=g)) for g in (0, 1) for c in ({}, {"h": 96}, {"gpre": False}, {"stages": 1})]
+    for kind, cfg in rows:      # the sweep's variants (bench_kda.py VARIANTS) at H=32 and the default at H=96
+        r = {"akk": akk, "wu": wu, "gcum": gcum}[kind](**cfg)
+        print(f"{kind:6} {cfg!s:44} {r[0]:>5} {r[1]:>8} {r[2]:>7}", flush=True)
 
 
 if __name__ == "__main__":

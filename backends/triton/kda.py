@@ -29,9 +29,12 @@ INTERMEDIATE_DTYPES: dict = {}
 #: ``wu_warps``, ``wu_stages``: the w/u launch; ``xb``: dtype of ``(I+A)^-1 diag(beta)`` between them
 #: ("fp32" or "io" = q's dtype); ``inv_dots``: 16x16 inverses by Neumann dots (else substitution);
 #: ``inv_prec``: input precision of the inverse dots on the GPU; ``bv``, ``recur_*``: the recurrence;
-#: ``intra_warps``: the fused kernel's warps; ``gcum``: the gate and its in-chunk cumsum once in
+#: ``intra_warps``: the fused kernel's warps; ``exact_maxnreg``: register cap of the A/P/inverse launch for
+#: unbounded gates (softplus/precomputed: 204 registers uncapped = 1 CTA per SM; 128 = 2 CTAs, ~140 B spill;
+#: None: no cap), ``exact_bk``: its K slice there (16: 128 registers with 12 B spill under the cap, 32: 140 B);
+#: ``gcum``: the gate and its in-chunk cumsum once in
 #: ``kda_gcum_kernel`` (fp32 G read by both split launches; else each recomputes it), ``gcum_bk``/``gcum_warps``.
-TUNING: dict = {"intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "order": "strip", "bk": 32, "warps": 8, "stages": 1, "wu_bk": 32, "wu_bv": 32,
+TUNING: dict = {"intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "exact_maxnreg": 128, "exact_bk": 16, "order": "strip", "bk": 32, "warps": 8, "stages": 1, "wu_bk": 32, "wu_bv": 32,
                 "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True, "inv_prec": "ieee", "bv": None,
                 "recur_warps": 4, "recur_stages": 2, "intra_warps": 8}
 
@@ -151,19 +154,21 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
         Gbuf = torch.empty(B, T, H, K, dtype=torch.float32, device=dev) if exact or gpre else rq
         if gpre:
             inter["G"] = Gbuf
-        bk = min(TUNING["bk"], K)
+        bk = min(TUNING["exact_bk"] if exact and TUNING.get("exact_bk") else TUNING["bk"], K)
         if gpre and ("intra" in stages or "gcum" in stages):
             gbk = min(TUNING["gcum_bk"], K)
             kf.kda_gcum_kernel[(NC, H, K // gbk)](
                 g, A_log, dt_bias, Gbuf, gC, cu_dev, chunk_indices, T, lb, H=H, K=K, BT=BT, BK=gbk, GATE=GATE,
                 IS_VARLEN=cu_seqlens is not None, num_warps=TUNING["gcum_warps"])
+        cap = TUNING["exact_maxnreg"] if exact and not _interpret() else None
         if "intra" in stages or "akk" in stages:
             kf.kda_akk_kernel[(NC, H)](
                 q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, cu_dev, chunk_indices, T, scale, lb,
                 H=H, K=K, BT=BT, BC=BC, BK=bk, L2NORM=gate != "precomputed", BETA_SIGMOID=gate != "precomputed",
                 EXACT=exact, PREC=prec, INV_DOTS=TUNING["inv_dots"], STRIP_OUTER=TUNING["order"] == "strip",
                 IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"], GPRE=gpre,
-                num_warps=TUNING["warps"], num_stages=TUNING["stages"], **common)
+                num_warps=TUNING["warps"], num_stages=TUNING["stages"], **({"maxnreg": cap} if cap else {}),
+                **common)
         if "intra" in stages or "wu" in stages:
             kf.kda_wu_kernel[(NC, H)](
                 q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, Gbuf, cu_dev, chunk_indices, T, lb,
