@@ -1,278 +1,356 @@
 """Forward+backward of the triton target's KDA (``kda_forward`` with the chunked Triton backward,
 backends/triton/kda_bwd*.py) against fla ``chunk_kda`` on one GPU (issue 5).
 
-Sections (each guarded: one failure never stops the rest; a global deadline skips what is left):
-1. ``accuracy``: B1 T2048 H4 D128 bf16, gradients of ours and of fla against an fp32 reference
-   (our torch recompute on fp32 inputs), rel err per input (fla's tolerance: 8e-3).
-2. ``time``: fwd+bwd of ours and fla (median ms), our forward alone, our backward per launch
-   (each launch timed alone), gradients rel err ours vs fla, at B1 T32768 H32 D128 (K3 gate and
-   softplus) and B8 T4096 H32 D128 (K3 gate).
-3. ``regs``: registers / spills / shared memory of every backward kernel compiled so far.
-4. ``sweep``: launch variants of the backward (``kda_bwd.TUNING``) at B1 T32768 H32 K3: per-launch ms.
-Prints the tables last and writes JSON (``--out``, default ``$OUT/bench_kda_bwd.json``).
+Every job runs in its own subprocess (a CUDA illegal address kills only that job), in priority order,
+each with the time left of a global budget; jobs that no longer fit are skipped:
+- ``acc_k3`` / ``acc_sp``: B1 T2048 H32 D128 bf16 (H as the timed shapes: one compile), gradients of ours (and
+  fla's unless ``--no-fla``) against an fp32 reference (our torch recompute on fp32 inputs); rel err per input
+  (fla's tolerance 8e-3). Run with ``CUDA_LAUNCH_BLOCKING=1`` so a fault names its launch.
+- ``time_k3`` / ``time_sp`` / ``time_b8``: fwd+bwd of ours (median ms), our forward alone, our backward per
+  launch (each launch timed alone), at B1 T32768 H32 D128 (K3 gate, softplus) and B8 T4096 H32 (K3); fla
+  timed too unless ``--no-fla`` (then its recorded numbers: 17.25 / 22.06 ms at B1 T32768 H32).
+  Registers / spills / shared memory of every compiled backward kernel.
+- ``acc_var``: variable lengths (an empty and a 1-token sequence) with initial state and final-state gradient.
+- ``probe_wy_wgmma`` / ``probe_dh_v2``: the WY launch compiled with Hopper wgmma (the default compiles it
+  MMAv2-only, see ``kda_bwd.TUNING['mma_v2']``) and the dh recurrence MMAv2-only: accuracy as ``acc_k3``.
+- ``sweep``: backward launch variants (``kda_bwd.TUNING``) at B1 T32768 H32 K3, ms per launch.
+Prints the tables last and writes JSON (``--out``, default ``$OUT/bench_kda_bwd.json``) after every job.
 
-    PYTHONPATH=<fla wheel dir> python bench/bench_kda_bwd.py [--quick] [--budget 170]
+    PYTHONPATH=<fla wheel dir> python bench/bench_kda_bwd.py [--budget 110] [--no-fla] [--jobs a,b]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
-import torch
-
 NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+FLA_MS = {("1,32768,32,128", "k3"): 17.25, ("1,32768,32,128", "softplus"): 22.06}   # measured 2026-11-30
 T0 = time.time()
+#: ``K3IR_BENCH_SMOKE=1``: run the child code on the CPU under TRITON_INTERPRET at toy sizes (checks the script)
+SMOKE = os.environ.get("K3IR_BENCH_SMOKE") == "1"
+DEV = "cpu" if SMOKE else "cuda"
+ACC_SHAPE = (1, 70, 2, 16) if SMOKE else (1, 2048, 32, 128)
+JOBS = {   # name: (kind, kwargs, extra env, seconds it needs at least)
+    "acc_k3": ("acc", {"lb": -5.0}, {"CUDA_LAUNCH_BLOCKING": "1"}, 25),
+    "time_k3": ("time", {"shape": [1, 32768, 32, 128], "lb": -5.0}, {}, 12),
+    "acc_sp": ("acc", {"lb": None}, {"CUDA_LAUNCH_BLOCKING": "1"}, 25),
+    "time_sp": ("time", {"shape": [1, 32768, 32, 128], "lb": None}, {}, 12),
+    "probe_wy_wgmma": ("acc", {"lb": -5.0, "tune": {"mma_v2": ""}}, {"CUDA_LAUNCH_BLOCKING": "1"}, 15),
+    "time_b8": ("time", {"shape": [8, 4096, 32, 128], "lb": -5.0}, {}, 10),
+    "acc_var": ("acc", {"lb": -5.0, "cu": [0, 1, 64, 64, 65, 300, 1000, 2048]}, {"CUDA_LAUNCH_BLOCKING": "1"}, 20),
+    "probe_dh_v2": ("acc", {"lb": -5.0, "tune": {"mma_v2": "bwd_wy,bwd_dh,fwd_h"}}, {"CUDA_LAUNCH_BLOCKING": "1"},
+                    15),
+    "sweep": ("sweep", {}, {}, 15),
+}
 
 
+# ------------------------------------------------------------------------------------------------ child side
 def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
 
 
-def bench(fn, rep=200):
+def sync():
+    import torch
+    if not SMOKE:
+        torch.cuda.synchronize()
+
+
+def bench(fn, rep=150):
+    if SMOKE:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
     import triton.testing as tt
-    return float(tt.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+    return float(tt.do_bench(fn, warmup=20, rep=rep, return_mode="median"))
 
 
-def inputs(B, T, H, D, seed=0, dtype=torch.bfloat16):
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def inputs(B, T, H, D, seed=0, N=None):
+    import torch
+    if SMOKE:
+        B, T, H, D = min(B, 2), min(T, 130), min(H, 2), min(D, 16)
+    g = torch.Generator(device=DEV).manual_seed(seed)
 
-    def r(*s, dt=dtype):
-        return torch.randn(*s, device="cuda", generator=g).to(dt)
-    return {"q": r(B, T, H, D), "k": r(B, T, H, D), "v": r(B, T, H, D), "g": r(B, T, H, D), "beta": r(B, T, H),
-            "A_log": (torch.rand(H, device="cuda", generator=g) * 2 - 1).float(),
-            "dt_bias": r(H * D, dt=torch.float32)}
-
-
-def ours_fb(x, lb, do):
-    from k3ir.backends.triton import kda_forward
-    leaves = {n: x[n].clone().requires_grad_() for n in NAMES}
-
-    def run():
-        for t in leaves.values():
-            t.grad = None
-        o, _ = kda_forward(*(leaves[n] for n in NAMES), lower_bound=lb)
-        o.backward(do)
-    return run, leaves
+    def r(*s, dt=torch.float32 if SMOKE else torch.bfloat16):
+        return torch.randn(*s, device=DEV, generator=g).to(dt)
+    x = {"q": r(B, T, H, D), "k": r(B, T, H, D), "v": r(B, T, H, D), "g": r(B, T, H, D), "beta": r(B, T, H),
+         "A_log": (torch.rand(H, device=DEV, generator=g) * 2 - 1).float(), "dt_bias": r(H * D, dt=torch.float32)}
+    if N is not None:
+        x["h0"] = r(N, H, D, D, dt=torch.float32)
+    return x
 
 
-def fla_fb(chunk_kda, x, lb, do):
-    leaves = {n: x[n].clone().requires_grad_() for n in NAMES}
-    kw = {"safe_gate": True, "lower_bound": lb} if lb is not None else {}
+def fwd_bwd(fn, x, lb, do, dht=None, cu=None, fla=False):
+    """(run, leaves): ``run()`` does forward + backward of ``fn`` (ours or fla's chunk_kda)."""
+    import torch
+    names = NAMES + (("h0",) if "h0" in x else ())
+    leaves = {n: x[n].clone().requires_grad_() for n in names}
 
     def run():
         for t in leaves.values():
             t.grad = None
-        o, _ = chunk_kda(*(leaves[n] for n in NAMES[:5]), A_log=leaves["A_log"], dt_bias=leaves["dt_bias"],
-                         use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **kw)
-        o.backward(do)
+        h0 = leaves.get("h0")
+        if fla:
+            kw = {"safe_gate": True, "lower_bound": lb} if lb is not None else {}
+            o, s = fn(*(leaves[n] for n in NAMES[:5]), A_log=leaves["A_log"], dt_bias=leaves["dt_bias"],
+                      initial_state=h0, output_final_state=dht is not None, cu_seqlens=cu, use_gate_in_kernel=True,
+                      use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **kw)
+        elif fn.__name__ == "kda_chunk_torch":          # the fp32 reference always returns the state
+            o, s = fn(*(leaves[n] for n in NAMES), lower_bound=lb, initial_state=h0, cu_seqlens=cu)
+        else:
+            o, s = fn(*(leaves[n] for n in NAMES), lower_bound=lb, initial_state=h0,
+                      output_final_state=dht is not None, cu_seqlens=cu)
+        torch.autograd.backward([o] + ([s] if dht is not None else []), [do] + ([dht] if dht is not None else []))
     return run, leaves
 
 
 def grads(leaves):
-    return {n: leaves[n].grad.detach().clone() for n in NAMES}
+    return {n: t.grad.detach().clone() for n, t in leaves.items()}
 
 
-def per_kernel(x, lb, do, n=3):
+def per_launch(x, lb, do, n=3):
     from k3ir.backends.triton.kda_bwd import kda_backward
+    if SMOKE:
+        kda_backward(*(x[k] for k in NAMES), None, do, None, lb)
+        return {}
     t: dict = {}
     for _ in range(n):
         kda_backward(*(x[k] for k in NAMES), None, do, None, lb, timings=t)
     return {k: v / n for k, v in t.items()}
 
 
-def section_accuracy(rows, chunk_kda):
+def regs_rows():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_diag import compiled_kernels
+    from k3ir.backends.triton import kda_bwd_intra, kda_bwd_kernels
+    rows = []
+    for mod in (kda_bwd_kernels, kda_bwd_intra):
+        for name, ck in compiled_kernels(mod):
+            md = ck.metadata
+            rows.append({"section": "regs", "kernel": name, "regs": getattr(ck, "n_regs", -1),
+                         "spills": getattr(ck, "n_spills", -1), "smem": getattr(md, "shared", -1),
+                         "warps": getattr(md, "num_warps", -1)})
+    return rows
+
+
+def job_acc(name, lb, cu=None, tune=None, fla=None):
+    import torch
+    from k3ir.backends.triton import kda_bwd as KB
+    from k3ir.backends.triton import kda_forward
     from k3ir.backends.triton.kda_torch import kda_chunk_torch
-    for gate, lb in (("k3", -5.0), ("softplus", None)):
-        x = inputs(1, 2048, 4, 128, seed=1)
-        do = torch.randn_like(x["v"])
-        ref_leaves = {n: x[n].float().clone().requires_grad_() for n in NAMES}
-        o, _ = kda_chunk_torch(*(ref_leaves[n] for n in NAMES), lower_bound=lb)
-        o.backward(do.float())
-        ref = grads(ref_leaves)
-        row = {"section": "accuracy", "gate": gate, "shape": [1, 2048, 4, 128]}
-        run, lv = ours_fb(x, lb, do)
-        run()
-        g = grads(lv)
-        row["ours"] = {n: rel(g[n], ref[n]) for n in NAMES}
-        if chunk_kda is not None:
-            run, lv = fla_fb(chunk_kda, x, lb, do)
+    KB.TUNING.update(tune or {})
+    N = None if cu is None else len(cu) - 1
+    if SMOKE and cu is not None:
+        cu = [0, 1, 64, 64, 70]
+        N = len(cu) - 1
+    x = inputs(*ACC_SHAPE, seed=1, N=N)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.long, device=DEV)
+    do = torch.randn_like(x["v"])
+    dht = torch.randn_like(x["h0"]) if N is not None else None
+    ref_x = {n: t.float() for n, t in x.items()}
+    run, lv = fwd_bwd(kda_chunk_torch, ref_x, lb, do.float(), dht, cu_t)
+    run()
+    ref = grads(lv)
+    row = {"section": "accuracy", "job": name, "gate": "k3" if lb is not None else "softplus", "varlen": cu,
+           "tune": tune or {}}
+    run, lv = fwd_bwd(kda_forward, x, lb, do, dht, cu_t)
+    run()
+    sync()
+    g = grads(lv)
+    row["ours"] = {n: rel(g[n], ref[n]) for n in ref}
+    row["finite"] = all(bool(torch.isfinite(t).all()) for t in g.values())
+    if fla is not None:
+        try:
+            run, lv = fwd_bwd(fla, x, lb, do, dht, cu_t, fla=True)
             run()
             g = grads(lv)
-            row["fla"] = {n: rel(g[n], ref[n]) for n in NAMES}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+            row["fla"] = {n: rel(g[n], ref[n]) for n in ref}
+        except Exception as e:  # noqa: BLE001 - fla's failure is not ours
+            row["fla_error"] = repr(e)[:200]
+    return [row]
 
 
-def section_time(rows, chunk_kda, shapes):
+def job_time(name, shape, lb, fla=None):
+    import torch
     from k3ir.backends.triton import kda_forward
-    for shape, gate, lb in shapes:
-        if time.time() - T0 > ARGS.budget * 0.6:
-            print("time budget: skipping", shape, gate)
-            continue
-        x = inputs(*shape, seed=0)
-        do = torch.randn_like(x["v"])
-        row = {"section": "time", "shape": list(shape), "gate": gate}
+    x = inputs(*shape, seed=0)
+    do = torch.randn_like(x["v"])
+    gate = "k3" if lb is not None else "softplus"
+    row = {"section": "time", "job": name, "shape": shape, "gate": gate}
+    run, lv = fwd_bwd(kda_forward, x, lb, do)
+    run()
+    sync()
+    row["kernels_ms"] = per_launch(x, lb, do)            # synchronising: a fault names its launch
+    row["ours_fb_ms"] = bench(run)
+    g_ours = grads(lv)
+    with torch.no_grad():
+        row["ours_fwd_ms"] = bench(lambda: kda_forward(*(x[n] for n in NAMES), lower_bound=lb))
+    row["ours_bwd_ms"] = row["ours_fb_ms"] - row["ours_fwd_ms"]
+    key = (",".join(map(str, shape)), gate)
+    if fla is not None:
+        del lv
+        if not SMOKE:
+            torch.cuda.empty_cache()
         try:
-            run, lv = ours_fb(x, lb, do)
-            row["ours_fb_ms"] = bench(run)
-            g_ours = grads(lv)
-            with torch.no_grad():
-                row["ours_fwd_ms"] = bench(lambda x=x, lb=lb: kda_forward(*(x[n] for n in NAMES), lower_bound=lb))
-            row["ours_bwd_ms"] = row["ours_fb_ms"] - row["ours_fwd_ms"]
-            row["kernels_ms"] = per_kernel(x, lb, do)
-        except Exception as e:  # noqa: BLE001 - record and go on
-            row["ours_error"] = repr(e)[:300]
-            traceback.print_exc()
-            g_ours = None
-        torch.cuda.empty_cache()
-        if chunk_kda is not None:
-            try:
-                run, lv = fla_fb(chunk_kda, x, lb, do)
-                row["fla_fb_ms"] = bench(run)
-                if g_ours is not None:
-                    g_fla = grads(lv)
-                    row["rel_vs_fla"] = {n: rel(g_ours[n], g_fla[n]) for n in NAMES}
-                    row["fla_over_ours"] = row["fla_fb_ms"] / row["ours_fb_ms"]
-            except Exception as e:  # noqa: BLE001
-                row["fla_error"] = repr(e)[:300]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        torch.cuda.empty_cache()
+            run, lv = fwd_bwd(fla, x, lb, do, fla=True)
+            row["fla_fb_ms"] = bench(run)
+            g_fla = grads(lv)
+            row["rel_vs_fla"] = {n: rel(g_ours[n], g_fla[n]) for n in NAMES}
+        except Exception as e:  # noqa: BLE001
+            row["fla_error"] = repr(e)[:200]
+    elif key in FLA_MS:
+        row["fla_fb_ms"], row["fla_recorded"] = FLA_MS[key], True
+    if "fla_fb_ms" in row:
+        row["fla_over_ours"] = row["fla_fb_ms"] / row["ours_fb_ms"]
+    return [row] + regs_rows()
 
 
-def section_regs(rows):
-    sys.path.insert(0, os.path.dirname(__file__))
-    from gpu_diag import compiled_kernels
-    from k3ir.backends.triton import kda_bwd_kernels
-    for name, ck in compiled_kernels(kda_bwd_kernels):
-        md = ck.metadata
-        row = {"section": "regs", "kernel": name, "regs": getattr(ck, "n_regs", -1),
-               "spills": getattr(ck, "n_spills", -1), "smem": getattr(md, "shared", -1),
-               "warps": getattr(md, "num_warps", -1), "stages": getattr(md, "num_stages", -1)}
-        rows.append(row)
-
-
-def section_sweep(rows, quick):
+def job_sweep(name, budget_s):
+    import torch
     from k3ir.backends.triton import kda_bwd as KB
+    t_end = time.time() + budget_s
     base = dict(KB.TUNING)
-    variants = [("default", {}), ("wy w8", {"w_wy": 8}), ("wy bk64", {"bk_wy": 64}), ("wy bv32", {"bv_wy": 32}),
-                ("intra w2", {"w_intra": 2}), ("intra w8", {"w_intra": 8}), ("prep w8", {"w_prep": 8}),
-                ("prep bk64", {"bk_prep": 64}), ("rec bv64", {"bv_rec": 64}), ("rec w8", {"w_rec": 8}),
-                ("rec st3", {"stages_rec": 3}), ("intra bk64", {"bk_intra": 64})]
-    if quick:
-        variants = variants[:3]
+    variants = [("default", {}), ("wy w8", {"w_wy": 8}), ("wy bv64", {"bv_wy": 64}), ("prep w8", {"w_prep": 8}),
+                ("intra w8", {"w_intra": 8}), ("intra bk64", {"bk_intra": 64}), ("rec bv64", {"bv_rec": 64}),
+                ("rec st3", {"stages_rec": 3}), ("prep bk64", {"bk_prep": 64}), ("wy bk64", {"bk_wy": 64})]
     x = inputs(1, 32768, 32, 128, seed=0)
     do = torch.randn_like(x["v"])
-    for name, over in variants:
-        if time.time() - T0 > ARGS.budget:
-            print("time budget: sweep stops at", name)
+    rows = []
+    for vname, over in variants:
+        if time.time() > t_end - 4:
             break
         KB.TUNING.clear()
         KB.TUNING.update(base, **over)
-        row = {"section": "sweep", "variant": name, "over": over}
+        row = {"section": "sweep", "variant": vname, "over": over}
         try:
-            per_kernel(x, -5.0, do, n=1)                # compile
-            row["kernels_ms"] = per_kernel(x, -5.0, do)
+            per_launch(x, -5.0, do, n=1)
+            row["kernels_ms"] = per_launch(x, -5.0, do)
             row["total_ms"] = sum(row["kernels_ms"].values())
         except Exception as e:  # noqa: BLE001
-            row["error"] = repr(e)[:300]
+            row["error"] = repr(e)[:200]
+            rows.append(row)
+            break                                       # a CUDA error poisons the context
         rows.append(row)
         print(json.dumps(row), flush=True)
-    KB.TUNING.clear()
-    KB.TUNING.update(base)
+    return rows + regs_rows()
 
 
-def print_tables(rows):
+def child(spec):
+    name, budget_s, use_fla, out = spec["name"], spec["budget"], spec["fla"], spec["out"]
+    kind, kw, _, _ = JOBS[name]
+    fla = None
+    if use_fla and kind != "sweep":
+        try:
+            from fla.ops.kda import chunk_kda as fla
+        except Exception as e:  # noqa: BLE001
+            print("fla not importable:", repr(e)[:200])
+    try:
+        if kind == "acc":
+            rows = job_acc(name, fla=fla, **kw)
+        elif kind == "time":
+            rows = job_time(name, fla=fla, **kw)
+        else:
+            rows = job_sweep(name, budget_s)
+    except Exception as e:  # noqa: BLE001 - the parent records it
+        traceback.print_exc()
+        rows = [{"section": "error", "job": name, "error": repr(e)[:400]}]
+    with open(out, "w") as f:
+        json.dump(rows, f)
+
+
+# ------------------------------------------------------------------------------------------------ parent side
+def fmt(v, spec=".2f"):
+    return format(v, spec) if isinstance(v, (int, float)) else "  -"
+
+
+def print_tables(rows, meta):
     print("\n== accuracy (rel err vs fp32 reference; fla's tolerance 8e-3)")
     for r in rows:
         if r["section"] == "accuracy":
             for who in ("ours", "fla"):
                 if who in r:
-                    print(f"{r['gate']:9} {who:5} " + " ".join(f"{n}={r[who][n]:.1e}" for n in NAMES))
-    print("\n== fwd+bwd (median ms)")
-    print(f"{'B,T,H,D':>16} {'gate':9} {'ours f+b':>9} {'fwd':>7} {'bwd':>7} {'fla f+b':>8} {'fla/ours':>8}  "
-          "max rel vs fla")
+                    print(f"{r['job']:15} {r['gate']:9} {who:5} " + " ".join(f"{n}={v:.1e}" for n, v in r[who].items())
+                          + ("" if who == "fla" or r.get("finite", True) else "  NON-FINITE"))
+    print("\n== fwd+bwd (median ms; fla* = recorded, not re-measured)")
+    print(f"{'B,T,H,D':>16} {'gate':9} {'ours f+b':>9} {'fwd':>7} {'bwd':>7} {'fla f+b':>8} {'fla/ours':>8}")
     for r in rows:
         if r["section"] == "time":
-            mx = max(r["rel_vs_fla"].values()) if "rel_vs_fla" in r else float("nan")
-            print(f"{','.join(map(str, r['shape'])):>16} {r['gate']:9} {r.get('ours_fb_ms', float('nan')):9.2f} "
-                  f"{r.get('ours_fwd_ms', float('nan')):7.2f} {r.get('ours_bwd_ms', float('nan')):7.2f} "
-                  f"{r.get('fla_fb_ms', float('nan')):8.2f} {r.get('fla_over_ours', float('nan')):8.2f}  {mx:.1e}"
-                  + (f"  ERR {r['ours_error'][:80]}" if "ours_error" in r else ""))
+            print(f"{','.join(map(str, r['shape'])):>16} {r['gate']:9} {fmt(r.get('ours_fb_ms')):>9} "
+                  f"{fmt(r.get('ours_fwd_ms')):>7} {fmt(r.get('ours_bwd_ms')):>7} "
+                  f"{fmt(r.get('fla_fb_ms')):>8}{'*' if r.get('fla_recorded') else ' '}{fmt(r.get('fla_over_ours')):>7}")
             if "kernels_ms" in r:
-                print(" " * 27 + "  ".join(f"{k} {v:.2f}" for k, v in r["kernels_ms"].items()))
-    print("\n== backward sweep (B1 T32768 H32 K3; ms per launch)")
-    for r in rows:
-        if r["section"] == "sweep":
-            if "kernels_ms" in r:
-                print(f"{r['variant']:12} total {r['total_ms']:7.2f}  "
-                      + "  ".join(f"{k} {v:.2f}" for k, v in r["kernels_ms"].items()))
-            else:
-                print(f"{r['variant']:12} ERR {r.get('error', '')[:100]}")
-    print("\n== registers")
+                print(" " * 18 + "bwd launches: " + "  ".join(f"{k} {v:.2f}" for k, v in r["kernels_ms"].items()))
+    sweep = [r for r in rows if r["section"] == "sweep"]
+    if sweep:
+        print("\n== backward sweep (B1 T32768 H32 K3; ms per launch)")
+        for r in sweep:
+            print(f"{r['variant']:12} " + (f"total {r['total_ms']:7.2f}  " + "  ".join(
+                f"{k} {v:.2f}" for k, v in r["kernels_ms"].items()) if "kernels_ms" in r else f"ERR {r.get('error')}"))
+    seen = {}
     for r in rows:
         if r["section"] == "regs":
-            print(f"{r['kernel']:28} regs {r['regs']:>4} spills {r['spills']:>5} smem {r['smem']:>7} "
-                  f"warps {r['warps']} stages {r['stages']}")
+            seen[(r["kernel"], r["regs"], r["spills"], r["smem"], r["warps"])] = r
+    if seen:
+        print("\n== registers (compiled backward kernels)")
+        for k in sorted(seen):
+            print(f"{k[0]:26} regs {k[1]:>4} spills {k[2]:>5} smem {k[3]:>7} warps {k[4]}")
+    print("\n== jobs")
+    for j in meta:
+        print(f"{j['job']:15} {j['status']:10} {j.get('s', 0):6.1f} s  {j.get('note', '')}")
 
 
 def main():
-    global ARGS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kda_bwd.json"))
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--budget", type=float, default=170.0, help="seconds; later sections are skipped past it")
-    ap.add_argument("--sections", default="accuracy,time,regs,sweep")
-    ARGS = ap.parse_args()
-    try:
-        from fla.ops.kda import chunk_kda
-    except Exception as e:  # noqa: BLE001 - run ours alone
-        print("fla not importable:", repr(e)[:200])
-        chunk_kda = None
-    rows: list = []
-    shapes = [((1, 32768, 32, 128), "k3", -5.0), ((1, 32768, 32, 128), "softplus", None),
-              ((8, 4096, 32, 128), "k3", -5.0)]
-    if ARGS.quick:
-        shapes = shapes[:1]
-    secs = ARGS.sections.split(",")
-    for s in ("accuracy", "time", "regs", "sweep"):
-        if s not in secs:
+    ap.add_argument("--budget", type=float, default=110.0, help="seconds for everything; later jobs are skipped")
+    ap.add_argument("--no-fla", action="store_true", help="do not run fla (use its recorded times)")
+    ap.add_argument("--jobs", default=",".join(JOBS), help="comma-separated, in this order: " + ",".join(JOBS))
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child(json.loads(a.child))
+        return
+    rows, meta = [], []
+    tmp = tempfile.mkdtemp(prefix="kda_bwd_bench_")
+    for name in [j for j in a.jobs.split(",") if j]:
+        left = a.budget - (time.time() - T0)
+        need = JOBS[name][3]
+        if left < need:
+            meta.append({"job": name, "status": "skipped", "note": f"{left:.0f} s left < {need} s"})
             continue
-        print(f"==== {s} ({time.time() - T0:.0f} s)", flush=True)
+        out = os.path.join(tmp, name + ".json")
+        spec = {"name": name, "budget": left - 8, "fla": not a.no_fla, "out": out}
+        env = dict(os.environ, **JOBS[name][2])
+        t = time.time()
+        print(f"==== {name} ({t - T0:.0f} s, {left:.0f} s left)", flush=True)
         try:
-            if s == "accuracy":
-                section_accuracy(rows, chunk_kda)
-            elif s == "time":
-                section_time(rows, chunk_kda, shapes)
-            elif s == "regs":
-                section_regs(rows)
-            else:
-                section_sweep(rows, ARGS.quick)
-        except Exception:  # noqa: BLE001 - go on to the next section
-            traceback.print_exc()
-        torch.cuda.empty_cache()
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)], env=env,
+                               timeout=left, check=False)
+            status = "ok" if p.returncode == 0 else f"rc {p.returncode}"
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        got = []
+        if os.path.exists(out):
+            with open(out) as f:
+                got = json.load(f)
+        errs = [r for r in got if r["section"] == "error"]
+        meta.append({"job": name, "status": "error" if errs else status, "s": time.time() - t,
+                     "note": errs[0]["error"][:150] if errs else ""})
+        rows += [r for r in got if r["section"] != "error"]
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(ARGS.out)), exist_ok=True)
-            with open(ARGS.out, "w") as f:
-                json.dump({"rows": rows, "gpu": torch.cuda.get_device_name(), "elapsed_s": time.time() - T0}, f,
-                          indent=1)
+            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+            with open(a.out, "w") as f:
+                json.dump({"rows": rows, "jobs": meta, "elapsed_s": time.time() - T0}, f, indent=1)
         except OSError as e:
-            print("could not write", ARGS.out, e)
-    if "regs" in secs:      # again at the end: the sweep compiled more variants
-        rows[:] = [r for r in rows if r["section"] != "regs"]
-        try:
-            section_regs(rows)
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-    print_tables(rows)
-    with open(ARGS.out, "w") as f:
-        json.dump({"rows": rows, "gpu": torch.cuda.get_device_name(), "elapsed_s": time.time() - T0}, f, indent=1)
+            print("could not write", a.out, e)
+    print_tables(rows, meta)
+    print(f"\nJSON: {a.out}; {time.time() - T0:.0f} s")
 
 
-ARGS = None
 if __name__ == "__main__":
     main()

@@ -9,6 +9,9 @@ dtype, as fla; fp32 for G, the 64x64 gradients and the dq/dk/dG partial sums).
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from . import kda_bwd_intra as ki
@@ -18,14 +21,41 @@ BT, BC = 64, 16
 #: storage dtype overrides: 'h' (states per chunk), 'dh', 'vn' (v'), 'dvn', 'w' (w, u, qg, kg, q/k
 #: normalised), 'A' (P and the inverse)
 DTYPES: dict = {}
-#: launch choices: K slice of prep/wy/intra, value blocks of the recurrences and of wy, warps
-TUNING: dict = {"bk_prep": 32, "bk_wy": 32, "bk_intra": 32, "bv_rec": 32, "bv_wy": 64,
+#: launch choices: K slice of prep/wy/intra, value blocks of the recurrences and of wy, warps; ``mma_v2``:
+#: launches (names as in ``timings``) compiled without Hopper wgmma (comma list; ``DISABLE_MMA_V3`` set while
+#: they compile). ``bwd_wy``
+#: by default: its ten wgmma dots with shared operands are the pattern of Triton's Hopper illegal-address
+#: bugs (triton-lang/triton#10486, #11366; fla-org/flash-linear-attention#988 restricts fla's WY backward
+#: to 2 warps on Hopper for the same reason), and the first H200 run faulted right after its launch.
+TUNING: dict = {"bk_prep": 32, "bk_wy": 32, "bk_intra": 32, "bv_rec": 32, "bv_wy": 32,
                 "w_prelude": 8, "w_prep": 4, "w_rec": 4, "w_wy": 4, "w_intra": 4, "w_chain": 8,
-                "stages_rec": 2}
+                "stages_rec": 2, "stages_wy": 1, "mma_v2": "bwd_wy"}
+
+
+def _alloc(shape, dtype, device):
+    """Scratch/output allocation (the guard-page test replaces it)."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+@contextlib.contextmanager
+def _no_wgmma(on: bool):
+    """Compile the launches inside without Hopper wgmma (MMAv2 only): ``DISABLE_MMA_V3=1`` is read at
+    compile time and is part of Triton's disk cache key; the in-process cache keeps what was compiled."""
+    if not on:
+        yield
+        return
+    old = os.environ.get("DISABLE_MMA_V3")
+    os.environ["DISABLE_MMA_V3"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("DISABLE_MMA_V3", None)
+        else:
+            os.environ["DISABLE_MMA_V3"] = old
 
 
 def _interpret() -> bool:
-    import os
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -82,7 +112,7 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
                 None if pre else zeros(dt_bias), dh0)
     prec = "ieee" if idt == torch.float32 else "tf32"
     tu = TUNING
-    e = lambda *s, d: torch.empty(*s, dtype=d, device=dev)
+    e = lambda *s, d: _alloc(s, d, dev)
     qn, kn = e(B, T, H, K, d=dt("w")), e(B, T, H, K, d=dt("w"))
     G, bn = e(B, T, H, K, d=f32), e(B, T, H, d=f32)
     Ai, P = e(B, T, H, BT, d=dt("A")), e(B, T, H, BT, d=dt("A"))
@@ -92,12 +122,12 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
     vn, dvn = e(B, T, H, V, d=dt("vn")), e(B, T, H, V, d=dt("dvn"))
     dq, dk, dG = e(B, T, H, K, d=f32), e(B, T, H, K, d=f32), e(B, T, H, K, d=f32)
     dAq, dAk = e(B, T, H, BT, d=f32), e(B, T, H, BT, d=f32)
-    dv = torch.empty_like(v)
+    dv = e(*v.shape, d=v.dtype)
     bk_i = min(tu["bk_intra"], K)
     NK = K // bk_i
     db = e(1 + NK, B * T, H, d=f32)
     dh0 = e(N, H, K, V, d=f32) if initial_state is not None else None
-    dq_o, dk_o, dg_o = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
+    dq_o, dk_o, dg_o = e(*q.shape, d=q.dtype), e(*k.shape, d=k.dtype), e(*g.shape, d=g.dtype)
     dA_part, ddt_part = e(NC, H, d=f32), e(NC, H, K, d=f32)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     dht_ = dht.float().contiguous() if dht is not None else None
@@ -123,7 +153,7 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
         ("bwd_wy", lambda: kb.kda_bwd_wy_kernel[(NC, H)](
             qn, kn, G, bn, v, vn, Ai, h, dh, do, dvn, dq, dk, dG, dv, db, dAq, dAk, cu, ci, T,
             H=H, K=K, V=V, BT=BT, BK=min(tu["bk_wy"], K), BV=bv_wy, IS_VARLEN=VAR, PREC=prec,
-            num_warps=tu["w_wy"])),
+            num_warps=tu["w_wy"], num_stages=tu["stages_wy"])),
         ("bwd_intra", lambda: ki.kda_bwd_intra_kernel[(NC * (BT // BC), NK, H)](
             qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu, ci, T, B * T, shift,
             H=H, K=K, BT=BT, BC=BC, BK=bk_i, IS_VARLEN=VAR, EXACT=EXACT, PREC=prec,
@@ -132,13 +162,16 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
             q, k, g, A_log_, dtb_, dq, dk, dG, dq_o, dk_o, dg_o, dA_part, ddt_part, cu, ci, T, scale, lb,
             H=H, K=K, BT=BT, GATE=GATE, L2NORM=not pre, IS_VARLEN=VAR, num_warps=tu["w_chain"])),
     ]
+    v2 = {x.strip() for x in str(tu.get("mma_v2", "")).split(",")}
     for name, fn in launches:
         if timings is None:
-            fn()
+            with _no_wgmma(name in v2):
+                fn()
         else:
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0.record()
-            fn()
+            with _no_wgmma(name in v2):
+                fn()
             t1.record()
             torch.cuda.synchronize()
             timings[name] = timings.get(name, 0.0) + t0.elapsed_time(t1)

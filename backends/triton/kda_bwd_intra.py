@@ -36,12 +36,12 @@ def kda_bwd_intra_kernel(qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu_seqlens, ch
     dk2 = tl.zeros([BC, BK], dtype=tl.float32)
     if i_i > 0:
         n = _Grow(G, row0, r0, nv, i_h, k0, Gl, H, K, BK)      # G_j >= n >= G_i: both factors <= 1
-        for j in range(i_i):
-            kJ = _ldf(kn, row0, j * BC, nv, i_h, k0, H, K, BC, BK)
-            GJ = _ldG(G, row0, j * BC, nv, i_h, k0, Gl, H, K, BC, BK)
+        for jr in range(i_i):
+            kJ = _ldf(kn, row0, jr * BC, nv, i_h, k0, H, K, BC, BK)
+            GJ = _ldG(G, row0, jr * BC, nv, i_h, k0, Gl, H, K, BC, BK)
             kgJ = kJ * tl.exp(n[None, :] - GJ)
-            dq2 += tl.dot(_ldf(dAq, row0, r0, nv, i_h, j * BC, H, BT, BC, BC), kgJ, input_precision=PREC)
-            dk2 += tl.dot(_ldf(dAk, row0, r0, nv, i_h, j * BC, H, BT, BC, BC), kgJ, input_precision=PREC)
+            dq2 += tl.dot(_ldf(dAq, row0, r0, nv, i_h, jr * BC, H, BT, BC, BC), kgJ, input_precision=PREC)
+            dk2 += tl.dot(_ldf(dAk, row0, r0, nv, i_h, jr * BC, H, BT, BC, BC), kgJ, input_precision=PREC)
         eq = tl.exp(b_G - n[None, :])
         dq2 *= eq
         dk2 *= eq
@@ -74,17 +74,17 @@ def kda_bwd_intra_kernel(qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu_seqlens, ch
     dq2 += d[:, None] * b_k
     # ---- column side: dkt_j = sum_i (dAq_ij q_i + dAk_ij beta_i k_i) e_ij (i >= j)
     dkt = tl.zeros([BC, BK], dtype=tl.float32)
-    NSv = tl.cdiv(nvc, BC)
+    NSv = tl.cdiv(nvc, BC).to(tl.int32)        # int32 loop bounds (Triton 3.6 rejects mixed loop-variable types)
     if i_i < NSv - 1:
         n = _Grow(G, row0, r0 + BC - 1, nv, i_h, k0, Gl, H, K, BK)   # G_i <= n <= G_j
-        for j in range(i_i + 1, NSv):
-            qJ = _ldf(qn, row0, j * BC, nv, i_h, k0, H, K, BC, BK)
-            kJ = _ldf(kn, row0, j * BC, nv, i_h, k0, H, K, BC, BK)
-            GJ = _ldG(G, row0, j * BC, nv, i_h, k0, Gl, H, K, BC, BK)
-            bJ = _vec(bn, row0, j * BC, nv, i_h, H, BC)
+        for jc in range(i_i + 1, NSv):
+            qJ = _ldf(qn, row0, jc * BC, nv, i_h, k0, H, K, BC, BK)
+            kJ = _ldf(kn, row0, jc * BC, nv, i_h, k0, H, K, BC, BK)
+            GJ = _ldG(G, row0, jc * BC, nv, i_h, k0, Gl, H, K, BC, BK)
+            bJ = _vec(bn, row0, jc * BC, nv, i_h, H, BC)
             eJ = tl.exp(GJ - n[None, :])
-            aqT = _ldT(dAq, row0, j * BC, nv, i_h, r0, H, BT, BC, BC).to(tl.float32)
-            akT = _ldT(dAk, row0, j * BC, nv, i_h, r0, H, BT, BC, BC).to(tl.float32)
+            aqT = _ldT(dAq, row0, jc * BC, nv, i_h, r0, H, BT, BC, BC).to(tl.float32)
+            akT = _ldT(dAk, row0, jc * BC, nv, i_h, r0, H, BT, BC, BC).to(tl.float32)
             dkt += tl.dot(aqT, qJ * eJ, input_precision=PREC)
             dkt += tl.dot(akT, kJ * bJ[:, None] * eJ, input_precision=PREC)
         dkt *= tl.exp(n[None, :] - b_G)

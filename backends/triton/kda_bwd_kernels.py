@@ -458,8 +458,10 @@ def kda_bwd_wy_kernel(qn, kn, G, bn, v, vn, Ai, h, dh, do, dvn, dq, dk, dG, dv, 
     b = _vec(bn, row0, 0, nv, i_h, H, BT)
     b_Ai = _ld(Ai, row0, 0, nv, i_h, 0, H, BT, BT, BT).to(DT)
     b_AiT = tl.trans(b_Ai)
+    # dAi = dv' ((I+Akk) v')^T (from u = Ai beta v and w = Ai beta exp(G) k with v' = u - w S), so
+    # dAkk = -(Ai^T dAi Ai^T) = -(Ai^T dv') v'^T, strictly lower: accumulated per value block like dP
     dP = tl.zeros([BT, BT], dtype=tl.float32)
-    dAi = tl.zeros([BT, BT], dtype=tl.float32)
+    dL = tl.zeros([BT, BT], dtype=tl.float32)
     dbeta = tl.zeros([BT], dtype=tl.float32)
     for v0 in range(0, V, BV):
         b_do = _ld(do, row0, 0, nv, i_h, v0, H, V, BT, BV).to(DT)
@@ -470,9 +472,11 @@ def kda_bwd_wy_kernel(qn, kn, G, bn, v, vn, Ai, h, dh, do, dvn, dq, dk, dG, dv, 
         dvb = tl.dot(b_AiT, b_dvn, input_precision=PREC)
         _st(dv, dvb * b[:, None], row0, 0, nv, i_h, v0, H, V, BT, BV)
         dbeta += tl.sum(dvb * b_v, 1)
-        dAi += tl.dot(b_dvn, tl.trans((b_v * b[:, None]).to(DT)), input_precision=PREC)
+        dL -= tl.dot(dvb.to(DT), tl.trans(b_vn), input_precision=PREC)
     dP = tl.where((rows[:, None] >= rows[None, :]) & m[:, None] & m[None, :], dP, 0.)
     _st(dAq, dP, row0, 0, nv, i_h, 0, H, BT, BT, BT)
+    dL = tl.where((rows[:, None] > rows[None, :]) & m[:, None] & m[None, :], dL, 0.)
+    _st(dAk, dL, row0, 0, nv, i_h, 0, H, BT, BT, BT)
     last = tl.minimum(nv, BT) - 1
     p_h = h + (i_c.to(tl.int64) * H + i_h) * K * V
     p_dh = dh + (i_c.to(tl.int64) * H + i_h) * K * V
@@ -499,7 +503,6 @@ def kda_bwd_wy_kernel(qn, kn, G, bn, v, vn, Ai, h, dh, do, dvn, dq, dk, dG, dv, 
         eC = tl.exp(Gl[None, :] - b_G)
         kb = b_k * eG * b[:, None]
         dkb = tl.dot(b_AiT, dW.to(DT), input_precision=PREC)
-        dAi += tl.dot(dW.to(DT), tl.trans(kb.to(DT)), input_precision=PREC)
         b_q = _ldf(qn, row0, 0, nv, i_h, k0, H, K, BT, BK)
         kgv = b_k * eC
         b_dG = dqg * b_q * eG - dkg * kgv + dkb * kb
@@ -509,9 +512,4 @@ def kda_bwd_wy_kernel(qn, kn, G, bn, v, vn, Ai, h, dh, do, dvn, dq, dk, dG, dv, 
         _st(dq, dqg * eG, row0, 0, nv, i_h, k0, H, K, BT, BK)
         _st(dk, dkg * eC + dkb * b[:, None] * eG, row0, 0, nv, i_h, k0, H, K, BT, BK)
         _st(dG, b_dG, row0, 0, nv, i_h, k0, H, K, BT, BK)
-    # Ai = (I + Akk)^-1: dAkk = -(Ai^T dAi Ai^T), strictly lower
-    b_Aif = b_Ai.to(tl.float32)
-    dL = tl.dot(tl.trans(b_Aif), tl.dot(dAi, tl.trans(b_Aif), input_precision=PREC), input_precision=PREC)
-    dL = tl.where((rows[:, None] > rows[None, :]) & m[:, None] & m[None, :], -dL, 0.)
-    _st(dAk, dL, row0, 0, nv, i_h, 0, H, BT, BT, BT)
     tl.store(db + (row0 + rows).to(tl.int64) * H + i_h, dbeta, mask=m)
