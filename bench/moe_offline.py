@@ -89,13 +89,16 @@ def cases():
             for T in (1, 256, 2048, 8192):
                 if quant != "none" and xdt == "fp32" and T > 256:
                     continue
-                out.append((f"default {quant} {xdt} T={T} glu", quant, True, xdt, T * 16, I, D, None, "asm"))
-                out.append((f"default {quant} {xdt} T={T} down", quant, False, xdt, T * 16, D, I, None, "asm"))
+                for dec in (("asm", "asm1") if quant == "mxfp4" else ("asm",)):
+                    tag = f" {dec}" if quant == "mxfp4" else ""
+                    out.append((f"default {quant}{tag} {xdt} T={T} glu", quant, True, xdt, T * 16, I, D, None, dec))
+                    out.append((f"default {quant}{tag} {xdt} T={T} down", quant, False, xdt, T * 16, D, I, None, dec))
     for label, quant, T, variants in VARIANTS:
         for name, cfgs, dec in variants:
             for j, (glu, N, K) in enumerate(((True, I, D), (False, D, I))):
-                out.append((f"{label} {name} {'glu' if glu else 'down'}", quant, glu, "bf16", T * 16, N, K,
-                            cfgs[j], dec or "asm"))
+                for d in ((dec or "asm",) if quant != "mxfp4" or dec else ("asm", "asm1")):  # None: "auto"
+                    out.append((f"{label} {name} {d if quant == 'mxfp4' else ''} {'glu' if glu else 'down'}", quant,
+                                glu, "bf16", T * 16, N, K, cfgs[j], d))
     # k3-tiny-like small shapes in fp32 (whole-model GPU test)
     for T in (1, 37, 512):
         out.append((f"small fp32 T={T} glu", "none", True, "fp32", T * 2, 64, 64, None, "asm"))

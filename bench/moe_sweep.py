@@ -78,16 +78,17 @@ T128 = ("t", 128, 128, 64, 64, 8, 3)
 T128S4 = ("t", 128, 128, 64, 64, 8, 4)
 VARIANTS = [
     ("MXFP4 T=256", "mxfp4", 256, [
-        ("default (t, asm)", (None, None), None),
-        ("t asm1 (one fma)", (None, None), "asm1"),
-        ("t 64/16+16 BK256 s3 | 128/16+16 BK128 s4", (("t", 64, 16, 16, 256, 8, 3), ("t", 128, 16, 16, 128, 4, 4)),
-         "asm"),
+        ("default (t, auto = asm1 here)", (None, None), None),
+        ("t asm (two fma)", (None, None), "asm"),
+        ("t 64/16+16 BK64 s6 | 64/16+16 BK128 s4 (3 CTAs/SM)",
+         (("t", 64, 16, 16, 64, 4, 6), ("t", 64, 16, 16, 128, 4, 4)), None),
     ]),
-    ("MXFP4 T=8192", "mxfp4", 8192, [("default (t, asm)", (None, None), None)]),
+    ("MXFP4 T=8192", "mxfp4", 8192, [("default (t, auto)", (None, None), None)]),
     ("bf16 T=8192", "none", 8192, [
         ("default (t 128/128+64 s3 both)", (None, None), None),
         ("t 128/128+64 s4 both", (T128S4, T128S4), None),
-        ("t 128/128+64 BK32 s6 both", (("t", 128, 128, 64, 32, 8, 6),) * 2, None),
+        ("t 128/128+32 BK32 s6 | 128/128+64 BK32 s6", (("t", 128, 128, 32, 32, 8, 6), ("t", 128, 128, 64, 32, 8, 6)),
+         None),
     ]),
     ("bf16 T=256", "none", 256, [("default", (None, None), None)]),
 ]

@@ -116,16 +116,17 @@ def test_grouped_kernels_uneven_experts(quant, config):
             assert rel_err(got[a:b], xs[a:b] @ Wd[e].T) < TOL, (quant, e)
 
 
-@pytest.mark.parametrize("config", [None, (16, 16, 32, 1, 4, 1)])
-def test_mxfp4_decode_exact_for_all_scale_bytes(config):
+@pytest.mark.parametrize("config,smax", [(None, 252), (None, 128), ((16, 16, 32, 1, 4, 1), 252)])
+def test_mxfp4_decode_exact_for_all_scale_bytes(config, smax):
     """Unit-vector rows pick single weights, so y equals the decoded weight exactly: every nibble with
-    every scale byte 2..252 (0 and 1 give fp32-subnormal values, 253/254 overflow to inf, which a
-    matmul turns into NaN: those bytes are covered by the bit-placement test)."""
+    every scale byte 2..smax (0 and 1 give fp32-subnormal values, 253/254 overflow to inf, which a
+    matmul turns into NaN: those bytes are covered by the bit-placement test). On the GPU smax 252 runs
+    the two-multiply decode ("auto" -> "asm"), smax 128 the one-multiply one ("auto" -> "asm1")."""
     rng = np.random.default_rng(11)
     E, N, K = 2, 16, 64
     packed = rng.integers(0, 256, (E, N, K // 2)).astype(np.uint8)
-    s = rng.integers(2, 253, (E, N, K // 32)).astype(np.uint8)
-    s[0, 0, :] = [2, 252]
+    s = rng.integers(2, smax + 1, (E, N, K // 32)).astype(np.uint8)
+    s[0, 0, :] = [2, smax]
     W = Q.mxfp4_dequantize(packed, s)
     off = np.array([0, K, 2 * K])
     xs = np.concatenate([np.eye(K), np.eye(K)])
@@ -226,6 +227,16 @@ def test_mxfp4_asm_decode_emulated_is_exact(two):
             got = np.array(got, np.uint32).__lshift__(16).view(np.float32)
             # got order: lo0 lo1 lo2 lo3 hi0 hi1 hi2 hi3; want order: lo0 hi0 lo1 hi1 ...
             np.testing.assert_array_equal(got[[0, 4, 1, 5, 2, 6, 3, 7]], want, err_msg=f"scale byte {sbyte}")
+
+
+def test_mxfp4_auto_decode_choice():
+    """"asm1" only while every scale byte of every tensor is <= 128; rechecked after an in-place change."""
+    a = torch.tensor([0, 127, 128], dtype=torch.uint8)
+    b = torch.tensor([3, 129], dtype=torch.uint8)
+    assert moe._auto_decode(a, a) == "asm1"
+    assert moe._auto_decode(a, b) == "asm"
+    a[0] = 200
+    assert moe._auto_decode(a) == "asm"
 
 
 def test_smem_plan_matches_device_and_fits():

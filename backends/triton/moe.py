@@ -190,7 +190,8 @@ def grouped_gemm_t_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, b1, b2,
     M side (``acc[BW, BT] = W_e[n-tile] x[rows]^T``), tokens its N side (wgmma N can be 8..256, so a
     decode batch of ~5 rows per expert no longer pads to a 64-row M tile). An expert with
     BT < rows <= BT + TAIL is done in ONE pass over its weights (two accumulators), so the weight
-    bytes are read once; other experts loop over BT-row tiles. Grid (cdiv(N, BW), E)."""
+    bytes are read once; larger experts do their first BT + TAIL rows that way, the rest in BT-row tiles.
+    Grid (cdiv(N, BW), E)."""
     pid_n, e = tl.program_id(0), tl.program_id(1)
     start = tl.load(offsets + e).to(tl.int32)
     end = tl.load(offsets + e + 1).to(tl.int32)
@@ -199,7 +200,7 @@ def grouped_gemm_t_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, b1, b2,
     DT: tl.constexpr = x.dtype.element_ty
     t0 = start
     if TAIL > 0:  # noqa: SIM102  (constexpr test, then a runtime one)
-        if (end - start > BT) & (end - start <= BT + TAIL):
+        if end - start > BT:    # the first BT + TAIL rows in one weight pass, the rest in BT-row tiles
             ra = start + tl.arange(0, BT)
             rb = start + BT + tl.arange(0, TAIL)
             ma, mb = ra < end, rb < end
@@ -221,7 +222,7 @@ def grouped_gemm_t_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, b1, b2,
                     acc3_b = tl.dot(wt3, tl.trans(xb), acc3_b)
             _epilogue_t(acc_a, acc3_a, ra, ma, offs_n, y, rscale, N, b1, b2, ACT, SCALE_ROWS)
             _epilogue_t(acc_b, acc3_b, rb, mb, offs_n, y, rscale, N, b1, b2, ACT, SCALE_ROWS)
-            t0 = end
+            t0 = start + BT + TAIL
     for m0 in range(t0, end, BT):
         rows = m0 + tl.arange(0, BT)
         mr = rows < end
@@ -349,6 +350,28 @@ def plan(R: int, E: int, N: int, K: int, quant: str, glu: bool, xbytes: int, con
 
 
 MXFP4_DECODES = {"exact": 1, "asm": 3, "asm1": 4}
+_SMALL_SCALES = None          # WeakIdKeyDictionary: scale tensor -> (version, all bytes <= 128)
+
+
+def _auto_decode(*scales) -> str:
+    """"asm1" (one bf16x2 multiply: exact while every E8M0 byte is <= 128, i.e. block scales <= 2) when all
+    ``scales`` qualify, else "asm" (two multiplies, exact for 0..254). Checked once per scale tensor and
+    version (one reduction and host sync); while a CUDA graph is being captured an unchecked tensor
+    takes "asm"."""
+    global _SMALL_SCALES
+    if _SMALL_SCALES is None:
+        from torch.utils.weak import WeakIdKeyDictionary
+        _SMALL_SCALES = WeakIdKeyDictionary()
+    ok = True
+    for sc in scales:
+        hit = _SMALL_SCALES.get(sc)
+        if hit is None or hit[0] != sc._version:
+            if sc.is_cuda and torch.cuda.is_current_stream_capturing():
+                return "asm"
+            hit = (sc._version, bool((sc.max() <= 128).item()) if sc.numel() else True)
+            _SMALL_SCALES[sc] = hit
+        ok = ok and hit[1]
+    return "asm1" if ok else "asm"
 
 
 def _check(x, offsets, w, quant):
@@ -369,9 +392,10 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
     float, or packed ``u8[E, N, K/2]`` (mxfp4) / ``i32[E, N, K/8]`` (int4) with ``scales [E, N, K/32]``.
     With ``w3`` and ``act`` in ("situ", "silu"): the GLU ``act(x W^T, x W3^T)`` (SiTU-GLU with b1, b2;
     SwiGLU). ``row_scale f32[R]``: multiplies output row r. ``config``: see ``_config`` (None: chosen
-    by rows per expert). ``mxfp4_decode``: "asm" (default on the GPU: bf16 bit placement + bf16x2 fma,
-    exact for scale bytes 0..254), "exact" (fp32 decode; the interpreter's), "asm1" (one fma; only
-    correct while all scale bytes are <= 128: for measurements). Returns ``[R, N]`` in x's dtype.
+    by rows per expert). ``mxfp4_decode``: "auto" (default on the GPU: "asm1" when every scale byte of
+    both weights is <= 128, else "asm"; checked once per scale tensor), "asm" (bf16 bit placement + two
+    bf16x2 multiplies, exact for scale bytes 0..254), "asm1" (one multiply; only correct while all scale
+    bytes are <= 128), "exact" (fp32 decode; always under the interpreter). Returns ``[R, N]`` in x's dtype.
     Raises ValueError on inconsistent shapes or an unknown format."""
     _check(x, offsets, w, quant)
     x = x.contiguous()
@@ -397,8 +421,10 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
         scales3 = scales3.float()
     qid = QUANT_IDS[quant]
     if quant == "mxfp4":
-        dec = mxfp4_decode or ("exact" if interpreting() else "asm")
-        if dec not in MXFP4_DECODES:
+        dec = mxfp4_decode or ("exact" if interpreting() else "auto")
+        if dec == "auto" and not interpreting():
+            dec = _auto_decode(scales, scales3)
+        if dec not in MXFP4_DECODES and dec != "auto":
             raise ValueError(f"unknown mxfp4_decode '{dec}' (known: {', '.join(MXFP4_DECODES)})")
         qid = MXFP4_DECODES["exact"] if interpreting() else MXFP4_DECODES[dec]
     rs = row_scale.float().contiguous() if row_scale is not None else None
