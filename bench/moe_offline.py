@@ -99,6 +99,8 @@ def cases():
                 for d in ((dec or "asm",) if quant != "mxfp4" or dec else ("asm", "asm1")):  # None: "auto"
                     out.append((f"{label} {name} {d if quant == 'mxfp4' else ''} {'glu' if glu else 'down'}", quant,
                                 glu, "bf16", T * 16, N, K, cfgs[j], d))
+    for d in ("asm", "asm1"):     # moe._asm_verified's launch
+        out.append((f"self-check {d}", "mxfp4", False, "bf16", 128, 64, 128, ("t", 64, 16, 16, 128, 4, 2), d))
     # k3-tiny-like small shapes in fp32 (whole-model GPU test)
     for T in (1, 37, 512):
         out.append((f"small fp32 T={T} glu", "none", True, "fp32", T * 2, 64, 64, None, "asm"))

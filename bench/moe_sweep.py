@@ -176,6 +176,8 @@ def sweep(smoke, baselines):
         case(lab, T_of(T), "none", w, (None,) * 3, w, vs)
     del w
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    row("moe", "mxfp4 asm self-check (decode, device) -> matches reference",
+        asm_ok={str(kk): v for kk, v in moe._ASM_OK.items()})
     for name, ck in compiled_kernels(moe):
         src = getattr(ck, "src", None)
         consts = {str(kk): v for kk, v in (getattr(src, "constants", None) or {}).items()

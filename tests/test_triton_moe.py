@@ -239,6 +239,16 @@ def test_mxfp4_auto_decode_choice():
     assert moe._auto_decode(a) == "asm"
 
 
+@pytest.mark.gpu
+def test_mxfp4_asm_decodes_verified_on_device():
+    """The self-check behind mxfp4_decode="auto" (every byte value x scale bytes through the inline-PTX
+    decodes vs ``k3ir.quant``) passes on this GPU, so "auto" does not fall back to the exact decode."""
+    dev = torch.device("cuda")
+    moe._ASM_OK.clear()
+    assert moe._asm_verified("asm", dev)
+    assert moe._asm_verified("asm1", dev)
+
+
 def test_smem_plan_matches_device_and_fits():
     """``moe.smem_bytes`` equals the shared memory Triton 3.6 reported on the H200 (2026-11-30 sweep) for
     float weights, and ``moe.plan`` brings every config under the limit (fp32 activations: the k3-tiny
