@@ -84,6 +84,7 @@ def main():
                                                              {"bk": 16})]
     rows += [("akk", dict(c, gate=1, maxnreg=128)) for c in ({}, {"h": 96}, {"gpre": False}, {"ip": "tf32"},
                                                              {"bk": 16})]   # TUNING exact_maxnreg
+    rows += [("akk", {"gate": 0, "order": "k", "bk": 16, "maxnreg": 128}), ("akk", {"gate": 0, "warps": 4, "bk": 16})]
     rows += [("wu", dict(c, gate=g)) for g in (0, 1) for c in ({}, {"h": 96}, {"gpre": False}, {"stages": 1})]
     for kind, cfg in rows:      # the sweep's variants (bench_kda.py VARIANTS) at H=32 and the default at H=96
         r = {"akk": akk, "wu": wu, "gcum": gcum}[kind](**cfg)

@@ -24,19 +24,20 @@ INTERMEDIATE_DTYPES: dict = {}
 #: launch choices (``bench/bench_kda.py --sweep`` sweeps them). ``intra``: "split" (``kda_akk_kernel`` then
 #: ``kda_wu_kernel``, kda_fwd_kernels.py) or "fused" (the one-launch ``kda_intra_kernel``); ``bk``/``warps``/
 #: ``stages``: K-slice width, warps and pipeline stages of the A/P/inverse launch; ``order``: its loop order,
-#: "strip" (per 16-row strip the whole K loop: few live registers, gate recomputed per strip) or "k" (one
+#: "strip" (per 16-row strip the whole K loop: few live registers, k/G slices re-read per strip) or "k" (one
 #: K loop accumulating all four strips); ``wu_bk``, ``wu_bv``,
 #: ``wu_warps``, ``wu_stages``: the w/u launch; ``xb``: dtype of ``(I+A)^-1 diag(beta)`` between them
 #: ("fp32" or "io" = q's dtype); ``inv_dots``: 16x16 inverses by Neumann dots (else substitution);
 #: ``inv_prec``: input precision of the inverse dots on the GPU; ``bv``, ``recur_*``: the recurrence;
-#: ``intra_warps``: the fused kernel's warps; ``exact_maxnreg``: register cap of the A/P/inverse launch for
-#: unbounded gates (softplus/precomputed: 204 registers uncapped = 1 CTA per SM; 128 = 2 CTAs, ~140 B spill;
-#: None: no cap), ``exact_bk``: its K slice there (16: 128 registers with 12 B spill under the cap, 32: 140 B);
-#: ``gcum``: the gate and its in-chunk cumsum once in
-#: ``kda_gcum_kernel`` (fp32 G read by both split launches; else each recomputes it), ``gcum_bk``/``gcum_warps``.
-TUNING: dict = {"intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "exact_maxnreg": 128, "exact_bk": 16, "order": "strip", "bk": 32, "warps": 8, "stages": 1, "wu_bk": 32, "wu_bv": 32,
-                "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True, "inv_prec": "ieee", "bv": None,
-                "recur_warps": 4, "recur_stages": 2, "intra_warps": 8}
+#: ``intra_warps``: the fused kernel's warps; ``gcum``: the gate and its in-chunk cumsum once in
+#: ``kda_gcum_kernel`` (fp32 G read by both split launches; else each recomputes it), ``gcum_bk``/``gcum_warps``;
+#: ``maxnreg`` / ``exact_maxnreg``: register cap of the A/P/inverse launch for the K3 gate / for unbounded gates
+#: (softplus, precomputed: 204 registers uncapped = 1 CTA per SM; 128 = 2 CTAs; None: no cap); ``exact_bk``:
+#: its K slice for unbounded gates (16: 12 B spill under the 128 cap; 32: 140 B). See bench/KDA_NOTES.md.
+TUNING: dict = {"intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "order": "strip", "bk": 32,
+                "warps": 8, "stages": 1, "maxnreg": None, "exact_maxnreg": 128, "exact_bk": 16,
+                "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
+                "inv_prec": "ieee", "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8}
 
 
 def _bwd_mode() -> str:
@@ -160,7 +161,7 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
             kf.kda_gcum_kernel[(NC, H, K // gbk)](
                 g, A_log, dt_bias, Gbuf, gC, cu_dev, chunk_indices, T, lb, H=H, K=K, BT=BT, BK=gbk, GATE=GATE,
                 IS_VARLEN=cu_seqlens is not None, num_warps=TUNING["gcum_warps"])
-        cap = TUNING["exact_maxnreg"] if exact and not _interpret() else None
+        cap = None if _interpret() else TUNING["exact_maxnreg"] if exact else TUNING.get("maxnreg")
         if "intra" in stages or "akk" in stages:
             kf.kda_akk_kernel[(NC, H)](
                 q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, cu_dev, chunk_indices, T, scale, lb,

@@ -1,7 +1,11 @@
-"""Split chunked KDA forward (SPEC.md 3): two intra-chunk launches with small live tiles.
+"""Split chunked KDA forward (SPEC.md 3): three intra-chunk launches with small live tiles.
 
-``kda_forward_kernels`` runs these two, then ``kda_kernels.kda_recur_kernel``:
+``kda_forward_kernels`` runs these three, then ``kda_kernels.kda_recur_kernel``:
 
+* ``kda_gcum_kernel`` (one program per chunk, head and 32-column K slice): the gate (SPEC.md 3.4) and
+  its cumulative sum inside the chunk, written once as fp32 ``G`` (``Gbuf``) and ``exp(G_C)``; the two
+  launches below read ``G`` instead of recomputing the gate and its cumsum per strip and per slice
+  (``GPRE``; ``TUNING["gcum"] = False`` keeps the recomputing path).
 * ``kda_akk_kernel`` (one program per chunk and head): loops over ``BK``-column slices of K and
   accumulates, per slice, the 16x16 blocks of the strictly lower ``A`` and the causal ``P`` from
   raw (not yet normalised) q and k: the L2 norms are per-row scalars, so they scale the finished
@@ -16,7 +20,7 @@
   ``I + A`` (four 16x16 inverses, block substitution) and writes ``Xb = (I + A)^-1 Diag(beta)``
   (lower blocks), ``P`` and the row scales ``rq`` (scale included) and ``rk``.
 * ``kda_wu_kernel`` (one program per chunk and head): with the whole chunk's ``Xb [64, 64]`` in
-  registers, per K slice: the gate and its cumulative sum over the chunk, ``w = Xb (rk K exp(G))``,
+  registers, per K slice: ``G`` (loaded, or the gate and its cumsum), ``w = Xb (rk K exp(G))``,
   ``qg = rq q exp(G)``, ``kg = rk K exp(G_C - G)``, ``exp(G_C)``; per V slice ``u = Xb V``.
 """
 from __future__ import annotations
