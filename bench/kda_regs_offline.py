@@ -80,13 +80,13 @@ def main():
         return
     print(f"{'kernel':6} {'config':44} {'regs':>5} {'spill B':>8} {'smem B':>7}")
     rows = [("gcum", {"gate": g, "h": h}) for g in (0, 1) for h in (32, 96)]
-    rows += [("akk", dict(c, gate=g)) for g in (0, 1) for c in ({}, {"h": 96}, {"gpre": False}, {"ip": "tf32"},
-                                                             {"bk": 16})]
-    rows += [("akk", dict(c, gate=1, maxnreg=128)) for c in ({}, {"h": 96}, {"gpre": False}, {"ip": "tf32"},
-                                                             {"bk": 16})]   # TUNING exact_maxnreg
-    rows += [("akk", {"gate": 0, "order": "k", "bk": 16, "maxnreg": 128}), ("akk", {"gate": 0, "warps": 4, "bk": 16})]
+    sp = {"gate": 1, "bk": 16, "maxnreg": 128}          # the softplus defaults (TUNING exact_bk, exact_maxnreg)
+    rows += [("akk", dict(c, gate=0)) for c in ({}, {"h": 96}, {"gpre": False}, {"ip": "tf32"},
+                                                {"warps": 4, "bk": 16}, {"order": "k", "bk": 16, "maxnreg": 128})]
+    rows += [("akk", dict(sp, **c)) for c in ({}, {"h": 96}, {"gpre": False}, {"ip": "tf32"}, {"bk": 32},
+                                              {"bk": 32, "maxnreg": None})]
     rows += [("wu", dict(c, gate=g)) for g in (0, 1) for c in ({}, {"h": 96}, {"gpre": False}, {"stages": 1})]
-    for kind, cfg in rows:      # the sweep's variants (bench_kda.py VARIANTS) at H=32 and the default at H=96
+    for kind, cfg in rows:      # bench_kda.py VARIANTS at H=32 and the defaults at H=96
         r = {"akk": akk, "wu": wu, "gcum": gcum}[kind](**cfg)
         print(f"{kind:6} {cfg!s:44} {r[0]:>5} {r[1]:>8} {r[2]:>7}", flush=True)
 
