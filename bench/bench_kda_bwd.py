@@ -243,6 +243,10 @@ def job_sweep(name, budget_s):
 def child(spec):
     name, budget_s, use_fla, out = spec["name"], spec["budget"], spec["fla"], spec["out"]
     kind, kw, _, _ = JOBS[name]
+    if spec.get("tune"):                                # the parent's fallback after a failed job
+        from k3ir.backends.triton import kda_bwd as KB
+        KB.TUNING.update(spec["tune"])
+        print("TUNING", KB.TUNING, flush=True)
     fla = None
     if use_fla and kind != "sweep":
         try:
@@ -316,6 +320,7 @@ def main():
         child(json.loads(a.child))
         return
     rows, meta = [], []
+    tune: dict = {}             # after a failed job: every recurrence launch MMAv2-only too
     tmp = tempfile.mkdtemp(prefix="kda_bwd_bench_")
     for name in [j for j in a.jobs.split(",") if j]:
         left = a.budget - (time.time() - T0)
@@ -324,7 +329,7 @@ def main():
             meta.append({"job": name, "status": "skipped", "note": f"{left:.0f} s left < {need} s"})
             continue
         out = os.path.join(tmp, name + ".json")
-        spec = {"name": name, "budget": left - 8, "fla": not a.no_fla, "out": out}
+        spec = {"name": name, "budget": left - 8, "fla": not a.no_fla, "out": out, "tune": tune}
         env = dict(os.environ, **JOBS[name][2])
         t = time.time()
         print(f"==== {name} ({t - T0:.0f} s, {left:.0f} s left)", flush=True)
@@ -340,7 +345,9 @@ def main():
                 got = json.load(f)
         errs = [r for r in got if r["section"] == "error"]
         meta.append({"job": name, "status": "error" if errs else status, "s": time.time() - t,
-                     "note": errs[0]["error"][:150] if errs else ""})
+                     "note": (errs[0]["error"][:150] if errs else "") + (f" tune {tune}" if tune else "")})
+        if (errs or status != "ok") and not name.startswith("probe") and not tune:
+            tune = {"mma_v2": "bwd_wy,bwd_dh,fwd_h"}
         rows += [r for r in got if r["section"] != "error"]
         try:
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -27,7 +27,7 @@ DTYPES: dict = {}
 #: by default: its ten wgmma dots with shared operands are the pattern of Triton's Hopper illegal-address
 #: bugs (triton-lang/triton#10486, #11366; fla-org/flash-linear-attention#988 restricts fla's WY backward
 #: to 2 warps on Hopper for the same reason), and the first H200 run faulted right after its launch.
-TUNING: dict = {"bk_prep": 32, "bk_wy": 32, "bk_intra": 32, "bv_rec": 32, "bv_wy": 32,
+TUNING: dict = {"bk_prep": 16, "bk_wy": 32, "bk_intra": 32, "bv_rec": 32, "bv_wy": 32,
                 "w_prelude": 8, "w_prep": 4, "w_rec": 4, "w_wy": 4, "w_intra": 4, "w_chain": 8,
                 "stages_rec": 2, "stages_wy": 1, "mma_v2": "bwd_wy"}
 
