@@ -44,9 +44,9 @@ JOBS = {   # name: (kind, kwargs, extra env, seconds it needs at least)
     "probe_wy_wgmma": ("acc", {"lb": -5.0, "tune": {"mma_v2": ""}}, {"CUDA_LAUNCH_BLOCKING": "1"}, 15),
     "time_b8": ("time", {"shape": [8, 4096, 32, 128], "lb": -5.0}, {}, 10),
     "acc_var": ("acc", {"lb": -5.0, "cu": [0, 1, 64, 64, 65, 300, 1000, 2048]}, {"CUDA_LAUNCH_BLOCKING": "1"}, 20),
+    "sweep": ("sweep", {}, {}, 15),
     "probe_dh_v2": ("acc", {"lb": -5.0, "tune": {"mma_v2": "bwd_wy,bwd_dh,fwd_h"}}, {"CUDA_LAUNCH_BLOCKING": "1"},
                     15),
-    "sweep": ("sweep", {}, {}, 15),
 }
 
 
@@ -215,9 +215,10 @@ def job_sweep(name, budget_s):
     from k3ir.backends.triton import kda_bwd as KB
     t_end = time.time() + budget_s
     base = dict(KB.TUNING)
-    variants = [("default", {}), ("wy w8", {"w_wy": 8}), ("wy bv64", {"bv_wy": 64}), ("prep w8", {"w_prep": 8}),
-                ("intra w8", {"w_intra": 8}), ("intra bk64", {"bk_intra": 64}), ("rec bv64", {"bv_rec": 64}),
-                ("rec st3", {"stages_rec": 3}), ("prep bk64", {"bk_prep": 64}), ("wy bk64", {"bk_wy": 64})]
+    variants = [("default", {}), ("prep bk32", {"bk_prep": 32}), ("prep w8", {"w_prep": 8}), ("wy w8", {"w_wy": 8}),
+                ("wy bv64", {"bv_wy": 64}), ("intra w8", {"w_intra": 8}), ("intra w2", {"w_intra": 2}),
+                ("intra bk64", {"bk_intra": 64}), ("rec bv64", {"bv_rec": 64}), ("rec st3", {"stages_rec": 3}),
+                ("chain w4", {"w_chain": 4}), ("prelude w4", {"w_prelude": 4}), ("wy bk64", {"bk_wy": 64})]
     x = inputs(1, 32768, 32, 128, seed=0)
     do = torch.randn_like(x["v"])
     rows = []
@@ -262,7 +263,8 @@ def child(spec):
             rows = job_sweep(name, budget_s)
     except Exception as e:  # noqa: BLE001 - the parent records it
         traceback.print_exc()
-        rows = [{"section": "error", "job": name, "error": repr(e)[:400]}]
+        tb = [ln.strip() for ln in traceback.format_exc().splitlines() if "kda_bwd" in ln or "kda.py" in ln]
+        rows = [{"section": "error", "job": name, "error": repr(e)[:300] + " @ " + " | ".join(tb[-2:])}]
     with open(out, "w") as f:
         json.dump(rows, f)
 
@@ -345,7 +347,7 @@ def main():
                 got = json.load(f)
         errs = [r for r in got if r["section"] == "error"]
         meta.append({"job": name, "status": "error" if errs else status, "s": time.time() - t,
-                     "note": (errs[0]["error"][:150] if errs else "") + (f" tune {tune}" if tune else "")})
+                     "note": (errs[0]["error"][:400] if errs else "") + (f" tune {tune}" if tune else "")})
         if (errs or status != "ok") and not name.startswith("probe") and not tune:
             tune = {"mma_v2": "bwd_wy,bwd_dh,fwd_h"}
         rows += [r for r in got if r["section"] != "error"]
