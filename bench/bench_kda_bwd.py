@@ -39,9 +39,9 @@ ACC_SHAPE = (1, 70, 2, 16) if SMOKE else (1, 2048, 32, 128)
 JOBS = {   # name: (kind, kwargs, extra env, seconds it needs at least)
     "acc_k3": ("acc", {"lb": -5.0}, {"CUDA_LAUNCH_BLOCKING": "1"}, 25),
     "time_k3": ("time", {"shape": [1, 32768, 32, 128], "lb": -5.0}, {}, 12),
+    "probe_wy_wgmma": ("acc", {"lb": -5.0, "tune": {"mma_v2": ""}}, {"CUDA_LAUNCH_BLOCKING": "1"}, 15),
     "acc_sp": ("acc", {"lb": None}, {"CUDA_LAUNCH_BLOCKING": "1"}, 25),
     "time_sp": ("time", {"shape": [1, 32768, 32, 128], "lb": None}, {}, 12),
-    "probe_wy_wgmma": ("acc", {"lb": -5.0, "tune": {"mma_v2": ""}}, {"CUDA_LAUNCH_BLOCKING": "1"}, 15),
     "time_b8": ("time", {"shape": [8, 4096, 32, 128], "lb": -5.0}, {}, 10),
     "acc_var": ("acc", {"lb": -5.0, "cu": [0, 1, 64, 64, 65, 300, 1000, 2048]}, {"CUDA_LAUNCH_BLOCKING": "1"}, 20),
     "sweep": ("sweep", {}, {}, 15),
