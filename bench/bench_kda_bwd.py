@@ -30,6 +30,8 @@ import time
 import traceback
 
 NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+#: DRAM bytes per token-head of each backward launch at D=128 (bench/KDA_NOTES.md; bf16 intermediates)
+KB_PER_TH = {"prelude": 1.8, "prep": 3.6, "fwd_h": 2.75, "bwd_dh": 4.35, "bwd_wy": 5.5, "bwd_intra": 4.5, "chain": 3.0}
 FLA_MS = {("1,32768,32,128", "k3"): 17.25, ("1,32768,32,128", "softplus"): 22.06}   # measured 2026-11-30
 T0 = time.time()
 #: ``K3IR_BENCH_SMOKE=1``: run the child code on the CPU under TRITON_INTERPRET at toy sizes (checks the script)
@@ -290,7 +292,10 @@ def print_tables(rows, meta):
                   f"{fmt(r.get('ours_fwd_ms')):>7} {fmt(r.get('ours_bwd_ms')):>7} "
                   f"{fmt(r.get('fla_fb_ms')):>8}{'*' if r.get('fla_recorded') else ' '}{fmt(r.get('fla_over_ours')):>7}")
             if "kernels_ms" in r:
-                print(" " * 18 + "bwd launches: " + "  ".join(f"{k} {v:.2f}" for k, v in r["kernels_ms"].items()))
+                th = r["shape"][0] * r["shape"][1] * r["shape"][2]
+                print(" " * 18 + "bwd launches ms (% of 4.25 TB/s): " + "  ".join(
+                    f"{k} {v:.2f} ({100 * KB_PER_TH.get(k, 0) * 1e3 * th / (v * 1e-3) / 4.25e12:.0f}%)"
+                    for k, v in r["kernels_ms"].items() if v > 0))
     sweep = [r for r in rows if r["section"] == "sweep"]
     if sweep:
         print("\n== backward sweep (B1 T32768 H32 K3; ms per launch)")
