@@ -1,8 +1,10 @@
 """Forward+backward of the triton target's KDA (``kda_forward`` with the chunked Triton backward,
 backends/triton/kda_bwd*.py) against fla ``chunk_kda`` on one GPU (issue 5).
 
-Every job runs in its own subprocess (a CUDA illegal address kills only that job), in priority order,
-each with the time left of a global budget; jobs that no longer fit are skipped:
+Every job runs in its own subprocess (a CUDA illegal address kills only that job), in the priority order of
+``JOBS`` (acc_k3, time_k3, probe_wy_wgmma, acc_sp, time_sp, time_b8, acc_var, sweep, probe_dh_v2), each with the
+time left of a global budget; jobs that no longer fit are skipped; after a failed job the later ones compile every
+recurrence MMAv2-only:
 - ``acc_k3`` / ``acc_sp``: B1 T2048 H32 D128 bf16 (H as the timed shapes: one compile), gradients of ours (and
   fla's unless ``--no-fla``) against an fp32 reference (our torch recompute on fp32 inputs); rel err per input
   (fla's tolerance 8e-3). Run with ``CUDA_LAUNCH_BLOCKING=1`` so a fault names its launch.
