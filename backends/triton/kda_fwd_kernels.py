@@ -111,7 +111,7 @@ def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv,
     """Row strip ``I`` (16 rows x 64 columns) of A and P for one K slice: one dot each against all
     earlier rows of the chunk (and, bounded gates, the diagonal block) with reference ``Gs_I``;
     unbounded gates accumulate the diagonal block separately (``accD``, ``accQ``). Returns the
-    accumulators and the sums of squares of this strip's q and k rows. ``GPRE``: G comes from ``Gbuf``
+    accumulators and the squares of this strip's q and k slices (summed over K by the caller). ``GPRE``: G comes from ``Gbuf``
     (``kda_gcum_kernel``), padded rows get ``G = Gs_I``."""
     if GPRE:
         rI = I * BC + tl.arange(0, BC)
@@ -137,7 +137,7 @@ def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv,
     if EXACT:
         accD, accQ = _diag(accD, accQ, qI, kI, GI, GsI, GeI, k, Gbuf, row0, I * BC, nv, i_h, offs, H, K, BC,
                            GATE, PREC, GPRE)
-    return accA, accP, accD, accQ, tl.sum(qI * qI, 1), tl.sum(kI * kI, 1)
+    return accA, accP, accD, accQ, qI * qI, kI * kI
 
 
 @triton.jit
@@ -280,9 +280,9 @@ def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h
     accP = tl.zeros([BC, BT], dtype=tl.float32)
     accD = tl.zeros([BC, BC], dtype=tl.float32)
     accQ = tl.zeros([BC, BC], dtype=tl.float32)
-    sq = tl.zeros([BC], dtype=tl.float32)
-    sk = tl.zeros([BC], dtype=tl.float32)
-    sk_all = tl.zeros([BT], dtype=tl.float32)
+    sq = tl.zeros([BC, BK], dtype=tl.float32)       # squares summed over K slices element-wise, rows at the end
+    sk = tl.zeros([BC, BK], dtype=tl.float32)
+    sk_all = tl.zeros([BT, BK], dtype=tl.float32)
     for c0 in range(0, K, BK):
         offs = c0 + tl.arange(0, BK)
         if GATE == 2:
@@ -292,7 +292,7 @@ def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h
         off = roff[:, None] * (H * K) + i_h * K + offs[None, :]
         kA = tl.load(k + off, mask=m[:, None], other=0.).to(tl.float32)
         if I == 0:      # the norms of all the chunk's k rows: once, in strip 0 (later strips load rk)
-            sk_all += tl.sum(kA * kA, 1)
+            sk_all += kA * kA
         if GPRE:
             G_all = tl.load(Gbuf + off, mask=m[:, None], other=0.)
             if I == 0:
@@ -315,16 +315,16 @@ def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h
         sq += a
         sk += b
     if L2NORM:
-        rqI = tl.rsqrt(sq + 1e-6) * scale
-        rkI = tl.rsqrt(sk + 1e-6)
+        rqI = tl.rsqrt(tl.sum(sq, 1) + 1e-6) * scale
+        rkI = tl.rsqrt(tl.sum(sk, 1) + 1e-6)
         if I == 0:
-            rk_all = tl.rsqrt(sk_all + 1e-6)
+            rk_all = tl.rsqrt(tl.sum(sk_all, 1) + 1e-6)
         else:           # strip 0 stored it; a CTA barrier separates the strips (kda_akk_kernel)
             rk_all = tl.load(rk + roff * H + i_h, mask=m, other=0.)
     else:
-        rqI = sq * 0. + scale
-        rkI = sk * 0. + 1.
-        rk_all = sk_all * 0. + 1.
+        rqI = tl.zeros([BC], dtype=tl.float32) + scale
+        rkI = tl.zeros([BC], dtype=tl.float32) + 1.
+        rk_all = tl.zeros([BT], dtype=tl.float32) + 1.
     _st_vec(rq, rqI, row0, I * BC, nv, i_h, H, BC)
     if I == 0:
         tl.store(rk + roff * H + i_h, rk_all, mask=m)
@@ -348,9 +348,9 @@ def _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h,
     A0, A1, A2, A3, P0, P1, P2, P3 = zs, zs, zs, zs, zs, zs, zs, zs
     zd = tl.zeros([BC, BC], dtype=tl.float32)
     D0, D1, D2, D3, Q0, Q1, Q2, Q3 = zd, zd, zd, zd, zd, zd, zd, zd
-    zr = tl.zeros([BC], dtype=tl.float32)
-    sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3 = zr, zr, zr, zr, zr, zr, zr, zr
-    sk_all = tl.zeros([BT], dtype=tl.float32)
+    zq = tl.zeros([BC, BK], dtype=tl.float32)
+    sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3 = zq, zq, zq, zq, zq, zq, zq, zq
+    sk_all = tl.zeros([BT, BK], dtype=tl.float32)
     for c0 in range(0, K, BK):
         offs = c0 + tl.arange(0, BK)
         if GATE == 2:
@@ -359,7 +359,7 @@ def _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h,
             dtb = tl.load(dt_bias + i_h * K + offs).to(tl.float32)
         off = roff[:, None] * (H * K) + i_h * K + offs[None, :]
         kA = tl.load(k + off, mask=m[:, None], other=0.).to(tl.float32)
-        sk_all += tl.sum(kA * kA, 1)
+        sk_all += kA * kA
         if GPRE:
             G_all = tl.load(Gbuf + off, mask=m[:, None], other=0.)
             Gs1 = _grow(Gbuf, row0, tl.minimum(nv, BC) - 1, i_h, offs, H, K)
@@ -393,15 +393,17 @@ def _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h,
         sk3 += b
 
     # ---- row scales: L2 norms (eps 1e-6), q scale, beta
+    zr = tl.zeros([BC], dtype=tl.float32)
     if L2NORM:
-        rq0, rq1 = tl.rsqrt(sq0 + 1e-6) * scale, tl.rsqrt(sq1 + 1e-6) * scale
-        rq2, rq3 = tl.rsqrt(sq2 + 1e-6) * scale, tl.rsqrt(sq3 + 1e-6) * scale
-        rk0, rk1, rk2, rk3 = tl.rsqrt(sk0 + 1e-6), tl.rsqrt(sk1 + 1e-6), tl.rsqrt(sk2 + 1e-6), tl.rsqrt(sk3 + 1e-6)
-        rk_all = tl.rsqrt(sk_all + 1e-6)
+        rq0, rq1 = tl.rsqrt(tl.sum(sq0, 1) + 1e-6) * scale, tl.rsqrt(tl.sum(sq1, 1) + 1e-6) * scale
+        rq2, rq3 = tl.rsqrt(tl.sum(sq2, 1) + 1e-6) * scale, tl.rsqrt(tl.sum(sq3, 1) + 1e-6) * scale
+        rk0, rk1 = tl.rsqrt(tl.sum(sk0, 1) + 1e-6), tl.rsqrt(tl.sum(sk1, 1) + 1e-6)
+        rk2, rk3 = tl.rsqrt(tl.sum(sk2, 1) + 1e-6), tl.rsqrt(tl.sum(sk3, 1) + 1e-6)
+        rk_all = tl.rsqrt(tl.sum(sk_all, 1) + 1e-6)
     else:
         rq0, rq1, rq2, rq3 = zr + scale, zr + scale, zr + scale, zr + scale
         rk0, rk1, rk2, rk3 = zr + 1., zr + 1., zr + 1., zr + 1.
-        rk_all = sk_all * 0. + 1.
+        rk_all = tl.zeros([BT], dtype=tl.float32) + 1.
     _st_vec(rq, rq0, row0, 0, nv, i_h, H, BC)
     _st_vec(rq, rq1, row0, BC, nv, i_h, H, BC)
     _st_vec(rq, rq2, row0, 2 * BC, nv, i_h, H, BC)
