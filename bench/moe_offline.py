@@ -33,7 +33,7 @@ E, D, I = 896, 3584, 3072
 
 def compile_cfg(quant: str, glu: bool, xdt: str, cfg: tuple, N: int, K: int, decode: str = "asm", sass=False):
     """Compile one launch (config already planned). Returns dict(regs, spills, smem, ops?)."""
-    wt = {"none": f"*{xdt}", "mxfp4": "*u8", "int4": "*i32"}[quant]
+    wt = {"none": f"*{xdt}", "mxfp4": "*i32" if decode.startswith("word") else "*u8", "int4": "*i32"}[quant]
     st = {"none": None, "mxfp4": "*u8", "int4": "*fp32"}[quant]
     types = [f"*{xdt}", "*i64", wt, st, wt, st, f"*{xdt}", None if glu else "*fp32", "i32", "i32", "fp32", "fp32"]
     qid = {"none": 0, "int4": 2}.get(quant) if quant != "mxfp4" else moe.MXFP4_DECODES[decode]

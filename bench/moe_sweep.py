@@ -80,8 +80,7 @@ VARIANTS = [
     ("MXFP4 T=256", "mxfp4", 256, [
         ("default (t, auto = asm1 here)", (None, None), None),
         ("t asm (two fma)", (None, None), "asm"),
-        ("t 64/16+16 BK64 s6 | 64/16+16 BK128 s4 (3 CTAs/SM)",
-         (("t", 64, 16, 16, 64, 4, 6), ("t", 64, 16, 16, 128, 4, 4)), None),
+        ("t word1 (int32 words, one fma) 64/16+16 BK128 s4 both", (("t", 64, 16, 16, 128, 4, 4),) * 2, "word1"),
     ]),
     ("MXFP4 T=8192", "mxfp4", 8192, [("default (t, auto)", (None, None), None)]),
     ("bf16 T=8192", "none", 8192, [

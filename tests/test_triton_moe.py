@@ -229,6 +229,26 @@ def test_mxfp4_asm_decode_emulated_is_exact(two):
             np.testing.assert_array_equal(got[[0, 4, 1, 5, 2, 6, 3, 7]], want, err_msg=f"scale byte {sbyte}")
 
 
+@pytest.mark.parametrize("two", [True, False])
+def test_mxfp4_word_asm_decode_emulated_is_exact(two):
+    """The word decode (``moe._mx_asm_word``: $4 = 4 packed bytes, $5/$6 = bf16x2 multipliers, output $j =
+    bf16x2 (even, odd element) of byte j), executed instruction by instruction, equals ``k3ir.quant``
+    for every byte value and scale byte 0..254 (one multiply: 0..128)."""
+    src = moe._mx_asm_word(two)
+    for sbyte in range(0, 255 if two else 129, 3):
+        for b0 in range(0, 256, 4):
+            b = [b0, (b0 + 97) % 256, (b0 + 2) % 256, (b0 + 211) % 256]
+            m1 = (min(sbyte, 128) + 126) << 7
+            m2 = (max(sbyte, 128) - 1) << 7
+            env = _run_ptx(src, {"$4": b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, "$5": m1 | m1 << 16,
+                                 "$6": m2 | m2 << 16})
+            got = np.array([(env[f"${j}"] >> h) & 0xFFFF for j in range(4) for h in (0, 16)], np.uint32)
+            with np.errstate(over="ignore"):
+                want = Q.mxfp4_dequantize(np.array([b + [0] * 12], np.uint8),
+                                          np.array([[sbyte]], np.uint8))[0, :8].astype(np.float32)
+            np.testing.assert_array_equal((got << 16).view(np.float32), want, err_msg=f"scale byte {sbyte}")
+
+
 def test_mxfp4_auto_decode_choice():
     """"asm1" only while every scale byte of every tensor is <= 128; rechecked after an in-place change."""
     a = torch.tensor([0, 127, 128], dtype=torch.uint8)

@@ -131,9 +131,27 @@ def _mx_asm(two: bool) -> str:
     return s + "}"
 
 
+def _mx_asm_word(two: bool) -> str:
+    """Word decode (QUANT 5/6): $4 = 4 packed bytes, $5/$6 = bf16x2 multipliers; output $j = bf16x2 of byte j
+    (low half = its low nibble = the even element). A = high nibbles at bits 4-7 of each byte, B = low
+    nibbles moved there; prmt puts byte j of B / A at the top of lane 0 / 1 (nibble bits 12-15), then
+    the sign stays at bit 15 and e1e0m moves to bits 6-8 (>> 6): the same bf16 placement as above."""
+    s = ("{\n.reg .b32 A, B, x, y, z;\nmov.b32 z, 0x80008000;\nand.b32 A, $4, 0xF0F0F0F0;\nshl.b32 B, $4, 4;\n"
+         "and.b32 B, B, 0xF0F0F0F0;\n")
+    for j in range(4):
+        sel = ((4 + j) << 12) | ((4 + j) << 8) | (j << 4) | j
+        s += (f"prmt.b32 x, B, A, {sel:#06x};\nshr.u32 y, x, 6;\nand.b32 y, y, 0x01C001C0;\n"
+              f"and.b32 x, x, 0x80008000;\nor.b32 x, x, y;\nfma.rn.bf16x2 ${j}, x, $5, z;\n")
+        if two:
+            s += f"fma.rn.bf16x2 ${j}, ${j}, $6, z;\n"
+    return s + "}"
+
+
 # Triton 3.6 reads only constexpr globals inside @jit functions (a plain str global is a CompilationError).
 MX_ASM2 = tl.constexpr(_mx_asm(True))
 MX_ASM1 = tl.constexpr(_mx_asm(False))
+MX_WORD2 = tl.constexpr(_mx_asm_word(True))
+MX_WORD1 = tl.constexpr(_mx_asm_word(False))
 
 
 @triton.jit
@@ -161,8 +179,37 @@ def _w_tile_t(w, s, e, offs_n, k0, N, K, QUANT: tl.constexpr, BN: tl.constexpr, 
             lo, hi = tl.inline_asm_elementwise(MX_ASM1, "=r,=r,=r,=r,r,r,r", [p, m1],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         return tl.reshape(tl.join(lo, hi), (BN, BK)).to(DT)
+    elif QUANT == 5 or QUANT == 6:     # w is the int32 view of the packed bytes: one asm call per word
+        mn = (offs_n < N)[:, None]
+        e64 = e.to(tl.int64)
+        rows = offs_n.to(tl.int64)[:, None]
+        kw = k0 // 8 + tl.arange(0, BK // 8)
+        p = tl.load(w + e64 * N * (K // 8) + rows * (K // 8) + kw[None, :], mask=mn, other=0)
+        kg = k0 // 32 + tl.arange(0, BK // 32)
+        sb = tl.load(s + e64 * N * (K // 32) + rows * (K // 32) + kg[None, :], mask=mn, other=127).to(tl.int32)
+        m1 = (tl.minimum(sb, 128) + 126) << 7
+        m1 = tl.reshape(tl.broadcast_to((m1 | (m1 << 16))[:, :, None], (BN, BK // 32, 4)), (BN, BK // 8))
+        if QUANT == 5:
+            m2 = (tl.maximum(sb, 128) - 1) << 7
+            m2 = tl.reshape(tl.broadcast_to((m2 | (m2 << 16))[:, :, None], (BN, BK // 32, 4)), (BN, BK // 8))
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(MX_WORD2, "=r,=r,=r,=r,r,r,r", [p, m1, m2],
+                                                       dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+        else:
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(MX_WORD1, "=r,=r,=r,=r,r,r", [p, m1],
+                                                       dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+        lo = tl.join(tl.join(_half(o0, 0), _half(o2, 0)), tl.join(_half(o1, 0), _half(o3, 0)))   # [.., a, b]
+        hi = tl.join(tl.join(_half(o0, 1), _half(o2, 1)), tl.join(_half(o1, 1), _half(o3, 1)))
+        return tl.reshape(tl.join(lo, hi), (BN, BK)).to(DT)         # element 4a + 2b + h of each word
     else:
         return _w_tile(w, s, e, offs_n, k0, N, K, QUANT, BN, BK).to(DT)
+
+
+@triton.jit
+def _half(o, H: tl.constexpr):
+    """bf16 in the low (H=0) or high (H=1) half of the int32 ``o``."""
+    if H == 0:
+        return o.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return (o >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -270,7 +317,7 @@ def _config(R: int, E: int, N: int, K: int, quant: str, glu: bool):
     rows_per_expert = R / max(E, 1)
     packed = quant != "none"
     if rows_per_expert <= 16:
-        if packed:
+        if quant == "mxfp4":    # 222 / 240 registers, no spill (offline sm_90 ptxas, Triton 3.6)
             return ("t", 64, 16, 16, 128, 4, 4) if glu else ("t", 128, 16, 16, 128, 4, 4)
         return ("t", 64, 16, 16, 128, 4, 4)
     if rows_per_expert <= 64:
@@ -304,9 +351,9 @@ def smem_bytes(cfg: tuple, quant: str, xbytes: int, glu: bool) -> int:
     """Shared memory a config needs (bytes): ``stages`` copies of the pipelined operand tiles. Matches
     Triton 3.6 on sm_90 exactly for float weights (x tile ``(BT+TAIL) x BK`` and one ``BW x BK`` weight
     tile per GEMM, both in the activation dtype); for packed weights an upper bound (packed bytes and
-    scales staged; the swapped kernel feeds a decoded MXFP4 tile to wgmma from registers in bf16, else
-    one more ``BW x BK`` tile per GEMM in the activation dtype). OutOfResources at launch is still
-    caught (``_launch``)."""
+    scales staged, plus one decoded ``BW x BK`` tile per GEMM in the activation dtype: the byte asm
+    decodes keep it in registers, the word decodes, INT4, fp32 and the row-major kernel do not).
+    OutOfResources at launch is still caught (``_launch``)."""
     nw = 2 if glu else 1
     if cfg[0] == "t":
         _, BW, BT, TAIL, BK, _, stages = cfg
@@ -318,8 +365,7 @@ def smem_bytes(cfg: tuple, quant: str, xbytes: int, glu: bool) -> int:
     if quant == "none":
         return stages * (x + nw * wrows * BK * xbytes)
     per_el = 0.5 + 1 / 32 if quant == "mxfp4" else 0.5 + 4 / 32
-    # the decoded tile goes through smem for the row-major kernel (B operand), fp32 activations and INT4
-    decoded = nw * wrows * BK * xbytes if (cfg[0] != "t" or xbytes == 4 or quant == "int4") else 0
+    decoded = nw * wrows * BK * xbytes      # one decoded tile per GEMM (the row-major B operand, word decodes)
     return int(stages * (x + nw * wrows * BK * per_el) + decoded)
 
 
@@ -349,7 +395,7 @@ def plan(R: int, E: int, N: int, K: int, quant: str, glu: bool, xbytes: int, con
     return _fit_smem(tuple(cfg), quant, xbytes, glu, limit)
 
 
-MXFP4_DECODES = {"exact": 1, "asm": 3, "asm1": 4}
+MXFP4_DECODES = {"exact": 1, "asm": 3, "asm1": 4, "word": 5, "word1": 6}
 _SMALL_SCALES = None          # WeakIdKeyDictionary: scale tensor -> (version, all bytes <= 128)
 
 
@@ -469,6 +515,8 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
         if dec not in MXFP4_DECODES and dec != "auto":
             raise ValueError(f"unknown mxfp4_decode '{dec}' (known: {', '.join(MXFP4_DECODES)})")
         qid = MXFP4_DECODES["exact"] if interpreting() else MXFP4_DECODES[dec]
+        if qid in (5, 6):                  # word decodes read the packed bytes as int32 (K % 8 == 0)
+            w, w3 = w.view(torch.int32), w3.view(torch.int32)
     rs = row_scale.float().contiguous() if row_scale is not None else None
     off = offsets.contiguous()
     common = {"QUANT": qid, "ACT": ACT_IDS[act], "SCALE_ROWS": rs is not None}
