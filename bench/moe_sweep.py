@@ -97,7 +97,7 @@ def sweep(smoke, baselines):
     """The VARIANTS of the K3 MoE layer (E=896, top-16, D=3584, I=3072): each timed as a whole layer and
     per launch (GLU, down), checked against the torch._grouped_mm path (on dequantised bf16 weights for
     MXFP4/INT4; its time only with ``baselines``: measured 2026-11-30 bf16 T=256 17.7 ms, T=8192
-    30.66 ms) and listed with registers/spills. Stops starting variants after ~90 s."""
+    30.66 ms) and listed with registers/spills. Stops starting variants after ~80 s."""
     from gpu_diag import compiled_kernels
     from k3ir.backends.triton import moe
     E, D, I, k = (8, 64, 64, 2) if smoke else (896, 3584, 3072, 16)
@@ -128,7 +128,7 @@ def sweep(smoke, baselines):
         row("moe", f"{label} torch._grouped_mm" + ("" if quant == "none" else " (dequantised bf16)"),
             ms=t_ref, measured_now=bool(baselines), floor_ms=floor, rows_per_expert=T * k / E)
         for name, cfgs, dec in variants:
-            if time.perf_counter() - t_start > 90:
+            if time.perf_counter() - t_start > 80:
                 row("moe", f"{label} {name}", skipped="time budget")
                 continue
             try:
