@@ -307,7 +307,60 @@ def _decode_rate(sess, B, prompt, steps):
 REPLAY_MS: list = []    # the last _decode_rate's CUDA-graph replay time (ms), without host work
 
 
-def section_kimi(smoke):
+#: transformers (bf16, fla 0.6.0, no causal_conv1d) on the H200 of 2026-11-30 01:04 (commit 1b50dc5); used as
+#: the baseline when ``--hf-speed`` is not given (its timing costs ~1 min of device time)
+HF_RECORDED = {"prefill B1 T4096": 42607.2, "prefill B8 T2048": 68650.4, "decode B1": 11.52, "decode B32": 363.9}
+KL4 = {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+       "mlp_layer_types": ["dense"] + ["sparse"] * 3,
+       "linear_attn_config": {"full_attn_layers": [4], "kda_layers": [1, 2, 3], "head_dim": 128, "num_heads": 16,
+                              "short_conv_kernel_size": 4}}
+
+
+def _hf_model(ov, dtype):
+    """transformers' KimiLinearForCausalLM of the bundled 6.6B config (``ov`` overrides) on DEV in ``dtype``."""
+    import k3ir.frontend
+    import transformers
+    with open(os.path.join(os.path.dirname(k3ir.frontend.__file__), "configs", "kimi-linear-6p6b.json")) as f:
+        raw = {k: v for k, v in json.load(f).items() if k != "architectures"}
+    cfg = transformers.KimiLinearConfig(**{**raw, **(ov or {})})     # derived fields follow the overrides
+    with torch.device(DEV):
+        hf = transformers.KimiLinearForCausalLM(cfg).to(dtype).eval()
+    return hf, cfg
+
+
+def _logit_controls(m, hf, params, dtn, tag, vocab, sessions=None):
+    """Logits of one B2 T64 forward: transformers vs our torch target vs our triton target (same weights,
+    same dtype), all pairs, plus the share of positions whose top-1 token agrees. ``sessions``: already
+    built Sessions by target name (reused). Tells bf16/routing spread (torch ~ transformers) from a
+    triton-only difference (triton far from torch) and a peer convention difference (torch far from
+    transformers in float32)."""
+    from k3ir.runtime import Session
+
+    import k3ir
+    ids = torch.from_numpy(np.random.default_rng(1).integers(3, vocab, (2, 64))).to(DEV)
+    out, r = {}, {}
+    try:
+        with torch.no_grad():
+            out["hf"] = hf(ids).logits.float()
+    except Exception as e:
+        r["hf_error"] = repr(e)[:200]
+    for tgt in ("triton", "torch"):
+        try:
+            sess = (sessions or {}).get(tgt) or Session(k3ir.compile(m, target=tgt, dtype=dtn, device=DEV),
+                                                        params=params)
+            out[tgt] = sess.forward(ids.cpu().numpy()).to(DEV).float()
+            del sess
+        except Exception as e:
+            r[f"{tgt}_error"] = repr(e)[:200]
+    for a, b in (("triton", "hf"), ("torch", "hf"), ("triton", "torch")):
+        if a in out and b in out:
+            r[f"{a}_vs_{b}"] = rel(out[a], out[b])
+            r[f"{a}_vs_{b}_top1"] = float((out[a].argmax(-1) == out[b].argmax(-1)).float().mean())
+    row("kimi", f"logits controls {tag} (B2 T64)", dtype=dtn, **r)
+    return r
+
+
+def section_kimi(smoke, hf_speed=False):
     from k3ir.runtime import Session
 
     import k3ir
@@ -316,23 +369,18 @@ def section_kimi(smoke):
     hf = None
     try:
         sys.modules.pop("fla", None)
-        import k3ir.frontend
-        import transformers
         from k3ir.backends.triton.peer import params_from_transformers
-        with open(os.path.join(os.path.dirname(k3ir.frontend.__file__), "configs", "kimi-linear-6p6b.json")) as f:
-            cfg = transformers.KimiLinearConfig(**{k: v for k, v in json.load(f).items() if k != "architectures"})
-        for kk, vv in (ov or {}).items():
-            setattr(cfg, {"num_experts": "num_local_experts"}.get(kk, kk), vv)
-        with torch.device(DEV):
-            hf = transformers.KimiLinearForCausalLM(cfg).to(DT).eval()
+        hf, cfg = _hf_model(ov, DT)
         params = params_from_transformers(m, hf)
         try:
             import fla  # noqa: F401
             fla_ok = True
         except Exception:
             fla_ok = False
+        row("kimi", "transformers", fla=fla_ok)
     except Exception as e:      # no transformers model: our own random weights
         row("kimi", "transformers model", error=repr(e)[:300])
+        hf = None
         params = gpu_params(m)
         fla_ok = False
     act = 0
@@ -345,11 +393,7 @@ def section_kimi(smoke):
     sess = Session(k3ir.compile(m, target="triton", dtype=DTN, device=DEV), params=params)
     roof = HBM / (2 * act)
     if hf is not None:
-        ids = torch.from_numpy(np.random.default_rng(1).integers(3, cfg.vocab_size, (2, 64))).to(DEV)
-        with torch.no_grad():
-            want = hf(ids).logits.float()
-        got = sess.forward(ids.cpu().numpy())
-        row("kimi", "logits vs transformers (B2 T64)", rel_err=rel(got.to(want.device), want), fla=fla_ok)
+        _logit_controls(m, hf, params, DTN, "full model", cfg.vocab_size, {"triton": sess})
         try:
             row("kimi", "transformers kernels", **_hf_kernels(hf))
         except Exception as e:
@@ -358,13 +402,17 @@ def section_kimi(smoke):
     for B, T in shapes:
         s = _time_session(sess, B, T)
         r = {"tok_s": B * T / s}
-        if hf is not None:
+        if hf is not None and hf_speed:
             ids = torch.from_numpy(np.random.default_rng(2).integers(3, cfg.vocab_size, (B, T))).to(DEV)
             try:
                 r["transformers_tok_s"] = B * T / _hf_prefill_s(hf, ids)
-                r["speedup"] = r["tok_s"] / r["transformers_tok_s"]
             except Exception as e:
                 r["transformers_error"] = repr(e)[:200]
+        elif not smoke:
+            r["transformers_tok_s_recorded"] = HF_RECORDED[f"prefill B{B} T{T}"]
+        base = r.get("transformers_tok_s") or r.get("transformers_tok_s_recorded")
+        if base:
+            r["speedup"] = r["tok_s"] / base
         row("kimi", f"prefill B{B} T{T}", **r)
     prompt, steps = (16, 4) if smoke else (512, 32)
     for B in (1, 32 if not smoke else 2):
@@ -374,7 +422,9 @@ def section_kimi(smoke):
         if B == 1:
             r["roofline_tok_s"] = roof
             r["roofline_frac"] = r["tok_s"] / roof
-        if hf is not None:
+            if REPLAY_MS:
+                r["replay_roofline_frac"] = (1e3 / REPLAY_MS[0]) / roof
+        if hf is not None and hf_speed:
             ids = torch.from_numpy(np.random.default_rng(3).integers(3, cfg.vocab_size, (B, prompt))).to(DEV)
             with torch.no_grad():
                 out = hf(ids, use_cache=True)
@@ -389,9 +439,28 @@ def section_kimi(smoke):
                     pkv = out.past_key_values
                 torch.cuda.synchronize() if torch.cuda.is_available() else None
             r["transformers_tok_s"] = B * (steps // 2) / (time.perf_counter() - t0)
-            r["speedup"] = r["tok_s"] / r["transformers_tok_s"]
+        elif not smoke:
+            r["transformers_tok_s_recorded"] = HF_RECORDED[f"decode B{B}"]
+        base = r.get("transformers_tok_s") or r.get("transformers_tok_s_recorded")
+        if base:
+            r["speedup"] = r["tok_s"] / base
         row("kimi", f"decode B{B} after {prompt}", active_params=act, **r)
     del sess, hf, params
+    if torch.cuda.is_available():
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+    # float32 control: 4 layers at full width (KDA x3 + MLA; dense + 3 MoE), and the same in bf16
+    from k3ir.backends.triton.peer import params_from_transformers
+    ov4 = KL_SMALL if smoke else KL4
+    m4 = k3ir.load("kimi-linear-6p6b", ov4)
+    for dt, dtn in dict.fromkeys(((torch.float32, "float32"), (DT, DTN))):
+        try:
+            hf4, cfg4 = _hf_model(ov4, dt)
+            _logit_controls(m4, hf4, params_from_transformers(m4, hf4), dtn, "4 layers full width", cfg4.vocab_size)
+            del hf4
+        except Exception as e:
+            row("kimi", f"logits controls 4 layers {dtn}", error=repr(e)[:300])
 
 
 def section_k3(smoke):
@@ -422,6 +491,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="moe,check,kimi,k3")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--hf-speed", action="store_true", help="time transformers again (else HF_RECORDED)")
     a = ap.parse_args()
     gpu = torch.cuda.is_available()
     DEV, DT, DTN = ("cuda", torch.bfloat16, "bfloat16") if gpu else ("cpu", torch.float32, "float32")
@@ -432,7 +502,7 @@ def main():
     for s in a.sections.split(","):
         t0 = time.perf_counter()
         try:
-            fns[s](a.smoke)
+            fns[s](a.smoke, a.hf_speed) if s == "kimi" else fns[s](a.smoke)
         except Exception as e:
             import traceback
             traceback.print_exc()
