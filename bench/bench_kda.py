@@ -142,19 +142,19 @@ FLA_KNOWN_MS = {((1, 32768, 32, 128), "k3"): 3.73, ((1, 32768, 32, 128), "softpl
 VARIANTS = [
     ("default", {}, None),
     ("no_gcum", {"gcum": False}, None),        # the gate cumsum recomputed inside akk and wu (the 00:58 design)
-    ("inv_tf32", {"inv_prec": "tf32"}, None),  # (I+A)^-1 blocks on tf32 mma instead of fp32 FMA dots
-    ("wu_stages1", {"wu_stages": 1}, None),    # w/u launch at 89 registers instead of 103
+    ("inv_split", {"inv": "split"}, None),     # (I+A)^-1 in kda_inv_kernel (4 warps, fp32 dots), not in akk
+    ("inv_split_tf32", {"inv": "split", "inv_prec": "tf32", "inv_warps": 1}, None),  # ... on tf32 mma, 1 warp
     ("akk_w4_bk16", {"warps": 4, "bk": 16}, "k3"),   # akk on 4 warps: 17% fewer instructions, 230 regs
     ("order_k16", {"order": "k", "bk": 16, "maxnreg": 128}, "k3"),  # one K loop for 4 strips: -10% instr.
-    ("sp_bk32", {"exact_bk": 32}, "softplus"),       # softplus akk with 32-column slices (140 B spill at 128)
-    ("no_regcap", {"exact_maxnreg": None, "exact_bk": 32}, "softplus"),  # uncapped: 204 regs, 1 CTA/SM
+    ("no_regcap", {"exact_maxnreg": None, "exact_bk": 32}, "softplus"),  # uncapped: 206 regs, 1 CTA/SM
+    ("sp_bk32", {"exact_bk": 32}, "softplus"),       # softplus akk with 32-column slices (144 B spill at 128)
 ]
 
 
 def stage_bytes(B, T, H, D):
     """Bytes each launch must move at least (bf16 io, fp32 Xb; L2 re-reads not counted), per call."""
     n = B * T * H
-    return {"gcum": n * D * (2 + 4),
+    return {"gcum": n * D * (2 + 4), "inv": n * 64 * 4 * 2,
             "akk": n * (2 * D * 2 + D * 4 + 2 + 64 * 2 + 64 * 4 + 8),
             "wu": n * (3 * D * 2 + D * 4 + 64 * 4 + 8 + 4 * D * 2),
             "recur": n * (3 * D * 2 + 64 * 2 + D * 2 + D * 2)}
@@ -203,7 +203,8 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
             if KD.TUNING["intra"] == "fused":
                 launches = ("intra", "recur")
             else:
-                launches = (("gcum",) if KD.TUNING["gcum"] else ()) + ("akk", "wu", "recur")
+                launches = ((("gcum",) if KD.TUNING["gcum"] else ()) + ("akk",)
+                            + (("inv",) if KD.TUNING["inv"] == "split" else ()) + ("wu", "recur"))
             nb = stage_bytes(*shape)
             for st in launches:
                 ms = bench(_ours_fwd(kda_forward_kernels, x, lb, stages=(st,)), rep=args.rep)
@@ -272,7 +273,7 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
 
 def print_sweep(rows):
     print(f"\n{'variant':14} {'B,T,H,D':>16} {'gate':8} {'ours ms':>8} {'fla ms':>7} {'fla/ours':>8} "
-          f"{'gcum ms':>7} {'akk ms':>7} {'wu ms':>7} {'recur ms':>8} {'akk mem%':>8} {'wu mem%':>7} {'err dflt':>8} "
+          f"{'gcum ms':>7} {'akk ms':>7} {'inv ms':>7} {'wu ms':>7} {'recur ms':>8} {'akk mem%':>8} {'wu mem%':>7} {'err dflt':>8} "
           f"{'err fla':>8}")
     for r in rows:
         if r.get("kind") != "variant":
@@ -284,7 +285,7 @@ def print_sweep(rows):
         shp = ",".join(map(str, r["shape"]))
         print(f"{r['variant']:14} {shp:>16} {r['gate']:8} {_fmt(r, 'ours_ms', '{:8.3f}')} "
               f"{_fmt(r, 'fla_ms', '{:7.3f}')} {_fmt(r, 'ratio', '{:8.2f}')} {_fmt(r, 'gcum_ms', '{:7.3f}'):>7} "
-              f"{intra:>7} "
+              f"{intra:>7} {_fmt(r, 'inv_ms', '{:7.3f}'):>7} "
               f"{_fmt(r, 'wu_ms', '{:7.3f}'):>7} "
               f"{_fmt(r, 'recur_ms', '{:8.3f}')} {_fmt(r, 'akk_mem_frac', '{:8.1%}')} "
               f"{_fmt(r, 'wu_mem_frac', '{:7.1%}')} {_fmt(r, 'err_vs_default_o', '{:8.1e}')} "

@@ -46,13 +46,15 @@ def _compile(fn, names, types, const, warps, stages, maxnreg=None):
     return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1, ck.metadata.shared
 
 
-def akk(bk=32, warps=8, gate=0, order="strip", stages=1, inv_dots=True, ip="ieee", gpre=True, h=32, maxnreg=None):
+def akk(bk=32, warps=8, gate=0, order="strip", stages=1, inv_dots=True, ip="ieee", gpre=True, h=32, maxnreg=None,
+        inv_split=False):
     names = ["q", "k", "g", "beta", "A_log", "dt_bias", "Xb", "Ascr", "Aqk", "rq", "rk", "Gbuf", "cu_seqlens",
              "chunk_indices", "T", "scale", "lb"]
     types = ["*bf16"] * 4 + ["*fp32"] * 4 + ["*bf16"] + ["*fp32"] * 3 + ["*i32"] * 2 + ["i32", "fp32", "fp32"]
     const = {"H": h, "K": 128, "BT": 64, "BC": 16, "BK": bk, "GATE": gate, "L2NORM": True, "BETA_SIGMOID": True,
              "IS_VARLEN": False, "EXACT": gate != 0, "PREC": "tf32", "INV_DOTS": inv_dots, "IP": ip,
-             "STRIP_OUTER": order == "strip", "GPRE": bool(gpre)}
+             "STRIP_OUTER": order == "strip", "GPRE": bool(gpre),
+             "INV_SPLIT": bool(inv_split)}
     return _compile(kf.kda_akk_kernel, names, types, const, warps, stages, maxnreg)
 
 
@@ -63,6 +65,13 @@ def wu(bk=32, warps=8, bv=32, gate=0, stages=2, gpre=True, h=32):
     const = {"H": h, "K": 128, "V": 128, "BT": 64, "BK": bk, "BV": bv, "GATE": gate, "IS_VARLEN": False,
              "PREC": "tf32", "DOT_F32": False, "GPRE": bool(gpre)}
     return _compile(kf.kda_wu_kernel, names, types, const, warps, stages)
+
+
+def inv(warps=4, gate=0, h=32, ip="ieee"):
+    names = ["beta", "Ascr", "Xb", "cu_seqlens", "chunk_indices", "T"]
+    types = ["*bf16", "*fp32", "*fp32", "*i32", "*i32", "i32"]
+    const = {"H": h, "BT": 64, "BC": 16, "IS_VARLEN": False, "BETA_SIGMOID": True, "INV_DOTS": True, "IP": ip}
+    return _compile(kf.kda_inv_kernel, names, types, const, warps, 1)
 
 
 def gcum(bk=32, warps=4, gate=0, h=32):
@@ -76,10 +85,12 @@ def main():
     if len(sys.argv) > 1:
         kind, *rest = sys.argv[1:]
         args = [int(a) if a.isdigit() else a for a in rest]
-        print(kind, args, {"akk": akk, "wu": wu, "gcum": gcum}[kind](*args))
+        print(kind, args, {"akk": akk, "wu": wu, "gcum": gcum, "inv": inv}[kind](*args))
         return
     print(f"{'kernel':6} {'config':44} {'regs':>5} {'spill B':>8} {'smem B':>7}")
     rows = [("gcum", {"gate": g, "h": h}) for g in (0, 1) for h in (32, 96)]
+    rows += [("inv", {"warps": w}) for w in (1, 2, 4)] + [("inv", {"h": 96}), ("inv", {"ip": "tf32", "warps": 1})]
+    rows += [("akk", {"gate": g, "inv_split": True}) for g in (0, 1)]
     sp = {"gate": 1, "bk": 16, "maxnreg": 128}          # the softplus defaults (TUNING exact_bk, exact_maxnreg)
     rows += [("akk", dict(c, gate=0)) for c in ({}, {"h": 96}, {"gpre": False}, {"ip": "tf32"},
                                                 {"warps": 4, "bk": 16}, {"order": "k", "bk": 16, "maxnreg": 128})]
@@ -87,7 +98,7 @@ def main():
                                               {"bk": 32, "maxnreg": None})]
     rows += [("wu", dict(c, gate=g)) for g in (0, 1) for c in ({}, {"h": 96}, {"gpre": False}, {"stages": 1})]
     for kind, cfg in rows:      # bench_kda.py VARIANTS at H=32 and the defaults at H=96
-        r = {"akk": akk, "wu": wu, "gcum": gcum}[kind](**cfg)
+        r = {"akk": akk, "wu": wu, "gcum": gcum, "inv": inv}[kind](**cfg)
         print(f"{kind:6} {cfg!s:44} {r[0]:>5} {r[1]:>8} {r[2]:>7}", flush=True)
 
 

@@ -143,6 +143,7 @@ def _mixed_strong(x, K):
     {"bk": 16, "wu_bk": 16, "wu_bv": 16},
     {"bk": 32, "exact_bk": 32, "inv_dots": False, "xb": "io"},
     {"bk": 16, "gcum": False},
+    {"inv": "split", "inv_warps": 1},
     {"order": "k", "bk": 16, "warps": 4},
     {"order": "k", "bk": 16, "gcum": False, "gcum_bk": 16},
     {"intra": "fused"},

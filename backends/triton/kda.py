@@ -33,9 +33,11 @@ INTERMEDIATE_DTYPES: dict = {}
 #: ``kda_gcum_kernel`` (fp32 G read by both split launches; else each recomputes it), ``gcum_bk``/``gcum_warps``;
 #: ``maxnreg`` / ``exact_maxnreg``: register cap of the A/P/inverse launch for the K3 gate / for unbounded gates
 #: (softplus, precomputed: 204 registers uncapped = 1 CTA per SM; 128 = 2 CTAs; None: no cap); ``exact_bk``:
-#: its K slice for unbounded gates (16: 12 B spill under the 128 cap; 32: 140 B). See bench/KDA_NOTES.md.
+#: its K slice for unbounded gates (16: 12 B spill under the 128 cap; 32: 140 B); ``inv``: "split" (the
+#: (I+A)^-1 blocks in ``kda_inv_kernel`` on ``inv_warps`` warps) or "akk" (at the end of the akk launch).
+#: See bench/KDA_NOTES.md.
 TUNING: dict = {"intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "order": "strip", "bk": 32,
-                "warps": 8, "stages": 1, "maxnreg": None, "exact_maxnreg": 128, "exact_bk": 16,
+                "warps": 8, "stages": 1, "inv": "akk", "inv_warps": 4, "maxnreg": None, "exact_maxnreg": 128, "exact_bk": 16,
                 "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
                 "inv_prec": "ieee", "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8}
 
@@ -90,7 +92,7 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
                         stages: tuple[str, ...] = ("intra", "recur"), return_intermediates: bool = False):
     """The Triton launches, no autograd. Same contract as ``kda_forward``; ``stages`` picks launches
     for timing one kernel alone (the outputs are then meaningless): "intra" (all intra-chunk launches),
-    "gcum" / "akk" / "wu" (one launch of the split path), "recur". With ``return_intermediates`` a third value, a dict:
+    "gcum" / "akk" / "inv" / "wu" (one launch of the split path), "recur". With ``return_intermediates`` a third value, a dict:
     ``w, u, qg, kg`` ``[B,T,H,K|V]`` (q's dtype), ``Aqk`` (P, ``[B,T,H,64]``), ``gC`` (``exp(G_C)``, fp32
     ``[chunks,H,K]``, chunks in sequence order) and, split path only, ``Xb`` (``(I+A)^-1 diag(beta)``
     per chunk, ``[B,T,H,64]``, lower blocks valid), ``rq`` (``scale / |q|``) and ``rk`` (``1 / |k|``)
@@ -161,15 +163,21 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
             kf.kda_gcum_kernel[(NC, H, K // gbk)](
                 g, A_log, dt_bias, Gbuf, gC, cu_dev, chunk_indices, T, lb, H=H, K=K, BT=BT, BK=gbk, GATE=GATE,
                 IS_VARLEN=cu_seqlens is not None, num_warps=TUNING["gcum_warps"])
+        inv_split = TUNING.get("inv") == "split"
         cap = None if _interpret() else TUNING["exact_maxnreg"] if exact else TUNING.get("maxnreg")
         if "intra" in stages or "akk" in stages:
             kf.kda_akk_kernel[(NC, H)](
                 q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, cu_dev, chunk_indices, T, scale, lb,
                 H=H, K=K, BT=BT, BC=BC, BK=bk, L2NORM=gate != "precomputed", BETA_SIGMOID=gate != "precomputed",
                 EXACT=exact, PREC=prec, INV_DOTS=TUNING["inv_dots"], STRIP_OUTER=TUNING["order"] == "strip",
-                IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"], GPRE=gpre,
+                IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"], GPRE=gpre, INV_SPLIT=inv_split,
                 num_warps=TUNING["warps"], num_stages=TUNING["stages"], **({"maxnreg": cap} if cap else {}),
                 **common)
+        if inv_split and ("intra" in stages or "inv" in stages):
+            kf.kda_inv_kernel[(NC, H)](
+                beta, Ascr, Xb, cu_dev, chunk_indices, T, H=H, BT=BT, BC=BC, IS_VARLEN=cu_seqlens is not None,
+                BETA_SIGMOID=gate != "precomputed", INV_DOTS=TUNING["inv_dots"],
+                IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"], num_warps=TUNING["inv_warps"])
         if "intra" in stages or "wu" in stages:
             kf.kda_wu_kernel[(NC, H)](
                 q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, Gbuf, cu_dev, chunk_indices, T, lb,

@@ -422,34 +422,11 @@ def _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h,
     return b0, b1, b2, b3
 
 
-@triton.jit(do_not_specialize=["T"])
-def kda_akk_kernel(q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, cu_seqlens, chunk_indices,
-                   T, scale, lb,
-                   H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                   GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-                   IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr,
-                   INV_DOTS: tl.constexpr, IP: tl.constexpr, STRIP_OUTER: tl.constexpr, GPRE: tl.constexpr):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    row0, nv = _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT, IS_VARLEN)
-    if GATE == 2:
-        a_h = 1.0
-    else:
-        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    if STRIP_OUTER:
-        b0 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 0,
-                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
-        tl.debug_barrier()      # rk of strip 0 visible to every thread
-        b1 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 1,
-                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
-        b2 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 2,
-                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
-        b3 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 3,
-                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
-    else:
-        b0, b1, b2, b3 = _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb,
-                                      scale, H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC,
-                                      GPRE)
-    tl.debug_barrier()
+@triton.jit
+def _inverse(Ascr, Xb, b0, b1, b2, b3, row0, nv, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+             INV_DOTS: tl.constexpr, IP: tl.constexpr):
+    """``Xb = (I + A)^-1 diag(beta)`` (lower 16x16 blocks) from the strictly lower ``A`` in ``Ascr``: the four
+    diagonal blocks inverted (Neumann dots or substitution), the six others by block substitution."""
     A00 = _ld(Ascr, row0, 0, 0, nv, i_h, H, BT, BC)
     A10 = _ld(Ascr, row0, BC, 0, nv, i_h, H, BT, BC)
     A11 = _ld(Ascr, row0, BC, BC, nv, i_h, H, BT, BC)
@@ -485,6 +462,55 @@ def kda_akk_kernel(q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, c
     _st(Xb, X31 * b1[None, :], row0, 3 * BC, BC, nv, i_h, H, BT, BC)
     _st(Xb, X32 * b2[None, :], row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
     _st(Xb, X33 * b3[None, :], row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_akk_kernel(q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, cu_seqlens, chunk_indices,
+                   T, scale, lb,
+                   H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                   GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+                   IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr,
+                   INV_DOTS: tl.constexpr, IP: tl.constexpr, STRIP_OUTER: tl.constexpr, GPRE: tl.constexpr,
+                   INV_SPLIT: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    row0, nv = _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT, IS_VARLEN)
+    if GATE == 2:
+        a_h = 1.0
+    else:
+        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    if STRIP_OUTER:
+        b0 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 0,
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
+        tl.debug_barrier()      # rk of strip 0 visible to every thread
+        b1 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 1,
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
+        b2 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 2,
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
+        b3 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 3,
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
+    else:
+        b0, b1, b2, b3 = _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb,
+                                      scale, H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC,
+                                      GPRE)
+    if not INV_SPLIT:   # else kda_inv_kernel inverts A in its own launch
+        tl.debug_barrier()
+        _inverse(Ascr, Xb, b0, b1, b2, b3, row0, nv, i_h, H, BT, BC, INV_DOTS, IP)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_inv_kernel(beta, Ascr, Xb, cu_seqlens, chunk_indices, T,
+                   H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr,
+                   BETA_SIGMOID: tl.constexpr, INV_DOTS: tl.constexpr, IP: tl.constexpr):
+    """``Xb = (I + A)^-1 diag(beta)`` per chunk and head from ``kda_akk_kernel``'s fp32 ``A`` scratch, in a
+    launch of its own with few warps (``TUNING["inv"] = "split"``): the 40 small fp32 dots need no CTA-wide
+    barriers at one warp."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    row0, nv = _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT, IS_VARLEN)
+    b0 = _beta(beta, row0, 0, nv, i_h, H, BC, BETA_SIGMOID)
+    b1 = _beta(beta, row0, BC, nv, i_h, H, BC, BETA_SIGMOID)
+    b2 = _beta(beta, row0, 2 * BC, nv, i_h, H, BC, BETA_SIGMOID)
+    b3 = _beta(beta, row0, 3 * BC, nv, i_h, H, BC, BETA_SIGMOID)
+    _inverse(Ascr, Xb, b0, b1, b2, b3, row0, nv, i_h, H, BT, BC, INV_DOTS, IP)
 
 
 @triton.jit(do_not_specialize=["T"])
