@@ -179,7 +179,7 @@ def _regs(seen):
 
 def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
     """Phase 1: the default at every sweep shape and gate (fla timed unless --no-fla, else the known
-    numbers); phase 2: every variant at SWEEP_SHAPES, K3 gate first, while ``--budget`` seconds last
+    numbers); phase 2: every variant at SWEEP_SHAPES (both gates per variant), while ``--budget`` seconds last
     (a variant is started only if ~8 s of budget are left: compiling akk costs most of that)."""
     from k3ir.backends.triton import kda as KD
     base = dict(KD.TUNING)
@@ -249,25 +249,25 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
                 refs[(tuple(shape), gate)] = (r, fla_o, None)
         del x
         torch.cuda.empty_cache()
-    # phase 2: variants, K3 gate first
+    # phase 2: variants in list order, both gates each (gate-specific ones only for their gate)
     for shape in SWEEP_SHAPES:
         x = inputs(*shape)
+        ref = {}
         for gate, lb in gates:
             try:
-                ref_o, _ = _ours_fwd(kda_forward_kernels, x, lb)()
+                ref[gate] = _ours_fwd(kda_forward_kernels, x, lb)()[0]
             except Exception as e:  # noqa: BLE001
                 print("default failed:", repr(e)[:200])
-                ref_o = None
-            fla_o = refs.get((tuple(shape), gate), (None, None))[1]
-            for name, over, only in VARIANTS[1:]:
+                ref[gate] = None
+        for name, over, only in VARIANTS[1:]:
+            for gate, lb in gates:
                 if only is not None and only != gate:
                     continue
                 if time.time() - t0 > args.budget - 8:
                     print(f"budget of {args.budget} s used: skipping {name} {shape} {gate}", flush=True)
                     continue
-                one(x, shape, gate, lb, name, over, ref_o, fla_o)
-            del ref_o
-        del x
+                one(x, shape, gate, lb, name, over, ref[gate], refs.get((tuple(shape), gate), (None, None))[1])
+        del x, ref
         torch.cuda.empty_cache()
 
 
