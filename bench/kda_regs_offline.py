@@ -5,6 +5,7 @@ be newer than the GPU machine's, so counts can differ a little). K=V=128, H=32, 
     python bench/kda_regs_offline.py                 # the default table
     python bench/kda_regs_offline.py akk 32 8 1 strip  # kernel, BK, warps, gate (0 K3, 1 softplus), order
     PYTHONPATH=/tmp/triton36 python bench/kda_regs_offline.py   # with the GPU machine's Triton 3.6
+    PYTHONPATH=/tmp/triton36 python bench/kda_regs_offline.py --sass akk '{"gate": 0}'   # SASS instruction mix
 """
 from __future__ import annotations
 
@@ -30,12 +31,43 @@ def _ptxas():
     raise FileNotFoundError("no ptxas next to triton's nvidia backend")
 
 
+SASS = {}       # --sass: the last compile's SASS text
+
+
+def sass_mix(text, trips):
+    """Dynamic instruction mix per warp of a SASS listing: each backward branch is a loop of ``trips``."""
+    ins = []
+    for line in text.splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    loops = [(int(t.group(1), 16), a) for a, op, rest in ins if op == "BRA"
+             for t in [re.search(r"0x([0-9a-f]+)", rest)] if t and int(t.group(1), 16) < a]
+    mix = {}
+    for a, op, _ in ins:
+        n = trips ** sum(1 for lo, hi in loops if lo <= a <= hi)
+        mix[op] = mix.get(op, 0) + n
+    groups = {"mma": ("HMMA", "HGMMA"), "fp32": ("FFMA", "FADD", "FMUL"), "mufu": ("MUFU",),
+              "gmem": ("LDG", "STG"), "smem": ("LDS", "STS", "LDSM", "STSM"), "bar": ("BAR",),
+              "shfl": ("SHFL",), "local": ("LDL", "STL")}
+    out = {k: sum(mix.get(o, 0) for o in v) for k, v in groups.items()}
+    out["total"] = sum(mix.values())
+    out["loops"] = len(loops)
+    return out
+
+
 def _compile(fn, names, types, const, warps, stages, maxnreg=None):
     sig = dict(zip(names, types))
     sig.update({c: "constexpr" for c in const})
     ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=TGT,
                         options={"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg})
     with tempfile.TemporaryDirectory() as d:
+        if "--sass" in sys.argv:
+            cub = os.path.join(d, "s.cubin")
+            with open(cub, "wb") as f:
+                f.write(ck.asm["cubin"])
+            SASS["text"] = subprocess.run([os.path.join(os.path.dirname(_ptxas()), "cuobjdump"), "-sass", cub],
+                                          check=False, capture_output=True, text=True).stdout
         p = os.path.join(d, "k.ptx")
         with open(p, "w") as f:
             f.write(ck.asm["ptx"])
@@ -82,6 +114,14 @@ def gcum(bk=32, warps=4, gate=0, h=32):
 
 
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--sass":
+        import json
+        kind, cfg = sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+        r = {"akk": akk, "wu": wu, "gcum": gcum, "inv": inv}[kind](**cfg)
+        warps = cfg.get("warps", {"gcum": 4, "inv": 4}.get(kind, 8))
+        mix = sass_mix(SASS["text"], max(1, 128 // cfg.get("bk", 16 if cfg.get("gate") == 1 else 32)))
+        print(kind, cfg, "regs/spill/smem", r, "per warp", mix, "per program", mix["total"] * warps)
+        return
     if len(sys.argv) > 1:
         kind, *rest = sys.argv[1:]
         args = [int(a) if a.isdigit() else a for a in rest]
