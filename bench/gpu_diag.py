@@ -91,8 +91,14 @@ def _log(msg):
 
 
 def _ir_ranges(on=True):
-    """Wrap every top-level IR op of the triton executable in ``record_function('ir:<op>')`` so the
-    profiler attributes GPU time per IR op (``CUDA total`` of the range)."""
+    """Wrap every top-level IR op of the triton executable in ``record_function('ir:<op>[action]')`` so
+    the profiler attributes GPU time per IR op (``CUDA total`` of the range). ``[action]`` names a fusion
+    plan step (lowering.plan) that runs other ops' work under this op: ``k3.swiglu[glu]`` is the routed
+    experts' gate/up grouped GEMM with the GLU, ``k3.grouped_matmul[down]`` the down GEMM with the combine
+    weight, ``k3.router[route]`` router + dispatch at decode, ``k3.add[lin_add]`` a linear with its
+    residual adds, ``k3.swiglu[lin_glu]`` a shared-expert/dense gate+up. Each op is listed twice by the
+    profiler (as read from run 3): the larger row is the GPU-side range (first kernel start to last kernel end, gaps included),
+    the smaller the kernels' summed time."""
     from k3ir.backends.triton import lowering
     cls = lowering.PlanInterpreter
     if not hasattr(cls, "_orig_exec_op"):
@@ -106,8 +112,10 @@ def _ir_ranges(on=True):
         if depth[0] or op.name == "k3.param":
             return cls._orig_exec_op(self, op, env, observe)
         depth[0] += 1
+        act = getattr(self, "_plan", {}).get(id(op))     # a plan action runs fused work under this op's name
+        label = op.name + (f"[{act[0]}]" if act and act[0] != "skip" else "")
         try:
-            with torch.profiler.record_function(f"ir:{op.name}"):
+            with torch.profiler.record_function(f"ir:{label}"):
                 return cls._orig_exec_op(self, op, env, observe)
         finally:
             depth[0] -= 1

@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from k3ir.backends.triton import dispatch, layer_kernels, mla, norm
+from k3ir.backends.triton import dispatch, gemv, layer_kernels, mla, norm
 from kda_regs_offline import _compile
 
 SMEM = 232448
@@ -43,8 +43,9 @@ def main():
         run(f"router_partial {dt}", dispatch.router_partial_kernel,
             [("x", p), ("w", p), ("part", "*fp32"), ("R", "i32"), ("D", "i32"), ("E", "i32"), ("DS", "i32"),
              ("BR", 16), ("BE", 16), ("BK", 128), ("IEEE", dt == "fp32")], 4, 3)
+        # the launch configs of dispatch.py for E = 64, k = 8: decode B1 / B32 (route), a single block, prefill
         for route, single, S, BD, KP, RB in ((True, True, 1, 1024, 8, 1), (True, True, 1, 32, 8, 32),
-                                             (False, True, 16, 512, 1, 1), (False, False, 256, 64, 1, 1)):
+                                             (False, True, 16, 512, 1, 1), (False, False, 128, 64, 1, 1)):
             spec = [("x", p), ("idx", None if route else "*i64"), ("wts", None if route else "*fp32"),
                     ("base", None if single else "*i32"), ("offsets", "*i64"), ("xs", p), ("inv", "*i64"),
                     ("cw", "*fp32"), ("part", "*fp32" if route else None), ("bias", "*fp32" if route else None),
@@ -54,7 +55,17 @@ def main():
                     ("RB", RB), ("BS", S), ("EP", 64), ("BD", BD), ("SINGLE", single), ("ROUTE", route),
                     ("RENORM", True)]
             run(f"dispatch {dt} route={route} single={single} RB={RB}", dispatch.dispatch_kernel, spec,
-                4 if single else 8)
+                dispatch._warps(max(S, RB * KP) * 64))
+        run(f"dispatch_hist {dt}", dispatch.dispatch_hist_kernel, [("idx", "*i64"), ("hist", "*i32"), ("N", "i32"),
+                                                                   ("BS", 128), ("EP", 64)], 8)
+        run(f"dispatch_scan {dt}", dispatch.dispatch_scan_kernel, [("hist", "*i32"), ("base", "*i32"),
+                                                                   ("offsets", "*i64"), ("NB", "i32"), ("E", "i32"),
+                                                                   ("EP", 64), ("HB", 128)], 4)
+        for BM, BK, glu, nres in ((1, 1024, False, 2), (1, 512, True, 0), (4, 256, False, 0), (4, 128, True, 0)):
+            run(f"gemv {dt} BM{BM} BK{BK} glu={glu} res={nres}", gemv.gemv_kernel,
+                [("x", p), ("w", p), ("w3", p if glu else None), ("y", p), ("r1", p if nres else None),
+                 ("r2", p if nres > 1 else None), ("M", "i32"), ("N", "i32"), ("K", "i32"), ("x_rs", "i32"),
+                 ("BM", BM), ("BN", 8), ("BK", BK), ("GLU", glu), ("NRES", nres)], 4)
         run(f"rmsnorm {dt} D2048", norm.rmsnorm_kernel,
             [("x", p), ("w", p), ("y", p), ("R", "i32"), ("D", "i32"), ("eps", "fp32"), ("BR", 2), ("BD", 2048)], 4)
         run(f"router_kernel {dt} E64", layer_kernels.router_kernel,
