@@ -54,7 +54,8 @@ def _lin(x, w):
     """x W^T: decode-size rows through the weight-streaming kernel (gemv.py), others cuBLAS."""
     from . import interpreting
     from .gemv import fits, gemv
-    if (x.is_cuda or interpreting()) and fits(x, w):
+    if (x.is_cuda or interpreting()) and fits(x, w) and not (torch.is_grad_enabled() and (x.requires_grad
+                                                                                        or w.requires_grad)):
         return gemv(x, w)
     return F.linear(x, w.to(x.dtype))
 

@@ -38,7 +38,7 @@ def moe_dispatch(inst, x, w, idx):
     slots by expert with counts by scatter-add."""
     if x.dtype == torch.float64:
         return _torch_impl("k3.moe_dispatch")(inst, x, w, idx)
-    if disp_k.supported(inst.num_experts, w.numel()):
+    if disp_k.supported(inst.num_experts, w.numel()) and _no_grad(x, w):
         return disp_k.moe_dispatch(x, w, idx, inst.num_experts)
     k = w.shape[-1]
     flat = idx.reshape(-1)
@@ -104,8 +104,13 @@ def make_mla(exe):
     return mla
 
 
-def _gemv_ok(x, w) -> bool:
-    return (x.is_cuda or interpreting()) and gemv_k.fits(x, w)
+def _no_grad(*ts) -> bool:
+    """The dispatch and gemv kernels have no backward: autograd inputs keep the torch paths."""
+    return not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts))
+
+
+def _gemv_ok(x, w, *more) -> bool:
+    return (x.is_cuda or interpreting()) and gemv_k.fits(x, w) and _no_grad(x, w, *more)
 
 
 def linear(inst, x, w):
@@ -268,7 +273,7 @@ class PlanInterpreter(Interpreter):
         if act[0] == "lin_glu":
             g, u = act[1], act[2]
             x, w, w3 = env[id(g.operands[0])], env[id(g.operands[1])], env[id(u.operands[1])]
-            if _gemv_ok(x, w) and tuple(w3.shape) == tuple(w.shape):
+            if _gemv_ok(x, w, w3) and tuple(w3.shape) == tuple(w.shape):
                 return self._store(op, [gemv_k.gemv(x, w, w3)], env, observe)
             deferred = [g, u]
         else:
@@ -279,7 +284,7 @@ class PlanInterpreter(Interpreter):
                 other = a.operands[1] if a.operands[0] is prev else a.operands[0]
                 res.append(env[id(other)])
                 prev = a.results[0]
-            if _gemv_ok(x, w) and all(r.shape == (*x.shape[:-1], w.shape[0]) and r.dtype == x.dtype for r in res):
+            if _gemv_ok(x, w, *res) and all(r.shape == (*x.shape[:-1], w.shape[0]) and r.dtype == x.dtype for r in res):
                 return self._store(op, [gemv_k.gemv(x, w, res=res)], env, observe)
             deferred = [lin, *chain[:-1]]
         for o in deferred:
@@ -294,7 +299,7 @@ class PlanInterpreter(Interpreter):
         E, k = int(w.shape[0]), int(a["top_k"])
         rows = x.numel() // x.shape[-1]
         if (x.dtype == torch.float64 or x.dim() != 3 or int(d.attrs["num_experts"]) != E
-                or not disp_k.route_supported(rows, E, k)):
+                or not disp_k.route_supported(rows, E, k) or not _no_grad(x, w, bias)):
             return super().exec_op(op, env, observe)
         rout, dout = disp_k.route_dispatch(x, w, bias, k, E, bool(a.get("renormalize", True)),
                                            float(a.get("routed_scaling_factor", 1.0)), float(a.get("eps", 1e-20)))
