@@ -273,8 +273,8 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
 
 def print_sweep(rows):
     print(f"\n{'variant':14} {'B,T,H,D':>16} {'gate':8} {'ours ms':>8} {'fla ms':>7} {'fla/ours':>8} "
-          f"{'gcum ms':>7} {'akk ms':>7} {'inv ms':>7} {'wu ms':>7} {'recur ms':>8} {'akk mem%':>8} {'wu mem%':>7} {'err dflt':>8} "
-          f"{'err fla':>8}")
+          f"{'gcum ms':>7} {'akk ms':>7} {'inv ms':>7} {'wu ms':>7} {'recur ms':>8} {'akk mem%':>8} {'wu mem%':>7} "
+          f"{'err dflt':>8} {'err fla':>8}")
     for r in rows:
         if r.get("kind") != "variant":
             continue

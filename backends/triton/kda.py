@@ -37,8 +37,8 @@ INTERMEDIATE_DTYPES: dict = {}
 #: (I+A)^-1 blocks in ``kda_inv_kernel`` on ``inv_warps`` warps) or "akk" (at the end of the akk launch).
 #: See bench/KDA_NOTES.md.
 TUNING: dict = {"intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "order": "strip", "bk": 32,
-                "warps": 8, "stages": 1, "inv": "akk", "inv_warps": 4, "maxnreg": None, "exact_maxnreg": 128, "exact_bk": 16,
-                "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
+                "warps": 8, "stages": 1, "inv": "akk", "inv_warps": 4, "maxnreg": None, "exact_maxnreg": 128,
+                "exact_bk": 16, "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
                 "inv_prec": "ieee", "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8}
 
 
@@ -92,7 +92,8 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
                         stages: tuple[str, ...] = ("intra", "recur"), return_intermediates: bool = False):
     """The Triton launches, no autograd. Same contract as ``kda_forward``; ``stages`` picks launches
     for timing one kernel alone (the outputs are then meaningless): "intra" (all intra-chunk launches),
-    "gcum" / "akk" / "inv" / "wu" (one launch of the split path), "recur". With ``return_intermediates`` a third value, a dict:
+    "gcum" / "akk" / "inv" / "wu" (one launch of the split path), "recur". With ``return_intermediates``
+    a third value, a dict:
     ``w, u, qg, kg`` ``[B,T,H,K|V]`` (q's dtype), ``Aqk`` (P, ``[B,T,H,64]``), ``gC`` (``exp(G_C)``, fp32
     ``[chunks,H,K]``, chunks in sequence order) and, split path only, ``Xb`` (``(I+A)^-1 diag(beta)``
     per chunk, ``[B,T,H,64]``, lower blocks valid), ``rq`` (``scale / |q|``) and ``rk`` (``1 / |k|``)

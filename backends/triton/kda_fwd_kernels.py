@@ -111,8 +111,8 @@ def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv,
     """Row strip ``I`` (16 rows x 64 columns) of A and P for one K slice: one dot each against all
     earlier rows of the chunk (and, bounded gates, the diagonal block) with reference ``Gs_I``;
     unbounded gates accumulate the diagonal block separately (``accD``, ``accQ``). Returns the
-    accumulators and the squares of this strip's q and k slices (summed over K by the caller). ``GPRE``: G comes from ``Gbuf``
-    (``kda_gcum_kernel``), padded rows get ``G = Gs_I``."""
+    accumulators and the squares of this strip's q and k slices (summed over K by the caller).
+    ``GPRE``: G comes from ``Gbuf`` (``kda_gcum_kernel``), padded rows get ``G = Gs_I``."""
     if GPRE:
         rI = I * BC + tl.arange(0, BC)
         mI = rI < nv
