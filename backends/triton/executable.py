@@ -177,6 +177,10 @@ class TritonExecutable(TorchExecutable):
         for a, spec in zip(args, self.module.functions[function].args):
             t = a if isinstance(a, torch.Tensor) else torch.as_tensor(a)
             dt = self.torch_dtype(spec.type.dtype) if isinstance(spec.type, TensorType) else self.f32
+            if self.tdev.type == "cuda" and t.device.type == "cpu" and t.numel() <= 65536:
+                # small host inputs (token ids) through pinned memory without a host sync: a pageable copy
+                # waits for the stream, so the next decode step could not be queued behind the running one
+                t = t.to(dtype=dt).pin_memory().to(device=self.tdev, non_blocking=True)
             targs.append(t.to(device=self.tdev, dtype=dt))
         if function == "decode" and self.cuda_graphs and self.compute != torch.float64:
             if self._graph is None:
