@@ -59,7 +59,10 @@ def sass_mix(text, trips):
 def _compile(fn, names, types, const, warps, stages, maxnreg=None):
     sig = dict(zip(names, types))
     sig.update({c: "constexpr" for c in const})
-    ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=TGT,
+    # pointers 16-byte aligned, as the launcher specialises torch tensors (changes layouts and registers)
+    names_all = list(fn.arg_names)
+    attrs = {(names_all.index(n),): [["tt.divisibility", 16]] for n, t in zip(names, types) if t.startswith("*")}
+    ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=TGT,
                         options={"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg})
     with tempfile.TemporaryDirectory() as d:
         if "--sass" in sys.argv:

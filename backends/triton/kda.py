@@ -32,8 +32,8 @@ INTERMEDIATE_DTYPES: dict = {}
 #: ``intra_warps``: the fused kernel's warps; ``gcum``: the gate and its in-chunk cumsum once in
 #: ``kda_gcum_kernel`` (fp32 G read by both split launches; else each recomputes it), ``gcum_bk``/``gcum_warps``;
 #: ``maxnreg`` / ``exact_maxnreg``: register cap of the A/P/inverse launch for the K3 gate / for unbounded gates
-#: (softplus, precomputed: 204 registers uncapped = 1 CTA per SM; 128 = 2 CTAs; None: no cap); ``exact_bk``:
-#: its K slice for unbounded gates (16: 12 B spill under the 128 cap; 32: 140 B); ``inv``: "split" (the
+#: (softplus, precomputed: 200 registers uncapped = 1 CTA per SM; 128 = 2 CTAs; None: no cap); ``exact_bk``:
+#: its K slice for unbounded gates (16: 8 B spill under the 128 cap; 32: 24 B); ``inv``: "split" (the
 #: (I+A)^-1 blocks in ``kda_inv_kernel`` on ``inv_warps`` warps) or "akk" (at the end of the akk launch).
 #: See bench/KDA_NOTES.md.
 TUNING: dict = {"intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "order": "strip", "bk": 32,
