@@ -122,7 +122,8 @@ def main():
         kind, cfg = sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
         r = {"akk": akk, "wu": wu, "gcum": gcum, "inv": inv}[kind](**cfg)
         warps = cfg.get("warps", {"gcum": 4, "inv": 4}.get(kind, 8))
-        mix = sass_mix(SASS["text"], max(1, 128 // cfg.get("bk", 16 if cfg.get("gate") == 1 else 32)))
+        bk = cfg.get("bk", 16 if kind == "akk" and cfg.get("gate") == 1 else 32)   # the TUNING defaults
+        mix = sass_mix(SASS["text"], max(1, 128 // bk))
         print(kind, cfg, "regs/spill/smem", r, "per warp", mix, "per program", mix["total"] * warps)
         return
     if len(sys.argv) > 1:
