@@ -96,6 +96,10 @@ def kda_decode_kernel(xq, xk, xv, cw_q, cw_k, cw_v, cs_q, cs_k, cs_v, z, beta, A
     slot = tl.load(slots + i_b).to(tl.int64)
     offs_k = i_h * K + tl.arange(0, K)
     offs_v = i_h * V + i_v * BV + tl.arange(0, BV)
+    # the state tile is loaded first so its latency overlaps the conv steps and norms (one program per
+    # head at B1: the kernel is a chain of dependent global round trips)
+    p_s = pool + ((slot * H + i_h) * K + tl.arange(0, K)[:, None]) * V + i_v * BV + tl.arange(0, BV)[None, :]
+    S = tl.load(p_s)
     if HAS_CONV:
         bq = _conv_step(xq, cw_q, cs_q, i_b, slot, offs_k, H * K, q_rs, W, WP, True)
         bk = _conv_step(xk, cw_k, cs_k, i_b, slot, offs_k, H * K, k_rs, W, WP, True)
@@ -113,8 +117,7 @@ def kda_decode_kernel(xq, xk, xv, cw_q, cw_k, cw_v, cs_q, cs_k, cs_v, z, beta, A
     else:
         gk = -a_h * (tl.maximum(x, 0.) + tl.log(1. + tl.exp(-tl.abs(x))))
     bb = tl.sigmoid(tl.load(beta + i_b * b_rs + i_h).to(tl.float32))
-    p_s = pool + ((slot * H + i_h) * K + tl.arange(0, K)[:, None]) * V + i_v * BV + tl.arange(0, BV)[None, :]
-    S = tl.load(p_s) * tl.exp(gk)[:, None]
+    S = S * tl.exp(gk)[:, None]
     uu = tl.sum(S * bk[:, None], 0)
     S += bk[:, None] * ((bv - uu) * bb)[None, :]
     bo = tl.sum(S * bq[:, None], 0)
