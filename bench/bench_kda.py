@@ -6,6 +6,7 @@ last and writes JSON.
 
     python bench/bench_kda.py --out bench_kda.json [--quick]
     python bench/bench_kda.py --sweep --no-fla --out kda_sweep.json [--budget 110]   # forward TUNING variants
+    python bench/bench_kda.py --sweep --no-fla --budget 15 --variants default --shapes 1,32768,32,128  # ~20 s
 """
 from __future__ import annotations
 
@@ -140,14 +141,11 @@ FLA_KNOWN_MS = {((1, 32768, 32, 128), "k3"): 3.73, ((1, 32768, 32, 128), "softpl
                 ((8, 4096, 32, 128), "k3"): 3.67, ((8, 4096, 32, 128), "softplus"): 4.05}
 #: (name, TUNING overrides, only this gate or None); the first is the default. See kda.TUNING for the keys.
 VARIANTS = [
-    ("default", {}, None),
+    ("default", {}, None),       # inverse split on 1 warp, tf32 dots; softplus akk BK 32 under the 128 cap
+    ("inv_akk_fp32", {"inv": "akk", "inv_prec": "ieee", "inv_warps": 4, "exact_bk": 16}, None),  # the 01:50 default
+    ("inv_split_fp32", {"inv_prec": "ieee", "inv_warps": 4}, None),   # split inverse, fp32 dots on 4 warps
+    ("sp_bk16", {"exact_bk": 16}, "softplus"),       # softplus akk in 16-column slices
     ("no_gcum", {"gcum": False}, None),        # the gate cumsum recomputed inside akk and wu (the 00:58 design)
-    ("inv_split", {"inv": "split"}, None),     # (I+A)^-1 in kda_inv_kernel (4 warps, fp32 dots), not in akk
-    ("inv_split_tf32", {"inv": "split", "inv_prec": "tf32", "inv_warps": 1}, None),  # ... on tf32 mma, 1 warp
-    ("akk_w4_bk16", {"warps": 4, "bk": 16}, "k3"),   # akk on 4 warps: 16% fewer instructions, 212 regs
-    ("order_k16", {"order": "k", "bk": 16, "maxnreg": 128}, "k3"),  # one K loop for 4 strips: 52 B spill
-    ("no_regcap", {"exact_maxnreg": None, "exact_bk": 32}, "softplus"),  # uncapped: 200 regs, 1 CTA/SM
-    ("sp_bk32", {"exact_bk": 32}, "softplus"),       # softplus akk with 32-column slices (24 B spill at 128)
 ]
 
 
@@ -232,8 +230,12 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
         save()
         return row
 
+    shapes = args.shapes or SWEEP_SHAPES
+    extra = [] if args.shapes else SWEEP_EXTRA
+    names = set(args.variants.split(",")) if args.variants else None
+    gates = tuple(gt for gt in gates if args.gates in ("both", gt[0]))
     # phase 1: defaults (and fla unless --no-fla)
-    for shape in SWEEP_SHAPES + SWEEP_EXTRA:
+    for shape in shapes + extra:
         x = inputs(*shape)
         for gate, lb in gates:
             fla_o = None
@@ -245,12 +247,13 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
                 except Exception as e:  # noqa: BLE001
                     print("fla failed:", repr(e)[:200])
             r = one(x, shape, gate, lb, "default", {}, None, fla_o)
-            if shape in SWEEP_SHAPES:
+            if shape in shapes:
                 refs[(tuple(shape), gate)] = (r, fla_o, None)
         del x
         torch.cuda.empty_cache()
     # phase 2: variants in list order, both gates each (gate-specific ones only for their gate)
-    for shape in SWEEP_SHAPES:
+    variants = [v for v in VARIANTS[1:] if names is None or v[0] in names]
+    for shape in shapes[:1] if variants else []:
         x = inputs(*shape)
         ref = {}
         for gate, lb in gates:
@@ -259,7 +262,7 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
             except Exception as e:  # noqa: BLE001
                 print("default failed:", repr(e)[:200])
                 ref[gate] = None
-        for name, over, only in VARIANTS[1:]:
+        for name, over, only in variants:
             for gate, lb in gates:
                 if only is not None and only != gate:
                     continue
@@ -378,6 +381,16 @@ def _fmt(r, k, fmt):
     return fmt.format(v) if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)) else "-"
 
 
+def _shapes(text):
+    try:
+        out = [tuple(int(n) for n in part.split(",")) for part in text.split(";") if part.strip()]
+    except ValueError:
+        out = []
+    if not out or any(len(sh) != 4 for sh in out):
+        raise argparse.ArgumentTypeError(f"shapes must be B,T,H,D[;B,T,H,D...], got {text!r}")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_kda.json")
@@ -389,6 +402,11 @@ def main():
     ap.add_argument("--no-fla", action="store_true",
                     help="do not import or time fla (--sweep: its known H200 times fill the fla column)")
     ap.add_argument("--rep", type=int, default=60, help="--sweep: timing window per measurement (ms)")
+    ap.add_argument("--variants", default=None,
+                    help="--sweep: comma-separated VARIANTS names to run after the defaults ('default': none)")
+    ap.add_argument("--shapes", default=None, type=_shapes,
+                    help="--sweep: B,T,H,D[;B,T,H,D...] instead of the sweep shapes (variants on the first)")
+    ap.add_argument("--gates", default="both", choices=("both", "k3", "softplus"), help="--sweep: gates to run")
     args = ap.parse_args()
     from k3ir.backends.triton import kda_decode, kda_forward
     from k3ir.backends.triton.kda import kda_forward_kernels

@@ -82,7 +82,7 @@ def _compile(fn, names, types, const, warps, stages, maxnreg=None):
 
 
 def akk(bk=32, warps=8, gate=0, order="strip", stages=1, inv_dots=True, ip="ieee", gpre=True, h=32, maxnreg=None,
-        inv_split=False):
+        inv_split=True):
     names = ["q", "k", "g", "beta", "A_log", "dt_bias", "Xb", "Ascr", "Aqk", "rq", "rk", "Gbuf", "cu_seqlens",
              "chunk_indices", "T", "scale", "lb"]
     types = ["*bf16"] * 4 + ["*fp32"] * 4 + ["*bf16"] + ["*fp32"] * 3 + ["*i32"] * 2 + ["i32", "fp32", "fp32"]
@@ -102,7 +102,7 @@ def wu(bk=32, warps=8, bv=32, gate=0, stages=2, gpre=True, h=32):
     return _compile(kf.kda_wu_kernel, names, types, const, warps, stages)
 
 
-def inv(warps=4, gate=0, h=32, ip="ieee"):
+def inv(warps=1, gate=0, h=32, ip="tf32"):
     names = ["beta", "Ascr", "Xb", "cu_seqlens", "chunk_indices", "T"]
     types = ["*bf16", "*fp32", "*fp32", "*i32", "*i32", "i32"]
     const = {"H": h, "BT": 64, "BC": 16, "IS_VARLEN": False, "BETA_SIGMOID": True, "INV_DOTS": True, "IP": ip}
@@ -121,8 +121,8 @@ def main():
         import json
         kind, cfg = sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
         r = {"akk": akk, "wu": wu, "gcum": gcum, "inv": inv}[kind](**cfg)
-        warps = cfg.get("warps", {"gcum": 4, "inv": 4}.get(kind, 8))
-        bk = cfg.get("bk", 16 if kind == "akk" and cfg.get("gate") == 1 else 32)   # the TUNING defaults
+        warps = cfg.get("warps", {"gcum": 4, "inv": 1}.get(kind, 8))
+        bk = cfg.get("bk", 32)   # the TUNING defaults
         mix = sass_mix(SASS["text"], max(1, 128 // bk))
         print(kind, cfg, "regs/spill/smem", r, "per warp", mix, "per program", mix["total"] * warps)
         return
@@ -133,13 +133,10 @@ def main():
         return
     print(f"{'kernel':6} {'config':44} {'regs':>5} {'spill B':>8} {'smem B':>7}")
     rows = [("gcum", {"gate": g, "h": h}) for g in (0, 1) for h in (32, 96)]
-    rows += [("inv", {"warps": w}) for w in (1, 2, 4)] + [("inv", {"h": 96}), ("inv", {"ip": "tf32", "warps": 1})]
-    rows += [("akk", {"gate": g, "inv_split": True}) for g in (0, 1)]
-    sp = {"gate": 1, "bk": 16, "maxnreg": 128}          # the softplus defaults (TUNING exact_bk, exact_maxnreg)
-    rows += [("akk", dict(c, gate=0)) for c in ({}, {"h": 96}, {"gpre": False}, {"ip": "tf32"},
-                                                {"warps": 4, "bk": 16}, {"order": "k", "bk": 16, "maxnreg": 128})]
-    rows += [("akk", dict(sp, **c)) for c in ({}, {"h": 96}, {"gpre": False}, {"ip": "tf32"}, {"bk": 32},
-                                              {"bk": 32, "maxnreg": None})]
+    rows += [("inv", {}), ("inv", {"h": 96})] + [("inv", {"ip": "ieee", "warps": w}) for w in (1, 4)]
+    sp = {"gate": 1, "bk": 32, "maxnreg": 128}          # the softplus defaults (TUNING exact_bk, exact_maxnreg)
+    rows += [("akk", dict(c, gate=0)) for c in ({}, {"h": 96}, {"gpre": False}, {"inv_split": False})]
+    rows += [("akk", dict(sp, **c)) for c in ({}, {"h": 96}, {"bk": 16}, {"inv_split": False, "bk": 16})]
     rows += [("wu", dict(c, gate=g)) for g in (0, 1) for c in ({}, {"h": 96}, {"gpre": False}, {"stages": 1})]
     for kind, cfg in rows:      # bench_kda.py VARIANTS at H=32 and the defaults at H=96
         r = {"akk": akk, "wu": wu, "gcum": gcum, "inv": inv}[kind](**cfg)

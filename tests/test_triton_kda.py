@@ -140,10 +140,10 @@ def _mixed_strong(x, K):
 
 
 @pytest.mark.parametrize("variant", [
-    {"bk": 16, "wu_bk": 16, "wu_bv": 16},
+    {"bk": 16, "exact_bk": 16, "wu_bk": 16, "wu_bv": 16},
     {"bk": 32, "exact_bk": 32, "inv_dots": False, "xb": "io"},
-    {"bk": 16, "gcum": False},
-    {"inv": "split", "inv_warps": 1},
+    {"bk": 16, "exact_bk": 16, "gcum": False},
+    {"inv": "akk", "inv_warps": 4},
     {"order": "k", "bk": 16, "warps": 4},
     {"order": "k", "bk": 16, "gcum": False, "gcum_bk": 16},
     {"intra": "fused"},

@@ -33,13 +33,16 @@ INTERMEDIATE_DTYPES: dict = {}
 #: ``kda_gcum_kernel`` (fp32 G read by both split launches; else each recomputes it), ``gcum_bk``/``gcum_warps``;
 #: ``maxnreg`` / ``exact_maxnreg``: register cap of the A/P/inverse launch for the K3 gate / for unbounded gates
 #: (softplus, precomputed: 200 registers uncapped = 1 CTA per SM; 128 = 2 CTAs; None: no cap); ``exact_bk``:
-#: its K slice for unbounded gates (16: 8 B spill under the 128 cap; 32: 24 B); ``inv``: "split" (the
+#: its K slice for unbounded gates (32: 0 B spill under the 128 cap with the split inverse); ``inv``: "split" (the
 #: (I+A)^-1 blocks in ``kda_inv_kernel`` on ``inv_warps`` warps) or "akk" (at the end of the akk launch).
 #: See bench/KDA_NOTES.md.
+#: Defaults = the best combination measured on the H200 (2026-11-30 01:50 sweep): inverse split out on one warp
+#: with tf32 dots (K3 4.79 -> 4.37 ms at B1 T32768 H32; error vs the fp32 inverse 2.8e-4 / 5.3e-4), softplus
+#: K slice 32 under the 128-register cap (akk 3.73 -> 3.21 ms with the inverse inside; 0 B spill once split).
 TUNING: dict = {"intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "order": "strip", "bk": 32,
-                "warps": 8, "stages": 1, "inv": "akk", "inv_warps": 4, "maxnreg": None, "exact_maxnreg": 128,
-                "exact_bk": 16, "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
-                "inv_prec": "ieee", "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8}
+                "warps": 8, "stages": 1, "inv": "split", "inv_warps": 1, "maxnreg": None, "exact_maxnreg": 128,
+                "exact_bk": 32, "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
+                "inv_prec": "tf32", "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8}
 
 
 def _bwd_mode() -> str:
