@@ -27,21 +27,26 @@ from triton.compiler import ASTSource
 
 TGT = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
-NAMES = ["x", "offsets", "w1", "s1", "w3", "s3", "y", "rscale", "N", "K", "b1", "b2"]
+NAMES = ["x", "offsets", "w1", "s1", "w3", "s3", "y", "rscale", "N", "K", "NE", "b1", "b2"]
 E, D, I = 896, 3584, 3072
 
 
-def compile_cfg(quant: str, glu: bool, xdt: str, cfg: tuple, N: int, K: int, decode: str = "asm", sass=False):
-    """Compile one launch (config already planned). Returns dict(regs, spills, smem, ops?)."""
+def compile_cfg(quant: str, glu: bool, xdt: str, cfg: tuple, N: int, K: int, decode: str = "asm", sass=False,
+                R: int = 4096, NE: int = E):
+    """Compile one launch (config already planned; R rows over NE experts decide the row grid). Returns
+    dict(regs, spills, smem, ops?)."""
     wt = {"none": f"*{xdt}", "mxfp4": "*i32" if decode.startswith("word") else "*u8", "int4": "*i32"}[quant]
     st = {"none": None, "mxfp4": "*u8", "int4": "*fp32"}[quant]
-    types = [f"*{xdt}", "*i64", wt, st, wt, st, f"*{xdt}", None if glu else "*fp32", "i32", "i32", "fp32", "fp32"]
+    types = [f"*{xdt}", "*i64", wt, st, wt, st, f"*{xdt}", None if glu else "*fp32", "i32", "i32", "i32", "fp32",
+             "fp32"]
     qid = {"none": 0, "int4": 2}.get(quant) if quant != "mxfp4" else moe.MXFP4_DECODES[decode]
     const = {"QUANT": qid, "ACT": 1 if glu else 0, "SCALE_ROWS": not glu}
     if cfg[0] == "t":
-        _, BW, BT, TAIL, BK, warps, stages = cfg
+        _, BW, BT, TAIL, BK, warps, stages = cfg[:7]
         fn = moe.grouped_gemm_t_kernel
-        const.update(BW=BW, BT=BT, TAIL=TAIL, BK=BK)
+        rowgrid = R < NE
+        const.update(BW=BW, BT=BT, TAIL=TAIL, BK=BK, TAIL2=cfg[7] if len(cfg) > 7 else 0, ROWGRID=rowgrid,
+                     EP=triton.next_power_of_2(NE) if rowgrid else 1)
     else:
         BM, BN, BK, MS, warps, stages = cfg
         fn = moe.grouped_gemm_kernel
@@ -53,7 +58,8 @@ def compile_cfg(quant: str, glu: bool, xdt: str, cfg: tuple, N: int, K: int, dec
             const[n] = None
         else:
             sig[n] = t
-            if t.startswith("*") or (n == "N" and N % 16 == 0) or (n == "K" and K % 16 == 0):
+            if t.startswith("*") or (n == "N" and N % 16 == 0) or (n == "K" and K % 16 == 0) \
+                    or (n == "NE" and NE % 16 == 0):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     sig.update({c: "constexpr" for c in const if c not in sig})
     ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=TGT,
@@ -80,8 +86,8 @@ def compile_cfg(quant: str, glu: bool, xdt: str, cfg: tuple, N: int, K: int, dec
 
 
 def cases():
-    """(label, quant, glu, x dtype, R, N, K, config or None, decode) for the defaults and the sweep."""
-    from moe_sweep import VARIANTS  # sets TRITON_INTERPRET without a GPU: compile as for the device
+    """(label, quant, glu, x dtype, R, experts, N, K, config or None, decode) for the defaults and the sweep."""
+    from moe_sweep import VARIANTS, shape_of  # sets TRITON_INTERPRET without a GPU: compile as for the device
     os.environ.pop("TRITON_INTERPRET", None)
     out = []
     for quant in ("none", "mxfp4", "int4"):
@@ -91,19 +97,27 @@ def cases():
                     continue
                 for dec in (("asm", "asm1") if quant == "mxfp4" else ("asm",)):
                     tag = f" {dec}" if quant == "mxfp4" else ""
-                    out.append((f"default {quant}{tag} {xdt} T={T} glu", quant, True, xdt, T * 16, I, D, None, dec))
-                    out.append((f"default {quant}{tag} {xdt} T={T} down", quant, False, xdt, T * 16, D, I, None, dec))
+                    out.append((f"default {quant}{tag} {xdt} T={T} glu", quant, True, xdt, T * 16, E, I, D, None, dec))
+                    out.append((f"default {quant}{tag} {xdt} T={T} down", quant, False, xdt, T * 16, E, D, I, None,
+                                dec))
     for label, quant, T, variants in VARIANTS:
-        for name, cfgs, dec in variants:
-            for j, (glu, N, K) in enumerate(((True, I, D), (False, D, I))):
+        ne, dm, im, k = shape_of(label)
+        for v in variants:
+            name, cfgs, dec = v[:3]
+            if len(v) > 3 and not v[3].get("rowgrid", True):
+                continue      # the expert-grid kernel: compiled by the T=256 defaults (same constexprs)
+            for j, (glu, N, K) in enumerate(((True, im, dm), (False, dm, im))):
                 for d in ((dec or "asm",) if quant != "mxfp4" or dec else ("asm", "asm1")):  # None: "auto"
                     out.append((f"{label} {name} {d if quant == 'mxfp4' else ''} {'glu' if glu else 'down'}", quant,
-                                glu, "bf16", T * 16, N, K, cfgs[j], d))
+                                glu, "bf16", T * k, ne, N, K, cfgs[j], d))
+    for T in (1, 2, 4, 32):      # Kimi Linear decode (E 64, top-8, D 2048, I 1024)
+        out.append((f"default kimi-linear bf16 T={T} glu", "none", True, "bf16", T * 8, 64, 1024, 2048, None, "asm"))
+        out.append((f"default kimi-linear bf16 T={T} down", "none", False, "bf16", T * 8, 64, 2048, 1024, None, "asm"))
     for d in ("asm", "asm1"):     # moe._asm_verified's launch
-        out.append((f"self-check {d}", "mxfp4", False, "bf16", 128, 64, 128, ("t", 64, 16, 16, 128, 4, 2), d))
+        out.append((f"self-check {d}", "mxfp4", False, "bf16", 128, 1, 64, 128, ("t", 64, 16, 16, 128, 4, 2), d))
     # k3-tiny-like small shapes in fp32 (whole-model GPU test)
     for T in (1, 37, 512):
-        out.append((f"small fp32 T={T} glu", "none", True, "fp32", T * 2, 64, 64, None, "asm"))
+        out.append((f"small fp32 T={T} glu", "none", True, "fp32", T * 2, 8, 64, 64, None, "asm"))
     return out
 
 
@@ -115,14 +129,14 @@ def main():
     print(f"triton {triton.__version__} from {os.path.dirname(triton.__file__)}")
     seen, bad = {}, 0
     print(f"{'case':70} {'planned config':36} {'regs':>4} {'spill':>5} {'smem':>7} {'est':>7}")
-    for label, quant, glu, xdt, R, N, K, cfg, dec in cases():
+    for label, quant, glu, xdt, R, ne, N, K, cfg, dec in cases():
         if a.filter and a.filter not in label:
             continue
         xb = 4 if xdt == "fp32" else 2
-        plan = moe.plan(R, E if R > 64 else 8, N, K, quant, glu, xb, cfg)
-        key = (quant, glu, xdt, plan, N, K, dec)
+        plan = moe.plan(R, ne, N, K, quant, glu, xb, cfg)
+        key = (quant, glu, xdt, plan, N, K, dec, R < ne, ne)
         try:
-            r = seen[key] if key in seen else compile_cfg(quant, glu, xdt, plan, N, K, dec, a.sass)
+            r = seen[key] if key in seen else compile_cfg(quant, glu, xdt, plan, N, K, dec, a.sass, R, ne)
         except Exception as e:  # noqa: BLE001
             r = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
         seen[key] = r

@@ -84,25 +84,50 @@ VARIANTS = [
     ]),
     ("MXFP4 T=8192", "mxfp4", 8192, [("default (t, auto)", (None, None), None)]),
     ("bf16 T=8192", "none", 8192, [
-        ("default (t 128/128+64 s3 both)", (None, None), None),
-        ("t 128/128+64 s4 both", (T128S4, T128S4), None),
-        ("t 128/128+32 BK32 s6 | 128/128+64 BK32 s6", (("t", 128, 128, 32, 32, 8, 6), ("t", 128, 128, 64, 32, 8, 6)),
-         None),
+        ("default (t 128/128+64|+32 s4 both)", (None, None), None),
+        ("t 128/128+64 s4 both (no TAIL2; 23.64 ms at 01:53)", (T128S4, T128S4), None),
+        ("t 128/128+64 s3 both (24.17 ms at 01:53)", (T128, T128), None),
     ]),
     ("bf16 T=256", "none", 256, [("default", (None, None), None)]),
+    # Kimi Linear decode (E 64, top-8, D 2048, I 1024): per-launch times from CUDA-graph replays
+    ("KL bf16 B=1", "none", 1, [
+        ("default (t 32/16 BK128 s4, row grid)", (None, None), None),
+        ("old t 64/16+16 BK128 s4, expert grid", (("t", 64, 16, 16, 128, 4, 4),) * 2, None, {"rowgrid": False}),
+        ("t 64/16+16 BK128 s4, row grid", (("t", 64, 16, 16, 128, 4, 4),) * 2, None),
+    ]),
+    ("KL bf16 B=4", "none", 4, [("default (t 32/16 BK128 s4, row grid)", (None, None), None)]),
 ]
+SHAPES = {"KL": (64, 2048, 1024, 8)}     # label prefix -> (experts, hidden, expert intermediate, top-k)
 
 
-def sweep(smoke, baselines):
-    """The VARIANTS of the K3 MoE layer (E=896, top-16, D=3584, I=3072): each timed as a whole layer and
-    per launch (GLU, down), checked against the torch._grouped_mm path (on dequantised bf16 weights for
-    MXFP4/INT4; its time only with ``baselines``: measured 2026-11-30 bf16 T=256 17.7 ms, T=8192
-    30.66 ms) and listed with registers/spills. Stops starting variants after ~80 s."""
+def shape_of(label, smoke=False):
+    """(E, D, I, k) of a VARIANTS label: K3 (896, 3584, 3072, 16) unless a SHAPES prefix matches."""
+    if smoke:
+        return (8, 64, 64, 2)
+    return SHAPES.get(label.split()[0], (896, 3584, 3072, 16))
+
+
+def _bench_graph(fn, rep_ms=50):
+    """Median ms of ``fn`` replayed from a CUDA graph (decode-size launches: no Python launch overhead);
+    do_bench when capture fails or without a GPU."""
+    if not torch.cuda.is_available():
+        return bench(fn)
+    try:
+        from triton.testing import do_bench_cudagraph
+        return do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+    except Exception:
+        return bench(fn, rep_ms)
+
+
+def sweep(smoke, baselines, only=(), budget=80.0):
+    """The VARIANTS (K3 MoE layer E=896, top-16, D=3584, I=3072; "KL" rows: Kimi Linear E=64, top-8, D=2048,
+    I=1024): each timed as a whole layer and per launch (GLU, down), checked against the torch._grouped_mm
+    path (on dequantised bf16 weights for MXFP4/INT4; its time only with ``baselines``: measured 2026-11-30
+    bf16 T=256 17.7 ms, T=8192 30.66 ms) and listed with registers/spills. ``only``: substrings of
+    "label name" to run. Stops starting variants after ``budget`` seconds."""
     from gpu_diag import compiled_kernels
     from k3ir.backends.triton import moe
-    E, D, I, k = (8, 64, 64, 2) if smoke else (896, 3584, 3072, 16)
     t_start = time.perf_counter()
-    wel = 3 * E * I * D
     known = {("none", 256): 17.7, ("none", 8192): 30.66, ("mxfp4", 256): 17.62, ("mxfp4", 8192): 28.69}
 
     def theirs(xs, offs32, w1, w3, w2, cw, inv3):
@@ -113,6 +138,8 @@ def sweep(smoke, baselines):
         return y[inv3].float().sum(-2).to(DT)
 
     def case(label, T, quant, ws, ss, deq, variants):
+        E, D, I, k = shape_of(label, smoke)
+        small = T <= 4          # decode sizes: time CUDA-graph replays
         order, inv3, off, offs32 = _route(T, E, k)
         x = torch.randn(T, D, device=DEV, dtype=DT)
         xs = x[order // k].contiguous()
@@ -120,17 +147,24 @@ def sweep(smoke, baselines):
         used = int((off[1:] > off[:-1]).sum())
         flops = 2 * T * k * 3 * I * D
         bytes_el = 2 if quant == "none" else (0.5 + 1 / 32)
+        wel = 3 * E * I * D
         floor = max(wel * bytes_el * used / E / HBM, flops / MM) * 1e3
+        b_glu, b_down = 2 * used * I * D * bytes_el, used * I * D * bytes_el      # active weight bytes per launch
         ref = theirs(xs, offs32, *deq, cw, inv3) if torch.cuda.is_available() else None
-        t_ref = known.get((quant, T), float("nan")) if not smoke else float("nan")
+        t_ref = known.get((quant, T), float("nan")) if not smoke and not label.startswith("KL") else float("nan")
         if baselines and ref is not None:
-            t_ref = bench(lambda: theirs(xs, offs32, *deq, cw, inv3), 100)
+            t_ref = (_bench_graph if small else bench)(lambda: theirs(xs, offs32, *deq, cw, inv3), 100)
         row("moe", f"{label} torch._grouped_mm" + ("" if quant == "none" else " (dequantised bf16)"),
-            ms=t_ref, measured_now=bool(baselines), floor_ms=floor, rows_per_expert=T * k / E)
-        for name, cfgs, dec in variants:
-            if time.perf_counter() - t_start > 80:
+            ms=t_ref, measured_now=bool(baselines), floor_ms=floor, rows_per_expert=T * k / E, active_experts=used)
+        for v in variants:
+            name, cfgs, dec = v[:3]
+            opts = v[3] if len(v) > 3 else {}
+            if only and not any(o in f"{label} {name}" for o in only):
+                continue
+            if time.perf_counter() - t_start > budget:
                 row("moe", f"{label} {name}", skipped="time budget")
                 continue
+            moe.ROWGRID = opts.get("rowgrid", True)
             try:
                 def glu(cfgs=cfgs, dec=dec):
                     return moe.grouped_matmul(xs, off, ws[0], ss[0], quant, w3=ws[1], scales3=ss[1], act="situ",
@@ -142,39 +176,54 @@ def sweep(smoke, baselines):
                 out = fn()
                 err = rel(out, ref) if ref is not None else None
                 h = glu()
-                ms = bench(fn, 100)
-                ms_glu = bench(glu, 50)
-                ms_down = bench(lambda cfgs=cfgs, dec=dec, h=h: moe.grouped_matmul(
-                    h, off, ws[2], ss[2], quant, row_scale=cw, config=cfgs[1], mxfp4_decode=dec), 50)
+
+                def down(cfgs=cfgs, dec=dec, h=h):
+                    return moe.grouped_matmul(h, off, ws[2], ss[2], quant, row_scale=cw, config=cfgs[1],
+                                              mxfp4_decode=dec)
+                tb = _bench_graph if small else bench
+                ms = tb(fn, 100)
+                ms_glu = tb(glu, 50)
+                ms_down = tb(down, 50)
                 R = xs.shape[0]
                 planned = [moe.plan(R, E, n_, k_, quant, g_, xs.element_size(), c_)
                            for (n_, k_, g_), c_ in zip(((I, D, True), (D, I, False)), cfgs)]
                 row("moe", f"{label} {name}", ms=ms, ms_glu=ms_glu, ms_down=ms_down,
                     speedup_vs_grouped_mm=t_ref / ms, floor_ms=floor, frac_of_floor=floor / ms, rel_err=err,
-                    configs=str(planned), decode=dec)
+                    hbm_frac_glu=b_glu / HBM / (ms_glu * 1e-3), hbm_frac_down=b_down / HBM / (ms_down * 1e-3),
+                    configs=str(planned), decode=dec, rowgrid=moe.ROWGRID and R < E)
             except Exception as e:
                 row("moe", f"{label} {name}", error=repr(e)[-1500:])
+            finally:
+                moe.ROWGRID = True
+
+    def wanted(lab):
+        return not only or any(o in f"{lab} {v[0]}" for v in todo[lab][1] for o in only)
 
     todo = {lab: (T, vs) for lab, _, T, vs in VARIANTS}
-    shapes = ((E, I, D), (E, I, D), (E, D, I))
-    T_of = (lambda T: {8192: 64, 256: 16}[T]) if smoke else (lambda T: T)
-    # MXFP4 ------------------------------------------------------------------------------------
-    p = [torch.randint(0, 256, (a, b, c // 2), device=DEV, dtype=torch.uint8) for a, b, c in shapes]
-    sc = [torch.randint(118, 123, (a, b, c // 32), device=DEV, dtype=torch.uint8) for a, b, c in shapes]
-    deq = [_deq_bf16("mxfp4", pp, ss) for pp, ss in zip(p, sc)]
-    for lab in ("MXFP4 T=256", "MXFP4 T=8192"):
-        T, vs = todo[lab]
-        case(lab, T_of(T), "mxfp4", p, sc, deq, vs)
-    del p, sc, deq
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    # bf16 -------------------------------------------------------------------------------------
-    w = [torch.randn(E, I, D, device=DEV, dtype=DT) * 0.02, torch.randn(E, I, D, device=DEV, dtype=DT) * 0.02,
-         torch.randn(E, D, I, device=DEV, dtype=DT) * 0.02]
-    for lab in ("bf16 T=8192", "bf16 T=256"):
-        T, vs = todo[lab]
-        case(lab, T_of(T), "none", w, (None,) * 3, w, vs)
-    del w
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    T_of = (lambda T: {8192: 64, 256: 16}.get(T, T)) if smoke else (lambda T: T)
+
+    def weights(lab, quant):
+        E, D, I, _ = shape_of(lab, smoke)
+        shapes = ((E, I, D), (E, I, D), (E, D, I))
+        if quant == "none":
+            w = [torch.randn(*sh, device=DEV, dtype=DT) * 0.02 for sh in shapes]
+            return w, (None,) * 3, w
+        p = [torch.randint(0, 256, (a, b, c // 2), device=DEV, dtype=torch.uint8) for a, b, c in shapes]
+        sc = [torch.randint(118, 123, (a, b, c // 32), device=DEV, dtype=torch.uint8) for a, b, c in shapes]
+        return p, sc, [_deq_bf16("mxfp4", pp, ss) for pp, ss in zip(p, sc)]
+
+    groups = [("none", ("KL bf16 B=1", "KL bf16 B=4")), ("mxfp4", ("MXFP4 T=256", "MXFP4 T=8192")),
+              ("none", ("bf16 T=8192", "bf16 T=256"))]
+    for quant, labs in groups:
+        labs = [lab for lab in labs if wanted(lab)]
+        if not labs:
+            continue
+        ws, ss, deq = weights(labs[0], quant)
+        for lab in labs:
+            T, vs = todo[lab]
+            case(lab, T_of(T), quant, ws, ss, deq, vs)
+        del ws, ss, deq
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
     row("moe", "mxfp4 asm self-check (decode, device) -> matches reference",
         asm_ok={str(kk): v for kk, v in moe._ASM_OK.items()})
     for name, ck in compiled_kernels(moe):
@@ -190,13 +239,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--baselines", action="store_true", help="time torch._grouped_mm again (else known numbers)")
+    ap.add_argument("--only", default="", help="comma-separated substrings of 'label name' to run (default: all)")
+    ap.add_argument("--budget", type=float, default=80.0, help="seconds after which no new variant starts")
     a = ap.parse_args()
     if torch.cuda.is_available():
         import triton
         row("env", "device", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     t0 = time.perf_counter()
     try:
-        sweep(a.smoke, a.baselines)
+        sweep(a.smoke, a.baselines, tuple(o for o in a.only.split(",") if o), a.budget)
     except Exception as e:
         import traceback
         traceback.print_exc()

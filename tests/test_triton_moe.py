@@ -116,6 +116,42 @@ def test_grouped_kernels_uneven_experts(quant, config):
             assert rel_err(got[a:b], xs[a:b] @ Wd[e].T) < TOL, (quant, e)
 
 
+@pytest.mark.parametrize("rowgrid", [True, False])
+@pytest.mark.parametrize("config", [None, ("t", 16, 16, 32, 32, 4, 1, 16), ("t", 16, 16, 0, 32, 4, 1)])
+def test_grouped_kernels_row_grid_and_two_tails(config, rowgrid):
+    """More experts than rows, so by default the grid runs over rows (decode: a program serves the expert whose
+    first row it is; rowgrid False: one program column per expert), and the first-pass variants: expert
+    sizes 1, 3, 17, 25 (<= BT + TAIL2: the narrow first pass), 40 (BT + TAIL), 60 (BT + TAIL, then a BT tile),
+    2, between empty experts (R = 148 < E = 160; then R = 6 < E = 49). GLU outputs vs float64."""
+    rng = np.random.default_rng(8)
+    for cnt in ([1, 0, 3, 0, 17, 0, 40, 25, 2, 60] + [0] * 150, [1, 0, 3, 0, 0, 2] + [0] * 43):
+        E, N, K = len(cnt), 16, 32
+        off = np.concatenate([[0], np.cumsum(cnt)])
+        xs = rng.standard_normal((off[-1], K))
+        W = rng.standard_normal((E, N, K))
+        t = lambda a: torch.from_numpy(np.asarray(a)).to(DEV)
+        moe.ROWGRID = rowgrid
+        try:
+            got = moe.grouped_matmul(t(xs).to(ACT_DT), t(off), t(W).to(ACT_DT), config=config,
+                                     w3=t(W[:, ::-1].copy()).to(ACT_DT), act="silu").double().cpu().numpy()
+        finally:
+            moe.ROWGRID = True
+        for e in range(E):
+            a, b = off[e], off[e + 1]
+            if b > a:
+                g, u = xs[a:b] @ W[e].T, xs[a:b] @ W[e, ::-1].T
+                assert rel_err(got[a:b], g / (1 + np.exp(-g)) * u) < (2e-2 if GPU else 1e-5), (config, e)
+
+
+def test_decode_config_and_row_grid_choice():
+    """Decode-size batches (<= 2 rows per expert, bf16) take the 32-row weight strips; prefill bf16 the 4-stage
+    128/128+64 config with the 160-row first pass; both fit shared memory unchanged."""
+    if moe.interpreting():
+        pytest.skip("the interpreter uses tiny tiles")
+    assert moe.plan(8, 64, 1024, 2048, "none", True, 2) == moe.DECODE_BF16
+    assert moe.plan(8192 * 16, 896, 3072, 3584, "none", True, 2) == moe.PREFILL_BF16
+
+
 @pytest.mark.parametrize("config,smax", [(None, 252), (None, 128), ((16, 16, 32, 1, 4, 1), 252)])
 def test_mxfp4_decode_exact_for_all_scale_bytes(config, smax):
     """Unit-vector rows pick single weights, so y equals the decoded weight exactly: every nibble with

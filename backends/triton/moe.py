@@ -230,46 +230,77 @@ def _epilogue_t(acc, acc3, rows, mr, offs_n, y, rscale, N, b1, b2, ACT: tl.const
 
 
 @triton.jit
-def grouped_gemm_t_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, b1, b2,
+def _first_pass_t(x, w1, s1, w3, s3, y, rscale, e, start, end, offs_n, offs_k, N, K, b1, b2,
+                  QUANT: tl.constexpr, ACT: tl.constexpr, SCALE_ROWS: tl.constexpr, BW: tl.constexpr,
+                  BT: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+    """Rows ``start : start + BT + TB`` of expert ``e`` (masked at ``end``) in ONE pass over its weights: two
+    accumulators per GEMM (BT and TB token columns)."""
+    ra = start + tl.arange(0, BT)
+    rb = start + BT + tl.arange(0, TB)
+    ma, mb = ra < end, rb < end
+    acc_a = tl.zeros([BW, BT], dtype=tl.float32)
+    acc_b = tl.zeros([BW, TB], dtype=tl.float32)
+    acc3_a = tl.zeros([BW, BT], dtype=tl.float32)
+    acc3_b = tl.zeros([BW, TB], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + offs_k
+        mk = (kk < K)[None, :]
+        xa = tl.load(x + ra.to(tl.int64)[:, None] * K + kk[None, :], mask=ma[:, None] & mk, other=0.)
+        xb = tl.load(x + rb.to(tl.int64)[:, None] * K + kk[None, :], mask=mb[:, None] & mk, other=0.)
+        wt = _w_tile_t(w1, s1, e, offs_n, k0, N, K, QUANT, BW, BK, DT)
+        acc_a = tl.dot(wt, tl.trans(xa), acc_a)
+        acc_b = tl.dot(wt, tl.trans(xb), acc_b)
+        if ACT != 0:
+            wt3 = _w_tile_t(w3, s3, e, offs_n, k0, N, K, QUANT, BW, BK, DT)
+            acc3_a = tl.dot(wt3, tl.trans(xa), acc3_a)
+            acc3_b = tl.dot(wt3, tl.trans(xb), acc3_b)
+    _epilogue_t(acc_a, acc3_a, ra, ma, offs_n, y, rscale, N, b1, b2, ACT, SCALE_ROWS)
+    _epilogue_t(acc_b, acc3_b, rb, mb, offs_n, y, rscale, N, b1, b2, ACT, SCALE_ROWS)
+
+
+@triton.jit
+def grouped_gemm_t_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, NE, b1, b2,
                           QUANT: tl.constexpr, ACT: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                          BW: tl.constexpr, BT: tl.constexpr, TAIL: tl.constexpr, BK: tl.constexpr):
+                          BW: tl.constexpr, BT: tl.constexpr, TAIL: tl.constexpr, BK: tl.constexpr,
+                          TAIL2: tl.constexpr, ROWGRID: tl.constexpr, EP: tl.constexpr):
     """Same contract as ``grouped_gemm_kernel`` with the operands swapped: the weight rows are the MMA's
     M side (``acc[BW, BT] = W_e[n-tile] x[rows]^T``), tokens its N side (wgmma N can be 8..256, so a
     decode batch of ~5 rows per expert no longer pads to a 64-row M tile). An expert with
     BT < rows <= BT + TAIL is done in ONE pass over its weights (two accumulators), so the weight
     bytes are read once; larger experts do their first BT + TAIL rows that way, the rest in BT-row tiles.
-    Grid (cdiv(N, BW), E)."""
-    pid_n, e = tl.program_id(0), tl.program_id(1)
-    start = tl.load(offsets + e).to(tl.int32)
-    end = tl.load(offsets + e + 1).to(tl.int32)
+    TAIL2 (0 < TAIL2 < TAIL): experts with BT < rows <= BT + TAIL2 take a narrower first pass (less padded
+    MMA work). Grid (cdiv(N, BW), E); ROWGRID (fewer rows R than experts NE, e.g. decode): grid
+    (cdiv(N, BW), R), program j serves the expert whose first row is row j (the others exit), so only
+    active experts get programs (EP: a power of two >= NE)."""
+    pid_n, j = tl.program_id(0), tl.program_id(1)
+    if ROWGRID:
+        ie = tl.arange(0, EP)
+        ends = tl.load(offsets + 1 + ie, mask=ie < NE, other=2147483647)
+        e = tl.sum((ends <= j).to(tl.int32), axis=0)              # the expert that owns row j
+        start = tl.load(offsets + e).to(tl.int32)
+        end = tl.load(offsets + e + 1).to(tl.int32)
+        end = tl.where(start == j, end, start)                     # not its first row: nothing to do
+    else:
+        e = j
+        start = tl.load(offsets + e).to(tl.int32)
+        end = tl.load(offsets + e + 1).to(tl.int32)
     offs_n = pid_n * BW + tl.arange(0, BW)
     offs_k = tl.arange(0, BK)
     DT: tl.constexpr = x.dtype.element_ty
     t0 = start
     if TAIL > 0:  # noqa: SIM102  (constexpr test, then a runtime one)
         if end - start > BT:    # the first BT + TAIL rows in one weight pass, the rest in BT-row tiles
-            ra = start + tl.arange(0, BT)
-            rb = start + BT + tl.arange(0, TAIL)
-            ma, mb = ra < end, rb < end
-            acc_a = tl.zeros([BW, BT], dtype=tl.float32)
-            acc_b = tl.zeros([BW, TAIL], dtype=tl.float32)
-            acc3_a = tl.zeros([BW, BT], dtype=tl.float32)
-            acc3_b = tl.zeros([BW, TAIL], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                kk = k0 + offs_k
-                mk = (kk < K)[None, :]
-                xa = tl.load(x + ra.to(tl.int64)[:, None] * K + kk[None, :], mask=ma[:, None] & mk, other=0.)
-                xb = tl.load(x + rb.to(tl.int64)[:, None] * K + kk[None, :], mask=mb[:, None] & mk, other=0.)
-                wt = _w_tile_t(w1, s1, e, offs_n, k0, N, K, QUANT, BW, BK, DT)
-                acc_a = tl.dot(wt, tl.trans(xa), acc_a)
-                acc_b = tl.dot(wt, tl.trans(xb), acc_b)
-                if ACT != 0:
-                    wt3 = _w_tile_t(w3, s3, e, offs_n, k0, N, K, QUANT, BW, BK, DT)
-                    acc3_a = tl.dot(wt3, tl.trans(xa), acc3_a)
-                    acc3_b = tl.dot(wt3, tl.trans(xb), acc3_b)
-            _epilogue_t(acc_a, acc3_a, ra, ma, offs_n, y, rscale, N, b1, b2, ACT, SCALE_ROWS)
-            _epilogue_t(acc_b, acc3_b, rb, mb, offs_n, y, rscale, N, b1, b2, ACT, SCALE_ROWS)
-            t0 = start + BT + TAIL
+            if TAIL2 > 0:
+                if end - start <= BT + TAIL2:
+                    _first_pass_t(x, w1, s1, w3, s3, y, rscale, e, start, end, offs_n, offs_k, N, K, b1, b2,
+                                  QUANT, ACT, SCALE_ROWS, BW, BT, TAIL2, BK, DT)
+                else:
+                    _first_pass_t(x, w1, s1, w3, s3, y, rscale, e, start, end, offs_n, offs_k, N, K, b1, b2,
+                                  QUANT, ACT, SCALE_ROWS, BW, BT, TAIL, BK, DT)
+            else:
+                _first_pass_t(x, w1, s1, w3, s3, y, rscale, e, start, end, offs_n, offs_k, N, K, b1, b2,
+                              QUANT, ACT, SCALE_ROWS, BW, BT, TAIL, BK, DT)
+            t0 = start + BT + TAIL          # rows <= BT + TAIL2 end before this anyway
     for m0 in range(t0, end, BT):
         rows = m0 + tl.arange(0, BT)
         mr = rows < end
@@ -305,13 +336,15 @@ def combine_kernel(y, cw, inv, out, T, D, KSLOT: tl.constexpr, BT: tl.constexpr,
 
 
 def _config(R: int, E: int, N: int, K: int, quant: str, glu: bool):
-    """Launch config. ``("t", BW, BT, TAIL, BK, warps, stages)``: the swapped kernel
+    """Launch config. ``("t", BW, BT, TAIL, BK, warps, stages[, TAIL2])``: the swapped kernel
     (``grouped_gemm_t_kernel``); a 6-tuple ``(BM, BN, BK, MS, warps, stages)``: the row-major kernel.
-    Tiny tiles under the interpreter; on the GPU chosen by rows per expert: decode batches stream the
-    weights with 16-token tiles; prefill (~146 rows/expert at 8192 tokens, K3) covers up to 192 rows
-    in one weight pass (BT 128 + TAIL 64; BW 128 for the GLU and the down GEMM: 24.2 ms on the H200 for
-    the K3 layer vs 26.6 with a 64-row GLU tile). Stages/BK are then fitted to shared memory by
-    ``_fit_smem`` (fp32 activations double the tile bytes)."""
+    Tiny tiles under the interpreter; on the GPU chosen by rows per expert: decode (<= 2 rows per expert,
+    bf16) streams the weights in 32-row strips (twice the programs of BW 64: at Kimi Linear B=1 the
+    BW 64 grid had 128 working GLU programs on 132 SMs, 17.1 us per launch vs an 11.8 us weight
+    floor); other small batches 16-token tiles with BW 64; prefill (~146 rows/expert at 8192 tokens, K3)
+    covers up to 192 rows in one weight pass (BT 128 + TAIL 64, BW 128, 4 stages: 23.64 ms on the H200
+    for the K3 layer vs 24.17 with 3 stages), experts of <= 160 rows a 160-row pass (TAIL2 32).
+    Stages/BK are then fitted to shared memory by ``_fit_smem`` (fp32 activations double the tile bytes)."""
     if interpreting():
         return ("t", 16, 16, 16, 32, 4, 1)
     rows_per_expert = R / max(E, 1)
@@ -319,10 +352,18 @@ def _config(R: int, E: int, N: int, K: int, quant: str, glu: bool):
     if rows_per_expert <= 16:
         if quant == "mxfp4":    # 222 / 240 registers, no spill (offline sm_90 ptxas, Triton 3.6)
             return ("t", 64, 16, 16, 128, 4, 4) if glu else ("t", 128, 16, 16, 128, 4, 4)
+        if rows_per_expert <= 2 and not packed:
+            return DECODE_BF16
         return ("t", 64, 16, 16, 128, 4, 4)
     if rows_per_expert <= 64:
         return ("t", 64, 64, 32, 128 if packed else 64, 4, 3)
-    return ("t", 64 if glu and packed else 128, 128, 64, 64, 8, 3)
+    if packed:      # MXFP4/INT4 prefill: as measured (45.5 ms MXFP4 T=8192), the s4 / TAIL2 change is bf16-only
+        return ("t", 64, 128, 64, 64, 8, 3) if glu else ("t", 128, 128, 64, 64, 8, 3)
+    return PREFILL_BF16
+
+
+DECODE_BF16 = ("t", 32, 16, 0, 128, 4, 4)
+PREFILL_BF16 = ("t", 128, 128, 64, 64, 8, 4, 32)
 
 
 def _packed_bk(BK: int, K: int, quant: str) -> int:
@@ -356,7 +397,7 @@ def smem_bytes(cfg: tuple, quant: str, xbytes: int, glu: bool) -> int:
     OutOfResources at launch is still caught (``_launch``)."""
     nw = 2 if glu else 1
     if cfg[0] == "t":
-        _, BW, BT, TAIL, BK, _, stages = cfg
+        _, BW, BT, TAIL, BK, _, stages = cfg[:7]
         xrows, wrows = BT + TAIL, BW
     else:
         BM, BN, BK, _, _, stages = cfg
@@ -525,6 +566,7 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
     return y
 
 
+ROWGRID = True         # grid over rows when there are fewer rows than experts (False: one column per expert)
 _FITTED: dict = {}     # (config, constexprs) -> config that compiled after an OutOfResources
 
 
@@ -537,9 +579,14 @@ def _launch(cfg: tuple, E: int, N: int, args: tuple, common: dict, device) -> No
     while True:
         try:
             if cfg[0] == "t":
-                _, BW, BT, TAIL, BK, warps, stages = cfg
-                grouped_gemm_t_kernel[(triton.cdiv(N, BW), E)](*args, BW=BW, BT=BT, TAIL=TAIL, BK=BK,
-                                                              num_warps=warps, num_stages=stages, **common)
+                _, BW, BT, TAIL, BK, warps, stages = cfg[:7]
+                tail2 = cfg[7] if len(cfg) > 7 else 0
+                R = args[0].shape[0]
+                rowgrid = ROWGRID and R < E     # fewer rows than experts: a program column per row, not per expert
+                ep = triton.next_power_of_2(E) if rowgrid else 1
+                grouped_gemm_t_kernel[(triton.cdiv(N, BW), R if rowgrid else E)](
+                    *args[:10], E, *args[10:], BW=BW, BT=BT, TAIL=TAIL, BK=BK, TAIL2=tail2, ROWGRID=rowgrid, EP=ep,
+                    num_warps=warps, num_stages=stages, **common)
             else:
                 BM, BN, BK, MS, warps, stages = cfg
                 grouped_gemm_kernel[(triton.cdiv(N, BN), E, MS)](*args, BM=BM, BN=BN, BK=BK, MS=MS,
