@@ -145,6 +145,8 @@ VARIANTS = [
     ("inv_akk_fp32", {"inv": "akk", "inv_prec": "ieee", "inv_warps": 4, "exact_bk": 16}, None),  # the 01:50 default
     ("inv_split_fp32", {"inv_prec": "ieee", "inv_warps": 4}, None),   # split inverse, fp32 dots on 4 warps
     ("sp_bk16", {"exact_bk": 16}, "softplus"),       # softplus akk in 16-column slices
+    ("gcum_rows", {"gcum_mode": "rows"}, None),  # gate cumsum as a per-thread running sum (offline 4-6x fewer instr.)
+    ("rows_fastlog", {"gcum_mode": "rows", "fast_log": True}, "softplus"),  # ... and lg2.approx for the log
     ("no_gcum", {"gcum": False}, None),        # the gate cumsum recomputed inside akk and wu (the 00:58 design)
 ]
 

@@ -116,12 +116,23 @@ def gcum(bk=32, warps=4, gate=0, h=32):
     return _compile(kf.kda_gcum_kernel, names, types, const, warps, 1)
 
 
+def gcum_rows(bk=128, warps=1, gate=0, h=32, fast_log=False, rb=16):
+    from k3ir.backends.triton import kda_kernels as kk
+    names = ["g", "A_log", "dt_bias", "Gbuf", "gC", "cu_seqlens", "chunk_indices", "T", "lb"]
+    types = ["*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "i32", "fp32"]
+    const = {"H": h, "K": 128, "BT": 64, "BK": bk, "GATE": gate, "IS_VARLEN": False, "FAST_LOG": bool(fast_log), "RB": rb}
+    return _compile(kk.kda_gcum_rows_kernel, names, types, const, warps, 1)
+
+
+KINDS = {"akk": akk, "wu": wu, "gcum": gcum, "inv": inv, "gcum_rows": gcum_rows}
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--sass":
         import json
         kind, cfg = sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-        r = {"akk": akk, "wu": wu, "gcum": gcum, "inv": inv}[kind](**cfg)
-        warps = cfg.get("warps", {"gcum": 4, "inv": 1}.get(kind, 8))
+        r = KINDS[kind](**cfg)
+        warps = cfg.get("warps", {"gcum": 4, "inv": 1, "gcum_rows": 1}.get(kind, 8))
         bk = cfg.get("bk", 32)   # the TUNING defaults
         mix = sass_mix(SASS["text"], max(1, 128 // bk))
         print(kind, cfg, "regs/spill/smem", r, "per warp", mix, "per program", mix["total"] * warps)
@@ -129,17 +140,18 @@ def main():
     if len(sys.argv) > 1:
         kind, *rest = sys.argv[1:]
         args = [int(a) if a.isdigit() else a for a in rest]
-        print(kind, args, {"akk": akk, "wu": wu, "gcum": gcum, "inv": inv}[kind](*args))
+        print(kind, args, KINDS[kind](*args))
         return
     print(f"{'kernel':6} {'config':44} {'regs':>5} {'spill B':>8} {'smem B':>7}")
     rows = [("gcum", {"gate": g, "h": h}) for g in (0, 1) for h in (32, 96)]
+    rows += [("gcum_rows", c) for c in ({"gate": 0}, {"gate": 1}, {"gate": 1, "fast_log": True}, {"gate": 0, "h": 96})]
     rows += [("inv", {}), ("inv", {"h": 96})] + [("inv", {"ip": "ieee", "warps": w}) for w in (1, 4)]
     sp = {"gate": 1, "bk": 32, "maxnreg": 128}          # the softplus defaults (TUNING exact_bk, exact_maxnreg)
     rows += [("akk", dict(c, gate=0)) for c in ({}, {"h": 96}, {"gpre": False}, {"inv_split": False})]
     rows += [("akk", dict(sp, **c)) for c in ({}, {"h": 96}, {"bk": 16}, {"inv_split": False, "bk": 16})]
     rows += [("wu", dict(c, gate=g)) for g in (0, 1) for c in ({}, {"h": 96}, {"gpre": False}, {"stages": 1})]
     for kind, cfg in rows:      # bench_kda.py VARIANTS at H=32 and the defaults at H=96
-        r = {"akk": akk, "wu": wu, "gcum": gcum, "inv": inv}[kind](**cfg)
+        r = KINDS[kind](**cfg)
         print(f"{kind:6} {cfg!s:44} {r[0]:>5} {r[1]:>8} {r[2]:>7}", flush=True)
 
 

@@ -34,7 +34,10 @@ INTERMEDIATE_DTYPES: dict = {}
 #: ``maxnreg`` / ``exact_maxnreg``: register cap of the A/P/inverse launch for the K3 gate / for unbounded gates
 #: (softplus, precomputed: 200 registers uncapped = 1 CTA per SM; 128 = 2 CTAs; None: no cap); ``exact_bk``:
 #: its K slice for unbounded gates (32: 0 B spill under the 128 cap with the split inverse); ``inv``: "split" (the
-#: (I+A)^-1 blocks in ``kda_inv_kernel`` on ``inv_warps`` warps) or "akk" (at the end of the akk launch).
+#: (I+A)^-1 blocks in ``kda_inv_kernel`` on ``inv_warps`` warps) or "akk" (at the end of the akk launch);
+#: ``gcum_mode``: "tile" (``kda_gcum_kernel``) or "rows" (``kda_kernels.kda_gcum_rows_kernel``: running sum per
+#: thread over ``gcum_rows_rb``-row load batches, ``gcum_rows_bk`` columns on ``gcum_rows_warps`` warps; offline
+#: 4-6x fewer instructions, not yet timed on the GPU); ``fast_log``: softplus log by lg2.approx (rows mode only).
 #: See bench/KDA_NOTES.md.
 #: Defaults = the best combination measured on the H200 (2026-11-30 01:50 sweep): inverse split out on one warp
 #: with tf32 dots (K3 4.79 -> 4.37 ms at B1 T32768 H32; error vs the fp32 inverse 2.8e-4 / 5.3e-4), softplus
@@ -42,7 +45,8 @@ INTERMEDIATE_DTYPES: dict = {}
 TUNING: dict = {"intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "order": "strip", "bk": 32,
                 "warps": 8, "stages": 1, "inv": "split", "inv_warps": 1, "maxnreg": None, "exact_maxnreg": 128,
                 "exact_bk": 32, "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
-                "inv_prec": "tf32", "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8}
+                "inv_prec": "tf32", "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8,
+                "gcum_mode": "tile", "gcum_rows_bk": 128, "gcum_rows_rb": 16, "gcum_rows_warps": 1, "fast_log": False}
 
 
 def _bwd_mode() -> str:
@@ -162,7 +166,13 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
         if gpre:
             inter["G"] = Gbuf
         bk = min(TUNING["exact_bk"] if exact and TUNING.get("exact_bk") else TUNING["bk"], K)
-        if gpre and ("intra" in stages or "gcum" in stages):
+        if gpre and ("intra" in stages or "gcum" in stages) and TUNING["gcum_mode"] == "rows":
+            gbk = min(TUNING["gcum_rows_bk"], K)
+            kk.kda_gcum_rows_kernel[(NC, H, K // gbk)](
+                g, A_log, dt_bias, Gbuf, gC, cu_dev, chunk_indices, T, lb, H=H, K=K, BT=BT, BK=gbk, GATE=GATE,
+                IS_VARLEN=cu_seqlens is not None, FAST_LOG=bool(TUNING["fast_log"]) and not _interpret(),
+                RB=TUNING["gcum_rows_rb"], num_warps=TUNING["gcum_rows_warps"])
+        elif gpre and ("intra" in stages or "gcum" in stages):
             gbk = min(TUNING["gcum_bk"], K)
             kf.kda_gcum_kernel[(NC, H, K // gbk)](
                 g, A_log, dt_bias, Gbuf, gC, cu_dev, chunk_indices, T, lb, H=H, K=K, BT=BT, BK=gbk, GATE=GATE,

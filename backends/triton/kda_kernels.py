@@ -342,3 +342,72 @@ def kda_recur_kernel(w, u, qg, kg, Aqk, gC, o, h0, ht, cu_seqlens, chunk_offsets
         S = S * b_gc[:, None] + tl.dot(b_kgT, vn.to(b_kgT.dtype), input_precision=PREC)
     if STORE_HT:
         tl.store(ht + p_state, S)
+
+
+@triton.jit
+def _ln_approx(x):
+    """Natural log by ``lg2.approx.ftz.f32`` (one MUFU.LG2; ~2^-22 relative error) instead of the libdevice
+    polynomial ``tl.log`` compiles to (~25 instructions). GPU only (the interpreter has no inline PTX)."""
+    return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1) * 0.6931471805599453
+
+
+@triton.jit
+def _gate_row(x, dtb, a_h, lb, GATE: tl.constexpr, FAST_LOG: tl.constexpr):
+    """Log-decay (SPEC.md 3.4) of one row of raw pre-activations (``x``, ``dtb``: ``[BK]``)."""
+    if GATE == 0:
+        out = lb * tl.sigmoid(a_h * (x + dtb))
+    elif GATE == 1:
+        z = x + dtb
+        e = 1. + tl.exp(-tl.abs(z))
+        if FAST_LOG:
+            sp = _ln_approx(e)
+        else:
+            sp = tl.log(e)
+        out = -a_h * (tl.maximum(z, 0.) + sp)
+    else:
+        out = x
+    return out
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_gcum_rows_kernel(g, A_log, dt_bias, Gbuf, gC, cu_seqlens, chunk_indices, T, lb,
+                         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
+                         IS_VARLEN: tl.constexpr, FAST_LOG: tl.constexpr, RB: tl.constexpr):
+    """``kda_fwd_kernels.kda_gcum_kernel`` with the cumsum along rows kept inside each thread
+    (``TUNING["gcum_mode"] = "rows"``): one program per chunk, head and ``BK`` columns walks the chunk's rows
+    (unrolled: every load can issue at once) with a running sum in registers, so there is no cross-lane or
+    cross-warp scan (the tile kernel spends ~70 instructions per element on the scan and the libdevice log)."""
+    i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        NT = tl.cdiv(T, BT)
+        i_n = i_c // NT
+        i_t = i_c % NT
+        bos = (i_n * T).to(tl.int64)
+        T_seq = T
+    row0 = bos + i_t * BT
+    nv = T_seq - i_t * BT
+    offs = i_k * BK + tl.arange(0, BK)
+    if GATE == 2:
+        a_h = 1.0
+        dtb = tl.zeros([BK], dtype=tl.float32)
+    else:
+        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        dtb = tl.load(dt_bias + i_h * K + offs).to(tl.float32)
+    base = row0 * (H * K) + i_h * K + offs
+    acc = tl.zeros([BK], dtype=tl.float32)
+    zi = tl.zeros([BK], dtype=tl.int32)
+    for r0 in tl.static_range(0, BT, RB):      # RB rows: all loads first (g and Gbuf may alias for the compiler)
+        xs = ()
+        for r in tl.static_range(RB):
+            xs = xs + (tl.load(g + base + (r0 + r) * (H * K), mask=(zi + r0 + r) < nv, other=0.),)
+        for r in tl.static_range(RB):
+            ok = (zi + r0 + r) < nv
+            acc += tl.where(ok, _gate_row(xs[r].to(tl.float32), dtb, a_h, lb, GATE, FAST_LOG), 0.)
+            tl.store(Gbuf + base + (r0 + r) * (H * K), acc, mask=ok)
+    tl.store(gC + (i_c * H + i_h).to(tl.int64) * K + offs, tl.exp(acc))
