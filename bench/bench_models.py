@@ -360,14 +360,89 @@ def _logit_controls(m, hf, params, dtn, tag, vocab, sessions=None):
     return r
 
 
-def section_kimi(smoke, hf_speed=False):
+def n_compiled() -> int:
+    """Triton kernels compiled so far in this process (every module of the triton backend; 0 under the
+    interpreter): the cold-cache compile count of what ran."""
+    import triton
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("k3ir.backends.triton") or mod is None:
+            continue
+        for fn in vars(mod).values():
+            if isinstance(fn, triton.runtime.jit.JITFunction):
+                for dev in (getattr(fn, "device_caches", None) or {}).values():
+                    n += len(dev[0])
+    return n
+
+
+def _wait_checks(limit_s=30.0):
+    """Block until the file named by ``K3IR_WAIT_FILE`` exists (gpu_model_check.py --speed creates it when its
+    parallel checks end), at most ``limit_s`` seconds, so timings do not share the GPU with the checks."""
+    path = os.environ.get("K3IR_WAIT_FILE")
+    if not path:
+        return
+    t0 = time.perf_counter()
+    while not os.path.exists(path) and time.perf_counter() - t0 < limit_s:
+        time.sleep(0.2)
+    row("kimi", "waited for the checks", s=time.perf_counter() - t0, done=os.path.exists(path))
+
+
+def _zero_state(sess, B, L):
+    """A State of ``L`` consumed tokens, all zeros (MLA caches ``[B, L, R+P]``): decode runs (and compiles) with
+    the shapes it has after a real prompt of L tokens, without the prefill."""
+    st = sess.empty_state(B)
+    for n, v in list(st.values.items()):
+        if n.endswith("mla_cache"):
+            st.values[n] = torch.zeros(v.shape[0], L, v.shape[2], device=v.device, dtype=v.dtype)
+    st.length = L
+    return st
+
+
+def _prewarm(sess, what, vocab, prompt):
+    """Helper process of ``section_kimi(no_hf=True)``: compile one part of the bench into the shared on-disk
+    Triton cache while the main process compiles another (compilation is CPU work, one kernel at a time
+    per process). ``what``: ``prefill:BxT`` or ``decode:B``."""
+    kind, arg = what.split(":")
+    t0 = time.perf_counter()
+    if kind == "prefill":
+        B, T = (int(v) for v in arg.split("x"))
+        sess.prefill(np.random.default_rng(B * T).integers(3, vocab, (B, T)))
+    else:
+        B = int(arg)
+        st = _zero_state(sess, B, prompt)
+        for _ in range(3):
+            _, st = sess.decode(np.full((B, 1), 7), st)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    row("kimi", f"prewarm {what}", s=time.perf_counter() - t0, compiled=n_compiled())
+
+
+def section_kimi(smoke, hf_speed=False, no_hf=False, warm_only=""):
+    """Kimi Linear 6.6B (``KL_SMALL`` with smoke) in bf16: prefill B1 T4096 / B8 T2048 and decode B1 / B32 after
+    512 tokens. ``no_hf``: random weights drawn on the device (gpu_params), no transformers model, no logit
+    controls; helper processes (``--warm-only``) compile the B8 prefill and the decodes into the on-disk Triton
+    cache while this one compiles B1 T4096; every shape is then run once here (compiles not done yet happen
+    now), then the timings."""
     from k3ir.runtime import Session
 
     import k3ir
     ov = KL_SMALL if smoke else None
+    shapes = ((1, 64), (2, 32)) if smoke else ((1, 4096), (8, 2048))
+    prompt, steps = (16, 4) if smoke else (512, 32)
+    batches = (1, 32 if not smoke else 2)
+    helpers = []
+    if no_hf and not warm_only and os.environ.get("K3IR_PREWARM", "1") != "0":
+        import subprocess
+        for what in [f"prefill:{shapes[1][0]}x{shapes[1][1]}"] + [f"decode:{B}" for B in batches]:
+            cmd = [sys.executable, __file__, "--sections", "kimi", "--no-hf", "--warm-only", what, "--budget", "90"]
+            wdir = os.path.join(OUT, f"warm{len(helpers)}")
+            os.makedirs(wdir, exist_ok=True)
+            helpers.append(subprocess.Popen(cmd + (["--smoke"] if smoke else []), env={**os.environ, "OUT": wdir}))
     m = k3ir.load("kimi-linear-6p6b", ov)
     hf = None
     try:
+        if no_hf:
+            raise RuntimeError("--no-hf")
         sys.modules.pop("fla", None)
         from k3ir.backends.triton.peer import params_from_transformers
         hf, cfg = _hf_model(ov, DT)
@@ -382,7 +457,6 @@ def section_kimi(smoke, hf_speed=False):
         row("kimi", "transformers model", error=repr(e)[:300])
         hf = None
         params = gpu_params(m)
-        fla_ok = False
     act = 0
     for name, decl in m.params.items():
         n = decl.type.numel()
@@ -390,7 +464,11 @@ def section_kimi(smoke, hf_speed=False):
             n = n * m.config.top_k // m.config.num_experts
         if "embed_tokens" not in name:
             act += n
-    sess = Session(k3ir.compile(m, target="triton", dtype=DTN, device=DEV), params=params)
+    # K3IR_BENCH_TARGET=torch: the same sequence on the torch target (checks this script quickly on the CPU)
+    sess = Session(k3ir.compile(m, target=os.environ.get("K3IR_BENCH_TARGET", "triton"), dtype=DTN, device=DEV),
+                   params=params)
+    if warm_only:
+        return _prewarm(sess, warm_only, int(m.attrs["vocab_size"]), prompt)
     roof = HBM / (2 * act)
     if hf is not None:
         _logit_controls(m, hf, params, DTN, "full model", cfg.vocab_size, {"triton": sess})
@@ -398,7 +476,23 @@ def section_kimi(smoke, hf_speed=False):
             row("kimi", "transformers kernels", **_hf_kernels(hf))
         except Exception as e:
             row("kimi", "transformers kernels", error=repr(e)[:200])
-    shapes = ((1, 64), (2, 32)) if smoke else ((1, 4096), (8, 2048))
+    if no_hf:      # compile everything first, then wait for the helpers and the parallel checks, then time
+        t0 = time.perf_counter()
+        for B, T in shapes:
+            sess.prefill(np.random.default_rng(B * T).integers(3, int(m.attrs["vocab_size"]), (B, T)))
+            row("kimi", f"warm prefill B{B} T{T}", s=time.perf_counter() - t0, compiled=n_compiled())
+        for B in batches:
+            _decode_rate(sess, B, prompt, 2)
+            row("kimi", f"warm decode B{B}", s=time.perf_counter() - t0, compiled=n_compiled())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t_h = time.perf_counter()
+        for h in helpers:       # they should be done (this process has run their shapes too); GPU quiet for timing
+            try:
+                h.wait(timeout=max(0.1, 10 - (time.perf_counter() - t_h)))
+            except Exception:
+                h.kill()
+        _wait_checks()
     for B, T in shapes:
         s = _time_session(sess, B, T)
         r = {"tok_s": B * T / s}
@@ -414,8 +508,7 @@ def section_kimi(smoke, hf_speed=False):
         if base:
             r["speedup"] = r["tok_s"] / base
         row("kimi", f"prefill B{B} T{T}", **r)
-    prompt, steps = (16, 4) if smoke else (512, 32)
-    for B in (1, 32 if not smoke else 2):
+    for B in batches:
         r = {"tok_s": _decode_rate(sess, B, prompt, steps)}
         if REPLAY_MS:
             r["graph_replay_ms"] = REPLAY_MS[0]
@@ -446,6 +539,8 @@ def section_kimi(smoke, hf_speed=False):
             r["speedup"] = r["tok_s"] / base
         row("kimi", f"decode B{B} after {prompt}", active_params=act, **r)
     del sess, hf, params
+    if no_hf:
+        return
     if torch.cuda.is_available():
         import gc
         gc.collect()
@@ -492,7 +587,19 @@ def main():
     ap.add_argument("--sections", default="moe,check,kimi,k3")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--hf-speed", action="store_true", help="time transformers again (else HF_RECORDED)")
+    ap.add_argument("--no-hf", action="store_true", help="kimi: random weights, no transformers (no logit controls)")
+    ap.add_argument("--warm-only", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=float, default=0.0, help="seconds; the process exits (rows kept) after")
     a = ap.parse_args()
+    if a.budget > 0:
+        import threading
+
+        def _stop():
+            print(f"bench_models: budget of {a.budget:.0f} s reached, exiting", flush=True)
+            os._exit(3)
+        timer = threading.Timer(a.budget, _stop)
+        timer.daemon = True
+        timer.start()
     gpu = torch.cuda.is_available()
     DEV, DT, DTN = ("cuda", torch.bfloat16, "bfloat16") if gpu else ("cpu", torch.float32, "float32")
     if gpu:
@@ -502,7 +609,7 @@ def main():
     for s in a.sections.split(","):
         t0 = time.perf_counter()
         try:
-            fns[s](a.smoke, a.hf_speed) if s == "kimi" else fns[s](a.smoke)
+            fns[s](a.smoke, a.hf_speed, a.no_hf, a.warm_only) if s == "kimi" else fns[s](a.smoke)
         except Exception as e:
             import traceback
             traceback.print_exc()
@@ -512,6 +619,8 @@ def main():
             import gc
             gc.collect()
             torch.cuda.empty_cache()
+    if a.warm_only:
+        return
     print("\n| section | name | numbers |\n|---|---|---|")
     for r in ROWS:
         nums = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()

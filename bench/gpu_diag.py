@@ -13,7 +13,8 @@ spills is the first suspect when it runs far below both ceilings).
 (runs on the CPU too). ``decode``: random weights, a 64-token prefill, one eager decode step under
 ``torch.profiler`` (GPU time per IR op, kernel table), then the CUDA-graph step time, the bare
 replay time and a kernel table of one replay. ``prefill``: per shape, a warm-up of the same shape,
-the wall time and the same two tables.
+the wall time and the same two tables. ``compiles``: distinct Triton specialisations (cold-cache compiles)
+of the prefill shapes and decode B1/B32 (``TRITON_INTERPRET=1 ... --sections compiles --small --prefill 1x64,2x32``).
 """
 from __future__ import annotations
 
@@ -249,6 +250,77 @@ def section_count(model, batch, small):
         print(f"{k[0]:<7} {k[1]:<28} {per_k[k]:>6} {v / 1e6:>11.2f} {v / 4.25e12 * 1e6:>15.1f}")
 
 
+def _spec(v):
+    """Triton 3.6's specialisation class of one launch argument (runtime/jit.py native_specialize_impl):
+    tensors by dtype and 16-byte alignment, ints by ``== 1`` (a constant) / ``% 16 == 0`` / width."""
+    if isinstance(v, torch.Tensor):
+        return (str(v.dtype), v.data_ptr() % 16 == 0)
+    if isinstance(v, bool) or v is None:
+        return v
+    if isinstance(v, int):
+        return ("c1",) if v == 1 else ("i64" if abs(v) >= 2 ** 31 else "i32", v % 16 == 0)
+    if isinstance(v, float):
+        return "fp32"
+    return repr(v)
+
+
+def count_compiles(work, label=""):
+    """Run ``work()`` with every Triton launch recorded; returns {kernel: set of specialisation keys}: an
+    estimate of the compiles a cold cache pays on the GPU (works under TRITON_INTERPRET=1)."""
+    import collections
+
+    import triton
+    kinds = [triton.runtime.jit.JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        kinds.append(InterpretedFunction)
+    except ImportError:
+        pass
+    seen = collections.defaultdict(set)
+    origs = {k: k.run for k in kinds}
+
+    def hook(orig):
+        def run(self, *args, grid, warmup, **kw):
+            name = getattr(getattr(self, "fn", None), "__name__", None) or getattr(self, "__name__", "?")
+            seen[name].add((tuple(_spec(a) for a in args), tuple(sorted((k, _spec(v)) for k, v in kw.items()))))
+            return orig(self, *args, grid=grid, warmup=warmup, **kw)
+        return run
+    for k in kinds:
+        k.run = hook(origs[k])
+    try:
+        work()
+    finally:
+        for k in kinds:
+            k.run = origs[k]
+    return seen
+
+
+def section_compiles(model, small, shapes):
+    """Distinct Triton specialisations (= cold-cache compiles) of the bench sequence: the prefill shapes,
+    then decode B1 and B32 after a prompt (``--small``: a hidden-256 model and short prompts on the CPU)."""
+    sess, exe = _session(model, small)
+    V = int(exe.module.attrs["vocab_size"])
+    total = {}
+
+    def phase(name, fn):
+        seen = count_compiles(fn)
+        new = {k: v - total.get(k, set()) for k, v in seen.items()}
+        n = sum(len(v) for v in new.values())
+        print(f"{name}: {n} new specialisations " + ", ".join(f"{k} {len(v)}" for k, v in sorted(new.items()) if v),
+              flush=True)
+        for k, v in seen.items():
+            total.setdefault(k, set()).update(v)
+    for B, T in shapes:
+        phase(f"prefill B{B} T{T}", lambda B=B, T=T: sess.prefill(np.random.default_rng(0).integers(3, V, (B, T))))
+    for B in (1, 2 if small else 32):
+        def dec(B=B):
+            _, st = sess.prefill(np.random.default_rng(1).integers(3, V, (B, 16 if small else 512)))
+            for _ in range(2):
+                _, st = sess.decode(np.full((B, 1), 7), st)
+        phase(f"decode B{B}", dec)
+    print(f"total: {sum(len(v) for v in total.values())} specialisations over {len(total)} kernels", flush=True)
+
+
 def section_decode(model, batch, small, prompt=64):
     """One decode step: eager under the profiler (per-IR-op and kernel tables), then the CUDA-graph
     step (Session.decode and bare replay) and a profile of one replay."""
@@ -339,6 +411,8 @@ def main():
                 section_regs()
             elif s == "count":
                 section_count(a.model, a.batch, a.small)
+            elif s == "compiles":
+                section_compiles(a.model, a.small, shapes)
             elif s == "decode":
                 section_decode(a.model, a.batch, a.small)
             elif s == "prefill":

@@ -1,18 +1,26 @@
-"""Whole-model correctness on the GPU (issue 6): triton vs torch on the same weights, same dtype
-(float32 and bfloat16), prefill then CUDA-graph decode steps. Prints one table; exit 1 on a miss.
+"""Whole-model correctness on the GPU (issue 6): triton vs torch target on the same weights, same dtype,
+batch 2: a 37-token prefill, then 3 decode steps fed their own state (decode as the CUDA graph unless
+the case says ``eager``). Relative error per SPEC 11. Each case runs in its own process, all cases in
+parallel (a cold Triton cache makes compilation, which is CPU work, the bulk of the time), each printing
+one JSON row per step as soon as it is computed, so a timeout still leaves every finished number.
 
-    python3 bench/gpu_model_check.py                        # decode as a CUDA graph (default)
-    K3IR_CUDA_GRAPHS=0 python3 bench/gpu_model_check.py     # decode eagerly: graph capture vs kernels
+    python3 bench/gpu_model_check.py [--budget 60] [--cases k3-tiny:float32,...] [--speed 'ARGS']
+    K3IR_CUDA_GRAPHS=0 python3 bench/gpu_model_check.py     # every case decodes eagerly
+
+``--speed 'ARGS'`` also starts ``bench/bench_models.py ARGS`` in parallel and tells it (through the file in
+``K3IR_WAIT_FILE``) when the checks are over, so its timings are not shared with the checks' GPU work.
+Writes ``$OUT/gpu_model_check.json``; exit 1 on a miss or an error.
 """
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import signal
+import subprocess
 import sys
-
-import numpy as np
-import torch
-from k3ir.runtime import Session
-
-import k3ir
+import threading
+import time
 
 KL = {"num_hidden_layers": 4, "hidden_size": 256, "vocab_size": 512, "num_experts": 8, "moe_intermediate_size": 128,
       "intermediate_size": 512, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
@@ -20,44 +28,141 @@ KL = {"num_hidden_layers": 4, "hidden_size": 256, "vocab_size": 512, "num_expert
       "linear_attn_config": {"full_attn_layers": [4], "kda_layers": [1, 2, 3], "head_dim": 128, "num_heads": 2,
                              "short_conv_kernel_size": 4}}
 MODELS = {"k3-tiny": ("k3-tiny", None), "kimi-linear-small": ("kimi-linear-6p6b", KL)}
+TOL = {"float32": 2e-3, "bfloat16": 5e-2}        # TF32 dots in float32; bf16 rounding + routing flips
+#: most important first; ``:eager`` decodes without the CUDA graph (bisects capture vs kernels on a miss)
+DEFAULT_CASES = "k3-tiny:float32,kimi-linear-small:float32,kimi-linear-small:bfloat16,k3-tiny:float32:eager"
+T0 = time.time()
+
+
+def emit(**r):
+    r["t_s"] = round(time.time() - T0, 1)
+    print("ROW " + json.dumps(r), flush=True)
 
 
 def rel(a, b) -> float:
+    import torch
     a, b = a.double().cpu(), b.double().cpu()
-    return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
+    return float(torch.linalg.norm(a - b) / torch.linalg.norm(b).clamp_min(1e-30))
+
+
+def run_case(case: str, deadline: float) -> int:
+    """One (model, dtype[, eager]) case in this process; rows printed as they come."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import numpy as np
+    import torch
+    from bench_models import n_compiled
+    from k3ir.runtime import Session
+
+    import k3ir
+    key, dt, *flags = case.split(":")
+    name, ov = MODELS[key]
+    tol = TOL[dt]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    m = k3ir.load(name, ov)
+    ref = Session(k3ir.compile(m, target="torch", dtype=dt, device=dev))
+    tri = Session(k3ir.compile(m, target="triton", dtype=dt, device=dev))
+    if "eager" in flags:
+        tri.exe.cuda_graphs = False
+    ids = np.random.default_rng(0).integers(0, 250, (2, 37))
+    want, s_ref = ref.prefill(ids)
+    t = time.time()
+    got, s_tri = tri.prefill(ids)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    e = rel(got, want)
+    emit(case=case, step="prefill", rel=e, tol=tol, ok=e < tol, first_call_s=round(time.time() - t, 1),
+         compiled=n_compiled())
+    bad = e >= tol
+    for step in range(3):
+        if time.time() > deadline:
+            emit(case=case, step=f"decode{step + 1}", error="time guard")
+            return 1
+        nxt = np.array([[5 + step], [17 + step]])
+        want, s_ref = ref.decode(nxt, s_ref)
+        t = time.time()
+        got, s_tri = tri.decode(nxt, s_tri)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        e = rel(got, want)
+        bad |= e >= tol
+        emit(case=case, step=f"decode{step + 1}", rel=e, tol=tol, ok=e < tol, call_s=round(time.time() - t, 1),
+             compiled=n_compiled(), graph=bool(getattr(tri.exe, "_graph", None) is not None and tri.exe._graph.graph is not None))
+    return int(bad)
 
 
 def main() -> int:
-    rows, bad = [], 0
-    for key, (name, ov) in MODELS.items():
-        m = k3ir.load(name, ov)
-        ids = np.random.default_rng(0).integers(0, 250, (2, 37))
-        for dt, tol in (("float32", 2e-3), ("bfloat16", 5e-2)):   # TF32 dots; bf16 routing flips
-            try:      # one failing case (e.g. a kernel over the shared-memory limit) must not hide the others
-                ref = Session(k3ir.compile(m, target="torch", dtype=dt, device="cuda"))
-                tri = Session(k3ir.compile(m, target="triton", dtype=dt, device="cuda"))
-                want, s_ref = ref.prefill(ids)
-                got, s_tri = tri.prefill(ids)
-                errs = [rel(got, want)]
-                for step in range(3):
-                    nxt = np.array([[5 + step], [17 + step]])
-                    want, s_ref = ref.decode(nxt, s_ref)
-                    got, s_tri = tri.decode(nxt, s_tri)
-                    errs.append(rel(got, want))
-            except Exception as e:      # noqa: BLE001
-                bad += 1
-                rows.append((key, dt, float("nan"), float("nan"), tol, f"ERROR {type(e).__name__}: {str(e)[:160]}"))
-                print(f"{key} {dt}: {type(e).__name__}: {e}", flush=True)
-                continue
-            ok = max(errs) < tol
-            bad += not ok
-            rows.append((key, dt, errs[0], max(errs[1:]), tol, "ok" if ok else "MISS"))
-    print(f"{'model':<18} {'dtype':<9} {'prefill rel':>12} {'decode rel':>12} {'tol':>7}  result")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default=DEFAULT_CASES)
+    ap.add_argument("--budget", type=float, default=60.0, help="seconds for all cases (children killed after)")
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--speed", default="", help="arguments for bench/bench_models.py, run alongside")
+    a = ap.parse_args()
+    if a.case:
+        try:
+            return run_case(a.case, a.deadline or time.time() + a.budget)
+        except Exception as e:      # noqa: BLE001 - one line, the parent goes on
+            emit(case=a.case, step="error", error=f"{type(e).__name__}: {str(e)[:300]}")
+            return 1
+    out_dir = os.environ.get("OUT", ".")
+    deadline = time.time() + a.budget
+    wait_file = os.path.join(out_dir, ".checks_done")
+    if os.path.exists(wait_file):
+        os.remove(wait_file)
+    here = os.path.dirname(os.path.abspath(__file__))
+    speed = None
+    if a.speed:
+        env = {**os.environ, "K3IR_WAIT_FILE": wait_file, "PYTHONUNBUFFERED": "1"}
+        speed = subprocess.Popen([sys.executable, os.path.join(here, "bench_models.py"), *a.speed.split()], env=env)
+    rows, procs, threads = [], [], []
+
+    def pump(p, case):
+        for line in p.stdout:
+            if line.startswith("ROW "):
+                rows.append(json.loads(line[4:]))
+                print(f"[check] {line[4:].rstrip()}", flush=True)
+            elif line.strip():
+                print(f"[{case}] {line.rstrip()[:400]}", flush=True)
+    def stop(signum, frame):        # an outer `timeout` must not leave the children running
+        for _, p in procs:
+            p.kill()
+        if speed is not None:
+            speed.kill()
+        sys.exit(124)
+    signal.signal(signal.SIGTERM, stop)
+    for case in a.cases.split(","):
+        p = subprocess.Popen([sys.executable, __file__, "--case", case, "--deadline", str(deadline - 2)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        procs.append((case, p))
+        th = threading.Thread(target=pump, args=(p, case), daemon=True)
+        th.start()
+        threads.append(th)
+    for case, p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            rows.append({"case": case, "step": "killed", "error": f"over the {a.budget:.0f} s budget"})
+            print(f"[check] {case}: killed at the budget", flush=True)
+    for th in threads:
+        th.join(timeout=2)
+    open(wait_file, "w").close()
+    with open(os.path.join(out_dir, "gpu_model_check.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    bad = sum(1 for r in rows if r.get("error") or r.get("ok") is False)
+    print(f"\n{'case':<34} {'step':<9} {'rel err':>10} {'tol':>7}  result")
     for r in rows:
-        print(f"{r[0]:<18} {r[1]:<9} {r[2]:>12.2e} {r[3]:>12.2e} {r[4]:>7.0e}  {r[5]}")
-    import os
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"CUDA-graph decode: {os.environ.get('K3IR_CUDA_GRAPHS', '1') != '0'}")
+        res = r.get("error") or ("ok" if r.get("ok") else "MISS")
+        print(f"{r['case']:<34} {r['step']:<9} {r.get('rel', float('nan')):>10.2e} {r.get('tol', 0):>7.0e}  {res}")
+    print(f"checks: {len(rows)} rows, {bad} bad, {time.time() - T0:.0f} s; CUDA graphs env "
+          f"{os.environ.get('K3IR_CUDA_GRAPHS', '1')}", flush=True)
+    if speed is not None:
+        try:
+            speed.wait(timeout=None)
+        except KeyboardInterrupt:
+            speed.kill()
     return 1 if bad else 0
 
 
