@@ -147,6 +147,11 @@ VARIANTS = [
     ("sp_bk16", {"exact_bk": 16}, "softplus"),       # softplus akk in 16-column slices
     ("gcum_rows", {"gcum_mode": "rows"}, None),  # gate cumsum as a per-thread running sum (offline 4-6x fewer instr.)
     ("rows_fastlog", {"gcum_mode": "rows", "fast_log": True}, "softplus"),  # ... and lg2.approx for the log
+    ("wu_flat", {"wu_mode": "flat"}, None),   # w/u: one program per slice, all loads at once (4 CTAs/SM)
+    ("wu_flat_xbio", {"wu_mode": "flat", "xb": "io"}, None),   # ... with Xb in bf16 (as fla's Akk inverse)
+    ("wu_prefetch", {"wu_prefetch": True}, None),  # w/u loops unrolled, loads one slice ahead (2 CTAs/SM)
+    ("next", {"gcum_mode": "rows", "fast_log": True, "wu_mode": "flat"}, None),   # the offline candidates together
+    ("recur_bv32", {"bv": 32}, None),          # recurrence BV 32 at N*H >= 128 too (use with --shapes 8,4096,32,128)
     ("no_gcum", {"gcum": False}, None),        # the gate cumsum recomputed inside akk and wu (the 00:58 design)
 ]
 

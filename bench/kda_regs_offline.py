@@ -93,12 +93,12 @@ def akk(bk=32, warps=8, gate=0, order="strip", stages=1, inv_dots=True, ip="ieee
     return _compile(kf.kda_akk_kernel, names, types, const, warps, stages, maxnreg)
 
 
-def wu(bk=32, warps=8, bv=32, gate=0, stages=2, gpre=True, h=32):
+def wu(bk=32, warps=8, bv=32, gate=0, stages=2, gpre=True, h=32, prefetch=False):
     names = ["q", "k", "v", "g", "A_log", "dt_bias", "Xb", "rq", "rk", "w", "u", "qg", "kg", "gC", "Gbuf",
              "cu_seqlens", "chunk_indices", "T", "lb"]
     types = ["*bf16"] * 4 + ["*fp32"] * 5 + ["*bf16"] * 4 + ["*fp32"] * 2 + ["*i32"] * 2 + ["i32", "fp32"]
     const = {"H": h, "K": 128, "V": 128, "BT": 64, "BK": bk, "BV": bv, "GATE": gate, "IS_VARLEN": False,
-             "PREC": "tf32", "DOT_F32": False, "GPRE": bool(gpre)}
+             "PREC": "tf32", "DOT_F32": False, "GPRE": bool(gpre), "PREFETCH": bool(prefetch)}
     return _compile(kf.kda_wu_kernel, names, types, const, warps, stages)
 
 
@@ -124,7 +124,25 @@ def gcum_rows(bk=128, warps=1, gate=0, h=32, fast_log=False, rb=16):
     return _compile(kk.kda_gcum_rows_kernel, names, types, const, warps, 1)
 
 
-KINDS = {"akk": akk, "wu": wu, "gcum": gcum, "inv": inv, "gcum_rows": gcum_rows}
+def recur(bv=32, warps=4, stages=2, h=32, io="bf16"):
+    from k3ir.backends.triton import kda_kernels as kk
+    names = ["w", "u", "qg", "kg", "Aqk", "gC", "o", "h0", "ht", "cu_seqlens", "chunk_offsets", "T"]
+    types = [f"*{io}"] * 5 + ["*fp32", "*bf16", "*fp32", "*fp32", "*i32", "*i32", "i32"]
+    const = {"H": h, "K": 128, "V": 128, "BT": 64, "BV": bv, "USE_H0": False, "STORE_HT": True, "IS_VARLEN": False,
+             "PREC": "tf32", "DOT_F32": False}
+    return _compile(kk.kda_recur_kernel, names, types, const, warps, stages)
+
+
+def wu_flat(bk=32, bv=32, warps=4, h=32, xb="fp32"):
+    from k3ir.backends.triton import kda_kernels as kk
+    names = ["q", "k", "v", "Xb", "rq", "rk", "w", "u", "qg", "kg", "Gbuf", "cu_seqlens", "chunk_indices", "T"]
+    types = ["*bf16"] * 3 + [f"*{xb}", "*fp32", "*fp32"] + ["*bf16"] * 4 + ["*fp32", "*i32", "*i32", "i32"]
+    const = {"H": h, "K": 128, "V": 128, "BT": 64, "BK": bk, "BV": bv, "IS_VARLEN": False, "PREC": "tf32",
+             "DOT_F32": False}
+    return _compile(kk.kda_wu_flat_kernel, names, types, const, warps, 1)
+
+
+KINDS = {"wu_flat": wu_flat, "recur": recur, "akk": akk, "wu": wu, "gcum": gcum, "inv": inv, "gcum_rows": gcum_rows}
 
 
 def main():
@@ -142,7 +160,7 @@ def main():
         args = [int(a) if a.isdigit() else a for a in rest]
         print(kind, args, KINDS[kind](*args))
         return
-    print(f"{'kernel':6} {'config':44} {'regs':>5} {'spill B':>8} {'smem B':>7}")
+    print(f"{'kernel':9} {'config':44} {'regs':>5} {'spill B':>8} {'smem B':>7}")
     rows = [("gcum", {"gate": g, "h": h}) for g in (0, 1) for h in (32, 96)]
     rows += [("gcum_rows", c) for c in ({"gate": 0}, {"gate": 1}, {"gate": 1, "fast_log": True}, {"gate": 0, "h": 96})]
     rows += [("inv", {}), ("inv", {"h": 96})] + [("inv", {"ip": "ieee", "warps": w}) for w in (1, 4)]
@@ -150,9 +168,11 @@ def main():
     rows += [("akk", dict(c, gate=0)) for c in ({}, {"h": 96}, {"gpre": False}, {"inv_split": False})]
     rows += [("akk", dict(sp, **c)) for c in ({}, {"h": 96}, {"bk": 16}, {"inv_split": False, "bk": 16})]
     rows += [("wu", dict(c, gate=g)) for g in (0, 1) for c in ({}, {"h": 96}, {"gpre": False}, {"stages": 1})]
+    rows += [("wu", {"prefetch": True}), ("wu_flat", {}), ("wu_flat", {"xb": "bf16"}), ("wu_flat", {"warps": 8})]
+    rows += [("recur", c) for c in ({}, {"bv": 64}, {"bv": 16}, {"h": 96})]
     for kind, cfg in rows:      # bench_kda.py VARIANTS at H=32 and the defaults at H=96
         r = KINDS[kind](**cfg)
-        print(f"{kind:6} {cfg!s:44} {r[0]:>5} {r[1]:>8} {r[2]:>7}", flush=True)
+        print(f"{kind:9} {cfg!s:44} {r[0]:>5} {r[1]:>8} {r[2]:>7}", flush=True)
 
 
 if __name__ == "__main__":

@@ -144,8 +144,9 @@ def _mixed_strong(x, K):
     {"bk": 32, "exact_bk": 32, "inv_dots": False, "xb": "io"},
     {"bk": 16, "exact_bk": 16, "gcum": False},
     {"inv": "akk", "inv_warps": 4},
-    {"gcum_mode": "rows", "gcum_rows_bk": 16, "gcum_rows_rb": 32, "fast_log": True},
-    {"order": "k", "bk": 16, "warps": 4},
+    {"gcum_mode": "rows", "gcum_rows_bk": 16, "gcum_rows_rb": 32, "fast_log": True, "wu_prefetch": True,
+     "wu_bk": 16, "wu_bv": 16},
+    {"order": "k", "bk": 16, "warps": 4, "wu_mode": "flat", "wu_bk": 16, "wu_bv": 16},
     {"order": "k", "bk": 16, "gcum": False, "gcum_bk": 16},
     {"intra": "fused"},
 ])

@@ -37,7 +37,9 @@ INTERMEDIATE_DTYPES: dict = {}
 #: (I+A)^-1 blocks in ``kda_inv_kernel`` on ``inv_warps`` warps) or "akk" (at the end of the akk launch);
 #: ``gcum_mode``: "tile" (``kda_gcum_kernel``) or "rows" (``kda_kernels.kda_gcum_rows_kernel``: running sum per
 #: thread over ``gcum_rows_rb``-row load batches, ``gcum_rows_bk`` columns on ``gcum_rows_warps`` warps; offline
-#: 4-6x fewer instructions, not yet timed on the GPU); ``fast_log``: softplus log by lg2.approx (rows mode only).
+#: 4-6x fewer instructions, not yet timed on the GPU); ``fast_log``: softplus log by lg2.approx (rows mode only);
+#: ``wu_prefetch``: the w/u loops unrolled with loads one slice ahead; ``wu_mode``: "loop" (``kda_wu_kernel``) or
+#: "flat" (``kda_kernels.kda_wu_flat_kernel``: one program per slice on ``wu_flat_warps`` warps). Not yet timed.
 #: See bench/KDA_NOTES.md.
 #: Defaults = the best combination measured on the H200 (2026-11-30 01:50 sweep): inverse split out on one warp
 #: with tf32 dots (K3 4.79 -> 4.37 ms at B1 T32768 H32; error vs the fp32 inverse 2.8e-4 / 5.3e-4), softplus
@@ -46,7 +48,8 @@ TUNING: dict = {"intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, 
                 "warps": 8, "stages": 1, "inv": "split", "inv_warps": 1, "maxnreg": None, "exact_maxnreg": 128,
                 "exact_bk": 32, "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
                 "inv_prec": "tf32", "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8,
-                "gcum_mode": "tile", "gcum_rows_bk": 128, "gcum_rows_rb": 16, "gcum_rows_warps": 1, "fast_log": False}
+                "gcum_mode": "tile", "gcum_rows_bk": 128, "gcum_rows_rb": 16, "gcum_rows_warps": 1, "fast_log": False,
+                "wu_prefetch": False, "wu_mode": "loop", "wu_flat_warps": 4}
 
 
 def _bwd_mode() -> str:
@@ -192,11 +195,19 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
                 beta, Ascr, Xb, cu_dev, chunk_indices, T, H=H, BT=BT, BC=BC, IS_VARLEN=cu_seqlens is not None,
                 BETA_SIGMOID=gate != "precomputed", INV_DOTS=TUNING["inv_dots"],
                 IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"], num_warps=TUNING["inv_warps"])
-        if "intra" in stages or "wu" in stages:
+        wu_flat = gpre and TUNING["wu_mode"] == "flat"
+        if wu_flat and ("intra" in stages or "wu" in stages):
+            wbk, wbv = min(TUNING["wu_bk"], K), min(TUNING["wu_bv"], V)
+            kk.kda_wu_flat_kernel[(K // wbk + V // wbv, NC, H)](
+                q, k, v, Xb, rq, rk, w, u, qg, kg, Gbuf, cu_dev, chunk_indices, T, H=H, K=K, V=V, BT=BT, BK=wbk,
+                BV=wbv, IS_VARLEN=cu_seqlens is not None, PREC=prec, DOT_F32=_interpret(),
+                num_warps=TUNING["wu_flat_warps"])
+        elif "intra" in stages or "wu" in stages:
             kf.kda_wu_kernel[(NC, H)](
                 q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, Gbuf, cu_dev, chunk_indices, T, lb,
                 H=H, K=K, V=V, BT=BT, BK=min(TUNING["wu_bk"], K), BV=min(TUNING["wu_bv"], V), PREC=prec,
-                DOT_F32=_interpret(), GPRE=gpre, num_warps=TUNING["wu_warps"], num_stages=TUNING["wu_stages"], **common)
+                DOT_F32=_interpret(), GPRE=gpre, PREFETCH=bool(TUNING["wu_prefetch"]), num_warps=TUNING["wu_warps"],
+                num_stages=TUNING["wu_stages"], **common)
     elif NC > 0 and "intra" in stages:
         kk.kda_intra_kernel[(NC, H)](
             q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gC, cu_dev, chunk_indices, T, scale, lb,

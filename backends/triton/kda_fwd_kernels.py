@@ -28,6 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import kda_kernels as kk
+
 
 @triton.jit
 def _gate(bg, dtb, a_h, lb, GATE: tl.constexpr):
@@ -518,7 +520,7 @@ def kda_wu_kernel(q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, Gbuf
                   T, lb,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                  DOT_F32: tl.constexpr, GPRE: tl.constexpr):
+                  DOT_F32: tl.constexpr, GPRE: tl.constexpr, PREFETCH: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     row0, nv = _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT, IS_VARLEN)
     if GATE == 2:
@@ -534,6 +536,10 @@ def kda_wu_kernel(q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, Gbuf
         X = X.to(tl.float32)
     b_rq = tl.load(rq + roff * H + i_h, mask=m, other=0.)
     b_rk = tl.load(rk + roff * H + i_h, mask=m, other=0.)
+    if PREFETCH and GPRE:    # loads one slice ahead, loops unrolled (kda_kernels.wu_prefetch)
+        kk.wu_prefetch(q, k, v, Gbuf, X, b_rq, b_rk, w, u, qg, kg, roff, m, row0 + tl.minimum(nv, BT) - 1, i_h,
+                       H, K, V, BK, BV, PREC)
+        return
     for c0 in range(0, K, BK):
         offs = c0 + tl.arange(0, BK)
         if GATE == 2:

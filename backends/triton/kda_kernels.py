@@ -411,3 +411,96 @@ def kda_gcum_rows_kernel(g, A_log, dt_bias, Gbuf, gC, cu_seqlens, chunk_indices,
             acc += tl.where(ok, _gate_row(xs[r].to(tl.float32), dtb, a_h, lb, GATE, FAST_LOG), 0.)
             tl.store(Gbuf + base + (r0 + r) * (H * K), acc, mask=ok)
     tl.store(gC + (i_c * H + i_h).to(tl.int64) * K + offs, tl.exp(acc))
+
+
+@triton.jit
+def _wu_ld(q, k, Gbuf, roff, m, rGC, i_h, c0, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """One K slice of the w/u launch's inputs: raw q, k (input dtype), G (fp32) and the chunk's last G row."""
+    offs = c0 + tl.arange(0, BK)
+    off = roff[:, None] * (H * K) + i_h * K + offs[None, :]
+    bq = tl.load(q + off, mask=m[:, None], other=0.)
+    bk = tl.load(k + off, mask=m[:, None], other=0.)
+    G = tl.load(Gbuf + off, mask=m[:, None], other=0.)
+    GC = tl.load(Gbuf + rGC * (H * K) + i_h * K + offs)
+    return bq, bk, G, GC
+
+
+@triton.jit
+def wu_prefetch(q, k, v, Gbuf, X, b_rq, b_rk, w, u, qg, kg, roff, m, rGC, i_h,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                PREC: tl.constexpr):
+    """The body of ``kda_fwd_kernels.kda_wu_kernel`` with ``TUNING["wu_prefetch"]`` (needs the precomputed G):
+    K and V loops unrolled, the loads of slice ``i + 1`` issued before the stores of slice ``i`` (the compiler
+    cannot move a load above a store that may alias it). The scf.for version pipelines k and G only: its q and
+    last-G-row loads are two exposed round trips per K slice (offline SASS), ~8 per program."""
+    nxt = _wu_ld(q, k, Gbuf, roff, m, rGC, i_h, 0, H, K, BK)
+    voffs = tl.arange(0, BV)
+    vn = tl.load(v + roff[:, None] * (H * V) + i_h * V + voffs[None, :], mask=m[:, None], other=0.)
+    for i in tl.static_range(K // BK):
+        bq, bk, G, GC = nxt
+        if i + 1 < K // BK:
+            nxt = _wu_ld(q, k, Gbuf, roff, m, rGC, i_h, (i + 1) * BK, H, K, BK)
+        offs = i * BK + tl.arange(0, BK)
+        off = roff[:, None] * (H * K) + i_h * K + offs[None, :]
+        bk = bk.to(tl.float32) * b_rk[:, None]
+        eG = tl.exp(G)
+        b_w = tl.dot(X, (bk * eG).to(X.dtype), input_precision=PREC)
+        tl.store(w + off, b_w.to(w.dtype.element_ty), mask=m[:, None])
+        tl.store(kg + off, (bk * tl.exp(GC[None, :] - G)).to(kg.dtype.element_ty), mask=m[:, None])
+        tl.store(qg + off, (bq.to(tl.float32) * b_rq[:, None] * eG).to(qg.dtype.element_ty), mask=m[:, None])
+    for j in tl.static_range(V // BV):
+        bv = vn
+        if j + 1 < V // BV:
+            vn = tl.load(v + roff[:, None] * (H * V) + i_h * V + (j + 1) * BV + voffs[None, :], mask=m[:, None],
+                         other=0.)
+        off = roff[:, None] * (H * V) + i_h * V + j * BV + voffs[None, :]
+        b_u = tl.dot(X, bv.to(X.dtype), input_precision=PREC)
+        tl.store(u + off, b_u.to(u.dtype.element_ty), mask=m[:, None])
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_wu_flat_kernel(q, k, v, Xb, rq, rk, w, u, qg, kg, Gbuf, cu_seqlens, chunk_indices, T,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """The w/u launch with one program per (K or V slice, chunk, head) (``TUNING["wu_mode"] = "flat"``, needs
+    the precomputed G): no loop, every load of a program issued at once, many small CTAs per SM (the looped
+    kernel keeps ~12-16 kB in flight per CTA at 2-3 CTAs/SM: 57% of the bandwidth). Slices are the fastest grid
+    axis, so the programs of one chunk read its ``Xb`` while it is in L2."""
+    i_s, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        NT = tl.cdiv(T, BT)
+        i_n = i_c // NT
+        i_t = i_c % NT
+        bos = (i_n * T).to(tl.int64)
+        T_seq = T
+    row0 = bos + i_t * BT
+    nv = T_seq - i_t * BT
+    rows = tl.arange(0, BT)
+    m = rows < nv
+    roff = row0 + rows
+    X = tl.load(Xb + roff[:, None] * (H * BT) + i_h * BT + rows[None, :], mask=m[:, None], other=0.)
+    X = tl.where(rows[None, :] <= rows[:, None], X, 0.)    # whole rows load as vectors; upper blocks unwritten
+    if DOT_F32:
+        X = X.to(tl.float32)
+    if i_s < K // BK:
+        offs = i_s * BK + tl.arange(0, BK)
+        bq, bk, G, GC = _wu_ld(q, k, Gbuf, roff, m, row0 + tl.minimum(nv, BT) - 1, i_h, i_s * BK, H, K, BK)
+        b_rq = tl.load(rq + roff * H + i_h, mask=m, other=0.)
+        b_rk = tl.load(rk + roff * H + i_h, mask=m, other=0.)
+        off = roff[:, None] * (H * K) + i_h * K + offs[None, :]
+        bk = bk.to(tl.float32) * b_rk[:, None]
+        eG = tl.exp(G)
+        b_w = tl.dot(X, (bk * eG).to(X.dtype), input_precision=PREC)
+        tl.store(w + off, b_w.to(w.dtype.element_ty), mask=m[:, None])
+        tl.store(kg + off, (bk * tl.exp(GC[None, :] - G)).to(kg.dtype.element_ty), mask=m[:, None])
+        tl.store(qg + off, (bq.to(tl.float32) * b_rq[:, None] * eG).to(qg.dtype.element_ty), mask=m[:, None])
+    else:
+        off = roff[:, None] * (H * V) + i_h * V + (i_s - K // BK) * BV + tl.arange(0, BV)[None, :]
+        bv = tl.load(v + off, mask=m[:, None], other=0.)
+        b_u = tl.dot(X, bv.to(X.dtype), input_precision=PREC)
+        tl.store(u + off, b_u.to(u.dtype.element_ty), mask=m[:, None])
