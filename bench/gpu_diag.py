@@ -282,7 +282,12 @@ def count_compiles(work, label=""):
     def hook(orig):
         def run(self, *args, grid, warmup, **kw):
             name = getattr(getattr(self, "fn", None), "__name__", None) or getattr(self, "__name__", "?")
-            seen[name].add((tuple(_spec(a) for a in args), tuple(sorted((k, _spec(v)) for k, v in kw.items()))))
+            dns = set(getattr(self, "kwargs", {}).get("do_not_specialize") or ())       # interpreter
+            dns |= {p.name for p in getattr(self, "params", ()) if getattr(p, "do_not_specialize", False)}
+            names = getattr(self, "arg_names", None) or [p.name for p in getattr(self, "params", ())]
+            key = tuple("int" if i < len(names) and names[i] in dns and isinstance(a, int) else _spec(a)
+                        for i, a in enumerate(args))
+            seen[name].add((key, tuple(sorted((k, _spec(v)) for k, v in kw.items()))))
             return orig(self, *args, grid=grid, warmup=warmup, **kw)
         return run
     for k in kinds:

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])   # any prefill length: one compile
 def short_conv_kernel(x, w, s0, y, sT, T, C,
                       W: tl.constexpr, BT: tl.constexpr, BCH: tl.constexpr, HAS_S0: tl.constexpr,
                       STORE_S: tl.constexpr, SILU: tl.constexpr):
@@ -45,7 +45,7 @@ def short_conv_kernel(x, w, s0, y, sT, T, C,
                 tl.store(sT + (i_b * C + offs_c) * (W - 1) + j, xl.to(sT.dtype.element_ty), mask=mc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def gated_rmsnorm_kernel(x, gate, w, y, R, eps, D: tl.constexpr, BR: tl.constexpr):
     """Rows of D: y = x rsqrt(mean(x^2) + eps) w sigmoid(gate) (SPEC.md 3.6)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)

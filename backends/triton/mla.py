@@ -20,7 +20,7 @@ import triton.language as tl
 from . import interpreting
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "S"])   # prompt lengths: one compile (offsets' alignment comes from DN+DR)
 def mla_prefill_kernel(q, kn, kr, v, o, lens, T, S, H, scale,
                        DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
                        DNP: tl.constexpr, DRP: tl.constexpr, DVP: tl.constexpr,

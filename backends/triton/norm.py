@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])   # one compile for decode (R = 1) and prefill rows
 def rmsnorm_kernel(x, w, y, R, D, eps, BR: tl.constexpr, BD: tl.constexpr):
     """y = x rsqrt(mean(x^2) + eps) w over rows of D (SPEC.md 1)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
