@@ -39,10 +39,12 @@ T0 = time.time()
 #: ``K3IR_BENCH_SMOKE=1``: run the child code on the CPU under TRITON_INTERPRET at toy sizes (checks the script)
 SMOKE = os.environ.get("K3IR_BENCH_SMOKE") == "1"
 DEV = "cpu" if SMOKE else "cuda"
-ACC_SHAPE = (1, 70, 2, 16) if SMOKE else (1, 2048, 32, 128)
+ACC_SHAPE = (1, 128, 2, 16) if SMOKE else (1, 2048, 32, 128)
 JOBS = {   # name: (kind, kwargs, extra env, seconds it needs at least)
-    "acc_k3": ("acc", {"lb": -5.0}, {"CUDA_LAUNCH_BLOCKING": "1"}, 25),
+    "acc_k3": ("acc", {"lb": -5.0, "inter": True, "variants": [("torchbwd", {}, {"K3IR_KDA_BWD": "torch"})]},
+               {"CUDA_LAUNCH_BLOCKING": "1"}, 25),
     "time_k3": ("time", {"shape": [1, 32768, 32, 128], "lb": -5.0}, {}, 12),
+    "acc_k3x": ("acc", {"lb": -5.0, "tune": {"k3_exact": True}, "inter": True}, {"CUDA_LAUNCH_BLOCKING": "1"}, 12),
     "probe_wy_wgmma": ("acc", {"lb": -5.0, "tune": {"mma_v2": ""}}, {"CUDA_LAUNCH_BLOCKING": "1"}, 15),
     "acc_sp": ("acc", {"lb": None}, {"CUDA_LAUNCH_BLOCKING": "1"}, 25),
     "time_sp": ("time", {"shape": [1, 32768, 32, 128], "lb": None}, {}, 12),
@@ -142,7 +144,69 @@ def regs_rows():
     return rows
 
 
-def job_acc(name, lb, cu=None, tune=None, fla=None):
+def check_intermediates(x, lb, do, heads=2):
+    """Each backward launch's outputs against a float64 torch recompute (first ``heads`` heads, full chunks):
+    {buffer: rel err}. Bisects a wrong gradient to its launch (prelude: G bn qn kn; prep: Ai P w u qg kg; fwd_h:
+    h vn; bwd_dh: dh dvn; bwd_wy: dAq dAk)."""
+    import torch
+    from k3ir.backends.triton.kda_bwd import kda_backward
+    dbg: dict = {}
+    kda_backward(*(x[k] for k in NAMES), None, do, None, lb, debug=dbg)
+    sync()
+    B, T, H, K = x["k"].shape
+    NT, hs, f = T // 64, slice(0, heads), torch.float64
+    d = {n: t.double() for n, t in x.items()}
+    q, k, v = (d[n][:, :NT * 64, hs] for n in ("q", "k", "v"))
+    xg = d["g"][:, :NT * 64, hs] + d["dt_bias"].reshape(H, K)[hs]
+    a = torch.exp(d["A_log"][hs])[:, None]
+    gl = lb * torch.sigmoid(a * xg) if lb is not None else -a * torch.nn.functional.softplus(xg)
+    ch = lambda t: t.reshape(B, NT, 64, heads, -1).permute(0, 3, 1, 2, 4)      # [B,h,NT,64,D]
+    unch = lambda t: t.permute(0, 2, 3, 1, 4).reshape(B, NT * 64, heads, -1)
+    G = ch(gl).cumsum(3)
+    qn = ch(q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * K ** -0.5)
+    kn = ch(k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6))
+    bn = ch(torch.sigmoid(d["beta"][:, :NT * 64, hs])[..., None])
+    vv, dd = ch(v), ch(do.double()[:, :NT * 64, hs])
+    e = torch.exp(G[..., :, None, :] - G[..., None, :, :])                    # [.., i, j, K]
+    idx = torch.arange(64, device=G.device)
+    e = torch.where((idx[:, None] >= idx[None, :])[..., None], e, 0.)
+    A = torch.einsum("...ik,...jk,...ijk->...ij", kn, kn, e) * bn
+    A = torch.where(idx[:, None] > idx[None, :], A, 0.)
+    P = torch.einsum("...ik,...jk,...ijk->...ij", qn, kn, e)
+    Ai = torch.linalg.inv(torch.eye(64, dtype=f, device=G.device) + A)
+    w, u = Ai @ (bn * torch.exp(G) * kn), Ai @ (bn * vv)
+    qg, kg = qn * torch.exp(G), kn * torch.exp(G[..., -1:, :] - G)
+    S = torch.zeros(B, heads, K, v.shape[-1], dtype=f, device=G.device)
+    hs_, vn = [], []
+    for n in range(NT):
+        hs_.append(S)
+        vn.append(u[:, :, n] - w[:, :, n] @ S)
+        S = torch.exp(G[:, :, n, -1])[..., None] * S + kg[:, :, n].transpose(-1, -2) @ vn[-1]
+    vn = torch.stack(vn, 2)
+    dS = torch.zeros_like(S)
+    dh_, dvn = [None] * NT, [None] * NT
+    for n in reversed(range(NT)):
+        dh_[n] = dS
+        dvn[n] = P[:, :, n].transpose(-1, -2) @ dd[:, :, n] + kg[:, :, n] @ dS
+        dS = (torch.exp(G[:, :, n, -1])[..., None] * dS + qg[:, :, n].transpose(-1, -2) @ dd[:, :, n]
+              - w[:, :, n].transpose(-1, -2) @ dvn[n])
+    dvn = torch.stack(dvn, 2)
+    dAq = torch.where(idx[:, None] >= idx[None, :], dd @ vn.transpose(-1, -2), 0.)
+    dAk = torch.where(idx[:, None] > idx[None, :], -(Ai.transpose(-1, -2) @ dvn) @ vn.transpose(-1, -2), 0.)
+    want = {"G": G, "bn": bn, "qn": qn, "kn": kn, "Ai": Ai, "P": P, "w": w, "u": u, "qg": qg, "kg": kg,
+            "vn": vn, "dvn": dvn, "dAq": dAq, "dAk": dAk}
+    out = {}
+    for n, t in want.items():
+        got = dbg[n][:, :NT * 64, hs]
+        got = got[..., None] if got.dim() == 3 else got
+        out[n] = rel(got, unch(t))
+    st = lambda L: torch.stack(L, 1).reshape(B * NT, heads, K, -1)          # chunks of sequence b in order
+    out["h"] = rel(dbg["h"].reshape(B, -1, H, K, v.shape[-1])[:, :NT, hs].reshape(B * NT, heads, K, -1), st(hs_))
+    out["dh"] = rel(dbg["dh"].reshape(B, -1, H, K, v.shape[-1])[:, :NT, hs].reshape(B * NT, heads, K, -1), st(dh_))
+    return out
+
+
+def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=()):
     import torch
     from k3ir.backends.triton import kda_bwd as KB
     from k3ir.backends.triton import kda_forward
@@ -168,6 +232,31 @@ def job_acc(name, lb, cu=None, tune=None, fla=None):
     g = grads(lv)
     row["ours"] = {n: rel(g[n], ref[n]) for n in ref}
     row["finite"] = all(bool(torch.isfinite(t).all()) for t in g.values())
+    if inter:
+        try:
+            row["inter"] = check_intermediates(x, lb, do)
+        except Exception as e:  # noqa: BLE001 - a diagnostic must not lose the row
+            row["inter_error"] = repr(e)[:300]
+    for vname, over, env in variants:              # the same inputs and reference through other backward paths
+        saved, old = dict(KB.TUNING), {k: os.environ.get(k) for k in env}
+        KB.TUNING.update(over)
+        os.environ.update(env)
+        try:
+            run, lv = fwd_bwd(kda_forward, x, lb, do, dht, cu_t)
+            run()
+            sync()
+            gv = grads(lv)
+            row["ours_" + vname] = {n: rel(gv[n], ref[n]) for n in ref}
+        except Exception as e:  # noqa: BLE001
+            row["error_" + vname] = repr(e)[:300]
+        finally:
+            KB.TUNING.clear()
+            KB.TUNING.update(saved)
+            for k_, v_ in old.items():
+                if v_ is None:
+                    os.environ.pop(k_, None)
+                else:
+                    os.environ[k_] = v_
     if fla is not None:
         try:
             run, lv = fwd_bwd(fla, x, lb, do, dht, cu_t, fla=True)
@@ -282,10 +371,16 @@ def print_tables(rows, meta):
     print("\n== accuracy (rel err vs fp32 reference; fla's tolerance 8e-3)")
     for r in rows:
         if r["section"] == "accuracy":
-            for who in ("ours", "fla"):
+            for who in ["ours", "fla"] + [k for k in r if k.startswith("ours_")]:
                 if who in r:
                     print(f"{r['job']:15} {r['gate']:9} {who:5} " + " ".join(f"{n}={v:.1e}" for n, v in r[who].items())
                           + ("" if who == "fla" or r.get("finite", True) else "  NON-FINITE"))
+            if "inter" in r:
+                print(f"{r['job']:15} per-launch buffers vs float64 (2 heads): "
+                      + " ".join(f"{n}={v:.1e}" for n, v in r["inter"].items()))
+            for k_ in r:
+                if k_.startswith("error_") or k_ == "inter_error":
+                    print(f"{r['job']:15} {k_}: {r[k_]}")
     print("\n== fwd+bwd (median ms; fla* = recorded, not re-measured)")
     print(f"{'B,T,H,D':>16} {'gate':9} {'ours f+b':>9} {'fwd':>7} {'bwd':>7} {'fla f+b':>8} {'fla/ours':>8}")
     for r in rows:

@@ -27,9 +27,11 @@ DTYPES: dict = {}
 #: by default: its ten wgmma dots with shared operands are the pattern of Triton's Hopper illegal-address
 #: bugs (triton-lang/triton#10486, #11366; fla-org/flash-linear-attention#988 restricts fla's WY backward
 #: to 2 warps on Hopper for the same reason), and the first H200 run faulted right after its launch.
+#: ``k3_exact``: the K3 (bounded) gate through the exact element-wise diagonal paths of unbounded gates instead of
+#: the centred dense diagonal tiles (bisecting the 01:52 H200 K3 accuracy failure; slower).
 TUNING: dict = {"bk_prep": 16, "bk_wy": 32, "bk_intra": 32, "bv_rec": 32, "bv_wy": 32,
                 "w_prelude": 8, "w_prep": 4, "w_rec": 4, "w_wy": 4, "w_intra": 4, "w_chain": 8,
-                "stages_rec": 2, "stages_wy": 1, "mma_v2": "bwd_wy"}
+                "stages_rec": 2, "stages_wy": 1, "mma_v2": "bwd_wy", "k3_exact": False}
 
 
 def _alloc(shape, dtype, device):
@@ -75,12 +77,13 @@ def chunk_index(cu_seqlens, B, T, dev):
 
 
 def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower_bound=None, scale=None,
-                 cu_seqlens=None, gate: str = "raw", timings: dict | None = None):
+                 cu_seqlens=None, gate: str = "raw", timings: dict | None = None, debug: dict | None = None):
     """Gradients of ``kda_forward`` (same arguments) given ``do`` ``[B,T,H,V]`` and ``dht``
     ``[N,H,K,V]`` (or None). Returns (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0), each in its
     input's dtype and shape (None for inputs that are None; dA_log/ddt_bias None when
     ``gate="precomputed"``). ``timings``: when a dict, each launch is timed alone (CUDA events,
-    synchronising) into it in ms."""
+    synchronising) into it in ms. ``debug``: when a dict, receives the intermediate buffers by name (G, bn,
+    qn, kn, Ai, P, w, u, qg, kg, h, vn, dh, dvn, dAq, dAk, dq/dk/dG partial sums) for bisecting per launch."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     dev = q.device
@@ -92,7 +95,7 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
         GATE, lb = kb.GATE_SOFTPLUS, 0.0
     else:
         GATE, lb = kb.GATE_LOWER_BOUND, float(lower_bound)
-    EXACT = GATE != kb.GATE_LOWER_BOUND
+    EXACT = GATE != kb.GATE_LOWER_BOUND or bool(TUNING.get("k3_exact"))
     shift = -lb * BC / 2 if not EXACT else 0.0
     NC, N, ci, co, cu = chunk_index(cu_seqlens, B, T, dev)
     VAR = cu_seqlens is not None
@@ -175,6 +178,9 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
             t1.record()
             torch.cuda.synchronize()
             timings[name] = timings.get(name, 0.0) + t0.elapsed_time(t1)
+    if debug is not None:
+        debug.update(G=G, bn=bn, qn=qn, kn=kn, Ai=Ai, P=P, w=w, u=u, qg=qg, kg=kg, h=h, vn=vn, dh=dh, dvn=dvn,
+                     dAq=dAq, dAk=dAk, dq=dq, dk=dk, dG=dG, db=db)
     dbeta = db.sum(0).reshape(B, T, H)
     if not pre:
         s = torch.sigmoid(beta.float())
