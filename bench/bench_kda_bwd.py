@@ -41,7 +41,7 @@ SMOKE = os.environ.get("K3IR_BENCH_SMOKE") == "1"
 DEV = "cpu" if SMOKE else "cuda"
 ACC_SHAPE = (1, 128, 2, 16) if SMOKE else (1, 2048, 32, 128)
 JOBS = {   # name: (kind, kwargs, extra env, seconds it needs at least)
-    "acc_k3": ("acc", {"lb": -5.0, "inter": True, "variants": [("torchbwd", {}, {"K3IR_KDA_BWD": "torch"})]},
+    "acc_k3": ("acc", {"lb": -5.0, "inter": True, "ref64": True, "variants": [("torchbwd", {}, {"K3IR_KDA_BWD": "torch"})]},
                {"CUDA_LAUNCH_BLOCKING": "1"}, 25),
     "time_k3": ("time", {"shape": [1, 32768, 32, 128], "lb": -5.0}, {}, 12),
     "acc_k3x": ("acc", {"lb": -5.0, "tune": {"k3_exact": True}, "inter": True}, {"CUDA_LAUNCH_BLOCKING": "1"}, 12),
@@ -144,6 +144,30 @@ def regs_rows():
     return rows
 
 
+def ref64_grads(x, lb, do):
+    """Gradients of ``sum(o * do)`` through a float64 token-by-token recurrence (SPEC.md 3.3-3.5): a reference
+    independent of the chunked fp32 one (``kda_chunk_torch``)."""
+    import torch
+    lv = {n: x[n].double().requires_grad_() for n in NAMES}
+    q, k, v, g, beta, A_log, dt_bias = (lv[n] for n in NAMES)
+    B, T, H, K = k.shape
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * K ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    a = torch.exp(A_log)[:, None]
+    xg = g + dt_bias.reshape(H, K)
+    gl = lb * torch.sigmoid(a * xg) if lb is not None else -a * torch.nn.functional.softplus(xg)
+    b = torch.sigmoid(beta)
+    S = q.new_zeros(B, H, K, v.shape[-1])
+    outs = []
+    for t in range(T):
+        S = S * torch.exp(gl[:, t])[..., None]
+        u = torch.einsum("bhkv,bhk->bhv", S, k[:, t])
+        S = S + torch.einsum("bhk,bhv->bhkv", k[:, t], (v[:, t] - u) * b[:, t, :, None])
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    (torch.stack(outs, 1) * do.double()).sum().backward()
+    return {n: t.grad for n, t in lv.items()}
+
+
 def check_intermediates(x, lb, do, heads=2):
     """Each backward launch's outputs against a float64 torch recompute (first ``heads`` heads, full chunks):
     {buffer: rel err}. Bisects a wrong gradient to its launch (prelude: G bn qn kn; prep: Ai P w u qg kg; fwd_h:
@@ -206,7 +230,7 @@ def check_intermediates(x, lb, do, heads=2):
     return out
 
 
-def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=()):
+def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), ref64=False):
     import torch
     from k3ir.backends.triton import kda_bwd as KB
     from k3ir.backends.triton import kda_forward
@@ -232,6 +256,14 @@ def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=()):
     g = grads(lv)
     row["ours"] = {n: rel(g[n], ref[n]) for n in ref}
     row["finite"] = all(bool(torch.isfinite(t).all()) for t in g.values())
+    if ref64:
+        try:
+            r64 = ref64_grads(x, lb, do)
+            row["ours_vs_ref64"] = {n: rel(g[n], r64[n]) for n in NAMES}
+            row["ref_vs_ref64"] = {n: rel(ref[n], r64[n]) for n in NAMES}
+            del r64
+        except Exception as e:  # noqa: BLE001
+            row["error_ref64"] = repr(e)[:300]
     if inter:
         try:
             row["inter"] = check_intermediates(x, lb, do)
@@ -371,7 +403,7 @@ def print_tables(rows, meta):
     print("\n== accuracy (rel err vs fp32 reference; fla's tolerance 8e-3)")
     for r in rows:
         if r["section"] == "accuracy":
-            for who in ["ours", "fla"] + [k for k in r if k.startswith("ours_")]:
+            for who in ["ours", "fla"] + [k for k in r if k.startswith(("ours_", "ref_"))]:
                 if who in r:
                     print(f"{r['job']:15} {r['gate']:9} {who:5} " + " ".join(f"{n}={v:.1e}" for n, v in r[who].items())
                           + ("" if who == "fla" or r.get("finite", True) else "  NON-FINITE"))
