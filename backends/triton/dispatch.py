@@ -24,7 +24,7 @@ import triton.language as tl
 from . import interpreting
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])   # decode B1 (R = 1) and larger batches: one compile
 def router_partial_kernel(x, w, part, R, D, E, DS, BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
                           IEEE: tl.constexpr):
     """part[s, r, e] = sum_{d in split s} x[r, d] w[e, d] (fp32). Grid (cdiv(E, BE), cdiv(R, BR), splits);
