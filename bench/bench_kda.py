@@ -142,15 +142,16 @@ FLA_KNOWN_MS = {((1, 32768, 32, 128), "k3"): 3.73, ((1, 32768, 32, 128), "softpl
 #: (name, TUNING overrides, only this gate or None); the first is the default. See kda.TUNING for the keys.
 VARIANTS = [
     ("default", {}, None),       # inverse split on 1 warp, tf32 dots; softplus akk BK 32 under the 128 cap
-    ("inv_akk_fp32", {"inv": "akk", "inv_prec": "ieee", "inv_warps": 4, "exact_bk": 16}, None),  # the 01:50 default
-    ("inv_split_fp32", {"inv_prec": "ieee", "inv_warps": 4}, None),   # split inverse, fp32 dots on 4 warps
-    ("sp_bk16", {"exact_bk": 16}, "softplus"),       # softplus akk in 16-column slices
+    ("next", {"gcum_mode": "rows", "fast_log": True, "wu_mode": "flat", "diag_main": True}, None),  # all together
     ("gcum_rows", {"gcum_mode": "rows"}, None),  # gate cumsum as a per-thread running sum (offline 4-6x fewer instr.)
     ("rows_fastlog", {"gcum_mode": "rows", "fast_log": True}, "softplus"),  # ... and lg2.approx for the log
     ("wu_flat", {"wu_mode": "flat"}, None),   # w/u: one program per slice, all loads at once (4 CTAs/SM)
+    ("sp_diag_main", {"diag_main": True}, "softplus"),   # softplus diagonal blocks in the strip dot (span <= 80)
     ("wu_flat_xbio", {"wu_mode": "flat", "xb": "io"}, None),   # ... with Xb in bf16 (as fla's Akk inverse)
     ("wu_prefetch", {"wu_prefetch": True}, None),  # w/u loops unrolled, loads one slice ahead (2 CTAs/SM)
-    ("next", {"gcum_mode": "rows", "fast_log": True, "wu_mode": "flat"}, None),   # the offline candidates together
+    ("inv_akk_fp32", {"inv": "akk", "inv_prec": "ieee", "inv_warps": 4, "exact_bk": 16}, None),  # the 01:50 default
+    ("inv_split_fp32", {"inv_prec": "ieee", "inv_warps": 4}, None),   # split inverse, fp32 dots on 4 warps
+    ("sp_bk16", {"exact_bk": 16}, "softplus"),       # softplus akk in 16-column slices
     ("recur_bv32", {"bv": 32}, None),          # recurrence BV 32 at N*H >= 128 too (use with --shapes 8,4096,32,128)
     ("no_gcum", {"gcum": False}, None),        # the gate cumsum recomputed inside akk and wu (the 00:58 design)
 ]

@@ -82,12 +82,13 @@ def _compile(fn, names, types, const, warps, stages, maxnreg=None):
 
 
 def akk(bk=32, warps=8, gate=0, order="strip", stages=1, inv_dots=True, ip="ieee", gpre=True, h=32, maxnreg=None,
-        inv_split=True):
+        inv_split=True, diag_main=False):
     names = ["q", "k", "g", "beta", "A_log", "dt_bias", "Xb", "Ascr", "Aqk", "rq", "rk", "Gbuf", "cu_seqlens",
              "chunk_indices", "T", "scale", "lb"]
     types = ["*bf16"] * 4 + ["*fp32"] * 4 + ["*bf16"] + ["*fp32"] * 3 + ["*i32"] * 2 + ["i32", "fp32", "fp32"]
     const = {"H": h, "K": 128, "BT": 64, "BC": 16, "BK": bk, "GATE": gate, "L2NORM": True, "BETA_SIGMOID": True,
-             "IS_VARLEN": False, "EXACT": gate != 0, "PREC": "tf32", "INV_DOTS": inv_dots, "IP": ip,
+             "IS_VARLEN": False, "EXACT": (2 if diag_main else True) if gate != 0 else False, "PREC": "tf32",
+             "INV_DOTS": inv_dots, "IP": ip,
              "STRIP_OUTER": order == "strip", "GPRE": bool(gpre),
              "INV_SPLIT": bool(inv_split)}
     return _compile(kf.kda_akk_kernel, names, types, const, warps, stages, maxnreg)
@@ -166,7 +167,8 @@ def main():
     rows += [("inv", {}), ("inv", {"h": 96})] + [("inv", {"ip": "ieee", "warps": w}) for w in (1, 4)]
     sp = {"gate": 1, "bk": 32, "maxnreg": 128}          # the softplus defaults (TUNING exact_bk, exact_maxnreg)
     rows += [("akk", dict(c, gate=0)) for c in ({}, {"h": 96}, {"gpre": False}, {"inv_split": False})]
-    rows += [("akk", dict(sp, **c)) for c in ({}, {"h": 96}, {"bk": 16}, {"inv_split": False, "bk": 16})]
+    rows += [("akk", dict(sp, **c)) for c in ({}, {"h": 96}, {"bk": 16}, {"inv_split": False, "bk": 16},
+                                              {"diag_main": True}, {"diag_main": True, "gate": 2})]
     rows += [("wu", dict(c, gate=g)) for g in (0, 1) for c in ({}, {"h": 96}, {"gpre": False}, {"stages": 1})]
     rows += [("wu", {"prefetch": True}), ("wu_flat", {}), ("wu_flat", {"xb": "bf16"}), ("wu_flat", {"warps": 8})]
     rows += [("recur", c) for c in ({}, {"bv": 64}, {"bv": 16}, {"h": 96})]

@@ -142,6 +142,7 @@ def _mixed_strong(x, K):
 @pytest.mark.parametrize("variant", [
     {"bk": 16, "exact_bk": 16, "wu_bk": 16, "wu_bv": 16},
     {"bk": 32, "exact_bk": 32, "inv_dots": False, "xb": "io"},
+    {"bk": 16, "exact_bk": 16, "diag_main": True},
     {"bk": 16, "exact_bk": 16, "gcum": False},
     {"inv": "akk", "inv_warps": 4},
     {"gcum_mode": "rows", "gcum_rows_bk": 16, "gcum_rows_rb": 32, "fast_log": True, "wu_prefetch": True,

@@ -39,7 +39,9 @@ INTERMEDIATE_DTYPES: dict = {}
 #: thread over ``gcum_rows_rb``-row load batches, ``gcum_rows_bk`` columns on ``gcum_rows_warps`` warps; offline
 #: 4-6x fewer instructions, not yet timed on the GPU); ``fast_log``: softplus log by lg2.approx (rows mode only);
 #: ``wu_prefetch``: the w/u loops unrolled with loads one slice ahead; ``wu_mode``: "loop" (``kda_wu_kernel``) or
-#: "flat" (``kda_kernels.kda_wu_flat_kernel``: one program per slice on ``wu_flat_warps`` warps). Not yet timed.
+#: "flat" (``kda_kernels.kda_wu_flat_kernel``: one program per slice on ``wu_flat_warps`` warps); ``diag_main``:
+#: unbounded gates put a sub-chunk's diagonal block into the strip's dot on K slices whose decay span is <= 80
+#: (akk ``EXACT=2``; 88% of the slices on bench_kda's random softplus gates). Not yet timed.
 #: See bench/KDA_NOTES.md.
 #: Defaults = the best combination measured on the H200 (2026-11-30 01:50 sweep): inverse split out on one warp
 #: with tf32 dots (K3 4.79 -> 4.37 ms at B1 T32768 H32; error vs the fp32 inverse 2.8e-4 / 5.3e-4), softplus
@@ -49,7 +51,7 @@ TUNING: dict = {"intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, 
                 "exact_bk": 32, "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
                 "inv_prec": "tf32", "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8,
                 "gcum_mode": "tile", "gcum_rows_bk": 128, "gcum_rows_rb": 16, "gcum_rows_warps": 1, "fast_log": False,
-                "wu_prefetch": False, "wu_mode": "loop", "wu_flat_warps": 4}
+                "wu_prefetch": False, "wu_mode": "loop", "wu_flat_warps": 4, "diag_main": False}
 
 
 def _bwd_mode() -> str:
@@ -186,7 +188,8 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
             kf.kda_akk_kernel[(NC, H)](
                 q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, cu_dev, chunk_indices, T, scale, lb,
                 H=H, K=K, BT=BT, BC=BC, BK=bk, L2NORM=gate != "precomputed", BETA_SIGMOID=gate != "precomputed",
-                EXACT=exact, PREC=prec, INV_DOTS=TUNING["inv_dots"], STRIP_OUTER=TUNING["order"] == "strip",
+                EXACT=(2 if exact and TUNING["diag_main"] else exact), PREC=prec, INV_DOTS=TUNING["inv_dots"],
+                STRIP_OUTER=TUNING["order"] == "strip",
                 IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"], GPRE=gpre, INV_SPLIT=inv_split,
                 num_warps=TUNING["warps"], num_stages=TUNING["stages"], **({"maxnreg": cap} if cap else {}),
                 **common)

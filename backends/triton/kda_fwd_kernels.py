@@ -126,17 +126,28 @@ def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv,
         qI, kI, gt = _slice(q, k, g, row0, I * BC, nv, i_h, offs, a_h, dtb, lb, H, K, BC, GATE)
         GI = GsI[None, :] + tl.cumsum(gt, 0)
     blk = tl.arange(0, BT) // BC
-    if EXACT:
+    if EXACT == 2:      # TUNING diag_main: the diagonal block rides in the strip's dot when its factors stay
+        if GATE == 1:   # within exp(80) on this slice (softplus: G falls, the span is Gs - Ge)
+            smain = tl.max(GsI - GeI, 0)
+        else:
+            smain = tl.max(tl.max(GsI[None, :] - GI, 1), 0)
+        dmain = smain <= 80.0
+        keep = tl.where(dmain, blk <= I, blk < I)
+    elif EXACT:
         keep = blk < I
     else:
         keep = blk <= I
-    if (not EXACT) or I > 0:
+    if (not EXACT) or I > 0 or EXACT == 2:
         eL = tl.exp(GI - GsI[None, :])
         keep = keep & (tl.arange(0, BT) < nv)
         kr = tl.trans(tl.where(keep[:, None], kA * tl.exp(GsI[None, :] - G_all), 0.))
         accA = tl.dot(kI * eL, kr, accA, input_precision=PREC)
         accP = tl.dot(qI * eL, kr, accP, input_precision=PREC)
-    if EXACT:
+    if EXACT == 2:
+        if not dmain:
+            accD, accQ = _diag(accD, accQ, qI, kI, GI, GsI, GeI, k, Gbuf, row0, I * BC, nv, i_h, offs, H, K, BC,
+                               GATE, PREC, GPRE)
+    elif EXACT:
         accD, accQ = _diag(accD, accQ, qI, kI, GI, GsI, GeI, k, Gbuf, row0, I * BC, nv, i_h, offs, H, K, BC,
                            GATE, PREC, GPRE)
     return accA, accP, accD, accQ, qI * qI, kI * kI
@@ -228,6 +239,10 @@ def _st_strip(Aqk, Ascr, P, A, D, Q, rqI, rkI, bI, rk_all, row0, nv, i_h,
               I: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, EXACT: tl.constexpr):
     """Scales (norms, beta, q scale) and masks strip ``I``; P goes to ``Aqk`` (zeros above the diagonal),
     A to the fp32 scratch ``Ascr`` (its diagonal block from ``D``/``Q`` when EXACT)."""
+    if EXACT == 2:      # diag_main: slices whose diagonal block went through the strip's dot
+        sel = (tl.arange(0, BT // BC) == I)[None, :, None]
+        D = D + tl.sum(tl.where(sel, tl.reshape(A, [BC, BT // BC, BC]), 0.), 1)
+        Q = Q + tl.sum(tl.where(sel, tl.reshape(P, [BC, BT // BC, BC]), 0.), 1)
     sub = tl.arange(0, BC)
     rows = I * BC + sub
     cols = tl.arange(0, BT)
