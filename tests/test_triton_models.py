@@ -163,7 +163,7 @@ def test_dispatch_kernel_matches_reference(B, T, k, E, D):
     assert np.array_equal(got[0].double().numpy(), want[0]) and rel_err(got[3].double().numpy(), want[3]) < 1e-7
 
 
-@pytest.mark.parametrize("B,k,E,D", [(1, 8, 64, 256), (3, 4, 16, 96), (5, 2, 8, 40)])
+@pytest.mark.parametrize("B,k,E,D", [(1, 8, 64, 256), (3, 4, 16, 96), (5, 2, 8, 40), (32, 8, 64, 64)])
 def test_route_dispatch_matches_router_and_dispatch_reference(B, k, E, D):
     """Decode MoE front in two launches (split router logits, then top-k + dispatch) against the float64
     router and dispatch references."""
