@@ -143,6 +143,11 @@ FLA_KNOWN_MS = {((1, 32768, 32, 128), "k3"): 3.73, ((1, 32768, 32, 128), "softpl
 VARIANTS = [
     ("default", {}, None),       # inverse split on 1 warp, tf32 dots; softplus akk BK 32 under the 128 cap
     ("next", {"gcum_mode": "rows", "fast_log": True, "wu_mode": "flat", "diag_main": True}, None),  # all together
+    ("next_w4", {"gcum_mode": "rows", "fast_log": True, "wu_mode": "flat", "warps": 4, "bk": 16, "exact_bk": 16},
+     None),                                     # ... with akk on 4 warps, BK 16 (no diag_main: it spills there)
+    ("akk_w4_bk16", {"warps": 4, "bk": 16, "exact_bk": 16}, None),  # split inverse: 123 regs, 4 CTAs/SM, -15% instr.
+    ("akk_w4", {"warps": 4, "exact_bk": 16}, None),   # K3 BK32 on 4 warps: -29% instructions, 8 B spill
+    ("akk_w2", {"warps": 2}, "k3"),            # 2 warps: -47% instructions, 164 regs (6 CTAs of 2 warps per SM)
     ("gcum_rows", {"gcum_mode": "rows"}, None),  # gate cumsum as a per-thread running sum (offline 4-6x fewer instr.)
     ("rows_fastlog", {"gcum_mode": "rows", "fast_log": True}, "softplus"),  # ... and lg2.approx for the log
     ("wu_flat", {"wu_mode": "flat"}, None),   # w/u: one program per slice, all loads at once (4 CTAs/SM)

@@ -166,9 +166,11 @@ def main():
     rows += [("gcum_rows", c) for c in ({"gate": 0}, {"gate": 1}, {"gate": 1, "fast_log": True}, {"gate": 0, "h": 96})]
     rows += [("inv", {}), ("inv", {"h": 96})] + [("inv", {"ip": "ieee", "warps": w}) for w in (1, 4)]
     sp = {"gate": 1, "bk": 32, "maxnreg": 128}          # the softplus defaults (TUNING exact_bk, exact_maxnreg)
-    rows += [("akk", dict(c, gate=0)) for c in ({}, {"h": 96}, {"gpre": False}, {"inv_split": False})]
+    rows += [("akk", dict(c, gate=0)) for c in ({}, {"h": 96}, {"gpre": False}, {"inv_split": False}, {"warps": 4},
+                                                {"warps": 4, "h": 96}, {"warps": 4, "bk": 16}, {"warps": 2})]
     rows += [("akk", dict(sp, **c)) for c in ({}, {"h": 96}, {"bk": 16}, {"inv_split": False, "bk": 16},
-                                              {"diag_main": True}, {"diag_main": True, "gate": 2})]
+                                              {"diag_main": True}, {"diag_main": True, "gate": 2},
+                                              {"warps": 4, "bk": 16}, {"warps": 4, "bk": 16, "diag_main": True})]
     rows += [("wu", dict(c, gate=g)) for g in (0, 1) for c in ({}, {"h": 96}, {"gpre": False}, {"stages": 1})]
     rows += [("wu", {"prefetch": True}), ("wu_flat", {}), ("wu_flat", {"xb": "bf16"}), ("wu_flat", {"warps": 8})]
     rows += [("recur", c) for c in ({}, {"bv": 64}, {"bv": 16}, {"h": 96})]
