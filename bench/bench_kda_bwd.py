@@ -2,12 +2,16 @@
 backends/triton/kda_bwd*.py) against fla ``chunk_kda`` on one GPU (issue 5).
 
 Every job runs in its own subprocess (a CUDA illegal address kills only that job), in the priority order of
-``JOBS`` (acc_k3, time_k3, probe_wy_wgmma, acc_sp, time_sp, time_b8, acc_var, sweep, probe_dh_v2), each with the
+``JOBS`` (acc_k3, time_k3, acc_k3d, probe_wy_wgmma, acc_sp, time_sp, time_b8, acc_var, sweep, probe_dh_v2), each with the
 time left of a global budget; jobs that no longer fit are skipped; after a failed job the later ones compile every
 recurrence MMAv2-only:
 - ``acc_k3`` / ``acc_sp``: B1 T2048 H32 D128 bf16 (H as the timed shapes: one compile), gradients of ours (and
   fla's unless ``--no-fla``) against an fp32 reference (our torch recompute on fp32 inputs); rel err per input
-  (fla's tolerance 8e-3). Run with ``CUDA_LAUNCH_BLOCKING=1`` so a fault names its launch.
+  (fla's tolerance 8e-3). Run with ``CUDA_LAUNCH_BLOCKING=1`` so a fault names its launch. ``acc_k3`` also
+  compares with an independent float64 token recurrence (``ours_vs_ref64``, ``ref_vs_ref64``) and runs the K3 dense
+  diagonal path (``ours_dense``, TUNING k3_exact "") with every launch's buffers against float64 (``inter_dense``:
+  G bn qn kn = prelude, Ai P w u qg kg = prep, h vn = fwd_h, dh dvn = bwd_dh, dAq dAk = bwd_wy); ``acc_k3d`` the
+  dense path alone.
 - ``time_k3`` / ``time_sp`` / ``time_b8``: fwd+bwd of ours (median ms), our forward alone, our backward per
   launch (each launch timed alone), at B1 T32768 H32 D128 (K3 gate, softplus) and B8 T4096 H32 (K3); fla
   timed too unless ``--no-fla`` (then its recorded numbers: 17.25 / 22.06 ms at B1 T32768 H32).
@@ -41,10 +45,10 @@ SMOKE = os.environ.get("K3IR_BENCH_SMOKE") == "1"
 DEV = "cpu" if SMOKE else "cuda"
 ACC_SHAPE = (1, 128, 2, 16) if SMOKE else (1, 2048, 32, 128)
 JOBS = {   # name: (kind, kwargs, extra env, seconds it needs at least)
-    "acc_k3": ("acc", {"lb": -5.0, "inter": True, "ref64": True, "variants": [("torchbwd", {}, {"K3IR_KDA_BWD": "torch"})]},
+    "acc_k3": ("acc", {"lb": -5.0, "ref64": True, "variants": [("dense", {"k3_exact": ""}, {}, True)]},
                {"CUDA_LAUNCH_BLOCKING": "1"}, 25),
     "time_k3": ("time", {"shape": [1, 32768, 32, 128], "lb": -5.0}, {}, 12),
-    "acc_k3x": ("acc", {"lb": -5.0, "tune": {"k3_exact": True}, "inter": True}, {"CUDA_LAUNCH_BLOCKING": "1"}, 12),
+    "acc_k3d": ("acc", {"lb": -5.0, "tune": {"k3_exact": ""}, "inter": True}, {"CUDA_LAUNCH_BLOCKING": "1"}, 12),
     "probe_wy_wgmma": ("acc", {"lb": -5.0, "tune": {"mma_v2": ""}}, {"CUDA_LAUNCH_BLOCKING": "1"}, 15),
     "acc_sp": ("acc", {"lb": None}, {"CUDA_LAUNCH_BLOCKING": "1"}, 25),
     "time_sp": ("time", {"shape": [1, 32768, 32, 128], "lb": None}, {}, 12),
@@ -269,7 +273,7 @@ def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), re
             row["inter"] = check_intermediates(x, lb, do)
         except Exception as e:  # noqa: BLE001 - a diagnostic must not lose the row
             row["inter_error"] = repr(e)[:300]
-    for vname, over, env in variants:              # the same inputs and reference through other backward paths
+    for vname, over, env, vinter in variants:      # the same inputs and reference through other backward paths
         saved, old = dict(KB.TUNING), {k: os.environ.get(k) for k in env}
         KB.TUNING.update(over)
         os.environ.update(env)
@@ -279,6 +283,8 @@ def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), re
             sync()
             gv = grads(lv)
             row["ours_" + vname] = {n: rel(gv[n], ref[n]) for n in ref}
+            if vinter:
+                row["inter_" + vname] = check_intermediates(x, lb, do)
         except Exception as e:  # noqa: BLE001
             row["error_" + vname] = repr(e)[:300]
         finally:
@@ -407,9 +413,9 @@ def print_tables(rows, meta):
                 if who in r:
                     print(f"{r['job']:15} {r['gate']:9} {who:5} " + " ".join(f"{n}={v:.1e}" for n, v in r[who].items())
                           + ("" if who == "fla" or r.get("finite", True) else "  NON-FINITE"))
-            if "inter" in r:
-                print(f"{r['job']:15} per-launch buffers vs float64 (2 heads): "
-                      + " ".join(f"{n}={v:.1e}" for n, v in r["inter"].items()))
+            for k_ in [k for k in r if k.startswith("inter") and k != "inter_error"]:
+                print(f"{r['job']:15} {k_}: per-launch buffers vs float64 (2 heads): "
+                      + " ".join(f"{n}={v:.1e}" for n, v in r[k_].items()))
             for k_ in r:
                 if k_.startswith("error_") or k_ == "inter_error":
                     print(f"{r['job']:15} {k_}: {r[k_]}")

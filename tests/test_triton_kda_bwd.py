@@ -90,6 +90,28 @@ def test_gradients_all_inputs(T, lb):
     _check(make(B, T, 2, 16, lb=lb, seed=100 + T), seed=T)
 
 
+@pytest.fixture
+def bwd_tuning():
+    """``kda_bwd.TUNING`` restored after the test."""
+    from k3ir.backends.triton import kda_bwd as KB
+    saved = dict(KB.TUNING)
+    yield KB.TUNING
+    KB.TUNING.clear()
+    KB.TUNING.update(saved)
+
+
+@pytest.mark.parametrize("k3_exact", ["", "prep", "bwd_intra"])
+def test_gradients_k3_diagonal_variants(k3_exact, bwd_tuning):
+    """The K3 gate through the centred dense diagonal tiles ("", the fast path), or the exact element-wise
+    diagonals (the default on the GPU since the 01:52 H200 failure of the dense path) in prep or bwd_intra alone:
+    D=128 in K slices, two full chunks plus a tail, gates from the bench's recipe (per-token decays up to the bound,
+    sub-chunk spans near 80)."""
+    bwd_tuning["k3_exact"] = k3_exact
+    x = make(1, 130, 1, 128, lb=-5.0, seed=41)
+    x["A_log"] = torch.ones_like(x["A_log"])          # exp(1) (g + dt_bias): many gates saturate near -5
+    _check(x, seed=42)
+
+
 def test_gradients_wider_heads_no_initial_state():
     _check(make(1, 65, 2, 32, lb=-5.0, seed=3, h0=False), seed=4)
 
