@@ -9,7 +9,8 @@ recurrence MMAv2-only:
   fla's unless ``--no-fla``) against an fp32 reference (our torch recompute on fp32 inputs); rel err per input
   (fla's tolerance 8e-3). Run with ``CUDA_LAUNCH_BLOCKING=1`` so a fault names its launch. ``acc_k3`` also
   compares with an independent float64 token recurrence (``ours_vs_ref64``, ``ref_vs_ref64``) and runs the K3 dense
-  diagonal path (``ours_dense``, TUNING k3_exact "") with every launch's buffers against float64 (``inter_dense``:
+  diagonal path (``ours_dense``, TUNING k3_exact ""; ``ours_prepx`` / ``ours_intrax``: exact in prep / bwd_intra
+  only) with every launch's buffers against float64 (``inter_dense``:
   G bn qn kn = prelude, Ai P w u qg kg = prep, h vn = fwd_h, dh dvn = bwd_dh, dAq dAk = bwd_wy); ``acc_k3d`` the
   dense path alone.
 - ``time_k3`` / ``time_sp`` / ``time_b8``: fwd+bwd of ours (median ms), our forward alone, our backward per
@@ -45,7 +46,9 @@ SMOKE = os.environ.get("K3IR_BENCH_SMOKE") == "1"
 DEV = "cpu" if SMOKE else "cuda"
 ACC_SHAPE = (1, 128, 2, 16) if SMOKE else (1, 2048, 32, 128)
 JOBS = {   # name: (kind, kwargs, extra env, seconds it needs at least)
-    "acc_k3": ("acc", {"lb": -5.0, "ref64": True, "variants": [("dense", {"k3_exact": ""}, {}, True)]},
+    "acc_k3": ("acc", {"lb": -5.0, "ref64": True, "variants": [     # dense first: the others reuse its compiles
+        ("dense", {"k3_exact": ""}, {}, True), ("prepx", {"k3_exact": "prep"}, {}, False),
+        ("intrax", {"k3_exact": "bwd_intra"}, {}, False)]},
                {"CUDA_LAUNCH_BLOCKING": "1"}, 25),
     "time_k3": ("time", {"shape": [1, 32768, 32, 128], "lb": -5.0}, {}, 12),
     "acc_k3d": ("acc", {"lb": -5.0, "tune": {"k3_exact": ""}, "inter": True}, {"CUDA_LAUNCH_BLOCKING": "1"}, 12),
