@@ -168,7 +168,7 @@ def render(report: CheckReport, console=None) -> None:
             detail = "-> " + ", ".join(sorted(r.via))
         else:
             detail = r.why
-        label = {NATIVE: "native", DECOMPOSED: "decomposition", ERROR: "[bold red]ERROR[/]"}[r.status]
+        label = {NATIVE: "native", DECOMPOSED: "decomposition", ERROR: "ERROR"}[r.status]
         t.add_row(r.op, r.family, str(r.count), label, detail)
     console.print(t)
     n = Counter(r.status for r in report.rows)

@@ -94,7 +94,14 @@ def console():
     import shutil
 
     from rich.console import Console
-    return Console(highlight=False, width=max(110, shutil.get_terminal_size((110, 24)).columns))
+    # markup off: user paths and install hints like 'k3ir[tvm]' contain square brackets
+    return Console(highlight=False, markup=False, width=max(110, shutil.get_terminal_size((110, 24)).columns))
+
+
+def _step(con, head: str, rest: str) -> None:
+    """One numbered line of ``k3ir run``: the head in bold, the rest plain (no markup parsing)."""
+    from rich.text import Text
+    con.print(Text.assemble((head, "bold"), rest))
 
 
 # ---- commands ----------------------------------------------------------------------------
@@ -225,7 +232,7 @@ def cmd_run(args) -> int:
     big = k3ir.load(args.model, overrides=parse_overrides(args.overrides))
     k3ir.verify_module(big)
     n_ops = sum(len(f.ops) for f in big.functions.values())
-    con.print(f"[bold]1. built[/] {args.model}: {len(big.params):,} parameter tensors, "
+    _step(con, "1. built", f" {args.model}: {len(big.params):,} parameter tensors, "
               f"{n_ops:,} ops in {', '.join('@' + f for f in big.functions)} "
               f"({time.perf_counter() - t0:.2f} s, verified)")
     print_report(report(big), con)
@@ -238,7 +245,7 @@ def cmd_run(args) -> int:
     tiny = k3ir.load(args.tiny)
     exe = k3ir.compile(tiny, target=args.target, dtype="float32", device=args.device)
     sess = Session(exe, seed=args.seed)
-    con.print(f"[bold]2. compiled[/] {args.tiny} for target '{exe.target}' "
+    _step(con, "2. compiled", f" {args.tiny} for target '{exe.target}' "
               f"({len(tiny.params)} tensors, {report(tiny).params_total:,} parameters, random init seed "
               f"{args.seed}) in {time.perf_counter() - t1:.2f} s")
     prompt = args.prompt.encode("utf-8")
@@ -248,13 +255,13 @@ def cmd_run(args) -> int:
     dt = time.perf_counter() - t2
     new = out[0, ids.shape[1]:].tolist()
     text = bytes(t for t in new if t < 256).decode("utf-8", errors="replace")
-    con.print(f"[bold]3. generated[/] {len(new)} tokens greedily after a {ids.shape[1]}-token prompt "
+    _step(con, "3. generated", f" {len(new)} tokens greedily after a {ids.shape[1]}-token prompt "
               f"{args.prompt!r} in {dt:.2f} s ({len(new) / dt:.1f} tokens/s; prefill + {len(new) - 1} decode steps)")
     con.print(f"   token ids: {new}")
     con.print(f"   as bytes:  {text!r}  (random weights: the text is noise; the path is real)")
     full = sess.forward(out[:, :-1].numpy())
     step = float((full[0, -1] - sess.prefill(out[:, :-1].numpy())[0][0, -1]).abs().max())
-    con.print(f"[bold]4. checked[/] forward over all {out.shape[1] - 1} tokens vs prefill: max |diff| {step:.2e}")
+    _step(con, "4. checked", f" forward over all {out.shape[1] - 1} tokens vs prefill: max |diff| {step:.2e}")
     return 0
 
 
@@ -298,6 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: top-level module of an optional dependency -> the pyproject extra that installs it
+_EXTRAS = {"tvm": "tvm", "triton": "triton", "onnx": "onnx", "onnxruntime": "onnx", "iree": "mlir",
+           "pydot": "pictures", "fastapi": "serve", "uvicorn": "serve", "pydantic": "serve",
+           "sse_starlette": "serve", "starlette": "serve", "tokenizers": "serve", "tiktoken": "serve",
+           "jinja2": "serve", "matplotlib": "train"}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
@@ -309,6 +323,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(func(args) or 0)
     except K3Error as e:
         print(f"k3ir: error: {_error_text(e, args)}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:      # an optional dependency of this command is not installed
+        extra = _EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"k3ir: error: {args.command} needs the Python package '{e.name}': pip install 'k3ir[{extra}]'",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("k3ir: interrupted", file=sys.stderr)

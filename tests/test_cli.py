@@ -124,3 +124,20 @@ def test_run_main_job():
     logits = ref.forward(seq[:, :-1]).numpy()[0, len(prompt) - 1:]
     picked = logits[np.arange(len(new)), new]
     assert np.all(logits.max(-1) - picked <= 1e-4 * np.abs(logits).max())
+
+
+def test_missing_optional_package_is_one_line_with_the_extra(tmp_path, monkeypatch, capsys):
+    """A command whose optional dependency is absent names the package and the pip extra (exit 2)."""
+    from k3ir.runtime.cli import main
+    monkeypatch.setitem(sys.modules, "pydot", None)       # `import pydot` now raises ModuleNotFoundError
+    rc = main(["export", "k3-tiny", "--format", "dot", "-o", str(tmp_path / "g.dot")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.strip() == "k3ir: error: export needs the Python package 'pydot': pip install 'k3ir[pictures]'"
+
+
+def test_console_keeps_square_brackets(capsys):
+    """Install hints ('k3ir[tvm]') and user paths with brackets print verbatim (no rich markup)."""
+    from k3ir.runtime.cli import console
+    console().print("pip install 'k3ir[tvm]' -> br/[red]m.json")
+    assert "pip install 'k3ir[tvm]' -> br/[red]m.json" in capsys.readouterr().out
