@@ -122,6 +122,18 @@ _DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "f32": "float32", "bflo
                 "fp16": "float16", "f16": "float16"}
 
 
+def _check_device(device: str) -> None:
+    """K3BackendError for a device string torch cannot parse (``tpu``, ``cuda:x``)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise K3BackendError(f"unknown device '{device}' (want cpu, cuda or cuda:N)") from None
+
+
 def compile_module(module: Module, target: str = "torch", dtype: str = "float32", device: str = "cpu",
                    passes: list[str] | None = None, verify_each: bool = False, **options: Any) -> Executable:
     """Verify ``module`` (K3VerifyError with ``file:line:col`` for a parsed module: an invalid module
@@ -134,6 +146,7 @@ def compile_module(module: Module, target: str = "torch", dtype: str = "float32"
         raise K3BackendError(f"target '{target}' cannot run here: {why}")
     if dtype not in _DTYPE_NAMES:
         raise K3BackendError(f"unknown dtype '{dtype}' (want one of float32, bfloat16, float16, float64)")
+    _check_device(device)
     from k3ir.passes import run_pipeline
     m = run_pipeline(module.clone(), backend.pipeline if passes is None else passes, verify_each=verify_each, **options)
     return backend.build(m, dtype=_DTYPE_NAMES[dtype], device=device)

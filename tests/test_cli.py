@@ -141,3 +141,9 @@ def test_console_keeps_square_brackets(capsys):
     from k3ir.runtime.cli import console
     console().print("pip install 'k3ir[tvm]' -> br/[red]m.json")
     assert "pip install 'k3ir[tvm]' -> br/[red]m.json" in capsys.readouterr().out
+
+
+def test_unknown_device_is_a_clear_error():
+    from k3ir.errors import K3BackendError
+    with pytest.raises(K3BackendError, match="unknown device 'tpu'"):
+        k3ir.compile(k3ir.load("k3-tiny"), target="torch", device="tpu")
