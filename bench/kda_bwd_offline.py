@@ -15,6 +15,7 @@ import argparse
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import torch
@@ -157,4 +158,7 @@ def main():
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        sys.exit(0)
     main()
