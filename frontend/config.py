@@ -130,6 +130,10 @@ def resolve_config_path(name_or_path: str) -> str:
     if os.path.isdir(name_or_path):
         p = os.path.join(name_or_path, "config.json")
         if not os.path.exists(p):
+            if os.path.exists(os.path.join(name_or_path, "manifest.json")):
+                raise K3ConfigError("is a compiled artifact (manifest.json), not a model: run it with "
+                                    "k3ir.runtime.Session.load(DIR); commands take a model name, config.json "
+                                    "or checkpoint directory", path=name_or_path)
             raise K3ConfigError("directory has no config.json", path=name_or_path)
         return p
     if os.path.isfile(name_or_path):

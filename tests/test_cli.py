@@ -147,3 +147,11 @@ def test_unknown_device_is_a_clear_error():
     from k3ir.errors import K3BackendError
     with pytest.raises(K3BackendError, match="unknown device 'tpu'"):
         k3ir.compile(k3ir.load("k3-tiny"), target="torch", device="tpu")
+
+
+def test_compiled_artifact_given_as_model_says_what_it_is(tmp_path):
+    from k3ir.runtime.cli import main
+    assert main(["compile", "k3-tiny", "--target", "torch", "-o", str(tmp_path / "art")]) == 0
+    r = subprocess.run([sys.executable, "-m", "k3ir.runtime.cli", "inspect", str(tmp_path / "art")],
+                       check=False, capture_output=True, text=True)
+    assert r.returncode == 2 and "compiled artifact" in r.stderr and "Traceback" not in r.stderr
