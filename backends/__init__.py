@@ -147,6 +147,10 @@ def compile_module(module: Module, target: str = "torch", dtype: str = "float32"
     if dtype not in _DTYPE_NAMES:
         raise K3BackendError(f"unknown dtype '{dtype}' (want one of float32, bfloat16, float16, float64)")
     _check_device(device)
+    unknown = sorted(set(options) - {"quantize", "dump_dir", "results"})
+    if unknown:
+        raise K3BackendError(f"compile: unknown option(s) {', '.join(unknown)} (known: target, dtype, device, "
+                             "passes, verify_each, quantize, dump_dir, results)")
     from k3ir.passes import run_pipeline
     m = run_pipeline(module.clone(), backend.pipeline if passes is None else passes, verify_each=verify_each, **options)
     return backend.build(m, dtype=_DTYPE_NAMES[dtype], device=device)

@@ -155,3 +155,9 @@ def test_compiled_artifact_given_as_model_says_what_it_is(tmp_path):
     r = subprocess.run([sys.executable, "-m", "k3ir.runtime.cli", "inspect", str(tmp_path / "art")],
                        check=False, capture_output=True, text=True)
     assert r.returncode == 2 and "compiled artifact" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unknown_compile_option_is_an_error():
+    from k3ir.errors import K3BackendError
+    with pytest.raises(K3BackendError, match="unknown option.*quantise"):
+        k3ir.compile(k3ir.load("k3-tiny"), target="torch", quantise="mxfp4")   # misspelt 'quantize'
