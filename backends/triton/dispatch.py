@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .layer_kernels import route_topk
 
 
 @triton.jit(do_not_specialize=["R"])   # decode B1 (R = 1) and larger batches: one compile
@@ -105,19 +106,8 @@ def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
         for s in range(NSPLIT):
             logit += tl.load(part + (s * R + r)[:, None] * E + cols[None, :], mask=mr[:, None] & me[None, :], other=0.)
         sg = tl.sigmoid(logit)
-        choice = tl.where(me[None, :], sg + tl.load(bias + cols, mask=me, other=0.)[None, :], -float("inf"))
+        pw, pi = route_topk(sg, bias, cols, me, eps, RB, KSLOT, KP, EP, RENORM)
         kc = tl.arange(0, KP)
-        pw = tl.zeros([RB, KP], dtype=tl.float32)
-        pi = tl.zeros([RB, KP], dtype=tl.int32) - 1
-        for j in tl.static_range(KSLOT):
-            mx = tl.max(choice, 1)
-            hit = tl.min(tl.where(choice == mx[:, None], cols[None, :], EP), 1)
-            sel = tl.sum(tl.where(cols[None, :] == hit[:, None], sg, 0.), 1)
-            pw = tl.where(kc[None, :] == j, sel[:, None], pw)
-            pi = tl.where(kc[None, :] == j, hit[:, None], pi)
-            choice = tl.where(cols[None, :] == hit[:, None], -float("inf"), choice)
-        if RENORM:
-            pw = pw / (tl.sum(pw, 1) + eps)[:, None]
         pw = pw * rsf
         valid2 = mr[:, None] & (kc < KSLOT)[None, :]
         pi = tl.where(valid2, pi, -1)

@@ -129,6 +129,28 @@ def kda_decode_kernel(xq, xk, xv, cw_q, cw_k, cw_v, cs_q, cs_k, cs_v, z, beta, A
 
 
 @triton.jit
+def route_topk(s, bias, cols, me, eps, RB: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+               RENORM: tl.constexpr):
+    """Router selection (SPEC.md 5) on scores s ``[RB, EP]`` (fp32, columns ``me`` valid): top-K of
+    s + bias (ties: lower expert first), weights = s at the picks, renormalised (sum + eps) when
+    RENORM. Returns (weights f32, expert ids i32), both ``[RB, KP]``; columns >= K are 0 / -1."""
+    choice = tl.where(me[None, :], s + tl.load(bias + cols, mask=me, other=0.)[None, :], -float("inf"))
+    kc = tl.arange(0, KP)
+    pw = tl.zeros([RB, KP], dtype=tl.float32)
+    pi = tl.zeros([RB, KP], dtype=tl.int32) - 1
+    for j in tl.static_range(K):
+        mx = tl.max(choice, 1)
+        hit = tl.min(tl.where(choice == mx[:, None], cols[None, :], EP), 1)
+        sel = tl.sum(tl.where(cols[None, :] == hit[:, None], s, 0.), 1)
+        pw = tl.where(kc[None, :] == j, sel[:, None], pw)
+        pi = tl.where(kc[None, :] == j, hit[:, None], pi)
+        choice = tl.where(cols[None, :] == hit[:, None], -float("inf"), choice)
+    if RENORM:
+        pw = pw / (tl.sum(pw, 1) + eps)[:, None]
+    return pw, pi
+
+
+@triton.jit
 def router_kernel(x, w, bias, wout, iout, sout, R, D, E, rsf, eps,
                   TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr,
                   BR: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
@@ -152,19 +174,8 @@ def router_kernel(x, w, bias, wout, iout, sout, R, D, E, rsf, eps,
             acc = tl.dot(a, tl.trans(b.to(a.dtype)), acc)
     s = tl.sigmoid(acc)
     tl.store(sout + rows.to(tl.int64)[:, None] * E + cols[None, :], s, mask=mr[:, None] & me[None, :])
-    choice = tl.where(me[None, :], s + tl.load(bias + cols, mask=me, other=0.)[None, :], -float("inf"))
+    picked_w, picked_i = route_topk(s, bias, cols, me, eps, BR, TOPK, KP, EP, RENORM)
     kc = tl.arange(0, KP)
-    picked_w = tl.zeros([BR, KP], dtype=tl.float32)
-    picked_i = tl.zeros([BR, KP], dtype=tl.int32)
-    for j in tl.static_range(TOPK):
-        m = tl.max(choice, 1)
-        hit = tl.min(tl.where(choice == m[:, None], cols[None, :], EP), 1)
-        sel = tl.sum(tl.where(cols[None, :] == hit[:, None], s, 0.), 1)
-        picked_w = tl.where(kc[None, :] == j, sel[:, None], picked_w)
-        picked_i = tl.where(kc[None, :] == j, hit[:, None], picked_i)
-        choice = tl.where(cols[None, :] == hit[:, None], -float("inf"), choice)
-    if RENORM:
-        picked_w = picked_w / (tl.sum(picked_w, 1) + eps)[:, None]
     mo = mr[:, None] & (kc < TOPK)[None, :]
     out = rows.to(tl.int64)[:, None] * TOPK + kc[None, :]
     tl.store(wout + out, picked_w * rsf, mask=mo)
