@@ -42,13 +42,14 @@ def row(section, name, **kv):
     save()
 
 
-def bench(fn, rep_ms=200):
+def bench(fn, rep_ms=200, warmup_ms=25):
+    """Median ms of ``fn`` (``triton.testing.do_bench``); one wall-clock call without a GPU."""
     if not torch.cuda.is_available():
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
     from triton.testing import do_bench
-    return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
 def rel(a, b):

@@ -19,6 +19,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_models
+from bench_models import rel
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -38,17 +41,7 @@ def row(section, name, **kv):
 
 
 def bench(fn, rep_ms=100):
-    if not torch.cuda.is_available():
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    return bench_models.bench(fn, rep_ms, warmup_ms=10)
 
 
 def _route(T, E, k):
