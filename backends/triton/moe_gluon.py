@@ -1,0 +1,421 @@
+"""MXFP4 grouped GEMM for small row counts as a Gluon kernel (issue 6; ``moe.TUNING["mxfp4_kernel"] = "gluon"``).
+
+Why: at 256 tokens the K3 MoE layer (E 896, top-16, D 3584, I 3072) streams 15.7 GB of MXFP4 weights for
+~4.6 token rows per expert, so the time is the decode's instructions per weight element (bench/MOE_NOTES.md,
+"MXFP4 T=256 ... what limits it"). Triton's blocked layouts re-lay the packed bytes into the MMA A fragment
+(~4.2 instructions per element); here the weights are permuted ONCE (``pack_mxfp4``) so that one int32 word
+is exactly one thread's A fragment of one ``mma.m16n8k16`` (rows g, g+8; columns 2t, 2t+1, 2t+8, 2t+9 of a
+16x16 block, PTX ISA "Matrix Fragments for mma.m16n8k16"), with each element's 4 bits placed where a
+rotate + mask drops them into the bf16 bit pattern ``fp4 * 2^-126`` (``FRAG_SHIFTS``); one bf16x2 multiply
+by ``2^(s-1)`` applies the E8M0 scale (a second by ``2^(s-128)`` only when some scale byte is > 128,
+``MXPacked.two``). The Gluon kernel loads those words in a layout whose join/permute/reshape is the
+``DotOperandLayout`` of ``mma_v2`` (``convert_layout(..., assert_trivial=True)``: no data movement).
+
+Operands: weights are the MMA's M side (16-row blocks, ``MR`` per warp), tokens its N side (``BT`` = 8 or
+16 per pass, more rows loop), as in ``moe.grouped_gemm_t_kernel``; the GLU (SiTU/SwiGLU) and the down
+GEMM's row scale are fused in the epilogue; offsets/dispatch/combine are ``moe``'s.
+
+Layout of ``MXPacked`` (``E`` experts, ``N`` rows, ``K`` columns; ``N % 16 == 0``, ``K % 64 == 0``):
+``words int32[E, N/16, K/64, 32, 4]``: word ``[e, mb, kc, lane, kr]`` is lane ``g*4+t``'s fragment of the
+16x16 block (rows ``16 mb..``, columns ``64 kc + 16 kr..``); ``sc1 int32[E, N/16, K/64, 8]``: word ``[.., g]``
+holds the multiplier exponents ``min(s,128)+126`` of (row g, group 2kc), (row g, 2kc+1), (row g+8, 2kc),
+(row g+8, 2kc+1) in bytes 0, 1, 2, 3; ``sc2`` the same for ``max(s,128)-1`` (None when every byte <= 128).
+"""
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+_log = logging.getLogger(__name__)
+
+# --- the fragment word ----------------------------------------------------------------------------------------
+# Output register j of a word (j = rh + 2 kh: rows g + 8 rh, columns 2t + 8 kh + {0, 1}) is
+# ``rotr(w, r) & FRAG_MASK`` for j = 0, 1, 2 (r = FRAG_SHIFTS[j]) and, for j = 3 (no fourth rotation of the
+# mask tiles the word, checked by exhaustive search), ``(rotr(w, 6) & 0x81808180) | (rotr(w, 14) & 0x00400040)``.
+# In each bf16 half: E2M1 m -> bit 6, e0 -> 7, e1 -> 8, sign -> 15: the bf16 value is fp4 * 2^-126.
+FRAG_MASK = 0x81C081C0
+FRAG_SHIFTS = (0, 4, 10)
+COMP = ((6, 0x81808180), (14, 0x00400040))        # (rotation, mask) pairs of register 3
+_HALF_BITS = (6, 7, 8, 15)                          # bf16 bit of nibble bit b (m, e0, e1, sign), low half
+
+
+def _word_bit_positions():
+    """pos[j][h][b]: the word bit holding nibble bit b of register j's half h (see FRAG_SHIFTS, COMP)."""
+    pos = []
+    for j in range(4):
+        rj = []
+        for h in range(2):
+            rb = []
+            for b in range(4):
+                p = _HALF_BITS[b] + 16 * h
+                if j < 3:
+                    r = FRAG_SHIFTS[j]
+                else:
+                    r = next(rr for rr, m in COMP if (m >> p) & 1)
+                rb.append((p + r) % 32)
+            rj.append(rb)
+        pos.append(rj)
+    flat = [q for rj in pos for rb in rj for q in rb]
+    assert sorted(flat) == list(range(32)), "fragment bit placement must use every word bit once"
+    return pos
+
+
+WORD_POS = _word_bit_positions()
+
+
+def _decode_asm(two: bool) -> str:
+    """PTX for one fragment word (pack=2: $4/$5 = the word twice, $6/$7 = multiplier word twice, $8/$9 the
+    second multiplier): outputs $0..$3 = bf16x2 registers j = 0..3 (rows g, g+8, g, g+8; columns 2t.., 2t..,
+    2t+8.., 2t+8..). The multiplier word holds row g's bf16 multiplier in its low half, row g+8's in its high."""
+    s = ("{\n.reg .b32 a, b, z, m0, m1, n0, n1;\n.reg .b16 ml, mh, nl, nh;\nmov.b32 z, 0x80008000;\n"
+         "mov.b32 {ml, mh}, $6;\nmov.b32 m0, {ml, ml};\nmov.b32 m1, {mh, mh};\n")
+    if two:
+        s += "mov.b32 {nl, nh}, $8;\nmov.b32 n0, {nl, nl};\nmov.b32 n1, {nh, nh};\n"
+    for j in range(4):
+        m = "m0" if j % 2 == 0 else "m1"
+        if j == 0:
+            s += f"and.b32 a, $4, {FRAG_MASK:#010x};\n"
+        elif j < 3:
+            s += f"shf.r.wrap.b32 a, $4, $4, {FRAG_SHIFTS[j]};\nand.b32 a, a, {FRAG_MASK:#010x};\n"
+        else:
+            (r0, k0), (r1, k1) = COMP
+            s += (f"shf.r.wrap.b32 a, $4, $4, {r0};\nand.b32 a, a, {k0:#010x};\n"
+                  f"shf.r.wrap.b32 b, $4, $4, {r1};\nand.b32 b, b, {k1:#010x};\nor.b32 a, a, b;\n")
+        s += f"fma.rn.bf16x2 ${j}, a, {m}, z;\n"          # a * m + (-0): exact, keeps the sign of zero
+        if two:
+            s += f"fma.rn.bf16x2 ${j}, ${j}, {'n0' if j % 2 == 0 else 'n1'}, z;\n"
+    return s + "}"
+
+
+DEC1 = gl.constexpr(_decode_asm(False))
+DEC2 = gl.constexpr(_decode_asm(True))
+
+
+class MXPacked(NamedTuple):
+    """Prepared MXFP4 expert weights (module docstring): words, sc1, sc2 (or None), N, K."""
+    words: torch.Tensor
+    sc1: torch.Tensor
+    sc2: torch.Tensor | None
+    N: int
+    K: int
+
+    @property
+    def two(self) -> bool:
+        return self.sc2 is not None
+
+
+def _byte_luts() -> list[list[int]]:
+    """lut[j][byte]: the word bits of register j for one packed byte (low nibble = half 0, high = half 1), as
+    int32 values (two's complement)."""
+    luts = []
+    for j in range(4):
+        row = []
+        for v in range(256):
+            w = 0
+            for h in range(2):
+                c = (v >> (4 * h)) & 15
+                for b in range(4):
+                    w |= ((c >> b) & 1) << WORD_POS[j][h][b]
+            row.append(w - (1 << 32) if w >= 1 << 31 else w)
+        luts.append(row)
+    return luts
+
+
+_LUTS = _byte_luts()
+
+
+def _pack_words(p: torch.Tensor) -> torch.Tensor:
+    """packed uint8[E, N, K/2] -> int32 words [E, N/16, K/64, 32, 4] (module docstring). Register j = rh + 2 kh
+    of a word holds the two elements 2t + 8 kh + {0, 1} of row g + 8 rh: exactly one packed byte."""
+    E, N, K2 = p.shape
+    b = p.reshape(E, N // 16, 2, 8, K2 // 32, 4, 2, 4)                      # e mb rh g kc kr kh t
+    b = b.permute(0, 1, 4, 3, 7, 5, 6, 2).long()                            # e mb kc g t kr kh rh  (j = 2 kh + rh)
+    b = b.reshape(E, N // 16, K2 // 32, 32, 4, 4)
+    lut = torch.tensor(_LUTS, dtype=torch.int32, device=p.device)
+    w = lut[0][b[..., 0]] | lut[1][b[..., 1]] | lut[2][b[..., 2]] | lut[3][b[..., 3]]
+    return w.contiguous()
+
+
+def _pack_scales(e8: torch.Tensor) -> torch.Tensor:
+    """exponent bytes int64[E, N, K/32] -> int32 [E, N/16, K/64, 8] (bytes: (g, 2kc), (g, 2kc+1), (g+8, 2kc),
+    (g+8, 2kc+1))."""
+    E, N, G = e8.shape
+    s = e8.reshape(E, N // 16, 2, 8, G // 2, 2).permute(0, 1, 4, 3, 2, 5)          # e mb kc g rh grp
+    s = s.reshape(E, N // 16, G // 2, 8, 4)
+    w = s[..., 0] | (s[..., 1] << 8) | (s[..., 2] << 16) | (s[..., 3] << 24)
+    return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32).contiguous()
+
+
+def pack_mxfp4(packed: torch.Tensor, scales: torch.Tensor, chunk: int = 16) -> MXPacked:
+    """Permute MXFP4 experts (``packed uint8[E, N, K/2]``, low nibble = even element; ``scales uint8[E, N,
+    K/32]`` E8M0) into the fragment-word layout of the Gluon kernel (once, at prepare time; on the tensors'
+    device, ``chunk`` experts at a time). Raises ValueError unless N % 16 == 0 and K % 64 == 0."""
+    E, N, K2 = packed.shape
+    K = 2 * K2
+    if N % 16 or K % 64 or tuple(scales.shape) != (E, N, K // 32):
+        raise ValueError(f"gluon MXFP4 needs N % 16 == 0, K % 64 == 0 and scales [E, N, K/32]; got packed "
+                         f"{tuple(packed.shape)}, scales {tuple(scales.shape)}")
+    two = bool((scales > 128).any().item()) if scales.numel() else False
+    words, s1, s2 = [], [], []
+    for e0 in range(0, E, chunk):
+        words.append(_pack_words(packed[e0:e0 + chunk]))
+        sb = scales[e0:e0 + chunk].to(torch.int64)
+        s1.append(_pack_scales(torch.clamp(sb, max=128) + 126))
+        if two:
+            s2.append(_pack_scales(torch.clamp(sb, min=128) - 1))
+    return MXPacked(torch.cat(words), torch.cat(s1), torch.cat(s2) if two else None, N, K)
+
+
+_CACHE = None            # WeakIdKeyDictionary: packed weight tensor -> (version, scales id, MXPacked)
+
+
+def prepared(w: torch.Tensor, scales: torch.Tensor) -> MXPacked:
+    """``pack_mxfp4(w, scales)`` computed once per weight tensor (and version) and kept while ``w`` lives
+    (the prepare-time permutation; it holds a second copy of the expert bytes)."""
+    global _CACHE
+    if _CACHE is None:
+        from torch.utils.weak import WeakIdKeyDictionary
+        _CACHE = WeakIdKeyDictionary()
+    hit = _CACHE.get(w)
+    if hit is None or hit[0] != (w._version, scales._version, id(scales)):
+        hit = ((w._version, scales._version, id(scales)), pack_mxfp4(w, scales))
+        _CACHE[w] = hit
+    return hit[1]
+
+
+# --- the kernel -------------------------------------------------------------------------------------------------
+@gluon.constexpr_function
+def _slice_to(layout, dim, rank):
+    """The nested SliceLayout of ``layout`` that keeps only dimension ``dim`` of ``rank``."""
+    out = layout
+    for d in reversed(range(rank)):
+        if d != dim:
+            out = gl.SliceLayout(d, out)
+    return out
+
+
+@gluon.jit
+def _iota(n: gl.constexpr, d: gl.constexpr, layout: gl.constexpr, rank: gl.constexpr):
+    """arange(n) along dimension d of a rank-``rank`` tensor in ``layout`` (size 1 elsewhere)."""
+    v = gl.arange(0, n, layout=_slice_to(layout, d, rank))
+    for a in gl.static_range(rank):
+        if a != d:
+            v = gl.expand_dims(v, a)
+    return v
+
+
+@gluon.jit
+def _sigmoid(z):
+    return 1.0 / (1.0 + gl.exp(-z))
+
+
+@gluon.jit
+def _decode(wd, sw, sw2, TWO: gl.constexpr, dot_a: gl.constexpr, wl: gl.constexpr, BW: gl.constexpr,
+            BK: gl.constexpr):
+    """Fragment words ``wd [MB, 8, 4, KQ, 4]`` and scale words ``sw [MB, 8, 4, KQ]`` -> the bf16 A operand
+    ``[BW, BK]`` in ``dot_a`` (every reshape/permute/convert below is a register renaming)."""
+    mA = (sw << 7) & 0x7F807F80                       # group 2kc: rows g | g+8 (bf16 multipliers)
+    mB = (sw >> 1) & 0x7F807F80                       # group 2kc+1
+    m = gl.join(mA, mB)
+    m = gl.reshape(gl.join(m, m), wd.shape)           # kr = 2 grp + j
+    m = gl.convert_layout(m, wl, assert_trivial=True)
+    if TWO:
+        nA = (sw2 << 7) & 0x7F807F80
+        nB = (sw2 >> 1) & 0x7F807F80
+        n = gl.join(nA, nB)
+        n = gl.convert_layout(gl.reshape(gl.join(n, n), wd.shape), wl, assert_trivial=True)
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(DEC2, "=r,=r,=r,=r,r,r,r,r,r,r",
+                                                   [gl.join(wd, wd), gl.join(m, m), gl.join(n, n)],
+                                                   dtype=(gl.bfloat16,) * 4, is_pure=True, pack=2)
+    else:
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(DEC1, "=r,=r,=r,=r,r,r,r,r", [gl.join(wd, wd), gl.join(m, m)],
+                                                   dtype=(gl.bfloat16,) * 4, is_pure=True, pack=2)
+    r = gl.join(gl.join(o0, o1), gl.join(o2, o3))      # [mb, g, t, kq, kr, h, rh, kh]
+    r = gl.permute(r, (0, 6, 1, 3, 4, 7, 2, 5))        # [mb, rh, g, kq, kr, kh, t, h]
+    r = gl.reshape(r, (BW, BK))
+    return gl.convert_layout(r, dot_a, assert_trivial=True)
+
+
+@gluon.jit
+def _first_row(offsets, NE, j, ROWGRID: gl.constexpr, EP: gl.constexpr, NW: gl.constexpr):
+    """(expert, start, end) of program column j: expert j, or (row grid) the expert whose first row is j."""
+    if ROWGRID:
+        l1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        ie = gl.arange(0, EP, layout=l1)
+        ends = gl.load(offsets + 1 + ie, mask=ie < NE, other=2147483647)
+        e = gl.sum((ends <= j).to(gl.int32), axis=0)
+        start = gl.load(offsets + e).to(gl.int32)
+        end = gl.load(offsets + e + 1).to(gl.int32)
+        end = gl.where(start == j, end, start)
+    else:
+        e = j
+        start = gl.load(offsets + e).to(gl.int32)
+        end = gl.load(offsets + e + 1).to(gl.int32)
+    return e, start, end
+
+
+@gluon.jit
+def _load_step(x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, kk, ACT: gl.constexpr, TWO: gl.constexpr,
+               BK: gl.constexpr, KQ: gl.constexpr):
+    """K step ``kk``'s x tile (B operand), fragment words and scale words of both weights."""
+    xb = gl.load(x + kk * BK + xoff)
+    wa = gl.load(w1p + kk * (KQ * 128) + woff)
+    sa = gl.load(s1p + kk * (KQ * 8) + soff)
+    ta = sa
+    if TWO:
+        ta = gl.load(t1p + kk * (KQ * 8) + soff)
+    wb = wa
+    sb = sa
+    tb = ta
+    if ACT != 0:
+        wb = gl.load(w3p + kk * (KQ * 128) + woff)
+        sb = gl.load(s3p + kk * (KQ * 8) + soff)
+        if TWO:
+            tb = gl.load(t3p + kk * (KQ * 8) + soff)
+    return xb, wa, sa, ta, wb, sb, tb
+
+
+@gluon.jit
+def _mma_step(acc, acc3, xb, wa, sa, ta, wb, sb, tb, ACT: gl.constexpr, TWO: gl.constexpr, dot_a: gl.constexpr,
+              wl: gl.constexpr, BW: gl.constexpr, BK: gl.constexpr):
+    acc = mma_v2(_decode(wa, sa, ta, TWO, dot_a, wl, BW, BK), xb, acc)
+    if ACT != 0:
+        acc3 = mma_v2(_decode(wb, sb, tb, TWO, dot_a, wl, BW, BK), xb, acc3)
+    return acc, acc3
+
+
+@gluon.jit
+def mx_gemm_kernel(x, offsets, w1, s1, t1, w3, s3, t3, y, rscale, NE, b1, b2, N: gl.constexpr, K: gl.constexpr,
+                   ACT: gl.constexpr, SCALE_ROWS: gl.constexpr, TWO: gl.constexpr, MR: gl.constexpr,
+                   KQ: gl.constexpr, BT: gl.constexpr, ROWGRID: gl.constexpr, EP: gl.constexpr, NW: gl.constexpr):
+    """``y[r, n] = act(x[r] W1_e^T, x[r] W3_e^T)[n]`` (ACT 0: x W1^T only; 1 SiTU-GLU(b1, b2); 2 SwiGLU) times
+    ``rscale[r]`` when SCALE_ROWS, for MXFP4 weights prepared by ``pack_mxfp4`` (w*: words, s*: sc1,
+    t*: sc2 when TWO). Grid ``(N / (16 MR NW), E)`` (ROWGRID: ``(.., R)``, see ``moe.grouped_gemm_t_kernel``).
+    Each program streams its ``16 MR NW`` weight rows over K once per BT-token pass, the next K step's words
+    loaded before the current one is decoded (register double buffer)."""
+    MB: gl.constexpr = MR * NW
+    BW: gl.constexpr = MB * 16
+    BK: gl.constexpr = KQ * 64
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    wl: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 8, 4, 1, 1], [NW, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    sl: gl.constexpr = gl.SliceLayout(4, wl)
+    pid_n = gl.program_id(0)
+    e, start, end = _first_row(offsets, NE, gl.program_id(1), ROWGRID, EP, NW)
+    NB: gl.constexpr = N // 16
+    KC: gl.constexpr = K // 64
+    NK: gl.constexpr = K // BK
+    # per-thread int64 offsets (lane/warp part + compile-time constants, so loads use [base + imm]) from
+    # per-program scalar bases: word ((mb * KC + kq) * 32 + g * 4 + t) * 4 + kr, scale word (mb * KC + kq) * 8 + g
+    woff = ((_iota(MB, 0, wl, 5).to(gl.int64) * KC + _iota(KQ, 3, wl, 5).to(gl.int64)) * 128
+            + _iota(8, 1, wl, 5).to(gl.int64) * 16 + _iota(4, 2, wl, 5).to(gl.int64) * 4
+            + _iota(4, 4, wl, 5).to(gl.int64))
+    soff = ((_iota(MB, 0, sl, 4).to(gl.int64) * KC + _iota(KQ, 3, sl, 4).to(gl.int64)) * 8
+            + _iota(8, 1, sl, 4).to(gl.int64) + _iota(4, 2, sl, 4).to(gl.int64) * 0)
+    blk = (e.to(gl.int64) * NB + pid_n * MB) * KC          # the program's first (mb, kc) block
+    w1p = w1 + blk * 128
+    w3p = w3 + blk * 128
+    s1p = s1 + blk * 8
+    s3p = s3 + blk * 8
+    t1p = t1 + blk * 8
+    t3p = t3 + blk * 8
+    ok = gl.arange(0, BK, layout=gl.SliceLayout(1, dot_b)).to(gl.int64)
+    for m0 in range(start, end, BT):
+        rows = gl.minimum(m0 + gl.arange(0, BT, layout=gl.SliceLayout(0, dot_b)), end - 1)   # past the end: a
+        xoff = rows.to(gl.int64)[None, :] * K + ok[:, None]              # valid row, its outputs are not stored
+        acc = gl.zeros([BW, BT], gl.float32, mma)
+        acc3 = gl.zeros([BW, BT], gl.float32, mma)
+        xa, wa, sa, ta, wb, sb, tb = _load_step(x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, 0,
+                                                ACT, TWO, BK, KQ)
+        for kk in range(0, NK - 2, 2):          # two steps per iteration: no register copies at the back edge
+            xa2, wa2, sa2, ta2, wb2, sb2, tb2 = _load_step(x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, kk + 1,
+                                                           ACT, TWO, BK, KQ)
+            acc, acc3 = _mma_step(acc, acc3, xa, wa, sa, ta, wb, sb, tb, ACT, TWO, dot_a, wl, BW, BK)
+            xa, wa, sa, ta, wb, sb, tb = _load_step(x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, kk + 2,
+                                                    ACT, TWO, BK, KQ)
+            acc, acc3 = _mma_step(acc, acc3, xa2, wa2, sa2, ta2, wb2, sb2, tb2, ACT, TWO, dot_a, wl, BW, BK)
+        if NK % 2 == 0:
+            xa2, wa2, sa2, ta2, wb2, sb2, tb2 = _load_step(x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, NK - 1,
+                                                           ACT, TWO, BK, KQ)
+            acc, acc3 = _mma_step(acc, acc3, xa, wa, sa, ta, wb, sb, tb, ACT, TWO, dot_a, wl, BW, BK)
+            acc, acc3 = _mma_step(acc, acc3, xa2, wa2, sa2, ta2, wb2, sb2, tb2, ACT, TWO, dot_a, wl, BW, BK)
+        else:
+            acc, acc3 = _mma_step(acc, acc3, xa, wa, sa, ta, wb, sb, tb, ACT, TWO, dot_a, wl, BW, BK)
+        # epilogue: acc [BW, BT] = y^T of these rows
+        offs_n = pid_n * BW + gl.arange(0, BW, layout=gl.SliceLayout(1, mma))
+        orow = m0 + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
+        omr = orow < end
+        if ACT == 1:
+            g = acc.to(y.dtype.element_ty).to(gl.float32)
+            u = acc3.to(y.dtype.element_ty).to(gl.float32)
+            acc = (b1 * (2. * _sigmoid(2. * g / b1) - 1.) * _sigmoid(g)) * (b2 * (2. * _sigmoid(2. * u / b2) - 1.))
+        elif ACT == 2:
+            g = acc.to(y.dtype.element_ty).to(gl.float32)
+            u = acc3.to(y.dtype.element_ty).to(gl.float32)
+            acc = g * _sigmoid(g) * u
+        if SCALE_ROWS:
+            acc = acc * gl.load(rscale + orow, mask=omr, other=0.)[None, :]
+        gl.store(y + orow.to(gl.int64)[None, :] * N + offs_n[:, None], acc.to(y.dtype.element_ty),
+                 mask=omr[None, :] & (offs_n < N)[:, None])
+
+
+# --- host side --------------------------------------------------------------------------------------------------
+ACT_IDS = {"none": 0, "situ": 1, "silu": 2, "swiglu": 2}
+CONFIG = {"MR": 2, "KQ": 2, "BT": 8, "NW": 4}       # BW = 16 MR NW weight rows, BK = 64 KQ, BT tokens per pass
+
+
+def config_for(N: int, K: int, config: dict | None = None) -> dict:
+    """``CONFIG`` updated by ``config``, with KQ halved until 64 KQ divides K and MR halved until the
+    ``16 MR NW`` weight rows of a program divide N (the kernel has no row/column masks on its loads).
+    Raises ValueError when N is not a multiple of 16 NW or K of 64."""
+    c = dict(CONFIG, **(config or {}))
+    while K % (64 * c["KQ"]) and c["KQ"] > 1:
+        c["KQ"] //= 2
+    while N % (16 * c["MR"] * c["NW"]) and c["MR"] > 1:
+        c["MR"] //= 2
+    if K % (64 * c["KQ"]) or N % (16 * c["MR"] * c["NW"]):
+        raise ValueError(f"gluon MXFP4: N={N} must be a multiple of {16 * c['NW']} and K={K} of 64")
+    return c
+
+
+def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, pw: MXPacked, *, pw3: MXPacked | None = None,
+                   act: str = "none", b1: float = 4.0, b2: float = 25.0, row_scale: torch.Tensor | None = None,
+                   config: dict | None = None, rowgrid: bool = True) -> torch.Tensor:
+    """``moe.grouped_matmul`` for MXFP4 weights prepared by ``pack_mxfp4`` (bf16 activations on a CUDA
+    device): x ``[R, K]`` sorted by expert, offsets ``int[E+1]``; ``pw3`` + act ("situ"/"silu"): the fused
+    GLU; ``row_scale f32[R]`` multiplies output rows. Returns ``[R, N]`` in x's dtype. Raises ValueError on
+    inconsistent shapes."""
+    x = x.contiguous()
+    R, K = x.shape
+    E = pw.words.shape[0]
+    N = pw.N
+    glu = act != "none"
+    if x.dtype != torch.bfloat16 or K != pw.K or offsets.numel() != E + 1 or (glu and (pw3 is None or (pw3.N, pw3.K) != (N, K))):
+        raise ValueError(f"gluon MXFP4 grouped_matmul: x {tuple(x.shape)} {x.dtype} (bf16 only), weights [E={E}, N={N}, K={pw.K}], "
+                         f"offsets {tuple(offsets.shape)}, act {act!r} (GLU needs a second weight of the same shape)")
+    y = torch.empty(R, N, device=x.device, dtype=x.dtype)
+    if R == 0:
+        return y
+    c = config_for(N, K, config)
+    pw3 = pw3 if glu else pw
+    two = pw.two or pw3.two
+    if two and not (pw.two and pw3.two):
+        raise ValueError("gluon MXFP4: both GLU weights need the same number of scale multipliers (repack)")
+    t1 = pw.sc2 if pw.two else pw.sc1
+    t3 = pw3.sc2 if pw3.two else pw3.sc1
+    rs = row_scale.float().contiguous() if row_scale is not None else None
+    rg = rowgrid and R < E
+    BW = 16 * c["MR"] * c["NW"]
+    grid = (triton.cdiv(N, BW), R if rg else E)
+    mx_gemm_kernel[grid](x, offsets.contiguous(), pw.words, pw.sc1, t1, pw3.words, pw3.sc1, t3, y, rs, E,
+                         float(b1), float(b2), N=N, K=K, ACT=ACT_IDS[act], SCALE_ROWS=rs is not None, TWO=two, MR=c["MR"],
+                         KQ=c["KQ"], BT=c["BT"], ROWGRID=rg, EP=triton.next_power_of_2(E) if rg else 1, NW=c["NW"],
+                         num_warps=c["NW"])
+    return y

@@ -1,0 +1,176 @@
+"""The Gluon MXFP4 kernel's prepare-time permutation and decode (backends/triton/moe_gluon.py, issue 6).
+
+The interpreter does not run Gluon, so the CPU tests emulate exactly what each thread computes: the
+fragment words and scale words of ``pack_mxfp4``, the scale-word -> multiplier bit ops of ``_decode`` and
+the inline PTX (executed instruction by instruction, vectorised over every word), mapped to matrix
+positions by the PTX ISA fragment layout of ``mma.m16n8k16`` (A operand: lane = 4 g + t holds rows g, g+8
+and columns 2t, 2t+1, 2t+8, 2t+9 of each 16x16 block) -- against ``k3ir.quant.mxfp4_dequantize``, value for
+value. The GPU test runs the kernel against the dequantise-then-matmul product."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from k3ir import quant as Q
+
+G = pytest.importorskip("k3ir.backends.triton.moe_gluon")
+
+
+def _bf(bits):
+    return (np.asarray(bits, np.uint64).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _to_bf(v):
+    """float64 products -> bf16 bits; every product of the decode must be exact in bf16 (or overflow)."""
+    with np.errstate(over="ignore"):
+        f = v.astype(np.float32)
+    fin = np.isfinite(f)
+    assert np.all(f[fin].astype(np.float64) == v[fin]), "inexact product"
+    u = f.view(np.uint32)
+    assert np.all(u[fin] & 0xFFFF == 0), "product not representable in bf16"
+    return (u >> 16).astype(np.uint64)
+
+
+def run_ptx(src: str, regs: dict) -> dict:
+    """Executes the decode PTX (mov pack/unpack, and, or, shf.r.wrap, fma.rn.bf16x2) on uint64 arrays of
+    32-bit register values, element-wise."""
+    env = {k: np.asarray(v, np.uint64) & 0xFFFFFFFF for k, v in regs.items()}
+
+    def val(t):
+        t = t.strip()
+        return np.uint64(int(t, 0)) if t[0].isdigit() else env[t]
+
+    for line in src.split(";"):
+        line = line.strip().strip("{}").strip()
+        if not line or line.startswith(".reg"):
+            continue
+        opc, rest = line.split(None, 1)
+        if opc == "mov.b32" and rest.lstrip().startswith("{"):          # unpack: mov.b32 {lo, hi}, X
+            lo, hi, x = (t.strip(" {}") for t in rest.replace("}", ",").split(",") if t.strip(" {}"))
+            env[lo], env[hi] = val(x) & 0xFFFF, val(x) >> 16
+            continue
+        d, srcs = rest.split(",", 1)
+        d = d.strip()
+        if opc == "mov.b32" and "{" in srcs:                             # pack: mov.b32 X, {lo, hi}
+            lo, hi = (t.strip(" {}") for t in srcs.split(","))
+            env[d] = val(lo) | (val(hi) << 16)
+            continue
+        a = [val(o) for o in srcs.split(",")]
+        if opc == "mov.b32":
+            r = a[0] + np.zeros_like(next(iter(env.values())))
+        elif opc == "and.b32":
+            r = a[0] & a[1]
+        elif opc == "or.b32":
+            r = a[0] | a[1]
+        elif opc == "shf.r.wrap.b32":                                   # funnel shift right of (a[1]:a[0])
+            n = int(a[2]) % 32
+            r = ((a[0] | (a[1] << 32)) >> n) & 0xFFFFFFFF
+        elif opc == "fma.rn.bf16x2":
+            r = sum(_to_bf(_bf((a[0] >> h) & 0xFFFF) * _bf((a[1] >> h) & 0xFFFF) + _bf((a[2] >> h) & 0xFFFF)) << h
+                    for h in (0, 16))
+        else:
+            raise AssertionError(f"unhandled PTX {opc}")
+        env[d] = np.asarray(r, np.uint64)
+    return env
+
+
+def _emulate(packed: np.ndarray, scales: np.ndarray):
+    """Decoded float32 weights [E, N, K] as the kernel's threads produce them, and how often each (n, k) was
+    written (must be once)."""
+    pw = G.pack_mxfp4(torch.from_numpy(packed), torch.from_numpy(scales))
+    words = pw.words.numpy().view(np.uint32).astype(np.uint64)            # [E, NB, KC, 32, 4]
+    E, NB, KC = words.shape[:3]
+    lane = np.arange(32)
+    g, t = lane // 4, lane % 4
+
+    def mult(sw):                                                         # _decode: scale word -> bf16x2 words
+        sw = sw.view(np.uint32).astype(np.uint64)[..., g]                  # [E, NB, KC, 32 lanes]
+        ma, mb = (sw << 7) & 0x7F807F80, (sw >> 1) & 0x7F807F80
+        return np.stack([ma, ma, mb, mb], -1)                              # kr = 2 grp + j
+    regs = {"$4": words, "$5": words, "$6": mult(pw.sc1.numpy())}
+    regs["$7"] = regs["$6"]
+    if pw.two:
+        regs["$8"] = regs["$9"] = mult(pw.sc2.numpy())
+    env = run_ptx(G._decode_asm(pw.two), regs)
+    K = KC * 64
+    out = np.full((E, NB * 16, K), np.nan, np.float32)
+    hits = np.zeros(out.shape, np.int64)
+    e_, mb_, kc_, ln_, kr_ = np.meshgrid(*(np.arange(s) for s in words.shape), indexing="ij")
+    for j in range(4):
+        rh, kh = j & 1, j >> 1
+        for h in range(2):
+            n = mb_ * 16 + rh * 8 + g[ln_]
+            k = kc_ * 64 + kr_ * 16 + kh * 8 + 2 * t[ln_] + h
+            out[e_, n, k] = _bf((env[f"${j}"] >> (16 * h)) & 0xFFFF).astype(np.float32)
+            np.add.at(hits, (e_, n, k), 1)
+    return out, hits, pw
+
+
+@pytest.mark.parametrize("smax", [128, 254])
+def test_fragment_words_decode_to_reference_values(smax):
+    """Every nibble value x scale bytes 0..smax (one bf16x2 multiply up to 128, two above) through the
+    permutation + emulated per-thread PTX equals the reference dequantiser exactly, each element once."""
+    rng = np.random.default_rng(smax)
+    E, N, K = 2, 32, 256
+    packed = rng.integers(0, 256, (E, N, K // 2), dtype=np.uint8)
+    packed[0, 0, :128] = np.arange(128, dtype=np.uint8) * 2 + 1       # all byte values appear
+    packed[0, 1, :128] = np.arange(128, dtype=np.uint8) * 2
+    scales = rng.integers(0, smax + 1, (E, N, K // 32), dtype=np.uint8)
+    scales[0, :, 0] = np.linspace(0, smax, N).astype(np.uint8)
+    scales[1, 0, :] = smax
+    got, hits, pw = _emulate(packed, scales)
+    assert pw.two == (smax > 128)
+    assert np.all(hits == 1), "every weight element must be decoded by exactly one (lane, register, half)"
+    with np.errstate(over="ignore"):
+        want = Q.mxfp4_dequantize(packed, scales).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_word_bit_placement_uses_every_bit_once_and_matches_masks():
+    """The bit table: 32 distinct word bits; rotating the word right by the register's shift and masking
+    gives exactly the placed nibble bits (registers 0-2), register 3 from its two rotations."""
+    flat = sorted(q for rj in G.WORD_POS for rh in rj for q in rh)
+    assert flat == list(range(32))
+    for j in range(3):
+        r = G.FRAG_SHIFTS[j]
+        got = sorted((q - r) % 32 for rh in G.WORD_POS[j] for q in rh)
+        assert got == sorted(b for b in range(32) if (G.FRAG_MASK >> b) & 1)
+    m1, m2 = G.COMP[0][1], G.COMP[1][1]
+    assert m1 & m2 == 0 and m1 | m2 == G.FRAG_MASK
+
+
+def test_pack_rejects_bad_shapes_and_config_fits():
+    with pytest.raises(ValueError, match="N % 16"):
+        G.pack_mxfp4(torch.zeros(1, 24, 32, dtype=torch.uint8), torch.zeros(1, 24, 2, dtype=torch.uint8))
+    c = G.config_for(3584, 3072, {"MR": 4})
+    assert 3584 % (16 * c["MR"] * c["NW"]) == 0 and 3072 % (64 * c["KQ"]) == 0
+    with pytest.raises(ValueError, match="multiple"):
+        G.config_for(3584 + 16, 3072)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act,smax", [("situ", 128), ("none", 254)])
+def test_gluon_kernel_matches_dequantised_matmul(act, smax):
+    """The Gluon kernel (GLU and plain + row scale, one and two multipliers, experts of 0..19 rows) against
+    bf16 dequantise-then-matmul on the GPU (tolerance SPEC 11 bf16)."""
+    from k3ir.backends.triton import moe
+    dev = "cuda"
+    rng = np.random.default_rng(1)
+    E, N, K = 6, 256, 512
+    cnt = np.array([0, 1, 5, 8, 9, 19])
+    off = torch.tensor(np.concatenate([[0], np.cumsum(cnt)]), device=dev)
+    R = int(cnt.sum())
+    x = torch.randn(R, K, device=dev, dtype=torch.bfloat16)
+    mk = [(rng.integers(0, 256, (E, N, K // 2), dtype=np.uint8), rng.integers(110, smax + 1, (E, N, K // 32),
+                                                                           dtype=np.uint8)) for _ in range(2)]
+    pws = [G.pack_mxfp4(torch.from_numpy(p).to(dev), torch.from_numpy(s).to(dev)) for p, s in mk]
+    rs = torch.rand(R, device=dev)
+    y = G.grouped_matmul(x, off, pws[0], pw3=pws[1] if act != "none" else None, act=act,
+                         row_scale=rs if act == "none" else None)
+    t = [torch.from_numpy(p).to(dev) for p, _ in mk], [torch.from_numpy(s).to(dev) for _, s in mk]
+    ref = moe.grouped_matmul(x, off, t[0][0], t[1][0], "mxfp4", w3=t[0][1] if act != "none" else None,
+                             scales3=t[1][1] if act != "none" else None, act=act,
+                             row_scale=rs if act == "none" else None, mxfp4_decode="exact")
+    err = float((y.float() - ref.float()).norm() / ref.float().norm())
+    assert err < 2e-2, err
