@@ -7,6 +7,9 @@ A CompilationError / OutOfResources here is one the device would raise.
 
     PYTHONPATH=/tmp/triton36 python bench/moe_offline.py            # all configs, table
     PYTHONPATH=/tmp/triton36 python bench/moe_offline.py --sass mxfp4  # + SASS opcode counts (filter)
+    PYTHONPATH=/tmp/triton36 python bench/moe_offline.py gluon         # the Gluon MXFP4 kernel (moe_gluon.py):
+        every moe_gluon_check.CONFIGS entry, GLU/down, one/two multipliers; registers, spills and the SASS
+        instructions per weight element of the main K loop
 """
 from __future__ import annotations
 
@@ -85,6 +88,95 @@ def compile_cfg(quant: str, glu: bool, xdt: str, cfg: tuple, N: int, K: int, dec
     return out
 
 
+GL_NAMES = ["x", "offsets", "w1", "s1", "t1", "w3", "s3", "t3", "y", "rscale", "NE", "b1", "b2"]
+
+
+def _ptxas(ptx: str, sass: bool):
+    """ptxas -v (registers, spills) and, with ``sass``, cuobjdump -sass of one PTX module."""
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.ptx")
+        with open(p, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name", "sm_90a", p, "-o",
+                              os.path.join(d, "k.cubin")], check=False, capture_output=True, text=True).stderr
+        sa = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
+                            check=False, capture_output=True, text=True).stdout if sass else ""
+    m = re.search(r"Used (\d+) registers", log)
+    sp = re.search(r"(\d+) bytes spill stores", log)
+    return (int(m.group(1)) if m else -1), (int(sp.group(1)) if sp else -1), sa
+
+
+def loop_ops(sa: str) -> list:
+    """(instructions, opcode counts) of every backward branch's body (a loop) in a SASS listing."""
+    ins = []
+    for ln in sa.splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,5})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*?);", ln)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    out = []
+    for a, op, rest in ins:
+        t = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if t and int(t.group(1), 16) < a:
+            body = [o for aa, o, _ in ins if int(t.group(1), 16) <= aa <= a]
+            out.append((len(body), collections.Counter(o.split(".")[0] for o in body)))
+    return out
+
+
+def compile_gluon(glu: bool, two: bool, cfg: dict, N: int, K: int, rowgrid: bool = False, NE: int = E,
+                  sass: bool = True) -> dict:
+    """Compile ``moe_gluon.mx_gemm_kernel`` for sm_90 (Triton 3.6 = the device's); regs, spills, smem and the
+    innermost K loop's SASS: instructions, opcode counts, instructions per weight element (an HMMA m16n8k16
+    consumes 8 weight elements per thread for each 8 tokens)."""
+    from k3ir.backends.triton import moe_gluon as G
+    from triton.experimental.gluon._runtime import GluonASTSource
+    c = G.config_for(N, K, cfg)
+    types = ["*bf16", "*i64"] + ["*i32"] * 6 + ["*bf16", None if glu else "*fp32", "i32", "fp32", "fp32"]
+    const = {"ACT": 1 if glu else 0, "SCALE_ROWS": not glu, "TWO": two, "MR": c["MR"], "KQ": c["KQ"], "BT": c["BT"],
+                 "ROWGRID": rowgrid, "EP": triton.next_power_of_2(NE) if rowgrid else 1, "NW": c["NW"], "N": N, "K": K}
+    sig, attrs = {}, {}
+    for i, (n, t) in enumerate(zip(GL_NAMES, types)):
+        sig[n] = "constexpr" if t is None else t
+        if t is None:
+            const[n] = None
+        elif t.startswith("*"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    sig.update({k: "constexpr" for k in const if k not in sig})
+    ck = triton.compile(GluonASTSource(fn=G.mx_gemm_kernel, signature=sig, constexprs=const, attrs=attrs),
+                        target=TGT, options={"num_warps": c["NW"]})
+    regs, spills, sa = _ptxas(ck.asm["ptx"], sass)
+    out = {"regs": regs, "spills": spills, "smem": ck.metadata.shared, "cfg": c}
+    loops = [lp for lp in loop_ops(sa) if lp[1].get("HMMA")]
+    if loops:
+        n, ops = min(loops, key=lambda lp: lp[0])
+        el = ops["HMMA"] * 8 / (c["BT"] // 8)
+        out.update(loop_instr=n, loop_el=int(el), instr_per_el=n / el,
+                   ops=dict(ops.most_common(8)))
+    return out
+
+
+def gluon_main(sass: bool) -> int:
+    """Every Gluon config of bench/moe_gluon_check.py (K3 shapes), GLU and down, one/two multipliers."""
+    from moe_gluon_check import CONFIGS
+    bad = 0
+    print(f"{'gluon case':64} {'regs':>4} {'spill':>5} {'smem':>6} {'loop':>5} {'el':>4} {'instr/el':>8}  top ops")
+    cases = [(glu, two, cfg, rg) for cfg in CONFIGS for glu in (True, False) for two in (False, True)
+             for rg in (False,)] + [(glu, False, CONFIGS[0], True) for glu in (True, False)]
+    for glu, two, cfg, rg in cases:
+        N, K = (I, D) if glu else (D, I)
+        label = f"{'glu' if glu else 'down'} {'two' if two else 'one'}-mul {cfg}{' rowgrid' if rg else ''}"
+        try:
+            r = compile_gluon(glu, two, cfg, N, K, rg, sass=sass)
+        except Exception as e:  # noqa: BLE001
+            bad += 1
+            print(f"{label:64} ERROR {type(e).__name__}: {str(e)[-400:]}")
+            continue
+        bad += r["spills"] > 0 or r["smem"] > moe.SMEM_DEFAULT
+        print(f"{label:64} {r['regs']:>4} {r['spills']:>5} {r['smem']:>6} {r.get('loop_instr', 0):>5} "
+              f"{r.get('loop_el', 0):>4} {r.get('instr_per_el', 0):>8.2f}  {r.get('ops', '')}")
+    print(f"{bad} gluon configs fail (compile error, spill or shared memory)")
+    return 1 if bad else 0
+
+
 def cases():
     """(label, quant, glu, x dtype, R, experts, N, K, config or None, decode) for the defaults and the sweep."""
     from moe_sweep import VARIANTS, shape_of  # sets TRITON_INTERPRET without a GPU: compile as for the device
@@ -127,6 +219,8 @@ def main():
     ap.add_argument("--sass", action="store_true")
     a = ap.parse_args()
     print(f"triton {triton.__version__} from {os.path.dirname(triton.__file__)}")
+    if a.filter == "gluon":
+        return gluon_main(True)
     seen, bad = {}, 0
     print(f"{'case':70} {'planned config':36} {'regs':>4} {'spill':>5} {'smem':>7} {'est':>7}")
     for label, quant, glu, xdt, R, ne, N, K, cfg, dec in cases():

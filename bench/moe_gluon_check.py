@@ -1,0 +1,258 @@
+# ruff: noqa: BLE001
+"""GPU check + timing of the Gluon MXFP4 grouped GEMM (backends/triton/moe_gluon.py, issue 6), < 60 s.
+
+Sections, each in its own process with its own timeout (a CUDA fault or a hang loses one section only):
+  check  small shapes (E 8, D 1024, I 512; experts of 0..40 rows, a row-grid case), one and two scale
+         multipliers, every CONFIGS entry: Gluon vs the Triton MXFP4 path (exact decode) and vs
+         dequantise-then-matmul (fp32 math on bf16-rounded weights); GLU (SiTU) and down (+ row scale).
+  k3     the K3 MoE layer (E 896, top-16, D 3584, I 3072) at T=256: Triton default (auto decode) vs Gluon,
+         layer and per launch, rel. error between them; prepare (permutation) time; then T=1, 8, 32.
+  sweep  Gluon GLU/down launch times at T=256 for the CONFIGS (MR, KQ, BT, NW).
+Rows print as ``[row] {json}``; the table prints last; JSON in $OUT/moe_gluon_check.json.
+
+    python3 bench/moe_gluon_check.py [--budget 55] [--sections check,k3,sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.environ.get("OUT", ".")
+HBM = 4.25e12
+CONFIGS = [{"MR": 2, "KQ": 2, "BT": 8, "NW": 4}, {"MR": 1, "KQ": 2, "BT": 8, "NW": 4},
+           {"MR": 2, "KQ": 1, "BT": 8, "NW": 4}, {"MR": 1, "KQ": 4, "BT": 8, "NW": 4},
+           {"MR": 2, "KQ": 2, "BT": 16, "NW": 4}, {"MR": 1, "KQ": 2, "BT": 8, "NW": 8}]
+
+
+def emit(name, **kv):
+    print("[row] " + json.dumps({"name": name, **kv}, default=str), flush=True)
+
+
+def _route(T, E, k, dev):
+    import torch
+    idx = torch.topk(torch.randn(T, E, device=dev), k, dim=-1).indices
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=dev)
+    cnt = torch.bincount(flat, minlength=E)
+    return order, inv.reshape(1, T, k), torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _bench(fn, rep=100):
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def sec_check():
+    import numpy as np
+    import torch
+    from k3ir.backends.triton import moe
+    from k3ir.backends.triton import moe_gluon as G
+
+    from k3ir import quant as Q
+    dev = "cuda"
+    rng = np.random.default_rng(0)
+    E, D, I = 8, 1024, 512
+    for lo, hi in ((110, 128), (100, 200)):
+        mk = [(rng.integers(0, 256, (E, n, k // 2), dtype=np.uint8), rng.integers(lo, hi + 1, (E, n, k // 32),
+                                                                               dtype=np.uint8))
+              for n, k in ((I, D), (I, D), (D, I))]
+        tp = [torch.from_numpy(p).to(dev) for p, _ in mk]
+        ts = [torch.from_numpy(s).to(dev) for _, s in mk]
+        deq = [torch.from_numpy(Q.mxfp4_dequantize(p, s).astype(np.float32)).to(dev).bfloat16().float() for p, s in mk]
+        pws = [G.pack_mxfp4(p, s) for p, s in zip(tp, ts)]
+        for counts in ([0, 1, 5, 8, 9, 16, 17, 40], [1, 0, 0, 2, 0, 0, 1, 0]):
+            cnt = torch.tensor(counts, device=dev)
+            off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
+            R = int(cnt.sum())
+            x = torch.randn(R, D, device=dev, dtype=torch.bfloat16)
+            rs = torch.rand(R, device=dev)
+            # references: dequantise-then-matmul (fp32 math), and the Triton MXFP4 kernel (exact fp32 decode)
+            g = torch.cat([x[off[e]:off[e + 1]].float() @ deq[0][e].T for e in range(E)])
+            u = torch.cat([x[off[e]:off[e + 1]].float() @ deq[1][e].T for e in range(E)])
+            gb, ub = g.bfloat16().float(), u.bfloat16().float()
+            h_ref = 4.0 * torch.tanh(gb / 4.0) * torch.sigmoid(gb) * (25.0 * torch.tanh(ub / 25.0))
+            h_tri = moe.grouped_matmul(x, off, tp[0], ts[0], "mxfp4", w3=tp[1], scales3=ts[1], act="situ",
+                                       mxfp4_decode="exact")
+            hb = h_tri
+            d_ref = torch.cat([hb[off[e]:off[e + 1]].float() @ deq[2][e].T for e in range(E)]) * rs[:, None]
+            d_tri = moe.grouped_matmul(hb, off, tp[2], ts[2], "mxfp4", row_scale=rs, mxfp4_decode="exact")
+            for cfg in (CONFIGS if R >= E else CONFIGS[:1]):          # row-grid case (R < E): default only
+                tag = f"check scales {lo}..{hi} rows {counts} cfg {cfg}"
+                try:
+                    h = G.grouped_matmul(x, off, pws[0], pw3=pws[1], act="situ", config=cfg)
+                    d = G.grouped_matmul(hb, off, pws[2], row_scale=rs, config=cfg)
+                    torch.cuda.synchronize()
+                    e1, e2 = _rel(h, h_ref), _rel(h, h_tri)
+                    e3, e4 = _rel(d, d_ref), _rel(d, d_tri)
+                    emit(tag, glu_vs_dequant=e1, glu_vs_triton=e2, down_vs_dequant=e3, down_vs_triton=e4,
+                         ok=max(e1, e2, e3, e4) < 2e-2)
+                except Exception as ex:
+                    emit(tag, error=repr(ex)[-1500:], ok=False)
+
+
+def _k3_weights(dev, E=896, D=3584, I=3072):
+    import torch
+    g = torch.Generator(device=dev).manual_seed(0)
+    ws, ss = [], []
+    for n, k in ((I, D), (I, D), (D, I)):
+        ws.append(torch.randint(0, 256, (E, n, k // 2), device=dev, dtype=torch.uint8, generator=g))
+        ss.append(torch.randint(118, 123, (E, n, k // 32), device=dev, dtype=torch.uint8, generator=g))
+    return ws, ss
+
+
+def sec_k3(t_sizes=(256, 1, 8, 32)):
+    import torch
+    from k3ir.backends.triton import moe_gluon as G
+    dev = "cuda"
+    E, D, I, k = 896, 3584, 3072, 16
+    ws, ss = _k3_weights(dev)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    pws = [G.prepared(w, s) for w, s in zip(ws, ss)]
+    torch.cuda.synchronize()
+    emit("k3 prepare (fragment permutation of 3 x 896 experts)", s=time.perf_counter() - t0)
+    for T in t_sizes:
+        _k3_case(T, ws, ss, pws, E, D, I, k)
+
+
+def _k3_case(T, ws, ss, pws, E, D, I, k):
+    import torch
+    from k3ir.backends.triton import moe
+    from k3ir.backends.triton import moe_gluon as G
+    dev = "cuda"
+    order, inv, off = _route(T, E, k, dev)
+    x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+    xs = x[order // k].contiguous()
+    cw = torch.rand(T * k, device=dev)
+    used = int((off[1:] > off[:-1]).sum())
+    floor = 3 * used * I * D * (0.5 + 1 / 32) / HBM * 1e3
+
+    def layer():
+        return moe.moe_forward(xs, off, ws[0], ws[1], ws[2], cw, inv, "mxfp4", ss, act="situ")
+
+    def glu():
+        return G.grouped_matmul(xs, off, pws[0], pw3=pws[1], act="situ")
+    res = {}
+    for kern in ("triton", "gluon"):
+        moe.TUNING["mxfp4_kernel"] = kern
+        try:
+            out = layer()
+            torch.cuda.synchronize()
+            res[kern] = out
+            ms = _bench(layer)
+            kv = {"ms": ms, "floor_ms": floor, "frac_of_floor": floor / ms}
+            if kern == "gluon":
+                h = glu()
+                kv["ms_glu"] = _bench(glu, 50)
+                kv["ms_down"] = _bench(lambda h=h: G.grouped_matmul(h, off, pws[2], row_scale=cw), 50)
+                kv["hbm_frac_glu"] = 2 * used * I * D * (0.5 + 1 / 32) / HBM / (kv["ms_glu"] * 1e-3)
+                if "triton" in res:
+                    kv["rel_vs_triton"] = _rel(out, res["triton"])
+                    kv["ok"] = kv["rel_vs_triton"] < 2e-2
+            emit(f"k3 T={T} {kern}", rows_per_expert=T * k / E, active_experts=used, **kv)
+        except Exception as ex:
+            emit(f"k3 T={T} {kern}", error=repr(ex)[-1500:])
+        finally:
+            moe.TUNING["mxfp4_kernel"] = "triton"
+
+
+def sec_sweep():
+    import torch
+    from k3ir.backends.triton import moe_gluon as G
+    dev = "cuda"
+    E, D, I, k, T = 896, 3584, 3072, 16, 256
+    ws, ss = _k3_weights(dev)
+    pws = [G.prepared(w, s) for w, s in zip(ws, ss)]
+    order, _, off = _route(T, E, k, dev)
+    xs = torch.randn(T, D, device=dev, dtype=torch.bfloat16)[order // k].contiguous()
+    h = torch.randn(T * k, I, device=dev, dtype=torch.bfloat16)
+    cw = torch.rand(T * k, device=dev)
+    used = int((off[1:] > off[:-1]).sum())
+    for cfg in CONFIGS:
+        try:
+            g = _bench(lambda cfg=cfg: G.grouped_matmul(xs, off, pws[0], pw3=pws[1], act="situ", config=cfg), 50)
+            d = _bench(lambda cfg=cfg: G.grouped_matmul(h, off, pws[2], row_scale=cw, config=cfg), 50)
+            emit(f"sweep T=256 {cfg}", ms_glu=g, ms_down=d, ms_sum=g + d,
+                 hbm_frac=3 * used * I * D * (0.5 + 1 / 32) / HBM / ((g + d) * 1e-3))
+        except Exception as ex:
+            emit(f"sweep T=256 {cfg}", error=repr(ex)[-1500:])
+
+
+def kernel_rows():
+    """Registers/spills of the Gluon kernels this process compiled."""
+    sys.path.insert(0, HERE)
+    from gpu_diag import compiled_kernels
+    from k3ir.backends.triton import moe_gluon as G
+    for name, ck in compiled_kernels(G):
+        emit(f"kernel {name}", regs=getattr(ck, "n_regs", -1), spills=getattr(ck, "n_spills", -1),
+             consts=str({str(a): b for a, b in (getattr(ck.src, "constants", None) or {}).items()
+                         if isinstance(b, (int, bool))})[:300])
+
+
+def child(section):
+    import torch
+    import triton
+    emit(f"{section} env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    {"check": sec_check, "k3": sec_k3, "sweep": sec_sweep}[section]()
+    try:
+        kernel_rows()
+    except Exception as ex:
+        emit("kernel rows", error=repr(ex)[-300:])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget", type=float, default=55.0)
+    ap.add_argument("--sections", default="check,k3,sweep")
+    ap.add_argument("--child", default="")
+    a = ap.parse_args()
+    if a.child:
+        child(a.child)
+        return
+    t0 = time.perf_counter()
+    rows = []
+    share = {"check": 0.3, "k3": 0.45, "sweep": 1.0}
+    for sec in a.sections.split(","):
+        left = a.budget - (time.perf_counter() - t0)
+        if left < 6:
+            rows.append({"name": f"{sec}", "skipped": "time budget"})
+            continue
+        lim = max(6.0, left * share.get(sec, 1.0)) if sec != a.sections.split(",")[-1] else left
+        ts = time.perf_counter()
+        try:
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", sec], check=False,
+                               capture_output=True,
+                               text=True, timeout=lim, cwd=os.path.dirname(HERE))
+            out, err, rc = p.stdout, p.stderr, p.returncode
+        except subprocess.TimeoutExpired as ex:
+            out = ex.stdout.decode() if isinstance(ex.stdout, bytes) else (ex.stdout or "")
+            err, rc = f"timeout after {lim:.0f} s", "timeout"
+        got = [json.loads(ln[6:]) for ln in out.splitlines() if ln.startswith("[row] ")]
+        for r in got:
+            print("[row] " + json.dumps(r), flush=True)
+        rows += got
+        rows.append({"name": f"{sec} section", "rc": rc, "s": time.perf_counter() - ts,
+                     **({"stderr_tail": err[-1500:]} if rc != 0 else {})})
+        with open(os.path.join(OUT, "moe_gluon_check.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    print("\n| name | numbers |\n|---|---|")
+    for r in rows:
+        nums = ", ".join(f"{kk}={v:.4g}" if isinstance(v, float) else f"{kk}={v}" for kk, v in r.items()
+                         if kk != "name")
+        print(f"| {r['name']} | {nums} |")
+
+
+if __name__ == "__main__":
+    main()
