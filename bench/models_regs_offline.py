@@ -61,11 +61,16 @@ def main():
         run(f"dispatch_scan {dt}", dispatch.dispatch_scan_kernel, [("hist", "*i32"), ("base", "*i32"),
                                                                    ("offsets", "*i64"), ("NB", "i32"), ("E", "i32"),
                                                                    ("EP", 64), ("HB", 128)], 4)
-        for BM, BK, glu, nres in ((1, 1024, False, 2), (1, 512, True, 0), (4, 256, False, 0), (4, 128, True, 0)):
-            run(f"gemv {dt} BM{BM} BK{BK} glu={glu} res={nres}", gemv.gemv_kernel,
+        for BM, BN, BK, glu, nres, nrm in ((1, 4, 2048, False, 2, False), (1, 4, 2048, False, 0, True),
+                                           (1, 2, 2048, True, 0, True), (4, 4, 512, False, 0, False),
+                                           (4, 2, 512, True, 0, False)):
+            run(f"gemv {dt} BM{BM} BN{BN} BK{BK} glu={glu} res={nres} norm={nrm}", gemv.gemv_kernel,
                 [("x", p), ("w", p), ("w3", p if glu else None), ("y", p), ("r1", p if nres else None),
-                 ("r2", p if nres > 1 else None), ("M", "i32"), ("N", "i32"), ("K", "i32"), ("x_rs", "i32"),
-                 ("BM", BM), ("BN", 8), ("BK", BK), ("GLU", glu), ("NRES", nres)], 4)
+                 ("r2", p if nres > 1 else None), ("nw", p if nrm else None), ("ys", None), ("inv", None),
+                 ("x2", None), ("w2", None), ("y2", None), ("M", "i32"), ("N", "i32"), ("K", "i32"),
+                 ("x_rs", "i32"), ("N2", "i32"), ("x2_rs", "i32"), ("NB1", "i32"), ("eps", "fp32"),
+                 ("BM", BM), ("BN", BN), ("BK", BK), ("GLU", glu), ("NRES", nres), ("NORM", nrm), ("KSLOT", 0),
+                 ("SEG2", False), ("PDL", False)], 4)
         run(f"rmsnorm {dt} D2048", norm.rmsnorm_kernel,
             [("x", p), ("w", p), ("y", p), ("R", "i32"), ("D", "i32"), ("eps", "fp32"), ("BR", 2), ("BD", 2048)], 4)
         run(f"router_kernel {dt} E64", layer_kernels.router_kernel,

@@ -1,0 +1,99 @@
+"""The decode linear (backends/triton/gemv.py) and its fusions against float64 references, under
+TRITON_INTERPRET=1 on a CPU machine: RMSNorm prologue (rounded as the standalone norm), SwiGLU, residual
+and MoE-combine epilogues, two products in one launch."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the kernels' import
+pytest.importorskip("triton")
+
+from conftest import rel_err
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rms64(x, w, eps):
+    xd = x.double()
+    return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 40, 100), (3, 17, 64), (4, 64, 70)])
+def test_gemv_norm_prologue_matches_rmsnorm_then_linear(M, N, K):
+    """norm=(w, eps): the row is RMSNorm-ed in the kernel; with a bf16 input the normalised row is
+    rounded to bf16 as the standalone rmsnorm kernel rounds it (compared with that two-launch path)."""
+    from k3ir.backends.triton.gemv import gemv
+    from k3ir.backends.triton.norm import rmsnorm
+    g = torch.Generator().manual_seed(M + N)
+    x = (torch.randn(M, 1, K, generator=g) * 3).to(DEV)
+    nw = (1 + 0.3 * torch.randn(K, generator=g)).to(DEV)
+    w, w3 = torch.randn(N, K, generator=g).to(DEV), torch.randn(N, K, generator=g).to(DEV)
+    r = torch.randn(M, 1, N, generator=g).to(DEV)
+    xn = _rms64(x, nw, 1e-5)
+    lin = xn @ w.double().T
+    assert rel_err(gemv(x, w, norm=(nw, 1e-5)).double().cpu().numpy(), lin.cpu().numpy()) < 1e-5
+    glu = torch.nn.functional.silu(lin) * (xn @ w3.double().T)
+    assert rel_err(gemv(x, w, w3, norm=(nw, 1e-5)).double().cpu().numpy(), glu.cpu().numpy()) < 1e-5
+    got = gemv(x, w, res=(r,), norm=(nw, 1e-5))
+    assert rel_err(got.double().cpu().numpy(), (lin + r.double()).cpu().numpy()) < 1e-5
+    # bf16: same rounding of the normalised row as rmsnorm_kernel -> gemv
+    xb, nb, wb = x.bfloat16(), nw.bfloat16(), w.bfloat16()
+    two = gemv(rmsnorm(xb, nb, 1e-5), wb)
+    one = gemv(xb, wb, norm=(nb, 1e-5))
+    assert rel_err(one.double().cpu().numpy(), two.double().cpu().numpy()) < 1e-2
+    assert rel_err(one.double().cpu().numpy(), (_rms64(xb, nb, 1e-5) @ wb.double().T).cpu().numpy()) < 2e-2
+
+
+@pytest.mark.parametrize("M,k,S", [(1, 8, 8), (3, 2, 7)])
+def test_gemv_combine_epilogue_matches_float64(M, k, S):
+    """comb=(y_sorted, inv): sum of the k pre-scaled expert rows of each token plus a residual."""
+    from k3ir.backends.triton.gemv import gemv
+    g = torch.Generator().manual_seed(M * k)
+    N, K = 48, 96
+    x, w = torch.randn(M, 1, K, generator=g).to(DEV), torch.randn(N, K, generator=g).to(DEV)
+    ys = torch.randn(max(S, M * k), N, generator=g).to(DEV)
+    inv = torch.randint(0, ys.shape[0], (M, 1, k), generator=g).to(DEV)
+    r = torch.randn(M, 1, N, generator=g).to(DEV)
+    want = x.double() @ w.double().T + r.double() + ys.double()[inv].sum(2)
+    got = gemv(x, w, res=(r,), comb=(ys, inv))
+    assert rel_err(got.double().cpu().numpy(), want.cpu().numpy()) < 1e-5
+
+
+def test_gemv2_two_products_one_launch():
+    """gemv2: x W^T and x2 W2^T (different N, same K and rows; strided column slices as inputs)."""
+    from k3ir.backends.triton.gemv import gemv2
+    g = torch.Generator().manual_seed(7)
+    big = torch.randn(2, 1, 200, generator=g).to(DEV)
+    x, x2 = big[..., :64], big[..., 100:164]
+    w, w2 = torch.randn(40, 64, generator=g).to(DEV), torch.randn(70, 64, generator=g).to(DEV)
+    y, y2 = gemv2(x, w, x2, w2)
+    assert y.shape == (2, 1, 40) and y2.shape == (2, 1, 70)
+    assert rel_err(y.double().cpu().numpy(), (x.double() @ w.double().T).cpu().numpy()) < 1e-5
+    assert rel_err(y2.double().cpu().numpy(), (x2.double() @ w2.double().T).cpu().numpy()) < 1e-5
+
+
+def test_gemv_launch_config_covers_the_kimi_linear_shapes():
+    """GPU configs (not the interpreter's): one K step for K <= 2048 rows of x, >= 4 rows per program,
+    ~8k weight elements per tile and row."""
+    from k3ir.backends.triton import gemv as gm
+    if gm.interpreting():
+        saved = os.environ.pop("TRITON_INTERPRET")
+        try:
+            cfgs = {s: gm.config(*s) for s in [(1, 6416, 2048, False), (1, 1024, 2048, True), (1, 2048, 128, False),
+                                               (1, 2048, 8192, False), (4, 2048, 2048, False)]}
+        finally:
+            os.environ["TRITON_INTERPRET"] = saved
+    else:
+        cfgs = {s: gm.config(*s) for s in [(1, 6416, 2048, False), (1, 1024, 2048, True), (1, 2048, 128, False),
+                                           (1, 2048, 8192, False), (4, 2048, 2048, False)]}
+    if gm.CONFIG is not None:
+        pytest.skip("K3IR_GEMV overrides the configs")
+    assert cfgs[(1, 6416, 2048, False)] == (4, 2048, 4)
+    assert cfgs[(1, 1024, 2048, True)] == (2, 2048, 4)
+    assert cfgs[(1, 2048, 128, False)] == (16, 128, 4)
+    assert cfgs[(1, 2048, 8192, False)] == (4, 2048, 4)
+    assert cfgs[(4, 2048, 2048, False)] == (4, 512, 4)
