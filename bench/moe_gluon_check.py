@@ -2,15 +2,18 @@
 """GPU check + timing of the Gluon MXFP4 grouped GEMM (backends/triton/moe_gluon.py, issue 6), < 60 s.
 
 Sections, each in its own process with its own timeout (a CUDA fault or a hang loses one section only):
-  check  small shapes (E 8, D 1024, I 512; experts of 0..40 rows, a row-grid case), one and two scale
-         multipliers, every CONFIGS entry: Gluon vs the Triton MXFP4 path (exact decode) and vs
-         dequantise-then-matmul (fp32 math on bf16-rounded weights); GLU (SiTU) and down (+ row scale).
+  warm   one process per CONFIGS entry, all at once: compiles the Gluon GLU and down kernels for the K3 shapes
+         into Triton's on-disk cache (N, K are constexprs; the expert count is not specialised), and one more
+         for the Triton MXFP4 kernels the comparison uses, so the timed sections below do not compile.
+  check  K3 dims with 8 experts of 0..40 rows, one and two scale multipliers, every CONFIGS entry: Gluon vs
+         the Triton MXFP4 path (exact decode) and vs dequantise-then-matmul (fp32 math on bf16 weights);
+         GLU (SiTU) and down (+ row scale). ok: rel. error < 2e-2 (expected ~1e-3..6e-3: bf16 rounding).
   k3     the K3 MoE layer (E 896, top-16, D 3584, I 3072) at T=256: Triton default (auto decode) vs Gluon,
          layer and per launch, rel. error between them; prepare (permutation) time; then T=1, 8, 32.
-  sweep  Gluon GLU/down launch times at T=256 for the CONFIGS (MR, KQ, BT, NW).
+  sweep  Gluon GLU/down launch times at T=256 for every CONFIGS entry.
 Rows print as ``[row] {json}``; the table prints last; JSON in $OUT/moe_gluon_check.json.
 
-    python3 bench/moe_gluon_check.py [--budget 55] [--sections check,k3,sweep]
+    python3 bench/moe_gluon_check.py [--budget 55] [--sections warm,check,k3,sweep]
 """
 from __future__ import annotations
 
@@ -24,9 +27,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.environ.get("OUT", ".")
 HBM = 4.25e12
-CONFIGS = [{"MR": 2, "KQ": 2, "BT": 8, "NW": 4}, {"MR": 1, "KQ": 2, "BT": 8, "NW": 4},
-           {"MR": 2, "KQ": 1, "BT": 8, "NW": 4}, {"MR": 1, "KQ": 4, "BT": 8, "NW": 4},
-           {"MR": 2, "KQ": 2, "BT": 16, "NW": 4}, {"MR": 1, "KQ": 2, "BT": 8, "NW": 8}]
+CONFIGS = [{"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 3}, {"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 0},
+           {"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 4}, {"MR": 2, "KQ": 1, "BT": 8, "NW": 4, "ST": 0},
+           {"MR": 1, "KQ": 2, "BT": 8, "NW": 4, "ST": 0}, {"MR": 2, "KQ": 2, "BT": 16, "NW": 4, "ST": 0},
+           {"MR": 4, "KQ": 1, "BT": 8, "NW": 4, "ST": 3}]
 
 
 def emit(name, **kv):
@@ -54,52 +58,97 @@ def _bench(fn, rep=100):
     return do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
+def _dequant(p, s):
+    import k3ir.backends.torch.ops  # noqa: F401  (import order: ops before fused)
+    import torch
+    from k3ir.backends.torch.fused import dequantize
+    return dequantize("mxfp4", p, s, torch.float32)
+
+
 def sec_check():
-    import numpy as np
     import torch
     from k3ir.backends.triton import moe
     from k3ir.backends.triton import moe_gluon as G
-
-    from k3ir import quant as Q
     dev = "cuda"
-    rng = np.random.default_rng(0)
-    E, D, I = 8, 1024, 512
+    E, D, I = 8, 3584, 3072
+    g = torch.Generator(device=dev).manual_seed(0)
     for lo, hi in ((110, 128), (100, 200)):
-        mk = [(rng.integers(0, 256, (E, n, k // 2), dtype=np.uint8), rng.integers(lo, hi + 1, (E, n, k // 32),
-                                                                               dtype=np.uint8))
+        tp = [torch.randint(0, 256, (E, n, k // 2), device=dev, dtype=torch.uint8, generator=g)
               for n, k in ((I, D), (I, D), (D, I))]
-        tp = [torch.from_numpy(p).to(dev) for p, _ in mk]
-        ts = [torch.from_numpy(s).to(dev) for _, s in mk]
-        deq = [torch.from_numpy(Q.mxfp4_dequantize(p, s).astype(np.float32)).to(dev).bfloat16().float() for p, s in mk]
+        ts = [torch.randint(lo, hi + 1, (E, n, k // 32), device=dev, dtype=torch.uint8, generator=g)
+              for n, k in ((I, D), (I, D), (D, I))]
+        deq = [_dequant(p, s).bfloat16().float() for p, s in zip(tp, ts)]
         pws = [G.pack_mxfp4(p, s) for p, s in zip(tp, ts)]
-        for counts in ([0, 1, 5, 8, 9, 16, 17, 40], [1, 0, 0, 2, 0, 0, 1, 0]):
-            cnt = torch.tensor(counts, device=dev)
-            off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
-            R = int(cnt.sum())
-            x = torch.randn(R, D, device=dev, dtype=torch.bfloat16)
-            rs = torch.rand(R, device=dev)
-            # references: dequantise-then-matmul (fp32 math), and the Triton MXFP4 kernel (exact fp32 decode)
-            g = torch.cat([x[off[e]:off[e + 1]].float() @ deq[0][e].T for e in range(E)])
-            u = torch.cat([x[off[e]:off[e + 1]].float() @ deq[1][e].T for e in range(E)])
-            gb, ub = g.bfloat16().float(), u.bfloat16().float()
-            h_ref = 4.0 * torch.tanh(gb / 4.0) * torch.sigmoid(gb) * (25.0 * torch.tanh(ub / 25.0))
-            h_tri = moe.grouped_matmul(x, off, tp[0], ts[0], "mxfp4", w3=tp[1], scales3=ts[1], act="situ",
-                                       mxfp4_decode="exact")
-            hb = h_tri
-            d_ref = torch.cat([hb[off[e]:off[e + 1]].float() @ deq[2][e].T for e in range(E)]) * rs[:, None]
-            d_tri = moe.grouped_matmul(hb, off, tp[2], ts[2], "mxfp4", row_scale=rs, mxfp4_decode="exact")
-            for cfg in (CONFIGS if R >= E else CONFIGS[:1]):          # row-grid case (R < E): default only
-                tag = f"check scales {lo}..{hi} rows {counts} cfg {cfg}"
-                try:
-                    h = G.grouped_matmul(x, off, pws[0], pw3=pws[1], act="situ", config=cfg)
-                    d = G.grouped_matmul(hb, off, pws[2], row_scale=rs, config=cfg)
-                    torch.cuda.synchronize()
-                    e1, e2 = _rel(h, h_ref), _rel(h, h_tri)
-                    e3, e4 = _rel(d, d_ref), _rel(d, d_tri)
-                    emit(tag, glu_vs_dequant=e1, glu_vs_triton=e2, down_vs_dequant=e3, down_vs_triton=e4,
-                         ok=max(e1, e2, e3, e4) < 2e-2)
-                except Exception as ex:
-                    emit(tag, error=repr(ex)[-1500:], ok=False)
+        cnt = torch.tensor([0, 1, 5, 8, 9, 16, 17, 40], device=dev)
+        off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
+        R = int(cnt.sum())
+        x = torch.randn(R, D, device=dev, dtype=torch.bfloat16)
+        rs = torch.rand(R, device=dev)
+        # references: dequantise-then-matmul (fp32 math), and the Triton MXFP4 kernel (exact fp32 decode)
+        gg = torch.cat([x[off[e]:off[e + 1]].float() @ deq[0][e].T for e in range(E)]).bfloat16().float()
+        uu = torch.cat([x[off[e]:off[e + 1]].float() @ deq[1][e].T for e in range(E)]).bfloat16().float()
+        h_ref = 4.0 * torch.tanh(gg / 4.0) * torch.sigmoid(gg) * (25.0 * torch.tanh(uu / 25.0))
+        h_tri = moe.grouped_matmul(x, off, tp[0], ts[0], "mxfp4", w3=tp[1], scales3=ts[1], act="situ",
+                                   mxfp4_decode="exact")
+        d_ref = torch.cat([h_tri[off[e]:off[e + 1]].float() @ deq[2][e].T for e in range(E)]) * rs[:, None]
+        d_tri = moe.grouped_matmul(h_tri, off, tp[2], ts[2], "mxfp4", row_scale=rs, mxfp4_decode="exact")
+        emit(f"check scales {lo}..{hi}: triton exact vs dequant", glu=_rel(h_tri, h_ref), down=_rel(d_tri, d_ref))
+        for cfg in (CONFIGS if hi <= 128 else CONFIGS[:1]):
+            tag = f"check scales {lo}..{hi} rows {cnt.tolist()} cfg {cfg}"
+            try:
+                h = G.grouped_matmul(x, off, pws[0], pw3=pws[1], act="situ", config=cfg)
+                d = G.grouped_matmul(h_tri, off, pws[2], row_scale=rs, config=cfg)
+                torch.cuda.synchronize()
+                e1, e2, e3, e4 = _rel(h, h_ref), _rel(h, h_tri), _rel(d, d_ref), _rel(d, d_tri)
+                emit(tag, glu_vs_dequant=e1, glu_vs_triton=e2, down_vs_dequant=e3, down_vs_triton=e4,
+                     ok=max(e1, e2, e3, e4) < 2e-2)
+            except Exception as ex:
+                emit(tag, error=repr(ex)[-1500:], ok=False)
+
+
+def sec_warm(i):
+    """Compile CONFIGS[i]'s Gluon GLU and down kernels at the K3 shapes by launching them on 16 small experts
+    (i = 0 also: two multipliers, and the row grid on 896 experts of uninitialised words); i = -1: the Triton
+    MXFP4 kernels of the comparison (auto = asm1 decode; expert grid and row grid, plus its self-check)."""
+    import torch
+    from k3ir.backends.triton import moe
+    from k3ir.backends.triton import moe_gluon as G
+    dev = "cuda"
+    E, D, I = 16, 3584, 3072
+    shapes = ((I, D), (I, D), (D, I))
+    x = torch.randn(3 * E, D, device=dev, dtype=torch.bfloat16)
+    h = torch.randn(3 * E, I, device=dev, dtype=torch.bfloat16)
+    off = torch.arange(0, 3 * E + 1, 3, device=dev)
+    rs = torch.rand(3 * E, device=dev)
+    ps = [(torch.randint(0, 256, (E, n, k // 2), device=dev, dtype=torch.uint8),
+           torch.randint(118, 123, (E, n, k // 32), device=dev, dtype=torch.uint8)) for n, k in shapes]
+    big_off = torch.zeros(897, dtype=torch.int64, device=dev)
+    big_off[1:] = 16                                   # 16 rows, all in expert 0: R < E, the row grid (EP 1024)
+    t0 = time.perf_counter()
+    if i < 0:
+        for xx, o, pp in ((x, off, ps), (x[:16], big_off, [(torch.empty(896, n, k // 2, device=dev, dtype=torch.uint8),
+                                                           torch.full((896, n, k // 32), 120, device=dev,
+                                                                      dtype=torch.uint8)) for n, k in shapes])):
+            hh = moe.grouped_matmul(xx, o, pp[0][0], pp[0][1], "mxfp4", w3=pp[1][0], scales3=pp[1][1], act="situ")
+            moe.grouped_matmul(hh, o, pp[2][0], pp[2][1], "mxfp4", row_scale=rs[:xx.shape[0]])
+        torch.cuda.synchronize()
+        emit("warm triton mxfp4", s=time.perf_counter() - t0)
+        return
+    cfg = CONFIGS[i]
+    pws = [G.pack_mxfp4(p, s) for p, s in ps]
+    G.grouped_matmul(x, off, pws[0], pw3=pws[1], act="situ", config=cfg)
+    G.grouped_matmul(h, off, pws[2], row_scale=rs, config=cfg)
+    if i == 0:
+        two = [G.pack_mxfp4(p, s + 20) for p, s in ps]                     # scale bytes > 128: two multipliers
+        G.grouped_matmul(x, off, two[0], pw3=two[1], act="situ", config=cfg)
+        G.grouped_matmul(h, off, two[2], row_scale=rs, config=cfg)
+        big = [G.MXPacked(torch.empty(896, n // 16, k // 64, 32, 4, device=dev, dtype=torch.int32),
+                          torch.full((896, n // 16, k // 64, 8), 0x7E7E7E7E, device=dev, dtype=torch.int32), None, n, k)
+               for n, k in shapes]
+        G.grouped_matmul(x[:16], big_off, big[0], pw3=big[1], act="situ", config=cfg)
+        G.grouped_matmul(h[:16], big_off, big[2], row_scale=rs[:16], config=cfg)
+    torch.cuda.synchronize()
+    emit(f"warm gluon {cfg}", s=time.perf_counter() - t0)
 
 
 def _k3_weights(dev, E=896, D=3584, I=3072):
@@ -204,6 +253,9 @@ def kernel_rows():
 def child(section):
     import torch
     import triton
+    if section.startswith("warm"):
+        sec_warm(int(section[4:]))
+        return
     emit(f"{section} env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     {"check": sec_check, "k3": sec_k3, "sweep": sec_sweep}[section]()
     try:
@@ -212,10 +264,34 @@ def child(section):
         emit("kernel rows", error=repr(ex)[-300:])
 
 
+def _run(args):
+    """Start the child ``args``; returns the Popen."""
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(HERE))
+
+
+def _collect(p, lim, name, rows, t_start):
+    try:
+        out, err = p.communicate(timeout=max(1.0, lim))
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        rc = f"timeout after {lim:.0f} s"
+    got = [json.loads(ln[6:]) for ln in (out or "").splitlines() if ln.startswith("[row] ")]
+    for r in got:
+        print("[row] " + json.dumps(r), flush=True)
+    rows += got
+    rows.append({"name": f"{name} process", "rc": rc, "s": time.perf_counter() - t_start,
+                 **({"stderr_tail": (err or "")[-1200:]} if rc != 0 else {})})
+    with open(os.path.join(OUT, "moe_gluon_check.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=float, default=55.0)
-    ap.add_argument("--sections", default="check,k3,sweep")
+    ap.add_argument("--sections", default="warm,check,k3,sweep")
     ap.add_argument("--child", default="")
     a = ap.parse_args()
     if a.child:
@@ -223,30 +299,21 @@ def main():
         return
     t0 = time.perf_counter()
     rows = []
-    share = {"check": 0.3, "k3": 0.45, "sweep": 1.0}
-    for sec in a.sections.split(","):
+    secs = a.sections.split(",")
+    share = {"warm": 0.4, "check": 0.25, "k3": 0.6, "sweep": 1.0}
+    for sec in secs:
         left = a.budget - (time.perf_counter() - t0)
-        if left < 6:
-            rows.append({"name": f"{sec}", "skipped": "time budget"})
+        if left < 5:
+            rows.append({"name": sec, "skipped": "time budget"})
             continue
-        lim = max(6.0, left * share.get(sec, 1.0)) if sec != a.sections.split(",")[-1] else left
+        lim = left * share.get(sec, 1.0) if sec != secs[-1] else left
         ts = time.perf_counter()
-        try:
-            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", sec], check=False,
-                               capture_output=True,
-                               text=True, timeout=lim, cwd=os.path.dirname(HERE))
-            out, err, rc = p.stdout, p.stderr, p.returncode
-        except subprocess.TimeoutExpired as ex:
-            out = ex.stdout.decode() if isinstance(ex.stdout, bytes) else (ex.stdout or "")
-            err, rc = f"timeout after {lim:.0f} s", "timeout"
-        got = [json.loads(ln[6:]) for ln in out.splitlines() if ln.startswith("[row] ")]
-        for r in got:
-            print("[row] " + json.dumps(r), flush=True)
-        rows += got
-        rows.append({"name": f"{sec} section", "rc": rc, "s": time.perf_counter() - ts,
-                     **({"stderr_tail": err[-1500:]} if rc != 0 else {})})
-        with open(os.path.join(OUT, "moe_gluon_check.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+        if sec == "warm":          # all compiles at once (the device has 16 cores)
+            procs = [(f"warm {i}", _run([f"warm{i}"])) for i in range(-1, len(CONFIGS))]
+            for name, p in procs:
+                _collect(p, lim - (time.perf_counter() - ts), name, rows, ts)
+        else:
+            _collect(_run([sec]), lim, sec, rows, ts)
     print("\n| name | numbers |\n|---|---|")
     for r in rows:
         nums = ", ".join(f"{kk}={v:.4g}" if isinstance(v, float) else f"{kk}={v}" for kk, v in r.items()

@@ -30,6 +30,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 _log = logging.getLogger(__name__)
@@ -291,14 +292,92 @@ def _mma_step(acc, acc3, xb, wa, sa, ta, wb, sb, tb, ACT: gl.constexpr, TWO: gl.
 
 
 @gluon.jit
+def _pass_regs(acc, acc3, x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, ACT: gl.constexpr, TWO: gl.constexpr,
+               BK: gl.constexpr, KQ: gl.constexpr, NK: gl.constexpr, dot_a: gl.constexpr, wl: gl.constexpr,
+               BW: gl.constexpr):
+    """One pass over K, loads one step ahead in registers; two steps per iteration (no copies at the back edge)."""
+    xa, wa, sa, ta, wb, sb, tb = _load_step(x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, 0, ACT, TWO, BK, KQ)
+    for kk in range(0, NK - 2, 2):
+        xa2, wa2, sa2, ta2, wb2, sb2, tb2 = _load_step(x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, kk + 1,
+                                                       ACT, TWO, BK, KQ)
+        acc, acc3 = _mma_step(acc, acc3, xa, wa, sa, ta, wb, sb, tb, ACT, TWO, dot_a, wl, BW, BK)
+        xa, wa, sa, ta, wb, sb, tb = _load_step(x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, kk + 2,
+                                                ACT, TWO, BK, KQ)
+        acc, acc3 = _mma_step(acc, acc3, xa2, wa2, sa2, ta2, wb2, sb2, tb2, ACT, TWO, dot_a, wl, BW, BK)
+    if NK % 2 == 0:
+        xa2, wa2, sa2, ta2, wb2, sb2, tb2 = _load_step(x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, NK - 1,
+                                                       ACT, TWO, BK, KQ)
+        acc, acc3 = _mma_step(acc, acc3, xa, wa, sa, ta, wb, sb, tb, ACT, TWO, dot_a, wl, BW, BK)
+        acc, acc3 = _mma_step(acc, acc3, xa2, wa2, sa2, ta2, wb2, sb2, tb2, ACT, TWO, dot_a, wl, BW, BK)
+    else:
+        acc, acc3 = _mma_step(acc, acc3, xa, wa, sa, ta, wb, sb, tb, ACT, TWO, dot_a, wl, BW, BK)
+    return acc, acc3
+
+
+@gluon.jit
+def _issue(w1p, s1p, t1p, w3p, s3p, t3p, woff, soff, bw1, bs1, bt1, bw3, bs3, bt3, step, slot, ACT: gl.constexpr,
+           TWO: gl.constexpr, KQ: gl.constexpr):
+    """cp.async of K step ``step``'s words and scale words into ring slot ``slot``, then one commit group."""
+    cp.async_copy_global_to_shared(bw1.index(slot), w1p + step * (KQ * 128) + woff)
+    cp.async_copy_global_to_shared(bs1.index(slot), s1p + step * (KQ * 8) + soff)
+    if TWO:
+        cp.async_copy_global_to_shared(bt1.index(slot), t1p + step * (KQ * 8) + soff)
+    if ACT != 0:
+        cp.async_copy_global_to_shared(bw3.index(slot), w3p + step * (KQ * 128) + woff)
+        cp.async_copy_global_to_shared(bs3.index(slot), s3p + step * (KQ * 8) + soff)
+        if TWO:
+            cp.async_copy_global_to_shared(bt3.index(slot), t3p + step * (KQ * 8) + soff)
+    cp.commit_group()
+
+
+@gluon.jit
+def _pass_cp(acc, acc3, x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, bw1, bs1, bt1, bw3, bs3, bt3,
+             ACT: gl.constexpr, TWO: gl.constexpr, BK: gl.constexpr, KQ: gl.constexpr, NK: gl.constexpr,
+             ST: gl.constexpr, dot_a: gl.constexpr, wl: gl.constexpr, sl: gl.constexpr, BW: gl.constexpr):
+    """One pass over K through the ST-slot cp.async ring (steps past the end re-copy the last step into slots
+    that are never read: L2 hits, no extra HBM bytes); x one step ahead in registers."""
+    for s in gl.static_range(ST - 1):
+        _issue(w1p, s1p, t1p, w3p, s3p, t3p, woff, soff, bw1, bs1, bt1, bw3, bs3, bt3, s, s, ACT, TWO, KQ)
+    xb = gl.load(x + xoff)
+    for kk in range(NK):
+        cp.wait_group(ST - 2)
+        slot = kk % ST
+        wa = bw1.index(slot).load(wl)
+        sa = bs1.index(slot).load(sl)
+        ta = sa
+        wb = wa
+        sb = sa
+        tb = sa
+        if TWO:
+            ta = bt1.index(slot).load(sl)
+        if ACT != 0:
+            wb = bw3.index(slot).load(wl)
+            sb = bs3.index(slot).load(sl)
+            tb = sb
+            if TWO:
+                tb = bt3.index(slot).load(sl)
+        nxt = kk + ST - 1
+        _issue(w1p, s1p, t1p, w3p, s3p, t3p, woff, soff, bw1, bs1, bt1, bw3, bs3, bt3, gl.minimum(nxt, NK - 1),
+               nxt % ST, ACT, TWO, KQ)
+        xn = gl.load(x + gl.minimum(kk + 1, NK - 1) * BK + xoff)
+        acc, acc3 = _mma_step(acc, acc3, xb, wa, sa, ta, wb, sb, tb, ACT, TWO, dot_a, wl, BW, BK)
+        xb = xn
+    cp.wait_group(0)
+    return acc, acc3
+
+
+@gluon.jit(do_not_specialize=["NE"])      # one compile for any expert count
 def mx_gemm_kernel(x, offsets, w1, s1, t1, w3, s3, t3, y, rscale, NE, b1, b2, N: gl.constexpr, K: gl.constexpr,
                    ACT: gl.constexpr, SCALE_ROWS: gl.constexpr, TWO: gl.constexpr, MR: gl.constexpr,
-                   KQ: gl.constexpr, BT: gl.constexpr, ROWGRID: gl.constexpr, EP: gl.constexpr, NW: gl.constexpr):
+                   KQ: gl.constexpr, BT: gl.constexpr, ROWGRID: gl.constexpr, EP: gl.constexpr, NW: gl.constexpr,
+                   ST: gl.constexpr):
     """``y[r, n] = act(x[r] W1_e^T, x[r] W3_e^T)[n]`` (ACT 0: x W1^T only; 1 SiTU-GLU(b1, b2); 2 SwiGLU) times
     ``rscale[r]`` when SCALE_ROWS, for MXFP4 weights prepared by ``pack_mxfp4`` (w*: words, s*: sc1,
     t*: sc2 when TWO). Grid ``(N / (16 MR NW), E)`` (ROWGRID: ``(.., R)``, see ``moe.grouped_gemm_t_kernel``).
-    Each program streams its ``16 MR NW`` weight rows over K once per BT-token pass, the next K step's words
-    loaded before the current one is decoded (register double buffer)."""
+    Each program streams its ``16 MR NW`` weight rows over K once per BT-token pass. ST 0: the next K step's
+    words are loaded into registers before the current one is decoded (register double buffer); ST >= 2: an
+    ST-slot shared-memory ring filled by cp.async ST-1 steps ahead (each thread copies exactly the words it
+    later reads, so the ring needs no cross-thread handshake beyond what Triton's barrier pass adds)."""
     MB: gl.constexpr = MR * NW
     BW: gl.constexpr = MB * 16
     BK: gl.constexpr = KQ * 64
@@ -327,27 +406,33 @@ def mx_gemm_kernel(x, offsets, w1, s1, t1, w3, s3, t3, y, rscale, NE, b1, b2, N:
     t1p = t1 + blk * 8
     t3p = t3 + blk * 8
     ok = gl.arange(0, BK, layout=gl.SliceLayout(1, dot_b)).to(gl.int64)
+    if ST > 0:
+        wsm: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [4, 2, 1, 3, 0])    # a slot [mb, g, t, kq, kr]: kr fastest
+        ssm: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+        bw1 = gl.allocate_shared_memory(gl.int32, [ST, MB, 8, 4, KQ, 4], wsm)
+        bs1 = gl.allocate_shared_memory(gl.int32, [ST, MB, 8, 4, KQ], ssm)
+        bt1 = bs1
+        bw3 = bw1
+        bs3 = bs1
+        bt3 = bs1
+        if TWO:
+            bt1 = gl.allocate_shared_memory(gl.int32, [ST, MB, 8, 4, KQ], ssm)
+        if ACT != 0:
+            bw3 = gl.allocate_shared_memory(gl.int32, [ST, MB, 8, 4, KQ, 4], wsm)
+            bs3 = gl.allocate_shared_memory(gl.int32, [ST, MB, 8, 4, KQ], ssm)
+            if TWO:
+                bt3 = gl.allocate_shared_memory(gl.int32, [ST, MB, 8, 4, KQ], ssm)
     for m0 in range(start, end, BT):
         rows = gl.minimum(m0 + gl.arange(0, BT, layout=gl.SliceLayout(0, dot_b)), end - 1)   # past the end: a
         xoff = rows.to(gl.int64)[None, :] * K + ok[:, None]              # valid row, its outputs are not stored
         acc = gl.zeros([BW, BT], gl.float32, mma)
         acc3 = gl.zeros([BW, BT], gl.float32, mma)
-        xa, wa, sa, ta, wb, sb, tb = _load_step(x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, 0,
-                                                ACT, TWO, BK, KQ)
-        for kk in range(0, NK - 2, 2):          # two steps per iteration: no register copies at the back edge
-            xa2, wa2, sa2, ta2, wb2, sb2, tb2 = _load_step(x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, kk + 1,
-                                                           ACT, TWO, BK, KQ)
-            acc, acc3 = _mma_step(acc, acc3, xa, wa, sa, ta, wb, sb, tb, ACT, TWO, dot_a, wl, BW, BK)
-            xa, wa, sa, ta, wb, sb, tb = _load_step(x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, kk + 2,
-                                                    ACT, TWO, BK, KQ)
-            acc, acc3 = _mma_step(acc, acc3, xa2, wa2, sa2, ta2, wb2, sb2, tb2, ACT, TWO, dot_a, wl, BW, BK)
-        if NK % 2 == 0:
-            xa2, wa2, sa2, ta2, wb2, sb2, tb2 = _load_step(x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, NK - 1,
-                                                           ACT, TWO, BK, KQ)
-            acc, acc3 = _mma_step(acc, acc3, xa, wa, sa, ta, wb, sb, tb, ACT, TWO, dot_a, wl, BW, BK)
-            acc, acc3 = _mma_step(acc, acc3, xa2, wa2, sa2, ta2, wb2, sb2, tb2, ACT, TWO, dot_a, wl, BW, BK)
+        if ST == 0:
+            acc, acc3 = _pass_regs(acc, acc3, x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, ACT, TWO, BK, KQ, NK,
+                                   dot_a, wl, BW)
         else:
-            acc, acc3 = _mma_step(acc, acc3, xa, wa, sa, ta, wb, sb, tb, ACT, TWO, dot_a, wl, BW, BK)
+            acc, acc3 = _pass_cp(acc, acc3, x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff,
+                                 bw1, bs1, bt1, bw3, bs3, bt3, ACT, TWO, BK, KQ, NK, ST, dot_a, wl, sl, BW)
         # epilogue: acc [BW, BT] = y^T of these rows
         offs_n = pid_n * BW + gl.arange(0, BW, layout=gl.SliceLayout(1, mma))
         orow = m0 + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
@@ -368,7 +453,9 @@ def mx_gemm_kernel(x, offsets, w1, s1, t1, w3, s3, t3, y, rscale, NE, b1, b2, N:
 
 # --- host side --------------------------------------------------------------------------------------------------
 ACT_IDS = {"none": 0, "situ": 1, "silu": 2, "swiglu": 2}
-CONFIG = {"MR": 2, "KQ": 2, "BT": 8, "NW": 4}       # BW = 16 MR NW weight rows, BK = 64 KQ, BT tokens per pass
+# BW = 16 MR NW weight rows per program, BK = 64 KQ, BT tokens per pass, ST: 0 = register double buffer,
+# >= 2 = cp.async ring of ST slots
+CONFIG = {"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 3}
 
 
 def config_for(N: int, K: int, config: dict | None = None) -> dict:
@@ -380,7 +467,7 @@ def config_for(N: int, K: int, config: dict | None = None) -> dict:
         c["KQ"] //= 2
     while N % (16 * c["MR"] * c["NW"]) and c["MR"] > 1:
         c["MR"] //= 2
-    if K % (64 * c["KQ"]) or N % (16 * c["MR"] * c["NW"]):
+    if K % (64 * c["KQ"]) or N % (16 * c["MR"] * c["NW"]) or K // (64 * c["KQ"]) < max(c["ST"] - 1, 1):
         raise ValueError(f"gluon MXFP4: N={N} must be a multiple of {16 * c['NW']} and K={K} of 64")
     return c
 
@@ -417,5 +504,5 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, pw: MXPacked, *, pw3:
     mx_gemm_kernel[grid](x, offsets.contiguous(), pw.words, pw.sc1, t1, pw3.words, pw3.sc1, t3, y, rs, E,
                          float(b1), float(b2), N=N, K=K, ACT=ACT_IDS[act], SCALE_ROWS=rs is not None, TWO=two, MR=c["MR"],
                          KQ=c["KQ"], BT=c["BT"], ROWGRID=rg, EP=triton.next_power_of_2(E) if rg else 1, NW=c["NW"],
-                         num_warps=c["NW"])
+                         ST=c["ST"], num_warps=c["NW"])
     return y
