@@ -37,21 +37,23 @@ INTERMEDIATE_DTYPES: dict = {}
 #: (I+A)^-1 blocks in ``kda_inv_kernel`` on ``inv_warps`` warps) or "akk" (at the end of the akk launch);
 #: ``gcum_mode``: "tile" (``kda_gcum_kernel``) or "rows" (``kda_kernels.kda_gcum_rows_kernel``: running sum per
 #: thread over ``gcum_rows_rb``-row load batches, ``gcum_rows_bk`` columns on ``gcum_rows_warps`` warps; offline
-#: 4-6x fewer instructions, not yet timed on the GPU); ``fast_log``: softplus log by lg2.approx (rows mode only);
+#: 4-6x fewer instructions); ``fast_log``: softplus log by lg2.approx (rows mode only);
 #: ``wu_prefetch``: the w/u loops unrolled with loads one slice ahead; ``wu_mode``: "loop" (``kda_wu_kernel``) or
 #: "flat" (``kda_kernels.kda_wu_flat_kernel``: one program per slice on ``wu_flat_warps`` warps); ``diag_main``:
 #: unbounded gates put a sub-chunk's diagonal block into the strip's dot on K slices whose decay span is <= 80
 #: (akk ``EXACT=2``; 88% of the slices on bench_kda's random softplus gates). Not yet timed.
 #: See bench/KDA_NOTES.md.
-#: Defaults = the best combination measured on the H200 (2026-11-30 01:50 sweep): inverse split out on one warp
-#: with tf32 dots (K3 4.79 -> 4.37 ms at B1 T32768 H32; error vs the fp32 inverse 2.8e-4 / 5.3e-4), softplus
-#: K slice 32 under the 128-register cap (akk 3.73 -> 3.21 ms with the inverse inside; 0 B spill once split).
+#: Defaults = the best combination measured on the H200: inverse split out on one warp with tf32 dots (01:50
+#: sweep: K3 4.79 -> 4.37 ms at B1 T32768 H32), and from the 03:23 sweep (bench/KDA_NOTES.md): akk on 4 warps
+#: (K3 K slice 32: akk 1.69 -> 1.30 ms; unbounded gates K slice 16: 2.62 -> 2.10 ms), the gate cumsum as per-thread
+#: running sums with lg2.approx for the softplus log (gcum 0.36 / 0.53 -> 0.22 ms) and the flat w/u launch
+#: (1.12 -> 1.01 ms).
 TUNING: dict = {"intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "order": "strip", "bk": 32,
-                "warps": 8, "stages": 1, "inv": "split", "inv_warps": 1, "maxnreg": None, "exact_maxnreg": 128,
-                "exact_bk": 32, "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
+                "warps": 4, "stages": 1, "inv": "split", "inv_warps": 1, "maxnreg": None, "exact_maxnreg": 128,
+                "exact_bk": 16, "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
                 "inv_prec": "tf32", "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8,
-                "gcum_mode": "tile", "gcum_rows_bk": 128, "gcum_rows_rb": 16, "gcum_rows_warps": 1, "fast_log": False,
-                "wu_prefetch": False, "wu_mode": "loop", "wu_flat_warps": 4, "diag_main": False}
+                "gcum_mode": "rows", "gcum_rows_bk": 128, "gcum_rows_rb": 16, "gcum_rows_warps": 1, "fast_log": True,
+                "wu_prefetch": False, "wu_mode": "flat", "wu_flat_warps": 4, "diag_main": False}
 
 
 def _bwd_mode() -> str:

@@ -28,13 +28,15 @@ DTYPES: dict = {}
 #: bugs (triton-lang/triton#10486, #11366; fla-org/flash-linear-attention#988 restricts fla's WY backward
 #: to 2 warps on Hopper for the same reason), and the first H200 run faulted right after its launch.
 #: ``k3_exact``: launches (comma list of "prep", "bwd_intra") that take the K3 (bounded) gate through the exact
-#: element-wise diagonal paths of unbounded gates, i.e. the very binaries the softplus gate runs (correct on the H200,
-#: 3e-3), instead of the centred dense diagonal tiles (every K3 gradient 0.9-1.3 off on the H200 at 01:52 while
-#: correct under the CPU interpreter with tf32/bf16 emulated; cause not found, see bench/KDA_NOTES.md "Backward").
-#: "" = the dense tiles (prep ~4 ms instead of ~14.5, bwd_intra ~4.8 instead of ~9.9 at B1 T32768 H32).
-TUNING: dict = {"bk_prep": 16, "bk_wy": 32, "bk_intra": 32, "bv_rec": 32, "bv_wy": 32,
+#: element-wise diagonal paths of unbounded gates (prep ~14.6 ms instead of ~3.7, bwd_intra ~10 instead of ~4.8 at
+#: B1 T32768 H32) instead of the centred dense diagonal tiles. "" (default): the dense tiles. ``bk_prep`` must be
+#: >= 32 on the dense path: the H200 probe of 03:21 (bench/kda_prep_probe.py) found the dense diagonal tiles wrong
+#: with 16-wide tf32 K slices only (P diagonal blocks 0.38, Ai 0.92; off-diagonal blocks right; ieee dots or 32-wide
+#: slices right: 1.6e-3 / 1.8e-3), which was the "K3 gradients 0.9 off on the GPU only" of 01:52; ``kda_backward``
+#: widens a narrower slice on that path.
+TUNING: dict = {"bk_prep": 32, "bk_wy": 32, "bk_intra": 32, "bv_rec": 32, "bv_wy": 32,
                 "w_prelude": 8, "w_prep": 4, "w_rec": 4, "w_wy": 4, "w_intra": 4, "w_chain": 8,
-                "stages_rec": 2, "stages_wy": 1, "mma_v2": "bwd_wy", "k3_exact": "prep,bwd_intra"}
+                "stages_rec": 2, "stages_wy": 1, "mma_v2": "bwd_wy", "k3_exact": ""}
 
 
 def _alloc(shape, dtype, device):
@@ -140,6 +142,8 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     dht_ = dht.float().contiguous() if dht is not None else None
     bv_rec = min(tu["bv_rec"], V)
+    # dense K3 diagonal tiles: never 16-wide tf32 K slices (wrong on the H200, see TUNING)
+    bk_prep = min(tu["bk_prep"] if EXP or prec != "tf32" else max(32, tu["bk_prep"]), K)
     bv_wy = min(tu["bv_wy"], V)
 
     launches = [
@@ -149,7 +153,7 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
             num_warps=tu["w_prelude"])),
         ("prep", lambda: kb.kda_bwd_prep_kernel[(NC, H)](
             qn, kn, G, bn, v, Ai, P, w, u, qg, kg, cu, ci, T, shift,
-            H=H, K=K, V=V, BT=BT, BC=BC, BK=min(tu["bk_prep"], K), BV=min(tu["bk_prep"], V), IS_VARLEN=VAR,
+            H=H, K=K, V=V, BT=BT, BC=BC, BK=bk_prep, BV=min(tu["bk_prep"], V), IS_VARLEN=VAR,
             EXACT=EXP, PREC=prec, num_warps=tu["w_prep"])),
         ("fwd_h", lambda: kb.kda_bwd_fwd_h_kernel[(V // bv_rec, N * H)](
             w, u, kg, G, h, vn, h0, cu, co, T, H=H, K=K, V=V, BT=BT, BV=bv_rec, USE_H0=h0 is not None,
