@@ -143,7 +143,7 @@ def sec_warm(i):
         G.grouped_matmul(x, off, two[0], pw3=two[1], act="situ", config=cfg)
         G.grouped_matmul(h, off, two[2], row_scale=rs, config=cfg)
         big = [G.MXPacked(torch.empty(896, n // 16, k // 64, 32, 4, device=dev, dtype=torch.int32),
-                          torch.full((896, n // 16, k // 64, 8), 0x7E7E7E7E, device=dev, dtype=torch.int32), None, n, k)
+                          torch.full((896, n // 16, 8, k // 64), 0x7E7E7E7E, device=dev, dtype=torch.int32), None, n, k)
                for n, k in shapes]
         G.grouped_matmul(x[:16], big_off, big[0], pw3=big[1], act="situ", config=cfg)
         G.grouped_matmul(h[:16], big_off, big[2], row_scale=rs[:16], config=cfg)

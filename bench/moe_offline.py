@@ -151,7 +151,7 @@ def compile_gluon(glu: bool, two: bool, cfg: dict, N: int, K: int, rowgrid: bool
         n, ops = min(loops, key=lambda lp: lp[0])
         el = ops["HMMA"] * 8 / (c["BT"] // 8)
         out.update(loop_instr=n, loop_el=int(el), instr_per_el=n / el,
-                   ops=dict(ops.most_common(8)))
+                   ops=dict(ops.most_common(14)))
     return out
 
 

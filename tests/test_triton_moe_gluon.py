@@ -85,7 +85,7 @@ def _emulate(packed: np.ndarray, scales: np.ndarray):
     g, t = lane // 4, lane % 4
 
     def mult(sw):                                                         # _decode: scale word -> bf16x2 words
-        sw = sw.view(np.uint32).astype(np.uint64)[..., g]                  # [E, NB, KC, 32 lanes]
+        sw = sw.view(np.uint32).astype(np.uint64).transpose(0, 1, 3, 2)[..., g]   # [E, NB, KC, 32 lanes]
         ma, mb = (sw << 7) & 0x7F807F80, (sw >> 1) & 0x7F807F80
         return np.stack([ma, ma, mb, mb], -1)                              # kr = 2 grp + j
     regs = {"$4": words, "$5": words, "$6": mult(pw.sc1.numpy())}

@@ -17,7 +17,7 @@ GEMM's row scale are fused in the epilogue; offsets/dispatch/combine are ``moe``
 
 Layout of ``MXPacked`` (``E`` experts, ``N`` rows, ``K`` columns; ``N % 16 == 0``, ``K % 64 == 0``):
 ``words int32[E, N/16, K/64, 32, 4]``: word ``[e, mb, kc, lane, kr]`` is lane ``g*4+t``'s fragment of the
-16x16 block (rows ``16 mb..``, columns ``64 kc + 16 kr..``); ``sc1 int32[E, N/16, K/64, 8]``: word ``[.., g]``
+16x16 block (rows ``16 mb..``, columns ``64 kc + 16 kr..``); ``sc1 int32[E, N/16, 8, K/64]``: word ``[e, mb, g, kc]``
 holds the multiplier exponents ``min(s,128)+126`` of (row g, group 2kc), (row g, 2kc+1), (row g+8, 2kc),
 (row g+8, 2kc+1) in bytes 0, 1, 2, 3; ``sc2`` the same for ``max(s,128)-1`` (None when every byte <= 128).
 """
@@ -144,11 +144,11 @@ def _pack_words(p: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_scales(e8: torch.Tensor) -> torch.Tensor:
-    """exponent bytes int64[E, N, K/32] -> int32 [E, N/16, K/64, 8] (bytes: (g, 2kc), (g, 2kc+1), (g+8, 2kc),
-    (g+8, 2kc+1))."""
+    """exponent bytes int64[E, N, K/32] -> int32 [E, N/16, 8, K/64] (word [e, mb, g, kc], bytes: (g, 2kc),
+    (g, 2kc+1), (g+8, 2kc), (g+8, 2kc+1)): a row group's words are contiguous along K."""
     E, N, G = e8.shape
-    s = e8.reshape(E, N // 16, 2, 8, G // 2, 2).permute(0, 1, 4, 3, 2, 5)          # e mb kc g rh grp
-    s = s.reshape(E, N // 16, G // 2, 8, 4)
+    s = e8.reshape(E, N // 16, 2, 8, G // 2, 2).permute(0, 1, 3, 4, 2, 5)          # e mb g kc rh grp
+    s = s.reshape(E, N // 16, 8, G // 2, 4)
     w = s[..., 0] | (s[..., 1] << 8) | (s[..., 2] << 16) | (s[..., 3] << 24)
     return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32).contiguous()
 
@@ -267,18 +267,18 @@ def _load_step(x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, kk, ACT: gl.co
     """K step ``kk``'s x tile (B operand), fragment words and scale words of both weights."""
     xb = gl.load(x + kk * BK + xoff)
     wa = gl.load(w1p + kk * (KQ * 128) + woff)
-    sa = gl.load(s1p + kk * (KQ * 8) + soff)
+    sa = gl.load(s1p + kk * KQ + soff)
     ta = sa
     if TWO:
-        ta = gl.load(t1p + kk * (KQ * 8) + soff)
+        ta = gl.load(t1p + kk * KQ + soff)
     wb = wa
     sb = sa
     tb = ta
     if ACT != 0:
         wb = gl.load(w3p + kk * (KQ * 128) + woff)
-        sb = gl.load(s3p + kk * (KQ * 8) + soff)
+        sb = gl.load(s3p + kk * KQ + soff)
         if TWO:
-            tb = gl.load(t3p + kk * (KQ * 8) + soff)
+            tb = gl.load(t3p + kk * KQ + soff)
     return xb, wa, sa, ta, wb, sb, tb
 
 
@@ -319,14 +319,14 @@ def _issue(w1p, s1p, t1p, w3p, s3p, t3p, woff, soff, bw1, bs1, bt1, bw3, bs3, bt
            TWO: gl.constexpr, KQ: gl.constexpr):
     """cp.async of K step ``step``'s words and scale words into ring slot ``slot``, then one commit group."""
     cp.async_copy_global_to_shared(bw1.index(slot), w1p + step * (KQ * 128) + woff)
-    cp.async_copy_global_to_shared(bs1.index(slot), s1p + step * (KQ * 8) + soff)
+    cp.async_copy_global_to_shared(bs1.index(slot), s1p + step * KQ + soff)
     if TWO:
-        cp.async_copy_global_to_shared(bt1.index(slot), t1p + step * (KQ * 8) + soff)
+        cp.async_copy_global_to_shared(bt1.index(slot), t1p + step * KQ + soff)
     if ACT != 0:
         cp.async_copy_global_to_shared(bw3.index(slot), w3p + step * (KQ * 128) + woff)
-        cp.async_copy_global_to_shared(bs3.index(slot), s3p + step * (KQ * 8) + soff)
+        cp.async_copy_global_to_shared(bs3.index(slot), s3p + step * KQ + soff)
         if TWO:
-            cp.async_copy_global_to_shared(bt3.index(slot), t3p + step * (KQ * 8) + soff)
+            cp.async_copy_global_to_shared(bt3.index(slot), t3p + step * KQ + soff)
     cp.commit_group()
 
 
@@ -392,12 +392,12 @@ def mx_gemm_kernel(x, offsets, w1, s1, t1, w3, s3, t3, y, rscale, NE, b1, b2, N:
     KC: gl.constexpr = K // 64
     NK: gl.constexpr = K // BK
     # per-thread int64 offsets (lane/warp part + compile-time constants, so loads use [base + imm]) from
-    # per-program scalar bases: word ((mb * KC + kq) * 32 + g * 4 + t) * 4 + kr, scale word (mb * KC + kq) * 8 + g
+    # per-program scalar bases: word ((mb * KC + kq) * 32 + g * 4 + t) * 4 + kr, scale word (mb * 8 + g) * KC + kq
     woff = ((_iota(MB, 0, wl, 5).to(gl.int64) * KC + _iota(KQ, 3, wl, 5).to(gl.int64)) * 128
             + _iota(8, 1, wl, 5).to(gl.int64) * 16 + _iota(4, 2, wl, 5).to(gl.int64) * 4
             + _iota(4, 4, wl, 5).to(gl.int64))
-    soff = ((_iota(MB, 0, sl, 4).to(gl.int64) * KC + _iota(KQ, 3, sl, 4).to(gl.int64)) * 8
-            + _iota(8, 1, sl, 4).to(gl.int64) + _iota(4, 2, sl, 4).to(gl.int64) * 0)
+    soff = ((_iota(MB, 0, sl, 4).to(gl.int64) * 8 + _iota(8, 1, sl, 4).to(gl.int64)) * KC
+            + _iota(KQ, 3, sl, 4).to(gl.int64) + _iota(4, 2, sl, 4).to(gl.int64) * 0)
     blk = (e.to(gl.int64) * NB + pid_n * MB) * KC          # the program's first (mb, kc) block
     w1p = w1 + blk * 128
     w3p = w3 + blk * 128
