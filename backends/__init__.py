@@ -29,6 +29,8 @@ class Backend:
     aliases: tuple[str, ...] = ()
     available: Callable[[], str | None] = field(default=lambda: None)   # None = usable here, else why not
     functions: tuple[str, ...] | None = None     # entry functions build() compiles; None = every function
+    #: compute dtypes build() accepts (canonical names, see DTYPES); None = all of them
+    dtypes: tuple[str, ...] | None = None
 
 
 def register_backend(backend: Backend) -> Backend:
@@ -120,6 +122,21 @@ class Executable:
 _DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "f32": "float32", "bfloat16": "bfloat16",
                 "bf16": "bfloat16", "float64": "float64", "f64": "float64", "float16": "float16",
                 "fp16": "float16", "f16": "float16"}
+#: canonical compute dtypes, most common first
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def resolve_dtype(backend: Backend, dtype: str) -> str:
+    """The canonical compute dtype for ``dtype`` (``float32`` | ``bfloat16`` | ``float16`` |
+    ``float64``, or ``fp32``/``f32``/``bf16``/``fp16``/``f16``/``f64``) on ``backend``. Raises
+    K3BackendError naming ``dtype`` and the dtypes ``backend`` supports (``Backend.dtypes``) for an
+    unknown dtype or one the target does not compute in; called before anything is built."""
+    ok = backend.dtypes or DTYPES
+    canon = _DTYPE_NAMES.get(dtype) if isinstance(dtype, str) else None
+    if canon is None or canon not in ok:
+        what = "unknown dtype" if canon is None else "unsupported dtype"
+        raise K3BackendError(f"{what} '{dtype}' for target '{backend.name}' (supported: {', '.join(ok)})")
+    return canon
 
 
 def _check_device(device: str) -> None:
@@ -137,15 +154,15 @@ def _check_device(device: str) -> None:
 def compile_module(module: Module, target: str = "torch", dtype: str = "float32", device: str = "cpu",
                    passes: list[str] | None = None, verify_each: bool = False, **options: Any) -> Executable:
     """Verify ``module`` (K3VerifyError with ``file:line:col`` for a parsed module: an invalid module
-    never compiles), run the target's pipeline (or ``passes``) on a copy of it, then build."""
+    never compiles), check ``dtype`` against the target's dtypes (:func:`resolve_dtype`), run the
+    target's pipeline (or ``passes``) on a copy of it, then build. Raises K3BackendError."""
     from k3ir.verify import verify_module
     verify_module(module)
     backend = get_backend(target)
+    dtype = resolve_dtype(backend, dtype)        # before availability: a bad dtype is an error on any machine
     why = backend.available()
     if why:
         raise K3BackendError(f"target '{target}' cannot run here: {why}")
-    if dtype not in _DTYPE_NAMES:
-        raise K3BackendError(f"unknown dtype '{dtype}' (want one of float32, bfloat16, float16, float64)")
     _check_device(device)
     unknown = sorted(set(options) - {"quantize", "dump_dir", "results"})
     if unknown:
@@ -153,4 +170,4 @@ def compile_module(module: Module, target: str = "torch", dtype: str = "float32"
                              "passes, verify_each, quantize, dump_dir, results)")
     from k3ir.passes import run_pipeline
     m = run_pipeline(module.clone(), backend.pipeline if passes is None else passes, verify_each=verify_each, **options)
-    return backend.build(m, dtype=_DTYPE_NAMES[dtype], device=device)
+    return backend.build(m, dtype=dtype, device=device)

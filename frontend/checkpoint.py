@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import re
 import struct
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -43,8 +44,9 @@ _MAX_HEADER = 1 << 30
 # ---- headers -----------------------------------------------------------------------------
 def read_header(path: str) -> tuple[dict[str, Header], dict]:
     """Parse one safetensors header without touching tensor data. Returns (key -> Header, metadata).
-    Raises K3CheckpointError for a truncated file, a corrupt header or an unknown dtype."""
-    name = os.path.basename(path)
+    Raises K3CheckpointError for a truncated file, a corrupt header or an unknown dtype; the message
+    starts with ``path`` as given (the checkpoint directory and the file) and names the tensor key."""
+    name = path
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -90,6 +92,8 @@ def read_header(path: str) -> tuple[dict[str, Header], dict]:
 
 # ---- a checkpoint directory -------------------------------------------------------------------
 def find_index(directory: str) -> str | None:
+    """The index file of ``directory`` (``model.safetensors.index.json`` or the only
+    ``*.safetensors.index.json``), None without one; K3CheckpointError for several."""
     p = os.path.join(directory, INDEX_NAME)
     if os.path.exists(p):
         return p
@@ -120,29 +124,30 @@ class Checkpoint:
             shards = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
             if not shards:
                 raise K3CheckpointError(f"{directory}: no *.safetensors files and no {INDEX_NAME}")
+            _check_shard_set(directory, shards)
             shards = {p: None for p in shards}
         for path, listed in shards.items():
             hdr, _ = read_header(path)
             self.files[path] = os.path.getsize(path)
             for key, h in hdr.items():
                 if key in self.headers:
-                    raise K3CheckpointError(f"tensor '{key}' appears in both {os.path.basename(self.headers[key].file)} "
-                                            f"and {os.path.basename(path)}")
+                    raise K3CheckpointError(f"{directory}: tensor '{key}' appears in both "
+                                            f"{os.path.basename(self.headers[key].file)} and {os.path.basename(path)}")
                 self.headers[key] = h
             if listed is not None:
                 unlisted = sorted(k for k in hdr if k not in set(listed))
                 if unlisted:
-                    raise K3CheckpointError(f"{os.path.basename(self.index_path)}: does not list '{unlisted[0]}', which "
+                    raise K3CheckpointError(f"{self.index_path}: does not list '{unlisted[0]}', which "
                                             f"{os.path.basename(path)} contains"
                                             f"{f' (and {len(unlisted) - 1} more)' if len(unlisted) > 1 else ''}")
                 missing = sorted(k for k in listed if k not in hdr)
                 if missing:
-                    raise K3CheckpointError(f"{os.path.basename(self.index_path)}: lists '{missing[0]}' in "
+                    raise K3CheckpointError(f"{self.index_path}: lists '{missing[0]}' in "
                                             f"{os.path.basename(path)}, which does not contain it"
                                             f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
 
     def _read_index(self, path: str) -> dict[str, list[str]]:
-        name = os.path.basename(path)
+        name = path                       # directory/model.safetensors.index.json: both named in every error
         try:
             with open(path, encoding="utf-8") as f:
                 idx = json.load(f)
@@ -174,7 +179,7 @@ class Checkpoint:
             try:
                 h = safe_open(path, framework="pt")
             except _read_errors() as e:
-                raise K3CheckpointError(f"{os.path.basename(path)}: cannot open: {e}") from None
+                raise K3CheckpointError(f"{path}: cannot open: {e}") from None
             self._handles[path] = h
         return h
 
@@ -197,7 +202,7 @@ class Checkpoint:
                     sel += (slice(rows[0], rows[1]),)
                 t = sl[sel]
         except _read_errors() as e:
-            raise K3CheckpointError(f"{os.path.basename(h.file)}: cannot read tensor '{key}': {e}") from None
+            raise K3CheckpointError(f"{h.file}: cannot read tensor '{key}': {e}") from None
         return _to_numpy(t)
 
     # -- summary (headers only) -------------------------------------------------------------
@@ -236,6 +241,26 @@ class Checkpoint:
                           "fraction_of_weights": q["weights"] / total_weights if total_weights else 0.0,
                           "fraction_of_bytes": q["bytes"] / on_disk if on_disk else 0.0},
         }
+
+
+_SHARD_RE = re.compile(r"(.+)-(\d+)-of-(\d+)\.safetensors$")
+
+
+def _check_shard_set(directory: str, paths: list[str]) -> None:
+    """Without an index, shards named ``PREFIX-0000i-of-0000n.safetensors`` must all be there:
+    K3CheckpointError naming the directory, the missing index and the first missing shard."""
+    groups: dict[tuple[str, str], set[int]] = {}
+    for p in paths:
+        m = _SHARD_RE.match(os.path.basename(p))
+        if m:
+            groups.setdefault((m.group(1), m.group(3)), set()).add(int(m.group(2)))
+    for (prefix, total), have in sorted(groups.items()):
+        missing = [i for i in range(1, int(total) + 1) if i not in have]
+        if missing:
+            first = f"{prefix}-{missing[0]:0{len(total)}d}-of-{total}.safetensors"
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise K3CheckpointError(f"{directory}: no {INDEX_NAME}, and shard {first}{more} of {prefix}-*-of-{total} "
+                                    f"is missing (found {len(have)} of {int(total)})")
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:
@@ -282,6 +307,18 @@ class CheckpointWeights(Mapping):
     def __iter__(self) -> Iterator[str]:
         return iter(self.plans)
 
+    def stored_dtype(self, name: str) -> str | None:
+        """IR float dtype parameter ``name`` is stored in on disk (the widest of its source tensors;
+        ``f32`` for packed MXFP4/INT4 experts, whose dequantised values float32 holds exactly), None
+        for a non-float or unknown parameter (``k3ir.save`` keeps this dtype by default)."""
+        plan = self.plans.get(name)
+        if plan is None:
+            return None
+        if any(p.op in ("mxfp4", "int4") for p in plan.parts):
+            return "f32"
+        return _widest(_ST_FLOAT.get(self.checkpoint.headers[k].dtype) for p in plan.parts for k in p.keys
+                       if k in self.checkpoint.headers)
+
     def __len__(self) -> int:
         return len(self.plans)
 
@@ -302,14 +339,15 @@ class CheckpointWeights(Mapping):
             if len(p.keys) > 2:
                 shape = tuple(int(x) for x in c.read(p.keys[2]).reshape(-1))
                 if shape != tuple(p.shape):
-                    raise K3CheckpointError(f"tensor '{p.keys[2]}' says shape {list(shape)}, expected {list(p.shape)}")
+                    raise K3CheckpointError(f"{self._where(p.keys[2])} says shape {list(shape)}, "
+                                            f"expected {list(p.shape)}")
         else:
             raise K3CheckpointError(f"internal: unknown part op {p.op}")
         return a.reshape(p.shape)
 
     def _where(self, key: str) -> str:
         h = self.checkpoint.headers.get(key)
-        return f"{os.path.basename(h.file)}: tensor '{key}'" if h else f"tensor '{key}'"
+        return f"{h.file}: tensor '{key}'" if h else f"{self.checkpoint.directory}: tensor '{key}'"
 
     def _load(self, plan: Plan) -> np.ndarray:
         arrs = [self._part(p, plan.dtype) for p in plan.parts]
@@ -362,10 +400,10 @@ def bind_checkpoint(module: Module, directory: str, strict: bool = True) -> Modu
     set ``module.weights`` to a lazy :class:`CheckpointWeights`. With ``strict`` (default), keys
     that belong to no parameter are an error; otherwise they are logged and kept in ``.unused``."""
     ckpt = Checkpoint(directory)
-    plans, unused = resolve(module, ckpt.headers, where=os.path.basename(os.path.normpath(directory)))
+    plans, unused = resolve(module, ckpt.headers, where=os.path.normpath(directory))
     if unused and strict:
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
-        raise K3CheckpointError(f"{os.path.basename(os.path.normpath(directory))}: tensor '{unused[0]}'{more} "
+        raise K3CheckpointError(f"{os.path.normpath(directory)}: tensor '{unused[0]}'{more} "
                                 f"belongs to no parameter of the model")
     w = CheckpointWeights(ckpt, plans, unused)
     for n in w.notes:
@@ -394,6 +432,42 @@ def save_dtype(dtype: str | None) -> str | None:
     if dt is None:
         raise K3CheckpointError(f"save: unknown dtype {dtype!r} (want one of {', '.join(SAVE_DTYPES)})")
     return dt
+
+
+_FLOAT_RANK = {"f16": 1, "bf16": 1, "f32": 2, "f64": 3}
+_ST_FLOAT = {"F64": "f64", "F32": "f32", "BF16": "bf16", "F16": "f16"}
+_NP_FLOAT = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+_TORCH_FLOAT = {"torch.float64": "f64", "torch.float32": "f32", "torch.bfloat16": "bf16", "torch.float16": "f16"}
+
+
+def value_dtype(params: Mapping[str, Any], name: str, value: Any) -> str | None:
+    """The IR float dtype ``value`` (``params[name]``) holds: a torch tensor's or NumPy array's own
+    dtype; for weights bound from a checkpoint (:class:`CheckpointWeights`) the dtype stored on disk
+    (bf16 read back as float32 is still bf16). None for non-float values."""
+    stored = getattr(params, "stored_dtype", None)
+    if stored is not None:
+        return stored(name)
+    if hasattr(value, "detach"):
+        return _TORCH_FLOAT.get(str(value.dtype))
+    dt = getattr(value, "dtype", None)
+    return _NP_FLOAT.get(dt.name) if isinstance(dt, np.dtype) else None
+
+
+def _widest(dts) -> str | None:
+    """The float dtype that holds every one of ``dts`` exactly (bf16 with f16 -> f32); None if none is float."""
+    fl = {d for d in dts if d in _FLOAT_RANK}
+    if not fl:
+        return None
+    if {"bf16", "f16"} <= fl:
+        fl.add("f32")
+    return max(fl, key=lambda d: (_FLOAT_RANK[d], d))
+
+
+def _lossy(src: str | None, dst: str) -> bool:
+    """True when storing ``src`` values as ``dst`` can round them (f64 -> f32, f32 -> bf16, f16 <-> bf16)."""
+    if src is None or src == dst or src not in _FLOAT_RANK or dst not in _FLOAT_RANK:
+        return False
+    return _FLOAT_RANK[dst] <= _FLOAT_RANK[src]
 
 
 def _tensor(a, dtype: str):
@@ -427,10 +501,13 @@ def save_checkpoint(module: Module, params: Mapping[str, Any], directory: str, *
     ``quantize``: None | ``mxfp4`` | ``int4`` packs routed experts only (compressed-tensors keys
     ``weight_packed``/``weight_scale``, plus ``weight_shape`` for int4; SPEC.md 7);
     ``dtype``: float dtype of the unquantised float tensors, ``float32`` | ``bfloat16`` |
-    ``float16`` | ``float64`` (short forms ``f32``/``bf16``/``f16``/``f64``); default: each
-    parameter's IR dtype (bf16 for the published models). A bf16 save rounds float32/float64
-    weights to bfloat16 (round to nearest even); MXFP4/INT4 experts are quantised from the values
-    as stored in that dtype;
+    ``float16`` | ``float64`` (short forms ``f32``/``bf16``/``f16``/``f64``); default None: each
+    tensor keeps the dtype of its value, as ``save_pretrained`` does (float32 arrays are stored
+    F32, float64 F64, torch bf16 tensors BF16; weights bound from a checkpoint keep the dtype they
+    were stored in; values that are not float arrays take the parameter's IR dtype), so a default
+    save never rounds. An explicit narrower ``dtype`` (e.g. ``bf16`` for float32 values) rounds
+    to nearest even and logs one warning (logger ``k3ir.checkpoint``) counting the tensors it
+    rounds; MXFP4/INT4 experts are quantised from the values as stored in that dtype;
     ``max_shard_bytes``: split into ``model-0000i-of-0000n.safetensors`` with an index;
     ``shared_experts``: ``fused`` (one MLP) | ``split`` (``shared_experts.{j}.*``).
     Returns the written file names. Raises K3CheckpointError on a bad option or missing parameter."""
@@ -453,12 +530,19 @@ def save_checkpoint(module: Module, params: Mapping[str, Any], directory: str, *
 
     fused_conv: dict[str, list] = {}
     fused_exp: dict[str, dict[str, Any]] = {}
+    rounded: dict[str, int] = {}               # value dtype -> tensors an explicit dtype rounds
     for name, decl in module.params.items():
         if name not in params:
             raise K3CheckpointError(f"no value for parameter '{name}'")
         ir_dt = decl.type.dtype
-        dt = dtype if (dtype and ir_dt in ("f64", "f32", "bf16", "f16")) else ir_dt
         arr = params[name]
+        src = value_dtype(params, name, arr) if ir_dt in _FLOAT_RANK else None
+        if dtype and ir_dt in _FLOAT_RANK:
+            dt = dtype
+            if _lossy(src, dt) and not (quantize and is_routed_expert(name)):
+                rounded[src] = rounded.get(src, 0) + 1
+        else:
+            dt = src or ir_dt
         if hasattr(arr, "detach"):
             arr = arr.detach().cpu()
             arr = (arr.double() if arr.is_floating_point() else arr).numpy()
@@ -471,10 +555,11 @@ def save_checkpoint(module: Module, params: Mapping[str, Any], directory: str, *
             if layout == "hf-runtime":
                 if decl.stack:
                     slot = fused_exp.setdefault(write_key(key.rsplit(".", 3)[0], layout), {"dtype": dt})
+                    slot["dtype"] = _widest((slot["dtype"], dt)) or dt          # concatenating never rounds
                     slot.setdefault(key.split(".")[-2], []).append(a)
                     continue
                 if key.endswith(("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")):
-                    fused_conv.setdefault(key.rsplit(".", 2)[0] + ".conv1d.weight", []).append((key, a))
+                    fused_conv.setdefault(key.rsplit(".", 2)[0] + ".conv1d.weight", []).append((key, a, dt))
                     continue
             wkey = write_key(key, layout)
             if shared_experts == "split" and n_shared > 1 and ".shared_experts." in wkey:
@@ -496,11 +581,14 @@ def save_checkpoint(module: Module, params: Mapping[str, Any], directory: str, *
                     put(base + "weight_shape", _tensor(np.array(a.shape, np.int64), "i64"))
                 continue
             put(wkey, _tensor(a, dt))
+    if rounded:
+        log.warning("save: dtype=%s rounds %s to %s (precision loss; dtype=None keeps each tensor's dtype)",
+                    dtype, ", ".join(f"{n} {_TORCH_DT[s]} tensor(s)" for s, n in sorted(rounded.items())),
+                    _TORCH_DT[dtype])
     for key, items in fused_conv.items():
         items.sort(key=lambda kv: "qkv".index(kv[0].rsplit(".", 2)[-2][0]))
-        dt = dtype or module.params[items[0][0]].type.dtype
-        dt = dt if dt in _TORCH_DT else "f32"
-        put(write_key(key, layout), _tensor(np.concatenate([a for _, a in items]), dt))
+        dt = _widest(d for _, _, d in items) or "f32"      # the widest of q/k/v: concatenating never rounds
+        put(write_key(key, layout), _tensor(np.concatenate([a for _, a, _ in items]), dt))
     for pre, ws in fused_exp.items():
         dt = ws["dtype"]
         put(pre + ".gate_up_proj", _tensor(np.concatenate([np.stack(ws["w1"]), np.stack(ws["w3"])], axis=1), dt))

@@ -70,8 +70,10 @@ def save(module: Module, params: Any, directory: str, layout: str = "published",
     ``published`` | ``transformers`` | ``hf-runtime``; ``quantize``: None | ``mxfp4`` | ``int4``
     (routed experts only, compressed-tensors packing, SPEC.md 7). ``options``: ``dtype``
     (``float32`` | ``bfloat16`` | ``float16`` | ``float64``, or ``f32``/``bf16``/``f16``/``f64``:
-    the stored dtype of unquantised float tensors; default each parameter's IR dtype, bf16 for
-    the published models, so a default or bf16 save rounds float32 weights to bfloat16),
+    the stored dtype of unquantised float tensors; default None keeps each tensor's own dtype, as
+    ``save_pretrained`` does: float32 params are stored F32 even when the config says bf16, and
+    weights bound from a checkpoint keep their stored dtype; a narrower explicit dtype rounds and
+    logs a warning),
     ``max_shard_bytes``, ``shared_experts`` (``fused`` | ``split``). Returns the file names
     written; raises K3CheckpointError (also for an unknown ``dtype``, naming the allowed values)."""
     from .frontend.checkpoint import save_checkpoint
@@ -84,6 +86,8 @@ def save(module: Module, params: Any, directory: str, layout: str = "published",
 
 def compile(module: Module, target: str = "torch", dtype: str = "float32", device: str = "cpu", **options: Any):
     """Run ``target``'s pass pipeline on a copy of ``module`` and build an Executable.
-    ``dtype``: ``float32`` | ``bfloat16`` | ``float64`` (compute dtype); raises K3BackendError."""
+    ``dtype``: ``float32`` | ``bfloat16`` | ``float16`` | ``float64`` (compute dtype), as far as the
+    target supports it (``Backend.dtypes``: onnx float32/float16, mlir float32, tvm float32/float64);
+    raises K3BackendError naming the dtype and the supported ones."""
     from .backends import compile_module
     return compile_module(module, target=target, dtype=dtype, device=device, **options)

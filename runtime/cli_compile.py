@@ -37,6 +37,21 @@ def target_pipeline(target: str) -> tuple[list[str], object | None, str | None]:
     return pipe, backend, backend.available()
 
 
+def check_dtype(target: str, dtype: str) -> str:
+    """The canonical compute dtype for ``--dtype`` on ``target`` (``k3ir.backends.resolve_dtype``);
+    K3BackendError naming the dtype and the target's supported ones. A pipeline-only target (no
+    registered backend) accepts every known dtype. Called before the model is loaded."""
+    from k3ir.backends import Backend, get_backend, resolve_dtype
+    try:
+        backend = get_backend(target)
+    except K3BackendError:
+        from k3ir.passes.pipelines import PIPELINES
+        if target.split("-")[0] not in PIPELINES:
+            raise                                    # an unknown target: that error first
+        backend = Backend(name=target, description="", build=None)
+    return resolve_dtype(backend, dtype)
+
+
 def apply_passes(module, target: str, passes: str | None = None, quantize: str | None = None,
                  verify_each: bool = False, dump_dir: str | None = None):
     """Run ``passes`` (comma-separated specs) or ``target``'s pipeline on ``module`` in place.
@@ -66,6 +81,7 @@ def cmd_compile(args) -> int:
     from k3ir.accounting import report
     from k3ir.verify import verify_module
     con = console()
+    dtype = check_dtype(args.target, args.dtype)      # before loading: a bad --dtype fails at once, on any machine
     for path, flag in ((args.dump_ir, "--dump-ir"), (args.output, "-o")):
         if path:
             make_dir(path, flag)       # before the (long) pipeline, so a bad path fails at once
@@ -110,10 +126,7 @@ def cmd_compile(args) -> int:
         con.print(f"note: target '{args.target}' cannot build here ({why}); ran its pipeline only")
     else:
         t2 = time.perf_counter()
-        from k3ir.backends import _DTYPE_NAMES
-        if args.dtype not in _DTYPE_NAMES:
-            raise UsageError(f"unknown --dtype '{args.dtype}' (want one of float32, bfloat16, float16, float64)")
-        exe = backend.build(m, dtype=_DTYPE_NAMES[args.dtype], device=args.device)
+        exe = backend.build(m, dtype=dtype, device=args.device)
         con.print(f"built {exe!r} in {time.perf_counter() - t2:.2f} s")
         if args.output and hasattr(exe, "save"):
             from k3ir.runtime.params import bound_params, init_params
@@ -135,7 +148,9 @@ def register(sub) -> None:
     p.add_argument("--verify-each", action="store_true", help="run the verifier after every pass")
     p.add_argument("-o", "--output", metavar="DIR", help="write the final module.k3 and passes.json")
     p.add_argument("--no-build", action="store_true", help="run the pipeline only")
-    p.add_argument("--dtype", default="float32", help="compute dtype for the build (default float32)")
+    p.add_argument("--dtype", default="float32",
+                   help="compute dtype for the build: float32 (default), bfloat16, float16 or float64, as the target "
+                        "supports (k3ir backends)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0, help="random-init seed when the model has no weights")
     p.set_defaults(func=cmd_compile)
@@ -167,4 +182,4 @@ def cmd_check(args) -> int:
     return 0
 
 
-__all__ = ["UsageError", "apply_passes", "cmd_check", "cmd_compile", "register", "target_pipeline"]
+__all__ = ["UsageError", "apply_passes", "check_dtype", "cmd_check", "cmd_compile", "register", "target_pipeline"]

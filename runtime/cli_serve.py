@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 
 from .cli import UsageError, load_model, model_arg
@@ -26,8 +28,10 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _setup(args):
+    from .cli_compile import check_dtype
     from .engine import build_engine
     from .tokenizer import load_tokenizer
+    check_dtype(args.target, args.dtype)             # a bad --dtype fails before the model loads
     module = load_model(args)
     tok = load_tokenizer(args.model, module)
     engine = build_engine(module, target=args.target, dtype=args.dtype, device=args.device, seed=args.init_seed,
@@ -59,10 +63,33 @@ def cmd_generate(args) -> int:
     return 0 if req.finish_reason != "error" else 1
 
 
+def check_port(host: str, port: int) -> None:
+    """UsageError when ``host:port`` cannot be bound (``port N is in use (...)`` for EADDRINUSE),
+    checked with a probe socket set up as uvicorn sets its own (SO_REUSEADDR), so a port in
+    TIME_WAIT is not reported; port 0 (any free port) is not checked."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UsageError(f"port {port} is in use ({host}:{port}: {e.strerror}; "
+                                 "pick another with --port)") from None
+            raise UsageError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+
+
 def cmd_serve(args) -> int:
     from .server import ServerLimits, create_app, serve
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    check_port(args.host, args.port)                 # before loading the model: uvicorn's bind error is a raw log
     module, tok, engine = _setup(args)
     limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_prompt_tokens=args.max_prompt_tokens,
                           max_output_tokens=args.max_output_tokens, max_concurrent=args.max_concurrent)

@@ -250,4 +250,4 @@ def _available() -> str | None:
 
 register_backend(Backend(name="mlir", description="linalg/tensor MLIR compiled and run by IREE (llvm-cpu)",
                          build=_build, pipeline=["dce"], lowers=_lowers, aliases=("iree",),
-                         available=_available, functions=("forward", "prefill", "decode")))
+                         available=_available, functions=("forward", "prefill", "decode"), dtypes=("float32",)))

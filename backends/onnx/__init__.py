@@ -144,4 +144,4 @@ def _available() -> str | None:
 
 register_backend(Backend(name="onnx", description="standard ONNX (opset 20) run by onnxruntime (CPU)",
                          build=_build, pipeline=["dce"], lowers=_lowers, available=_available,
-                         functions=FUNCTIONS))
+                         functions=FUNCTIONS, dtypes=("float32", "float16")))

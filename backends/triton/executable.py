@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import weakref
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
@@ -138,6 +139,32 @@ KERNELS = {
 }
 
 
+#: ops whose kernels evaluate the KDA gate ``lb * sigmoid(a (z + dt_bias))`` (see ``interpreter_guard``)
+GATE_OPS = ("k3.kda", "k3.fused_kda")
+
+
+def _finite(t) -> bool:
+    return not (isinstance(t, torch.Tensor) and t.is_floating_point()) or bool(torch.isfinite(t).all())
+
+
+def interpreter_guard(name: str, impl):
+    """``impl`` for the Triton CPU interpreter (``TRITON_INTERPRET=1``: the kernels run as NumPy).
+    The KDA gate ``lb * sigmoid(a (z + dt_bias))`` evaluates ``exp(-x)``, which overflows to inf for
+    ``x < -88`` in fp32 and correctly gives ``sigmoid = 0``: NumPy's overflow RuntimeWarning is
+    expected there and silenced for this op only (``np.errstate``, not process-wide). A non-finite
+    output from finite inputs raises K3RuntimeError naming the op instead of passing on."""
+    def run(inst, *args):
+        with np.errstate(over="ignore"):
+            out = impl(inst, *args)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if not all(_finite(t) for t in outs) and all(_finite(a) for a in args):
+            from k3ir.errors import K3RuntimeError
+            raise K3RuntimeError(f"{name}: the Triton kernels (TRITON_INTERPRET=1) produced non-finite values "
+                                 "from finite inputs")
+        return out
+    return run
+
+
 class TritonExecutable(TorchExecutable):
     """Runs the module op by op like the torch executable; KDA, MoE (grouped GEMMs with the GLU
     and combine weight fused, lowering.py), MLA, RMSNorm and AttnRes ops go to the Triton
@@ -149,6 +176,9 @@ class TritonExecutable(TorchExecutable):
         from . import lowering
         self.target = "triton"
         self.table = {**self.table, **KERNELS, **lowering.table(self)}
+        from . import interpreting
+        if interpreting():
+            self.table.update({n: interpreter_guard(n, self.table[n]) for n in GATE_OPS})
         self.graph_ctx = None
         self.plans = {name: lowering.plan(f) for name, f in module.functions.items()}
         # K3IR_CUDA_GRAPHS=0 runs decode eagerly (to bisect graph capture vs kernels; bench/MOE_NOTES.md)

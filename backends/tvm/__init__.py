@@ -220,7 +220,7 @@ def _pipeline() -> list[str]:
 
 register_backend(Backend(name="tvm", description="Apache TVM Relax, compiled for llvm (this CPU)",
                          build=_build, pipeline=_pipeline(), lowers=_lowers, aliases=("tvm-llvm",),
-                         available=_available))
+                         available=_available, dtypes=("float32", "float64")))
 
 from .cross import register_cross_targets
 
