@@ -7,12 +7,10 @@ torch implementations (the kernels compute in bf16/fp32)."""
 from __future__ import annotations
 
 import os
-import weakref
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..torch import TorchExecutable
 from . import layer
@@ -51,29 +49,19 @@ def router(inst, x, w, bias):
     return layer.router(x, w, bias, inst.top_k, inst.renormalize, inst.routed_scaling_factor, inst.eps)
 
 
+def _gemv_ready(x, w) -> bool:
+    from . import interpreting
+    from .gemv import fits
+    return (x.is_cuda or interpreting()) and fits(x, w) and not (torch.is_grad_enabled() and (x.requires_grad
+                                                                                             or w.requires_grad))
+
+
 def _lin(x, w):
     """x W^T: decode-size rows through the weight-streaming kernel (gemv.py), others cuBLAS."""
-    from . import interpreting
-    from .gemv import fits, gemv
-    if (x.is_cuda or interpreting()) and fits(x, w) and not (torch.is_grad_enabled() and (x.requires_grad
-                                                                                        or w.requires_grad)):
+    from .gemv import gemv
+    if _gemv_ready(x, w):
         return gemv(x, w)
     return F.linear(x, w.to(x.dtype))
-
-
-#: concatenated projection weights of a KDA layer's decode step, keyed by the first weight (weakly)
-_CAT = WeakIdKeyDictionary()
-
-
-def _cat_weights(ws, dtype):
-    """``cat(ws, 0)`` in ``dtype``, cached while ``ws[0]`` lives (validated by identity of every member)."""
-    hit = _CAT.get(ws[0])
-    if hit is not None and len(hit[0]) == len(ws) and all(r() is w for r, w in zip(hit[0], ws)) \
-            and hit[1].dtype == dtype:
-        return hit[1]
-    cat = torch.cat([w.to(dtype) for w in ws], 0).contiguous()
-    _CAT[ws[0]] = ([weakref.ref(w) for w in ws], cat)
-    return cat
 
 
 _SLOTS: dict = {}
@@ -89,22 +77,37 @@ def _slots(B, device):
 def fused_kda(inst, *args):
     """One KDA layer (SPEC.md 3): projections in torch, then 3 conv launches, the fused chunked
     forward (or, for ``mode="recurrent"``, the one-launch decode step) and the epilogue launch."""
+    from .gemv import cat_weights, fits, gemv, gemv2
+    from .lowering import Lazy, _norm_args
     (x, w_q, w_k, w_v, c_q, c_k, c_v, w_fa, w_fb, A_log, dt_bias, w_b, o_norm), gate_w, states = inst._split(args)
+    st = list(states) if states else [None] * 4
+    ws = [w_q, w_k, w_v, w_fa, w_b, gate_w[0]]
+    decode = (inst.mode == "recurrent" and x.shape[1] == 1 and st[3] is not None and x.dtype != torch.float64
+              and inst.qk_eps == 1e-6)
+    xr, nrm = _norm_args(x)          # x may be a deferred RMSNorm (lowering.Prenormed): normed in the gemv
+    fused_in = decode and _gemv_ready(xr[:, 0], ws[0])
+    if isinstance(x, Lazy) and not fused_in:
+        x = x.materialize()
+        args = (x, *args[1:])
+        xr, nrm = x, None
     if x.dtype == torch.float64 or inst.qk_eps != 1e-6:   # the kernels fix the L2 eps at SPEC's 1e-6
         return _torch_impl("k3.fused_kda")(inst, *args)
     H, D = inst.heads, inst.head_dim
     B, Tn = x.shape[:2]
-    st = list(states) if states else [None] * 4
     lb = inst.lower_bound if inst.gate == "lower_bound" else None
-    if inst.mode == "recurrent" and Tn == 1 and st[3] is not None:
-        # decode: the six projections of x in one GEMM (weights concatenated once), then the two
-        # low-rank up-projections and the one-launch decode kernel
-        ws = [w_q, w_k, w_v, w_fa, w_b, gate_w[0]]
+    if decode:
+        # decode: the six projections of x in one GEMV (weights concatenated once; the layer's input
+        # RMSNorm in its prologue), the two low-rank up-projections in one more, then the decode kernel
         sizes = [w.shape[0] for w in ws]
-        parts = torch.split(_lin(x[:, 0], _cat_weights(ws, x.dtype)), sizes, dim=-1)
-        q, k, v, fa, bl, ga = parts
-        z = _lin(fa, w_fb)
-        gz = ga if inst.full_rank_gate else _lin(ga, gate_w[1])
+        cat = cat_weights(ws, x.dtype)
+        y = gemv(xr[:, 0], cat, norm=nrm) if fused_in else _lin(x[:, 0], cat)
+        q, k, v, fa, bl, ga = torch.split(y, sizes, dim=-1)
+        if inst.full_rank_gate:
+            z, gz = _lin(fa, w_fb), ga
+        elif fused_in and fits(ga, gate_w[1]) and w_fb.shape[1] == gate_w[1].shape[1]:
+            z, gz = gemv2(fa, w_fb, ga, gate_w[1])
+        else:
+            z, gz = _lin(fa, w_fb), _lin(ga, gate_w[1])
         own = (lambda t: t.float().contiguous()) if GRAPH_STEP["in_place"] else (lambda t: t.float().contiguous().clone())
         pool = own(st[3])          # a CUDA-graph decode (graphs.py) updates its static buffers in place
         cpools = [own(s) for s in st[:3]]

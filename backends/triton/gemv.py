@@ -23,10 +23,12 @@ Fusions (each saves a launch of ~2-5 us in a decode step):
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import interpreting
 
@@ -149,6 +151,22 @@ def config(M: int, N: int, K: int, glu: bool) -> tuple[int, int, int]:
     BK = max(64, min(triton.next_power_of_2(K), 2048 // BM))
     BN = max(2, min(16, 4096 // (BK * BM))) if glu else max(4, min(16, 8192 // (BK * BM)))
     return BN, BK, 4
+
+
+#: concatenated weights (``cat_weights``), keyed by the first weight (weakly)
+_CAT = WeakIdKeyDictionary()
+
+
+def cat_weights(ws, dtype) -> torch.Tensor:
+    """``cat(ws, 0)`` in ``dtype``, made once and cached while ``ws[0]`` lives (validated by the identity
+    of every member): the weights of linears that share an input, streamed by one gemv launch."""
+    hit = _CAT.get(ws[0])
+    if hit is not None and len(hit[0]) == len(ws) and all(r() is w for r, w in zip(hit[0], ws)) \
+            and hit[1].dtype == dtype:
+        return hit[1]
+    cat = torch.cat([w.to(dtype) for w in ws], 0).contiguous()
+    _CAT[ws[0]] = ([weakref.ref(w) for w in ws], cat)
+    return cat
 
 
 def _w(w, dtype):

@@ -20,6 +20,50 @@ from . import moe as moe_k
 from . import norm as norm_k
 
 
+class Lazy:
+    """A decode-step value whose kernel is deferred into its consumer's launch (``plan`` actions ``norm``
+    and ``combine``): consumers that can fuse it read its parts; any other consumer gets
+    ``materialize()`` (the standalone kernel, run once and cached)."""
+
+    shape: tuple
+    dtype: torch.dtype
+    value: torch.Tensor | None = None
+
+    def materialize(self) -> torch.Tensor:
+        if self.value is None:
+            self.value = self._compute()
+        return self.value
+
+
+class Prenormed(Lazy):
+    """``rmsnorm(x, w, eps)`` not yet computed: a gemv applies it in its prologue (gemv ``norm=``)."""
+
+    def __init__(self, x, w, eps):
+        self.x, self.w, self.eps = x, w, float(eps)
+        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+
+    def _compute(self):
+        return norm_k.rmsnorm(self.x, self.w, self.eps)
+
+
+class Combined(Lazy):
+    """``moe_combine`` of pre-scaled expert rows not yet computed: a gemv adds it in its epilogue (``comb=``)."""
+
+    def __init__(self, y, inv):
+        self.y, self.inv = y, inv
+        self.shape, self.dtype, self.device = (*inv.shape[:-1], y.shape[-1]), y.dtype, y.device
+
+    def _compute(self):
+        return moe_k.moe_combine(self.y, None, self.inv)
+
+
+def _val(v):
+    """A Lazy as its materialized tensor (computed now if needed); anything else as is."""
+    if isinstance(v, Lazy):
+        return v.materialize()
+    return v
+
+
 def _torch_impl(name):
     from ..torch.fused import FUSED
     from ..torch.ops import TABLE
@@ -113,12 +157,20 @@ def _gemv_ok(x, w, *more) -> bool:
     return (x.is_cuda or interpreting()) and gemv_k.fits(x, w) and _no_grad(x, w, *more)
 
 
+def _norm_args(x):
+    """(gemv input, gemv ``norm=``) of a linear's input: a Prenormed one is normed in the gemv prologue."""
+    if isinstance(x, Prenormed) and x.value is None:
+        return x.x, (x.w, x.eps)
+    return _val(x), None
+
+
 def linear(inst, x, w):
-    """``k3.linear``: decode-size inputs (<= gemv.MAX_ROWS rows) through the weight-streaming kernel,
-    others through cuBLAS."""
-    if _gemv_ok(x, w):
-        return gemv_k.gemv(x, w)
-    return _torch_impl("k3.linear")(inst, x, w)
+    """``k3.linear``: decode-size inputs (<= gemv.MAX_ROWS rows) through the weight-streaming kernel
+    (a deferred RMSNorm of the input fused in), others through cuBLAS."""
+    xr, nrm = _norm_args(x)
+    if _gemv_ok(xr, w):
+        return gemv_k.gemv(xr, w, norm=nrm)
+    return _torch_impl("k3.linear")(inst, _val(x), w)
 
 
 def table(exe) -> dict:
@@ -195,7 +247,46 @@ def plan(fn) -> dict[int, tuple]:
             for o in [op] + chain[:-1]:
                 out[id(o)] = ("skip",)
             out[id(chain[-1])] = ("lin_add", op, chain)
+    # linears of one input whose weights are parameters (MLA q and kv_a): one gemv over the concatenated
+    # weights at decode size, run at the first of them (later weights are read from the parameters)
+    pname = {id(o.results[0]): o.attrs["name"] for o in fn.ops if o.name == "k3.param"}
+    groups: dict[int, list] = {}
+    for op in fn.ops:
+        if op.name == "k3.linear" and id(op) not in out and id(op.operands[1]) in pname:
+            groups.setdefault(id(op.operands[0]), []).append(op)
+    for ops in groups.values():
+        if len(ops) > 1:
+            out[id(ops[0])] = ("lin_cat", ops, [pname[id(o.operands[1])] for o in ops])
+            for o in ops[1:]:
+                out[id(o)] = ("cat_member",)
+    # the combine of pre-scaled expert rows added by a lin_add chain: summed in that gemv's epilogue
+    for act in list(out.values()):
+        if act[0] != "lin_add":
+            continue
+        for a in act[2]:
+            for v in a.operands:
+                p = producer.get(id(v))
+                if p is not None and out.get(id(p)) == ("combine",) and len(uses.get(id(v), [])) == 1:
+                    out[id(p)] = ("combine", "lazy")
+    # an RMSNorm whose every consumer can norm the raw row itself (gemv prologue, KDA decode projections)
+    for op in fn.ops:
+        if op.name == "k3.rmsnorm" and id(op) not in out:
+            us = uses.get(id(op.results[0]), [])
+            if us and all(_norm_consumer(c, op.results[0], out) for c in us):
+                out[id(op)] = ("norm",)
     return out
+
+
+def _norm_consumer(c, r, out) -> bool:
+    """Whether op ``c`` takes a deferred RMSNorm result ``r`` (a Prenormed) as its input row."""
+    if c is None or c.operands[0] is not r or any(v is r for v in c.operands[1:]):
+        return False
+    act = out.get(id(c), (None,))[0]
+    if c.name == "k3.linear":
+        return act in (None, "skip", "lin_cat", "cat_member")
+    if c.name == "k3.fused_kda":
+        return act is None
+    return (c.name, act) in (("k3.router", "route"), ("k3.moe_dispatch", "routed"))
 
 
 class PlanInterpreter(Interpreter):
@@ -207,8 +298,17 @@ class PlanInterpreter(Interpreter):
 
     def run(self, fn, args):
         f = self.module.functions[fn] if isinstance(fn, str) else fn
+        saved = getattr(self, "_plan", {})        # a nested run (an op's decomposition) keeps the caller's plan
         self._plan = self.plans.get(f.name, {}) if f is self.module.functions.get(f.name) else {}
-        return super().run(fn, args)
+        try:
+            return super().run(fn, args)
+        finally:
+            self._plan = saved
+
+    def eval_op(self, op, vals):
+        """Deferred values (Lazy) are materialized for every op but the KDA layer's input row."""
+        keep = op.name == "k3.fused_kda"
+        return super().eval_op(op, [v if keep and i == 0 else _val(v) for i, v in enumerate(vals)])
 
     def exec_op(self, op, env, observe=True):
         act = getattr(self, "_plan", {}).get(id(op))
@@ -219,6 +319,20 @@ class PlanInterpreter(Interpreter):
             return
         if kind in ("lin_glu", "lin_add"):
             return self._gemv_chain(op, act, env, observe)
+        if kind == "lin_cat":
+            return self._lin_cat(op, act, env, observe)
+        if kind == "cat_member":
+            if id(op.results[0]) in env:          # computed by its group's gemv
+                return
+            return super().exec_op(op, env, observe)
+        if kind == "norm":
+            x, w = env[id(op.operands[0])], env[id(op.operands[1])]
+            if (isinstance(x, torch.Tensor) and x.dtype != torch.float64 and x.dim() >= 2 and self.observe is None
+                    and 0 < x.numel() // x.shape[-1] <= gemv_k.MAX_ROWS and (x.is_cuda or interpreting())
+                    and _no_grad(x, w)):
+                env[id(op.results[0])] = Prenormed(x, w, op.attrs.get("eps", 1e-6))
+                return
+            return super().exec_op(op, env, observe)
         if kind == "route":
             return self._route(op, act[1], env, observe)
         if kind == "routed":
@@ -253,7 +367,11 @@ class PlanInterpreter(Interpreter):
             y = val[0]
             if y.dtype == torch.float64 or not env.get(("scaled", id(op.operands[0]))):
                 return super().exec_op(op, env, observe)
-            out = moe_k.moe_combine(y, None, val[2])
+            inv = val[2]
+            if len(act) > 1 and self.observe is None and inv.numel() // max(1, inv.shape[-1]) <= gemv_k.MAX_ROWS:
+                env[id(op.results[0])] = Combined(y, inv)       # summed in the lin_add gemv (or materialized)
+                return
+            out = moe_k.moe_combine(y, None, inv)
         outs = [out]
         if self.post is not None:
             outs = self.post(op, outs)
@@ -273,8 +391,9 @@ class PlanInterpreter(Interpreter):
         if act[0] == "lin_glu":
             g, u = act[1], act[2]
             x, w, w3 = env[id(g.operands[0])], env[id(g.operands[1])], env[id(u.operands[1])]
-            if _gemv_ok(x, w, w3) and tuple(w3.shape) == tuple(w.shape):
-                return self._store(op, [gemv_k.gemv(x, w, w3)], env, observe)
+            xr, nrm = _norm_args(x)
+            if _gemv_ok(xr, w, w3) and tuple(w3.shape) == tuple(w.shape):
+                return self._store(op, [gemv_k.gemv(xr, w, w3, norm=nrm)], env, observe)
             deferred = [g, u]
         else:
             lin, chain = act[1], act[2]
@@ -284,17 +403,36 @@ class PlanInterpreter(Interpreter):
                 other = a.operands[1] if a.operands[0] is prev else a.operands[0]
                 res.append(env[id(other)])
                 prev = a.results[0]
-            if _gemv_ok(x, w, *res) and all(r.shape == (*x.shape[:-1], w.shape[0]) and r.dtype == x.dtype for r in res):
-                return self._store(op, [gemv_k.gemv(x, w, res=res)], env, observe)
+            xr, nrm = _norm_args(x)
+            comb = [r for r in res if isinstance(r, Combined) and r.value is None][:1]
+            rest = [_val(r) for r in res if not (comb and r is comb[0])]
+            if _gemv_ok(xr, w, *rest) and all(tuple(r.shape) == (*x.shape[:-1], w.shape[0]) and r.dtype == x.dtype
+                                             for r in rest + comb):
+                y = gemv_k.gemv(xr, w, res=rest, norm=nrm, comb=(comb[0].y, comb[0].inv) if comb else None)
+                return self._store(op, [y], env, observe)
             deferred = [lin, *chain[:-1]]
         for o in deferred:
             super().exec_op(o, env, observe)
         return super().exec_op(op, env, observe)
 
+    def _lin_cat(self, op, act, env, observe):
+        """The linears of one input (plan ``lin_cat``) as one gemv over their concatenated weights when the
+        rows fit; else the first linear alone (the others run in place)."""
+        ops, names = act[1], act[2]
+        x = env[id(op.operands[0])]
+        ws = [env[id(o.operands[1])] if id(o.operands[1]) in env else self.get_param(n) for o, n in zip(ops, names)]
+        xr, nrm = _norm_args(x)
+        if _gemv_ok(xr, *ws) and all(w.dim() == 2 and w.shape[1] == xr.shape[-1] for w in ws):
+            y = gemv_k.gemv(xr, gemv_k.cat_weights(ws, xr.dtype), norm=nrm)
+            for o, part in zip(ops, torch.split(y, [w.shape[0] for w in ws], dim=-1)):
+                self._store(o, [part], env, observe)
+            return
+        return super().exec_op(op, env, observe)
+
     def _route(self, op, d, env, observe):
         """Router + dispatch of a decode-size batch in two launches (``dispatch.route_dispatch``);
         other sizes, float64 and routers without a fitting tile run the two ops as usual."""
-        x, w, bias = (env[id(v)] for v in op.operands)
+        x, w, bias = (_val(env[id(v)]) for v in op.operands)
         a = op.attrs
         E, k = int(w.shape[0]), int(a["top_k"])
         rows = x.numel() // x.shape[-1]
