@@ -459,10 +459,16 @@ def _asm_verified(dec: str, device) -> bool:
     return ok
 
 
-def _use_gluon(x, R: int, E: int) -> bool:
-    """``TUNING["mxfp4_kernel"] == "gluon"`` and the case is one it serves (CUDA, bf16, few rows per expert)."""
-    return (TUNING["mxfp4_kernel"] == "gluon" and not interpreting() and x.is_cuda
-            and x.dtype == torch.bfloat16 and R <= TUNING["gluon_max_rows"] * E)
+def _use_gluon(x, R: int, E: int, ws: tuple) -> bool:
+    """``TUNING["mxfp4_kernel"] == "gluon"`` and the case is one it serves (CUDA, bf16, few rows per expert; while
+    a CUDA graph is captured only with weights already permuted by a warm-up call)."""
+    if not (TUNING["mxfp4_kernel"] == "gluon" and not interpreting() and x.is_cuda and x.dtype == torch.bfloat16
+            and R <= TUNING["gluon_max_rows"] * E and ws[0].shape[1] % 64 == 0 and x.shape[1] % 64 == 0):
+        return False
+    from . import moe_gluon as mg
+    if torch.cuda.is_current_stream_capturing():
+        return all(mg.is_prepared(w, s) for w, s in zip(ws[::2], ws[1::2]) if w is not None)
+    return True
 
 
 def _check(x, offsets, w, quant):
@@ -497,7 +503,7 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
     glu = act != "none"
     if glu and w3 is None:
         raise ValueError("a fused GLU needs w3")
-    if quant == "mxfp4" and mxfp4_decode is None and _use_gluon(x, R, w.shape[0]):
+    if quant == "mxfp4" and mxfp4_decode is None and _use_gluon(x, R, w.shape[0], (w, scales, w3, scales3)):
         from . import moe_gluon as mg
         return mg.grouped_matmul(x, offsets, mg.prepared(w, scales), pw3=mg.prepared(w3, scales3) if glu else None,
                                  act=act, b1=b1, b2=b2, row_scale=row_scale)

@@ -190,6 +190,12 @@ def prepared(w: torch.Tensor, scales: torch.Tensor) -> MXPacked:
     return hit[1]
 
 
+def is_prepared(w: torch.Tensor, scales: torch.Tensor) -> bool:
+    """True when ``prepared(w, scales)`` would return a cached permutation (no work, no host sync)."""
+    hit = _CACHE.get(w) if _CACHE is not None else None
+    return hit is not None and hit[0] == (w._version, scales._version, id(scales))
+
+
 # --- the kernel -------------------------------------------------------------------------------------------------
 @gluon.constexpr_function
 def _slice_to(layout, dim, rank):
