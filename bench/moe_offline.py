@@ -133,7 +133,7 @@ def compile_gluon(glu: bool, two: bool, cfg: dict, N: int, K: int, rowgrid: bool
     types = ["*bf16", "*i64"] + ["*i32"] * 6 + ["*bf16", None if glu else "*fp32", "i32", "fp32", "fp32"]
     const = {"ACT": 1 if glu else 0, "SCALE_ROWS": not glu, "TWO": two, "MR": c["MR"], "KQ": c["KQ"], "BT": c["BT"],
                  "ROWGRID": rowgrid, "EP": triton.next_power_of_2(NE) if rowgrid else 1, "NW": c["NW"], "N": N, "K": K,
-             "ST": c["ST"]}
+             "ST": c["ST"], "TAIL": c["TAIL"]}
     sig, attrs = {}, {}
     for i, (n, t) in enumerate(zip(GL_NAMES, types)):
         sig[n] = "constexpr" if t is None else t

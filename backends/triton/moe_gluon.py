@@ -22,9 +22,10 @@ holds the multiplier exponents ``min(s,128)+126`` of (row g, group 2kc), (row g,
 (row g+8, 2kc+1) in bytes 0, 1, 2, 3; ``sc2`` the same for ``max(s,128)-1`` (None when every byte <= 128).
 
 Offline sm_90 (Triton 3.6, ``PYTHONPATH=/tmp/triton36 python bench/moe_offline.py gluon``), K3 shapes, default
-``CONFIG`` (BW 128, BK 128, 8 tokens, 4 warps, 3-slot cp.async ring): GLU 110 registers, 61,440 B shared
-memory, 2.47 SASS instructions per weight element in the K loop (decode proper: 1.73 = LOP3 0.69, SHF 0.54,
-HMUL2 0.5); down 106 registers, 30,720 B, 2.84/el; no spills. The register double buffer (ST 0): 2.15 / 2.26
+``CONFIG`` (BW 128, BK 128, 8 tokens, 4 warps, 3-slot cp.async ring, 16-token tail pass): GLU 168 registers
+(110 without the tail pass), 61,440 B shared memory, 2.49 SASS instructions per weight element in the 8-token
+K loop (decode proper: 1.73 = LOP3 0.69, SHF 0.54, HMUL2 0.5); down 132 registers, 30,720 B, 2.86/el; no
+spills. The register double buffer (ST 0): 2.15 / 2.26
 per element at 164 / 128 registers. The Triton kernel it replaces: 6.34/el (bench/MOE_NOTES.md).
 """
 from __future__ import annotations
@@ -382,7 +383,7 @@ def _pass_cp(acc, acc3, x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, bw1, 
 def mx_gemm_kernel(x, offsets, w1, s1, t1, w3, s3, t3, y, rscale, NE, b1, b2, N: gl.constexpr, K: gl.constexpr,
                    ACT: gl.constexpr, SCALE_ROWS: gl.constexpr, TWO: gl.constexpr, MR: gl.constexpr,
                    KQ: gl.constexpr, BT: gl.constexpr, ROWGRID: gl.constexpr, EP: gl.constexpr, NW: gl.constexpr,
-                   ST: gl.constexpr):
+                   ST: gl.constexpr, TAIL: gl.constexpr):
     """``y[r, n] = act(x[r] W1_e^T, x[r] W3_e^T)[n]`` (ACT 0: x W1^T only; 1 SiTU-GLU(b1, b2); 2 SwiGLU) times
     ``rscale[r]`` when SCALE_ROWS, for MXFP4 weights prepared by ``pack_mxfp4`` (w*: words, s*: sc1,
     t*: sc2 when TWO). Grid ``(N / (16 MR NW), E)`` (ROWGRID: ``(.., R)``, see ``moe.grouped_gemm_t_kernel``).
@@ -418,6 +419,12 @@ def mx_gemm_kernel(x, offsets, w1, s1, t1, w3, s3, t3, y, rscale, NE, b1, b2, N:
     t1p = t1 + blk * 8
     t3p = t3 + blk * 8
     ok = gl.arange(0, BK, layout=gl.SliceLayout(1, dot_b)).to(gl.int64)
+    bw1 = 0          # the ring's buffers (unused placeholders with ST 0)
+    bs1 = 0
+    bt1 = 0
+    bw3 = 0
+    bs3 = 0
+    bt3 = 0
     if ST > 0:
         wsm: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [4, 2, 1, 3, 0])    # a slot [mb, g, t, kq, kr]: kr fastest
         ssm: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
@@ -434,40 +441,66 @@ def mx_gemm_kernel(x, offsets, w1, s1, t1, w3, s3, t3, y, rscale, NE, b1, b2, N:
             bs3 = gl.allocate_shared_memory(gl.int32, [ST, MB, 8, 4, KQ], ssm)
             if TWO:
                 bt3 = gl.allocate_shared_memory(gl.int32, [ST, MB, 8, 4, KQ], ssm)
-    for m0 in range(start, end, BT):
-        rows = gl.minimum(m0 + gl.arange(0, BT, layout=gl.SliceLayout(0, dot_b)), end - 1)   # past the end: a
-        xoff = rows.to(gl.int64)[None, :] * K + ok[:, None]              # valid row, its outputs are not stored
-        acc = gl.zeros([BW, BT], gl.float32, mma)
-        acc3 = gl.zeros([BW, BT], gl.float32, mma)
-        if ST == 0:
-            acc, acc3 = _pass_regs(acc, acc3, x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, ACT, TWO, BK, KQ, NK,
-                                   dot_a, wl, BW)
-        else:
-            acc, acc3 = _pass_cp(acc, acc3, x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff,
-                                 bw1, bs1, bt1, bw3, bs3, bt3, ACT, TWO, BK, KQ, NK, ST, dot_a, wl, sl, BW)
-        # epilogue: acc [BW, BT] = y^T of these rows
-        offs_n = pid_n * BW + gl.arange(0, BW, layout=gl.SliceLayout(1, mma))
-        orow = m0 + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
-        omr = orow < end
-        if ACT == 1:
-            g = acc.to(y.dtype.element_ty).to(gl.float32)
-            u = acc3.to(y.dtype.element_ty).to(gl.float32)
-            acc = (b1 * (2. * _sigmoid(2. * g / b1) - 1.) * _sigmoid(g)) * (b2 * (2. * _sigmoid(2. * u / b2) - 1.))
-        elif ACT == 2:
-            g = acc.to(y.dtype.element_ty).to(gl.float32)
-            u = acc3.to(y.dtype.element_ty).to(gl.float32)
-            acc = g * _sigmoid(g) * u
-        if SCALE_ROWS:
-            acc = acc * gl.load(rscale + orow, mask=omr, other=0.)[None, :]
-        gl.store(y + orow.to(gl.int64)[None, :] * N + offs_n[:, None], acc.to(y.dtype.element_ty),
-                 mask=omr[None, :] & (offs_n < N)[:, None])
+    if TAIL:      # experts of BT < rows <= 2 BT: one weight pass with two 8-token MMA tiles (no second pass)
+        m0 = start
+        while m0 < end:
+            if end - m0 > BT:
+                _row_tile(x, y, rscale, b1, b2, m0, end, pid_n, ok, w1p, s1p, t1p, w3p, s3p, t3p, woff, soff,
+                          bw1, bs1, bt1, bw3, bs3, bt3, 2 * BT, N, K, ACT, SCALE_ROWS, TWO, BK, KQ, NK, ST, BW,
+                          mma, dot_a, dot_b, wl, sl)
+                m0 += 2 * BT
+            else:
+                _row_tile(x, y, rscale, b1, b2, m0, end, pid_n, ok, w1p, s1p, t1p, w3p, s3p, t3p, woff, soff,
+                          bw1, bs1, bt1, bw3, bs3, bt3, BT, N, K, ACT, SCALE_ROWS, TWO, BK, KQ, NK, ST, BW,
+                          mma, dot_a, dot_b, wl, sl)
+                m0 += BT
+    else:
+        for m0 in range(start, end, BT):
+            _row_tile(x, y, rscale, b1, b2, m0, end, pid_n, ok, w1p, s1p, t1p, w3p, s3p, t3p, woff, soff,
+                      bw1, bs1, bt1, bw3, bs3, bt3, BT, N, K, ACT, SCALE_ROWS, TWO, BK, KQ, NK, ST, BW,
+                      mma, dot_a, dot_b, wl, sl)
+
+
+@gluon.jit
+def _row_tile(x, y, rscale, b1, b2, m0, end, pid_n, ok, w1p, s1p, t1p, w3p, s3p, t3p, woff, soff,
+              bw1, bs1, bt1, bw3, bs3, bt3, TB: gl.constexpr, N: gl.constexpr, K: gl.constexpr, ACT: gl.constexpr,
+              SCALE_ROWS: gl.constexpr, TWO: gl.constexpr, BK: gl.constexpr, KQ: gl.constexpr, NK: gl.constexpr,
+              ST: gl.constexpr, BW: gl.constexpr, mma: gl.constexpr, dot_a: gl.constexpr, dot_b: gl.constexpr,
+              wl: gl.constexpr, sl: gl.constexpr):
+    """Rows ``m0 .. m0 + TB`` (clipped at ``end``) of the program's expert: one pass over K, then the epilogue
+    (activation, row scale, transposed store of ``acc [BW, TB]``)."""
+    rows = gl.minimum(m0 + gl.arange(0, TB, layout=gl.SliceLayout(0, dot_b)), end - 1)   # past the end: a valid
+    xoff = rows.to(gl.int64)[None, :] * K + ok[:, None]                  # row, its outputs are not stored
+    acc = gl.zeros([BW, TB], gl.float32, mma)
+    acc3 = gl.zeros([BW, TB], gl.float32, mma)
+    if ST == 0:
+        acc, acc3 = _pass_regs(acc, acc3, x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff, ACT, TWO, BK, KQ, NK,
+                               dot_a, wl, BW)
+    else:
+        acc, acc3 = _pass_cp(acc, acc3, x, w1p, s1p, t1p, w3p, s3p, t3p, xoff, woff, soff,
+                             bw1, bs1, bt1, bw3, bs3, bt3, ACT, TWO, BK, KQ, NK, ST, dot_a, wl, sl, BW)
+    offs_n = pid_n * BW + gl.arange(0, BW, layout=gl.SliceLayout(1, mma))
+    orow = m0 + gl.arange(0, TB, layout=gl.SliceLayout(0, mma))
+    omr = orow < end
+    if ACT == 1:
+        g = acc.to(y.dtype.element_ty).to(gl.float32)
+        u = acc3.to(y.dtype.element_ty).to(gl.float32)
+        acc = (b1 * (2. * _sigmoid(2. * g / b1) - 1.) * _sigmoid(g)) * (b2 * (2. * _sigmoid(2. * u / b2) - 1.))
+    elif ACT == 2:
+        g = acc.to(y.dtype.element_ty).to(gl.float32)
+        u = acc3.to(y.dtype.element_ty).to(gl.float32)
+        acc = g * _sigmoid(g) * u
+    if SCALE_ROWS:
+        acc = acc * gl.load(rscale + orow, mask=omr, other=0.)[None, :]
+    gl.store(y + orow.to(gl.int64)[None, :] * N + offs_n[:, None], acc.to(y.dtype.element_ty),
+             mask=omr[None, :] & (offs_n < N)[:, None])
 
 
 # --- host side --------------------------------------------------------------------------------------------------
 ACT_IDS = {"none": 0, "situ": 1, "silu": 2, "swiglu": 2}
 # BW = 16 MR NW weight rows per program, BK = 64 KQ, BT tokens per pass, ST: 0 = register double buffer,
-# >= 2 = cp.async ring of ST slots
-CONFIG = {"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 3}
+# >= 2 = cp.async ring of ST slots; TAIL 1: experts of BT < rows <= 2 BT in one pass (else two)
+CONFIG = {"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 3, "TAIL": 1}
 
 
 def config_for(N: int, K: int, config: dict | None = None) -> dict:
@@ -516,5 +549,5 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, pw: MXPacked, *, pw3:
     mx_gemm_kernel[grid](x, offsets.contiguous(), pw.words, pw.sc1, t1, pw3.words, pw3.sc1, t3, y, rs, E,
                          float(b1), float(b2), N=N, K=K, ACT=ACT_IDS[act], SCALE_ROWS=rs is not None, TWO=two, MR=c["MR"],
                          KQ=c["KQ"], BT=c["BT"], ROWGRID=rg, EP=triton.next_power_of_2(E) if rg else 1, NW=c["NW"],
-                         ST=c["ST"], num_warps=c["NW"])
+                         ST=c["ST"], TAIL=c["TAIL"], num_warps=c["NW"])
     return y
