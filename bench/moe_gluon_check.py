@@ -135,7 +135,9 @@ def sec_warm(i):
                                                            torch.full((896, n, k // 32), 120, device=dev,
                                                                       dtype=torch.uint8)) for n, k in shapes])):
             hh = moe.grouped_matmul(xx, o, pp[0][0], pp[0][1], "mxfp4", w3=pp[1][0], scales3=pp[1][1], act="situ")
-            moe.grouped_matmul(hh, o, pp[2][0], pp[2][1], "mxfp4", row_scale=rs[:xx.shape[0]])
+            yy = moe.grouped_matmul(hh, o, pp[2][0], pp[2][1], "mxfp4", row_scale=rs[:xx.shape[0]])
+        for T in (1, 8, 16):                 # the combine kernel's specialisations at T = 1, 8, 32/256 (top-16)
+            moe.moe_combine(yy, None, torch.randint(0, 16, (1, T, 16), device=dev))
         torch.cuda.synchronize()
         emit("warm triton mxfp4", s=time.perf_counter() - t0)
         return

@@ -180,3 +180,19 @@ def test_gluon_kernel_matches_dequantised_matmul(act, smax):
                              row_scale=rs if act == "none" else None, mxfp4_decode="exact")
     err = float((y.float() - ref.float()).norm() / ref.float().norm())
     assert err < 2e-2, err
+
+
+def test_prepared_is_cached_per_weight_version():
+    """The prepare-time permutation runs once per weight tensor; an in-place update of the weights or a
+    different scale tensor repacks (and ``is_prepared`` says whether a call would be free)."""
+    rng = np.random.default_rng(3)
+    w = torch.from_numpy(rng.integers(0, 256, (1, 16, 32), dtype=np.uint8))
+    s = torch.from_numpy(rng.integers(100, 129, (1, 16, 2), dtype=np.uint8))
+    assert not G.is_prepared(w, s)
+    a = G.prepared(w, s)
+    assert G.is_prepared(w, s) and G.prepared(w, s) is a
+    w[0, 0, 0] ^= 0xFF
+    assert not G.is_prepared(w, s)
+    b = G.prepared(w, s)
+    assert b is not a and not torch.equal(a.words, b.words)
+    assert not G.is_prepared(w, s.clone())
