@@ -30,7 +30,6 @@ per element at 164 / 128 registers. The Triton kernel it replaces: 6.34/el (benc
 """
 from __future__ import annotations
 
-import logging
 from typing import NamedTuple
 
 import torch
@@ -39,8 +38,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-
-_log = logging.getLogger(__name__)
 
 # --- the fragment word ----------------------------------------------------------------------------------------
 # Output register j of a word (j = rh + 2 kh: rows g + 8 rh, columns 2t + 8 kh + {0, 1}) is
