@@ -13,7 +13,10 @@ spills is the first suspect when it runs far below both ceilings).
 (runs on the CPU too). ``decode``: random weights, a 64-token prefill, one eager decode step under
 ``torch.profiler`` (GPU time per IR op, kernel table), then the CUDA-graph step time, the bare
 replay time and a kernel table of one replay. ``prefill``: per shape, a warm-up of the same shape,
-the wall time and the same two tables. ``compiles``: distinct Triton specialisations (cold-cache compiles)
+the wall time and the same two tables. ``gemv``: the decode gemv at each Kimi Linear shape over a few
+launch configs (us per launch in a CUDA graph, TB/s, best config). ``decode`` also checks one graph
+step's logits against the eager step and, unless ``K3IR_DIAG_PDL=0``, repeats the replay with the gemv
+kernels launched with programmatic dependent launch (gemv.PDL). ``compiles``: distinct Triton specialisations (cold-cache compiles)
 of the prefill shapes and decode B1/B32 (``TRITON_INTERPRET=1 ... --sections compiles --small --prefill 1x64,2x32``).
 """
 from __future__ import annotations
@@ -226,10 +229,26 @@ def section_count(model, batch, small):
             if top:
                 cur["op"] = None
     lowering.PlanInterpreter.exec_op = exec_op
+    from k3ir.backends.triton import executable
+    for n, impl in executable.KERNELS.items():       # without the interpreter's finiteness guard (CPU only)
+        if n in exe.table:
+            exe.table[n] = impl
+    # the step as a CUDA graph captures it: states in static buffers updated in place, the MLA cache a
+    # preallocated buffer with its length on the device (graphs.GraphDecode), no host work counted
+    from k3ir.backends.triton.graphs import BUCKET, GraphDecode
+    gd = GraphDecode(exe)
+    dev = exe.tdev
+    targs = [torch.as_tensor(nxt, dtype=torch.int64, device=dev)] + [torch.as_tensor(st.values[n]).to(dev)
+                                                                     for n in st.names]
+    L = max([int(targs[i].shape[1]) for i, k in enumerate(gd.kinds) if k == "mla_cache"] or [0])
+    static = [targs[0]] + [gd._static_state(i, targs[i], (L // BUCKET + 1) * BUCKET) for i in range(1, len(targs))]
+    exe.graph_ctx = {"pos": torch.full((1,), L, dtype=torch.int64, device=dev),
+                     "nlen": torch.full((1,), L + 1, dtype=torch.int32, device=dev)}
     try:
         with Mode():
-            sess.decode(nxt, st)
+            exe._run_eager("decode", static, sess.params)
     finally:
+        exe.graph_ctx = None
         lowering.PlanInterpreter.exec_op = oe
         for k in kinds:
             k.run = origs[k]
@@ -239,7 +258,7 @@ def section_count(model, batch, small):
         per_op[op] += 1
         per_k[(kind, name)] += 1
         byt[(kind, name)] += b
-    print(f"\none eager decode step, batch {batch}: {len(log)} launches "
+    print(f"\none decode step as captured in a CUDA graph, batch {batch}: {len(log)} launches "
           f"({sum(1 for r in log if r[0] == 'triton')} Triton); at ~4 us each inside a graph: "
           f"{len(log) * 4e-3:.2f} ms")
     print(f"{'IR op':<24} {'launches':>8}")
@@ -376,6 +395,111 @@ def section_decode(model, batch, small, prompt=64):
             gd.graph.replay()
             torch.cuda.synchronize()
         _tables(prof, f"graph replay B{batch}", n=30)
+    _graph_vs_eager(sess, exe, st, nxt)
+    from k3ir.backends.triton import gemv
+    if not gemv.PDL and os.environ.get("K3IR_DIAG_PDL", "1") == "1":
+        # programmatic dependent launch of the gemv kernels (gemv.PDL): a fresh capture, same checks
+        gemv.PDL = True
+        try:
+            exe._graph = None
+            for _ in range(2):
+                _, st = sess.decode(nxt, st)
+            torch.cuda.synchronize()
+            gd = exe._graph
+            t = time.perf_counter()
+            for _ in range(20):
+                gd.graph.replay()
+            torch.cuda.synchronize()
+            print(f"graph replay alone, gemv with PDL: {(time.perf_counter() - t) / 20 * 1e3:.3f} ms", flush=True)
+            _graph_vs_eager(sess, exe, st, nxt, "PDL ")
+        finally:
+            gemv.PDL = False
+            exe._graph = None
+
+
+def _graph_vs_eager(sess, exe, st, nxt, tag=""):
+    """Logits of one CUDA-graph decode step against the eager step from the same state (copies)."""
+    from k3ir.runtime.session import State
+
+    def copy(s):
+        return State({k: v.clone() for k, v in s.values.items()}, s.length, s.batch, list(s.names))
+    exe.cuda_graphs = False
+    want, _ = sess.decode(nxt, copy(st))
+    exe.cuda_graphs = True
+    got, _ = sess.decode(nxt, copy(st))
+    want, got = torch.as_tensor(want).float(), torch.as_tensor(got).float()
+    err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    print(f"{tag}graph step vs eager step logits: rel err {err:.2e} (same argmax: "
+          f"{bool((got.argmax(-1) == want.argmax(-1)).all())})", flush=True)
+
+
+#: the decode-step gemv shapes of Kimi Linear 6.6B at batch 1: (label, N, K, glu, norm, res, launches per step)
+GEMV_SHAPES = [("kda qkv+fa+b+ga (norm)", 6416, 2048, False, True, 0, 12), ("kda o_proj (+res)", 2048, 2048, False,
+               False, 1, 12), ("kda fb+gb (gemv2)", 2048, 128, False, False, 0, 12),
+               ("shared glu", 1024, 2048, True, False, 0, 15), ("shared down (+res+comb)", 2048, 1024, False, False, 2,
+                                                                 15),
+               ("dense glu (norm)", 8192, 2048, True, True, 0, 1), ("dense down (+res)", 2048, 8192, False, False, 1, 1),
+               ("mla q+kv_a (norm)", 3648, 2048, False, True, 0, 4), ("mla o_proj (+res)", 2048, 2048, False, False, 1, 4)]
+GEMV_CONFIGS = [None, (2, 2048, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 8), (16, 512, 4), (4, 1024, 4), (2, 1024, 4)]
+
+
+def section_gemv(reps=50):
+    """Decode gemv per Kimi Linear shape and launch config ``(BN, BK, warps)`` (None = the default
+    gemv.config): microseconds per launch inside a CUDA graph of ``reps`` launches (weights cycled over
+    4 copies, 4x the L2, so every launch reads HBM), TB/s, and the best config per shape."""
+    from k3ir.backends.triton import gemv
+    dev, bf = "cuda", torch.bfloat16
+    rows, best = [], {}
+    for label, N, K, glu, nrm, nres, per in GEMV_SHAPES:
+        byt = N * K * 2 * (2 if glu else 1)
+        nc = int(min(64, max(4, 2 * 60e6 // byt)))            # copies: > the 50 MB L2 where they fit
+        ws = [torch.randn(N, K, device=dev, dtype=bf) * 0.02 for _ in range(nc)]
+        w3s = [torch.randn(N, K, device=dev, dtype=bf) * 0.02 for _ in range(nc)] if glu else [None] * nc
+        x = torch.randn(1, K, device=dev, dtype=bf)
+        nw = torch.ones(K, device=dev, dtype=bf)
+        res = tuple(torch.randn(1, N, device=dev, dtype=bf) for _ in range(nres))
+        ref = None
+        for cfg in GEMV_CONFIGS:
+            gemv.CONFIG = cfg
+            try:
+                def call(i, x=x, ws=ws, w3s=w3s, res=res, nrm=(nw, 1e-5) if nrm else None):
+                    return gemv.gemv(x, ws[i % len(ws)], w3s[i % len(ws)], res=res, norm=nrm)
+                out = call(0)
+                torch.cuda.synchronize()
+                want = call(0).float() if ref is None else ref
+                ref = want
+                err = ((out.float() - want).norm() / want.norm().clamp_min(1e-30)).item()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for i in range(reps):
+                        call(i)
+                g.replay()
+                torch.cuda.synchronize()
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
+                for _ in range(5):
+                    g.replay()
+                t1.record()
+                torch.cuda.synchronize()
+                us = t0.elapsed_time(t1) * 1e3 / (5 * reps)
+                rows.append((label, str(cfg), us, byt / us / 1e6, err, per))
+                if label not in best or us < best[label][1]:
+                    best[label] = (cfg, us)
+            except Exception as e:  # noqa: BLE001
+                rows.append((label, str(cfg), float("nan"), float("nan"), float("nan"), per))
+                print(f"{label} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            finally:
+                gemv.CONFIG = None
+        ws = w3s = None
+        torch.cuda.empty_cache()
+    print(f"\n{'gemv shape':<28} {'config (BN,BK,W)':<18} {'us':>7} {'TB/s':>6} {'rel err':>8}")
+    for r in rows:
+        print(f"{r[0]:<28} {r[1]:<18} {r[2]:>7.2f} {r[3]:>6.2f} {r[4]:>8.1e}")
+    tot_def = sum(r[2] * r[5] for r in rows if r[1] == "None")
+    tot_best = sum(best[lb][1] * per for lb, *_, per in GEMV_SHAPES if lb in best)
+    print(f"\ndecode step gemv time at B1: default configs {tot_def:.1f} us, best per shape {tot_best:.1f} us")
+    for lb, (cfg, us) in best.items():
+        print(f"best {lb:<28} {cfg!s:<18} {us:.2f} us")
 
 
 def section_prefill(model, shapes, small):
@@ -422,6 +546,8 @@ def main():
                 section_decode(a.model, a.batch, a.small)
             elif s == "prefill":
                 section_prefill(a.model, shapes, a.small)
+            elif s == "gemv":
+                section_gemv()
             else:
                 print(f"unknown section {s}")
         except Exception:  # noqa: BLE001 - a diagnostic: print and go on to the next section
