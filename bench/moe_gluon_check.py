@@ -5,9 +5,10 @@ Sections, each in its own process with its own timeout (a CUDA fault or a hang l
   warm   one process per CONFIGS entry, all at once: compiles the Gluon GLU and down kernels for the K3 shapes
          into Triton's on-disk cache (N, K are constexprs; the expert count is not specialised), and one more
          for the Triton MXFP4 kernels the comparison uses, so the timed sections below do not compile.
-  check  K3 dims with 16 experts of 0..40 rows, one and two scale multipliers, every CONFIGS entry: Gluon vs
-         the Triton MXFP4 path (exact decode) and vs dequantise-then-matmul (fp32 math on bf16 weights);
-         GLU (SiTU) and down (+ row scale). ok: rel. error < 2e-2 (expected ~1e-3..6e-3: bf16 rounding).
+  check  one process per CONFIGS entry, all at once: K3 dims with 16 experts of 0..40 rows (entry 0 also with
+         two scale multipliers): Gluon vs the Triton MXFP4 path (exact decode) and vs dequantise-then-matmul
+         (fp32 math on bf16 weights); GLU (SiTU) and down (+ row scale). ok: rel. error < 2e-2 (expected
+         ~1e-3..6e-3: bf16 rounding). Only entries that pass go on to k3 (the first one) and sweep.
   k3     the K3 MoE layer (E 896, top-16, D 3584, I 3072) at T=256: Triton default (auto decode) vs Gluon,
          layer and per launch, rel. error between them; prepare (permutation) time; then T=1, 8, 32.
   sweep  Gluon GLU/down launch times at T=256 for every CONFIGS entry.
@@ -67,14 +68,15 @@ def _dequant(p, s):
     return dequantize("mxfp4", p, s, torch.float32)
 
 
-def sec_check():
+def sec_check(i):
+    """CONFIGS[i] against the references (i = 0 also with scale bytes above 128: two multipliers)."""
     import torch
     from k3ir.backends.triton import moe
     from k3ir.backends.triton import moe_gluon as G
     dev = "cuda"
     E, D, I = 16, 3584, 3072        # 16 experts: the same launch specialisations as the K3 layer (896 % 16 == 0)
     g = torch.Generator(device=dev).manual_seed(0)
-    for lo, hi in ((110, 128), (100, 200)):
+    for lo, hi in ((110, 128), (100, 200))[:2 if i == 0 else 1]:
         tp = [torch.randint(0, 256, (E, n, k // 2), device=dev, dtype=torch.uint8, generator=g)
               for n, k in ((I, D), (I, D), (D, I))]
         ts = [torch.randint(lo, hi + 1, (E, n, k // 32), device=dev, dtype=torch.uint8, generator=g)
@@ -94,18 +96,19 @@ def sec_check():
                                    mxfp4_decode="exact")
         d_ref = torch.cat([h_tri[off[e]:off[e + 1]].float() @ deq[2][e].T for e in range(E)]) * rs[:, None]
         d_tri = moe.grouped_matmul(h_tri, off, tp[2], ts[2], "mxfp4", row_scale=rs, mxfp4_decode="exact")
-        emit(f"check scales {lo}..{hi}: triton exact vs dequant", glu=_rel(h_tri, h_ref), down=_rel(d_tri, d_ref))
-        for cfg in (CONFIGS if hi <= 128 else CONFIGS[:1]):
-            tag = f"check scales {lo}..{hi} rows {cnt.tolist()} cfg {cfg}"
+        if i == 0:
+            emit(f"check scales {lo}..{hi}: triton exact vs dequant", glu=_rel(h_tri, h_ref), down=_rel(d_tri, d_ref))
+        for cfg in (CONFIGS[i],):
+            tag = f"check {i} scales {lo}..{hi} cfg {cfg}"
             try:
                 h = G.grouped_matmul(x, off, pws[0], pw3=pws[1], act="situ", config=cfg)
                 d = G.grouped_matmul(h_tri, off, pws[2], row_scale=rs, config=cfg)
                 torch.cuda.synchronize()
                 e1, e2, e3, e4 = _rel(h, h_ref), _rel(h, h_tri), _rel(d, d_ref), _rel(d, d_tri)
                 emit(tag, glu_vs_dequant=e1, glu_vs_triton=e2, down_vs_dequant=e3, down_vs_triton=e4,
-                     ok=max(e1, e2, e3, e4) < 2e-2)
+                     ok=max(e1, e2, e3, e4) < 2e-2, cfg_index=i)
             except Exception as ex:
-                emit(tag, error=repr(ex)[-1500:], ok=False)
+                emit(tag, error=repr(ex)[-1500:], ok=False, cfg_index=i)
 
 
 def sec_warm(i):
@@ -168,9 +171,12 @@ def _k3_weights(dev, E=896, D=3584, I=3072):
     return ws, ss
 
 
-def sec_k3(t_sizes=(256, 1, 8, 32)):
+def sec_k3(good, t_sizes=(256, 1, 8, 32)):
+    """The K3 layer with the first CONFIGS entry that passed the check (``good``) as the Gluon config."""
     import torch
     from k3ir.backends.triton import moe_gluon as G
+    if good:
+        G.CONFIG.update(CONFIGS[good[0]])
     dev = "cuda"
     E, D, I, k = 896, 3584, 3072, 16
     ws, ss = _k3_weights(dev)
@@ -225,7 +231,8 @@ def _k3_case(T, ws, ss, pws, E, D, I, k):
             moe.TUNING["mxfp4_kernel"] = "triton"
 
 
-def sec_sweep():
+def sec_sweep(good):
+    """GLU / down launch times of the CONFIGS entries that passed the check (``good``)."""
     import torch
     from k3ir.backends.triton import moe_gluon as G
     dev = "cuda"
@@ -237,7 +244,7 @@ def sec_sweep():
     h = torch.randn(T * k, I, device=dev, dtype=torch.bfloat16)
     cw = torch.rand(T * k, device=dev)
     used = int((off[1:] > off[:-1]).sum())
-    for cfg in CONFIGS:
+    for cfg in [CONFIGS[j] for j in good]:
         try:
             g = _bench(lambda cfg=cfg: G.grouped_matmul(xs, off, pws[0], pw3=pws[1], act="situ", config=cfg), 50)
             d = _bench(lambda cfg=cfg: G.grouped_matmul(h, off, pws[2], row_scale=cw, config=cfg), 50)
@@ -258,14 +265,17 @@ def kernel_rows():
                          if isinstance(b, (int, bool))})[:300])
 
 
-def child(section):
+def child(section, good):
     import torch
     import triton
     if section.startswith("warm"):
         sec_warm(int(section[4:]))
         return
     emit(f"{section} env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-    {"check": sec_check, "k3": sec_k3, "sweep": sec_sweep}[section]()
+    if section.startswith("check"):
+        sec_check(int(section[5:]))
+    else:
+        {"k3": sec_k3, "sweep": sec_sweep}[section](good)
     try:
         kernel_rows()
     except Exception as ex:
@@ -279,13 +289,14 @@ def _run(args):
 
 
 def _collect(p, lim, name, rows, t_start):
+    wait = max(2.0, lim)
     try:
-        out, err = p.communicate(timeout=max(1.0, lim))
+        out, err = p.communicate(timeout=wait)
         rc = p.returncode
     except subprocess.TimeoutExpired:
         p.kill()
         out, err = p.communicate()
-        rc = f"timeout after {lim:.0f} s"
+        rc = f"killed at the section's time limit ({time.perf_counter() - t_start:.0f} s)"
     got = [json.loads(ln[6:]) for ln in (out or "").splitlines() if ln.startswith("[row] ")]
     for r in got:
         print("[row] " + json.dumps(r), flush=True)
@@ -301,9 +312,10 @@ def main():
     ap.add_argument("--budget", type=float, default=55.0)
     ap.add_argument("--sections", default="warm,check,k3,sweep")
     ap.add_argument("--child", default="")
+    ap.add_argument("--good", default="", help="(child) CONFIGS indices that passed the check")
     a = ap.parse_args()
     if a.child:
-        child(a.child)
+        child(a.child, [int(j) for j in a.good.split(",") if j])
         return
     t0 = time.perf_counter()
     rows = []
@@ -316,12 +328,15 @@ def main():
             continue
         lim = left * share.get(sec, 1.0) if sec != secs[-1] else left
         ts = time.perf_counter()
-        if sec == "warm":          # all compiles at once (the device has 16 cores)
-            procs = [(f"warm {i}", _run([f"warm{i}"])) for i in range(-1, len(CONFIGS))]
+        if sec in ("warm", "check"):    # one process per config, all at once (the device has 16 cores)
+            procs = [(f"{sec} {i}", _run([f"{sec}{i}"])) for i in range(-1 if sec == "warm" else 0, len(CONFIGS))]
             for name, p in procs:
                 _collect(p, lim - (time.perf_counter() - ts), name, rows, ts)
         else:
-            _collect(_run([sec]), lim, sec, rows, ts)
+            checked = {r["cfg_index"]: r.get("ok", False) for r in rows if "cfg_index" in r}
+            good = [j for j in range(len(CONFIGS)) if checked.get(j, "check" not in secs)]
+            good = [j for j in good if all(r.get("ok", True) for r in rows if r.get("cfg_index") == j)]
+            _collect(_run([sec, "--good", ",".join(map(str, good))]), lim, sec, rows, ts)
     print("\n| name | numbers |\n|---|---|")
     for r in rows:
         nums = ", ".join(f"{kk}={v:.4g}" if isinstance(v, float) else f"{kk}={v}" for kk, v in r.items()
