@@ -40,21 +40,25 @@ def main():
     print(f"{'kernel/config':44} {'regs':>5} {'spill B':>8} {'smem B':>8}")
     for dt in ("bf16", "fp32"):
         p = "*" + dt
-        run(f"router_partial {dt}", dispatch.router_partial_kernel,
-            [("x", p), ("w", p), ("part", "*fp32"), ("R", "i32"), ("D", "i32"), ("E", "i32"), ("DS", "i32"),
-             ("BR", 16), ("BE", 16), ("BK", 128), ("IEEE", dt == "fp32")], 4, 3)
+        for nrm in (False, True):
+            run(f"router_partial {dt} norm={nrm}", dispatch.router_partial_kernel,
+                [("x", p), ("w", p), ("part", "*fp32"), ("nw", p if nrm else None), ("pss", "*fp32" if nrm else None),
+                 ("R", "i32"), ("D", "i32"), ("E", "i32"), ("DS", "i32"), ("BR", 16), ("BE", 16), ("BK", 128),
+                 ("IEEE", dt == "fp32"), ("NORM", nrm)], 4, 3)
         # the launch configs of dispatch.py for E = 64, k = 8: decode B1 / B32 (route), a single block, prefill
-        for route, single, S, BD, KP, RB in ((True, True, 1, 1024, 8, 1), (True, True, 1, 32, 8, 32),
-                                             (False, True, 16, 512, 1, 1), (False, False, 128, 64, 1, 1)):
+        for route, single, S, BD, KP, RB, nrm in ((True, True, 1, 1024, 8, 1, False), (True, True, 1, 1024, 8, 1, True),
+                                                  (True, True, 1, 32, 8, 32, False), (False, True, 16, 512, 1, 1, False),
+                                                  (False, False, 128, 64, 1, 1, False)):
             spec = [("x", p), ("idx", None if route else "*i64"), ("wts", None if route else "*fp32"),
                     ("base", None if single else "*i32"), ("offsets", "*i64"), ("xs", p), ("inv", "*i64"),
                     ("cw", "*fp32"), ("part", "*fp32" if route else None), ("bias", "*fp32" if route else None),
                     ("wout", "*fp32" if route else None), ("iout", "*i64" if route else None),
-                    ("sout", "*fp32" if route else None), ("N", "i32"), ("D", "i32"), ("E", "i32"),
-                    ("NSPLIT", "i32"), ("rsf", "fp32"), ("eps", "fp32"), ("DPP", "i32"), ("KSLOT", 8), ("KP", KP),
-                    ("RB", RB), ("BS", S), ("EP", 64), ("BD", BD), ("SINGLE", single), ("ROUTE", route),
-                    ("RENORM", True)]
-            run(f"dispatch {dt} route={route} single={single} RB={RB}", dispatch.dispatch_kernel, spec,
+                    ("sout", "*fp32" if route else None), ("nw", p if nrm else None), ("pss", "*fp32" if nrm else None),
+                    ("xn", p if nrm else None), ("N", "i32"), ("D", "i32"), ("E", "i32"),
+                    ("NSPLIT", "i32"), ("rsf", "fp32"), ("eps", "fp32"), ("DPP", "i32"), ("neps", "fp32"),
+                    ("KSLOT", 8), ("KP", KP), ("RB", RB), ("BS", S), ("EP", 64), ("BD", BD), ("SINGLE", single),
+                    ("ROUTE", route), ("RENORM", True), ("NORM", nrm)]
+            run(f"dispatch {dt} route={route} single={single} RB={RB} norm={nrm}", dispatch.dispatch_kernel, spec,
                 dispatch._warps(max(S, RB * KP) * 64))
         run(f"dispatch_hist {dt}", dispatch.dispatch_hist_kernel, [("idx", "*i64"), ("hist", "*i32"), ("N", "i32"),
                                                                    ("BS", 128), ("EP", 64)], 8)

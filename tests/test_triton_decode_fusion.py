@@ -78,8 +78,33 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches():
     want, _ = ref.decode(nxt[::-1].copy(), s_ref)          # the next step from the fused step's state
     got, _ = tri.decode(nxt[::-1].copy(), s_tri)
     assert rel_err(got.double().numpy(), want) < 1e-4
-    # rmsnorm launches: the final norm, MLA's latent norm and the 3 MoE norms (router consumers);
+    # rmsnorm launches: the final norm and MLA's latent norm (the MoE norms run in the router front);
     # gemv: KDA 3 x (projections, low-rank pair, out), MLA (q+kv_a, out), dense (glu, down), 3 x shared (glu, down)
-    assert launches["rmsnorm_kernel"] == 5
+    assert launches["rmsnorm_kernel"] == 2 and launches["router_partial_kernel"] == 3
     assert launches["gemv_kernel"] == 3 * 3 + 2 + 2 + 3 * 2
     assert launches["combine_kernel"] == 0
+
+
+@pytest.mark.parametrize("B,k,E,D", [(1, 8, 64, 256), (3, 2, 8, 40)])
+def test_route_dispatch_with_the_rmsnorm_fused_matches_float64(B, k, E, D):
+    """route_dispatch(norm=...): the MoE layer's RMSNorm in the router front (partial sums of x^2 per
+    split, rstd applied to the logits and the copied rows) against the float64 norm, router and dispatch."""
+    from k3ir.backends.triton.dispatch import route_dispatch
+
+    from k3ir.opdef import get_opdef
+    from k3ir.ops.moe import router_ref
+    g = torch.Generator().manual_seed(B * k)
+    x = torch.randn(B, 1, D, generator=g) * 4
+    nw = 1 + 0.3 * torch.randn(D, generator=g)
+    w = torch.randn(E, D, generator=g) * 0.1
+    bias = torch.randn(E, generator=g) * 0.1
+    (rw, ri, rs), disp, xn = route_dispatch(x, w, bias, k, E, True, 2.5, 1e-20, norm=(nw, 1e-5))
+    xd = x.double()
+    want_xn = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.double()).numpy()
+    assert rel_err(xn.double().numpy(), want_xn) < 1e-6
+    ww, wi, ws = router_ref(want_xn, w.double().numpy(), bias.double().numpy(), k, True, 2.5, 1e-20)
+    assert np.array_equal(ri.numpy(), wi)
+    assert rel_err(rw.double().numpy(), ww) < 1e-5 and rel_err(rs.double().numpy(), ws) < 1e-5
+    want = get_opdef("k3.moe_dispatch")({"num_experts": E}, []).reference(want_xn, ww, wi)
+    assert np.array_equal(disp[1].numpy(), want[1]) and np.array_equal(disp[2].numpy(), want[2])
+    assert rel_err(disp[0].double().numpy(), want[0]) < 1e-6 and rel_err(disp[3].double().numpy(), want[3]) < 1e-5

@@ -26,25 +26,35 @@ from .layer_kernels import route_topk
 
 
 @triton.jit(do_not_specialize=["R"])   # decode B1 (R = 1) and larger batches: one compile
-def router_partial_kernel(x, w, part, R, D, E, DS, BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
-                          IEEE: tl.constexpr):
+def router_partial_kernel(x, w, part, nw, pss, R, D, E, DS, BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                          IEEE: tl.constexpr, NORM: tl.constexpr):
     """part[s, r, e] = sum_{d in split s} x[r, d] w[e, d] (fp32). Grid (cdiv(E, BE), cdiv(R, BR), splits);
-    split s covers columns [s*DS, (s+1)*DS) (DS % BK == 0)."""
+    split s covers columns [s*DS, (s+1)*DS) (DS % BK == 0). NORM (the layer's RMSNorm deferred here):
+    x is the raw row, the sums use ``x * nw`` (rounded to x's dtype) and programs of the first expert
+    block store the split's ``sum x^2`` to pss[s, r] (dispatch_kernel applies rsqrt(mean + eps))."""
     pe, pr, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pr * BR + tl.arange(0, BR)
     cols = pe * BE + tl.arange(0, BE)
     mr, me = rows < R, cols < E
     acc = tl.zeros([BR, BE], dtype=tl.float32)
+    ss = tl.zeros([BR], dtype=tl.float32)
     for k0 in range(sp * DS, tl.minimum(D, sp * DS + DS), BK):
         kk = k0 + tl.arange(0, BK)
         mk = kk < D
         a = tl.load(x + rows.to(tl.int64)[:, None] * D + kk[None, :], mask=mr[:, None] & mk[None, :], other=0.)
+        if NORM:
+            af = a.to(tl.float32)
+            ss += tl.sum(af * af, 1)
+            a = (af * tl.load(nw + kk, mask=mk, other=0.).to(tl.float32)[None, :]).to(x.dtype.element_ty)
         b = tl.load(w + cols.to(tl.int64)[:, None] * D + kk[None, :], mask=me[:, None] & mk[None, :], other=0.)
         if IEEE:
             acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, tl.trans(b.to(a.dtype)), acc)
     tl.store(part + (sp * R + rows.to(tl.int64))[:, None] * E + cols[None, :], acc, mask=mr[:, None] & me[None, :])
+    if NORM:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if pe == 0:
+            tl.store(pss + sp * R + rows, ss, mask=mr)
 
 
 @triton.jit
@@ -81,10 +91,11 @@ def dispatch_scan_kernel(hist, base, offsets, NB, E, EP: tl.constexpr, HB: tl.co
 
 @triton.jit
 def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
-                    part, bias, wout, iout, sout,
-                    N, D, E, NSPLIT, rsf, eps, DPP,
+                    part, bias, wout, iout, sout, nw, pss, xn,
+                    N, D, E, NSPLIT, rsf, eps, DPP, neps,
                     KSLOT: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr, BS: tl.constexpr, EP: tl.constexpr,
-                    BD: tl.constexpr, SINGLE: tl.constexpr, ROUTE: tl.constexpr, RENORM: tl.constexpr):
+                    BD: tl.constexpr, SINGLE: tl.constexpr, ROUTE: tl.constexpr, RENORM: tl.constexpr,
+                    NORM: tl.constexpr):
     """Program (slot block b, column group d): sorted rows of the block's slots, then
     ``xs[pos_n, cols] = x[n // KSLOT, cols]`` for the DPP columns of group d (BD at a time); programs
     with d == 0 write ``inv`` (slot -> row) and ``cw`` (combine weight per sorted row), program
@@ -94,7 +105,10 @@ def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
     from ``base [NB, EP]`` + ``offsets`` (dispatch_scan_kernel). ROUTE (implies SINGLE, N = R*KSLOT):
     the router runs here from ``part [NSPLIT, R, E]`` partial logits: s = sigmoid(sum), top-KSLOT of
     s + bias, weights renormalised and scaled by ``rsf``; writes wout/iout ``[R, KSLOT]`` and sout
-    ``[R, E]``. Slots are then laid out ``[RB, KP]`` (padded rows/picks are masked)."""
+    ``[R, E]``. Slots are then laid out ``[RB, KP]`` (padded rows/picks are masked). NORM (with ROUTE):
+    the layer's RMSNorm (SPEC.md 1) applied here: rstd from router_partial_kernel's ``pss [NSPLIT, R]``
+    scales the logits, the copied rows are ``x * rstd * nw`` rounded to x's dtype (as rmsnorm_kernel)
+    and each token's normalised row is also stored to ``xn [R, D]`` (the shared expert's input)."""
     pb, pd = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, EP)
     if ROUTE:
@@ -103,8 +117,15 @@ def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
         mr = r < R
         me = cols < E
         logit = tl.zeros([RB, EP], dtype=tl.float32)
+        ss = tl.zeros([RB], dtype=tl.float32)
         for s in range(NSPLIT):
             logit += tl.load(part + (s * R + r)[:, None] * E + cols[None, :], mask=mr[:, None] & me[None, :], other=0.)
+            if NORM:
+                ss += tl.load(pss + s * R + r, mask=mr, other=0.)
+        rstd = tl.full([RB], 1.0, dtype=tl.float32)
+        if NORM:
+            rstd = tl.rsqrt(ss / D + neps)
+            logit = logit * rstd[:, None]
         sg = tl.sigmoid(logit)
         pw, pi = route_topk(sg, bias, cols, me, eps, RB, KSLOT, KP, EP, RENORM)
         kc = tl.arange(0, KP)
@@ -119,6 +140,7 @@ def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
         e = tl.reshape(pi, (RB * KP,))
         slot = tl.reshape(slot2, (RB * KP,))
         wv = tl.reshape(pw, (RB * KP,))
+        rs = tl.reshape(tl.broadcast_to(rstd[:, None], (RB, KP)), (RB * KP,))
         valid = e >= 0
         oh = (e[:, None] == cols[None, :]).to(tl.int32)
         cnt = tl.sum(oh, 0)
@@ -143,6 +165,10 @@ def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
         dd = d0 + tl.arange(0, BD)
         md = valid[:, None] & (dd < D)[None, :]
         v = tl.load(x + tok[:, None] * D + dd[None, :], mask=md, other=0.)
+        if NORM:
+            wn = tl.load(nw + dd, mask=dd < D, other=0.).to(tl.float32)
+            v = (v.to(tl.float32) * rs[:, None] * wn[None, :]).to(x.dtype.element_ty)
+            tl.store(xn + tok[:, None] * D + dd[None, :], v, mask=md & (slot % KSLOT == 0)[:, None])
         tl.store(xs + p64[:, None] * D + dd[None, :], v, mask=md)
 
 
@@ -188,12 +214,12 @@ def moe_dispatch(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, num_expert
     EP = _p2(E, 16)
     xx, ii, ww = x.reshape(-1, D).contiguous(), idx.reshape(-1).contiguous(), w.reshape(-1).float().contiguous()
     S = _p2(N, 16)
-    common = {"KP": 1, "RB": 1, "EP": EP, "ROUTE": False, "RENORM": False}
+    common = {"KP": 1, "RB": 1, "EP": EP, "ROUTE": False, "RENORM": False, "NORM": False}
     if S * EP <= TILE:
         BD = _bd(S, D)
         dispatch_kernel[(1, triton.cdiv(D, BD))](xx, ii, ww, None, offsets, xs, inv, cw, None, None, None, None, None,
-                                                 N, D, E, 0, 1.0, 0.0, BD, KSLOT=k, BS=S, BD=BD, SINGLE=True, **common,
-                                                 num_warps=_warps(S * EP))
+                                                 None, None, None, N, D, E, 0, 1.0, 0.0, BD, 0.0, KSLOT=k, BS=S, BD=BD,
+                                                 SINGLE=True, **common, num_warps=_warps(S * EP))
         return xs, offsets, inv, cw
     BS = max(16, MTILE // EP)
     NB = triton.cdiv(N, BS)
@@ -205,8 +231,8 @@ def moe_dispatch(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, num_expert
     groups = max(1, min(triton.cdiv(D, BD), 512 // NB))        # ~512 programs: each copies DPP columns
     DPP = BD * triton.cdiv(triton.cdiv(D, BD), groups)
     dispatch_kernel[(NB, triton.cdiv(D, DPP))](xx, ii, ww, base, offsets, xs, inv, cw, None, None, None, None, None,
-                                               N, D, E, 0, 1.0, 0.0, DPP, KSLOT=k, BS=BS, BD=BD, SINGLE=False,
-                                               **common, num_warps=_warps(BS * EP))
+                                               None, None, None, N, D, E, 0, 1.0, 0.0, DPP, 0.0, KSLOT=k, BS=BS, BD=BD,
+                                               SINGLE=False, **common, num_warps=_warps(BS * EP))
     return xs, offsets, inv, cw
 
 
@@ -216,10 +242,12 @@ def route_supported(rows: int, num_experts: int, top_k: int) -> bool:
 
 
 def route_dispatch(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k: int, num_experts: int,
-                   renormalize: bool, scale: float, eps: float):
+                   renormalize: bool, scale: float, eps: float, norm=None):
     """``k3.router`` followed by ``k3.moe_dispatch`` in two launches (decode batches, ``route_supported``).
     x ``[B,T,D]``, wr ``[E, D]``, bias ``[E]``. Returns ((weights f32 ``[B,T,k]``, indices i64, scores f32
-    ``[B,T,E]``), (x_sorted, offsets, inv, comb_w)) as the two ops."""
+    ``[B,T,E]``), (x_sorted, offsets, inv, comb_w)) as the two ops. ``norm=(w_norm [D], eps)``: x is the raw
+    row of the layer's RMSNorm (fused in, no launch of its own); a third result is then the normalised
+    x ``[B,T,D]`` (the other consumers' input)."""
     B, T, D = x.shape
     E, k = num_experts, top_k
     R, N = B * T, B * T * top_k
@@ -231,8 +259,12 @@ def route_dispatch(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k:
     BE, BR = 16, 16
     part = torch.empty(NSPLIT, R, E, device=dev, dtype=torch.float32)
     ieee = xx.dtype == torch.float32 or wr.dtype == torch.float32
+    nw, neps = (norm[0].reshape(D).contiguous(), float(norm[1])) if norm is not None else (None, 0.0)
+    pss = torch.empty(NSPLIT, R, device=dev, dtype=torch.float32) if norm is not None else None
+    xn = torch.empty(B, T, D, device=dev, dtype=x.dtype) if norm is not None else None
     router_partial_kernel[(triton.cdiv(E, BE), triton.cdiv(R, BR), NSPLIT)](
-        xx, wr.contiguous(), part, R, D, E, DS, BR=BR, BE=BE, BK=BK, IEEE=ieee, num_warps=4)
+        xx, wr.contiguous(), part, nw, pss, R, D, E, DS, BR=BR, BE=BE, BK=BK, IEEE=ieee, NORM=norm is not None,
+        num_warps=4)
     wout = torch.empty(B, T, k, device=dev, dtype=torch.float32)
     iout = torch.empty(B, T, k, device=dev, dtype=torch.int64)
     sout = torch.empty(B, T, E, device=dev, dtype=torch.float32)
@@ -243,7 +275,9 @@ def route_dispatch(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k:
     RB, KP, EP = _p2(R), _p2(k, 2), _p2(E, 16)
     BD = _bd(RB * KP, D)
     dispatch_kernel[(1, triton.cdiv(D, BD))](
-        xx, None, None, None, offsets, xs, inv, cw, part, bias.float().contiguous(), wout, iout, sout,
-        N, D, E, NSPLIT, float(scale), float(eps), BD, KSLOT=k, KP=KP, RB=RB, BS=1, EP=EP, BD=BD, SINGLE=True,
-        ROUTE=True, RENORM=bool(renormalize), num_warps=_warps(RB * KP * EP))
+        xx, None, None, None, offsets, xs, inv, cw, part, bias.float().contiguous(), wout, iout, sout, nw, pss, xn,
+        N, D, E, NSPLIT, float(scale), float(eps), BD, neps, KSLOT=k, KP=KP, RB=RB, BS=1, EP=EP, BD=BD, SINGLE=True,
+        ROUTE=True, RENORM=bool(renormalize), NORM=norm is not None, num_warps=_warps(RB * KP * EP))
+    if norm is not None:
+        return (wout, iout, sout), (xs, offsets, inv, cw), xn
     return (wout, iout, sout), (xs, offsets, inv, cw)

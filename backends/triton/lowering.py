@@ -432,14 +432,21 @@ class PlanInterpreter(Interpreter):
     def _route(self, op, d, env, observe):
         """Router + dispatch of a decode-size batch in two launches (``dispatch.route_dispatch``);
         other sizes, float64 and routers without a fitting tile run the two ops as usual."""
-        x, w, bias = (_val(env[id(v)]) for v in op.operands)
+        xl = env[id(op.operands[0])]
+        fuse = isinstance(xl, Prenormed) and xl.value is None          # the layer's RMSNorm goes into the front
+        x = xl.x if fuse else _val(xl)
+        w, bias = (_val(env[id(v)]) for v in op.operands[1:])
         a = op.attrs
         E, k = int(w.shape[0]), int(a["top_k"])
         rows = x.numel() // x.shape[-1]
         if (x.dtype == torch.float64 or x.dim() != 3 or int(d.attrs["num_experts"]) != E
                 or not disp_k.route_supported(rows, E, k) or not _no_grad(x, w, bias)):
             return super().exec_op(op, env, observe)
-        rout, dout = disp_k.route_dispatch(x, w, bias, k, E, bool(a.get("renormalize", True)),
-                                           float(a.get("routed_scaling_factor", 1.0)), float(a.get("eps", 1e-20)))
+        out = disp_k.route_dispatch(x, w, bias, k, E, bool(a.get("renormalize", True)),
+                                    float(a.get("routed_scaling_factor", 1.0)), float(a.get("eps", 1e-20)),
+                                    norm=(xl.w, xl.eps) if fuse else None)
+        rout, dout = out[0], out[1]
+        if fuse:
+            xl.value = out[2]             # the normalised rows, for the layer's other consumers (shared expert)
         env[("routed", id(d))] = dout
         self._store(op, list(rout), env, observe)
