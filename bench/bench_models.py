@@ -1,4 +1,4 @@
-# ruff: noqa: B023, BLE001, F821
+# ruff: noqa: BLE001
 """Issue 6 benchmarks in one device call: GPU correctness checks, one K3 MoE layer (bf16 vs
 torch._grouped_mm, MXFP4 vs its weight-bytes floor), Kimi Linear 6.6B prefill/decode vs
 transformers' KimiLinearForCausalLM (fla kernels when installed), a 4-layer full-width K3 with
@@ -6,7 +6,8 @@ MXFP4 experts. Prints a table last and writes $OUT/bench_models.json (after ever
 
     python bench/bench_models.py [--sections check,moe,kimi,k3] [--smoke]
 
-``--smoke`` runs tiny sizes (CPU interpreter too) to check the script itself."""
+``--smoke`` runs tiny sizes (CPU interpreter too) to check the script itself. The MoE layer section
+lives in ``bench_moe_layer.py``, the shared helpers (``row``, ``bench``, ``rel``) in ``benchlib.py``."""
 from __future__ import annotations
 
 import argparse
@@ -18,43 +19,20 @@ import time
 
 import numpy as np
 import torch
+from bench_moe_layer import section_moe as _section_moe
+from benchlib import HBM, MM, OUT, ROWS, bench, rel, row, save  # noqa: F401  (re-exported for the other scripts)
 
 KL_SMALL = {"num_hidden_layers": 4, "hidden_size": 256, "vocab_size": 512, "num_experts": 8,
             "moe_intermediate_size": 128, "intermediate_size": 512,
             "layer_types": ["linear_attention"] * 3 + ["full_attention"], "mlp_layer_types": ["dense"] + ["sparse"] * 3,
             "linear_attn_config": {"full_attn_layers": [4], "kda_layers": [1, 2, 3], "head_dim": 128, "num_heads": 2,
                                    "short_conv_kernel_size": 4}}
-HBM = 4.25e12          # copy bandwidth measured on the H200 (bytes/s)
-MM = 679e12            # bf16 matmul rate measured by the issue author
-ROWS: list[dict] = []
-OUT = os.environ.get("OUT", ".")
 
 
-def save():
-    with open(os.path.join(OUT, "bench_models.json"), "w") as f:
-        json.dump(ROWS, f, indent=1)
-
-
-def row(section, name, **kv):
-    r = {"section": section, "name": name, **kv}
-    ROWS.append(r)
-    print(json.dumps(r), flush=True)
-    save()
-
-
-def bench(fn, rep_ms=200, warmup_ms=25):
-    """Median ms of ``fn`` (``triton.testing.do_bench``); one wall-clock call without a GPU."""
-    if not torch.cuda.is_available():
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+# ---------------------------------------------------------------------------------------------
+def section_moe(smoke):
+    """``--sections moe``: the K3 MoE layer (bench_moe_layer.py) on this run's device and dtype."""
+    _section_moe(smoke, DEV, DT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,86 +124,6 @@ def section_check(smoke):
 
 
 # ---------------------------------------------------------------------------------------------
-def section_moe(smoke):
-    from k3ir.backends.triton import moe
-    E, D, I, k = (8, 64, 64, 2) if smoke else (896, 3584, 3072, 16)
-    toks = (16, 64) if smoke else (256, 8192)
-    w1 = torch.randn(E, I, D, device=DEV, dtype=DT) * 0.02
-    w3 = torch.randn(E, I, D, device=DEV, dtype=DT) * 0.02
-    w2 = torch.randn(E, D, I, device=DEV, dtype=DT) * 0.02
-    wbytes = 3 * E * I * D
-    for T in toks:
-        logits = torch.randn(T, E, device=DEV)
-        wts, idx = torch.topk(torch.sigmoid(logits), k, dim=-1)
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=DEV)
-        cnt = torch.bincount(flat, minlength=E)
-        off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
-        x = torch.randn(T, D, device=DEV, dtype=DT)
-        xs = x[order // k]
-        cw = wts.reshape(-1)[order].float()
-        inv3 = inv.reshape(1, T, k)
-        offs32 = cnt.cumsum(0).to(torch.int32)
-        used = int((cnt > 0).sum())
-        flops = 2 * T * k * 3 * I * D
-        floor = max(wbytes * 2 * used / E / HBM, flops / MM) * 1e3
-
-        def ours():
-            return moe.moe_forward(xs, off, w1, w3, w2, cw, inv3, "none", act="situ")
-
-        def theirs():
-            g = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs32)
-            u = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs32)
-            h = 4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0))
-            y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs32) * cw[:, None].to(DT)
-            return y[inv3].float().sum(-2).to(DT)
-        a = ours()
-        b = theirs()
-        t_o, t_t = bench(ours), bench(theirs)
-        if T == toks[-1] and not smoke:
-            for cg, cd in (((128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 3)), ((64, 128, 64, 1, 4, 4), (64, 256, 64, 1, 8, 3)),
-                           ((128, 64, 64, 1, 4, 4), (128, 128, 64, 1, 4, 4)), ((256, 64, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3))):
-                try:
-                    tt = bench(lambda: moe.moe_forward(xs, off, w1, w3, w2, cw, inv3, "none", act="situ", configs=(cg, cd)))
-                    row("moe", f"sweep bf16 T={T} glu{cg[:3]}w{cg[4]} down{cd[:3]}w{cd[4]}", ms=tt)
-                except Exception as e:
-                    row("moe", f"sweep bf16 T={T} {cg} {cd}", error=repr(e)[:200])
-        row("moe", f"K3 MoE layer bf16 T={T}", ms=t_o, grouped_mm_ms=t_t, speedup=t_t / t_o, floor_ms=floor,
-            rel_err_vs_grouped_mm=rel(a, b), experts_used=used)
-    del w1, w3, w2
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    p = [torch.randint(0, 256, s, device=DEV, dtype=torch.uint8) for s in ((E, I, D // 2), (E, I, D // 2),
-                                                                              (E, D, I // 2))]
-    sc = [torch.randint(118, 123, s, device=DEV, dtype=torch.uint8) for s in ((E, I, D // 32), (E, I, D // 32),
-                                                                              (E, D, I // 32))]
-    for T in toks:
-        idx = torch.topk(torch.randn(T, E, device=DEV), k, dim=-1).indices
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=DEV)
-        cnt = torch.bincount(flat, minlength=E)
-        off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
-        xs = torch.randn(T, D, device=DEV, dtype=DT)[order // k]
-        cw = torch.rand(T * k, device=DEV)
-        used = int((cnt > 0).sum())
-        fb = wbytes * (0.5 + 1 / 32) * used / E
-        t = bench(lambda: moe.moe_forward(xs, off, p[0], p[1], p[2], cw, inv.reshape(1, T, k), "mxfp4",
-                                          (sc[0], sc[1], sc[2]), act="situ"))
-        if T == toks[0] and not smoke:
-            for cg in ((16, 128, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (16, 32, 128, 1, 2, 4), (16, 128, 256, 1, 8, 3)):
-                try:
-                    tt = bench(lambda: moe.moe_forward(xs, off, p[0], p[1], p[2], cw, inv.reshape(1, T, k), "mxfp4",
-                                                       (sc[0], sc[1], sc[2]), act="situ", configs=(cg, cg)))
-                    row("moe", f"sweep MXFP4 T={T} {cg[:3]}w{cg[4]}s{cg[5]}", ms=tt)
-                except Exception as e:
-                    row("moe", f"sweep MXFP4 T={T} {cg}", error=repr(e)[:200])
-        row("moe", f"K3 MoE layer MXFP4 T={T}", ms=t, floor_ms=max(fb / HBM, 2 * T * k * 3 * I * D / MM) * 1e3,
-            weight_GBps=fb / t / 1e6)
-
-
 # ---------------------------------------------------------------------------------------------
 def _time_session(sess, B, T, prompt=512, steps=32, smoke=False, reps=2):
     """Seconds of one prefill of ``[B, T]`` (best of ``reps``) after a warm-up call of the SAME shape:
