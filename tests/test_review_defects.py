@@ -72,6 +72,11 @@ def test_cli_compile_rejects_float8_before_loading(capsys):
         assert ok in err
 
 
+def test_generate_checks_dtype_before_loading(capsys):
+    assert main(["generate", "no/such/model.json", "--prompt", "x", "--target", "onnx", "--dtype", "bfloat16"]) == 2
+    assert "unsupported dtype 'bfloat16' for target 'onnx' (supported: float32, float16)" in _one_line_error(capsys)
+
+
 def test_python_compile_rejects_dtype_even_where_target_cannot_run(monkeypatch):
     """On a CPU machine without TRITON_INTERPRET the triton target is unavailable; a bad dtype is
     still reported as the dtype error (it used to be accepted by the CLI's pipeline-only path)."""
