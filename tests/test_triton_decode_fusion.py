@@ -83,6 +83,7 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches():
     assert launches["rmsnorm_kernel"] == 2 and launches["router_partial_kernel"] == 3
     assert launches["gemv_kernel"] == 3 * 3 + 2 + 2 + 3 * 2
     assert launches["combine_kernel"] == 0
+    assert launches["mla_absorb_q_kernel"] == 1 and launches["mla_decode_out_kernel"] == 1
 
 
 @pytest.mark.parametrize("B,k,E,D", [(1, 8, 64, 256), (3, 2, 8, 40)])
@@ -108,3 +109,29 @@ def test_route_dispatch_with_the_rmsnorm_fused_matches_float64(B, k, E, D):
     want = get_opdef("k3.moe_dispatch")({"num_experts": E}, []).reference(want_xn, ww, wi)
     assert np.array_equal(disp[1].numpy(), want[1]) and np.array_equal(disp[2].numpy(), want[2])
     assert rel_err(disp[0].double().numpy(), want[0]) < 1e-6 and rel_err(disp[3].double().numpy(), want[3]) < 1e-5
+
+
+@pytest.mark.parametrize("B,L,splits_cap", [(1, 5, 64), (2, 37, 1024)])
+def test_mla_decode_absorbed_matches_float64_attention(B, L, splits_cap):
+    """mla_decode_absorbed (q absorbed into the latent + cache-row write, attention, merge + W_uv) against
+    float64 attention over the up-projected keys/values of the cache with the step's row appended."""
+    from k3ir.backends.triton.mla import mla_decode_absorbed
+    g = torch.Generator().manual_seed(B * L)
+    H, N, P, VD, R = 3, 16, 8, 12, 32
+    q = torch.randn(B, 1, H * (N + P) + 5, generator=g)[..., :H * (N + P)].reshape(B, 1, H, N + P)   # strided rows
+    kv = torch.randn(B, 1, R + P, generator=g)
+    w = torch.randn(H * (N + VD), R, generator=g) * 0.3
+    cache = torch.zeros(B, splits_cap, R + P)
+    cache[:, :L] = torch.randn(B, L, R + P, generator=g)
+    o = mla_decode_absorbed(q, kv, w, cache, torch.tensor([L]), torch.tensor([L + 1], dtype=torch.int32), H, N, VD,
+                            0.3)
+    assert torch.equal(cache[:, L], kv[:, 0])                       # the step's row was written in place
+    c = cache[:, :L + 1].double()
+    wh = w.double().reshape(H, N + VD, R)
+    k_nope = torch.einsum("blr,hnr->blhn", c[..., :R], wh[:, :N])
+    v = torch.einsum("blr,hvr->blhv", c[..., :R], wh[:, N:])
+    qd = q.double()[:, 0]
+    s = (torch.einsum("bhn,blhn->bhl", qd[..., :N], k_nope) + torch.einsum("bhp,blp->bhl", qd[..., N:], c[..., R:])) * 0.3
+    want = torch.einsum("bhl,blhv->bhv", torch.softmax(s, -1), v)
+    assert o.shape == (B, 1, H, VD)
+    assert rel_err(o[:, 0].double().numpy(), want.numpy()) < 1e-5

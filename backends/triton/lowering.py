@@ -127,6 +127,20 @@ def make_mla(exe):
         wh = w.to(q.dtype).reshape(H, n + vd, R)
         w_uk, w_uv = wh[:, :n], wh[:, n:]
         ctx = getattr(exe, "graph_ctx", None)
+        if inst.absorbed and T == 1 and _no_grad(q, kv, w) and q.dim() == 4:
+            # three launches: q absorbed into the latent + cache row write, attention, merge + W_uv
+            wq = w.to(q.dtype)
+            if ctx is not None:                          # graph mode: c is the static buffer
+                full, pos, nlen = c, ctx["pos"], ctx["nlen"]
+            else:
+                L = 0 if c is None else c.shape[1]
+                full = torch.empty(kv.shape[0], L + 1, kv.shape[2], device=q.device, dtype=torch.float32)
+                if c is not None:
+                    full[:, :L].copy_(c)
+                pos = torch.full((1,), L, dtype=torch.int64, device=q.device)
+                nlen = torch.full((1,), L + 1, dtype=torch.int32, device=q.device)
+            o = mla_k.mla_decode_absorbed(q, kv, wq, full, pos, nlen, H, n, vd, inst.scale, lengths)
+            return o, full
         if inst.absorbed and T == 1:
             qt = torch.einsum("bhn,hnr->bhr", q[:, 0, :, :n], w_uk)
             qr = q[:, 0, :, n:]

@@ -136,6 +136,62 @@ def mla_decode_combine_kernel(part, ml, olat, H, R: tl.constexpr, RP: tl.constex
     tl.store(olat + bh * R + dr, out, mask=dr < R)
 
 
+@triton.jit
+def mla_absorb_q_kernel(q, w, qt, qr, kv, cache, pos, q_bs, kv_bs, L_STRIDE, H,
+                        N: tl.constexpr, P: tl.constexpr, VD: tl.constexpr, R: tl.constexpr, NP: tl.constexpr,
+                        PP: tl.constexpr, RKP: tl.constexpr, BR: tl.constexpr):
+    """Decode prologue of absorbed MLA, one program per (head, block of BR latent columns, batch row):
+    qt[b, h, r] = sum_n q[b, h, n] w[h (N+VD) + n, r] (fp32 sums of the rounded operands), programs of the
+    first block copy the rope query qr[b, h] = q[b, h, N:N+P], program (0, 0, b) writes the step's cache
+    row cache[b, pos] = kv[b] (R + P wide, fp32). q rows ``q_bs`` apart, heads N+P apart."""
+    ph, rb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b64 = b.to(tl.int64)
+    n = tl.arange(0, NP)
+    r = rb * BR + tl.arange(0, BR)
+    mn, mr = n < N, r < R
+    qrow = q + b64 * q_bs + ph * (N + P)
+    qn = tl.load(qrow + n, mask=mn, other=0.).to(tl.float32)
+    wt = tl.load(w + (ph * (N + VD) + n).to(tl.int64)[:, None] * R + r[None, :], mask=mn[:, None] & mr[None, :],
+                 other=0.).to(tl.float32)
+    tl.store(qt + (b64 * H + ph) * R + r, tl.sum(qn[:, None] * wt, 0).to(qt.dtype.element_ty), mask=mr)
+    if rb == 0:
+        p = tl.arange(0, PP)
+        tl.store(qr + (b64 * H + ph) * P + p, tl.load(qrow + N + p, mask=p < P, other=0.), mask=p < P)
+        if ph == 0:
+            c = tl.arange(0, RKP)
+            mc = c < R + P
+            v = tl.load(kv + b64 * kv_bs + c, mask=mc, other=0.).to(cache.dtype.element_ty)
+            tl.store(cache + (b64 * L_STRIDE + tl.load(pos)) * (R + P) + c, v, mask=mc)
+
+
+@triton.jit
+def mla_decode_out_kernel(part, ml, w, o, H, N: tl.constexpr, VD: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
+                          NS: tl.constexpr, BV: tl.constexpr):
+    """Decode epilogue of absorbed MLA, one program per (batch row x head, block of BV value columns):
+    merges the NS partial latent sums of mla_decode_kernel (NS = 1: ``part`` is the final latent),
+    rounds the latent to o's dtype and applies W_uv: o[b, h, v] = sum_r olat[r] w[h (N+VD) + N + v, r]."""
+    bh, vb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    b, h = bh // H, bh % H
+    dr = tl.arange(0, RP)
+    mr = dr < R
+    if NS == 1:
+        lat = tl.load(part + bh * R + dr, mask=mr, other=0.)
+    else:
+        sp = tl.arange(0, NS)
+        row = (b * NS + sp) * H + h
+        m = tl.load(ml + row * 2)
+        lsum = tl.load(ml + row * 2 + 1)
+        f = tl.exp(m - tl.max(m, 0))
+        a = tl.load(part + row[:, None] * R + dr[None, :], mask=mr[None, :], other=0.)
+        lat = tl.sum(a * f[:, None], 0) / tl.maximum(tl.sum(lsum * f, 0), 1e-30)
+    lat = lat.to(o.dtype.element_ty).to(tl.float32)
+    v = vb * BV + tl.arange(0, BV)
+    mv = v < VD
+    wt = tl.load(w + (h * (N + VD) + N + v).to(tl.int64)[:, None] * R + dr[None, :], mask=mv[:, None] & mr[None, :],
+                 other=0.).to(tl.float32)
+    tl.store(o + bh * VD + v, tl.sum(wt * lat[None, :], 1).to(o.dtype.element_ty), mask=mv)
+
+
 def _p2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
@@ -162,8 +218,19 @@ def mla_decode(qt, qr, cache, nlen, scale: float, lengths=None, splits: int | No
     when the batch is small, a power of two up to 16). Returns the attention-weighted latent
     ``[B,H,R]`` (fp32)."""
     B, H, R = qt.shape
-    P = qr.shape[2]
     olat = torch.empty(B, H, R, device=qt.device, dtype=torch.float32)
+    part, ml, NS = mla_decode_parts(qt, qr, cache, nlen, scale, lengths, splits, olat)
+    if NS > 1:
+        mla_decode_combine_kernel[(B * H,)](part, ml, olat, H, R=R, RP=_p2(R), NS=NS, num_warps=4)
+    return olat
+
+
+def mla_decode_parts(qt, qr, cache, nlen, scale: float, lengths=None, splits: int | None = None, olat=None):
+    """The attention launch of ``mla_decode``: returns (part, ml, NS): NS = 1: part is the normalised latent
+    ``[B, H, R]`` (fp32, ``olat`` if given); else ``[B, NS, H, R]`` unnormalised partial sums and
+    ml ``[B, NS, H, 2]`` their (max, sum), merged by ``mla_decode_combine_kernel`` / ``mla_decode_out_kernel``."""
+    B, H, R = qt.shape
+    P = qr.shape[2]
     BH = 16
     BL = 16 if interpreting() else 32
     lens = lengths.contiguous() if lengths is not None else None
@@ -173,12 +240,40 @@ def mla_decode(qt, qr, cache, nlen, scale: float, lengths=None, splits: int | No
     NS = splits if splits is not None else min(16, max(1, 128 // progs), triton.next_power_of_2(
         max(1, cache.shape[1] // 64)))
     NS = 1 << (max(1, NS).bit_length() - 1)
-    part = olat if NS == 1 else torch.empty(B, NS, H, R, device=qt.device, dtype=torch.float32)
+    if NS == 1:
+        part = olat if olat is not None else torch.empty(B, H, R, device=qt.device, dtype=torch.float32)
+    else:
+        part = torch.empty(B, NS, H, R, device=qt.device, dtype=torch.float32)
     ml = torch.empty(B, NS, H, 2, device=qt.device, dtype=torch.float32) if NS > 1 else None
     mla_decode_kernel[(triton.cdiv(H, BH), B, NS)](
         qt.contiguous(), qr.contiguous(), cache, part, ml, nlen, lens, H, cache.shape[1], float(scale),
         R=R, P=P, RP=_p2(R), PP=_p2(P), HAS_LEN=lens is not None, BH=BH, BL=BL, NS=NS,
         num_warps=4 if interpreting() else 8, num_stages=1 if interpreting() else 2)
-    if NS > 1:
-        mla_decode_combine_kernel[(B * H,)](part, ml, olat, H, R=R, RP=_p2(R), NS=NS, num_warps=4)
-    return olat
+    return part, ml, NS
+
+
+def mla_decode_absorbed(q, kv, w, cache, pos, nlen, heads: int, nope: int, v_dim: int, scale: float,
+                        lengths=None) -> torch.Tensor:
+    """One absorbed MLA decode step (SPEC.md 4) in three launches: q ``[B, 1, H, nope+rope]`` (any batch
+    stride), kv ``[B, 1, R+rope]`` (the step's normed latent and rope key), w = W_kvb ``[H (nope+v), R]``,
+    cache ``[B, Lcap, R+rope]`` whose row ``pos[0]`` receives kv (in place) and whose first ``nlen[0]``
+    rows are then attended. Returns o ``[B, 1, H, v]`` in q's dtype."""
+    B = q.shape[0]
+    H, N, VD = heads, nope, v_dim
+    R = w.shape[1]
+    P = q.shape[-1] - N
+    if q.stride(-1) != 1 or q.stride(-2) != N + P or kv.stride(-1) != 1 or not cache.is_contiguous():
+        q, kv = q.contiguous(), kv.contiguous()
+    w = w.contiguous()
+    qt = torch.empty(B, H, R, device=q.device, dtype=q.dtype)
+    qr = torch.empty(B, H, P, device=q.device, dtype=q.dtype)
+    BR = 32 if interpreting() else 64
+    mla_absorb_q_kernel[(H, triton.cdiv(R, BR), B)](
+        q, w, qt, qr, kv, cache, pos, q.stride(0), kv.stride(0), cache.shape[1], H, N=N, P=P, VD=VD, R=R,
+        NP=_p2(N), PP=_p2(P), RKP=_p2(R + P), BR=BR, num_warps=4)
+    part, ml, NS = mla_decode_parts(qt, qr, cache, nlen, scale, lengths)
+    o = torch.empty(B, 1, H, VD, device=q.device, dtype=q.dtype)
+    BV = 16
+    mla_decode_out_kernel[(B * H, triton.cdiv(VD, BV))](part, ml, w, o, H, N=N, VD=VD, R=R, RP=_p2(R), NS=NS, BV=BV,
+                                                        num_warps=4)
+    return o
