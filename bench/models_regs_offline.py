@@ -89,10 +89,12 @@ def main():
             [("qt", p), ("qr", p), ("cache", "*fp32"), ("olat", "*fp32"), ("ml", "*fp32"), ("nlen", "*i32"),
              ("lens", None), ("H", "i32"), ("L_STRIDE", "i32"), ("scale", "fp32"), ("R", 512), ("P", 64),
              ("RP", 512), ("PP", 64), ("HAS_LEN", False), ("BH", 16), ("BL", 32), ("NS", 8)], 8, 2)
-        run(f"mla_absorb_q {dt}", mla.mla_absorb_q_kernel,
-            [("q", p), ("w", p), ("qt", p), ("qr", p), ("kv", p), ("cache", "*fp32"), ("pos", "*i64"), ("q_bs", "i32"),
-             ("kv_bs", "i32"), ("L_STRIDE", "i32"), ("H", "i32"), ("N", 128), ("P", 64), ("VD", 128), ("R", 512),
-             ("NP", 128), ("PP", 64), ("RKP", 1024), ("BR", 64)], 4)
+        for kvn in (False, True):
+            run(f"mla_absorb_q {dt} kvnorm={kvn}", mla.mla_absorb_q_kernel,
+                [("q", p), ("w", p), ("qt", p), ("qr", p), ("kv", p), ("cache", "*fp32"), ("pos", "*i64"),
+                 ("kvr", p if kvn else None), ("nw", p if kvn else None), ("q_bs", "i32"), ("kv_bs", "i32"),
+                 ("kvr_bs", "i32"), ("L_STRIDE", "i32"), ("H", "i32"), ("eps", "fp32"), ("N", 128), ("P", 64),
+                 ("VD", 128), ("R", 512), ("NP", 128), ("PP", 64), ("RKP", 1024), ("BR", 64), ("KVNORM", kvn)], 4)
         for ns in (1, 16):
             run(f"mla_decode_out {dt} NS={ns}", mla.mla_decode_out_kernel,
                 [("part", "*fp32"), ("ml", "*fp32" if ns > 1 else None), ("w", p), ("o", p), ("H", "i32"),

@@ -61,8 +61,8 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches():
     m = k3ir.load("kimi-linear-6p6b", KL)
     exe = k3ir.compile(m, target="triton", dtype="float32", device="cpu")
     acts = collections.Counter(a[0] if a[0] != "combine" else "combine_" + str(a[1:]) for a in exe.plans["decode"].values())
-    # 3 KDA input norms, the MLA input norm, the dense MLP norm, 3 MoE norms (router consumers)
-    assert acts["norm"] == 8 and acts["lin_cat"] == 1 and acts["combine_('lazy',)"] == 3
+    # 3 KDA input norms, the MLA input and latent norms, the dense MLP norm, 3 MoE norms (router consumers)
+    assert acts["norm"] == 9 and acts["lin_cat"] == 1 and acts["combine_('lazy',)"] == 3 and acts["kvcat"] == 1
     ref = Session(k3ir.compile(m, target="reference"))
     tri = Session(exe, params=ref.params)
     ids = np.random.default_rng(0).integers(3, 500, (2, 7))
@@ -78,9 +78,9 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches():
     want, _ = ref.decode(nxt[::-1].copy(), s_ref)          # the next step from the fused step's state
     got, _ = tri.decode(nxt[::-1].copy(), s_tri)
     assert rel_err(got.double().numpy(), want) < 1e-4
-    # rmsnorm launches: the final norm and MLA's latent norm (the MoE norms run in the router front);
+    # rmsnorm launches: the final norm only (MoE norms in the router front, MLA's latent norm in its prologue);
     # gemv: KDA 3 x (projections, low-rank pair, out), MLA (q+kv_a, out), dense (glu, down), 3 x shared (glu, down)
-    assert launches["rmsnorm_kernel"] == 2 and launches["router_partial_kernel"] == 3
+    assert launches["rmsnorm_kernel"] == 1 and launches["router_partial_kernel"] == 3
     assert launches["gemv_kernel"] == 3 * 3 + 2 + 2 + 3 * 2
     assert launches["combine_kernel"] == 0
     assert launches["mla_absorb_q_kernel"] == 1 and launches["mla_decode_out_kernel"] == 1
@@ -111,8 +111,8 @@ def test_route_dispatch_with_the_rmsnorm_fused_matches_float64(B, k, E, D):
     assert rel_err(disp[0].double().numpy(), want[0]) < 1e-6 and rel_err(disp[3].double().numpy(), want[3]) < 1e-5
 
 
-@pytest.mark.parametrize("B,L,splits_cap", [(1, 5, 64), (2, 37, 1024)])
-def test_mla_decode_absorbed_matches_float64_attention(B, L, splits_cap):
+@pytest.mark.parametrize("B,L,splits_cap,kvn", [(1, 5, 64, False), (2, 37, 1024, False), (2, 9, 64, True)])
+def test_mla_decode_absorbed_matches_float64_attention(B, L, splits_cap, kvn):
     """mla_decode_absorbed (q absorbed into the latent + cache-row write, attention, merge + W_uv) against
     float64 attention over the up-projected keys/values of the cache with the step's row appended."""
     from k3ir.backends.triton.mla import mla_decode_absorbed
@@ -123,9 +123,18 @@ def test_mla_decode_absorbed_matches_float64_attention(B, L, splits_cap):
     w = torch.randn(H * (N + VD), R, generator=g) * 0.3
     cache = torch.zeros(B, splits_cap, R + P)
     cache[:, :L] = torch.randn(B, L, R + P, generator=g)
-    o = mla_decode_absorbed(q, kv, w, cache, torch.tensor([L]), torch.tensor([L + 1], dtype=torch.int32), H, N, VD,
-                            0.3)
-    assert torch.equal(cache[:, L], kv[:, 0])                       # the step's row was written in place
+    if kvn:         # kv given as the raw latent + rope key: the latent RMSNorm and the concat in the kernel
+        raw = torch.randn(B, 1, R + P + 3, generator=g) * 3
+        nw = 1 + 0.3 * torch.randn(R, generator=g)
+        lat = raw[..., :R].double()
+        kv = torch.cat([lat * torch.rsqrt(lat.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double(),
+                        raw[..., R:R + P].double()], -1).float()
+        o = mla_decode_absorbed(q, raw[..., :R], w, cache, torch.tensor([L]), torch.tensor([L + 1], dtype=torch.int32),
+                                H, N, VD, 0.3, kv_norm=(raw[..., R:R + P], nw, 1e-6))
+    else:
+        o = mla_decode_absorbed(q, kv, w, cache, torch.tensor([L]), torch.tensor([L + 1], dtype=torch.int32), H, N,
+                                VD, 0.3)
+    assert rel_err(cache[:, L].double().numpy(), kv[:, 0].double().numpy()) < 1e-6   # the step's row, in place
     c = cache[:, :L + 1].double()
     wh = w.double().reshape(H, N + VD, R)
     k_nope = torch.einsum("blr,hnr->blhn", c[..., :R], wh[:, :N])

@@ -57,6 +57,19 @@ class Combined(Lazy):
         return moe_k.moe_combine(self.y, None, self.inv)
 
 
+class KVCat(Lazy):
+    """``concat(rmsnorm(latent), rope)`` of an MLA decode step not yet computed: the MLA prologue kernel
+    norms the latent and writes both into the cache row (mla.mla_decode_absorbed ``kv_norm=``)."""
+
+    def __init__(self, lat: Prenormed, rope):
+        self.lat, self.rope = lat, rope
+        self.shape = (*rope.shape[:-1], lat.shape[-1] + rope.shape[-1])
+        self.dtype, self.device = rope.dtype, rope.device
+
+    def _compute(self):
+        return torch.cat([self.lat.materialize(), self.rope.to(self.lat.dtype)], dim=-1)
+
+
 def _val(v):
     """A Lazy as its materialized tensor (computed now if needed); anything else as is."""
     if isinstance(v, Lazy):
@@ -119,6 +132,10 @@ def make_mla(exe):
     (absorbed, T == 1) through the latent-cache kernel. Under a CUDA-graph decode (``exe.graph_ctx``)
     the cache operand is a preallocated buffer and the valid length lives on the device."""
     def mla(inst, q, kv, w, c=None, lengths=None):
+        fused_kv = (isinstance(kv, KVCat) and kv.value is None and inst.absorbed and q.shape[1] == 1
+                    and q.dim() == 4 and q.dtype != torch.float64 and _no_grad(q, w))
+        if isinstance(kv, Lazy) and not fused_kv:
+            kv = kv.materialize()
         if q.dtype == torch.float64:
             return _torch_impl("k3.mla")(inst, q, kv, w, c, lengths)
         H, n, vd = inst.heads, inst.nope, inst.v_dim
@@ -127,7 +144,7 @@ def make_mla(exe):
         wh = w.to(q.dtype).reshape(H, n + vd, R)
         w_uk, w_uv = wh[:, :n], wh[:, n:]
         ctx = getattr(exe, "graph_ctx", None)
-        if inst.absorbed and T == 1 and _no_grad(q, kv, w) and q.dim() == 4:
+        if inst.absorbed and T == 1 and (fused_kv or _no_grad(q, kv, w)) and q.dim() == 4:
             # three launches: q absorbed into the latent + cache row write, attention, merge + W_uv
             wq = w.to(q.dtype)
             if ctx is not None:                          # graph mode: c is the static buffer
@@ -139,7 +156,11 @@ def make_mla(exe):
                     full[:, :L].copy_(c)
                 pos = torch.full((1,), L, dtype=torch.int64, device=q.device)
                 nlen = torch.full((1,), L + 1, dtype=torch.int32, device=q.device)
-            o = mla_k.mla_decode_absorbed(q, kv, wq, full, pos, nlen, H, n, vd, inst.scale, lengths)
+            if fused_kv:       # the latent RMSNorm and the concat with the rope key in the prologue kernel
+                o = mla_k.mla_decode_absorbed(q, kv.lat.x, wq, full, pos, nlen, H, n, vd, inst.scale, lengths,
+                                              kv_norm=(kv.rope, kv.lat.w, kv.lat.eps))
+            else:
+                o = mla_k.mla_decode_absorbed(q, kv, wq, full, pos, nlen, H, n, vd, inst.scale, lengths)
             return o, full
         if inst.absorbed and T == 1:
             qt = torch.einsum("bhn,hnr->bhr", q[:, 0, :, :n], w_uk)
@@ -282,6 +303,15 @@ def plan(fn) -> dict[int, tuple]:
                 p = producer.get(id(v))
                 if p is not None and out.get(id(p)) == ("combine",) and len(uses.get(id(v), [])) == 1:
                     out[id(p)] = ("combine", "lazy")
+    # MLA decode: concat(rmsnorm(slice(a, 0:R)), slice(a, R:)) as the cache row -> into the MLA prologue kernel
+    for op in fn.ops:
+        if op.name != "k3.concat" or id(op) in out or len(op.operands) != 2:
+            continue
+        us = uses.get(id(op.results[0]), [])
+        nrm = producer.get(id(op.operands[0]))
+        if (len(us) == 1 and us[0] is not None and us[0].name == "k3.mla" and us[0].operands[1] is op.results[0]
+                and nrm is not None and nrm.name == "k3.rmsnorm" and len(uses.get(id(nrm.results[0]), [])) == 1):
+            out[id(op)] = ("kvcat",)
     # an RMSNorm whose every consumer can norm the raw row itself (gemv prologue, KDA decode projections)
     for op in fn.ops:
         if op.name == "k3.rmsnorm" and id(op) not in out:
@@ -300,7 +330,7 @@ def _norm_consumer(c, r, out) -> bool:
         return act in (None, "skip", "lin_cat", "cat_member")
     if c.name == "k3.fused_kda":
         return act is None
-    return (c.name, act) in (("k3.router", "route"), ("k3.moe_dispatch", "routed"))
+    return (c.name, act) in (("k3.router", "route"), ("k3.moe_dispatch", "routed"), ("k3.concat", "kvcat"))
 
 
 class PlanInterpreter(Interpreter):
@@ -321,8 +351,8 @@ class PlanInterpreter(Interpreter):
 
     def eval_op(self, op, vals):
         """Deferred values (Lazy) are materialized for every op but the KDA layer's input row."""
-        keep = op.name == "k3.fused_kda"
-        return super().eval_op(op, [v if keep and i == 0 else _val(v) for i, v in enumerate(vals)])
+        keep = {"k3.fused_kda": 0, "k3.mla": 1}.get(op.name, -1)
+        return super().eval_op(op, [v if i == keep else _val(v) for i, v in enumerate(vals)])
 
     def exec_op(self, op, env, observe=True):
         act = getattr(self, "_plan", {}).get(id(op))
@@ -337,6 +367,14 @@ class PlanInterpreter(Interpreter):
             return self._lin_cat(op, act, env, observe)
         if kind == "cat_member":
             if id(op.results[0]) in env:          # computed by its group's gemv
+                return
+            return super().exec_op(op, env, observe)
+        if kind == "kvcat":
+            a, b = env[id(op.operands[0])], env[id(op.operands[1])]
+            ax = int(op.attrs.get("axis", -1))
+            if (isinstance(a, Prenormed) and a.value is None and isinstance(b, torch.Tensor)
+                    and ax in (-1, b.dim() - 1) and a.x.dim() == b.dim()):
+                env[id(op.results[0])] = KVCat(a, b)
                 return
             return super().exec_op(op, env, observe)
         if kind == "norm":

@@ -137,13 +137,15 @@ def mla_decode_combine_kernel(part, ml, olat, H, R: tl.constexpr, RP: tl.constex
 
 
 @triton.jit
-def mla_absorb_q_kernel(q, w, qt, qr, kv, cache, pos, q_bs, kv_bs, L_STRIDE, H,
+def mla_absorb_q_kernel(q, w, qt, qr, kv, cache, pos, kvr, nw, q_bs, kv_bs, kvr_bs, L_STRIDE, H, eps,
                         N: tl.constexpr, P: tl.constexpr, VD: tl.constexpr, R: tl.constexpr, NP: tl.constexpr,
-                        PP: tl.constexpr, RKP: tl.constexpr, BR: tl.constexpr):
+                        PP: tl.constexpr, RKP: tl.constexpr, BR: tl.constexpr, KVNORM: tl.constexpr):
     """Decode prologue of absorbed MLA, one program per (head, block of BR latent columns, batch row):
     qt[b, h, r] = sum_n q[b, h, n] w[h (N+VD) + n, r] (fp32 sums of the rounded operands), programs of the
     first block copy the rope query qr[b, h] = q[b, h, N:N+P], program (0, 0, b) writes the step's cache
-    row cache[b, pos] = kv[b] (R + P wide, fp32). q rows ``q_bs`` apart, heads N+P apart."""
+    row cache[b, pos] = kv[b] (R + P wide, fp32). q rows ``q_bs`` apart, heads N+P apart. KVNORM: kv holds
+    the raw latent (R wide) and kvr the rope key (P wide): the row written is [rmsnorm(latent; nw, eps)
+    rounded to kv's dtype (as rmsnorm_kernel), kvr] (the latent norm and the concat fused)."""
     ph, rb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b64 = b.to(tl.int64)
     n = tl.arange(0, NP)
@@ -158,10 +160,20 @@ def mla_absorb_q_kernel(q, w, qt, qr, kv, cache, pos, q_bs, kv_bs, L_STRIDE, H,
         p = tl.arange(0, PP)
         tl.store(qr + (b64 * H + ph) * P + p, tl.load(qrow + N + p, mask=p < P, other=0.), mask=p < P)
         if ph == 0:
+            crow = cache + (b64 * L_STRIDE + tl.load(pos)) * (R + P)
             c = tl.arange(0, RKP)
-            mc = c < R + P
-            v = tl.load(kv + b64 * kv_bs + c, mask=mc, other=0.).to(cache.dtype.element_ty)
-            tl.store(cache + (b64 * L_STRIDE + tl.load(pos)) * (R + P) + c, v, mask=mc)
+            if KVNORM:
+                mc = c < R
+                lat = tl.load(kv + b64 * kv_bs + c, mask=mc, other=0.).to(tl.float32)
+                rstd = tl.rsqrt(tl.sum(lat * lat, 0) / R + eps)
+                lat = (lat * rstd * tl.load(nw + c, mask=mc, other=0.).to(tl.float32)).to(kv.dtype.element_ty)
+                tl.store(crow + c, lat.to(cache.dtype.element_ty), mask=mc)
+                rk = tl.load(kvr + b64 * kvr_bs + p, mask=p < P, other=0.)
+                tl.store(crow + R + p, rk.to(cache.dtype.element_ty), mask=p < P)
+            else:
+                mc = c < R + P
+                v = tl.load(kv + b64 * kv_bs + c, mask=mc, other=0.).to(cache.dtype.element_ty)
+                tl.store(crow + c, v, mask=mc)
 
 
 @triton.jit
@@ -253,24 +265,32 @@ def mla_decode_parts(qt, qr, cache, nlen, scale: float, lengths=None, splits: in
 
 
 def mla_decode_absorbed(q, kv, w, cache, pos, nlen, heads: int, nope: int, v_dim: int, scale: float,
-                        lengths=None) -> torch.Tensor:
+                        lengths=None, kv_norm=None) -> torch.Tensor:
     """One absorbed MLA decode step (SPEC.md 4) in three launches: q ``[B, 1, H, nope+rope]`` (any batch
     stride), kv ``[B, 1, R+rope]`` (the step's normed latent and rope key), w = W_kvb ``[H (nope+v), R]``,
-    cache ``[B, Lcap, R+rope]`` whose row ``pos[0]`` receives kv (in place) and whose first ``nlen[0]``
-    rows are then attended. Returns o ``[B, 1, H, v]`` in q's dtype."""
+    cache ``[B, Lcap, R+rope]`` (contiguous) whose row ``pos[0]`` receives kv (in place) and whose first
+    ``nlen[0]`` rows are then attended. ``kv_norm=(rope [B, 1, rope], w_norm [R], eps)``: kv is then the
+    raw latent ``[B, 1, R]`` and its RMSNorm and the concat with ``rope`` happen in the first launch.
+    Returns o ``[B, 1, H, v]`` in q's dtype."""
     B = q.shape[0]
     H, N, VD = heads, nope, v_dim
     R = w.shape[1]
     P = q.shape[-1] - N
-    if q.stride(-1) != 1 or q.stride(-2) != N + P or kv.stride(-1) != 1 or not cache.is_contiguous():
-        q, kv = q.contiguous(), kv.contiguous()
+    if q.stride(-1) != 1 or q.stride(-2) != N + P:
+        q = q.contiguous()
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    kvr, nw, eps = kv_norm if kv_norm is not None else (None, None, 0.0)
+    if kvr is not None:
+        kvr = kvr if kvr.stride(-1) == 1 else kvr.contiguous()
+        nw = nw.reshape(R).contiguous()
     w = w.contiguous()
     qt = torch.empty(B, H, R, device=q.device, dtype=q.dtype)
     qr = torch.empty(B, H, P, device=q.device, dtype=q.dtype)
     BR = 32 if interpreting() else 64
     mla_absorb_q_kernel[(H, triton.cdiv(R, BR), B)](
-        q, w, qt, qr, kv, cache, pos, q.stride(0), kv.stride(0), cache.shape[1], H, N=N, P=P, VD=VD, R=R,
-        NP=_p2(N), PP=_p2(P), RKP=_p2(R + P), BR=BR, num_warps=4)
+        q, w, qt, qr, kv, cache, pos, kvr, nw, q.stride(0), kv.stride(0), kvr.stride(0) if kvr is not None else 0,
+        cache.shape[1], H, float(eps), N=N, P=P, VD=VD, R=R, NP=_p2(N), PP=_p2(P), RKP=_p2(R + P), BR=BR,
+        KVNORM=kvr is not None, num_warps=4)
     part, ml, NS = mla_decode_parts(qt, qr, cache, nlen, scale, lengths)
     o = torch.empty(B, 1, H, VD, device=q.device, dtype=q.dtype)
     BV = 16
