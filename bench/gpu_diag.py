@@ -517,11 +517,24 @@ def section_prefill(model, shapes, small):
         dt = time.perf_counter() - t
         print(f"prefill B{B} T{T}: {dt * 1e3:.1f} ms = {B * T / dt:,.0f} tok/s", flush=True)
         _ir_ranges(True)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             sess.prefill(ids)
             torch.cuda.synchronize()
         _ir_ranges(False)
         _tables(prof, f"prefill B{B} T{T}")
+        _shape_table(prof, f"prefill B{B} T{T}")
+
+
+def _shape_table(prof, title, n=20):
+    """Torch copies/casts/elementwise ops by input shapes (which ``.float()``/``.contiguous()``/add costs what)."""
+    keys = ("aten::copy_", "aten::add", "aten::mul", "aten::cat", "aten::clone", "aten::index_select", "aten::_to_copy",
+            "aten::addmm", "aten::bmm", "aten::fill_", "aten::zero_")
+    ev = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in keys]
+    ev.sort(key=_dev_us, reverse=True)
+    print(f"\n{title}: torch ops by input shape, top {n}")
+    print(f"{'op':<20} {'calls':>6} {'GPU ms':>9}  input shapes")
+    for e in ev[:n]:
+        print(f"{e.key:<20} {e.count:>6} {_dev_us(e) / 1e3:>9.3f}  {str(e.input_shapes)[:110]}")
 
 
 def main():
