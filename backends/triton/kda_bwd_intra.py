@@ -7,7 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kda_bwd_kernels import _Grow, _ldf, _ldG, _ldT, _pos, _row, _st, _vec
+from .kda_bwd_kernels import _Grow, _ldG
+from .kda_common import chunk_rows, head_decay, l2norm_rows_bwd, ld_row, ld_vec, ldf, ldT, softplus, st
 
 
 # ---------------------------------------------------------------- 6. intra-chunk backward
@@ -18,7 +19,7 @@ def kda_bwd_intra_kernel(qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu_seqlens, ch
     i_ci, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NS: tl.constexpr = BT // BC
     i_c, i_i = i_ci // NS, i_ci % NS
-    row0, nv = _pos(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 64)
     r0 = i_i * BC
     if r0 >= nv:
         return
@@ -26,28 +27,28 @@ def kda_bwd_intra_kernel(qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu_seqlens, ch
     rows = tl.arange(0, BC)
     mrow = (r0 + rows) < nv
     nvc = tl.minimum(nv, BT)
-    Gl = _row(G, row0, nvc - 1, nv, i_h, k0, H, K, BK)
-    b_q = _ldf(qn, row0, r0, nv, i_h, k0, H, K, BC, BK)
-    b_k = _ldf(kn, row0, r0, nv, i_h, k0, H, K, BC, BK)
+    Gl = ld_row(G, row0, nvc - 1, nv, i_h, k0, H, K, BK)
+    b_q = ldf(qn, row0, r0, nv, i_h, k0, H, K, BC, BK)
+    b_k = ldf(kn, row0, r0, nv, i_h, k0, H, K, BC, BK)
     b_G = _ldG(G, row0, r0, nv, i_h, k0, Gl, H, K, BC, BK)
-    b_b = _vec(bn, row0, r0, nv, i_h, H, BC)
+    b_b = ld_vec(bn, row0, r0, nv, i_h, H, BC)
     # ---- row side: dq2_i = sum_j dAq_ij k_j e_ij, dk2_i = sum_j dAk_ij k_j e_ij (j <= i)
     dq2 = tl.zeros([BC, BK], dtype=tl.float32)
     dk2 = tl.zeros([BC, BK], dtype=tl.float32)
     if i_i > 0:
         n = _Grow(G, row0, r0, nv, i_h, k0, Gl, H, K, BK)      # G_j >= n >= G_i: both factors <= 1
         for jr in range(i_i):
-            kJ = _ldf(kn, row0, jr * BC, nv, i_h, k0, H, K, BC, BK)
+            kJ = ldf(kn, row0, jr * BC, nv, i_h, k0, H, K, BC, BK)
             GJ = _ldG(G, row0, jr * BC, nv, i_h, k0, Gl, H, K, BC, BK)
             kgJ = kJ * tl.exp(n[None, :] - GJ)
-            dq2 += tl.dot(_ldf(dAq, row0, r0, nv, i_h, jr * BC, H, BT, BC, BC), kgJ, input_precision=PREC)
-            dk2 += tl.dot(_ldf(dAk, row0, r0, nv, i_h, jr * BC, H, BT, BC, BC), kgJ, input_precision=PREC)
+            dq2 += tl.dot(ldf(dAq, row0, r0, nv, i_h, jr * BC, H, BT, BC, BC), kgJ, input_precision=PREC)
+            dk2 += tl.dot(ldf(dAk, row0, r0, nv, i_h, jr * BC, H, BT, BC, BC), kgJ, input_precision=PREC)
         eq = tl.exp(b_G - n[None, :])
         dq2 *= eq
         dk2 *= eq
     if EXACT:
         for j in range(BC):
-            kj = _row(kn, row0, r0 + j, nv, i_h, k0, H, K, BK)
+            kj = ld_row(kn, row0, r0 + j, nv, i_h, k0, H, K, BK)
             Gj = _Grow(G, row0, r0 + j, nv, i_h, k0, Gl, H, K, BK)
             e = tl.exp(tl.where(rows[:, None] > j, b_G - Gj[None, :], float("-inf")))
             p_col = dAq + (row0 + r0 + rows).to(tl.int64) * (H * BT) + i_h * BT + r0 + j
@@ -61,8 +62,8 @@ def kda_bwd_intra_kernel(qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu_seqlens, ch
         gq = tl.exp(b_G - n[None, :])
         kgk = b_k * tl.exp(n[None, :] - b_G)
         strict = rows[:, None] > rows[None, :]
-        aq = tl.where(strict, _ldf(dAq, row0, r0, nv, i_h, r0, H, BT, BC, BC), 0.)
-        ak = tl.where(strict, _ldf(dAk, row0, r0, nv, i_h, r0, H, BT, BC, BC), 0.)
+        aq = tl.where(strict, ldf(dAq, row0, r0, nv, i_h, r0, H, BT, BC, BC), 0.)
+        ak = tl.where(strict, ldf(dAk, row0, r0, nv, i_h, r0, H, BT, BC, BC), 0.)
         dq2 += tl.dot(aq, kgk, input_precision=PREC) * gq
         dk2 += tl.dot(ak, kgk, input_precision=PREC) * gq
     dbeta = tl.sum(dk2 * b_k, 1)
@@ -78,20 +79,20 @@ def kda_bwd_intra_kernel(qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu_seqlens, ch
     if i_i < NSv - 1:
         n = _Grow(G, row0, r0 + BC - 1, nv, i_h, k0, Gl, H, K, BK)   # G_i <= n <= G_j
         for jc in range(i_i + 1, NSv):
-            qJ = _ldf(qn, row0, jc * BC, nv, i_h, k0, H, K, BC, BK)
-            kJ = _ldf(kn, row0, jc * BC, nv, i_h, k0, H, K, BC, BK)
+            qJ = ldf(qn, row0, jc * BC, nv, i_h, k0, H, K, BC, BK)
+            kJ = ldf(kn, row0, jc * BC, nv, i_h, k0, H, K, BC, BK)
             GJ = _ldG(G, row0, jc * BC, nv, i_h, k0, Gl, H, K, BC, BK)
-            bJ = _vec(bn, row0, jc * BC, nv, i_h, H, BC)
+            bJ = ld_vec(bn, row0, jc * BC, nv, i_h, H, BC)
             eJ = tl.exp(GJ - n[None, :])
-            aqT = _ldT(dAq, row0, jc * BC, nv, i_h, r0, H, BT, BC, BC).to(tl.float32)
-            akT = _ldT(dAk, row0, jc * BC, nv, i_h, r0, H, BT, BC, BC).to(tl.float32)
+            aqT = ldT(dAq, row0, jc * BC, nv, i_h, r0, H, BT, BC, BC).to(tl.float32)
+            akT = ldT(dAk, row0, jc * BC, nv, i_h, r0, H, BT, BC, BC).to(tl.float32)
             dkt += tl.dot(aqT, qJ * eJ, input_precision=PREC)
             dkt += tl.dot(akT, kJ * bJ[:, None] * eJ, input_precision=PREC)
         dkt *= tl.exp(n[None, :] - b_G)
     if EXACT:
         for i in range(BC):
-            qi = _row(qn, row0, r0 + i, nv, i_h, k0, H, K, BK)
-            ki = _row(kn, row0, r0 + i, nv, i_h, k0, H, K, BK)
+            qi = ld_row(qn, row0, r0 + i, nv, i_h, k0, H, K, BK)
+            ki = ld_row(kn, row0, r0 + i, nv, i_h, k0, H, K, BK)
             Gi = _Grow(G, row0, r0 + i, nv, i_h, k0, Gl, H, K, BK)
             ri = tl.zeros([BK], dtype=tl.int64) + (row0 + r0 + i)
             bi = tl.load(bn + ri * H + i_h, mask=ri < row0 + nv, other=0.)          # beta_i on every lane
@@ -106,15 +107,15 @@ def kda_bwd_intra_kernel(qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu_seqlens, ch
         ge = tl.exp(b_G - n[None, :])
         kn_ = tl.exp(n[None, :] - b_G)
         upper = rows[:, None] < rows[None, :]
-        aqT = tl.where(upper, _ldT(dAq, row0, r0, nv, i_h, r0, H, BT, BC, BC).to(tl.float32), 0.)
-        akT = tl.where(upper, _ldT(dAk, row0, r0, nv, i_h, r0, H, BT, BC, BC).to(tl.float32), 0.)
+        aqT = tl.where(upper, ldT(dAq, row0, r0, nv, i_h, r0, H, BT, BC, BC).to(tl.float32), 0.)
+        akT = tl.where(upper, ldT(dAk, row0, r0, nv, i_h, r0, H, BT, BC, BC).to(tl.float32), 0.)
         dkt += tl.dot(aqT, b_q * ge, input_precision=PREC) * kn_
         dkt += tl.dot(akT, b_k * b_b[:, None] * ge, input_precision=PREC) * kn_
     b_dG -= b_k * dkt
     dkt += d[:, None] * b_q
-    _st(dq, _ldf(dq, row0, r0, nv, i_h, k0, H, K, BC, BK) + dq2, row0, r0, nv, i_h, k0, H, K, BC, BK)
-    _st(dk, _ldf(dk, row0, r0, nv, i_h, k0, H, K, BC, BK) + dk2 + dkt, row0, r0, nv, i_h, k0, H, K, BC, BK)
-    _st(dG, _ldf(dG, row0, r0, nv, i_h, k0, H, K, BC, BK) + b_dG, row0, r0, nv, i_h, k0, H, K, BC, BK)
+    st(dq, ldf(dq, row0, r0, nv, i_h, k0, H, K, BC, BK) + dq2, row0, r0, nv, i_h, k0, H, K, BC, BK)
+    st(dk, ldf(dk, row0, r0, nv, i_h, k0, H, K, BC, BK) + dk2 + dkt, row0, r0, nv, i_h, k0, H, K, BC, BK)
+    st(dG, ldf(dG, row0, r0, nv, i_h, k0, H, K, BC, BK) + b_dG, row0, r0, nv, i_h, k0, H, K, BC, BK)
     tl.store(db + (i_k + 1).to(tl.int64) * NTOK * H + (row0 + r0 + rows).to(tl.int64) * H + i_h, dbeta,
              mask=mrow)
 
@@ -126,39 +127,35 @@ def kda_bwd_chain_kernel(q, k, g, A_log, dt_bias, dq, dk, dG, dq_out, dk_out, dg
                          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr,
                          L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    row0, nv = _pos(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 64)
     m = (tl.arange(0, BT) < nv)[:, None]
     offs_k = tl.arange(0, K)
     # gate: G = cumsum(gl) inside the chunk -> dgl = reverse cumsum of dG
-    dgl = tl.cumsum(_ldf(dG, row0, 0, nv, i_h, 0, H, K, BT, K), 0, reverse=True)
+    dgl = tl.cumsum(ldf(dG, row0, 0, nv, i_h, 0, H, K, BT, K), 0, reverse=True)
     if GATE == 2:
         dx = dgl
     else:
-        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        x = _ldf(g, row0, 0, nv, i_h, 0, H, K, BT, K) + tl.load(dt_bias + i_h * K + offs_k).to(tl.float32)[None, :]
+        a_h = head_decay(A_log, i_h, GATE)
+        x = ldf(g, row0, 0, nv, i_h, 0, H, K, BT, K) + tl.load(dt_bias + i_h * K + offs_k).to(tl.float32)[None, :]
         if GATE == 0:
             s = tl.sigmoid(a_h * x)
             d = dgl * lb * s * (1. - s)
             dx = d * a_h
             da = tl.where(m, d * a_h * x, 0.)
         else:
-            sp = tl.maximum(x, 0.) + tl.log(1. + tl.exp(-tl.abs(x)))
+            sp = softplus(x, False)
             dx = -a_h * tl.sigmoid(x) * dgl
             da = tl.where(m, -a_h * sp * dgl, 0.)
         dx = tl.where(m, dx, 0.)
         tl.store(ddt_part + (i_c.to(tl.int64) * H + i_h) * K + offs_k, tl.sum(dx, 0))
         tl.store(dA_part + i_c.to(tl.int64) * H + i_h, tl.sum(tl.sum(da, 1), 0))
-    _st(dg_out, dx, row0, 0, nv, i_h, 0, H, K, BT, K)
+    st(dg_out, dx, row0, 0, nv, i_h, 0, H, K, BT, K)
     # q = scale * x / sqrt(|x|^2 + eps): dx = r (dy - r^2 x <x, dy>)
-    dy = _ldf(dq, row0, 0, nv, i_h, 0, H, K, BT, K) * scale
+    dy = ldf(dq, row0, 0, nv, i_h, 0, H, K, BT, K) * scale
     if L2NORM:
-        xq = _ldf(q, row0, 0, nv, i_h, 0, H, K, BT, K)
-        r = tl.rsqrt(tl.sum(xq * xq, 1) + 1e-6)[:, None]
-        dy = r * dy - (r * r * r) * xq * tl.sum(xq * dy, 1)[:, None]
-    _st(dq_out, dy, row0, 0, nv, i_h, 0, H, K, BT, K)
-    dy = _ldf(dk, row0, 0, nv, i_h, 0, H, K, BT, K)
+        dy = l2norm_rows_bwd(ldf(q, row0, 0, nv, i_h, 0, H, K, BT, K), dy)
+    st(dq_out, dy, row0, 0, nv, i_h, 0, H, K, BT, K)
+    dy = ldf(dk, row0, 0, nv, i_h, 0, H, K, BT, K)
     if L2NORM:
-        xk = _ldf(k, row0, 0, nv, i_h, 0, H, K, BT, K)
-        r = tl.rsqrt(tl.sum(xk * xk, 1) + 1e-6)[:, None]
-        dy = r * dy - (r * r * r) * xk * tl.sum(xk * dy, 1)[:, None]
-    _st(dk_out, dy, row0, 0, nv, i_h, 0, H, K, BT, K)
+        dy = l2norm_rows_bwd(ldf(k, row0, 0, nv, i_h, 0, H, K, BT, K), dy)
+    st(dk_out, dy, row0, 0, nv, i_h, 0, H, K, BT, K)

@@ -28,97 +28,39 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-GATE_LOWER_BOUND = 0
-GATE_SOFTPLUS = 1
-GATE_PRECOMPUTED = 2
+from .kda_common import (
+    GATE_LOWER_BOUND,  # noqa: F401 - re-exported
+    GATE_PRECOMPUTED,  # noqa: F401
+    GATE_SOFTPLUS,  # noqa: F401
+    chunk_rows,
+    gate_act,
+    gate_bias,
+    head_decay,
+    inv_blocks4,
+    l2norm_rows,
+    ld,
+    ld_row,
+    ld_vec,
+    ldf,
+    ldT,
+    seq_locate,
+    st,
+    st_vec,
+    wy_rows,
+)
 
 
 # ---------------------------------------------------------------- helpers
 @triton.jit
-def _pos(i_c, cu_seqlens, chunk_indices, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(first flattened row of chunk ``i_c``, rows of its sequence left from there)."""
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        NT = tl.cdiv(T, BT)
-        i_n = (i_c // NT).to(tl.int64)
-        i_t = (i_c % NT).to(tl.int64)
-        bos = i_n * T
-        T_seq = i_n * 0 + T
-    return bos + i_t * BT, T_seq - i_t * BT
-
-
-@triton.jit
-def _seq(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(first row, length, first global chunk index) of sequence ``i_n``."""
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = bos * 0 + T
-        c0 = i_n.to(tl.int64) * tl.cdiv(T, BT)
-    return bos, T_seq, c0
-
-
-@triton.jit
-def _ld(ptr, row0, r0, nv, i_h, c0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
-    """Rows ``r0..r0+R`` (of a chunk starting at flattened row ``row0``, ``nv`` valid), columns
-    ``c0..c0+C`` of head ``i_h`` of a ``[rows, H, D]`` tensor, in its own dtype (0 past the end)."""
-    rows = r0 + tl.arange(0, R)
-    off = (row0 + rows).to(tl.int64)[:, None] * (H * D) + i_h * D + c0 + tl.arange(0, C)[None, :]
-    return tl.load(ptr + off, mask=(rows < nv)[:, None], other=0.)
-
-
-@triton.jit
-def _ldf(ptr, row0, r0, nv, i_h, c0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
-    return _ld(ptr, row0, r0, nv, i_h, c0, H, D, R, C).to(tl.float32)
-
-
-@triton.jit
-def _ldT(ptr, row0, r0, nv, i_h, c0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
-    """The transpose of ``_ld``: ``[C, R]``."""
-    rows = r0 + tl.arange(0, R)
-    off = (row0 + rows).to(tl.int64)[None, :] * (H * D) + i_h * D + c0 + tl.arange(0, C)[:, None]
-    return tl.load(ptr + off, mask=(rows < nv)[None, :], other=0.)
-
-
-@triton.jit
-def _st(ptr, x, row0, r0, nv, i_h, c0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
-    rows = r0 + tl.arange(0, R)
-    off = (row0 + rows).to(tl.int64)[:, None] * (H * D) + i_h * D + c0 + tl.arange(0, C)[None, :]
-    tl.store(ptr + off, x.to(ptr.dtype.element_ty), mask=(rows < nv)[:, None])
-
-
-@triton.jit
-def _row(ptr, row0, r, nv, i_h, c0, H: tl.constexpr, D: tl.constexpr, C: tl.constexpr):
-    """Row ``r`` (0 if before the chunk or past the end), columns ``c0..c0+C``, fp32."""
-    rr = tl.zeros([C], dtype=tl.int64) + r
-    off = (row0 + rr) * (H * D) + i_h * D + c0 + tl.arange(0, C)
-    return tl.load(ptr + off, mask=(rr >= 0) & (rr < nv), other=0.).to(tl.float32)
-
-
-@triton.jit
-def _vec(ptr, row0, r0, nv, i_h, H: tl.constexpr, R: tl.constexpr):
-    """``[rows, H]`` per-row values (beta), fp32, 0 past the end."""
-    rows = r0 + tl.arange(0, R)
-    return tl.load(ptr + (row0 + rows).to(tl.int64) * H + i_h, mask=rows < nv, other=0.).to(tl.float32)
-
-
-@triton.jit
 def _ldG(G, row0, r0, nv, i_h, c0, Gl, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
     """G rows; rows past the end take the last valid row's G ``Gl`` (their gate is 0)."""
     rows = r0 + tl.arange(0, R)
-    return tl.where((rows < nv)[:, None], _ldf(G, row0, r0, nv, i_h, c0, H, K, R, C), Gl[None, :])
+    return tl.where((rows < nv)[:, None], ldf(G, row0, r0, nv, i_h, c0, H, K, R, C), Gl[None, :])
 
 
 @triton.jit
 def _Grow(G, row0, r, nv, i_h, c0, Gl, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
-    return tl.where(r < nv, _row(G, row0, r, nv, i_h, c0, H, K, C), Gl)
+    return tl.where(r < nv, ld_row(G, row0, r, nv, i_h, c0, H, K, C), Gl)
 
 
 @triton.jit
@@ -135,7 +77,7 @@ def _diag_exact(aI, GI, kp, G, row0, r0, nv, i_h, c0, Gl, H: tl.constexpr, K: tl
     rows = tl.arange(0, BC)
     out = tl.zeros([BC, BC], dtype=tl.float32)
     for j in range(BC):
-        kj = _row(kp, row0, r0 + j, nv, i_h, c0, H, K, BK)
+        kj = ld_row(kp, row0, r0 + j, nv, i_h, c0, H, K, BK)
         Gj = _Grow(G, row0, r0 + j, nv, i_h, c0, Gl, H, K, BK)
         e = tl.exp(tl.where(rows[:, None] >= j, GI - Gj[None, :], float("-inf")))
         col = tl.sum(aI * kj[None, :] * e, 1)
@@ -144,21 +86,9 @@ def _diag_exact(aI, GI, kp, G, row0, r0, nv, i_h, c0, Gl, H: tl.constexpr, K: tl
 
 
 @triton.jit
-def _inv16(N, BC: tl.constexpr):
-    """``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8)`` for a strictly lower 16x16 ``N``."""
-    rows = tl.arange(0, BC)
-    eye = tl.where(rows[:, None] == rows[None, :], 1., 0.)
-    N2 = tl.dot(N, N, input_precision="ieee")
-    N4 = tl.dot(N2, N2, input_precision="ieee")
-    N8 = tl.dot(N4, N4, input_precision="ieee")
-    X = tl.dot(eye - N, eye + N2, input_precision="ieee")
-    X = tl.dot(X, eye + N4, input_precision="ieee")
-    return tl.dot(X, eye + N8, input_precision="ieee")
-
-
-@triton.jit
 def _st_blk(ptr, blk, row0, r0, c0, nv, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    _st(ptr, blk, row0, r0, nv, i_h, c0, H, BT, BC, BC)
+    """``st`` of a ``BC x BC`` block (``kda_common.st_blk`` adds ``c0`` to the columns first: other SASS)."""
+    st(ptr, blk, row0, r0, nv, i_h, c0, H, BT, BC, BC)
 
 
 # ---------------------------------------------------------------- 1. prelude
@@ -167,32 +97,25 @@ def kda_bwd_prelude_kernel(q, k, g, beta, A_log, dt_bias, qn, kn, G, bn, cu_seql
                            H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr,
                            L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    row0, nv = _pos(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 64)
     rows = tl.arange(0, BT)
     m = rows < nv
-    bq = _ldf(q, row0, 0, nv, i_h, 0, H, K, BT, K)
-    bk = _ldf(k, row0, 0, nv, i_h, 0, H, K, BT, K)
+    bq = ldf(q, row0, 0, nv, i_h, 0, H, K, BT, K)
+    bk = ldf(k, row0, 0, nv, i_h, 0, H, K, BT, K)
     if L2NORM:
-        bq = bq * tl.rsqrt(tl.sum(bq * bq, 1) + 1e-6)[:, None]
-        bk = bk * tl.rsqrt(tl.sum(bk * bk, 1) + 1e-6)[:, None]
-    _st(qn, bq * scale, row0, 0, nv, i_h, 0, H, K, BT, K)
-    _st(kn, bk, row0, 0, nv, i_h, 0, H, K, BT, K)
-    bg = _ldf(g, row0, 0, nv, i_h, 0, H, K, BT, K)
-    if GATE == 2:
-        gate = bg
-    else:
-        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        x = bg + tl.load(dt_bias + i_h * K + tl.arange(0, K)).to(tl.float32)[None, :]
-        if GATE == 0:
-            gate = lb * tl.sigmoid(a_h * x)
-        else:
-            gate = -a_h * (tl.maximum(x, 0.) + tl.log(1. + tl.exp(-tl.abs(x))))
-    gate = tl.where(m[:, None], gate, 0.)
-    _st(G, tl.cumsum(gate, 0), row0, 0, nv, i_h, 0, H, K, BT, K)
-    bb = tl.load(beta + (row0 + rows).to(tl.int64) * H + i_h, mask=m, other=0.).to(tl.float32)
+        bq = l2norm_rows(bq)
+        bk = l2norm_rows(bk)
+    st(qn, bq * scale, row0, 0, nv, i_h, 0, H, K, BT, K)
+    st(kn, bk, row0, 0, nv, i_h, 0, H, K, BT, K)
+    bg = ldf(g, row0, 0, nv, i_h, 0, H, K, BT, K)
+    a_h = head_decay(A_log, i_h, GATE)
+    dtb = gate_bias(dt_bias, i_h, tl.arange(0, K), K, GATE)
+    gate = tl.where(m[:, None], gate_act(bg, dtb[None, :], a_h, lb, GATE, False), 0.)
+    st(G, tl.cumsum(gate, 0), row0, 0, nv, i_h, 0, H, K, BT, K)
+    bb = ld_vec(beta, row0, 0, nv, i_h, H, BT)
     if BETA_SIGMOID:
         bb = tl.sigmoid(bb)
-    tl.store(bn + (row0 + rows).to(tl.int64) * H + i_h, bb, mask=m)
+    st_vec(bn, bb, row0, 0, nv, i_h, H, BT)
 
 
 # ---------------------------------------------------------------- 2. prep: Akk, P, Ai, w, u, qg, kg
@@ -203,15 +126,15 @@ def _acc_tiles(qn, kn, G, row0, nv, i_h, c0, shift,
                H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                EXACT: tl.constexpr, PREC: tl.constexpr):
     """Add one K slice's contribution to the ten A and ten P tiles."""
-    Gl = _row(G, row0, tl.minimum(nv, BC * 4) - 1, nv, i_h, c0, H, K, BK)
-    k0 = _ldf(kn, row0, 0, nv, i_h, c0, H, K, BC, BK)
-    k1 = _ldf(kn, row0, BC, nv, i_h, c0, H, K, BC, BK)
-    k2 = _ldf(kn, row0, 2 * BC, nv, i_h, c0, H, K, BC, BK)
-    k3 = _ldf(kn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
-    q0 = _ldf(qn, row0, 0, nv, i_h, c0, H, K, BC, BK)
-    q1 = _ldf(qn, row0, BC, nv, i_h, c0, H, K, BC, BK)
-    q2 = _ldf(qn, row0, 2 * BC, nv, i_h, c0, H, K, BC, BK)
-    q3 = _ldf(qn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
+    Gl = ld_row(G, row0, tl.minimum(nv, BC * 4) - 1, nv, i_h, c0, H, K, BK)
+    k0 = ldf(kn, row0, 0, nv, i_h, c0, H, K, BC, BK)
+    k1 = ldf(kn, row0, BC, nv, i_h, c0, H, K, BC, BK)
+    k2 = ldf(kn, row0, 2 * BC, nv, i_h, c0, H, K, BC, BK)
+    k3 = ldf(kn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
+    q0 = ldf(qn, row0, 0, nv, i_h, c0, H, K, BC, BK)
+    q1 = ldf(qn, row0, BC, nv, i_h, c0, H, K, BC, BK)
+    q2 = ldf(qn, row0, 2 * BC, nv, i_h, c0, H, K, BC, BK)
+    q3 = ldf(qn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
     G0 = _ldG(G, row0, 0, nv, i_h, c0, Gl, H, K, BC, BK)
     G1 = _ldG(G, row0, BC, nv, i_h, c0, Gl, H, K, BC, BK)
     G2 = _ldG(G, row0, 2 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
@@ -253,27 +176,13 @@ def _acc_tiles(qn, kn, G, row0, nv, i_h, c0, shift,
     return A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, P00, P10, P11, P20, P21, P22, P30, P31, P32, P33
 
 
-@triton.jit
-def _wy_rows(ptr, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, r0, r1, r2, r3, row0, nv, i_h, c0,
-             H: tl.constexpr, D: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
-    """Store ``X @ [r0; r1; r2; r3]`` (X block lower triangular) as rows of ``ptr``."""
-    _st(ptr, tl.dot(X00, r0, input_precision=PREC), row0, 0, nv, i_h, c0, H, D, BC, BD)
-    _st(ptr, tl.dot(X10, r0, input_precision=PREC) + tl.dot(X11, r1, input_precision=PREC),
-        row0, BC, nv, i_h, c0, H, D, BC, BD)
-    _st(ptr, tl.dot(X20, r0, input_precision=PREC) + tl.dot(X21, r1, input_precision=PREC)
-        + tl.dot(X22, r2, input_precision=PREC), row0, 2 * BC, nv, i_h, c0, H, D, BC, BD)
-    _st(ptr, tl.dot(X30, r0, input_precision=PREC) + tl.dot(X31, r1, input_precision=PREC)
-        + tl.dot(X32, r2, input_precision=PREC) + tl.dot(X33, r3, input_precision=PREC),
-        row0, 3 * BC, nv, i_h, c0, H, D, BC, BD)
-
-
 @triton.jit(do_not_specialize=["T"])
 def kda_bwd_prep_kernel(qn, kn, G, bn, v, Ai, P, w, u, qg, kg, cu_seqlens, chunk_indices, T, shift,
                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr,
                         PREC: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    row0, nv = _pos(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 64)
     z = tl.zeros([BC, BC], dtype=tl.float32)
     A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = z, z, z, z, z, z, z, z, z, z
     P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = z, z, z, z, z, z, z, z, z, z
@@ -285,10 +194,10 @@ def kda_bwd_prep_kernel(qn, kn, G, bn, v, Ai, P, w, u, qg, kg, cu_seqlens, chunk
     rows = tl.arange(0, BC)
     strict = rows[:, None] > rows[None, :]
     incl = rows[:, None] >= rows[None, :]
-    b0 = _vec(bn, row0, 0, nv, i_h, H, BC)
-    b1 = _vec(bn, row0, BC, nv, i_h, H, BC)
-    b2 = _vec(bn, row0, 2 * BC, nv, i_h, H, BC)
-    b3 = _vec(bn, row0, 3 * BC, nv, i_h, H, BC)
+    b0 = ld_vec(bn, row0, 0, nv, i_h, H, BC)
+    b1 = ld_vec(bn, row0, BC, nv, i_h, H, BC)
+    b2 = ld_vec(bn, row0, 2 * BC, nv, i_h, H, BC)
+    b3 = ld_vec(bn, row0, 3 * BC, nv, i_h, H, BC)
     # P (causal, diagonal included)
     _st_blk(P, tl.where(incl, P00, 0.), row0, 0, 0, nv, i_h, H, BT, BC)
     _st_blk(P, z, row0, 0, BC, nv, i_h, H, BT, BC)
@@ -317,19 +226,8 @@ def kda_bwd_prep_kernel(qn, kn, G, bn, v, Ai, P, w, u, qg, kg, cu_seqlens, chunk
     A30 = A30 * b3[:, None]
     A31 = A31 * b3[:, None]
     A32 = A32 * b3[:, None]
-    X00 = _inv16(A00, BC)
-    X11 = _inv16(A11, BC)
-    X22 = _inv16(A22, BC)
-    X33 = _inv16(A33, BC)
-    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision="ieee"), input_precision="ieee")
-    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision="ieee"), input_precision="ieee")
-    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision="ieee") + tl.dot(A21, X10, input_precision="ieee"),
-                  input_precision="ieee")
-    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision="ieee"), input_precision="ieee")
-    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision="ieee") + tl.dot(A32, X21, input_precision="ieee"),
-                  input_precision="ieee")
-    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision="ieee") + tl.dot(A31, X10, input_precision="ieee")
-                  + tl.dot(A32, X20, input_precision="ieee"), input_precision="ieee")
+    X00, X10, X11, X20, X21, X22, X30, X31, X32, X33 = inv_blocks4(A00, A10, A11, A20, A21, A22, A30, A31, A32,
+                                                                   A33, BC, True, "ieee")
     _st_blk(Ai, X00, row0, 0, 0, nv, i_h, H, BT, BC)
     _st_blk(Ai, z, row0, 0, BC, nv, i_h, H, BT, BC)
     _st_blk(Ai, z, row0, 0, 2 * BC, nv, i_h, H, BT, BC)
@@ -348,34 +246,34 @@ def kda_bwd_prep_kernel(qn, kn, G, bn, v, Ai, P, w, u, qg, kg, cu_seqlens, chunk
     _st_blk(Ai, X33, row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
     # w = Ai (beta exp(G) k), qg = q exp(G), kg = k exp(G_C - G), per K slice; u = Ai (beta v)
     for c0 in range(0, K, BK):
-        Gl = _row(G, row0, tl.minimum(nv, BT) - 1, nv, i_h, c0, H, K, BK)
+        Gl = ld_row(G, row0, tl.minimum(nv, BT) - 1, nv, i_h, c0, H, K, BK)
         G0 = _ldG(G, row0, 0, nv, i_h, c0, Gl, H, K, BC, BK)
         G1 = _ldG(G, row0, BC, nv, i_h, c0, Gl, H, K, BC, BK)
         G2 = _ldG(G, row0, 2 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
         G3 = _ldG(G, row0, 3 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
-        k0 = _ldf(kn, row0, 0, nv, i_h, c0, H, K, BC, BK)
-        k1 = _ldf(kn, row0, BC, nv, i_h, c0, H, K, BC, BK)
-        k2 = _ldf(kn, row0, 2 * BC, nv, i_h, c0, H, K, BC, BK)
-        k3 = _ldf(kn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
-        _st(kg, k0 * tl.exp(Gl[None, :] - G0), row0, 0, nv, i_h, c0, H, K, BC, BK)
-        _st(kg, k1 * tl.exp(Gl[None, :] - G1), row0, BC, nv, i_h, c0, H, K, BC, BK)
-        _st(kg, k2 * tl.exp(Gl[None, :] - G2), row0, 2 * BC, nv, i_h, c0, H, K, BC, BK)
-        _st(kg, k3 * tl.exp(Gl[None, :] - G3), row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
-        _wy_rows(w, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33,
+        k0 = ldf(kn, row0, 0, nv, i_h, c0, H, K, BC, BK)
+        k1 = ldf(kn, row0, BC, nv, i_h, c0, H, K, BC, BK)
+        k2 = ldf(kn, row0, 2 * BC, nv, i_h, c0, H, K, BC, BK)
+        k3 = ldf(kn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
+        st(kg, k0 * tl.exp(Gl[None, :] - G0), row0, 0, nv, i_h, c0, H, K, BC, BK)
+        st(kg, k1 * tl.exp(Gl[None, :] - G1), row0, BC, nv, i_h, c0, H, K, BC, BK)
+        st(kg, k2 * tl.exp(Gl[None, :] - G2), row0, 2 * BC, nv, i_h, c0, H, K, BC, BK)
+        st(kg, k3 * tl.exp(Gl[None, :] - G3), row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
+        wy_rows(w, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33,
                  k0 * tl.exp(G0) * b0[:, None], k1 * tl.exp(G1) * b1[:, None],
                  k2 * tl.exp(G2) * b2[:, None], k3 * tl.exp(G3) * b3[:, None], row0, nv, i_h, c0, H, K, BC, BK, PREC)
-        _st(qg, _ldf(qn, row0, 0, nv, i_h, c0, H, K, BC, BK) * tl.exp(G0), row0, 0, nv, i_h, c0, H, K, BC, BK)
-        _st(qg, _ldf(qn, row0, BC, nv, i_h, c0, H, K, BC, BK) * tl.exp(G1), row0, BC, nv, i_h, c0, H, K, BC, BK)
-        _st(qg, _ldf(qn, row0, 2 * BC, nv, i_h, c0, H, K, BC, BK) * tl.exp(G2), row0, 2 * BC, nv, i_h, c0,
+        st(qg, ldf(qn, row0, 0, nv, i_h, c0, H, K, BC, BK) * tl.exp(G0), row0, 0, nv, i_h, c0, H, K, BC, BK)
+        st(qg, ldf(qn, row0, BC, nv, i_h, c0, H, K, BC, BK) * tl.exp(G1), row0, BC, nv, i_h, c0, H, K, BC, BK)
+        st(qg, ldf(qn, row0, 2 * BC, nv, i_h, c0, H, K, BC, BK) * tl.exp(G2), row0, 2 * BC, nv, i_h, c0,
             H, K, BC, BK)
-        _st(qg, _ldf(qn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK) * tl.exp(G3), row0, 3 * BC, nv, i_h, c0,
+        st(qg, ldf(qn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK) * tl.exp(G3), row0, 3 * BC, nv, i_h, c0,
             H, K, BC, BK)
     for c0 in range(0, V, BV):
-        _wy_rows(u, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33,
-                 _ldf(v, row0, 0, nv, i_h, c0, H, V, BC, BV) * b0[:, None],
-                 _ldf(v, row0, BC, nv, i_h, c0, H, V, BC, BV) * b1[:, None],
-                 _ldf(v, row0, 2 * BC, nv, i_h, c0, H, V, BC, BV) * b2[:, None],
-                 _ldf(v, row0, 3 * BC, nv, i_h, c0, H, V, BC, BV) * b3[:, None], row0, nv, i_h, c0, H, V, BC, BV, PREC)
+        wy_rows(u, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33,
+                 ldf(v, row0, 0, nv, i_h, c0, H, V, BC, BV) * b0[:, None],
+                 ldf(v, row0, BC, nv, i_h, c0, H, V, BC, BV) * b1[:, None],
+                 ldf(v, row0, 2 * BC, nv, i_h, c0, H, V, BC, BV) * b2[:, None],
+                 ldf(v, row0, 3 * BC, nv, i_h, c0, H, V, BC, BV) * b3[:, None], row0, nv, i_h, c0, H, V, BC, BV, PREC)
 
 
 # ---------------------------------------------------------------- 3. forward states per chunk
@@ -385,7 +283,7 @@ def kda_bwd_fwd_h_kernel(w, u, kg, G, h, vn, h0, cu_seqlens, chunk_offsets, T,
                          USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, T_seq, c0 = _seq(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    bos, T_seq, c0 = seq_locate(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN, 64)
     NT = tl.cdiv(T_seq, BT)
     offs_k = tl.arange(0, K)
     v0 = i_v * BV
@@ -398,12 +296,12 @@ def kda_bwd_fwd_h_kernel(w, u, kg, G, h, vn, h0, cu_seqlens, chunk_offsets, T,
         row0 = bos + i_t * BT
         nv = T_seq - i_t * BT
         tl.store(h + ((c0 + i_t) * H + i_h) * K * V + p_s, S.to(h.dtype.element_ty))
-        b_w = _ld(w, row0, 0, nv, i_h, 0, H, K, BT, K)
-        b_u = _ldf(u, row0, 0, nv, i_h, v0, H, V, BT, BV)
+        b_w = ld(w, row0, 0, nv, i_h, 0, H, K, BT, K)
+        b_u = ldf(u, row0, 0, nv, i_h, v0, H, V, BT, BV)
         vnew = b_u - tl.dot(b_w, S.to(b_w.dtype), input_precision=PREC)
-        _st(vn, vnew, row0, 0, nv, i_h, v0, H, V, BT, BV)
-        b_kgT = _ldT(kg, row0, 0, nv, i_h, 0, H, K, BT, K)
-        gc = tl.exp(_row(G, row0, tl.minimum(nv, BT) - 1, nv, i_h, 0, H, K, K))
+        st(vn, vnew, row0, 0, nv, i_h, v0, H, V, BT, BV)
+        b_kgT = ldT(kg, row0, 0, nv, i_h, 0, H, K, BT, K)
+        gc = tl.exp(ld_row(G, row0, tl.minimum(nv, BT) - 1, nv, i_h, 0, H, K, K))
         S = S * gc[:, None] + tl.dot(b_kgT, vnew.to(b_kgT.dtype), input_precision=PREC)
 
 
@@ -415,7 +313,7 @@ def kda_bwd_dh_kernel(qg, kg, w, P, G, do, dh, dvn, dht, dh0, cu_seqlens, chunk_
                       PREC: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, T_seq, c0 = _seq(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    bos, T_seq, c0 = seq_locate(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN, 64)
     NT = tl.cdiv(T_seq, BT)
     offs_k = tl.arange(0, K)
     v0 = i_v * BV
@@ -429,15 +327,15 @@ def kda_bwd_dh_kernel(qg, kg, w, P, G, do, dh, dvn, dht, dh0, cu_seqlens, chunk_
         row0 = bos + i_t * BT
         nv = T_seq - i_t * BT
         tl.store(dh + ((c0 + i_t) * H + i_h) * K * V + p_s, dS.to(dh.dtype.element_ty))
-        b_do = _ld(do, row0, 0, nv, i_h, v0, H, V, BT, BV)
-        b_PT = _ldT(P, row0, 0, nv, i_h, 0, H, BT, BT, BT)
-        b_kg = _ld(kg, row0, 0, nv, i_h, 0, H, K, BT, K)
+        b_do = ld(do, row0, 0, nv, i_h, v0, H, V, BT, BV)
+        b_PT = ldT(P, row0, 0, nv, i_h, 0, H, BT, BT, BT)
+        b_kg = ld(kg, row0, 0, nv, i_h, 0, H, K, BT, K)
         dv = tl.dot(b_PT.to(b_do.dtype), b_do, input_precision=PREC)
         dv += tl.dot(b_kg, dS.to(b_kg.dtype), input_precision=PREC)
-        _st(dvn, dv, row0, 0, nv, i_h, v0, H, V, BT, BV)
-        b_qgT = _ldT(qg, row0, 0, nv, i_h, 0, H, K, BT, K)
-        b_wT = _ldT(w, row0, 0, nv, i_h, 0, H, K, BT, K)
-        gc = tl.exp(_row(G, row0, tl.minimum(nv, BT) - 1, nv, i_h, 0, H, K, K))
+        st(dvn, dv, row0, 0, nv, i_h, v0, H, V, BT, BV)
+        b_qgT = ldT(qg, row0, 0, nv, i_h, 0, H, K, BT, K)
+        b_wT = ldT(w, row0, 0, nv, i_h, 0, H, K, BT, K)
+        gc = tl.exp(ld_row(G, row0, tl.minimum(nv, BT) - 1, nv, i_h, 0, H, K, K))
         dS = dS * gc[:, None] + tl.dot(b_qgT, b_do.to(b_qgT.dtype), input_precision=PREC) \
             - tl.dot(b_wT, dv.to(b_wT.dtype), input_precision=PREC)
     if STORE_DH0:
@@ -451,12 +349,12 @@ def kda_bwd_wy_kernel(qn, kn, G, bn, v, vn, Ai, h, dh, do, dvn, dq, dk, dG, dv, 
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    row0, nv = _pos(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 64)
     rows = tl.arange(0, BT)
     m = rows < nv
     DT = vn.dtype.element_ty
-    b = _vec(bn, row0, 0, nv, i_h, H, BT)
-    b_Ai = _ld(Ai, row0, 0, nv, i_h, 0, H, BT, BT, BT).to(DT)
+    b = ld_vec(bn, row0, 0, nv, i_h, H, BT)
+    b_Ai = ld(Ai, row0, 0, nv, i_h, 0, H, BT, BT, BT).to(DT)
     b_AiT = tl.trans(b_Ai)
     # dAi = dv' ((I+Akk) v')^T (from u = Ai beta v and w = Ai beta exp(G) k with v' = u - w S), so
     # dAkk = -(Ai^T dAi Ai^T) = -(Ai^T dv') v'^T, strictly lower: accumulated per value block like dP
@@ -464,19 +362,19 @@ def kda_bwd_wy_kernel(qn, kn, G, bn, v, vn, Ai, h, dh, do, dvn, dq, dk, dG, dv, 
     dL = tl.zeros([BT, BT], dtype=tl.float32)
     dbeta = tl.zeros([BT], dtype=tl.float32)
     for v0 in range(0, V, BV):
-        b_do = _ld(do, row0, 0, nv, i_h, v0, H, V, BT, BV).to(DT)
-        b_vn = _ld(vn, row0, 0, nv, i_h, v0, H, V, BT, BV)
-        b_dvn = _ld(dvn, row0, 0, nv, i_h, v0, H, V, BT, BV).to(DT)
-        b_v = _ldf(v, row0, 0, nv, i_h, v0, H, V, BT, BV)
+        b_do = ld(do, row0, 0, nv, i_h, v0, H, V, BT, BV).to(DT)
+        b_vn = ld(vn, row0, 0, nv, i_h, v0, H, V, BT, BV)
+        b_dvn = ld(dvn, row0, 0, nv, i_h, v0, H, V, BT, BV).to(DT)
+        b_v = ldf(v, row0, 0, nv, i_h, v0, H, V, BT, BV)
         dP += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
         dvb = tl.dot(b_AiT, b_dvn, input_precision=PREC)
-        _st(dv, dvb * b[:, None], row0, 0, nv, i_h, v0, H, V, BT, BV)
+        st(dv, dvb * b[:, None], row0, 0, nv, i_h, v0, H, V, BT, BV)
         dbeta += tl.sum(dvb * b_v, 1)
         dL -= tl.dot(dvb.to(DT), tl.trans(b_vn), input_precision=PREC)
     dP = tl.where((rows[:, None] >= rows[None, :]) & m[:, None] & m[None, :], dP, 0.)
-    _st(dAq, dP, row0, 0, nv, i_h, 0, H, BT, BT, BT)
+    st(dAq, dP, row0, 0, nv, i_h, 0, H, BT, BT, BT)
     dL = tl.where((rows[:, None] > rows[None, :]) & m[:, None] & m[None, :], dL, 0.)
-    _st(dAk, dL, row0, 0, nv, i_h, 0, H, BT, BT, BT)
+    st(dAk, dL, row0, 0, nv, i_h, 0, H, BT, BT, BT)
     last = tl.minimum(nv, BT) - 1
     p_h = h + (i_c.to(tl.int64) * H + i_h) * K * V
     p_dh = dh + (i_c.to(tl.int64) * H + i_h) * K * V
@@ -489,27 +387,27 @@ def kda_bwd_wy_kernel(qn, kn, G, bn, v, vn, Ai, h, dh, do, dvn, dq, dk, dG, dv, 
             p_s = (k0 + tl.arange(0, BK))[:, None] * V + v0 + tl.arange(0, BV)[None, :]
             b_h = tl.load(p_h + p_s).to(DT)
             b_dh = tl.load(p_dh + p_s).to(DT)
-            b_do = _ld(do, row0, 0, nv, i_h, v0, H, V, BT, BV).to(DT)
-            b_vn = _ld(vn, row0, 0, nv, i_h, v0, H, V, BT, BV)
-            b_dvn = _ld(dvn, row0, 0, nv, i_h, v0, H, V, BT, BV).to(DT)
+            b_do = ld(do, row0, 0, nv, i_h, v0, H, V, BT, BV).to(DT)
+            b_vn = ld(vn, row0, 0, nv, i_h, v0, H, V, BT, BV)
+            b_dvn = ld(dvn, row0, 0, nv, i_h, v0, H, V, BT, BV).to(DT)
             dqg += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
             dkg += tl.dot(b_vn, tl.trans(b_dh), input_precision=PREC)
             dW -= tl.dot(b_dvn, tl.trans(b_h), input_precision=PREC)
             dgc += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
-        Gl = _row(G, row0, last, nv, i_h, k0, H, K, BK)
+        Gl = ld_row(G, row0, last, nv, i_h, k0, H, K, BK)
         b_G = _ldG(G, row0, 0, nv, i_h, k0, Gl, H, K, BT, BK)
-        b_k = _ldf(kn, row0, 0, nv, i_h, k0, H, K, BT, BK)
+        b_k = ldf(kn, row0, 0, nv, i_h, k0, H, K, BT, BK)
         eG = tl.exp(b_G)
         eC = tl.exp(Gl[None, :] - b_G)
         kb = b_k * eG * b[:, None]
         dkb = tl.dot(b_AiT, dW.to(DT), input_precision=PREC)
-        b_q = _ldf(qn, row0, 0, nv, i_h, k0, H, K, BT, BK)
+        b_q = ldf(qn, row0, 0, nv, i_h, k0, H, K, BT, BK)
         kgv = b_k * eC
         b_dG = dqg * b_q * eG - dkg * kgv + dkb * kb
         dGC = tl.sum(dkg * kgv, 0) + dgc * tl.exp(Gl)
         b_dG += tl.where(rows[:, None] == last, dGC[None, :], 0.)
         dbeta += tl.sum(dkb * b_k * eG, 1)
-        _st(dq, dqg * eG, row0, 0, nv, i_h, k0, H, K, BT, BK)
-        _st(dk, dkg * eC + dkb * b[:, None] * eG, row0, 0, nv, i_h, k0, H, K, BT, BK)
-        _st(dG, b_dG, row0, 0, nv, i_h, k0, H, K, BT, BK)
+        st(dq, dqg * eG, row0, 0, nv, i_h, k0, H, K, BT, BK)
+        st(dk, dkg * eC + dkb * b[:, None] * eG, row0, 0, nv, i_h, k0, H, K, BT, BK)
+        st(dG, b_dG, row0, 0, nv, i_h, k0, H, K, BT, BK)
     tl.store(db + (row0 + rows).to(tl.int64) * H + i_h, dbeta, mask=m)

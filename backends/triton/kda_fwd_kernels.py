@@ -29,19 +29,19 @@ import triton
 import triton.language as tl
 
 from . import kda_kernels as kk
-
-
-@triton.jit
-def _gate(bg, dtb, a_h, lb, GATE: tl.constexpr):
-    """Log-decay (SPEC.md 3.4) of a raw pre-activation tile."""
-    if GATE == 0:
-        out = lb * tl.sigmoid(a_h * (bg + dtb[None, :]))
-    elif GATE == 1:
-        x = bg + dtb[None, :]
-        out = -a_h * (tl.maximum(x, 0.) + tl.log(1. + tl.exp(-tl.abs(x))))
-    else:
-        out = bg
-    return out
+from .kda_common import (
+    beta_rows,
+    chunk_rows,
+    gate_act,
+    gate_bias,
+    gate_head,
+    head_decay,
+    inv_blocks4,
+    ldf_blk,
+    rnorm,
+    st_blk,
+    st_vec,
+)
 
 
 @triton.jit
@@ -54,7 +54,7 @@ def _slice(q, k, g, row0, r0, nv, i_h, offs, a_h, dtb, lb,
     bq = tl.load(q + off, mask=m[:, None], other=0.).to(tl.float32)
     bk = tl.load(k + off, mask=m[:, None], other=0.).to(tl.float32)
     bg = tl.load(g + off, mask=m[:, None], other=0.).to(tl.float32)
-    gt = tl.where(m[:, None], _gate(bg, dtb, a_h, lb, GATE), 0.)
+    gt = tl.where(m[:, None], gate_act(bg, dtb[None, :], a_h, lb, GATE, False), 0.)
     return bq, bk, gt
 
 
@@ -153,57 +153,6 @@ def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv,
     return accA, accP, accD, accQ, qI * qI, kI * kI
 
 
-@triton.jit
-def _inv16(N, BC: tl.constexpr, INV_DOTS: tl.constexpr, IP: tl.constexpr):
-    """``(I + N)^-1`` for a strictly lower 16x16 ``N``: Neumann product on dots, or substitution."""
-    rows = tl.arange(0, BC)
-    eye = tl.where(rows[:, None] == rows[None, :], 1., 0.)
-    if INV_DOTS:
-        N2 = tl.dot(N, N, input_precision=IP)
-        N4 = tl.dot(N2, N2, input_precision=IP)
-        N8 = tl.dot(N4, N4, input_precision=IP)
-        X = tl.dot(eye - N, eye + N2, input_precision=IP)
-        X = tl.dot(X, eye + N4, input_precision=IP)
-        X = tl.dot(X, eye + N8, input_precision=IP)
-    else:
-        X = eye
-        for i in range(1, BC):
-            n_i = tl.sum(tl.where(rows[:, None] == i, N, 0.), 0)
-            x_i = tl.sum(n_i[:, None] * X, 0)
-            X = tl.where(rows[:, None] == i, X - x_i[None, :], X)
-    return X
-
-
-@triton.jit
-def _st(ptr, blk, row0, r0, c0, nv, i_h, H: tl.constexpr, W: tl.constexpr, BC: tl.constexpr):
-    rows = r0 + tl.arange(0, BC)
-    cols = c0 + tl.arange(0, BC)
-    off = (row0 + rows).to(tl.int64)[:, None] * (H * W) + i_h * W + cols[None, :]
-    tl.store(ptr + off, blk.to(ptr.dtype.element_ty), mask=(rows < nv)[:, None])
-
-
-@triton.jit
-def _st_vec(ptr, x, row0, r0, nv, i_h, H: tl.constexpr, BC: tl.constexpr):
-    rows = r0 + tl.arange(0, BC)
-    tl.store(ptr + (row0 + rows).to(tl.int64) * H + i_h, x, mask=rows < nv)
-
-
-@triton.jit
-def _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        NT = tl.cdiv(T, BT)
-        i_n = i_c // NT
-        i_t = i_c % NT
-        bos = (i_n * T).to(tl.int64)
-        T_seq = T
-    return bos + i_t * BT, T_seq - i_t * BT
-
-
 @triton.jit(do_not_specialize=["T"])
 def kda_gcum_kernel(g, A_log, dt_bias, Gbuf, gC, cu_seqlens, chunk_indices, T, lb,
                     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
@@ -211,19 +160,14 @@ def kda_gcum_kernel(g, A_log, dt_bias, Gbuf, gC, cu_seqlens, chunk_indices, T, l
     """Gate (SPEC.md 3.4) and its cumulative sum inside the chunk, once: ``Gbuf`` (fp32 ``[B,T,H,K]``, valid
     rows only) and ``gC = exp(G_C)`` (fp32 ``[chunks,H,K]``). One program per chunk, head and K slice."""
     i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row0, nv = _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT, IS_VARLEN)
+    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
     rows = tl.arange(0, BT)
     m = rows < nv
     offs = i_k * BK + tl.arange(0, BK)
-    if GATE == 2:
-        a_h = 1.0
-        dtb = tl.zeros([BK], dtype=tl.float32)
-    else:
-        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        dtb = tl.load(dt_bias + i_h * K + offs).to(tl.float32)
+    a_h, dtb = gate_head(A_log, dt_bias, i_h, offs, K, GATE)
     off = (row0 + rows).to(tl.int64)[:, None] * (H * K) + i_h * K + offs[None, :]
     bg = tl.load(g + off, mask=m[:, None], other=0.).to(tl.float32)
-    gt = tl.where(m[:, None], _gate(bg, dtb, a_h, lb, GATE), 0.)
+    gt = tl.where(m[:, None], gate_act(bg, dtb[None, :], a_h, lb, GATE, False), 0.)
     tl.store(Gbuf + off, tl.cumsum(gt, 0), mask=m[:, None])
     tl.store(gC + (i_c * H + i_h).to(tl.int64) * K + offs, tl.exp(tl.sum(gt, 0)))
 
@@ -265,23 +209,6 @@ def _st_strip(Aqk, Ascr, P, A, D, Q, rqI, rkI, bI, rk_all, row0, nv, i_h,
 
 
 @triton.jit
-def _ld(ptr, row0, r0, c0, nv, i_h, H: tl.constexpr, W: tl.constexpr, BC: tl.constexpr):
-    rows = r0 + tl.arange(0, BC)
-    cols = c0 + tl.arange(0, BC)
-    off = (row0 + rows).to(tl.int64)[:, None] * (H * W) + i_h * W + cols[None, :]
-    return tl.load(ptr + off, mask=(rows < nv)[:, None], other=0.).to(tl.float32)
-
-
-@triton.jit
-def _beta(beta, row0, r0, nv, i_h, H: tl.constexpr, BC: tl.constexpr, BETA_SIGMOID: tl.constexpr):
-    rows = r0 + tl.arange(0, BC)
-    b = tl.load(beta + (row0 + rows).to(tl.int64) * H + i_h, mask=rows < nv, other=0.).to(tl.float32)
-    if BETA_SIGMOID:
-        b = tl.sigmoid(b)
-    return tl.where(rows < nv, b, 0.)
-
-
-@triton.jit
 def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale,
              I: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
              BK: tl.constexpr, GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
@@ -302,10 +229,7 @@ def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h
     sk_all = tl.zeros([BT, BK], dtype=tl.float32)
     for c0 in range(0, K, BK):
         offs = c0 + tl.arange(0, BK)
-        if GATE == 2:
-            dtb = tl.zeros([BK], dtype=tl.float32)
-        else:
-            dtb = tl.load(dt_bias + i_h * K + offs).to(tl.float32)
+        dtb = gate_bias(dt_bias, i_h, offs, K, GATE)
         off = roff[:, None] * (H * K) + i_h * K + offs[None, :]
         kA = tl.load(k + off, mask=m[:, None], other=0.).to(tl.float32)
         if I == 0:      # the norms of all the chunk's k rows: once, in strip 0 (later strips load rk)
@@ -322,7 +246,7 @@ def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h
                 GeI = GsI
         else:
             bg = tl.load(g + off, mask=m[:, None], other=0.).to(tl.float32)
-            gA = tl.where(m[:, None], _gate(bg, dtb, a_h, lb, GATE), 0.)
+            gA = tl.where(m[:, None], gate_act(bg, dtb[None, :], a_h, lb, GATE, False), 0.)
             G_all = tl.cumsum(gA, 0)
             GsI = tl.sum(tl.where(blk[:, None] < I, gA, 0.), 0)
             GeI = tl.sum(tl.where(blk[:, None] < I + 1, gA, 0.), 0)
@@ -332,20 +256,20 @@ def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h
         sq += a
         sk += b
     if L2NORM:
-        rqI = tl.rsqrt(tl.sum(sq, 1) + 1e-6) * scale
-        rkI = tl.rsqrt(tl.sum(sk, 1) + 1e-6)
+        rqI = rnorm(tl.sum(sq, 1)) * scale
+        rkI = rnorm(tl.sum(sk, 1))
         if I == 0:
-            rk_all = tl.rsqrt(tl.sum(sk_all, 1) + 1e-6)
+            rk_all = rnorm(tl.sum(sk_all, 1))
         else:           # strip 0 stored it; a CTA barrier separates the strips (kda_akk_kernel)
             rk_all = tl.load(rk + roff * H + i_h, mask=m, other=0.)
     else:
         rqI = tl.zeros([BC], dtype=tl.float32) + scale
         rkI = tl.zeros([BC], dtype=tl.float32) + 1.
         rk_all = tl.zeros([BT], dtype=tl.float32) + 1.
-    _st_vec(rq, rqI, row0, I * BC, nv, i_h, H, BC)
+    st_vec(rq, rqI, row0, I * BC, nv, i_h, H, BC)
     if I == 0:
         tl.store(rk + roff * H + i_h, rk_all, mask=m)
-    bI = _beta(beta, row0, I * BC, nv, i_h, H, BC, BETA_SIGMOID)
+    bI = beta_rows(beta, row0, I * BC, nv, i_h, H, BC, BETA_SIGMOID)
     _st_strip(Aqk, Ascr, accP, accA, accD, accQ, rqI, rkI, bI, rk_all, row0, nv, i_h, I, H, BT, BC, EXACT)
     return bI
 
@@ -370,10 +294,7 @@ def _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h,
     sk_all = tl.zeros([BT, BK], dtype=tl.float32)
     for c0 in range(0, K, BK):
         offs = c0 + tl.arange(0, BK)
-        if GATE == 2:
-            dtb = tl.zeros([BK], dtype=tl.float32)
-        else:
-            dtb = tl.load(dt_bias + i_h * K + offs).to(tl.float32)
+        dtb = gate_bias(dt_bias, i_h, offs, K, GATE)
         off = roff[:, None] * (H * K) + i_h * K + offs[None, :]
         kA = tl.load(k + off, mask=m[:, None], other=0.).to(tl.float32)
         sk_all += kA * kA
@@ -385,7 +306,7 @@ def _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h,
             Gs4 = _grow(Gbuf, row0, tl.minimum(nv, 4 * BC) - 1, i_h, offs, H, K)
         else:
             bg = tl.load(g + off, mask=m[:, None], other=0.).to(tl.float32)
-            gA = tl.where(m[:, None], _gate(bg, dtb, a_h, lb, GATE), 0.)
+            gA = tl.where(m[:, None], gate_act(bg, dtb[None, :], a_h, lb, GATE, False), 0.)
             G_all = tl.cumsum(gA, 0)
             Gs1 = tl.sum(tl.where(blk[:, None] < 1, gA, 0.), 0)
             Gs2 = tl.sum(tl.where(blk[:, None] < 2, gA, 0.), 0)
@@ -412,24 +333,24 @@ def _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h,
     # ---- row scales: L2 norms (eps 1e-6), q scale, beta
     zr = tl.zeros([BC], dtype=tl.float32)
     if L2NORM:
-        rq0, rq1 = tl.rsqrt(tl.sum(sq0, 1) + 1e-6) * scale, tl.rsqrt(tl.sum(sq1, 1) + 1e-6) * scale
-        rq2, rq3 = tl.rsqrt(tl.sum(sq2, 1) + 1e-6) * scale, tl.rsqrt(tl.sum(sq3, 1) + 1e-6) * scale
-        rk0, rk1 = tl.rsqrt(tl.sum(sk0, 1) + 1e-6), tl.rsqrt(tl.sum(sk1, 1) + 1e-6)
-        rk2, rk3 = tl.rsqrt(tl.sum(sk2, 1) + 1e-6), tl.rsqrt(tl.sum(sk3, 1) + 1e-6)
-        rk_all = tl.rsqrt(tl.sum(sk_all, 1) + 1e-6)
+        rq0, rq1 = rnorm(tl.sum(sq0, 1)) * scale, rnorm(tl.sum(sq1, 1)) * scale
+        rq2, rq3 = rnorm(tl.sum(sq2, 1)) * scale, rnorm(tl.sum(sq3, 1)) * scale
+        rk0, rk1 = rnorm(tl.sum(sk0, 1)), rnorm(tl.sum(sk1, 1))
+        rk2, rk3 = rnorm(tl.sum(sk2, 1)), rnorm(tl.sum(sk3, 1))
+        rk_all = rnorm(tl.sum(sk_all, 1))
     else:
         rq0, rq1, rq2, rq3 = zr + scale, zr + scale, zr + scale, zr + scale
         rk0, rk1, rk2, rk3 = zr + 1., zr + 1., zr + 1., zr + 1.
         rk_all = tl.zeros([BT], dtype=tl.float32) + 1.
-    _st_vec(rq, rq0, row0, 0, nv, i_h, H, BC)
-    _st_vec(rq, rq1, row0, BC, nv, i_h, H, BC)
-    _st_vec(rq, rq2, row0, 2 * BC, nv, i_h, H, BC)
-    _st_vec(rq, rq3, row0, 3 * BC, nv, i_h, H, BC)
+    st_vec(rq, rq0, row0, 0, nv, i_h, H, BC)
+    st_vec(rq, rq1, row0, BC, nv, i_h, H, BC)
+    st_vec(rq, rq2, row0, 2 * BC, nv, i_h, H, BC)
+    st_vec(rq, rq3, row0, 3 * BC, nv, i_h, H, BC)
     tl.store(rk + roff * H + i_h, rk_all, mask=m)
-    b0 = _beta(beta, row0, 0, nv, i_h, H, BC, BETA_SIGMOID)
-    b1 = _beta(beta, row0, BC, nv, i_h, H, BC, BETA_SIGMOID)
-    b2 = _beta(beta, row0, 2 * BC, nv, i_h, H, BC, BETA_SIGMOID)
-    b3 = _beta(beta, row0, 3 * BC, nv, i_h, H, BC, BETA_SIGMOID)
+    b0 = beta_rows(beta, row0, 0, nv, i_h, H, BC, BETA_SIGMOID)
+    b1 = beta_rows(beta, row0, BC, nv, i_h, H, BC, BETA_SIGMOID)
+    b2 = beta_rows(beta, row0, 2 * BC, nv, i_h, H, BC, BETA_SIGMOID)
+    b3 = beta_rows(beta, row0, 3 * BC, nv, i_h, H, BC, BETA_SIGMOID)
 
     # ---- P to Aqk, A to the scratch; then (I + A)^-1 by blocks from there
     _st_strip(Aqk, Ascr, P0, A0, D0, Q0, rq0, rk0, b0, rk_all, row0, nv, i_h, 0, H, BT, BC, EXACT)
@@ -444,41 +365,30 @@ def _inverse(Ascr, Xb, b0, b1, b2, b3, row0, nv, i_h, H: tl.constexpr, BT: tl.co
              INV_DOTS: tl.constexpr, IP: tl.constexpr):
     """``Xb = (I + A)^-1 diag(beta)`` (lower 16x16 blocks) from the strictly lower ``A`` in ``Ascr``: the four
     diagonal blocks inverted (Neumann dots or substitution), the six others by block substitution."""
-    A00 = _ld(Ascr, row0, 0, 0, nv, i_h, H, BT, BC)
-    A10 = _ld(Ascr, row0, BC, 0, nv, i_h, H, BT, BC)
-    A11 = _ld(Ascr, row0, BC, BC, nv, i_h, H, BT, BC)
-    A20 = _ld(Ascr, row0, 2 * BC, 0, nv, i_h, H, BT, BC)
-    A21 = _ld(Ascr, row0, 2 * BC, BC, nv, i_h, H, BT, BC)
-    A22 = _ld(Ascr, row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC)
-    A30 = _ld(Ascr, row0, 3 * BC, 0, nv, i_h, H, BT, BC)
-    A31 = _ld(Ascr, row0, 3 * BC, BC, nv, i_h, H, BT, BC)
-    A32 = _ld(Ascr, row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
-    A33 = _ld(Ascr, row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
+    A00 = ldf_blk(Ascr, row0, 0, 0, nv, i_h, H, BT, BC)
+    A10 = ldf_blk(Ascr, row0, BC, 0, nv, i_h, H, BT, BC)
+    A11 = ldf_blk(Ascr, row0, BC, BC, nv, i_h, H, BT, BC)
+    A20 = ldf_blk(Ascr, row0, 2 * BC, 0, nv, i_h, H, BT, BC)
+    A21 = ldf_blk(Ascr, row0, 2 * BC, BC, nv, i_h, H, BT, BC)
+    A22 = ldf_blk(Ascr, row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC)
+    A30 = ldf_blk(Ascr, row0, 3 * BC, 0, nv, i_h, H, BT, BC)
+    A31 = ldf_blk(Ascr, row0, 3 * BC, BC, nv, i_h, H, BT, BC)
+    A32 = ldf_blk(Ascr, row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
+    A33 = ldf_blk(Ascr, row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
     tl.debug_barrier()
-    X00 = _inv16(A00, BC, INV_DOTS, IP)
-    X11 = _inv16(A11, BC, INV_DOTS, IP)
-    X22 = _inv16(A22, BC, INV_DOTS, IP)
-    X33 = _inv16(A33, BC, INV_DOTS, IP)
-    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision=IP), input_precision=IP)
-    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision=IP), input_precision=IP)
-    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision=IP) + tl.dot(A21, X10, input_precision=IP),
-                  input_precision=IP)
-    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision=IP), input_precision=IP)
-    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision=IP) + tl.dot(A32, X21, input_precision=IP),
-                  input_precision=IP)
-    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision=IP) + tl.dot(A31, X10, input_precision=IP)
-                  + tl.dot(A32, X20, input_precision=IP), input_precision=IP)
+    X00, X10, X11, X20, X21, X22, X30, X31, X32, X33 = inv_blocks4(A00, A10, A11, A20, A21, A22, A30, A31, A32,
+                                                                   A33, BC, INV_DOTS, IP)
     # ---- Xb = X diag(beta): lower blocks only (the reader masks the rest)
-    _st(Xb, X00 * b0[None, :], row0, 0, 0, nv, i_h, H, BT, BC)
-    _st(Xb, X10 * b0[None, :], row0, BC, 0, nv, i_h, H, BT, BC)
-    _st(Xb, X11 * b1[None, :], row0, BC, BC, nv, i_h, H, BT, BC)
-    _st(Xb, X20 * b0[None, :], row0, 2 * BC, 0, nv, i_h, H, BT, BC)
-    _st(Xb, X21 * b1[None, :], row0, 2 * BC, BC, nv, i_h, H, BT, BC)
-    _st(Xb, X22 * b2[None, :], row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC)
-    _st(Xb, X30 * b0[None, :], row0, 3 * BC, 0, nv, i_h, H, BT, BC)
-    _st(Xb, X31 * b1[None, :], row0, 3 * BC, BC, nv, i_h, H, BT, BC)
-    _st(Xb, X32 * b2[None, :], row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
-    _st(Xb, X33 * b3[None, :], row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
+    st_blk(Xb, X00 * b0[None, :], row0, 0, 0, nv, i_h, H, BT, BC)
+    st_blk(Xb, X10 * b0[None, :], row0, BC, 0, nv, i_h, H, BT, BC)
+    st_blk(Xb, X11 * b1[None, :], row0, BC, BC, nv, i_h, H, BT, BC)
+    st_blk(Xb, X20 * b0[None, :], row0, 2 * BC, 0, nv, i_h, H, BT, BC)
+    st_blk(Xb, X21 * b1[None, :], row0, 2 * BC, BC, nv, i_h, H, BT, BC)
+    st_blk(Xb, X22 * b2[None, :], row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC)
+    st_blk(Xb, X30 * b0[None, :], row0, 3 * BC, 0, nv, i_h, H, BT, BC)
+    st_blk(Xb, X31 * b1[None, :], row0, 3 * BC, BC, nv, i_h, H, BT, BC)
+    st_blk(Xb, X32 * b2[None, :], row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
+    st_blk(Xb, X33 * b3[None, :], row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -490,11 +400,8 @@ def kda_akk_kernel(q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, c
                    INV_DOTS: tl.constexpr, IP: tl.constexpr, STRIP_OUTER: tl.constexpr, GPRE: tl.constexpr,
                    INV_SPLIT: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    row0, nv = _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT, IS_VARLEN)
-    if GATE == 2:
-        a_h = 1.0
-    else:
-        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
+    a_h = head_decay(A_log, i_h, GATE)
     if STRIP_OUTER:
         b0 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 0,
                       H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
@@ -522,11 +429,11 @@ def kda_inv_kernel(beta, Ascr, Xb, cu_seqlens, chunk_indices, T,
     launch of its own with few warps (``TUNING["inv"] = "split"``): the 40 small fp32 dots need no CTA-wide
     barriers at one warp."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    row0, nv = _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT, IS_VARLEN)
-    b0 = _beta(beta, row0, 0, nv, i_h, H, BC, BETA_SIGMOID)
-    b1 = _beta(beta, row0, BC, nv, i_h, H, BC, BETA_SIGMOID)
-    b2 = _beta(beta, row0, 2 * BC, nv, i_h, H, BC, BETA_SIGMOID)
-    b3 = _beta(beta, row0, 3 * BC, nv, i_h, H, BC, BETA_SIGMOID)
+    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
+    b0 = beta_rows(beta, row0, 0, nv, i_h, H, BC, BETA_SIGMOID)
+    b1 = beta_rows(beta, row0, BC, nv, i_h, H, BC, BETA_SIGMOID)
+    b2 = beta_rows(beta, row0, 2 * BC, nv, i_h, H, BC, BETA_SIGMOID)
+    b3 = beta_rows(beta, row0, 3 * BC, nv, i_h, H, BC, BETA_SIGMOID)
     _inverse(Ascr, Xb, b0, b1, b2, b3, row0, nv, i_h, H, BT, BC, INV_DOTS, IP)
 
 
@@ -537,11 +444,8 @@ def kda_wu_kernel(q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, Gbuf
                   BV: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
                   DOT_F32: tl.constexpr, GPRE: tl.constexpr, PREFETCH: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    row0, nv = _chunk_pos(cu_seqlens, chunk_indices, i_c, T, BT, IS_VARLEN)
-    if GATE == 2:
-        a_h = 1.0
-    else:
-        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
+    a_h = head_decay(A_log, i_h, GATE)
     rows = tl.arange(0, BT)
     m = rows < nv
     roff = (row0 + rows).to(tl.int64)
@@ -557,10 +461,7 @@ def kda_wu_kernel(q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, Gbuf
         return
     for c0 in range(0, K, BK):
         offs = c0 + tl.arange(0, BK)
-        if GATE == 2:
-            dtb = tl.zeros([BK], dtype=tl.float32)
-        else:
-            dtb = tl.load(dt_bias + i_h * K + offs).to(tl.float32)
+        dtb = gate_bias(dt_bias, i_h, offs, K, GATE)
         off = roff[:, None] * (H * K) + i_h * K + offs[None, :]
         bk = tl.load(k + off, mask=m[:, None], other=0.).to(tl.float32) * b_rk[:, None]
         if GPRE:      # G and exp(G_C) from kda_gcum_kernel
@@ -568,7 +469,7 @@ def kda_wu_kernel(q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, Gbuf
             GC = _grow(Gbuf, row0, tl.minimum(nv, BT) - 1, i_h, offs, H, K)
         else:
             bg = tl.load(g + off, mask=m[:, None], other=0.).to(tl.float32)
-            gt = tl.where(m[:, None], _gate(bg, dtb, a_h, lb, GATE), 0.)
+            gt = tl.where(m[:, None], gate_act(bg, dtb[None, :], a_h, lb, GATE, False), 0.)
             G = tl.cumsum(gt, 0)
             GC = tl.sum(gt, 0)
             tl.store(gC + (i_c * H + i_h).to(tl.int64) * K + offs, tl.exp(GC))

@@ -24,9 +24,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-GATE_LOWER_BOUND = 0
-GATE_SOFTPLUS = 1
-GATE_PRECOMPUTED = 2
+from .kda_common import (
+    GATE_LOWER_BOUND,  # noqa: F401 - re-exported
+    GATE_PRECOMPUTED,  # noqa: F401
+    GATE_SOFTPLUS,  # noqa: F401
+    beta_rows,
+    chunk_rows,
+    gate_act,
+    gate_head,
+    inv_blocks4,
+    l2norm_rows,
+    ldf,
+    seq_locate,
+    st,
+    st_blk,
+    wy_rows,
+)
 
 
 @triton.jit
@@ -35,31 +48,18 @@ def _sub_load(q, k, g, beta, row0, r0, n_valid, i_h, a_h, dtb, Gs, scale, lb,
               L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
     """Rows ``r0 .. r0+BC`` of one chunk (``n_valid`` rows are real): normalised q (scaled), k,
     cumulative log-decay G (starting from ``Gs``), beta. Returns (q, k, G, beta, G at the end)."""
-    rows = r0 + tl.arange(0, BC)
-    m = rows < n_valid
-    offs_k = tl.arange(0, K)
-    off = (row0 + rows).to(tl.int64)[:, None] * (H * K) + i_h * K + offs_k[None, :]
-    bq = tl.load(q + off, mask=m[:, None], other=0.).to(tl.float32)
-    bk = tl.load(k + off, mask=m[:, None], other=0.).to(tl.float32)
-    bg = tl.load(g + off, mask=m[:, None], other=0.).to(tl.float32)
+    m = r0 + tl.arange(0, BC) < n_valid
+    bq = ldf(q, row0, r0, n_valid, i_h, 0, H, K, BC, K)
+    bk = ldf(k, row0, r0, n_valid, i_h, 0, H, K, BC, K)
+    bg = ldf(g, row0, r0, n_valid, i_h, 0, H, K, BC, K)
     if L2NORM:
-        bq = bq * tl.rsqrt(tl.sum(bq * bq, 1) + 1e-6)[:, None]
-        bk = bk * tl.rsqrt(tl.sum(bk * bk, 1) + 1e-6)[:, None]
+        bq = l2norm_rows(bq)
+        bk = l2norm_rows(bk)
     bq = bq * scale
-    if GATE == 0:
-        gate = lb * tl.sigmoid(a_h * (bg + dtb[None, :]))
-    elif GATE == 1:
-        x = bg + dtb[None, :]
-        gate = -a_h * (tl.maximum(x, 0.) + tl.log(1. + tl.exp(-tl.abs(x))))
-    else:
-        gate = bg
-    gate = tl.where(m[:, None], gate, 0.)
+    gate = tl.where(m[:, None], gate_act(bg, dtb[None, :], a_h, lb, GATE, False), 0.)
     G = Gs[None, :] + tl.cumsum(gate, 0)
     Gend = Gs + tl.sum(gate, 0)
-    bb = tl.load(beta + (row0 + rows).to(tl.int64) * H + i_h, mask=m, other=0.).to(tl.float32)
-    if BETA_SIGMOID:
-        bb = tl.sigmoid(bb)
-    bb = tl.where(m, bb, 0.)
+    bb = beta_rows(beta, row0, r0, n_valid, i_h, H, BC, BETA_SIGMOID)
     return bq, bk, G, bb, Gend
 
 
@@ -102,64 +102,6 @@ def _diag(a_pos, a, kI, GI, GsI, BC: tl.constexpr, EXACT: tl.constexpr, PREC: tl
         return _off_blk(a_pos, kI, GI, GsI, PREC)
 
 
-@triton.jit
-def _inv_unit_lower(N, BC: tl.constexpr):
-    """``(I + N)^-1`` for a strictly lower ``N [BC, BC]`` by forward substitution over rows."""
-    rows = tl.arange(0, BC)
-    X = tl.where(rows[:, None] == rows[None, :], 1., 0.)
-    for i in range(1, BC):
-        n_i = tl.sum(tl.where(rows[:, None] == i, N, 0.), 0)
-        x_i = tl.sum(n_i[:, None] * X, 0)
-        X = tl.where(rows[:, None] == i, X - x_i[None, :], X)
-    return X
-
-
-@triton.jit
-def _inv_unit_lower_dots(N, BC: tl.constexpr):
-    """``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8)`` for a strictly lower 16x16 ``N``
-    (nilpotent: ``N^16 = 0``), fp32 dots."""
-    rows = tl.arange(0, BC)
-    eye = tl.where(rows[:, None] == rows[None, :], 1., 0.)
-    N2 = tl.dot(N, N, input_precision="ieee")
-    N4 = tl.dot(N2, N2, input_precision="ieee")
-    N8 = tl.dot(N4, N4, input_precision="ieee")
-    X = tl.dot(eye - N, eye + N2, input_precision="ieee")
-    X = tl.dot(X, eye + N4, input_precision="ieee")
-    return tl.dot(X, eye + N8, input_precision="ieee")
-
-
-@triton.jit
-def _inv(N, BC: tl.constexpr, INV_DOTS: tl.constexpr):
-    if INV_DOTS:
-        return _inv_unit_lower_dots(N, BC)
-    else:
-        return _inv_unit_lower(N, BC)
-
-
-@triton.jit
-def _store_rows(ptr, x, row0, r0, n_valid, i_h, H: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
-    rows = r0 + tl.arange(0, BC)
-    offs = tl.arange(0, D)
-    off = (row0 + rows).to(tl.int64)[:, None] * (H * D) + i_h * D + offs[None, :]
-    tl.store(ptr + off, x.to(ptr.dtype.element_ty), mask=(rows < n_valid)[:, None])
-
-
-@triton.jit
-def _store_P(ptr, blk, row0, r0, c0, n_valid, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    rows = r0 + tl.arange(0, BC)
-    cols = c0 + tl.arange(0, BC)
-    off = (row0 + rows).to(tl.int64)[:, None] * (H * BT) + i_h * BT + cols[None, :]
-    tl.store(ptr + off, blk.to(ptr.dtype.element_ty), mask=(rows < n_valid)[:, None])
-
-
-@triton.jit
-def _load_v(v, row0, r0, n_valid, i_h, H: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
-    rows = r0 + tl.arange(0, BC)
-    offs = tl.arange(0, V)
-    off = (row0 + rows).to(tl.int64)[:, None] * (H * V) + i_h * V + offs[None, :]
-    return tl.load(v + off, mask=(rows < n_valid)[:, None], other=0.).to(tl.float32)
-
-
 @triton.jit(do_not_specialize=["T"])
 def kda_intra_kernel(q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gC, cu_seqlens, chunk_indices,
                      T, scale, lb,
@@ -168,26 +110,9 @@ def kda_intra_kernel(q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gC, cu
                      IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr,
                      INV_DOTS: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        NT = tl.cdiv(T, BT)
-        i_n = i_c // NT
-        i_t = i_c % NT
-        bos = i_n * T
-        T_seq = T
-    row0 = bos + i_t * BT
-    nv = T_seq - i_t * BT                                  # valid rows in this chunk
+    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 32)   # nv: valid rows from row0 on
     offs_k = tl.arange(0, K)
-    if GATE == 2:
-        a_h = 1.0
-        dtb = tl.zeros([K], dtype=tl.float32)
-    else:
-        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        dtb = tl.load(dt_bias + i_h * K + offs_k).to(tl.float32)
+    a_h, dtb = gate_head(A_log, dt_bias, i_h, offs_k, K, GATE)
     rows = tl.arange(0, BC)
     strict = rows[:, None] > rows[None, :]
     incl = rows[:, None] >= rows[None, :]
@@ -198,103 +123,78 @@ def kda_intra_kernel(q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gC, cu
     q0, k0, G0, b0, Gs1 = _sub_load(q, k, g, beta, row0, 0, nv, i_h, a_h, dtb, Gs0, scale, lb,
                                     H, K, BC, GATE, L2NORM, BETA_SIGMOID)
     e0 = tl.exp(G0 - Gs0[None, :])
-    _store_rows(qg, q0 * tl.exp(G0), row0, 0, nv, i_h, H, K, BC)
+    st(qg, q0 * tl.exp(G0), row0, 0, nv, i_h, 0, H, K, BC, K)
     A00 = tl.where(strict, _diag(k0 * e0, k0, k0, G0, Gs0, BC, EXACT, PREC), 0.) * b0[:, None]
     P00 = tl.where(incl, _diag(q0 * e0, q0, k0, G0, Gs0, BC, EXACT, PREC), 0.)
-    _store_P(Aqk, P00, row0, 0, 0, nv, i_h, H, BT, BC)
-    _store_P(Aqk, zero_blk, row0, 0, BC, nv, i_h, H, BT, BC)
-    _store_P(Aqk, zero_blk, row0, 0, 2 * BC, nv, i_h, H, BT, BC)
-    _store_P(Aqk, zero_blk, row0, 0, 3 * BC, nv, i_h, H, BT, BC)
+    st_blk(Aqk, P00, row0, 0, 0, nv, i_h, H, BT, BC)
+    st_blk(Aqk, zero_blk, row0, 0, BC, nv, i_h, H, BT, BC)
+    st_blk(Aqk, zero_blk, row0, 0, 2 * BC, nv, i_h, H, BT, BC)
+    st_blk(Aqk, zero_blk, row0, 0, 3 * BC, nv, i_h, H, BT, BC)
 
     # ---- sub-chunk 1
     q1, k1, G1, b1, Gs2 = _sub_load(q, k, g, beta, row0, BC, nv, i_h, a_h, dtb, Gs1, scale, lb,
                                     H, K, BC, GATE, L2NORM, BETA_SIGMOID)
     e1 = tl.exp(G1 - Gs1[None, :])
-    _store_rows(qg, q1 * tl.exp(G1), row0, BC, nv, i_h, H, K, BC)
+    st(qg, q1 * tl.exp(G1), row0, BC, nv, i_h, 0, H, K, BC, K)
     kp, qp = k1 * e1, q1 * e1
     A10 = _off_blk(kp, k0, G0, Gs1, PREC) * b1[:, None]
     A11 = tl.where(strict, _diag(kp, k1, k1, G1, Gs1, BC, EXACT, PREC), 0.) * b1[:, None]
-    _store_P(Aqk, _off_blk(qp, k0, G0, Gs1, PREC), row0, BC, 0, nv, i_h, H, BT, BC)
-    _store_P(Aqk, tl.where(incl, _diag(qp, q1, k1, G1, Gs1, BC, EXACT, PREC), 0.), row0, BC, BC, nv, i_h, H, BT, BC)
-    _store_P(Aqk, zero_blk, row0, BC, 2 * BC, nv, i_h, H, BT, BC)
-    _store_P(Aqk, zero_blk, row0, BC, 3 * BC, nv, i_h, H, BT, BC)
+    st_blk(Aqk, _off_blk(qp, k0, G0, Gs1, PREC), row0, BC, 0, nv, i_h, H, BT, BC)
+    st_blk(Aqk, tl.where(incl, _diag(qp, q1, k1, G1, Gs1, BC, EXACT, PREC), 0.), row0, BC, BC, nv, i_h, H, BT, BC)
+    st_blk(Aqk, zero_blk, row0, BC, 2 * BC, nv, i_h, H, BT, BC)
+    st_blk(Aqk, zero_blk, row0, BC, 3 * BC, nv, i_h, H, BT, BC)
 
     # ---- sub-chunk 2
     q2, k2, G2, b2, Gs3 = _sub_load(q, k, g, beta, row0, 2 * BC, nv, i_h, a_h, dtb, Gs2, scale, lb,
                                     H, K, BC, GATE, L2NORM, BETA_SIGMOID)
     e2 = tl.exp(G2 - Gs2[None, :])
-    _store_rows(qg, q2 * tl.exp(G2), row0, 2 * BC, nv, i_h, H, K, BC)
+    st(qg, q2 * tl.exp(G2), row0, 2 * BC, nv, i_h, 0, H, K, BC, K)
     kp, qp = k2 * e2, q2 * e2
     A20 = _off_blk(kp, k0, G0, Gs2, PREC) * b2[:, None]
     A21 = _off_blk(kp, k1, G1, Gs2, PREC) * b2[:, None]
     A22 = tl.where(strict, _diag(kp, k2, k2, G2, Gs2, BC, EXACT, PREC), 0.) * b2[:, None]
-    _store_P(Aqk, _off_blk(qp, k0, G0, Gs2, PREC), row0, 2 * BC, 0, nv, i_h, H, BT, BC)
-    _store_P(Aqk, _off_blk(qp, k1, G1, Gs2, PREC), row0, 2 * BC, BC, nv, i_h, H, BT, BC)
-    _store_P(Aqk, tl.where(incl, _diag(qp, q2, k2, G2, Gs2, BC, EXACT, PREC), 0.), row0, 2 * BC, 2 * BC, nv,
-             i_h, H, BT, BC)
-    _store_P(Aqk, zero_blk, row0, 2 * BC, 3 * BC, nv, i_h, H, BT, BC)
+    st_blk(Aqk, _off_blk(qp, k0, G0, Gs2, PREC), row0, 2 * BC, 0, nv, i_h, H, BT, BC)
+    st_blk(Aqk, _off_blk(qp, k1, G1, Gs2, PREC), row0, 2 * BC, BC, nv, i_h, H, BT, BC)
+    st_blk(Aqk, tl.where(incl, _diag(qp, q2, k2, G2, Gs2, BC, EXACT, PREC), 0.), row0, 2 * BC, 2 * BC, nv,
+           i_h, H, BT, BC)
+    st_blk(Aqk, zero_blk, row0, 2 * BC, 3 * BC, nv, i_h, H, BT, BC)
 
     # ---- sub-chunk 3
     q3, k3, G3, b3, GC = _sub_load(q, k, g, beta, row0, 3 * BC, nv, i_h, a_h, dtb, Gs3, scale, lb,
                                    H, K, BC, GATE, L2NORM, BETA_SIGMOID)
     e3 = tl.exp(G3 - Gs3[None, :])
-    _store_rows(qg, q3 * tl.exp(G3), row0, 3 * BC, nv, i_h, H, K, BC)
+    st(qg, q3 * tl.exp(G3), row0, 3 * BC, nv, i_h, 0, H, K, BC, K)
     kp, qp = k3 * e3, q3 * e3
     A30 = _off_blk(kp, k0, G0, Gs3, PREC) * b3[:, None]
     A31 = _off_blk(kp, k1, G1, Gs3, PREC) * b3[:, None]
     A32 = _off_blk(kp, k2, G2, Gs3, PREC) * b3[:, None]
     A33 = tl.where(strict, _diag(kp, k3, k3, G3, Gs3, BC, EXACT, PREC), 0.) * b3[:, None]
-    _store_P(Aqk, _off_blk(qp, k0, G0, Gs3, PREC), row0, 3 * BC, 0, nv, i_h, H, BT, BC)
-    _store_P(Aqk, _off_blk(qp, k1, G1, Gs3, PREC), row0, 3 * BC, BC, nv, i_h, H, BT, BC)
-    _store_P(Aqk, _off_blk(qp, k2, G2, Gs3, PREC), row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
-    _store_P(Aqk, tl.where(incl, _diag(qp, q3, k3, G3, Gs3, BC, EXACT, PREC), 0.), row0, 3 * BC, 3 * BC, nv,
-             i_h, H, BT, BC)
+    st_blk(Aqk, _off_blk(qp, k0, G0, Gs3, PREC), row0, 3 * BC, 0, nv, i_h, H, BT, BC)
+    st_blk(Aqk, _off_blk(qp, k1, G1, Gs3, PREC), row0, 3 * BC, BC, nv, i_h, H, BT, BC)
+    st_blk(Aqk, _off_blk(qp, k2, G2, Gs3, PREC), row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
+    st_blk(Aqk, tl.where(incl, _diag(qp, q3, k3, G3, Gs3, BC, EXACT, PREC), 0.), row0, 3 * BC, 3 * BC, nv,
+           i_h, H, BT, BC)
 
     # ---- (I + A)^-1: diagonal blocks by substitution, then block forward substitution
-    X00 = _inv(A00, BC, INV_DOTS)
-    X11 = _inv(A11, BC, INV_DOTS)
-    X22 = _inv(A22, BC, INV_DOTS)
-    X33 = _inv(A33, BC, INV_DOTS)
-    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision="ieee"), input_precision="ieee")
-    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision="ieee"), input_precision="ieee")
-    X20 = -tl.dot(X22, tl.dot(A20, X00, input_precision="ieee") + tl.dot(A21, X10, input_precision="ieee"),
-                  input_precision="ieee")
-    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision="ieee"), input_precision="ieee")
-    X31 = -tl.dot(X33, tl.dot(A31, X11, input_precision="ieee") + tl.dot(A32, X21, input_precision="ieee"),
-                  input_precision="ieee")
-    X30 = -tl.dot(X33, tl.dot(A30, X00, input_precision="ieee") + tl.dot(A31, X10, input_precision="ieee")
-                  + tl.dot(A32, X20, input_precision="ieee"), input_precision="ieee")
+    X00, X10, X11, X20, X21, X22, X30, X31, X32, X33 = inv_blocks4(A00, A10, A11, A20, A21, A22, A30, A31, A32,
+                                                                   A33, BC, INV_DOTS, "ieee")
 
     # ---- w = X diag(beta) exp(G) K, u = X diag(beta) V, kg = exp(G_C - G) K, exp(G_C)
     r0 = k0 * tl.exp(G0) * b0[:, None]
     r1 = k1 * tl.exp(G1) * b1[:, None]
     r2 = k2 * tl.exp(G2) * b2[:, None]
     r3 = k3 * tl.exp(G3) * b3[:, None]
-    _store_rows(w, tl.dot(X00, r0, input_precision=PREC), row0, 0, nv, i_h, H, K, BC)
-    _store_rows(w, tl.dot(X10, r0, input_precision=PREC) + tl.dot(X11, r1, input_precision=PREC),
-                row0, BC, nv, i_h, H, K, BC)
-    _store_rows(w, tl.dot(X20, r0, input_precision=PREC) + tl.dot(X21, r1, input_precision=PREC)
-                + tl.dot(X22, r2, input_precision=PREC), row0, 2 * BC, nv, i_h, H, K, BC)
-    _store_rows(w, tl.dot(X30, r0, input_precision=PREC) + tl.dot(X31, r1, input_precision=PREC)
-                + tl.dot(X32, r2, input_precision=PREC) + tl.dot(X33, r3, input_precision=PREC),
-                row0, 3 * BC, nv, i_h, H, K, BC)
-    _store_rows(kg, k0 * tl.exp(GC[None, :] - G0), row0, 0, nv, i_h, H, K, BC)
-    _store_rows(kg, k1 * tl.exp(GC[None, :] - G1), row0, BC, nv, i_h, H, K, BC)
-    _store_rows(kg, k2 * tl.exp(GC[None, :] - G2), row0, 2 * BC, nv, i_h, H, K, BC)
-    _store_rows(kg, k3 * tl.exp(GC[None, :] - G3), row0, 3 * BC, nv, i_h, H, K, BC)
+    wy_rows(w, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, r0, r1, r2, r3, row0, nv, i_h, 0, H, K, BC, K, PREC)
+    st(kg, k0 * tl.exp(GC[None, :] - G0), row0, 0, nv, i_h, 0, H, K, BC, K)
+    st(kg, k1 * tl.exp(GC[None, :] - G1), row0, BC, nv, i_h, 0, H, K, BC, K)
+    st(kg, k2 * tl.exp(GC[None, :] - G2), row0, 2 * BC, nv, i_h, 0, H, K, BC, K)
+    st(kg, k3 * tl.exp(GC[None, :] - G3), row0, 3 * BC, nv, i_h, 0, H, K, BC, K)
     tl.store(gC + (i_c * H + i_h).to(tl.int64) * K + offs_k, tl.exp(GC))
-    s0 = _load_v(v, row0, 0, nv, i_h, H, V, BC) * b0[:, None]
-    s1 = _load_v(v, row0, BC, nv, i_h, H, V, BC) * b1[:, None]
-    s2 = _load_v(v, row0, 2 * BC, nv, i_h, H, V, BC) * b2[:, None]
-    s3 = _load_v(v, row0, 3 * BC, nv, i_h, H, V, BC) * b3[:, None]
-    _store_rows(u, tl.dot(X00, s0, input_precision=PREC), row0, 0, nv, i_h, H, V, BC)
-    _store_rows(u, tl.dot(X10, s0, input_precision=PREC) + tl.dot(X11, s1, input_precision=PREC),
-                row0, BC, nv, i_h, H, V, BC)
-    _store_rows(u, tl.dot(X20, s0, input_precision=PREC) + tl.dot(X21, s1, input_precision=PREC)
-                + tl.dot(X22, s2, input_precision=PREC), row0, 2 * BC, nv, i_h, H, V, BC)
-    _store_rows(u, tl.dot(X30, s0, input_precision=PREC) + tl.dot(X31, s1, input_precision=PREC)
-                + tl.dot(X32, s2, input_precision=PREC) + tl.dot(X33, s3, input_precision=PREC),
-                row0, 3 * BC, nv, i_h, H, V, BC)
+    s0 = ldf(v, row0, 0, nv, i_h, 0, H, V, BC, V) * b0[:, None]
+    s1 = ldf(v, row0, BC, nv, i_h, 0, H, V, BC, V) * b1[:, None]
+    s2 = ldf(v, row0, 2 * BC, nv, i_h, 0, H, V, BC, V) * b2[:, None]
+    s3 = ldf(v, row0, 3 * BC, nv, i_h, 0, H, V, BC, V) * b3[:, None]
+    wy_rows(u, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, s0, s1, s2, s3, row0, nv, i_h, 0, H, V, BC, V, PREC)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -305,14 +205,7 @@ def kda_recur_kernel(w, u, qg, kg, Aqk, gC, o, h0, ht, cu_seqlens, chunk_offsets
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // H
     i_h = i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = (i_n * T).to(tl.int64)
-        T_seq = T
-        c0 = (i_n * tl.cdiv(T, BT)).to(tl.int64)
+    bos, T_seq, c0 = seq_locate(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN, 0)
     NT = tl.cdiv(T_seq, BT)
     offs_k = tl.arange(0, K)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -344,32 +237,6 @@ def kda_recur_kernel(w, u, qg, kg, Aqk, gC, o, h0, ht, cu_seqlens, chunk_offsets
         tl.store(ht + p_state, S)
 
 
-@triton.jit
-def _ln_approx(x):
-    """Natural log by ``lg2.approx.ftz.f32`` (one MUFU.LG2; ~2^-22 relative error) instead of the libdevice
-    polynomial ``tl.log`` compiles to (~25 instructions). GPU only (the interpreter has no inline PTX)."""
-    return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1) * 0.6931471805599453
-
-
-@triton.jit
-def _gate_row(x, dtb, a_h, lb, GATE: tl.constexpr, FAST_LOG: tl.constexpr):
-    """Log-decay (SPEC.md 3.4) of one row of raw pre-activations (``x``, ``dtb``: ``[BK]``)."""
-    if GATE == 0:
-        out = lb * tl.sigmoid(a_h * (x + dtb))
-    elif GATE == 1:
-        z = x + dtb
-        e = 1. + tl.exp(-tl.abs(z))
-        if FAST_LOG:
-            sp = _ln_approx(e)
-        else:
-            sp = tl.log(e)
-        out = -a_h * (tl.maximum(z, 0.) + sp)
-    else:
-        out = x
-    return out
-
-
 @triton.jit(do_not_specialize=["T"])
 def kda_gcum_rows_kernel(g, A_log, dt_bias, Gbuf, gC, cu_seqlens, chunk_indices, T, lb,
                          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
@@ -379,26 +246,9 @@ def kda_gcum_rows_kernel(g, A_log, dt_bias, Gbuf, gC, cu_seqlens, chunk_indices,
     (unrolled: every load can issue at once) with a running sum in registers, so there is no cross-lane or
     cross-warp scan (the tile kernel spends ~70 instructions per element on the scan and the libdevice log)."""
     i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        NT = tl.cdiv(T, BT)
-        i_n = i_c // NT
-        i_t = i_c % NT
-        bos = (i_n * T).to(tl.int64)
-        T_seq = T
-    row0 = bos + i_t * BT
-    nv = T_seq - i_t * BT
+    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
     offs = i_k * BK + tl.arange(0, BK)
-    if GATE == 2:
-        a_h = 1.0
-        dtb = tl.zeros([BK], dtype=tl.float32)
-    else:
-        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        dtb = tl.load(dt_bias + i_h * K + offs).to(tl.float32)
+    a_h, dtb = gate_head(A_log, dt_bias, i_h, offs, K, GATE)
     base = row0 * (H * K) + i_h * K + offs
     acc = tl.zeros([BK], dtype=tl.float32)
     zi = tl.zeros([BK], dtype=tl.int32)
@@ -408,7 +258,7 @@ def kda_gcum_rows_kernel(g, A_log, dt_bias, Gbuf, gC, cu_seqlens, chunk_indices,
             xs = xs + (tl.load(g + base + (r0 + r) * (H * K), mask=(zi + r0 + r) < nv, other=0.),)
         for r in tl.static_range(RB):
             ok = (zi + r0 + r) < nv
-            acc += tl.where(ok, _gate_row(xs[r].to(tl.float32), dtb, a_h, lb, GATE, FAST_LOG), 0.)
+            acc += tl.where(ok, gate_act(xs[r].to(tl.float32), dtb, a_h, lb, GATE, FAST_LOG), 0.)
             tl.store(Gbuf + base + (r0 + r) * (H * K), acc, mask=ok)
     tl.store(gC + (i_c * H + i_h).to(tl.int64) * K + offs, tl.exp(acc))
 
@@ -467,19 +317,7 @@ def kda_wu_flat_kernel(q, k, v, Xb, rq, rk, w, u, qg, kg, Gbuf, cu_seqlens, chun
     kernel keeps ~12-16 kB in flight per CTA at 2-3 CTAs/SM: 57% of the bandwidth). Slices are the fastest grid
     axis, so the programs of one chunk read its ``Xb`` while it is in L2."""
     i_s, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        NT = tl.cdiv(T, BT)
-        i_n = i_c // NT
-        i_t = i_c % NT
-        bos = (i_n * T).to(tl.int64)
-        T_seq = T
-    row0 = bos + i_t * BT
-    nv = T_seq - i_t * BT
+    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
     rows = tl.arange(0, BT)
     m = rows < nv
     roff = row0 + rows

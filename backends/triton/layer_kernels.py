@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .kda_common import gate_pre_act, rnorm
+
 
 @triton.jit(do_not_specialize=["T"])   # any prefill length: one compile
 def short_conv_kernel(x, w, s0, y, sT, T, C,
@@ -108,14 +110,10 @@ def kda_decode_kernel(xq, xk, xv, cw_q, cw_k, cw_v, cs_q, cs_k, cs_v, z, beta, A
         bq = tl.load(xq + i_b * q_rs + offs_k).to(tl.float32)
         bk = tl.load(xk + i_b * k_rs + offs_k).to(tl.float32)
         bv = tl.load(xv + i_b * v_rs + offs_v).to(tl.float32)
-    bq = bq * tl.rsqrt(tl.sum(bq * bq, 0) + 1e-6) * scale
-    bk = bk * tl.rsqrt(tl.sum(bk * bk, 0) + 1e-6)
+    bq = bq * rnorm(tl.sum(bq * bq, 0)) * scale
+    bk = bk * rnorm(tl.sum(bk * bk, 0))
     x = tl.load(z + i_b * H * K + offs_k).to(tl.float32) + tl.load(dt_bias + offs_k).to(tl.float32)
-    a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    if GATE == 0:
-        gk = lb * tl.sigmoid(a_h * x)
-    else:
-        gk = -a_h * (tl.maximum(x, 0.) + tl.log(1. + tl.exp(-tl.abs(x))))
+    gk = gate_pre_act(x, tl.exp(tl.load(A_log + i_h).to(tl.float32)), lb, GATE, False)   # GATE 0 or 1
     bb = tl.sigmoid(tl.load(beta + i_b * b_rs + i_h).to(tl.float32))
     S = S * tl.exp(gk)[:, None]
     uu = tl.sum(S * bk[:, None], 0)
