@@ -44,7 +44,7 @@ def main():
             run(f"router_partial {dt} norm={nrm}", dispatch.router_partial_kernel,
                 [("x", p), ("w", p), ("part", "*fp32"), ("nw", p if nrm else None), ("pss", "*fp32" if nrm else None),
                  ("R", "i32"), ("D", "i32"), ("E", "i32"), ("DS", "i32"), ("BR", 16), ("BE", 16), ("BK", 128),
-                 ("IEEE", dt == "fp32"), ("NORM", nrm)], 4, 3)
+                 ("IEEE", dt == "fp32"), ("NORM", nrm), ("PDL", nrm)], 4, 3)
         # the launch configs of dispatch.py for E = 64, k = 8: decode B1 / B32 (route), a single block, prefill
         for route, single, S, BD, KP, RB, nrm in ((True, True, 1, 1024, 8, 1, False), (True, True, 1, 1024, 8, 1, True),
                                                   (True, True, 1, 32, 8, 32, False), (False, True, 16, 512, 1, 1, False),
@@ -57,7 +57,7 @@ def main():
                     ("xn", p if nrm else None), ("N", "i32"), ("D", "i32"), ("E", "i32"),
                     ("NSPLIT", "i32"), ("rsf", "fp32"), ("eps", "fp32"), ("DPP", "i32"), ("neps", "fp32"),
                     ("KSLOT", 8), ("KP", KP), ("RB", RB), ("BS", S), ("EP", 64), ("BD", BD), ("SINGLE", single),
-                    ("ROUTE", route), ("RENORM", True), ("NORM", nrm)]
+                    ("ROUTE", route), ("RENORM", True), ("NORM", nrm), ("PDL", nrm)]
             run(f"dispatch {dt} route={route} single={single} RB={RB} norm={nrm}", dispatch.dispatch_kernel, spec,
                 dispatch._warps(max(S, RB * KP) * 64))
         run(f"dispatch_hist {dt}", dispatch.dispatch_hist_kernel, [("idx", "*i64"), ("hist", "*i32"), ("N", "i32"),
@@ -74,7 +74,7 @@ def main():
                  ("x2", None), ("w2", None), ("y2", None), ("M", "i32"), ("N", "i32"), ("K", "i32"),
                  ("x_rs", "i32"), ("N2", "i32"), ("x2_rs", "i32"), ("NB1", "i32"), ("eps", "fp32"),
                  ("BM", BM), ("BN", BN), ("BK", BK), ("GLU", glu), ("NRES", nres), ("NORM", nrm), ("KSLOT", 0),
-                 ("SEG2", False), ("PDL", False)], 4)
+                 ("SEG2", False), ("PDL", nrm)], 4)
         run(f"rmsnorm {dt} D2048", norm.rmsnorm_kernel,
             [("x", p), ("w", p), ("y", p), ("R", "i32"), ("D", "i32"), ("eps", "fp32"), ("BR", 2), ("BD", 2048)], 4)
         run(f"router_kernel {dt} E64", layer_kernels.router_kernel,
@@ -94,11 +94,12 @@ def main():
                 [("q", p), ("w", p), ("qt", p), ("qr", p), ("kv", p), ("cache", "*fp32"), ("pos", "*i64"),
                  ("kvr", p if kvn else None), ("nw", p if kvn else None), ("q_bs", "i32"), ("kv_bs", "i32"),
                  ("kvr_bs", "i32"), ("L_STRIDE", "i32"), ("H", "i32"), ("eps", "fp32"), ("N", 128), ("P", 64),
-                 ("VD", 128), ("R", 512), ("NP", 128), ("PP", 64), ("RKP", 1024), ("BR", 64), ("KVNORM", kvn)], 4)
+                 ("VD", 128), ("R", 512), ("NP", 128), ("PP", 64), ("RKP", 1024), ("BR", 64), ("KVNORM", kvn),
+                 ("PDL", kvn)], 4)
         for ns in (1, 16):
             run(f"mla_decode_out {dt} NS={ns}", mla.mla_decode_out_kernel,
                 [("part", "*fp32"), ("ml", "*fp32" if ns > 1 else None), ("w", p), ("o", p), ("H", "i32"),
-                 ("N", 128), ("VD", 128), ("R", 512), ("RP", 512), ("NS", ns), ("BV", 16)], 4)
+                 ("N", 128), ("VD", 128), ("R", 512), ("RP", 512), ("NS", ns), ("BV", 16), ("PDL", ns > 1)], 4)
         run(f"kda_decode {dt} conv+norm", layer_kernels.kda_decode_kernel,
             [("xq", p), ("xk", p), ("xv", p), ("cw_q", p), ("cw_k", p), ("cw_v", p), ("cs_q", "*fp32"),
              ("cs_k", "*fp32"), ("cs_v", "*fp32"), ("z", p), ("beta", p), ("A_log", "*fp32"), ("dt_bias", "*fp32"),

@@ -22,17 +22,21 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .gemv import gdc_launch_dependents, gdc_wait, pdl_kwargs
 from .layer_kernels import route_topk
 
 
 @triton.jit(do_not_specialize=["R"])   # decode B1 (R = 1) and larger batches: one compile
 def router_partial_kernel(x, w, part, nw, pss, R, D, E, DS, BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
-                          IEEE: tl.constexpr, NORM: tl.constexpr):
+                          IEEE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
     """part[s, r, e] = sum_{d in split s} x[r, d] w[e, d] (fp32). Grid (cdiv(E, BE), cdiv(R, BR), splits);
     split s covers columns [s*DS, (s+1)*DS) (DS % BK == 0). NORM (the layer's RMSNorm deferred here):
     x is the raw row, the sums use ``x * nw`` (rounded to x's dtype) and programs of the first expert
     block store the split's ``sum x^2`` to pss[s, r] (dispatch_kernel applies rsqrt(mean + eps))."""
     pe, pr, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PDL:       # programmatic dependent launch (gemv.PDL): start early, wait before reading x
+        gdc_launch_dependents()
+        gdc_wait()
     rows = pr * BR + tl.arange(0, BR)
     cols = pe * BE + tl.arange(0, BE)
     mr, me = rows < R, cols < E
@@ -95,7 +99,7 @@ def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
                     N, D, E, NSPLIT, rsf, eps, DPP, neps,
                     KSLOT: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr, BS: tl.constexpr, EP: tl.constexpr,
                     BD: tl.constexpr, SINGLE: tl.constexpr, ROUTE: tl.constexpr, RENORM: tl.constexpr,
-                    NORM: tl.constexpr):
+                    NORM: tl.constexpr, PDL: tl.constexpr = False):
     """Program (slot block b, column group d): sorted rows of the block's slots, then
     ``xs[pos_n, cols] = x[n // KSLOT, cols]`` for the DPP columns of group d (BD at a time); programs
     with d == 0 write ``inv`` (slot -> row) and ``cw`` (combine weight per sorted row), program
@@ -110,6 +114,9 @@ def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
     scales the logits, the copied rows are ``x * rstd * nw`` rounded to x's dtype (as rmsnorm_kernel)
     and each token's normalised row is also stored to ``xn [R, D]`` (the shared expert's input)."""
     pb, pd = tl.program_id(0), tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     cols = tl.arange(0, EP)
     if ROUTE:
         R = N // KSLOT
@@ -264,7 +271,7 @@ def route_dispatch(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k:
     xn = torch.empty(B, T, D, device=dev, dtype=x.dtype) if norm is not None else None
     router_partial_kernel[(triton.cdiv(E, BE), triton.cdiv(R, BR), NSPLIT)](
         xx, wr.contiguous(), part, nw, pss, R, D, E, DS, BR=BR, BE=BE, BK=BK, IEEE=ieee, NORM=norm is not None,
-        num_warps=4)
+        num_warps=4, **pdl_kwargs(xx))
     wout = torch.empty(B, T, k, device=dev, dtype=torch.float32)
     iout = torch.empty(B, T, k, device=dev, dtype=torch.int64)
     sout = torch.empty(B, T, E, device=dev, dtype=torch.float32)
@@ -277,7 +284,7 @@ def route_dispatch(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k:
     dispatch_kernel[(1, triton.cdiv(D, BD))](
         xx, None, None, None, offsets, xs, inv, cw, part, bias.float().contiguous(), wout, iout, sout, nw, pss, xn,
         N, D, E, NSPLIT, float(scale), float(eps), BD, neps, KSLOT=k, KP=KP, RB=RB, BS=1, EP=EP, BD=BD, SINGLE=True,
-        ROUTE=True, RENORM=bool(renormalize), NORM=norm is not None, num_warps=_warps(RB * KP * EP))
+        ROUTE=True, RENORM=bool(renormalize), NORM=norm is not None, num_warps=_warps(RB * KP * EP), **pdl_kwargs(xx))
     if norm is not None:
         return (wout, iout, sout), (xs, offsets, inv, cw), xn
     return (wout, iout, sout), (xs, offsets, inv, cw)

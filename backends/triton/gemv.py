@@ -169,6 +169,12 @@ def cat_weights(ws, dtype) -> torch.Tensor:
     return cat
 
 
+def pdl_kwargs(t: torch.Tensor) -> dict:
+    """Launch kwargs of a kernel with a ``PDL`` constexpr: programmatic dependent launch when ``PDL`` is on
+    (K3IR_PDL=1 or set by bench/gpu_diag.py) and ``t`` lives on a GPU."""
+    return {"PDL": True, "launch_pdl": True} if PDL and t.is_cuda else {}
+
+
 def _w(w, dtype):
     return w if w.dtype == dtype and w.is_contiguous() else w.to(dtype).contiguous()
 
@@ -181,8 +187,8 @@ def _launch(xx, w, y, M, N, K, w3=None, rr=(), norm=None, comb=None, seg2=None):
     grid = (nb1 + (triton.cdiv(N2, BN) if seg2 is not None else 0),)
     nw, eps = norm if norm is not None else (None, 0.0)
     ys, inv = comb if comb is not None else (None, None)
-    pdl = PDL and xx.is_cuda
-    kw = {"launch_pdl": True} if pdl else {}
+    kw = pdl_kwargs(xx)
+    pdl = kw.pop("PDL", False)
     gemv_kernel[grid](xx, w, w3, y, rr[0] if rr else None, rr[1] if len(rr) > 1 else None,
                       nw, ys, inv, x2, w2, y2, M, N, K, xx.stride(0), N2, x2.stride(0) if x2 is not None else 0,
                       nb1, float(eps), BM=BM, BN=BN, BK=BK, GLU=w3 is not None, NRES=len(rr), NORM=norm is not None,

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .gemv import gdc_launch_dependents, gdc_wait, pdl_kwargs
 
 
 @triton.jit(do_not_specialize=["T", "S"])   # prompt lengths: one compile (offsets' alignment comes from DN+DR)
@@ -139,7 +140,8 @@ def mla_decode_combine_kernel(part, ml, olat, H, R: tl.constexpr, RP: tl.constex
 @triton.jit
 def mla_absorb_q_kernel(q, w, qt, qr, kv, cache, pos, kvr, nw, q_bs, kv_bs, kvr_bs, L_STRIDE, H, eps,
                         N: tl.constexpr, P: tl.constexpr, VD: tl.constexpr, R: tl.constexpr, NP: tl.constexpr,
-                        PP: tl.constexpr, RKP: tl.constexpr, BR: tl.constexpr, KVNORM: tl.constexpr):
+                        PP: tl.constexpr, RKP: tl.constexpr, BR: tl.constexpr, KVNORM: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """Decode prologue of absorbed MLA, one program per (head, block of BR latent columns, batch row):
     qt[b, h, r] = sum_n q[b, h, n] w[h (N+VD) + n, r] (fp32 sums of the rounded operands), programs of the
     first block copy the rope query qr[b, h] = q[b, h, N:N+P], program (0, 0, b) writes the step's cache
@@ -147,14 +149,18 @@ def mla_absorb_q_kernel(q, w, qt, qr, kv, cache, pos, kvr, nw, q_bs, kv_bs, kvr_
     the raw latent (R wide) and kvr the rope key (P wide): the row written is [rmsnorm(latent; nw, eps)
     rounded to kv's dtype (as rmsnorm_kernel), kvr] (the latent norm and the concat fused)."""
     ph, rb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PDL:
+        gdc_launch_dependents()
     b64 = b.to(tl.int64)
     n = tl.arange(0, NP)
     r = rb * BR + tl.arange(0, BR)
     mn, mr = n < N, r < R
     qrow = q + b64 * q_bs + ph * (N + P)
-    qn = tl.load(qrow + n, mask=mn, other=0.).to(tl.float32)
     wt = tl.load(w + (ph * (N + VD) + n).to(tl.int64)[:, None] * R + r[None, :], mask=mn[:, None] & mr[None, :],
                  other=0.).to(tl.float32)
+    if PDL:       # the weight tile above never depends on the previous kernel
+        gdc_wait()
+    qn = tl.load(qrow + n, mask=mn, other=0.).to(tl.float32)
     tl.store(qt + (b64 * H + ph) * R + r, tl.sum(qn[:, None] * wt, 0).to(qt.dtype.element_ty), mask=mr)
     if rb == 0:
         p = tl.arange(0, PP)
@@ -178,14 +184,22 @@ def mla_absorb_q_kernel(q, w, qt, qr, kv, cache, pos, kvr, nw, q_bs, kv_bs, kvr_
 
 @triton.jit
 def mla_decode_out_kernel(part, ml, w, o, H, N: tl.constexpr, VD: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
-                          NS: tl.constexpr, BV: tl.constexpr):
+                          NS: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
     """Decode epilogue of absorbed MLA, one program per (batch row x head, block of BV value columns):
     merges the NS partial latent sums of mla_decode_kernel (NS = 1: ``part`` is the final latent),
     rounds the latent to o's dtype and applies W_uv: o[b, h, v] = sum_r olat[r] w[h (N+VD) + N + v, r]."""
     bh, vb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
     b, h = bh // H, bh % H
     dr = tl.arange(0, RP)
     mr = dr < R
+    v = vb * BV + tl.arange(0, BV)
+    mv = v < VD
+    wt = tl.load(w + (h * (N + VD) + N + v).to(tl.int64)[:, None] * R + dr[None, :], mask=mv[:, None] & mr[None, :],
+                 other=0.).to(tl.float32)
+    if PDL:       # W_uv above never depends on the previous kernel
+        gdc_wait()
     if NS == 1:
         lat = tl.load(part + bh * R + dr, mask=mr, other=0.)
     else:
@@ -197,10 +211,6 @@ def mla_decode_out_kernel(part, ml, w, o, H, N: tl.constexpr, VD: tl.constexpr, 
         a = tl.load(part + row[:, None] * R + dr[None, :], mask=mr[None, :], other=0.)
         lat = tl.sum(a * f[:, None], 0) / tl.maximum(tl.sum(lsum * f, 0), 1e-30)
     lat = lat.to(o.dtype.element_ty).to(tl.float32)
-    v = vb * BV + tl.arange(0, BV)
-    mv = v < VD
-    wt = tl.load(w + (h * (N + VD) + N + v).to(tl.int64)[:, None] * R + dr[None, :], mask=mv[:, None] & mr[None, :],
-                 other=0.).to(tl.float32)
     tl.store(o + bh * VD + v, tl.sum(wt * lat[None, :], 1).to(o.dtype.element_ty), mask=mv)
 
 
@@ -290,10 +300,10 @@ def mla_decode_absorbed(q, kv, w, cache, pos, nlen, heads: int, nope: int, v_dim
     mla_absorb_q_kernel[(H, triton.cdiv(R, BR), B)](
         q, w, qt, qr, kv, cache, pos, kvr, nw, q.stride(0), kv.stride(0), kvr.stride(0) if kvr is not None else 0,
         cache.shape[1], H, float(eps), N=N, P=P, VD=VD, R=R, NP=_p2(N), PP=_p2(P), RKP=_p2(R + P), BR=BR,
-        KVNORM=kvr is not None, num_warps=4)
+        KVNORM=kvr is not None, num_warps=4, **pdl_kwargs(q))
     part, ml, NS = mla_decode_parts(qt, qr, cache, nlen, scale, lengths)
     o = torch.empty(B, 1, H, VD, device=q.device, dtype=q.dtype)
     BV = 16
     mla_decode_out_kernel[(B * H, triton.cdiv(VD, BV))](part, ml, w, o, H, N=N, VD=VD, R=R, RP=_p2(R), NS=NS, BV=BV,
-                                                        num_warps=4)
+                                                        num_warps=4, **pdl_kwargs(q))
     return o
