@@ -57,7 +57,7 @@ def main():
                     ("xn", p if nrm else None), ("N", "i32"), ("D", "i32"), ("E", "i32"),
                     ("NSPLIT", "i32"), ("rsf", "fp32"), ("eps", "fp32"), ("DPP", "i32"), ("neps", "fp32"),
                     ("KSLOT", 8), ("KP", KP), ("RB", RB), ("BS", S), ("EP", 64), ("BD", BD), ("SINGLE", single),
-                    ("ROUTE", route), ("RENORM", True), ("NORM", nrm), ("PDL", nrm)]
+                    ("ROUTE", route), ("RENORM", True), ("NORM", nrm), ("PDL", nrm), ("NSU", 8 if route and RB == 1 else 1)]
             run(f"dispatch {dt} route={route} single={single} RB={RB} norm={nrm}", dispatch.dispatch_kernel, spec,
                 dispatch._warps(max(S, RB * KP) * 64))
         run(f"dispatch_hist {dt}", dispatch.dispatch_hist_kernel, [("idx", "*i64"), ("hist", "*i32"), ("N", "i32"),

@@ -99,7 +99,7 @@ def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
                     N, D, E, NSPLIT, rsf, eps, DPP, neps,
                     KSLOT: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr, BS: tl.constexpr, EP: tl.constexpr,
                     BD: tl.constexpr, SINGLE: tl.constexpr, ROUTE: tl.constexpr, RENORM: tl.constexpr,
-                    NORM: tl.constexpr, PDL: tl.constexpr = False):
+                    NORM: tl.constexpr, PDL: tl.constexpr = False, NSU: tl.constexpr = 1):
     """Program (slot block b, column group d): sorted rows of the block's slots, then
     ``xs[pos_n, cols] = x[n // KSLOT, cols]`` for the DPP columns of group d (BD at a time); programs
     with d == 0 write ``inv`` (slot -> row) and ``cw`` (combine weight per sorted row), program
@@ -107,7 +107,8 @@ def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
 
     SINGLE: all N slots in this block (offsets computed here); else the block's expert bases come
     from ``base [NB, EP]`` + ``offsets`` (dispatch_scan_kernel). ROUTE (implies SINGLE, N = R*KSLOT):
-    the router runs here from ``part [NSPLIT, R, E]`` partial logits: s = sigmoid(sum), top-KSLOT of
+    the router runs here from ``part [NSPLIT, R, E]`` partial logits (NSU >= NSPLIT: loads unrolled):
+    s = sigmoid(sum), top-KSLOT of
     s + bias, weights renormalised and scaled by ``rsf``; writes wout/iout ``[R, KSLOT]`` and sout
     ``[R, E]``. Slots are then laid out ``[RB, KP]`` (padded rows/picks are masked). NORM (with ROUTE):
     the layer's RMSNorm (SPEC.md 1) applied here: rstd from router_partial_kernel's ``pss [NSPLIT, R]``
@@ -125,10 +126,19 @@ def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
         me = cols < E
         logit = tl.zeros([RB, EP], dtype=tl.float32)
         ss = tl.zeros([RB], dtype=tl.float32)
-        for s in range(NSPLIT):
-            logit += tl.load(part + (s * R + r)[:, None] * E + cols[None, :], mask=mr[:, None] & me[None, :], other=0.)
-            if NORM:
-                ss += tl.load(pss + s * R + r, mask=mr, other=0.)
+        if NSU > 1:
+            for s in tl.static_range(NSU):      # unrolled: the NSPLIT partial loads in flight at once
+                ms = mr & (tl.full([RB], s, tl.int32) < NSPLIT)
+                logit += tl.load(part + (s * R + r)[:, None] * E + cols[None, :], mask=ms[:, None] & me[None, :],
+                                 other=0.)
+                if NORM:
+                    ss += tl.load(pss + s * R + r, mask=ms, other=0.)
+        else:
+            for s in range(NSPLIT):
+                logit += tl.load(part + (s * R + r)[:, None] * E + cols[None, :], mask=mr[:, None] & me[None, :],
+                                 other=0.)
+                if NORM:
+                    ss += tl.load(pss + s * R + r, mask=mr, other=0.)
         rstd = tl.full([RB], 1.0, dtype=tl.float32)
         if NORM:
             rstd = tl.rsqrt(ss / D + neps)
@@ -284,7 +294,8 @@ def route_dispatch(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k:
     dispatch_kernel[(1, triton.cdiv(D, BD))](
         xx, None, None, None, offsets, xs, inv, cw, part, bias.float().contiguous(), wout, iout, sout, nw, pss, xn,
         N, D, E, NSPLIT, float(scale), float(eps), BD, neps, KSLOT=k, KP=KP, RB=RB, BS=1, EP=EP, BD=BD, SINGLE=True,
-        ROUTE=True, RENORM=bool(renormalize), NORM=norm is not None, num_warps=_warps(RB * KP * EP), **pdl_kwargs(xx))
+        ROUTE=True, RENORM=bool(renormalize), NORM=norm is not None, NSU=NSPLIT if RB * EP <= 1024 else 1, num_warps=_warps(RB * KP * EP),
+        **pdl_kwargs(xx))
     if norm is not None:
         return (wout, iout, sout), (xs, offsets, inv, cw), xn
     return (wout, iout, sout), (xs, offsets, inv, cw)
