@@ -78,6 +78,21 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches():
     want, _ = ref.decode(nxt[::-1].copy(), s_ref)          # the next step from the fused step's state
     got, _ = tri.decode(nxt[::-1].copy(), s_tri)
     assert rel_err(got.double().numpy(), want) < 1e-4
+    # the same step as a CUDA graph captures it (graphs.GraphDecode: static state buffers updated in place,
+    # the MLA cache a preallocated buffer, its length on the device), emulated eagerly on the CPU
+    from k3ir.backends.triton.graphs import GraphDecode
+    gd = GraphDecode(exe)
+    targs = [torch.as_tensor(nxt[::-1].copy())] + [s_tri.values[n].clone() for n in s_tri.names]
+    L = s_tri.length
+    static = [targs[0]] + [gd._static_state(i, targs[i], 64) for i in range(1, len(targs))]
+    exe.graph_ctx = {"pos": torch.tensor([L]), "nlen": torch.tensor([L + 1], dtype=torch.int32)}
+    try:
+        outs = exe._run_eager("decode", static, tri.params)
+    finally:
+        exe.graph_ctx = None
+    assert rel_err(outs[0].double().numpy(), want) < 1e-4
+    mla = next(i for i, k in enumerate(gd.kinds) if k == "mla_cache")
+    assert outs[mla] is static[mla] and float(static[mla][:, L + 1:].abs().max()) == 0.0   # row L written in place
     # rmsnorm launches: the final norm only (MoE norms in the router front, MLA's latent norm in its prologue);
     # gemv: KDA 3 x (projections, low-rank pair, out), MLA (q+kv_a, out), dense (glu, down), 3 x shared (glu, down)
     assert launches["rmsnorm_kernel"] == 1 and launches["router_partial_kernel"] == 3
