@@ -48,7 +48,8 @@ ACC_SHAPE = (1, 128, 2, 16) if SMOKE else (1, 2048, 32, 128)
 JOBS = {   # name: (kind, kwargs, extra env, seconds it needs at least)
     "acc_k3": ("acc", {"lb": -5.0, "ref64": True, "variants": [     # dense first: the others reuse its compiles
         ("dense", {"k3_exact": ""}, {}, True), ("prepx", {"k3_exact": "prep"}, {}, False),
-        ("intrax", {"k3_exact": "bwd_intra"}, {}, False)]},
+        ("intrax", {"k3_exact": "bwd_intra"}, {}, False), ("diag_x3", {"intra_diag_prec": "tf32x3"}, {}, False),
+        ("diag_tf32", {"intra_diag_prec": "tf32"}, {}, False)]},
                {"CUDA_LAUNCH_BLOCKING": "1"}, 25),
     "time_k3": ("time", {"shape": [1, 32768, 32, 128], "lb": -5.0}, {}, 12),
     "acc_k3d": ("acc", {"lb": -5.0, "tune": {"k3_exact": ""}, "inter": True}, {"CUDA_LAUNCH_BLOCKING": "1"}, 12),
@@ -349,10 +350,13 @@ def job_sweep(name, budget_s):
     from k3ir.backends.triton import kda_bwd as KB
     t_end = time.time() + budget_s
     base = dict(KB.TUNING)
-    variants = [("default", {}), ("prep bk32", {"bk_prep": 32}), ("prep w8", {"w_prep": 8}), ("wy w8", {"w_wy": 8}),
+    variants = [("default", {}), ("intra diag tf32x3", {"intra_diag_prec": "tf32x3"}),
+                ("intra diag tf32", {"intra_diag_prec": "tf32"}), ("intra exact", {"k3_exact": "bwd_intra"}),
+                ("prep w8", {"w_prep": 8}), ("wy w8", {"w_wy": 8}),
                 ("wy bv64", {"bv_wy": 64}), ("intra w8", {"w_intra": 8}), ("intra w2", {"w_intra": 2}),
                 ("intra bk64", {"bk_intra": 64}), ("rec bv64", {"bv_rec": 64}), ("rec st3", {"stages_rec": 3}),
-                ("chain w4", {"w_chain": 4}), ("prelude w4", {"w_prelude": 4}), ("wy bk64", {"bk_wy": 64})]
+                ("chain w4", {"w_chain": 4}), ("prelude w4", {"w_prelude": 4}), ("wy bk64", {"bk_wy": 64}),
+                ("wy wgmma", {"mma_v2": ""})]         # last: Triton 3.6's wgmma faulted here once (kda_bwd.TUNING)
     x = inputs(1, 32768, 32, 128, seed=0)
     do = torch.randn_like(x["v"])
     rows = []

@@ -33,10 +33,12 @@ DTYPES: dict = {}
 #: >= 32 on the dense path: the H200 probe of 03:21 (bench/kda_prep_probe.py) found the dense diagonal tiles wrong
 #: with 16-wide tf32 K slices only (P diagonal blocks 0.38, Ai 0.92; off-diagonal blocks right; ieee dots or 32-wide
 #: slices right: 1.6e-3 / 1.8e-3), which was the "K3 gradients 0.9 off on the GPU only" of 01:52; ``kda_backward``
-#: widens a narrower slice on that path.
+#: widens a narrower slice on that path. ``intra_diag_prec``: input precision of bwd_intra's dense diagonal-tile
+#: dots (bf16/fp16 inputs): with "tf32" the K3 dt_bias gradient was 1.2e-2 off (fla's tolerance 8e-3; H200, 04:16):
+#: its factors reach exp(+-40) and dG sums terms that cancel; "ieee" (fp32 FMA, 16x16 tiles) or "tf32x3".
 TUNING: dict = {"bk_prep": 32, "bk_wy": 32, "bk_intra": 32, "bv_rec": 32, "bv_wy": 32,
                 "w_prelude": 8, "w_prep": 4, "w_rec": 4, "w_wy": 4, "w_intra": 4, "w_chain": 8,
-                "stages_rec": 2, "stages_wy": 1, "mma_v2": "bwd_wy", "k3_exact": ""}
+                "stages_rec": 2, "stages_wy": 1, "mma_v2": "bwd_wy", "k3_exact": "", "intra_diag_prec": "ieee"}
 
 
 def _alloc(shape, dtype, device):
@@ -169,6 +171,7 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
         ("bwd_intra", lambda: ki.kda_bwd_intra_kernel[(NC * (BT // BC), NK, H)](
             qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu, ci, T, B * T, shift,
             H=H, K=K, BT=BT, BC=BC, BK=bk_i, IS_VARLEN=VAR, EXACT=EXI, PREC=prec,
+            DPREC=prec if prec == "ieee" else tu["intra_diag_prec"],
             num_warps=tu["w_intra"])),
         ("chain", lambda: ki.kda_bwd_chain_kernel[(NC, H)](
             q, k, g, A_log_, dtb_, dq, dk, dG, dq_o, dk_o, dg_o, dA_part, ddt_part, cu, ci, T, scale, lb,

@@ -15,7 +15,7 @@ from .kda_common import chunk_rows, head_decay, l2norm_rows_bwd, ld_row, ld_vec,
 @triton.jit(do_not_specialize=["T"])
 def kda_bwd_intra_kernel(qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu_seqlens, chunk_indices, T, NTOK, shift,
                          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                         IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr):
+                         IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr, DPREC: tl.constexpr):
     i_ci, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NS: tl.constexpr = BT // BC
     i_c, i_i = i_ci // NS, i_ci % NS
@@ -64,8 +64,8 @@ def kda_bwd_intra_kernel(qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu_seqlens, ch
         strict = rows[:, None] > rows[None, :]
         aq = tl.where(strict, ldf(dAq, row0, r0, nv, i_h, r0, H, BT, BC, BC), 0.)
         ak = tl.where(strict, ldf(dAk, row0, r0, nv, i_h, r0, H, BT, BC, BC), 0.)
-        dq2 += tl.dot(aq, kgk, input_precision=PREC) * gq
-        dk2 += tl.dot(ak, kgk, input_precision=PREC) * gq
+        dq2 += tl.dot(aq, kgk, input_precision=DPREC) * gq
+        dk2 += tl.dot(ak, kgk, input_precision=DPREC) * gq
     dbeta = tl.sum(dk2 * b_k, 1)
     dk2 *= b_b[:, None]
     b_dG = b_q * dq2 + b_k * dk2
@@ -109,8 +109,8 @@ def kda_bwd_intra_kernel(qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu_seqlens, ch
         upper = rows[:, None] < rows[None, :]
         aqT = tl.where(upper, ldT(dAq, row0, r0, nv, i_h, r0, H, BT, BC, BC).to(tl.float32), 0.)
         akT = tl.where(upper, ldT(dAk, row0, r0, nv, i_h, r0, H, BT, BC, BC).to(tl.float32), 0.)
-        dkt += tl.dot(aqT, b_q * ge, input_precision=PREC) * kn_
-        dkt += tl.dot(akT, b_k * b_b[:, None] * ge, input_precision=PREC) * kn_
+        dkt += tl.dot(aqT, b_q * ge, input_precision=DPREC) * kn_
+        dkt += tl.dot(akT, b_k * b_b[:, None] * ge, input_precision=DPREC) * kn_
     b_dG -= b_k * dkt
     dkt += d[:, None] * b_q
     st(dq, ldf(dq, row0, r0, nv, i_h, k0, H, K, BC, BK) + dq2, row0, r0, nv, i_h, k0, H, K, BC, BK)
