@@ -28,8 +28,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.environ.get("OUT", ".")
 HBM = 4.25e12
-CONFIGS = [{"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 3, "TAIL": 1}, {"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 3, "TAIL": 0},
-           {"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 4, "TAIL": 1}, {"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 0, "TAIL": 0},
+CONFIGS = [{"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 0, "TAIL": 0}, {"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 3, "TAIL": 0},
+           {"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 4, "TAIL": 1}, {"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 3, "TAIL": 1},
            {"MR": 2, "KQ": 1, "BT": 8, "NW": 4, "ST": 0, "TAIL": 0}, {"MR": 1, "KQ": 2, "BT": 8, "NW": 4, "ST": 0, "TAIL": 0},
            {"MR": 2, "KQ": 2, "BT": 16, "NW": 4, "ST": 3, "TAIL": 0}, {"MR": 4, "KQ": 1, "BT": 8, "NW": 4, "ST": 3, "TAIL": 0}]
 # CONFIGS[0] must be moe_gluon.CONFIG (the default the k3 section times; warm 0 also compiles its row-grid and
