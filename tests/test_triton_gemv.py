@@ -97,3 +97,16 @@ def test_gemv_launch_config_covers_the_kimi_linear_shapes():
     assert cfgs[(1, 2048, 128, False)] == (16, 128, 4)
     assert cfgs[(1, 2048, 8192, False)] == (4, 2048, 4)
     assert cfgs[(4, 2048, 2048, False)] == (4, 512, 4)
+
+
+def test_combine_add_matches_float64():
+    """combine_add: a prefill linear's output + two residuals + the MoE combine of pre-scaled rows, one pass."""
+    from k3ir.backends.triton.gemv import combine_add
+    g = torch.Generator().manual_seed(11)
+    B, T, N, k = 2, 9, 40, 3
+    y, r1, r2 = (torch.randn(B, T, N, generator=g).to(DEV) for _ in range(3))
+    ys = torch.randn(B * T * k, N, generator=g).to(DEV)
+    inv = torch.randperm(B * T * k, generator=g).reshape(B, T, k).to(DEV)
+    want = y.double() + r1.double() + r2.double() + ys.double()[inv].sum(2)
+    assert rel_err(combine_add(y, (r1, r2), ys, inv).double().cpu().numpy(), want.cpu().numpy()) < 1e-6
+    assert rel_err(combine_add(y, (r1,), ys, inv).double().cpu().numpy(), (want - r2.double()).cpu().numpy()) < 1e-6

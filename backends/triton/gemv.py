@@ -129,6 +129,44 @@ def gemv_kernel(x, w, w3, y, r1, r2, nw, ys, inv, x2, w2, y2,
     tl.store(y + out, acc.to(y.dtype.element_ty), mask=mo)
 
 
+@triton.jit
+def combine_add_kernel(y, r1, r2, ys, inv, out, T, N, KSLOT: tl.constexpr, NRES: tl.constexpr, BT: tl.constexpr,
+                       BN: tl.constexpr):
+    """out[t] = y[t] + r1[t] (+ r2[t]) + sum_j ys[inv[t, j]] over rows t < T of N columns (fp32, one rounding):
+    a prefill linear's residual additions and the MoE combine of pre-scaled expert rows in one pass."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    mt = rows < T
+    m = mt[:, None] & (cols < N)[None, :]
+    off = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    acc = tl.load(y + off, mask=m, other=0.).to(tl.float32)
+    if NRES >= 1:
+        acc += tl.load(r1 + off, mask=m, other=0.).to(tl.float32)
+    if NRES >= 2:
+        acc += tl.load(r2 + off, mask=m, other=0.).to(tl.float32)
+    for j in tl.static_range(KSLOT):
+        src = tl.load(inv + rows.to(tl.int64) * KSLOT + j, mask=mt, other=0)
+        acc += tl.load(ys + src.to(tl.int64)[:, None] * N + cols[None, :], mask=m, other=0.).to(tl.float32)
+    tl.store(out + off, acc.to(out.dtype.element_ty), mask=m)
+
+
+def combine_add(y: torch.Tensor, res, ys: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """``y + sum(res) + sum_j ys[inv[..., j]]`` in one launch: y ``[..., N]``, res up to two tensors like y,
+    ys ``[S, N]`` pre-scaled expert rows, inv int ``[..., k]``. Returns a new tensor like y (fp32 sums)."""
+    N = y.shape[-1]
+    yy = y.reshape(-1, N).contiguous()
+    T = yy.shape[0]
+    rr = [r.reshape(T, N).contiguous() for r in res]
+    out = torch.empty_like(yy)
+    BT, BN = (16, 32) if interpreting() else (8, 256)
+    if T:
+        k = int(inv.shape[-1])
+        combine_add_kernel[(triton.cdiv(T, BT), triton.cdiv(N, BN))](
+            yy, rr[0] if rr else None, rr[1] if len(rr) > 1 else None, ys.contiguous(), inv.reshape(T, k).contiguous(),
+            out, T, N, KSLOT=k, NRES=len(rr), BT=BT, BN=BN, num_warps=4)
+    return out.reshape(y.shape)
+
+
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``gemv`` takes x ``[..., K]`` and w ``[N, K]``: at most MAX_ROWS rows, a float dtype
     other than float64, weight of the same dtype family."""

@@ -420,8 +420,8 @@ class PlanInterpreter(Interpreter):
             if y.dtype == torch.float64 or not env.get(("scaled", id(op.operands[0]))):
                 return super().exec_op(op, env, observe)
             inv = val[2]
-            if len(act) > 1 and self.observe is None and inv.numel() // max(1, inv.shape[-1]) <= gemv_k.MAX_ROWS:
-                env[id(op.results[0])] = Combined(y, inv)       # summed in the lin_add gemv (or materialized)
+            if len(act) > 1 and self.observe is None and _no_grad(y) and (y.is_cuda or interpreting()):
+                env[id(op.results[0])] = Combined(y, inv)       # summed in the lin_add launch (or materialized)
                 return
             out = moe_k.moe_combine(y, None, inv)
         outs = [out]
@@ -462,6 +462,12 @@ class PlanInterpreter(Interpreter):
                                              for r in rest + comb):
                 y = gemv_k.gemv(xr, w, res=rest, norm=nrm, comb=(comb[0].y, comb[0].inv) if comb else None)
                 return self._store(op, [y], env, observe)
+            if comb and len(rest) <= 2 and _no_grad(x, w, *rest) and all(
+                    tuple(r.shape) == (*x.shape[:-1], w.shape[0]) and r.dtype == x.dtype for r in rest + comb):
+                # prefill: cuBLAS for the linear, then its residual adds and the MoE combine in one pass
+                xv = _val(x)
+                y = torch.nn.functional.linear(xv, w.to(xv.dtype))
+                return self._store(op, [gemv_k.combine_add(y, rest, comb[0].y, comb[0].inv)], env, observe)
             deferred = [lin, *chain[:-1]]
         for o in deferred:
             super().exec_op(o, env, observe)
