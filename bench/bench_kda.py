@@ -157,6 +157,9 @@ VARIANTS = [
     ("inv_akk_fp32", {"inv": "akk", "inv_prec": "ieee", "inv_warps": 4, "exact_bk": 16}, None),  # the 01:50 default
     ("inv_split_fp32", {"inv_prec": "ieee", "inv_warps": 4}, None),   # split inverse, fp32 dots on 4 warps
     ("sp_bk16", {"exact_bk": 16}, "softplus"),       # softplus akk in 16-column slices
+    ("recur_bv16", {"bv": 16}, None),          # recurrence BV 16: 256 programs at B1 H32 (2 per SM)
+    ("recur_w8", {"recur_warps": 8}, None),
+    ("wu_flat_w8", {"wu_flat_warps": 8}, None),
     ("recur_bv32", {"bv": 32}, None),          # recurrence BV 32 at N*H >= 128 too (use with --shapes 8,4096,32,128)
     ("no_gcum", {"gcum": False}, None),        # the gate cumsum recomputed inside akk and wu (the 00:58 design)
 ]
