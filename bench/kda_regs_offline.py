@@ -103,10 +103,13 @@ def wu(bk=32, warps=8, bv=32, gate=0, stages=2, gpre=True, h=32, prefetch=False)
     return _compile(kf.kda_wu_kernel, names, types, const, warps, stages)
 
 
-def inv(warps=1, gate=0, h=32, ip="tf32"):
-    names = ["beta", "Ascr", "Xb", "cu_seqlens", "chunk_indices", "T"]
-    types = ["*bf16", "*fp32", "*fp32", "*i32", "*i32", "i32"]
-    const = {"H": h, "BT": 64, "BC": 16, "IS_VARLEN": False, "BETA_SIGMOID": True, "INV_DOTS": True, "IP": ip}
+def inv(warps=1, gate=0, h=32, ip="tf32", store_ai=False):
+    names = ["beta", "Ascr", "Xb", "Ai", "cu_seqlens", "chunk_indices", "T"]
+    types = ["*bf16", "*fp32", "*fp32", "*bf16" if store_ai else "constexpr", "*i32", "*i32", "i32"]
+    const = {"H": h, "BT": 64, "BC": 16, "IS_VARLEN": False, "BETA_SIGMOID": True, "INV_DOTS": True, "IP": ip,
+             "STORE_AI": bool(store_ai)}
+    if not store_ai:
+        const["Ai"] = None
     return _compile(kf.kda_inv_kernel, names, types, const, warps, 1)
 
 

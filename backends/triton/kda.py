@@ -2,9 +2,11 @@
 
 The forward runs four Triton launches by default (``kda_fwd_kernels``: gate cumsum, A/P/inverse, then w/u; then
 the recurrence in ``kda_kernels``; ``TUNING["intra"] = "fused"``: the older one-launch intra kernel);
-the backward recomputes through the
-differentiable PyTorch form of the same factorisation (``kda_torch``) and takes its gradients
-with autograd (correct, not yet a fused backward kernel: see bench/KDA_NOTES.md).
+the backward runs the chunked Triton kernels of ``kda_bwd`` (``K3IR_KDA_BWD=torch``: autograd through the
+differentiable PyTorch form ``kda_torch``). By default (``TUNING["bwd_reuse"]``) the forward keeps w, u, qg, kg,
+P, (I+Akk)^-1 and G for the backward, which then skips its prep launch: +1.75 kB of activation memory per
+token-head at K = V = 128 in bf16 (w, u, qg, kg 4*K*2 B; P, Ai 2*64*2 B; G K*4 B); ``TUNING["bwd_reuse"] =
+False`` keeps only the inputs and recomputes them.
 """
 from __future__ import annotations
 
@@ -48,7 +50,9 @@ INTERMEDIATE_DTYPES: dict = {}
 #: (K3 K slice 32: akk 1.69 -> 1.30 ms; unbounded gates K slice 16: 2.62 -> 2.10 ms), the gate cumsum as per-thread
 #: running sums with lg2.approx for the softplus log (gcum 0.36 / 0.53 -> 0.22 ms) and the flat w/u launch
 #: (1.12 -> 1.01 ms).
-TUNING: dict = {"intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "order": "strip", "bk": 32,
+#: ``bwd_reuse``: ``kda_forward``'s autograd keeps w, u, qg, kg, P, (I+Akk)^-1 and G for the backward, which
+#: skips its prep launch (``_KDAFunction``: +1.75 kB per token-head of activation memory); False: recompute.
+TUNING: dict = {"bwd_reuse": True, "intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "order": "strip", "bk": 32,
                 "warps": 4, "stages": 1, "inv": "split", "inv_warps": 1, "maxnreg": None, "exact_maxnreg": 128,
                 "exact_bk": 16, "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
                 "inv_prec": "tf32", "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8,
@@ -103,7 +107,8 @@ def _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate):
 
 def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, initial_state=None,
                         output_final_state=False, cu_seqlens=None, scale=None, gate: str = "raw",
-                        stages: tuple[str, ...] = ("intra", "recur"), return_intermediates: bool = False):
+                        stages: tuple[str, ...] = ("intra", "recur"), return_intermediates: bool = False,
+                        store_ai: bool = False):
     """The Triton launches, no autograd. Same contract as ``kda_forward``; ``stages`` picks launches
     for timing one kernel alone (the outputs are then meaningless): "intra" (all intra-chunk launches),
     "gcum" / "akk" / "inv" / "wu" (one launch of the split path), "recur". With ``return_intermediates``
@@ -111,7 +116,10 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
     ``w, u, qg, kg`` ``[B,T,H,K|V]`` (q's dtype), ``Aqk`` (P, ``[B,T,H,64]``), ``gC`` (``exp(G_C)``, fp32
     ``[chunks,H,K]``, chunks in sequence order) and, split path only, ``Xb`` (``(I+A)^-1 diag(beta)``
     per chunk, ``[B,T,H,64]``, lower blocks valid), ``rq`` (``scale / |q|``) and ``rk`` (``1 / |k|``)
-    fp32 ``[B,T,H]``, and with ``TUNING["gcum"]`` ``G`` (in-chunk cumulative log-decay, fp32 ``[B,T,H,K]``)."""
+    fp32 ``[B,T,H]``, and with ``TUNING["gcum"]`` ``G`` (in-chunk cumulative log-decay, fp32 ``[B,T,H,K]``).
+    ``store_ai`` (split path with ``TUNING["inv"] = "split"`` only): the inverse launch also writes ``Ai`` =
+    ``(I+Akk)^-1`` unscaled (q's dtype, ``[B,T,H,64]``, zeros above the diagonal) into the intermediates, for
+    the backward (``saved_for_backward``)."""
     N = _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate)
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -195,11 +203,15 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
                 IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"], GPRE=gpre, INV_SPLIT=inv_split,
                 num_warps=TUNING["warps"], num_stages=TUNING["stages"], **({"maxnreg": cap} if cap else {}),
                 **common)
+        Ai = None
+        if inv_split and store_ai:
+            inter["Ai"] = Ai = torch.empty(B, T, H, BT, dtype=dts.get("A", idt), device=dev)
         if inv_split and ("intra" in stages or "inv" in stages):
             kf.kda_inv_kernel[(NC, H)](
-                beta, Ascr, Xb, cu_dev, chunk_indices, T, H=H, BT=BT, BC=BC, IS_VARLEN=cu_seqlens is not None,
+                beta, Ascr, Xb, Ai, cu_dev, chunk_indices, T, H=H, BT=BT, BC=BC, IS_VARLEN=cu_seqlens is not None,
                 BETA_SIGMOID=gate != "precomputed", INV_DOTS=TUNING["inv_dots"],
-                IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"], num_warps=TUNING["inv_warps"])
+                IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"], STORE_AI=Ai is not None,
+                num_warps=TUNING["inv_warps"])
         wu_flat = gpre and TUNING["wu_mode"] == "flat"
         if wu_flat and ("intra" in stages or "wu" in stages):
             wbk, wbv = min(TUNING["wu_bk"], K), min(TUNING["wu_bv"], V)
@@ -231,23 +243,57 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
     return (o, ht, inter) if return_intermediates else (o, ht)
 
 
+def saved_for_backward(inter: dict) -> dict | None:
+    """The intermediates of ``kda_forward_kernels(..., return_intermediates=True, store_ai=True)`` that
+    ``kda_bwd.kda_backward(saved=...)`` reuses instead of its prep launch: ``w, u, qg, kg, P`` (= ``Aqk``),
+    ``Ai`` and ``G`` (when ``TUNING["gcum"]``); None when the forward path did not produce them all (the fused
+    intra kernel, the inverse inside the akk launch, T = 0): the backward then recomputes them.
+
+    Same definitions as the backward's prep launch (checked against ``kda_bwd_kernels``): P includes the q
+    scale and the diagonal (zeros above); qg = q_n scale exp(G); kg = k_n exp(G_last - G) with the last valid
+    row's G in a partial chunk; w = Ai (beta exp(G) k_n); u = Ai (beta v); G the in-chunk cumsum in fp32
+    (padding rows unwritten in both: every backward read masks them); all token-indexed, so varlen chunk
+    layouts agree. The forward's inverse uses ``TUNING["inv_prec"]`` dots (tf32 on bf16 inputs) where the prep
+    launch used fp32 ones: the backward sees the same Ai as the forward's output."""
+    keys = {"w": "w", "u": "u", "qg": "qg", "kg": "kg", "P": "Aqk", "Ai": "Ai"}
+    if any(inter.get(v) is None for v in keys.values()):
+        return None
+    out = {n: inter[v] for n, v in keys.items()}
+    if inter.get("G") is not None:
+        out["G"] = inter["G"]
+    return out
+
+
 class _KDAFunction(torch.autograd.Function):
+    """Autograd of ``kda_forward``. With ``TUNING["bwd_reuse"]`` (default True) and a gradient needed, the
+    forward keeps its intermediates for the backward (``saved_for_backward``), which then skips its prep launch.
+    Extra activation memory held from forward to backward, per token and head (bf16 inputs, K = V = 128):
+    w, u, qg, kg 4 * 128 * 2 = 1024 B, P and Ai 2 * 64 * 2 = 256 B, G 128 * 4 = 512 B: 1.75 kB (1.75 GB at
+    B1 T32768 H32; q/k/v/g themselves are 1 kB). ``TUNING["bwd_reuse"] = False`` restores the recompute (only
+    the inputs saved)."""
+
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, lower_bound, output_final_state,
                 cu_seqlens, scale, gate):
-        o, ht = kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state,
-                                    output_final_state, cu_seqlens, scale, gate)
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+        reuse = bool(TUNING.get("bwd_reuse", True)) and any(ctx.needs_input_grad) and _bwd_mode() != "torch"
+        res = kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state,
+                                  output_final_state, cu_seqlens, scale, gate, return_intermediates=reuse,
+                                  store_ai=reuse)
+        o, ht = res[0], res[1]
+        sv = saved_for_backward(res[2]) if reuse else None
+        ctx.saved_keys = tuple(sv) if sv else ()
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                              *(sv[n] for n in ctx.saved_keys))
         ctx.lower_bound, ctx.scale, ctx.gate = lower_bound, scale, gate
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *extra = ctx.saved_tensors
         if _bwd_mode() != "torch":     # the chunked Triton backward (kda_bwd); K3IR_KDA_BWD=torch: recompute
             from .kda_bwd import kda_backward
             res = kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, ctx.lower_bound,
-                               ctx.scale, cu_seqlens, ctx.gate)
+                               ctx.scale, cu_seqlens, ctx.gate, saved=dict(zip(ctx.saved_keys, extra)) or None)
             return (*res, None, None, None, None, None)
         leaves = [x.detach().requires_grad_(x.is_floating_point()) if x is not None else None
                   for x in (q, k, v, g, beta, A_log, dt_bias, initial_state)]

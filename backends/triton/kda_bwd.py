@@ -3,7 +3,8 @@
 dt_bias and the initial state, for both gates, variable-length batches and ``gate="precomputed"``.
 
 Seven launches: prelude, prep (Akk, P, (I+Akk)^-1, w, u, qg, kg), fwd_h (states per chunk and v'),
-bwd_dh (reverse state-gradient recurrence), bwd_wy, bwd_intra, chain. ``TUNING`` holds the launch
+bwd_dh (reverse state-gradient recurrence), bwd_wy, bwd_intra, chain. Six when the forward's intermediates are
+passed (``saved``; ``kda_forward``'s autograd does so by default, ``kda.TUNING["bwd_reuse"]``): no prep. ``TUNING`` holds the launch
 choices (the bench sweeps them); ``DTYPES`` the storage dtypes of intermediates (default: q's
 dtype, as fla; fp32 for G, the 64x64 gradients and the dq/dk/dG partial sums).
 """
@@ -83,14 +84,27 @@ def chunk_index(cu_seqlens, B, T, dev):
             torch.tensor(cu, dtype=torch.int32, device=dev))
 
 
+#: the buffers ``kda_backward(saved=...)`` takes from the forward to skip the prep launch (G optional)
+SAVED_KEYS = ("w", "u", "qg", "kg", "P", "Ai")
+
+
 def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower_bound=None, scale=None,
-                 cu_seqlens=None, gate: str = "raw", timings: dict | None = None, debug: dict | None = None):
+                 cu_seqlens=None, gate: str = "raw", timings: dict | None = None, debug: dict | None = None,
+                 saved: dict | None = None):
     """Gradients of ``kda_forward`` (same arguments) given ``do`` ``[B,T,H,V]`` and ``dht``
     ``[N,H,K,V]`` (or None). Returns (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0), each in its
     input's dtype and shape (None for inputs that are None; dA_log/ddt_bias None when
     ``gate="precomputed"``). ``timings``: when a dict, each launch is timed alone (CUDA events,
     synchronising) into it in ms. ``debug``: when a dict, receives the intermediate buffers by name (G, bn,
-    qn, kn, Ai, P, w, u, qg, kg, h, vn, dh, dvn, dAq, dAk, dq/dk/dG partial sums) for bisecting per launch."""
+    qn, kn, Ai, P, w, u, qg, kg, h, vn, dh, dvn, dAq, dAk, dq/dk/dG partial sums) for bisecting per launch.
+
+    ``saved``: the forward's intermediates (``kda.saved_for_backward``; ``kda_forward``'s autograd passes them
+    when ``kda.TUNING["bwd_reuse"]``): ``w, qg, kg`` ``[B,T,H,K]``, ``u`` ``[B,T,H,V]``, ``P`` (the forward's
+    ``Aqk``: q scale and diagonal included) and ``Ai`` (``(I+Akk)^-1`` unscaled, all blocks, zeros above the
+    diagonal) ``[B,T,H,64]``, optionally ``G`` (fp32 in-chunk cumsum ``[B,T,H,K]``, valid rows); same
+    definitions as the prep launch computes (module docstring of ``kda_bwd_kernels``). With all of
+    ``SAVED_KEYS`` present the prep launch is skipped (six launches) and, with ``G``, the prelude does not read
+    g; a buffer in another dtype than this function would allocate is converted. Missing keys: recompute."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     dev = q.device
@@ -125,11 +139,20 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
     prec = "ieee" if idt == torch.float32 else "tf32"
     tu = TUNING
     e = lambda *s, d: _alloc(s, d, dev)
+    sv = saved if saved is not None and all(saved.get(n) is not None for n in SAVED_KEYS) else None
+    want = {"w": dt("w"), "u": dt("w"), "qg": dt("w"), "kg": dt("w"), "P": dt("A"), "Ai": dt("A"), "G": f32}
+    sv = None if sv is None else {n: t.contiguous() if t.dtype == want[n] else t.to(want[n]).contiguous()
+                                  for n, t in sv.items() if n in want and t is not None}
     qn, kn = e(B, T, H, K, d=dt("w")), e(B, T, H, K, d=dt("w"))
-    G, bn = e(B, T, H, K, d=f32), e(B, T, H, d=f32)
-    Ai, P = e(B, T, H, BT, d=dt("A")), e(B, T, H, BT, d=dt("A"))
-    w, qg, kg = e(B, T, H, K, d=dt("w")), e(B, T, H, K, d=dt("w")), e(B, T, H, K, d=dt("w"))
-    u = e(B, T, H, V, d=dt("w"))
+    G = sv["G"] if sv is not None and "G" in sv else e(B, T, H, K, d=f32)
+    bn = e(B, T, H, d=f32)
+    if sv is not None:
+        Ai, P, w, qg, kg, u = (sv[n] for n in ("Ai", "P", "w", "qg", "kg", "u"))
+    else:
+        Ai, P = e(B, T, H, BT, d=dt("A")), e(B, T, H, BT, d=dt("A"))
+        w, qg, kg = e(B, T, H, K, d=dt("w")), e(B, T, H, K, d=dt("w")), e(B, T, H, K, d=dt("w"))
+        u = e(B, T, H, V, d=dt("w"))
+    store_g = not (sv is not None and "G" in sv)
     h, dh = e(NC, H, K, V, d=dt("h")), e(NC, H, K, V, d=dt("dh"))
     vn, dvn = e(B, T, H, V, d=dt("vn")), e(B, T, H, V, d=dt("dvn"))
     dq, dk, dG = e(B, T, H, K, d=f32), e(B, T, H, K, d=f32), e(B, T, H, K, d=f32)
@@ -151,7 +174,7 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
     launches = [
         ("prelude", lambda: kb.kda_bwd_prelude_kernel[(NC, H)](
             q, k, g, beta, A_log_, dtb_, qn, kn, G, bn, cu, ci, T, scale, lb,
-            H=H, K=K, BT=BT, GATE=GATE, L2NORM=not pre, BETA_SIGMOID=not pre, IS_VARLEN=VAR,
+            H=H, K=K, BT=BT, GATE=GATE, L2NORM=not pre, BETA_SIGMOID=not pre, IS_VARLEN=VAR, STORE_G=store_g,
             num_warps=tu["w_prelude"])),
         ("prep", lambda: kb.kda_bwd_prep_kernel[(NC, H)](
             qn, kn, G, bn, v, Ai, P, w, u, qg, kg, cu, ci, T, shift,
@@ -177,6 +200,8 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
             q, k, g, A_log_, dtb_, dq, dk, dG, dq_o, dk_o, dg_o, dA_part, ddt_part, cu, ci, T, scale, lb,
             H=H, K=K, BT=BT, GATE=GATE, L2NORM=not pre, IS_VARLEN=VAR, num_warps=tu["w_chain"])),
     ]
+    if sv is not None:          # w, u, qg, kg, P, Ai from the forward
+        launches = [x for x in launches if x[0] != "prep"]
     v2 = {x.strip() for x in str(tu.get("mma_v2", "")).split(",")}
     for name, fn in launches:
         if timings is None:

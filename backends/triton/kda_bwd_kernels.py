@@ -95,7 +95,10 @@ def _st_blk(ptr, blk, row0, r0, c0, nv, i_h, H: tl.constexpr, BT: tl.constexpr, 
 @triton.jit(do_not_specialize=["T"])
 def kda_bwd_prelude_kernel(q, k, g, beta, A_log, dt_bias, qn, kn, G, bn, cu_seqlens, chunk_indices, T, scale, lb,
                            H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr,
-                           L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr):
+                           L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
+                           STORE_G: tl.constexpr):
+    """L2 norms (q scaled), beta sigmoid and, with ``STORE_G``, the gate's in-chunk cumsum G (``STORE_G`` False:
+    G came from the forward, ``kda_bwd(saved=...)``; g is not read)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 64)
     rows = tl.arange(0, BT)
@@ -107,11 +110,12 @@ def kda_bwd_prelude_kernel(q, k, g, beta, A_log, dt_bias, qn, kn, G, bn, cu_seql
         bk = l2norm_rows(bk)
     st(qn, bq * scale, row0, 0, nv, i_h, 0, H, K, BT, K)
     st(kn, bk, row0, 0, nv, i_h, 0, H, K, BT, K)
-    bg = ldf(g, row0, 0, nv, i_h, 0, H, K, BT, K)
-    a_h = head_decay(A_log, i_h, GATE)
-    dtb = gate_bias(dt_bias, i_h, tl.arange(0, K), K, GATE)
-    gate = tl.where(m[:, None], gate_act(bg, dtb[None, :], a_h, lb, GATE, False), 0.)
-    st(G, tl.cumsum(gate, 0), row0, 0, nv, i_h, 0, H, K, BT, K)
+    if STORE_G:
+        bg = ldf(g, row0, 0, nv, i_h, 0, H, K, BT, K)
+        a_h = head_decay(A_log, i_h, GATE)
+        dtb = gate_bias(dt_bias, i_h, tl.arange(0, K), K, GATE)
+        gate = tl.where(m[:, None], gate_act(bg, dtb[None, :], a_h, lb, GATE, False), 0.)
+        st(G, tl.cumsum(gate, 0), row0, 0, nv, i_h, 0, H, K, BT, K)
     bb = ld_vec(beta, row0, 0, nv, i_h, H, BT)
     if BETA_SIGMOID:
         bb = tl.sigmoid(bb)

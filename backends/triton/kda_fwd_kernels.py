@@ -361,10 +361,12 @@ def _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h,
 
 
 @triton.jit
-def _inverse(Ascr, Xb, b0, b1, b2, b3, row0, nv, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-             INV_DOTS: tl.constexpr, IP: tl.constexpr):
+def _inverse(Ascr, Xb, Ai, b0, b1, b2, b3, row0, nv, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+             INV_DOTS: tl.constexpr, IP: tl.constexpr, STORE_AI: tl.constexpr):
     """``Xb = (I + A)^-1 diag(beta)`` (lower 16x16 blocks) from the strictly lower ``A`` in ``Ascr``: the four
-    diagonal blocks inverted (Neumann dots or substitution), the six others by block substitution."""
+    diagonal blocks inverted (Neumann dots or substitution), the six others by block substitution. ``STORE_AI``:
+    also the unscaled ``(I + A)^-1`` to ``Ai`` (``[B,T,H,BT]`` in its dtype, all 16 blocks: zeros above the
+    diagonal), the buffer the backward (``kda_bwd``) reads instead of recomputing it."""
     A00 = ldf_blk(Ascr, row0, 0, 0, nv, i_h, H, BT, BC)
     A10 = ldf_blk(Ascr, row0, BC, 0, nv, i_h, H, BT, BC)
     A11 = ldf_blk(Ascr, row0, BC, BC, nv, i_h, H, BT, BC)
@@ -389,6 +391,24 @@ def _inverse(Ascr, Xb, b0, b1, b2, b3, row0, nv, i_h, H: tl.constexpr, BT: tl.co
     st_blk(Xb, X31 * b1[None, :], row0, 3 * BC, BC, nv, i_h, H, BT, BC)
     st_blk(Xb, X32 * b2[None, :], row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
     st_blk(Xb, X33 * b3[None, :], row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
+    if STORE_AI:
+        z = tl.zeros([BC, BC], dtype=tl.float32)
+        st_blk(Ai, X00, row0, 0, 0, nv, i_h, H, BT, BC)
+        st_blk(Ai, z, row0, 0, BC, nv, i_h, H, BT, BC)
+        st_blk(Ai, z, row0, 0, 2 * BC, nv, i_h, H, BT, BC)
+        st_blk(Ai, z, row0, 0, 3 * BC, nv, i_h, H, BT, BC)
+        st_blk(Ai, X10, row0, BC, 0, nv, i_h, H, BT, BC)
+        st_blk(Ai, X11, row0, BC, BC, nv, i_h, H, BT, BC)
+        st_blk(Ai, z, row0, BC, 2 * BC, nv, i_h, H, BT, BC)
+        st_blk(Ai, z, row0, BC, 3 * BC, nv, i_h, H, BT, BC)
+        st_blk(Ai, X20, row0, 2 * BC, 0, nv, i_h, H, BT, BC)
+        st_blk(Ai, X21, row0, 2 * BC, BC, nv, i_h, H, BT, BC)
+        st_blk(Ai, X22, row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC)
+        st_blk(Ai, z, row0, 2 * BC, 3 * BC, nv, i_h, H, BT, BC)
+        st_blk(Ai, X30, row0, 3 * BC, 0, nv, i_h, H, BT, BC)
+        st_blk(Ai, X31, row0, 3 * BC, BC, nv, i_h, H, BT, BC)
+        st_blk(Ai, X32, row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
+        st_blk(Ai, X33, row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -418,23 +438,24 @@ def kda_akk_kernel(q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, c
                                       GPRE)
     if not INV_SPLIT:   # else kda_inv_kernel inverts A in its own launch
         tl.debug_barrier()
-        _inverse(Ascr, Xb, b0, b1, b2, b3, row0, nv, i_h, H, BT, BC, INV_DOTS, IP)
+        _inverse(Ascr, Xb, Xb, b0, b1, b2, b3, row0, nv, i_h, H, BT, BC, INV_DOTS, IP, False)
 
 
 @triton.jit(do_not_specialize=["T"])
-def kda_inv_kernel(beta, Ascr, Xb, cu_seqlens, chunk_indices, T,
+def kda_inv_kernel(beta, Ascr, Xb, Ai, cu_seqlens, chunk_indices, T,
                    H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr,
-                   BETA_SIGMOID: tl.constexpr, INV_DOTS: tl.constexpr, IP: tl.constexpr):
+                   BETA_SIGMOID: tl.constexpr, INV_DOTS: tl.constexpr, IP: tl.constexpr, STORE_AI: tl.constexpr):
     """``Xb = (I + A)^-1 diag(beta)`` per chunk and head from ``kda_akk_kernel``'s fp32 ``A`` scratch, in a
     launch of its own with few warps (``TUNING["inv"] = "split"``): the 40 small fp32 dots need no CTA-wide
-    barriers at one warp."""
+    barriers at one warp. ``STORE_AI``: also the unscaled inverse to ``Ai`` (for the backward; else ``Ai`` is
+    None)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
     b0 = beta_rows(beta, row0, 0, nv, i_h, H, BC, BETA_SIGMOID)
     b1 = beta_rows(beta, row0, BC, nv, i_h, H, BC, BETA_SIGMOID)
     b2 = beta_rows(beta, row0, 2 * BC, nv, i_h, H, BC, BETA_SIGMOID)
     b3 = beta_rows(beta, row0, 3 * BC, nv, i_h, H, BC, BETA_SIGMOID)
-    _inverse(Ascr, Xb, b0, b1, b2, b3, row0, nv, i_h, H, BT, BC, INV_DOTS, IP)
+    _inverse(Ascr, Xb, Ai, b0, b1, b2, b3, row0, nv, i_h, H, BT, BC, INV_DOTS, IP, STORE_AI)
 
 
 @triton.jit(do_not_specialize=["T"])
