@@ -167,7 +167,8 @@ def main():
     print(f"{'kernel':9} {'config':44} {'regs':>5} {'spill B':>8} {'smem B':>7}")
     rows = [("gcum", {"gate": g, "h": h}) for g in (0, 1) for h in (32, 96)]
     rows += [("gcum_rows", c) for c in ({"gate": 0}, {"gate": 1}, {"gate": 1, "fast_log": True}, {"gate": 0, "h": 96})]
-    rows += [("inv", {}), ("inv", {"h": 96})] + [("inv", {"ip": "ieee", "warps": w}) for w in (1, 4)]
+    rows += [("inv", {}), ("inv", {"store_ai": True}), ("inv", {"h": 96})]
+    rows += [("inv", {"ip": "ieee", "warps": w}) for w in (1, 4)]
     sp = {"gate": 1, "bk": 32, "maxnreg": 128}          # the softplus defaults (TUNING exact_bk, exact_maxnreg)
     rows += [("akk", dict(c, gate=0)) for c in ({}, {"h": 96}, {"gpre": False}, {"inv_split": False}, {"warps": 4},
                                                 {"warps": 4, "h": 96}, {"warps": 4, "bk": 16}, {"warps": 2})]

@@ -380,35 +380,34 @@ def _inverse(Ascr, Xb, Ai, b0, b1, b2, b3, row0, nv, i_h, H: tl.constexpr, BT: t
     tl.debug_barrier()
     X00, X10, X11, X20, X21, X22, X30, X31, X32, X33 = inv_blocks4(A00, A10, A11, A20, A21, A22, A30, A31, A32,
                                                                    A33, BC, INV_DOTS, IP)
-    # ---- Xb = X diag(beta): lower blocks only (the reader masks the rest)
-    st_blk(Xb, X00 * b0[None, :], row0, 0, 0, nv, i_h, H, BT, BC)
-    st_blk(Xb, X10 * b0[None, :], row0, BC, 0, nv, i_h, H, BT, BC)
-    st_blk(Xb, X11 * b1[None, :], row0, BC, BC, nv, i_h, H, BT, BC)
-    st_blk(Xb, X20 * b0[None, :], row0, 2 * BC, 0, nv, i_h, H, BT, BC)
-    st_blk(Xb, X21 * b1[None, :], row0, 2 * BC, BC, nv, i_h, H, BT, BC)
-    st_blk(Xb, X22 * b2[None, :], row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC)
-    st_blk(Xb, X30 * b0[None, :], row0, 3 * BC, 0, nv, i_h, H, BT, BC)
-    st_blk(Xb, X31 * b1[None, :], row0, 3 * BC, BC, nv, i_h, H, BT, BC)
-    st_blk(Xb, X32 * b2[None, :], row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
-    st_blk(Xb, X33 * b3[None, :], row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
-    if STORE_AI:
+    # ---- Xb = X diag(beta): lower blocks only (the reader masks the rest); STORE_AI: X itself next to each
+    _st_x(Xb, Ai, X00, b0, row0, 0, 0, nv, i_h, H, BT, BC, STORE_AI)
+    _st_x(Xb, Ai, X10, b0, row0, BC, 0, nv, i_h, H, BT, BC, STORE_AI)
+    _st_x(Xb, Ai, X11, b1, row0, BC, BC, nv, i_h, H, BT, BC, STORE_AI)
+    _st_x(Xb, Ai, X20, b0, row0, 2 * BC, 0, nv, i_h, H, BT, BC, STORE_AI)
+    _st_x(Xb, Ai, X21, b1, row0, 2 * BC, BC, nv, i_h, H, BT, BC, STORE_AI)
+    _st_x(Xb, Ai, X22, b2, row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC, STORE_AI)
+    _st_x(Xb, Ai, X30, b0, row0, 3 * BC, 0, nv, i_h, H, BT, BC, STORE_AI)
+    _st_x(Xb, Ai, X31, b1, row0, 3 * BC, BC, nv, i_h, H, BT, BC, STORE_AI)
+    _st_x(Xb, Ai, X32, b2, row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC, STORE_AI)
+    _st_x(Xb, Ai, X33, b3, row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC, STORE_AI)
+    if STORE_AI:        # the upper blocks as zeros (the backward reads whole rows)
         z = tl.zeros([BC, BC], dtype=tl.float32)
-        st_blk(Ai, X00, row0, 0, 0, nv, i_h, H, BT, BC)
         st_blk(Ai, z, row0, 0, BC, nv, i_h, H, BT, BC)
         st_blk(Ai, z, row0, 0, 2 * BC, nv, i_h, H, BT, BC)
         st_blk(Ai, z, row0, 0, 3 * BC, nv, i_h, H, BT, BC)
-        st_blk(Ai, X10, row0, BC, 0, nv, i_h, H, BT, BC)
-        st_blk(Ai, X11, row0, BC, BC, nv, i_h, H, BT, BC)
         st_blk(Ai, z, row0, BC, 2 * BC, nv, i_h, H, BT, BC)
         st_blk(Ai, z, row0, BC, 3 * BC, nv, i_h, H, BT, BC)
-        st_blk(Ai, X20, row0, 2 * BC, 0, nv, i_h, H, BT, BC)
-        st_blk(Ai, X21, row0, 2 * BC, BC, nv, i_h, H, BT, BC)
-        st_blk(Ai, X22, row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC)
         st_blk(Ai, z, row0, 2 * BC, 3 * BC, nv, i_h, H, BT, BC)
-        st_blk(Ai, X30, row0, 3 * BC, 0, nv, i_h, H, BT, BC)
-        st_blk(Ai, X31, row0, 3 * BC, BC, nv, i_h, H, BT, BC)
-        st_blk(Ai, X32, row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
-        st_blk(Ai, X33, row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
+
+
+@triton.jit
+def _st_x(Xb, Ai, X, bj, row0, r0, c0, nv, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+          STORE_AI: tl.constexpr):
+    """Block ``X`` of the inverse: ``X diag(beta_j)`` to ``Xb``, and ``X`` to ``Ai`` with ``STORE_AI``."""
+    st_blk(Xb, X * bj[None, :], row0, r0, c0, nv, i_h, H, BT, BC)
+    if STORE_AI:
+        st_blk(Ai, X, row0, r0, c0, nv, i_h, H, BT, BC)
 
 
 @triton.jit(do_not_specialize=["T"])
