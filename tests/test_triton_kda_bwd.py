@@ -147,6 +147,93 @@ def test_torch_recompute_still_selectable(monkeypatch):
         assert rel_err(a[n], b[n]) < (1e-4 if GPU else 1e-5), n
 
 
+# ---- the backward reusing the forward's intermediates (kda.TUNING["bwd_reuse"], default on) -------------------
+@pytest.fixture
+def fwd_tuning():
+    """``kda.TUNING`` restored after the test."""
+    from k3ir.backends.triton import kda as KF
+    saved = dict(KF.TUNING)
+    yield KF.TUNING
+    KF.TUNING.clear()
+    KF.TUNING.update(saved)
+
+
+class _Counter:
+    """Stands in for a ``@triton.jit`` kernel and counts its launches."""
+
+    def __init__(self, fn):
+        self.fn, self.n = fn, 0
+
+    def __getitem__(self, grid):
+        self.n += 1
+        return self.fn[grid]
+
+
+@pytest.mark.parametrize(("lb", "cu", "T"), [(-5.0, None, 70), (None, None, 65), (-5.0, [0, 5, 5, 75, 100], 100),
+                                             (None, [0, 1, 40, 40, 70], 70)])
+def test_autograd_reuse_on_and_off(monkeypatch, fwd_tuning, lb, cu, T):
+    """``kda_forward``'s autograd with the forward's w, u, qg, kg, P, (I+Akk)^-1, G reused (no prep launch) and
+    with the recompute (``bwd_reuse`` False, prep launched): both against float64 autograd, and the two within
+    fp32 rounding of each other. Both gates, T not a multiple of 64, varlen with an empty and a 1-token
+    sequence, initial state and final-state gradient."""
+    from k3ir.backends.triton import kda_bwd_kernels as KBK
+    x = make(1, T, 2, 16, N=None if cu is None else len(cu) - 1, lb=lb, seed=50 + T)
+    w, ws = _weights(x, cu, 51 + T)
+    want = _ref(x, w, ws, cu)
+    got = {}
+    for reuse in (True, False):
+        fwd_tuning["bwd_reuse"] = reuse
+        spy = _Counter(KBK.kda_bwd_prep_kernel)
+        monkeypatch.setattr(KBK, "kda_bwd_prep_kernel", spy)
+        got[reuse] = _autograd(x, w, ws, cu)
+        monkeypatch.setattr(KBK, "kda_bwd_prep_kernel", spy.fn)
+        assert spy.n == (0 if reuse else 1), f"prep launches with bwd_reuse={reuse}: {spy.n}"
+        for n in GRAD_NAMES:
+            assert got[reuse][n].dtype == x[n].dtype and got[reuse][n].shape == x[n].shape, n
+            e = rel_err(got[reuse][n], want[n])
+            assert e < TOL[n], f"bwd_reuse={reuse} {n}: {e:.2e}"
+    for n in GRAD_NAMES:
+        assert rel_err(got[True][n], got[False][n]) < (1e-3 if GPU else 2e-5), n
+
+
+@pytest.mark.parametrize(("lb", "cu", "T"), [(-5.0, [0, 5, 5, 75, 100], 100), (None, None, 70)])
+def test_saved_intermediates_match_prep(lb, cu, T):
+    """Every buffer the forward hands to the backward (``kda.saved_for_backward``) against the one the
+    backward's prep / prelude launches compute (``kda_backward(debug=...)``): same definitions (P with the
+    q scale and the diagonal, Ai unscaled with zero upper blocks, kg with the last valid row's G), on valid rows."""
+    from k3ir.backends.triton import kda as KF
+    x = make(1, T, 2, 16, N=None if cu is None else len(cu) - 1, lb=lb, seed=60 + T)
+    w, ws = _weights(x, cu, 61)
+    cut = None if cu is None else torch.tensor(cu, device=DEV)
+    args = [x[n] for n in GRAD_NAMES[:7]]
+    _, _, inter = KF.kda_forward_kernels(*args, lb, x["h0"], True, cut, return_intermediates=True, store_ai=True)
+    sv = KF.saved_for_backward(inter)
+    assert sv is not None and set(sv) == {"w", "u", "qg", "kg", "P", "Ai", "G"}
+    dbg: dict = {}
+    kda_backward(*args, x["h0"], w, ws, lb, cu_seqlens=cut, debug=dbg)
+    for n in ("w", "u", "qg", "kg", "P", "Ai", "G"):
+        assert sv[n].dtype == dbg[n].dtype and sv[n].shape == dbg[n].shape, n
+        e = rel_err(sv[n], dbg[n])
+        assert e < (2e-3 if GPU else 1e-5), f"{n}: {e:.2e}"
+    # the saved buffers alone give the recompute's gradients
+    a = kda_backward(*args, x["h0"], w, ws, lb, cu_seqlens=cut)
+    b = kda_backward(*args, x["h0"], w, ws, lb, cu_seqlens=cut, saved=sv)
+    for n, ga, gb in zip(GRAD_NAMES, a, b):
+        assert rel_err(gb, ga) < (1e-3 if GPU else 2e-5), n
+
+
+def test_reuse_falls_back_without_the_inverse(fwd_tuning):
+    """With the inverse inside the akk launch (``TUNING["inv"] = "akk"``: no unscaled Ai) the forward saves
+    nothing extra and the backward recomputes: gradients still right."""
+    fwd_tuning["inv"] = "akk"
+    x = make(1, 40, 2, 16, lb=-5.0, seed=71)
+    from k3ir.backends.triton import kda as KF
+    _, _, inter = KF.kda_forward_kernels(*(x[n] for n in GRAD_NAMES[:7]), -5.0, None, False, None,
+                                         return_intermediates=True, store_ai=True)
+    assert KF.saved_for_backward(inter) is None
+    _check(x, seed=72, via=_autograd)
+
+
 # ---- GPU: real head size, bf16, fla's gradient tolerance (8e-3) ---------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("lb", [-5.0, None])
