@@ -18,6 +18,10 @@ recurrence MMAv2-only:
   timed too unless ``--no-fla`` (then its recorded numbers: 17.25 / 22.06 ms at B1 T32768 H32).
   Registers / spills / shared memory of every compiled backward kernel.
 - ``acc_var``: variable lengths (an empty and a 1-token sequence) with initial state and final-state gradient.
+- The autograd rows (``ours``, time ``ours_fb_ms``) run with ``kda.TUNING["bwd_reuse"]`` (default on: the backward
+  takes w, u, qg, kg, P, (I+Akk)^-1, G from the forward and skips prep; the ``prepx`` variant then changes
+  nothing); ``recompute`` rows / ``ours_fb_recompute_ms`` / ``kernels_recompute_ms`` the old path (bwd_reuse
+  False); ``inter_reuse``: the per-launch float64 check with the forward's buffers (acc_k3, acc_sp).
 - ``probe_wy_wgmma`` / ``probe_dh_v2``: the WY launch compiled with Hopper wgmma (the default compiles it
   MMAv2-only, see ``kda_bwd.TUNING['mma_v2']``) and the dh recurrence MMAv2-only: accuracy as ``acc_k3``.
 - ``sweep``: backward launch variants (``kda_bwd.TUNING``) at B1 T32768 H32 K3, ms per launch.
@@ -49,15 +53,18 @@ JOBS = {   # name: (kind, kwargs, extra env, seconds it needs at least)
     "acc_k3": ("acc", {"lb": -5.0, "ref64": True, "variants": [     # dense first: the others reuse its compiles
         ("dense", {"k3_exact": ""}, {}, True), ("prepx", {"k3_exact": "prep"}, {}, False),
         ("intrax", {"k3_exact": "bwd_intra"}, {}, False), ("diag_x3", {"intra_diag_prec": "tf32x3"}, {}, False),
-        ("diag_tf32", {"intra_diag_prec": "tf32"}, {}, False)]},
+        ("diag_tf32", {"intra_diag_prec": "tf32"}, {}, False), ("recompute", {"bwd_reuse": False}, {}, False)],
+        "inter_reuse": True},
                {"CUDA_LAUNCH_BLOCKING": "1"}, 25),
     "time_k3": ("time", {"shape": [1, 32768, 32, 128], "lb": -5.0}, {}, 12),
     "acc_k3d": ("acc", {"lb": -5.0, "tune": {"k3_exact": ""}, "inter": True}, {"CUDA_LAUNCH_BLOCKING": "1"}, 12),
     "probe_wy_wgmma": ("acc", {"lb": -5.0, "tune": {"mma_v2": ""}}, {"CUDA_LAUNCH_BLOCKING": "1"}, 15),
-    "acc_sp": ("acc", {"lb": None}, {"CUDA_LAUNCH_BLOCKING": "1"}, 25),
+    "acc_sp": ("acc", {"lb": None, "inter_reuse": True, "variants": [("recompute", {"bwd_reuse": False}, {}, False)]},
+               {"CUDA_LAUNCH_BLOCKING": "1"}, 25),
     "time_sp": ("time", {"shape": [1, 32768, 32, 128], "lb": None}, {}, 12),
     "time_b8": ("time", {"shape": [8, 4096, 32, 128], "lb": -5.0}, {}, 10),
-    "acc_var": ("acc", {"lb": -5.0, "cu": [0, 1, 64, 64, 65, 300, 1000, 2048]}, {"CUDA_LAUNCH_BLOCKING": "1"}, 20),
+    "acc_var": ("acc", {"lb": -5.0, "cu": [0, 1, 64, 64, 65, 300, 1000, 2048],
+                        "variants": [("recompute", {"bwd_reuse": False}, {}, False)]}, {"CUDA_LAUNCH_BLOCKING": "1"}, 20),
     "sweep": ("sweep", {}, {}, 15),
     "probe_dh_v2": ("acc", {"lb": -5.0, "tune": {"mma_v2": "bwd_wy,bwd_dh,fwd_h"}}, {"CUDA_LAUNCH_BLOCKING": "1"},
                     15),
@@ -127,14 +134,24 @@ def grads(leaves):
     return {n: t.grad.detach().clone() for n, t in leaves.items()}
 
 
-def per_launch(x, lb, do, n=3):
+def fwd_saved(x, lb):
+    """The forward's intermediates as ``kda_forward``'s autograd hands them to the backward (``bwd_reuse``)."""
+    from k3ir.backends.triton import kda as KF
+    _, _, inter = KF.kda_forward_kernels(*(x[k] for k in NAMES), lower_bound=lb, return_intermediates=True,
+                                         store_ai=True)
+    return KF.saved_for_backward(inter)
+
+
+def per_launch(x, lb, do, n=3, reuse=False):
+    """ms per backward launch (each timed alone); ``reuse``: given the forward's intermediates (no prep)."""
     from k3ir.backends.triton.kda_bwd import kda_backward
+    sv = fwd_saved(x, lb) if reuse else None
     if SMOKE:
-        kda_backward(*(x[k] for k in NAMES), None, do, None, lb)
+        kda_backward(*(x[k] for k in NAMES), None, do, None, lb, saved=sv)
         return {}
     t: dict = {}
     for _ in range(n):
-        kda_backward(*(x[k] for k in NAMES), None, do, None, lb, timings=t)
+        kda_backward(*(x[k] for k in NAMES), None, do, None, lb, timings=t, saved=sv)
     return {k: v / n for k, v in t.items()}
 
 
@@ -176,14 +193,14 @@ def ref64_grads(x, lb, do):
     return {n: t.grad for n, t in lv.items()}
 
 
-def check_intermediates(x, lb, do, heads=2):
+def check_intermediates(x, lb, do, heads=2, reuse=False):
     """Each backward launch's outputs against a float64 torch recompute (first ``heads`` heads, full chunks):
     {buffer: rel err}. Bisects a wrong gradient to its launch (prelude: G bn qn kn; prep: Ai P w u qg kg; fwd_h:
-    h vn; bwd_dh: dh dvn; bwd_wy: dAq dAk)."""
+    h vn; bwd_dh: dh dvn; bwd_wy: dAq dAk). ``reuse``: G Ai P w u qg kg come from the forward (``bwd_reuse``)."""
     import torch
     from k3ir.backends.triton.kda_bwd import kda_backward
     dbg: dict = {}
-    kda_backward(*(x[k] for k in NAMES), None, do, None, lb, debug=dbg)
+    kda_backward(*(x[k] for k in NAMES), None, do, None, lb, debug=dbg, saved=fwd_saved(x, lb) if reuse else None)
     sync()
     B, T, H, K = x["k"].shape
     NT, hs, f = T // 64, slice(0, heads), torch.float64
@@ -238,15 +255,16 @@ def check_intermediates(x, lb, do, heads=2):
     return out
 
 
-def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), ref64=False):
+def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), ref64=False, inter_reuse=False):
     import torch
+    from k3ir.backends.triton import kda as KF
     from k3ir.backends.triton import kda_bwd as KB
     from k3ir.backends.triton import kda_forward
     from k3ir.backends.triton.kda_torch import kda_chunk_torch
     KB.TUNING.update(tune or {})
     N = None if cu is None else len(cu) - 1
     if SMOKE and cu is not None:
-        cu = [0, 1, 64, 64, 70]
+        cu = [0, 1, 64, 64, ACC_SHAPE[1]]
         N = len(cu) - 1
     x = inputs(*ACC_SHAPE, seed=1, N=N)
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.long, device=DEV)
@@ -257,7 +275,7 @@ def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), re
     run()
     ref = grads(lv)
     row = {"section": "accuracy", "job": name, "gate": "k3" if lb is not None else "softplus", "varlen": cu,
-           "tune": tune or {}}
+           "tune": tune or {}, "bwd_reuse": bool(KF.TUNING.get("bwd_reuse"))}
     run, lv = fwd_bwd(kda_forward, x, lb, do, dht, cu_t)
     run()
     sync()
@@ -277,9 +295,15 @@ def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), re
             row["inter"] = check_intermediates(x, lb, do)
         except Exception as e:  # noqa: BLE001 - a diagnostic must not lose the row
             row["inter_error"] = repr(e)[:300]
+    if inter_reuse and cu is None:
+        try:
+            row["inter_reuse"] = check_intermediates(x, lb, do, reuse=True)
+        except Exception as e:  # noqa: BLE001
+            row["inter_error"] = repr(e)[:300]
     for vname, over, env, vinter in variants:      # the same inputs and reference through other backward paths
-        saved, old = dict(KB.TUNING), {k: os.environ.get(k) for k in env}
-        KB.TUNING.update(over)
+        saved, saved_f, old = dict(KB.TUNING), dict(KF.TUNING), {k: os.environ.get(k) for k in env}
+        KB.TUNING.update({k: v for k, v in over.items() if k not in KF.TUNING})
+        KF.TUNING.update({k: v for k, v in over.items() if k in KF.TUNING})      # bwd_reuse: the forward's
         os.environ.update(env)
         try:
             run, lv = fwd_bwd(kda_forward, x, lb, do, dht, cu_t)
@@ -294,6 +318,8 @@ def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), re
         finally:
             KB.TUNING.clear()
             KB.TUNING.update(saved)
+            KF.TUNING.clear()
+            KF.TUNING.update(saved_f)
             for k_, v_ in old.items():
                 if v_ is None:
                     os.environ.pop(k_, None)
@@ -317,12 +343,24 @@ def job_time(name, shape, lb, fla=None):
     do = torch.randn_like(x["v"])
     gate = "k3" if lb is not None else "softplus"
     row = {"section": "time", "job": name, "shape": shape, "gate": gate}
+    from k3ir.backends.triton import kda as KF
     run, lv = fwd_bwd(kda_forward, x, lb, do)
     run()
     sync()
-    row["kernels_ms"] = per_launch(x, lb, do)            # synchronising: a fault names its launch
+    reuse = bool(KF.TUNING.get("bwd_reuse"))
+    row["kernels_ms"] = per_launch(x, lb, do, reuse=reuse)     # synchronising: a fault names its launch
     row["ours_fb_ms"] = bench(run)
     g_ours = grads(lv)
+    if reuse:       # the recompute for comparison: prep launched, only the inputs saved
+        try:
+            row["kernels_recompute_ms"] = per_launch(x, lb, do)
+            KF.TUNING["bwd_reuse"] = False
+            row["ours_fb_recompute_ms"] = bench(run)
+            row["rel_reuse_vs_recompute"] = {n: rel(g_ours[n], t.grad) for n, t in lv.items()}
+        except Exception as e:  # noqa: BLE001
+            row["recompute_error"] = repr(e)[:200]
+        finally:
+            KF.TUNING["bwd_reuse"] = True
     with torch.no_grad():
         row["ours_fwd_ms"] = bench(lambda: kda_forward(*(x[n] for n in NAMES), lower_bound=lb))
     row["ours_bwd_ms"] = row["ours_fb_ms"] - row["ours_fwd_ms"]
@@ -433,11 +471,18 @@ def print_tables(rows, meta):
             print(f"{','.join(map(str, r['shape'])):>16} {r['gate']:9} {fmt(r.get('ours_fb_ms')):>9} "
                   f"{fmt(r.get('ours_fwd_ms')):>7} {fmt(r.get('ours_bwd_ms')):>7} "
                   f"{fmt(r.get('fla_fb_ms')):>8}{'*' if r.get('fla_recorded') else ' '}{fmt(r.get('fla_over_ours')):>7}")
-            if "kernels_ms" in r:
-                th = r["shape"][0] * r["shape"][1] * r["shape"][2]
-                print(" " * 18 + "bwd launches ms (% of 4.25 TB/s): " + "  ".join(
-                    f"{k} {v:.2f} ({100 * KB_PER_TH.get(k, 0) * 1e3 * th / (v * 1e-3) / 4.25e12:.0f}%)"
-                    for k, v in r["kernels_ms"].items() if v > 0))
+            th = r["shape"][0] * r["shape"][1] * r["shape"][2]
+            for key, label in (("kernels_ms", "bwd launches"), ("kernels_recompute_ms", "recompute launches")):
+                if key in r:
+                    print(" " * 18 + f"{label} ms (% of 4.25 TB/s): " + "  ".join(
+                        f"{k} {v:.2f} ({100 * KB_PER_TH.get(k, 0) * 1e3 * th / (v * 1e-3) / 4.25e12:.0f}%)"
+                        for k, v in r[key].items() if v > 0))
+            if "ours_fb_recompute_ms" in r:
+                print(f"{'':>16} {'recompute':9} {fmt(r['ours_fb_recompute_ms']):>9} {'':>7} "
+                      f"{fmt(r['ours_fb_recompute_ms'] - r.get('ours_fwd_ms', 0)):>7}   (bwd_reuse False: prep launched)")
+            if "rel_reuse_vs_recompute" in r:
+                print(" " * 18 + "grads reuse vs recompute: " + " ".join(
+                    f"{n}={v:.1e}" for n, v in r["rel_reuse_vs_recompute"].items()))
     sweep = [r for r in rows if r["section"] == "sweep"]
     if sweep:
         print("\n== backward sweep (B1 T32768 H32 K3; ms per launch)")
