@@ -35,7 +35,8 @@ ACT_IDS = {"none": 0, "situ": 1, "silu": 2, "swiglu": 2}
 # rows per expert <= "gluon_max_rows" on average; K3 layer at 256 tokens 4.48 ms vs 14.04 ms for the Triton
 # kernel, H200 2026-11-30 04:15; it keeps a permuted copy of each MXFP4 expert tensor next to the original, which
 # the Triton kernels read for larger row counts) or "triton" (the Triton kernels only)
-TUNING = {"mxfp4_kernel": "gluon", "gluon_max_rows": 16}
+# "gluon_min_free_gb": the Gluon path is skipped (Triton kernels, one warning) when its copy would leave less free
+TUNING = {"mxfp4_kernel": "gluon", "gluon_max_rows": 16, "gluon_min_free_gb": 8.0}
 
 
 @triton.jit
@@ -468,9 +469,12 @@ def _use_gluon(x, R: int, E: int, ws: tuple) -> bool:
             and R <= TUNING["gluon_max_rows"] * E and ws[0].shape[1] % 64 == 0 and x.shape[1] % 64 == 0):
         return False
     from . import moe_gluon as mg
+    pairs = [(w, s) for w, s in zip(ws[::2], ws[1::2]) if w is not None]
+    if all(mg.is_prepared(w, s) for w, s in pairs):
+        return True
     if torch.cuda.is_current_stream_capturing():
-        return all(mg.is_prepared(w, s) for w, s in zip(ws[::2], ws[1::2]) if w is not None)
-    return True
+        return False
+    return mg.room_for_copy(pairs, x.device, TUNING["gluon_min_free_gb"])
 
 
 def _check(x, offsets, w, quant):

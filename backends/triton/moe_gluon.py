@@ -30,6 +30,7 @@ per element at 164 / 128 registers. The Triton kernel it replaces: 6.34/el (benc
 """
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
@@ -192,6 +193,27 @@ def prepared(w: torch.Tensor, scales: torch.Tensor) -> MXPacked:
         hit = ((w._version, scales._version, id(scales)), pack_mxfp4(w, scales))
         _CACHE[w] = hit
     return hit[1]
+
+
+_log = logging.getLogger(__name__)
+_SKIPPED: set = set()
+
+
+def room_for_copy(pairs, device, min_free_gb: float) -> bool:
+    """Whether the permuted copies of ``pairs`` ((packed, scales) tensors) fit on ``device`` leaving at least
+    ``min_free_gb`` GiB and 5% of the memory free (PyTorch's cached free blocks count as free). When not, the
+    caller keeps the Triton kernels on the original layout (one warning per weight) instead of failing later
+    with an out-of-memory error."""
+    need = sum(w.numel() * w.element_size() + s.numel() * s.element_size() for w, s in pairs)
+    free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if free - need >= max(min_free_gb * 2 ** 30, 0.05 * total):
+        return True
+    if id(pairs[0][0]) not in _SKIPPED:
+        _SKIPPED.add(id(pairs[0][0]))
+        _log.warning("MXFP4 experts: not enough free GPU memory for the Gluon kernel's permuted copy (%.1f GiB "
+                     "needed, %.1f GiB free): using the Triton kernel", need / 2 ** 30, free / 2 ** 30)
+    return False
 
 
 def is_prepared(w: torch.Tensor, scales: torch.Tensor) -> bool:
