@@ -137,12 +137,14 @@ def recur(bv=32, warps=4, stages=2, h=32, io="bf16"):
     return _compile(kk.kda_recur_kernel, names, types, const, warps, stages)
 
 
-def wu_flat(bk=32, bv=32, warps=4, h=32, xb="fp32"):
+def wu_flat(bk=32, bv=32, warps=4, h=32, xb="fp32", store_qk=False):
     from k3ir.backends.triton import kda_kernels as kk
-    names = ["q", "k", "v", "Xb", "rq", "rk", "w", "u", "qg", "kg", "Gbuf", "cu_seqlens", "chunk_indices", "T"]
-    types = ["*bf16"] * 3 + [f"*{xb}", "*fp32", "*fp32"] + ["*bf16"] * 4 + ["*fp32", "*i32", "*i32", "i32"]
+    names = ["q", "k", "v", "Xb", "rq", "rk", "w", "u", "qg", "kg", "Gbuf", "cu_seqlens", "chunk_indices", "T",
+             "qn", "kn"]
+    types = (["*bf16"] * 3 + [f"*{xb}", "*fp32", "*fp32"] + ["*bf16"] * 4 + ["*fp32", "*i32", "*i32", "i32"]
+             + ["*bf16"] * 2)
     const = {"H": h, "K": 128, "V": 128, "BT": 64, "BK": bk, "BV": bv, "IS_VARLEN": False, "PREC": "tf32",
-             "DOT_F32": False}
+             "DOT_F32": False, "STORE_QK": bool(store_qk)}
     return _compile(kk.kda_wu_flat_kernel, names, types, const, warps, 1)
 
 
@@ -176,7 +178,8 @@ def main():
                                               {"diag_main": True}, {"diag_main": True, "gate": 2},
                                               {"warps": 4, "bk": 16}, {"warps": 4, "bk": 16, "diag_main": True})]
     rows += [("wu", dict(c, gate=g)) for g in (0, 1) for c in ({}, {"h": 96}, {"gpre": False}, {"stages": 1})]
-    rows += [("wu", {"prefetch": True}), ("wu_flat", {}), ("wu_flat", {"xb": "bf16"}), ("wu_flat", {"warps": 8})]
+    rows += [("wu", {"prefetch": True}), ("wu_flat", {}), ("wu_flat", {"store_qk": True}), ("wu_flat", {"xb": "bf16"}),
+             ("wu_flat", {"warps": 8})]
     rows += [("recur", c) for c in ({}, {"bv": 64}, {"bv": 16}, {"h": 96})]
     for kind, cfg in rows:      # bench_kda.py VARIANTS at H=32 and the defaults at H=96
         r = KINDS[kind](**cfg)

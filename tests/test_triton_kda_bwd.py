@@ -172,10 +172,10 @@ class _Counter:
 @pytest.mark.parametrize(("lb", "cu", "T"), [(-5.0, None, 70), (-5.0, [0, 5, 5, 75, 100], 100),
                                              (None, [0, 1, 20, 20, 40], 40)])
 def test_autograd_reuse_on_and_off(monkeypatch, fwd_tuning, lb, cu, T):
-    """``kda_forward``'s autograd with the forward's w, u, qg, kg, P, (I+Akk)^-1, G reused (no prep launch) and
-    with the recompute (``bwd_reuse`` False, prep launched): both against float64 autograd, and the two within
-    fp32 rounding of each other. Both gates, T not a multiple of 64, varlen with an empty and a 1-token
-    sequence, initial state and final-state gradient."""
+    """``kda_forward``'s autograd with the forward's w, u, qg, kg, P, (I+Akk)^-1, G, qn, kn reused (no prep and
+    no prelude launch) and with the recompute (``bwd_reuse`` False, both launched): both against float64
+    autograd, and the two within fp32 rounding of each other. Both gates, T not a multiple of 64, varlen with an
+    empty and a 1-token sequence, initial state and final-state gradient."""
     from k3ir.backends.triton import kda_bwd_kernels as KBK
     x = make(1, T, 2, 16, N=None if cu is None else len(cu) - 1, lb=lb, seed=50 + T)
     w, ws = _weights(x, cu, 51 + T)
@@ -183,11 +183,14 @@ def test_autograd_reuse_on_and_off(monkeypatch, fwd_tuning, lb, cu, T):
     got = {}
     for reuse in (True, False):
         fwd_tuning["bwd_reuse"] = reuse
-        spy = _Counter(KBK.kda_bwd_prep_kernel)
+        spy, spy_pre = _Counter(KBK.kda_bwd_prep_kernel), _Counter(KBK.kda_bwd_prelude_kernel)
         monkeypatch.setattr(KBK, "kda_bwd_prep_kernel", spy)
+        monkeypatch.setattr(KBK, "kda_bwd_prelude_kernel", spy_pre)
         got[reuse] = _autograd(x, w, ws, cu)
         monkeypatch.setattr(KBK, "kda_bwd_prep_kernel", spy.fn)
+        monkeypatch.setattr(KBK, "kda_bwd_prelude_kernel", spy_pre.fn)
         assert spy.n == (0 if reuse else 1), f"prep launches with bwd_reuse={reuse}: {spy.n}"
+        assert spy_pre.n == (0 if reuse else 1), f"prelude launches with bwd_reuse={reuse}: {spy_pre.n}"
         for n in GRAD_NAMES:
             assert got[reuse][n].dtype == x[n].dtype and got[reuse][n].shape == x[n].shape, n
             e = rel_err(got[reuse][n], want[n])
@@ -197,27 +200,39 @@ def test_autograd_reuse_on_and_off(monkeypatch, fwd_tuning, lb, cu, T):
 
 
 @pytest.mark.parametrize(("lb", "cu", "T"), [(-5.0, [0, 5, 5, 75, 100], 100), (None, None, 40)])
-def test_saved_intermediates_match_prep(lb, cu, T):
+def test_saved_intermediates_match_prep(monkeypatch, lb, cu, T):
     """Every buffer the forward hands to the backward (``kda.saved_for_backward``) against the one the
     backward's prep / prelude launches compute (``kda_backward(debug=...)``): same definitions (P with the
-    q scale and the diagonal, Ai unscaled with zero upper blocks, kg with the last valid row's G), on valid rows."""
+    q scale and the diagonal, Ai unscaled with zero upper blocks, kg with the last valid row's G, qn with the q
+    scale), on valid rows; the backward given them skips the prep and prelude launches and matches the recompute."""
     from k3ir.backends.triton import kda as KF
+    from k3ir.backends.triton import kda_bwd_kernels as KBK
     x = make(1, T, 2, 16, N=None if cu is None else len(cu) - 1, lb=lb, seed=60 + T)
     w, ws = _weights(x, cu, 61)
     cut = None if cu is None else torch.tensor(cu, device=DEV)
     args = [x[n] for n in GRAD_NAMES[:7]]
     _, _, inter = KF.kda_forward_kernels(*args, lb, x["h0"], True, cut, return_intermediates=True, store_ai=True)
     sv = KF.saved_for_backward(inter)
-    assert sv is not None and set(sv) == {"w", "u", "qg", "kg", "P", "Ai", "G"}
+    assert sv is not None and set(sv) == {"w", "u", "qg", "kg", "P", "Ai", "G", "qn", "kn"}
     dbg: dict = {}
     kda_backward(*args, x["h0"], w, ws, lb, cu_seqlens=cut, debug=dbg)
     for n in ("w", "u", "qg", "kg", "P", "Ai", "G"):
         assert sv[n].dtype == dbg[n].dtype and sv[n].shape == dbg[n].shape, n
         e = rel_err(sv[n], dbg[n])
         assert e < (2e-3 if GPU else 1e-5), f"{n}: {e:.2e}"
-    # the saved buffers alone give the recompute's gradients
+    for n in ("qn", "kn"):      # the same normalisation up to fp32 rounding (one product associated differently)
+        assert sv[n].dtype == dbg[n].dtype and sv[n].shape == dbg[n].shape, n
+        e = rel_err(sv[n], dbg[n])
+        assert e < (8e-3 if GPU else 1e-6), f"{n}: {e:.2e}"
+    # the saved buffers alone give the recompute's gradients, without the prep and prelude launches
     a = kda_backward(*args, x["h0"], w, ws, lb, cu_seqlens=cut)
-    b = kda_backward(*args, x["h0"], w, ws, lb, cu_seqlens=cut, saved=sv)
+    spies = {n: _Counter(getattr(KBK, n)) for n in ("kda_bwd_prep_kernel", "kda_bwd_prelude_kernel")}
+    for n, spy in spies.items():
+        monkeypatch.setattr(KBK, n, spy)
+    dbg2: dict = {}
+    b = kda_backward(*args, x["h0"], w, ws, lb, cu_seqlens=cut, saved=sv, debug=dbg2)
+    assert {n: spy.n for n, spy in spies.items()} == dict.fromkeys(spies, 0)
+    assert rel_err(dbg2["bn"], dbg["bn"]) < 1e-6     # sigmoid(beta) by torch vs the prelude's
     for n, ga, gb in zip(GRAD_NAMES, a, b):
         assert rel_err(gb, ga) < (1e-3 if GPU else 2e-5), n
 

@@ -4,9 +4,9 @@ The forward runs four Triton launches by default (``kda_fwd_kernels``: gate cums
 the recurrence in ``kda_kernels``; ``TUNING["intra"] = "fused"``: the older one-launch intra kernel);
 the backward runs the chunked Triton kernels of ``kda_bwd`` (``K3IR_KDA_BWD=torch``: autograd through the
 differentiable PyTorch form ``kda_torch``). By default (``TUNING["bwd_reuse"]``) the forward keeps w, u, qg, kg,
-P, (I+Akk)^-1 and G for the backward, which then skips its prep launch: +1.75 kB of activation memory per
-token-head at K = V = 128 in bf16 (w, u, qg, kg 4*K*2 B; P, Ai 2*64*2 B; G K*4 B); ``TUNING["bwd_reuse"] =
-False`` keeps only the inputs and recomputes them.
+P, (I+Akk)^-1, G and the normalised q, k for the backward, which then skips its prep and prelude launches: +2.25 kB
+of activation memory per token-head at K = V = 128 in bf16 (w, u, qg, kg, qn, kn 6*K*2 B; P, Ai 2*64*2 B; G K*4 B);
+``TUNING["bwd_reuse"] = False`` keeps only the inputs and recomputes them.
 """
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ INTERMEDIATE_DTYPES: dict = {}
 #: (K3 K slice 32: akk 1.69 -> 1.30 ms; unbounded gates K slice 16: 2.62 -> 2.10 ms), the gate cumsum as per-thread
 #: running sums with lg2.approx for the softplus log (gcum 0.36 / 0.53 -> 0.22 ms) and the flat w/u launch
 #: (1.12 -> 1.01 ms).
-#: ``bwd_reuse``: ``kda_forward``'s autograd keeps w, u, qg, kg, P, (I+Akk)^-1 and G for the backward, which
-#: skips its prep launch (``_KDAFunction``: +1.75 kB per token-head of activation memory); False: recompute.
+#: ``bwd_reuse``: ``kda_forward``'s autograd keeps w, u, qg, kg, P, (I+Akk)^-1, G, qn and kn for the backward,
+#: which skips its prep and prelude launches (``_KDAFunction``: +2.25 kB per token-head of activation memory);
+#: False: recompute.
 TUNING: dict = {"bwd_reuse": True, "intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "order": "strip", "bk": 32,
                 "warps": 4, "stages": 1, "inv": "split", "inv_warps": 1, "maxnreg": None, "exact_maxnreg": 128,
                 "exact_bk": 16, "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
@@ -108,7 +109,7 @@ def _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate):
 def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, initial_state=None,
                         output_final_state=False, cu_seqlens=None, scale=None, gate: str = "raw",
                         stages: tuple[str, ...] = ("intra", "recur"), return_intermediates: bool = False,
-                        store_ai: bool = False):
+                        store_ai: bool = False, store_qk: bool | None = None):
     """The Triton launches, no autograd. Same contract as ``kda_forward``; ``stages`` picks launches
     for timing one kernel alone (the outputs are then meaningless): "intra" (all intra-chunk launches),
     "gcum" / "akk" / "inv" / "wu" (one launch of the split path), "recur". With ``return_intermediates``
@@ -119,7 +120,10 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
     fp32 ``[B,T,H]``, and with ``TUNING["gcum"]`` ``G`` (in-chunk cumulative log-decay, fp32 ``[B,T,H,K]``).
     ``store_ai`` (split path with ``TUNING["inv"] = "split"`` only): the inverse launch also writes ``Ai`` =
     ``(I+Akk)^-1`` unscaled (q's dtype, ``[B,T,H,64]``, zeros above the diagonal) into the intermediates, for
-    the backward (``saved_for_backward``)."""
+    the backward (``saved_for_backward``). ``store_qk`` (default: ``store_ai``; flat w/u launch,
+    ``TUNING["wu_mode"] = "flat"`` with ``TUNING["gcum"]``, only): the w/u launch also writes ``qn`` (q
+    L2-normalised times the scale) and ``kn`` (k L2-normalised), ``[B,T,H,K]`` in w's dtype, valid rows: the
+    backward's prelude outputs."""
     N = _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate)
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -215,10 +219,14 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
         wu_flat = gpre and TUNING["wu_mode"] == "flat"
         if wu_flat and ("intra" in stages or "wu" in stages):
             wbk, wbv = min(TUNING["wu_bk"], K), min(TUNING["wu_bv"], V)
+            sqk = store_ai if store_qk is None else bool(store_qk)
+            if sqk:
+                inter["qn"] = torch.empty(B, T, H, K, dtype=dts.get("w", idt), device=dev)
+                inter["kn"] = torch.empty_like(inter["qn"])
             kk.kda_wu_flat_kernel[(K // wbk + V // wbv, NC, H)](
-                q, k, v, Xb, rq, rk, w, u, qg, kg, Gbuf, cu_dev, chunk_indices, T, H=H, K=K, V=V, BT=BT, BK=wbk,
-                BV=wbv, IS_VARLEN=cu_seqlens is not None, PREC=prec, DOT_F32=_interpret(),
-                num_warps=TUNING["wu_flat_warps"])
+                q, k, v, Xb, rq, rk, w, u, qg, kg, Gbuf, cu_dev, chunk_indices, T, inter.get("qn", w),
+                inter.get("kn", w), H=H, K=K, V=V, BT=BT, BK=wbk, BV=wbv, IS_VARLEN=cu_seqlens is not None, PREC=prec,
+                DOT_F32=_interpret(), STORE_QK=sqk, num_warps=TUNING["wu_flat_warps"])
         elif "intra" in stages or "wu" in stages:
             kf.kda_wu_kernel[(NC, H)](
                 q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, Gbuf, cu_dev, chunk_indices, T, lb,
@@ -246,7 +254,8 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
 def saved_for_backward(inter: dict) -> dict | None:
     """The intermediates of ``kda_forward_kernels(..., return_intermediates=True, store_ai=True)`` that
     ``kda_bwd.kda_backward(saved=...)`` reuses instead of its prep launch: ``w, u, qg, kg, P`` (= ``Aqk``),
-    ``Ai`` and ``G`` (when ``TUNING["gcum"]``); None when the forward path did not produce them all (the fused
+    ``Ai`` and ``G`` (when ``TUNING["gcum"]``), ``qn`` and ``kn`` (flat w/u launch; with them and G the backward
+    also skips its prelude); None when the forward path did not produce them all (the fused
     intra kernel, the inverse inside the akk launch, T = 0): the backward then recomputes them.
 
     Same definitions as the backward's prep launch (checked against ``kda_bwd_kernels``): P includes the q
@@ -259,16 +268,18 @@ def saved_for_backward(inter: dict) -> dict | None:
     if any(inter.get(v) is None for v in keys.values()):
         return None
     out = {n: inter[v] for n, v in keys.items()}
-    if inter.get("G") is not None:
-        out["G"] = inter["G"]
+    for n in ("G", "qn", "kn"):
+        if inter.get(n) is not None:
+            out[n] = inter[n]
     return out
 
 
 class _KDAFunction(torch.autograd.Function):
     """Autograd of ``kda_forward``. With ``TUNING["bwd_reuse"]`` (default True) and a gradient needed, the
-    forward keeps its intermediates for the backward (``saved_for_backward``), which then skips its prep launch.
-    Extra activation memory held from forward to backward, per token and head (bf16 inputs, K = V = 128):
-    w, u, qg, kg 4 * 128 * 2 = 1024 B, P and Ai 2 * 64 * 2 = 256 B, G 128 * 4 = 512 B: 1.75 kB (1.75 GB at
+    forward keeps its intermediates for the backward (``saved_for_backward``), which then skips its prep launch
+    (and its prelude with the flat w/u launch). Extra activation memory held from forward to backward, per token
+    and head (bf16 inputs, K = V = 128): w, u, qg, kg, qn, kn 6 * 128 * 2 = 1536 B, P and Ai 2 * 64 * 2 = 256 B,
+    G 128 * 4 = 512 B: 2.25 kB (2.4 GB at
     B1 T32768 H32; q/k/v/g themselves are 1 kB). ``TUNING["bwd_reuse"] = False`` restores the recompute (only
     the inputs saved)."""
 

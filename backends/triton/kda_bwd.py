@@ -4,7 +4,8 @@ dt_bias and the initial state, for both gates, variable-length batches and ``gat
 
 Seven launches: prelude, prep (Akk, P, (I+Akk)^-1, w, u, qg, kg), fwd_h (states per chunk and v'),
 bwd_dh (reverse state-gradient recurrence), bwd_wy, bwd_intra, chain. Six when the forward's intermediates are
-passed (``saved``; ``kda_forward``'s autograd does so by default, ``kda.TUNING["bwd_reuse"]``): no prep. ``TUNING`` holds the launch
+passed (``saved``; ``kda_forward``'s autograd does so by default, ``kda.TUNING["bwd_reuse"]``): no prep; five when
+they include the forward's G and normalised q, k (flat w/u launch): no prelude either. ``TUNING`` holds the launch
 choices (the bench sweeps them); ``DTYPES`` the storage dtypes of intermediates (default: q's
 dtype, as fla; fp32 for G, the 64x64 gradients and the dq/dk/dG partial sums).
 """
@@ -87,6 +88,8 @@ def chunk_index(cu_seqlens, B, T, dev):
 
 #: the buffers ``kda_backward(saved=...)`` takes from the forward to skip the prep launch (G optional)
 SAVED_KEYS = ("w", "u", "qg", "kg", "P", "Ai")
+#: ... and, with these too, the prelude (bn then ``sigmoid(beta)`` in torch)
+PRELUDE_KEYS = ("G", "qn", "kn")
 
 
 def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower_bound=None, scale=None,
@@ -105,7 +108,8 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
     diagonal) ``[B,T,H,64]``, optionally ``G`` (fp32 in-chunk cumsum ``[B,T,H,K]``, valid rows); same
     definitions as the prep launch computes (module docstring of ``kda_bwd_kernels``). With all of
     ``SAVED_KEYS`` present the prep launch is skipped (six launches) and, with ``G``, the prelude does not read
-    g; a buffer in another dtype than this function would allocate is converted. Missing keys: recompute."""
+    g; with ``qn`` (q L2-normalised times the scale) and ``kn`` (k L2-normalised) ``[B,T,H,K]`` and ``G`` too, the
+    prelude is skipped (five Triton launches; bn = ``sigmoid(beta)`` by torch, launch name "bn"); a buffer in another dtype than this function would allocate is converted. Missing keys: recompute."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     dev = q.device
@@ -141,10 +145,15 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
     tu = TUNING
     e = lambda *s, d: _alloc(s, d, dev)
     sv = saved if saved is not None and all(saved.get(n) is not None for n in SAVED_KEYS) else None
-    want = {"w": dt("w"), "u": dt("w"), "qg": dt("w"), "kg": dt("w"), "P": dt("A"), "Ai": dt("A"), "G": f32}
+    want = {"w": dt("w"), "u": dt("w"), "qg": dt("w"), "kg": dt("w"), "P": dt("A"), "Ai": dt("A"), "G": f32,
+            "qn": dt("w"), "kn": dt("w")}
     sv = None if sv is None else {n: t.contiguous() if t.dtype == want[n] else t.to(want[n]).contiguous()
                                   for n, t in sv.items() if n in want and t is not None}
-    qn, kn = e(B, T, H, K, d=dt("w")), e(B, T, H, K, d=dt("w"))
+    no_prelude = sv is not None and all(n in sv for n in PRELUDE_KEYS)
+    if no_prelude:
+        qn, kn = sv["qn"], sv["kn"]
+    else:
+        qn, kn = e(B, T, H, K, d=dt("w")), e(B, T, H, K, d=dt("w"))
     G = sv["G"] if sv is not None and "G" in sv else e(B, T, H, K, d=f32)
     bn = e(B, T, H, d=f32)
     if sv is not None:
@@ -203,6 +212,9 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
     ]
     if sv is not None:          # w, u, qg, kg, P, Ai from the forward
         launches = [x for x in launches if x[0] != "prep"]
+    if no_prelude:              # qn, kn, G from the forward too: only beta's sigmoid left of the prelude
+        bfn = (lambda: bn.copy_(beta)) if pre else (lambda: torch.sigmoid(beta.float(), out=bn))
+        launches = [("bn", bfn)] + [x for x in launches if x[0] != "prelude"]
     v2 = {x.strip() for x in str(tu.get("mma_v2", "")).split(",")}
     for name, fn in launches:
         if timings is None:

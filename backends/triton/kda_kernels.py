@@ -309,13 +309,16 @@ def wu_prefetch(q, k, v, Gbuf, X, b_rq, b_rk, w, u, qg, kg, roff, m, rGC, i_h,
 
 
 @triton.jit(do_not_specialize=["T"])
-def kda_wu_flat_kernel(q, k, v, Xb, rq, rk, w, u, qg, kg, Gbuf, cu_seqlens, chunk_indices, T,
+def kda_wu_flat_kernel(q, k, v, Xb, rq, rk, w, u, qg, kg, Gbuf, cu_seqlens, chunk_indices, T, qn, kn,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                       BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+                       STORE_QK: tl.constexpr = False):
     """The w/u launch with one program per (K or V slice, chunk, head) (``TUNING["wu_mode"] = "flat"``, needs
     the precomputed G): no loop, every load of a program issued at once, many small CTAs per SM (the looped
     kernel keeps ~12-16 kB in flight per CTA at 2-3 CTAs/SM: 57% of the bandwidth). Slices are the fastest grid
-    axis, so the programs of one chunk read its ``Xb`` while it is in L2."""
+    axis, so the programs of one chunk read its ``Xb`` while it is in L2. ``STORE_QK``: the K-slice programs also
+    store ``qn = rq q`` (L2-normalised, q scale included) and ``kn = rk k`` (valid rows, in qn/kn's dtype), the
+    backward's prelude outputs (``kda_bwd(saved=...)``); False: qn, kn are unused pointers."""
     i_s, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
     rows = tl.arange(0, BT)
@@ -332,11 +335,15 @@ def kda_wu_flat_kernel(q, k, v, Xb, rq, rk, w, u, qg, kg, Gbuf, cu_seqlens, chun
         b_rk = tl.load(rk + roff * H + i_h, mask=m, other=0.)
         off = roff[:, None] * (H * K) + i_h * K + offs[None, :]
         bk = bk.to(tl.float32) * b_rk[:, None]
+        bq = bq.to(tl.float32) * b_rq[:, None]
+        if STORE_QK:
+            tl.store(qn + off, bq.to(qn.dtype.element_ty), mask=m[:, None])
+            tl.store(kn + off, bk.to(kn.dtype.element_ty), mask=m[:, None])
         eG = tl.exp(G)
         b_w = tl.dot(X, (bk * eG).to(X.dtype), input_precision=PREC)
         tl.store(w + off, b_w.to(w.dtype.element_ty), mask=m[:, None])
         tl.store(kg + off, (bk * tl.exp(GC[None, :] - G)).to(kg.dtype.element_ty), mask=m[:, None])
-        tl.store(qg + off, (bq.to(tl.float32) * b_rq[:, None] * eG).to(qg.dtype.element_ty), mask=m[:, None])
+        tl.store(qg + off, (bq * eG).to(qg.dtype.element_ty), mask=m[:, None])
     else:
         off = roff[:, None] * (H * V) + i_h * V + (i_s - K // BK) * BV + tl.arange(0, BV)[None, :]
         bv = tl.load(v + off, mask=m[:, None], other=0.)
