@@ -65,16 +65,24 @@ def main():
         run(f"dispatch_scan {dt}", dispatch.dispatch_scan_kernel, [("hist", "*i32"), ("base", "*i32"),
                                                                    ("offsets", "*i64"), ("NB", "i32"), ("E", "i32"),
                                                                    ("EP", 64), ("HB", 128)], 4)
-        for BM, BN, BK, glu, nres, nrm in ((1, 4, 2048, False, 2, False), (1, 4, 2048, False, 0, True),
-                                           (1, 2, 2048, True, 0, True), (4, 4, 512, False, 0, False),
-                                           (4, 2, 512, True, 0, False)):
-            run(f"gemv {dt} BM{BM} BN{BN} BK{BK} glu={glu} res={nres} norm={nrm}", gemv.gemv_kernel,
+        # gv: the gated head norm prologue (o_proj after the KDA decode step); cv: the short-conv epilogue
+        for BM, BN, BK, glu, nres, nrm, gv, cv in (
+                (1, 4, 2048, False, 2, False, 0, 0), (1, 4, 2048, False, 0, True, 0, 0),
+                (1, 2, 2048, True, 0, True, 0, 0), (4, 4, 512, False, 0, False, 0, 0),
+                (4, 2, 512, True, 0, False, 0, 0), (1, 4, 2048, False, 0, True, 0, 4),
+                (4, 4, 512, False, 0, True, 0, 4), (1, 4, 2048, False, 2, False, 128, 0),
+                (4, 4, 512, False, 2, False, 128, 0)):
+            run(f"gemv {dt} BM{BM} BN{BN} BK{BK} glu={glu} res={nres} norm={nrm} gv={gv} conv={cv}", gemv.gemv_kernel,
                 [("x", p), ("w", p), ("w3", p if glu else None), ("y", p), ("r1", p if nres else None),
-                 ("r2", p if nres > 1 else None), ("nw", p if nrm else None), ("ys", None), ("inv", None),
-                 ("x2", None), ("w2", None), ("y2", None), ("M", "i32"), ("N", "i32"), ("K", "i32"),
+                 ("r2", p if nres > 1 else None), ("nw", p if nrm or gv else None), ("ys", None), ("inv", None),
+                 ("x2", None), ("w2", None), ("y2", None), ("gz", p if gv else None), ("cw", p if cv else None),
+                 ("cs_q", "*fp32" if cv else None), ("cs_k", "*fp32" if cv else None),
+                 ("cs_v", "*fp32" if cv else None), ("slots", "*i32" if cv else None),
+                 ("M", "i32"), ("N", "i32"), ("K", "i32"),
                  ("x_rs", "i32"), ("N2", "i32"), ("x2_rs", "i32"), ("NB1", "i32"), ("eps", "fp32"),
+                 ("gz_rs", "i32"), ("C1", "i32"), ("C2", "i32"), ("C3", "i32"),
                  ("BM", BM), ("BN", BN), ("BK", BK), ("GLU", glu), ("NRES", nres), ("NORM", nrm), ("KSLOT", 0),
-                 ("SEG2", False), ("PDL", nrm)], 4)
+                 ("SEG2", False), ("PDL", nrm), ("GV", gv), ("CONV_W", cv), ("CONV_WP", 4)], 4)
         run(f"rmsnorm {dt} D2048", norm.rmsnorm_kernel,
             [("x", p), ("w", p), ("y", p), ("R", "i32"), ("D", "i32"), ("eps", "fp32"), ("BR", 2), ("BD", 2048)], 4)
         run(f"router_kernel {dt} E64", layer_kernels.router_kernel,
@@ -107,6 +115,13 @@ def main():
              ("lb", "fp32"), ("eps", "fp32"), ("q_rs", "i32"), ("k_rs", "i32"), ("v_rs", "i32"), ("b_rs", "i32"),
              ("H", 16), ("K", 128), ("V", 128), ("W", 4), ("WP", 4), ("BV", 128), ("GATE", 1), ("HAS_CONV", True),
              ("HAS_NORM", True)], 8)
+        run(f"kda_decode {dt} split BV32", layer_kernels.kda_decode_kernel,
+            [("xq", p), ("xk", p), ("xv", p), ("cw_q", None), ("cw_k", None), ("cw_v", None), ("cs_q", None),
+             ("cs_k", None), ("cs_v", None), ("z", p), ("beta", p), ("A_log", "*fp32"), ("dt_bias", "*fp32"),
+             ("gz", None), ("norm_w", None), ("pool", "*fp32"), ("slots", "*i32"), ("o", p), ("scale", "fp32"),
+             ("lb", "fp32"), ("eps", "fp32"), ("q_rs", "i32"), ("k_rs", "i32"), ("v_rs", "i32"), ("b_rs", "i32"),
+             ("H", 16), ("K", 128), ("V", 128), ("W", 4), ("WP", 4), ("BV", 32), ("GATE", 1), ("HAS_CONV", False),
+             ("HAS_NORM", False)], 4)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,15 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches():
     assert launches["gemv_kernel"] == 3 * 3 + 2 + 2 + 3 * 2
     assert launches["combine_kernel"] == 0
     assert launches["mla_absorb_q_kernel"] == 1 and launches["mla_decode_out_kernel"] == 1
+    # executable.DECODE_SPLIT: the KDA short conv in the projection gemv, the gated head norm in the o_proj gemv
+    assert launches["kda_decode_kernel"] == 3 and launches["gated_rmsnorm_kernel"] == 0
+    from k3ir.backends.triton import executable
+    executable.DECODE_SPLIT = False          # the one-launch path (conv and norm inside kda_decode) still matches
+    try:
+        got, _ = tri.decode(nxt[::-1].copy(), s_tri)
+    finally:
+        executable.DECODE_SPLIT = True
+    assert rel_err(got.double().numpy(), want) < 1e-4
 
 
 @pytest.mark.parametrize("B,k,E,D", [(1, 8, 64, 256), (3, 2, 8, 40)])

@@ -110,3 +110,60 @@ def test_combine_add_matches_float64():
     want = y.double() + r1.double() + r2.double() + ys.double()[inv].sum(2)
     assert rel_err(combine_add(y, (r1, r2), ys, inv).double().cpu().numpy(), want.cpu().numpy()) < 1e-6
     assert rel_err(combine_add(y, (r1,), ys, inv).double().cpu().numpy(), (want - r2.double()).cpu().numpy()) < 1e-6
+
+
+@pytest.mark.parametrize("M,W,sizes,extra", [(1, 4, (32, 32, 48), 20), (3, 3, (16, 24, 16), 5)])
+def test_gemv_conv_epilogue_matches_float64_and_updates_state_in_place(M, W, sizes, extra):
+    """conv=(w_conv, pools, slots, sizes): the q|k|v columns go through the short-conv decode step + SiLU
+    (SPEC.md 3.2) with the pre-conv input rounded to y's dtype; each pool's rows at ``slots`` are shifted in
+    place (oldest tap dropped, the new input last), every other slot stays bit-identical; the other
+    columns are the plain product."""
+    from k3ir.backends.triton.gemv import gemv
+    g = torch.Generator().manual_seed(M * W)
+    K, P = 64, 5
+    C = sum(sizes)
+    N = C + extra
+    x = torch.randn(M, K, generator=g).to(DEV)
+    w = (torch.randn(N, K, generator=g) / 8).to(DEV)
+    cw = torch.randn(C, 1, W, generator=g).to(DEV)
+    pools = [torch.randn(P, c, W - 1, generator=g).to(DEV) for c in sizes]
+    before = [p.clone() for p in pools]
+    slots = torch.tensor([4, 0, 2][:M], dtype=torch.int32, device=DEV)
+    y = gemv(x, w, conv=(cw, pools, slots, sizes))
+    lin = x.double() @ w.double().T
+    want = lin.clone()
+    c0 = 0
+    for p, b, c in zip(pools, before, sizes):
+        for m, s in enumerate(slots.tolist()):
+            full = torch.cat([b[s].double(), lin[m, c0:c0 + c, None]], 1)
+            a = (full * cw[c0:c0 + c, 0].double()).sum(1)
+            want[m, c0:c0 + c] = a * torch.sigmoid(a)
+            assert rel_err(p[s].double().cpu().numpy(), full[:, 1:].cpu().numpy()) < 1e-6
+        for s in set(range(P)) - set(slots.tolist()):
+            assert torch.equal(p[s], b[s])
+        c0 += c
+    assert rel_err(y.double().cpu().numpy(), want.cpu().numpy()) < 1e-5
+
+
+@pytest.mark.parametrize("M,H,V,N", [(1, 4, 16, 24), (2, 2, 32, 40), (4, 8, 8, 16)])
+def test_gemv_gated_norm_prologue_matches_float64(M, H, V, N):
+    """norm=(w [V], gz, eps, "gated"): each head of V columns is RMSNorm-ed, scaled by w and gated by
+    sigmoid(gz) (SPEC.md 3.6) before the product, against float64 (fp32 rows; bf16 rows vs the
+    standalone gated_rmsnorm kernel then the gemv)."""
+    from k3ir.backends.triton.gemv import gemv
+    from k3ir.backends.triton.layer import gated_rmsnorm
+    g = torch.Generator().manual_seed(M * H + V)
+    K = H * V
+    o = (3 * torch.randn(M, K, generator=g)).to(DEV)
+    gz = torch.randn(M, K, generator=g).to(DEV)
+    nw = (1 + 0.3 * torch.randn(V, generator=g)).to(DEV)
+    w = (torch.randn(N, K, generator=g) / 8).to(DEV)
+    od = o.double().reshape(M, H, V)
+    xn = od * torch.rsqrt(od.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double() * torch.sigmoid(
+        gz.double().reshape(M, H, V))
+    want = xn.reshape(M, K) @ w.double().T
+    assert rel_err(gemv(o, w, norm=(nw, gz, 1e-6, "gated")).double().cpu().numpy(), want.cpu().numpy()) < 1e-5
+    ob, gb, wb = o.bfloat16(), gz.bfloat16(), w.bfloat16()
+    two = gemv(gated_rmsnorm(ob.reshape(M, H, V), gb.reshape(M, H, V), nw, 1e-6).reshape(M, K), wb)
+    one = gemv(ob, wb, norm=(nw, gb, 1e-6, "gated"))
+    assert rel_err(one.double().cpu().numpy(), two.double().cpu().numpy()) < 1e-2

@@ -100,6 +100,14 @@ def fused_kda(inst, *args):
         # RMSNorm in its prologue), the two low-rank up-projections in one more, then the decode kernel
         sizes = [w.shape[0] for w in ws]
         cat = cat_weights(ws, x.dtype)
+        split = (DECODE_SPLIT and fused_in and not inst.full_rank_gate and fits(ws[5], gate_w[1])
+                 and w_fb.shape[1] == gate_w[1].shape[1] and all(c.shape[-1] == c_q.shape[-1] for c in (c_k, c_v)))
+        own = (lambda t: t.float().contiguous()) if GRAPH_STEP["in_place"] else (lambda t: t.float().contiguous().clone())
+        pool = own(st[3])          # a CUDA-graph decode (graphs.py) updates its static buffers in place
+        cpools = [own(s) for s in st[:3]]
+        if split:
+            return _decode_split(inst, xr, nrm, cat, sizes, (c_q, c_k, c_v), cpools, pool, w_fb, gate_w, A_log,
+                                 dt_bias, o_norm, lb)
         y = gemv(xr[:, 0], cat, norm=nrm) if fused_in else _lin(x[:, 0], cat)
         q, k, v, fa, bl, ga = torch.split(y, sizes, dim=-1)
         if inst.full_rank_gate:
@@ -108,9 +116,6 @@ def fused_kda(inst, *args):
             z, gz = gemv2(fa, w_fb, ga, gate_w[1])
         else:
             z, gz = _lin(fa, w_fb), _lin(ga, gate_w[1])
-        own = (lambda t: t.float().contiguous()) if GRAPH_STEP["in_place"] else (lambda t: t.float().contiguous().clone())
-        pool = own(st[3])          # a CUDA-graph decode (graphs.py) updates its static buffers in place
-        cpools = [own(s) for s in st[:3]]
         o = layer.kda_decode(q, k, v, z, bl, A_log, dt_bias, pool, _slots(B, x.device), lower_bound=lb,
                              scale=inst.scale, conv=(c_q, c_k, c_v, *cpools), norm=(o_norm, gz, inst.eps))
         return (o.reshape(B, 1, H * D), *cpools, pool)
@@ -135,6 +140,30 @@ def fused_kda(inst, *args):
 
 #: set by the CUDA-graph decode (graphs.py): states are static buffers updated in place
 GRAPH_STEP = {"in_place": False}
+
+#: decode step of a KDA layer with the short conv in the projection gemv's epilogue and the gated head norm in
+#: the o_proj gemv's prologue (lowering.GateNormed), so ``kda_decode`` splits V over programs (False: the one
+#: fused launch with conv and norm inside, BV = V; ``K3IR_DECODE_SPLIT=0`` for A/B runs)
+DECODE_SPLIT = os.environ.get("K3IR_DECODE_SPLIT", "1") != "0"
+
+
+def _decode_split(inst, xr, nrm, cat, sizes, convs, cpools, pool, w_fb, gate_w, A_log, dt_bias, o_norm, lb):
+    """The decode branch of ``fused_kda`` with DECODE_SPLIT: projections + conv + SiLU (conv states shifted
+    in place) in one gemv, the low-rank up-projections in one, the recurrent step over V blocks, and the
+    output returned as a deferred gated norm when the plan allows it (lowering.DEFER_GATED)."""
+    from .gemv import cat_weights, gemv, gemv2
+    from .lowering import DEFER_GATED, GateNormed
+    H, D = inst.heads, inst.head_dim
+    B = xr.shape[0]
+    slots = _slots(B, xr.device)
+    cw = cat_weights(list(convs), convs[0].dtype)
+    y = gemv(xr[:, 0], cat, norm=nrm, conv=(cw, cpools, slots, sizes[:3]))
+    q, k, v, fa, bl, ga = torch.split(y, sizes, dim=-1)
+    z, gz = gemv2(fa, w_fb, ga, gate_w[1])
+    o = layer.kda_decode(q, k, v, z, bl, A_log, dt_bias, pool, slots, lower_bound=lb, scale=inst.scale)
+    lazy = GateNormed(o.reshape(B, 1, H * D), gz.reshape(B, 1, H * D), o_norm, inst.eps)
+    return (lazy if DEFER_GATED["on"] else lazy.materialize(), *cpools, pool)
+
 
 KERNELS = {
     "k3.kda": kda,

@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
+from k3ir.errors import K3RuntimeError
+
 from . import interpreting
 
 MAX_ROWS = 4
@@ -48,25 +50,70 @@ except ImportError:      # pragma: no cover
 
 
 @triton.jit
-def _x_tile(x, nw, rows, mr, kk, mk, x_rs, rstd, NORM: tl.constexpr):
-    """x[rows, kk] in fp32; with NORM the RMSNorm-ed row rounded to x's dtype (as rmsnorm_kernel)."""
+def _x_tile(x, nw, rows, mr, kk, mk, x_rs, rstd, NORM: tl.constexpr, gz, gz_rs, eps, GV: tl.constexpr,
+            BM: tl.constexpr, BK: tl.constexpr):
+    """x[rows, kk] in fp32; with NORM the RMSNorm-ed row rounded to x's dtype (as rmsnorm_kernel); with
+    GV > 0 the gated head norm ``rmsnorm_head(x) * nw[k % GV] * sigmoid(gz)`` over heads of GV columns
+    (whole heads in the tile: BK % GV == 0), rounded to x's dtype (SPEC.md 3.6)."""
     xv = tl.load(x + rows.to(tl.int64)[:, None] * x_rs + kk[None, :], mask=mr[:, None] & mk[None, :],
                  other=0.).to(tl.float32)
     if NORM:
         wn = tl.load(nw + kk, mask=mk, other=0.).to(tl.float32)
         xv = (xv * rstd[:, None] * wn[None, :]).to(x.dtype.element_ty).to(tl.float32)
+    if GV > 0:
+        x3 = tl.reshape(xv, (BM, BK // GV, GV))
+        r3 = tl.rsqrt(tl.sum(x3 * x3, 2) / GV + eps)
+        xn = tl.reshape(x3 * r3[:, :, None], (BM, BK))
+        wn = tl.load(nw + kk % GV).to(tl.float32)
+        g = tl.load(gz + rows.to(tl.int64)[:, None] * gz_rs + kk[None, :], mask=mr[:, None] & mk[None, :],
+                    other=0.).to(tl.float32)
+        xv = (xn * wn[None, :] * tl.sigmoid(g)).to(x.dtype.element_ty).to(tl.float32)
     return xv
 
 
 @triton.jit
-def gemv_kernel(x, w, w3, y, r1, r2, nw, ys, inv, x2, w2, y2,
-                M, N, K, x_rs, N2, x2_rs, NB1, eps,
+def _conv_epilogue(acc, rows, mr, offs_n, mn, cw, cs_q, cs_k, cs_v, slots, C1, C2, C3, y_ty,
+                   W: tl.constexpr, WP: tl.constexpr):
+    """Decode step of the short conv + SiLU (SPEC.md 3.2) on output columns ``< C1 + C2 + C3`` of acc
+    ``[BM, BN]`` (the q|k|v projections): the pre-conv value is acc rounded to y's dtype; conv weights
+    ``cw [C1+C2+C3, W]``, state pools ``cs_* [P, C, W-1]`` (fp32) updated in place at ``slots[row]``.
+    Each program owns its columns; all taps are loaded before the barrier, then shifted and stored."""
+    NC = C1 + C2 + C3
+    mc = mn & (offs_n < NC)
+    m2 = mr[:, None] & mc[None, :]
+    slot = tl.load(slots + rows, mask=mr, other=0).to(tl.int64)
+    n = offs_n.to(tl.int64)
+    in_k = offs_n >= C1
+    in_v = offs_n >= C1 + C2
+    ch = tl.where(in_v, n - C1 - C2, tl.where(in_k, n - C1, n))
+    C = tl.where(in_v, C3, tl.where(in_k, C2, C1)).to(tl.int64)
+    rel = (slot[:, None] * C[None, :] + ch[None, :]) * (W - 1)
+    base = tl.where(in_v[None, :], cs_v + rel, tl.where(in_k[None, :], cs_k + rel, cs_q + rel))
+    xv = acc.to(y_ty).to(tl.float32)
+    taps = tl.arange(0, WP)
+    mt = taps < W - 1
+    m3 = m2[:, :, None] & mt[None, None, :]
+    st = tl.load(base[:, :, None] + taps[None, None, :], mask=m3, other=0.)
+    wt = tl.load(cw + n[:, None] * W + taps[None, :], mask=mc[:, None] & mt[None, :], other=0.).to(tl.float32)
+    conv = tl.sum(st.to(tl.float32) * wt[None, :, :], 2)
+    conv += xv * tl.load(cw + n * W + (W - 1), mask=mc, other=0.).to(tl.float32)[None, :]
+    tl.debug_barrier()
+    tl.store(base[:, :, None] + taps[None, None, :] - 1, st, mask=m3 & (taps >= 1)[None, None, :])
+    tl.store(base + (W - 2), xv.to(cs_q.dtype.element_ty), mask=m2)
+    return tl.where(mc[None, :], conv * tl.sigmoid(conv), acc)
+
+
+@triton.jit
+def gemv_kernel(x, w, w3, y, r1, r2, nw, ys, inv, x2, w2, y2, gz, cw, cs_q, cs_k, cs_v, slots,
+                M, N, K, x_rs, N2, x2_rs, NB1, eps, gz_rs, C1, C2, C3,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GLU: tl.constexpr, NRES: tl.constexpr,
-                NORM: tl.constexpr, KSLOT: tl.constexpr, SEG2: tl.constexpr, PDL: tl.constexpr):
+                NORM: tl.constexpr, KSLOT: tl.constexpr, SEG2: tl.constexpr, PDL: tl.constexpr,
+                GV: tl.constexpr = 0, CONV_W: tl.constexpr = 0, CONV_WP: tl.constexpr = 2):
     """y[m, n] = epilogue(sum_k norm(x)[m, k] w[n, k]) for rows m < M (BM >= M); x rows ``x_rs`` apart,
     y/r1/r2 contiguous ``[M, N]``. GLU: silu(acc) * (x w3^T). NORM: x RMSNorm-ed with weight ``nw``.
     KSLOT > 0: + sum_j ys[inv[m, j], n]. SEG2: programs >= NB1 compute y2 = x2 w2^T (N2 columns) instead.
-    Grid (cdiv(N, BN) [+ cdiv(N2, BN)],)."""
+    GV > 0: x is gated-head-normed in the prologue (``_x_tile``; gz rows ``gz_rs`` apart). CONV_W > 0: the
+    short-conv decode step on columns < C1 + C2 + C3 (``_conv_epilogue``). Grid (cdiv(N, BN) [+ cdiv(N2, BN)],)."""
     pid = tl.program_id(0)
     if SEG2:  # noqa: SIM102 (a constexpr test, then a runtime one)
         if pid >= NB1:
@@ -101,7 +148,7 @@ def gemv_kernel(x, w, w3, y, r1, r2, nw, ys, inv, x2, w2, y2,
                         other=0.).to(tl.float32)
             ss += tl.sum(v * v, 1)
         rstd = tl.rsqrt(ss / K + eps)
-    xv = _x_tile(x, nw, rows, mr, kk, mk, x_rs, rstd, NORM)
+    xv = _x_tile(x, nw, rows, mr, kk, mk, x_rs, rstd, NORM, gz, gz_rs, eps, GV, BM, BK)
     acc = tl.sum(xv[:, None, :] * wv.to(tl.float32)[None, :, :], 2)
     acc3 = acc
     if GLU:
@@ -110,13 +157,16 @@ def gemv_kernel(x, w, w3, y, r1, r2, nw, ys, inv, x2, w2, y2,
         kc = k0 + tl.arange(0, BK)
         mc = kc < K
         wc = tl.load(w + wrow + kc[None, :], mask=mn[:, None] & mc[None, :], other=0.).to(tl.float32)
-        xc = _x_tile(x, nw, rows, mr, kc, mc, x_rs, rstd, NORM)
+        xc = _x_tile(x, nw, rows, mr, kc, mc, x_rs, rstd, NORM, gz, gz_rs, eps, GV, BM, BK)
         acc += tl.sum(xc[:, None, :] * wc[None, :, :], 2)
         if GLU:
             wc3 = tl.load(w3 + wrow + kc[None, :], mask=mn[:, None] & mc[None, :], other=0.).to(tl.float32)
             acc3 += tl.sum(xc[:, None, :] * wc3[None, :, :], 2)
     if GLU:
         acc = acc * tl.sigmoid(acc) * acc3
+    if CONV_W > 0:
+        acc = _conv_epilogue(acc, rows, mr, offs_n, mn, cw, cs_q, cs_k, cs_v, slots, C1, C2, C3,
+                             y.dtype.element_ty, CONV_W, CONV_WP)
     out = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
     mo = mr[:, None] & mn[None, :]
     if NRES >= 1:
@@ -217,9 +267,18 @@ def _w(w, dtype):
     return w if w.dtype == dtype and w.is_contiguous() else w.to(dtype).contiguous()
 
 
-def _launch(xx, w, y, M, N, K, w3=None, rr=(), norm=None, comb=None, seg2=None):
+def _launch(xx, w, y, M, N, K, w3=None, rr=(), norm=None, comb=None, seg2=None, gnorm=None, conv=None):
     BM = max(1, triton.next_power_of_2(M))
     BN, BK, warps = config(M, N, K, w3 is not None)
+    GV = 0
+    gz, gz_rs = None, 0
+    if gnorm is not None:      # (w_norm [GV], gz [M, K], eps): whole heads per x tile
+        nwg, gz, geps = gnorm
+        GV = nwg.numel()
+        BK = max(BK, GV)
+        norm, gz_rs = (nwg, geps), gz.stride(0)
+    cw, csq, csk, csv, slots, (C1, C2, C3), CW = (conv if conv is not None
+                                                 else (None, None, None, None, None, (0, 0, 0), 0))
     nb1 = triton.cdiv(N, BN)
     x2, w2, y2, N2 = seg2 if seg2 is not None else (None, None, None, 0)
     grid = (nb1 + (triton.cdiv(N2, BN) if seg2 is not None else 0),)
@@ -228,9 +287,11 @@ def _launch(xx, w, y, M, N, K, w3=None, rr=(), norm=None, comb=None, seg2=None):
     kw = pdl_kwargs(xx)
     pdl = kw.pop("PDL", False)
     gemv_kernel[grid](xx, w, w3, y, rr[0] if rr else None, rr[1] if len(rr) > 1 else None,
-                      nw, ys, inv, x2, w2, y2, M, N, K, xx.stride(0), N2, x2.stride(0) if x2 is not None else 0,
-                      nb1, float(eps), BM=BM, BN=BN, BK=BK, GLU=w3 is not None, NRES=len(rr), NORM=norm is not None,
-                      KSLOT=int(inv.shape[-1]) if inv is not None else 0, SEG2=seg2 is not None, PDL=pdl,
+                      nw, ys, inv, x2, w2, y2, gz, cw, csq, csk, csv, slots,
+                      M, N, K, xx.stride(0), N2, x2.stride(0) if x2 is not None else 0,
+                      nb1, float(eps), gz_rs, C1, C2, C3, BM=BM, BN=BN, BK=BK, GLU=w3 is not None, NRES=len(rr),
+                      NORM=norm is not None and GV == 0, KSLOT=int(inv.shape[-1]) if inv is not None else 0,
+                      SEG2=seg2 is not None, PDL=pdl, GV=GV, CONV_W=CW, CONV_WP=max(2, 1 << (max(CW, 2) - 2).bit_length()),
                       num_warps=warps, **kw)
 
 
@@ -240,12 +301,16 @@ def _rows(x, K):
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, w3: torch.Tensor | None = None, res=(), norm=None,
-         comb=None) -> torch.Tensor:
+         comb=None, conv=None) -> torch.Tensor:
     """``x W^T`` for x ``[..., K]`` with at most ``MAX_ROWS`` rows, w ``[N, K]`` (cast to x's dtype if
     needed); ``w3``: SwiGLU ``silu(x W^T) * (x W3^T)``; ``res``: up to two tensors ``[..., N]`` added
-    (fp32); ``norm=(w_norm [K], eps)``: x is RMSNorm-ed first (SPEC.md 1); ``comb=(y_sorted [S, N],
-    inv int [..., k])``: the MoE combine ``sum_j y_sorted[inv[..., j]]`` added as well. Returns
-    ``[..., N]`` in x's dtype."""
+    (fp32); ``norm=(w_norm [K], eps)``: x is RMSNorm-ed first (SPEC.md 1); ``norm=(w_norm [V], gz
+    [..., K], eps, "gated")``: x is head-RMSNorm-ed over heads of V columns, scaled and gated by
+    sigmoid(gz) first (SPEC.md 3.6; V a power of two dividing K); ``comb=(y_sorted [S, N], inv int
+    [..., k])``: the MoE combine ``sum_j y_sorted[inv[..., j]]`` added as well; ``conv=(w_conv [C, 1, W],
+    (cs_q, cs_k, cs_v) fp32 pools [P, C_i, W-1], slots int [M], (C1, C2, C3))``: the output columns
+    < C1+C2+C3 go through the short-conv decode step + SiLU (SPEC.md 3.2) with the three state pools
+    shifted in place at the rows' slots (other slots untouched). Returns ``[..., N]`` in x's dtype."""
     K = x.shape[-1]
     N = w.shape[0]
     lead = x.shape[:-1]
@@ -255,12 +320,28 @@ def gemv(x: torch.Tensor, w: torch.Tensor, w3: torch.Tensor | None = None, res=(
     if w3 is not None:
         w3 = _w(w3, x.dtype)
     rr = [r.reshape(M, N).contiguous() for r in res]
-    if norm is not None:
+    gnorm = None
+    if norm is not None and len(norm) == 4:
+        V = norm[0].numel()
+        if K % V or V & (V - 1):
+            raise K3RuntimeError(f"gemv: gated head norm of width {V} does not tile K = {K}")
+        gnorm = (norm[0].reshape(V).contiguous(), _rows(norm[1].to(x.dtype), K), float(norm[2]))
+        norm = None
+    elif norm is not None:
         norm = (norm[0].reshape(K).contiguous(), norm[1])
     if comb is not None:
         comb = (comb[0].contiguous(), comb[1].reshape(M, -1).contiguous())
+    cv = None
+    if conv is not None:
+        cwt, pools, slots, sizes = conv
+        W = cwt.shape[-1]
+        if any(p.dtype != torch.float32 or not p.is_contiguous() for p in pools) or sum(sizes) > N \
+                or cwt.shape[0] != sum(sizes) or slots.numel() != M:
+            raise K3RuntimeError("gemv: conv epilogue wants fp32 contiguous state pools, weights [C1+C2+C3, 1, W] "
+                                 f"within N = {N} and one slot per row (got {M} rows)")
+        cv = (cwt.reshape(cwt.shape[0], W).contiguous(), *pools, slots.contiguous(), tuple(int(c) for c in sizes), W)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    _launch(xx, w, y, M, N, K, w3=w3, rr=rr, norm=norm, comb=comb)
+    _launch(xx, w, y, M, N, K, w3=w3, rr=rr, norm=norm, comb=comb, gnorm=gnorm, conv=cv)
     return y.reshape(*lead, N)
 
 

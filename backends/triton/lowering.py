@@ -46,6 +46,25 @@ class Prenormed(Lazy):
         return norm_k.rmsnorm(self.x, self.w, self.eps)
 
 
+#: set while a ``kda_out`` KDA layer runs: its output may be returned as a GateNormed
+DEFER_GATED = {"on": False}
+
+
+class GateNormed(Lazy):
+    """``gated_rmsnorm(o, gz, w, eps)`` of a KDA decode step not yet computed (heads of ``w.numel()``
+    columns): the o_proj gemv applies it in its prologue (gemv ``norm=(w, gz, eps, "gated")``)."""
+
+    def __init__(self, o, gz, w, eps):
+        self.o, self.gz, self.w, self.eps = o, gz, w, float(eps)
+        self.shape, self.dtype, self.device = o.shape, o.dtype, o.device
+
+    def _compute(self):
+        from .layer import gated_rmsnorm
+        V = self.w.numel()
+        o = self.o.reshape(*self.o.shape[:-1], -1, V)
+        return gated_rmsnorm(o, self.gz.reshape(o.shape).to(o.dtype), self.w, self.eps).reshape(self.shape)
+
+
 class Combined(Lazy):
     """``moe_combine`` of pre-scaled expert rows not yet computed: a gemv adds it in its epilogue (``comb=``)."""
 
@@ -196,6 +215,8 @@ def _norm_args(x):
     """(gemv input, gemv ``norm=``) of a linear's input: a Prenormed one is normed in the gemv prologue."""
     if isinstance(x, Prenormed) and x.value is None:
         return x.x, (x.w, x.eps)
+    if isinstance(x, GateNormed) and x.value is None:
+        return x.o, (x.w, x.gz, x.eps, "gated")
     return _val(x), None
 
 
@@ -312,6 +333,13 @@ def plan(fn) -> dict[int, tuple]:
         if (len(us) == 1 and us[0] is not None and us[0].name == "k3.mla" and us[0].operands[1] is op.results[0]
                 and nrm is not None and nrm.name == "k3.rmsnorm" and len(uses.get(id(nrm.results[0]), [])) == 1):
             out[id(op)] = ("kvcat",)
+    # a KDA layer whose output feeds only ops (no function return): at decode its gated head norm may be
+    # deferred into the consumer's gemv prologue (GateNormed; executable.fused_kda with DECODE_SPLIT)
+    for op in fn.ops:
+        if op.name == "k3.fused_kda" and id(op) not in out:
+            us = uses.get(id(op.results[0]), [])
+            if us and all(c is not None for c in us) and not any(v is op.results[0] for v in fn.returns):
+                out[id(op)] = ("kda_out",)
     # an RMSNorm whose every consumer can norm the raw row itself (gemv prologue, KDA decode projections)
     for op in fn.ops:
         if op.name == "k3.rmsnorm" and id(op) not in out:
@@ -329,7 +357,7 @@ def _norm_consumer(c, r, out) -> bool:
     if c.name == "k3.linear":
         return act in (None, "skip", "lin_cat", "cat_member")
     if c.name == "k3.fused_kda":
-        return act is None
+        return act in (None, "kda_out")
     return (c.name, act) in (("k3.router", "route"), ("k3.moe_dispatch", "routed"), ("k3.concat", "kvcat"))
 
 
@@ -361,6 +389,14 @@ class PlanInterpreter(Interpreter):
         kind = act[0]
         if kind == "skip":
             return
+        if kind == "kda_out":
+            if self.observe is not None:
+                return super().exec_op(op, env, observe)
+            DEFER_GATED["on"] = True
+            try:
+                return super().exec_op(op, env, observe)
+            finally:
+                DEFER_GATED["on"] = False
         if kind in ("lin_glu", "lin_add"):
             return self._gemv_chain(op, act, env, observe)
         if kind == "lin_cat":
