@@ -156,10 +156,11 @@ def test_pack_rejects_bad_shapes_and_config_fits():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("act,smax", [("situ", 128), ("none", 254)])
+@pytest.mark.parametrize("act,smax", [("situ", 128), ("none", 200)])
 def test_gluon_kernel_matches_dequantised_matmul(act, smax):
     """The Gluon kernel (GLU and plain + row scale, one and two multipliers, experts of 0..19 rows) against
-    bf16 dequantise-then-matmul on the GPU (tolerance SPEC 11 bf16)."""
+    bf16 dequantise-then-matmul on the GPU (tolerance SPEC 11 bf16). Scale bytes up to 200 reach the two-multiplier
+    path without overflow (at 254 the weights themselves are inf in bf16 and the comparison is nan)."""
     from k3ir.backends.triton import moe
     dev = "cuda"
     rng = np.random.default_rng(1)
@@ -199,17 +200,18 @@ def test_prepared_is_cached_per_weight_version():
 
 
 def test_room_for_copy_keeps_the_triton_kernel_when_memory_is_short(monkeypatch, caplog):
-    """The permuted copy is made only when it leaves min_free_gb and 5% of the memory free (else one warning
-    and the Triton kernels: the K3 4-layer model at decode B32 ran out of memory with both layouts)."""
+    """The permuted copy is made only when it leaves min_free_gb and min_free_frac of the memory free (else one
+    warning and the Triton kernels: the K3 4-layer model at decode B32 ran out of memory with both layouts)."""
     GiB = 2 ** 30
     w = torch.zeros(4 * GiB // 1024, 1024, dtype=torch.uint8, device="meta")      # 4 GiB of packed bytes
     s = torch.zeros(1, dtype=torch.uint8, device="meta")
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 2 * GiB)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 1 * GiB)   # 1 GiB cached, free for reuse
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (12 * GiB, 140 * GiB))
-    assert G.room_for_copy([(w, s)], "cuda", 8.0)             # 13 - 4 = 9 GiB left >= max(8, 7)
+    assert G.room_for_copy([(w, s)], "cuda", 8.0, 0.05)       # 13 - 4 = 9 GiB left >= max(8, 7)
+    assert not G.room_for_copy([(w, s)], "cuda", 8.0, 0.25)   # 9 < 35
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (10 * GiB, 140 * GiB))
     with caplog.at_level("WARNING"):
-        assert not G.room_for_copy([(w, s)], "cuda", 8.0)     # 11 - 4 = 7 GiB < 8
-        assert not G.room_for_copy([(w, s)], "cuda", 8.0)
+        assert not G.room_for_copy([(w, s)], "cuda", 8.0, 0.05)     # 11 - 4 = 7 GiB < 8
+        assert not G.room_for_copy([(w, s)], "cuda", 8.0, 0.05)
     assert sum("not enough free GPU memory" in r.message for r in caplog.records) == 1

@@ -199,15 +199,15 @@ _log = logging.getLogger(__name__)
 _SKIPPED: set = set()
 
 
-def room_for_copy(pairs, device, min_free_gb: float) -> bool:
+def room_for_copy(pairs, device, min_free_gb: float, min_free_frac: float = 0.25) -> bool:
     """Whether the permuted copies of ``pairs`` ((packed, scales) tensors) fit on ``device`` leaving at least
-    ``min_free_gb`` GiB and 5% of the memory free (PyTorch's cached free blocks count as free). When not, the
+    ``min_free_gb`` GiB and ``min_free_frac`` of the memory free (PyTorch's cached free blocks count). When not, the
     caller keeps the Triton kernels on the original layout (one warning per weight) instead of failing later
     with an out-of-memory error."""
     need = sum(w.numel() * w.element_size() + s.numel() * s.element_size() for w, s in pairs)
     free, total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    if free - need >= max(min_free_gb * 2 ** 30, 0.05 * total):
+    if free - need >= max(min_free_gb * 2 ** 30, min_free_frac * total):
         return True
     if id(pairs[0][0]) not in _SKIPPED:
         _SKIPPED.add(id(pairs[0][0]))
