@@ -76,7 +76,19 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches():
     nxt = np.array([[5], [40]])
     want, s_ref = ref.decode(nxt, s_ref)
     out = {}
-    launches = _count_launches(lambda: out.update(r=tri.decode(nxt, s_tri)))
+    from k3ir.backends.triton import gemv as gemv_mod
+    fused = collections.Counter()
+    launch = gemv_mod._launch
+
+    def spy(*a, **kw):       # the gemv fusions of executable.DECODE_SPLIT: conv epilogue, gated-norm prologue
+        fused.update(k for k in ("conv", "gnorm") if kw.get(k) is not None)
+        return launch(*a, **kw)
+    gemv_mod._launch = spy
+    try:
+        launches = _count_launches(lambda: out.update(r=tri.decode(nxt, s_tri)))
+    finally:
+        gemv_mod._launch = launch
+    assert fused == {"conv": 3, "gnorm": 3}
     got, s_tri = out["r"]
     assert rel_err(got.double().numpy(), want) < 1e-4
     want, _ = ref.decode(nxt[::-1].copy(), s_ref)          # the next step from the fused step's state

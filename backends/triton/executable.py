@@ -100,8 +100,9 @@ def fused_kda(inst, *args):
         # RMSNorm in its prologue), the two low-rank up-projections in one more, then the decode kernel
         sizes = [w.shape[0] for w in ws]
         cat = cat_weights(ws, x.dtype)
-        split = (DECODE_SPLIT and fused_in and not inst.full_rank_gate and fits(ws[5], gate_w[1])
-                 and w_fb.shape[1] == gate_w[1].shape[1] and all(c.shape[-1] == c_q.shape[-1] for c in (c_k, c_v)))
+        split = (DECODE_SPLIT and fused_in and not inst.full_rank_gate and gate_w[1].dim() == 2
+                 and gate_w[1].dtype != torch.float64 and gate_w[1].shape[1] == ws[5].shape[0] == w_fb.shape[1]
+                 and all(c.shape[-1] == c_q.shape[-1] for c in (c_k, c_v)))
         own = (lambda t: t.float().contiguous()) if GRAPH_STEP["in_place"] else (lambda t: t.float().contiguous().clone())
         pool = own(st[3])          # a CUDA-graph decode (graphs.py) updates its static buffers in place
         cpools = [own(s) for s in st[:3]]
