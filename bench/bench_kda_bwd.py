@@ -25,6 +25,7 @@ recurrence MMAv2-only:
 - ``probe_wy_wgmma`` / ``probe_dh_v2``: the WY launch compiled with Hopper wgmma (the default compiles it
   MMAv2-only, see ``kda_bwd.TUNING['mma_v2']``) and the dh recurrence MMAv2-only: accuracy as ``acc_k3``.
 - ``sweep``: backward launch variants (``kda_bwd.TUNING``) at B1 T32768 H32 K3, ms per launch.
+- ``acc_next`` / ``time_next``: ``acc_k3`` / ``time_k3`` with ``kda_bwd.NEXT`` (candidate defaults) applied.
 Prints the tables last and writes JSON (``--out``, default ``$OUT/bench_kda_bwd.json``) after every job.
 
     PYTHONPATH=<fla wheel dir> python bench/bench_kda_bwd.py [--budget 110] [--no-fla] [--jobs a,b]
@@ -66,6 +67,9 @@ JOBS = {   # name: (kind, kwargs, extra env, seconds it needs at least)
     "acc_var": ("acc", {"lb": -5.0, "cu": [0, 1, 64, 64, 65, 300, 1000, 2048],
                         "variants": [("recompute", {"bwd_reuse": False}, {}, False)]}, {"CUDA_LAUNCH_BLOCKING": "1"}, 20),
     "sweep": ("sweep", {}, {}, 15),
+    # kda_bwd.NEXT (the 04:59 sweep's per-launch winners together): accuracy, then time
+    "acc_next": ("acc", {"lb": -5.0, "tune": "NEXT"}, {"CUDA_LAUNCH_BLOCKING": "1"}, 20),
+    "time_next": ("time", {"shape": [1, 32768, 32, 128], "lb": -5.0, "tune": "NEXT"}, {}, 12),
     "probe_dh_v2": ("acc", {"lb": -5.0, "tune": {"mma_v2": "bwd_wy,bwd_dh,fwd_h"}}, {"CUDA_LAUNCH_BLOCKING": "1"},
                     15),
 }
@@ -261,7 +265,7 @@ def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), re
     from k3ir.backends.triton import kda_bwd as KB
     from k3ir.backends.triton import kda_forward
     from k3ir.backends.triton.kda_torch import kda_chunk_torch
-    KB.TUNING.update(tune or {})
+    KB.TUNING.update(_tuning(tune))
     N = None if cu is None else len(cu) - 1
     if SMOKE and cu is not None:
         cu = [0, 1, 64, 64, ACC_SHAPE[1]]
@@ -336,9 +340,17 @@ def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), re
     return [row]
 
 
-def job_time(name, shape, lb, fla=None):
+def _tuning(tune):
+    """``tune`` as a dict of kda_bwd.TUNING overrides ("NEXT": kda_bwd.NEXT)."""
+    from k3ir.backends.triton import kda_bwd as KB
+    return dict(KB.NEXT) if tune == "NEXT" else (tune or {})
+
+
+def job_time(name, shape, lb, fla=None, tune=None):
     import torch
+    from k3ir.backends.triton import kda_bwd as KB
     from k3ir.backends.triton import kda_forward
+    KB.TUNING.update(_tuning(tune))
     x = inputs(*shape, seed=0)
     do = torch.randn_like(x["v"])
     gate = "k3" if lb is not None else "softplus"
