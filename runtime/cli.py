@@ -331,6 +331,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k3ir: error: {args.command} needs the Python package '{e.name}': pip install 'k3ir[{extra}]'",
               file=sys.stderr)
         return 2
+    except UnicodeDecodeError as e:      # a binary file where a text file (config, IR) was expected
+        where = next((str(getattr(args, a)) for a in ("model", "file", "path", "input") if getattr(args, a, None)), "")
+        print(f"k3ir: error: {where + ': ' if where else ''}not a UTF-8 text file ({e.reason} at byte {e.start}); "
+              f"expected a config.json, a .k3 IR file or a checkpoint directory", file=sys.stderr)
+        return 2
+    except MemoryError as e:             # NumPy/torch allocations beyond this machine's memory
+        print(f"k3ir: error: out of memory in {args.command}: {str(e)[:200]}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("k3ir: interrupted", file=sys.stderr)
         return 130

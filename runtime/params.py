@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from k3ir.errors import K3Error
+from k3ir.errors import K3Error, K3RuntimeError
 from k3ir.ir import Module, ParamDecl
 
 
@@ -46,9 +46,27 @@ def init_params(module: Module, seed: int = 0) -> dict[str, np.ndarray]:
     Quantised expert parameters (made by the quantize-experts pass) are the quantisation of
     the float weights this init gives their unquantised source parameter."""
     from k3ir.passes.quantize_experts import is_derived, materialize
+    cfg = getattr(module, "config", None)
+    name = getattr(cfg, "name", None) or getattr(cfg, "path", None) or "this model"
+    check_fits(8 * sum(int(decl.type.numel()) for decl in module.params.values()), f"random init of {name}")
     out = {name: init_param(decl, seed) for name, decl in module.params.items() if not is_derived(decl)}
     out.update(materialize(module, lambda src, t: init_param(ParamDecl(src, t), seed)))
     return out
+
+
+def check_fits(nbytes: int, what: str) -> None:
+    """Raise K3RuntimeError when ``nbytes`` (a float64 random init; the full Kimi K3 needs ~22 TB) exceed 80% of
+    this machine's physical memory, instead of failing deep inside NumPy or being killed. ``what`` names it."""
+    import os
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if nbytes > 0.8 * have:
+        raise K3RuntimeError(
+            f"{what} needs {nbytes / 1e9:,.0f} GB (float64) but this machine has {have / 1e9:,.0f} GB: load a "
+            f"checkpoint, scale the config down (--set num_hidden_layers=... --set num_experts=...), or export "
+            f"without weights (--weights inputs)")
 
 
 def bound_params(module: Module) -> dict[str, Any] | None:

@@ -278,3 +278,38 @@ def test_check_port_accepts_a_free_port():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     check_port("127.0.0.1", port)                # closed again: free (SO_REUSEADDR as uvicorn)
+
+
+def test_binary_file_is_one_line_error(tmp_path, capsys):
+    """A binary file where a config / IR file is expected: exit 2 and one line naming the file (was a raw
+    UnicodeDecodeError traceback)."""
+    from k3ir.runtime.cli import main
+    f = tmp_path / "rnd.bin"
+    f.write_bytes(bytes(range(200, 256)) * 4)
+    assert main(["print", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(f) in err[0] and "not a UTF-8 text file" in err[0]
+
+
+def test_random_init_too_big_for_memory_is_an_error(monkeypatch, tmp_path, capsys):
+    """Random init of a model that cannot fit in memory fails up front with the size (the full Kimi K3 needs
+    ~22.9 TB in float64), for the Python API and the CLI (was a NumPy MemoryError traceback or a silent kill)."""
+    import os
+
+    from k3ir.runtime.cli import main
+    from k3ir.runtime.params import init_params
+
+    import k3ir
+    from k3ir.errors import K3RuntimeError
+    m = k3ir.load("k3-tiny")
+    n = sum(int(d.type.numel()) for d in m.params.values())
+    real = os.sysconf
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (8 * n) // 4096 // 2}     # half of what the init needs
+    monkeypatch.setattr(os, "sysconf", lambda k: pages.get(k, None) if k in pages else real(k))
+    with pytest.raises(K3RuntimeError, match="random init of .* needs .* GB"):
+        init_params(m)
+    monkeypatch.setattr(os, "sysconf", real)
+    assert main(["train", "kimi-k3", "--steps", "1", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    import re
+    assert re.search(r"random init of kimi-k3 needs [0-9]{2},[0-9]{3} GB", err) and "Traceback" not in err

@@ -254,7 +254,8 @@ class OnnxExporter:
 
     def _array(self, name: str, decl):
         if self.params is None:
-            from k3ir.runtime.params import init_param
+            from k3ir.runtime.params import check_fits, init_param
+            check_fits(8 * int(decl.type.numel()), f"random init of parameter {name}")
             return init_param(decl)
         a = self.params[name]
         if hasattr(a, "detach"):
