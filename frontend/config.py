@@ -378,7 +378,11 @@ def build_config(raw: dict, path: str | None = None, name: str | None = None,
     lb = la.get("gate_lower_bound", float, None, allow_none=True)
     if lb is not None and lb >= 0:
         la.fail("gate_lower_bound", f"must be negative, got {lb}")
-    dtype_name = r.get("dtype", str, r.get("torch_dtype", str, "bfloat16"))
+    torch_dtype = r.get("torch_dtype", str, None, allow_none=True)
+    torch_dtype = None if torch_dtype == "auto" else torch_dtype     # transformers' "auto": the file's dtype
+    if torch_dtype is not None and torch_dtype not in _DTYPES:    # the older key: checked even when "dtype" wins
+        r.fail("torch_dtype", f"unsupported dtype {torch_dtype!r} (want one of {sorted(_DTYPES)})")
+    dtype_name = r.get("dtype", str, torch_dtype or "bfloat16")
     if dtype_name not in _DTYPES:
         r.fail("dtype", f"unsupported dtype {dtype_name!r} (want one of {sorted(_DTYPES)})")
     block = r.get("attn_res_block_size", int, None, lo=1, allow_none=True)

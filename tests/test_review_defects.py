@@ -313,3 +313,15 @@ def test_random_init_too_big_for_memory_is_an_error(monkeypatch, tmp_path, capsy
     err = capsys.readouterr().err
     import re
     assert re.search(r"random init of kimi-k3 needs [0-9]{2},[0-9]{3} GB", err) and "Traceback" not in err
+
+
+def test_bad_torch_dtype_is_rejected_even_next_to_dtype():
+    """``torch_dtype`` (the older key) is validated even when ``dtype`` is present and wins (--set
+    torch_dtype=float33 was accepted); "auto" means the file's dtype."""
+    from k3ir.frontend.config import load_config
+
+    from k3ir.errors import K3ConfigError
+    with pytest.raises(K3ConfigError, match="torch_dtype.*float33"):
+        load_config("k3-tiny", {"torch_dtype": "float33"})
+    assert load_config("k3-tiny", {"torch_dtype": "auto"}).dtype == load_config("k3-tiny").dtype
+    assert load_config("kimi-linear-6p6b", {"torch_dtype": "float32"}).dtype == "bf16"   # "dtype" wins
