@@ -29,6 +29,8 @@ def read_manifest(directory: str, target: str) -> tuple[dict, Module]:
     """(manifest, compiled module) of an artifact of ``target``; K3RuntimeError otherwise."""
     from k3ir.parser import parse_file
     path = os.path.join(directory, "manifest.json")
+    if not os.path.isdir(directory):
+        raise K3RuntimeError(f"{directory}: no such directory (want a compiled artifact: `k3ir compile ... -o DIR`)")
     if not os.path.isfile(path):
         raise K3RuntimeError(f"{directory}: not a compiled artifact (no manifest.json)")
     with open(path) as f:

@@ -77,6 +77,8 @@ class Session:
         import json
         import os
         path = os.path.join(directory, "manifest.json")
+        if not os.path.isdir(directory):
+            raise K3RuntimeError(f"{directory}: no such directory (want a compiled artifact: `k3ir compile ... -o DIR`)")
         if not os.path.isfile(path):
             raise K3RuntimeError(f"{directory}: not a compiled artifact (no manifest.json)")
         with open(path) as f:

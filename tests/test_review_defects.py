@@ -325,3 +325,13 @@ def test_bad_torch_dtype_is_rejected_even_next_to_dtype():
         load_config("k3-tiny", {"torch_dtype": "float33"})
     assert load_config("k3-tiny", {"torch_dtype": "auto"}).dtype == load_config("k3-tiny").dtype
     assert load_config("kimi-linear-6p6b", {"torch_dtype": "float32"}).dtype == "bf16"   # "dtype" wins
+
+
+def test_loading_a_missing_artifact_directory_says_so(tmp_path):
+    from k3ir.runtime import Session
+
+    from k3ir.errors import K3RuntimeError
+    with pytest.raises(K3RuntimeError, match="no such directory"):
+        Session.load(str(tmp_path / "missing"))
+    with pytest.raises(K3RuntimeError, match="not a compiled artifact"):
+        Session.load(str(tmp_path))
