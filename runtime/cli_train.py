@@ -137,6 +137,10 @@ def cmd_train(args) -> int:
     tr = Trainer(exe, cfg)
     if args.resume:
         load_checkpoint(args.resume, tr)
+        if tr.step >= cfg.steps:         # nothing to run: say so instead of a summary of no steps
+            print(f"{args.resume}: the run is already complete ({tr.step}/{cfg.steps} steps); its summary is in "
+                  f"{out / LOG_FILE} (a resumed run keeps its --steps)", flush=True)
+            return 0
     extra = {"data": data_path, "model_arg": args.model, "run": run}
     nlayers = len(tr.layers)
     print(f"training {module.name}: {sum(p.numel() for p in tr.params.values()):,} parameters, "

@@ -97,6 +97,10 @@ def test_resume_writes_into_run_dir(capsys, tmp_path, monkeypatch):
     assert again["steps"] == 3 and again["config"] == first["config"]
     assert again["loss"][2] == pytest.approx(first["loss"][2], rel=1e-5)   # same step 3 from step 2's state
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-000003"
+    # resuming the finished run: says it is complete, runs nothing, leaves its summary as it was
+    assert main(["train", "--resume", str(run), "--no-plot"]) == 0
+    assert "already complete (3/3 steps)" in capsys.readouterr().out
+    assert json.loads((run / "training.json").read_text()) == again
 
 
 # ---- config keys ---------------------------------------------------------------------------
