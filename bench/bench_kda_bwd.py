@@ -197,6 +197,19 @@ def ref64_grads(x, lb, do):
     return {n: t.grad for n, t in lv.items()}
 
 
+def chunk_p_ai(G, qn, kn, bn):
+    """float64 ``P`` (causal q.k with in-chunk decay, diagonal included) and ``Ai = (I + Akk)^-1`` per 64-row
+    chunk from G, qn, kn ``[.., 64, K]`` and bn ``[.., 64, 1]`` (the prep launch's definitions)."""
+    import torch
+    e = torch.exp(G[..., :, None, :] - G[..., None, :, :])                    # [.., i, j, K]
+    idx = torch.arange(64, device=G.device)
+    e = torch.where((idx[:, None] >= idx[None, :])[..., None], e, 0.)
+    A = torch.einsum("...ik,...jk,...ijk->...ij", kn, kn, e) * bn
+    A = torch.where(idx[:, None] > idx[None, :], A, 0.)
+    P = torch.einsum("...ik,...jk,...ijk->...ij", qn, kn, e)
+    return P, torch.linalg.inv(torch.eye(64, dtype=G.dtype, device=G.device) + A)
+
+
 def check_intermediates(x, lb, do, heads=2, reuse=False):
     """Each backward launch's outputs against a float64 torch recompute (first ``heads`` heads, full chunks):
     {buffer: rel err}. Bisects a wrong gradient to its launch (prelude: G bn qn kn; prep: Ai P w u qg kg; fwd_h:
@@ -220,13 +233,8 @@ def check_intermediates(x, lb, do, heads=2, reuse=False):
     kn = ch(k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6))
     bn = ch(torch.sigmoid(d["beta"][:, :NT * 64, hs])[..., None])
     vv, dd = ch(v), ch(do.double()[:, :NT * 64, hs])
-    e = torch.exp(G[..., :, None, :] - G[..., None, :, :])                    # [.., i, j, K]
+    P, Ai = chunk_p_ai(G, qn, kn, bn)
     idx = torch.arange(64, device=G.device)
-    e = torch.where((idx[:, None] >= idx[None, :])[..., None], e, 0.)
-    A = torch.einsum("...ik,...jk,...ijk->...ij", kn, kn, e) * bn
-    A = torch.where(idx[:, None] > idx[None, :], A, 0.)
-    P = torch.einsum("...ik,...jk,...ijk->...ij", qn, kn, e)
-    Ai = torch.linalg.inv(torch.eye(64, dtype=f, device=G.device) + A)
     w, u = Ai @ (bn * torch.exp(G) * kn), Ai @ (bn * vv)
     qg, kg = qn * torch.exp(G), kn * torch.exp(G[..., -1:, :] - G)
     S = torch.zeros(B, heads, K, v.shape[-1], dtype=f, device=G.device)

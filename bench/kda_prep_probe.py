@@ -22,6 +22,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_kda_bwd import chunk_p_ai  # the float64 definitions its intermediates check uses
 
 VARIANTS = {   # name: (EXACT, PREC override (None: by dtype), BK, warps, no wgmma, shift factor)
     "exact": (True, None, 16, 4, False, 1.0),
@@ -36,17 +38,9 @@ VARIANTS = {   # name: (EXACT, PREC override (None: by dtype), BK, warps, no wgm
 
 def reference(dbg, B, T, H, K, heads):
     """float64 P and Ai from the prelude's own buffers (so only prep is under test): [B, h, NT, 64, 64]."""
-    NT, f = T // 64, torch.float64
+    NT = T // 64
     ch = lambda t: t[:, :NT * 64, :heads].double().reshape(B, NT, 64, heads, -1).permute(0, 3, 1, 2, 4)
-    G, qn, kn, bn = ch(dbg["G"]), ch(dbg["qn"]), ch(dbg["kn"]), ch(dbg["bn"][..., None])
-    e = torch.exp(G[..., :, None, :] - G[..., None, :, :])
-    idx = torch.arange(64, device=G.device)
-    e = torch.where((idx[:, None] >= idx[None, :])[..., None], e, 0.)
-    A = torch.einsum("...ik,...jk,...ijk->...ij", kn, kn, e) * bn
-    A = torch.where(idx[:, None] > idx[None, :], A, 0.)
-    P = torch.einsum("...ik,...jk,...ijk->...ij", qn, kn, e)
-    Ai = torch.linalg.inv(torch.eye(64, dtype=f, device=G.device) + A)
-    return P, Ai
+    return chunk_p_ai(ch(dbg["G"]), ch(dbg["qn"]), ch(dbg["kn"]), ch(dbg["bn"][..., None]))
 
 
 def split_err(got, want):
