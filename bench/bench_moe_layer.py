@@ -5,7 +5,7 @@ Run it through ``python3 bench/bench_models.py --sections moe [--smoke]``."""
 from __future__ import annotations
 
 import torch
-from benchlib import HBM, MM, bench, rel, row
+from benchlib import HBM, MM, bench, rel, row, sort_by_expert
 
 
 def section_moe(smoke, dev="cpu", dt=torch.float32):
@@ -22,12 +22,7 @@ def section_moe(smoke, dev="cpu", dt=torch.float32):
     for T in toks:
         logits = torch.randn(T, E, device=dev)
         wts, idx = torch.topk(torch.sigmoid(logits), k, dim=-1)
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=dev)
-        cnt = torch.bincount(flat, minlength=E)
-        off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
+        order, inv, cnt, off = sort_by_expert(idx, E)
         x = torch.randn(T, D, device=dev, dtype=dt)
         xs = x[order // k]
         cw = wts.reshape(-1)[order].float()
@@ -67,12 +62,7 @@ def section_moe(smoke, dev="cpu", dt=torch.float32):
                                                                               (E, D, I // 32))]
     for T in toks:
         idx = torch.topk(torch.randn(T, E, device=dev), k, dim=-1).indices
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=dev)
-        cnt = torch.bincount(flat, minlength=E)
-        off = torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
+        order, inv, cnt, off = sort_by_expert(idx, E)
         xs = torch.randn(T, D, device=dev, dtype=dt)[order // k]
         cw = torch.rand(T * k, device=dev)
         used = int((cnt > 0).sum())

@@ -40,3 +40,15 @@ def bench(fn, rep_ms=200, warmup_ms=25):
 def rel(a, b):
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def sort_by_expert(idx, E: int):
+    """Top-k expert ids ``idx [T, k]`` sorted as ``k3.moe_dispatch`` does (stable, by expert): ``order`` (sorted
+    position -> flat (token, slot)), ``inv`` (its inverse, flat), per-expert counts ``cnt [E]`` and row offsets
+    ``off [E+1]``."""
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    cnt = torch.bincount(flat, minlength=E)
+    return order, inv, cnt, torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])

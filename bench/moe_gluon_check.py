@@ -42,13 +42,9 @@ def emit(name, **kv):
 
 def _route(T, E, k, dev):
     import torch
-    idx = torch.topk(torch.randn(T, E, device=dev), k, dim=-1).indices
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=dev)
-    cnt = torch.bincount(flat, minlength=E)
-    return order, inv.reshape(1, T, k), torch.cat([cnt.new_zeros(1), cnt.cumsum(0)])
+    from benchlib import sort_by_expert
+    order, inv, _, off = sort_by_expert(torch.topk(torch.randn(T, E, device=dev), k, dim=-1).indices, E)
+    return order, inv.reshape(1, T, k), off
 
 
 def _rel(a, b):

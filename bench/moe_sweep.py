@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_models
 from bench_models import rel
+from benchlib import sort_by_expert
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -46,13 +47,8 @@ def bench(fn, rep_ms=100):
 
 def _route(T, E, k):
     """Uniform random top-k routing, sorted like k3.moe_dispatch: (order, inv [1,T,k], offsets, int32 ends)."""
-    idx = torch.topk(torch.randn(T, E, device=DEV), k, dim=-1).indices
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=DEV)
-    cnt = torch.bincount(flat, minlength=E)
-    return order, inv.reshape(1, T, k), torch.cat([cnt.new_zeros(1), cnt.cumsum(0)]), cnt.cumsum(0).to(torch.int32)
+    order, inv, cnt, off = sort_by_expert(torch.topk(torch.randn(T, E, device=DEV), k, dim=-1).indices, E)
+    return order, inv.reshape(1, T, k), off, cnt.cumsum(0).to(torch.int32)
 
 
 def _deq_bf16(quant, p, s):
