@@ -124,14 +124,11 @@ class Session:
         return State(vals, 0, batch, [n for n, _ in self.state_specs])
 
     def _to_backend_state(self, z):
-        """The backend tensor of a zero state ``z``: allocated on the executable's device (a host array
-        copied over would be a pageable copy per state, 8 MB per KDA layer at B8, that stalls the stream)."""
+        """The backend tensor of the zero state ``z`` (only its shape is used): float32 zeros allocated on the
+        executable's device (a host array copied over would be a pageable copy per state, 8 MB per KDA layer at
+        B8, that stalls the stream)."""
         import torch
-        dev = getattr(self.exe, "tdev", None)
-        if not z.any():
-            return torch.zeros(z.shape, dtype=torch.float32, device=dev)
-        t = torch.from_numpy(z).float()
-        return t.to(dev) if dev is not None else t
+        return torch.zeros(z.shape, dtype=torch.float32, device=getattr(self.exe, "tdev", None))
 
     # ---- API ------------------------------------------------------------------------
     def forward(self, input_ids, images=None):
