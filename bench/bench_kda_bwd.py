@@ -70,6 +70,11 @@ JOBS = {   # name: (kind, kwargs, extra env, seconds it needs at least)
     # kda_bwd.NEXT (the 04:59 sweep's per-launch winners together): accuracy, then time
     "acc_next": ("acc", {"lb": -5.0, "tune": "NEXT"}, {"CUDA_LAUNCH_BLOCKING": "1"}, 20),
     "time_next": ("time", {"shape": [1, 32768, 32, 128], "lb": -5.0, "tune": "NEXT"}, {}, 12),
+    "acc_sp_next": ("acc", {"lb": None, "tune": "NEXT"}, {"CUDA_LAUNCH_BLOCKING": "1"}, 15),
+    "acc_var_next": ("acc", {"lb": -5.0, "tune": "NEXT", "cu": [0, 1, 64, 64, 65, 300, 1000, 2048]},
+                     {"CUDA_LAUNCH_BLOCKING": "1"}, 15),
+    "time_sp_next": ("time", {"shape": [1, 32768, 32, 128], "lb": None, "tune": "NEXT"}, {}, 12),
+    "time_b8_next": ("time", {"shape": [8, 4096, 32, 128], "lb": -5.0, "tune": "NEXT"}, {}, 10),
     "probe_dh_v2": ("acc", {"lb": -5.0, "tune": {"mma_v2": "bwd_wy,bwd_dh,fwd_h"}}, {"CUDA_LAUNCH_BLOCKING": "1"},
                     15),
 }
