@@ -39,14 +39,14 @@ DTYPES: dict = {}
 #: dots (bf16/fp16 inputs): with "tf32" the K3 dt_bias gradient was 1.2e-2 off (fla's tolerance 8e-3; H200, 04:16):
 #: its factors reach exp(+-40) and dG sums terms that cancel; "ieee" (fp32 FMA) and "tf32x3" (default) both give
 #: 4.3e-3 there (04:31); "ieee" made bwd_intra 4.76 -> 6.27 ms.
-#: ``NEXT``: the candidates of the H200 sweep of 04:59, each timed alone per launch at B1 T32768 H32 (bwd_wy value
-#: block 64: 4.84 -> 3.76 ms; recurrences 3 stages: fwd_h + bwd_dh 2.41 -> 1.94; chain 4 warps: 1.48 -> 1.07), not
-#: yet checked for accuracy on the GPU nor timed together (no device time left): not the default until
-#: ``bench/bench_kda_bwd.py --jobs acc_next,time_next`` passes (predicted K3 fwd+bwd ~15.7 ms).
-NEXT: dict = {"bv_wy": 64, "stages_rec": 3, "w_chain": 4}
-TUNING: dict = {"bk_prep": 32, "bk_wy": 32, "bk_intra": 32, "bv_rec": 32, "bv_wy": 32,
-                "w_prelude": 8, "w_prep": 4, "w_rec": 4, "w_wy": 4, "w_intra": 4, "w_chain": 8,
-                "stages_rec": 2, "stages_wy": 1, "mma_v2": "bwd_wy", "k3_exact": "", "intra_diag_prec": "tf32x3"}
+#: ``NEXT``: candidate defaults waiting for a GPU check (``bench/bench_kda_bwd.py --jobs acc_next,time_next``);
+#: empty when there are none. The last ones (value block 64 in bwd_wy, 3-stage recurrences, chain on 4 warps: the
+#: H200 sweep of 2026-11-30 04:59) passed on 2026-11-30 05:56 (gradients 2.5e-3 .. 4.3e-3 for K3, softplus and
+#: varlen; K3 B1 T32768 H32 fwd+bwd 17.69 -> 15.93 ms) and are in ``TUNING``.
+NEXT: dict = {}
+TUNING: dict = {"bk_prep": 32, "bk_wy": 32, "bk_intra": 32, "bv_rec": 32, "bv_wy": 64,
+                "w_prelude": 8, "w_prep": 4, "w_rec": 4, "w_wy": 4, "w_intra": 4, "w_chain": 4,
+                "stages_rec": 3, "stages_wy": 1, "mma_v2": "bwd_wy", "k3_exact": "", "intra_diag_prec": "tf32x3"}
 
 
 def _alloc(shape, dtype, device):
