@@ -14,16 +14,28 @@ tile, so no atomics and nothing depends on the run (CUDA-graph capturable, deter
   (router logits split over experts and the model width, many programs) and ``dispatch_kernel``
   with ``ROUTE``, which sums the partial logits, applies the sigmoid, picks the top-k (ties: lower
   expert first), renormalises and dispatches: the router's own outputs are written too.
+* ``route_dispatch_glu`` (``TUNING["front_glu"]``): decode front of a MoE layer with a shared expert in ONE
+  launch (``moe_front_kernel``): the layer's RMSNorm in every program's prologue, the first programs compute
+  router logits for a block of experts each, the last of them to finish (an atomic counter: last-block-done)
+  runs the top-k and the dispatch, and the other programs meanwhile stream the shared expert's gate and up
+  projections (SwiGLU, as ``gemv``). Replaces router_partial_kernel + dispatch_kernel + one gemv launch.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from . import interpreting
-from .gemv import gdc_launch_dependents, gdc_wait, pdl_kwargs
+from .gemv import _x_tile, gdc_launch_dependents, gdc_wait, pdl_kwargs
+from .gemv import config as gemv_config
 from .layer_kernels import route_topk
+
+#: ``front_glu``: the router, top-k, dispatch and the shared expert's gate/up gemv in one launch at decode
+#: (``route_dispatch_glu``); ``K3IR_MOE_FRONT=0`` keeps router_partial + dispatch + gemv (three launches)
+TUNING: dict = {"front_glu": os.environ.get("K3IR_MOE_FRONT", "1") != "0"}
 
 
 @triton.jit(do_not_specialize=["R"])   # decode B1 (R = 1) and larger batches: one compile
@@ -299,3 +311,174 @@ def route_dispatch(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k:
     if norm is not None:
         return (wout, iout, sout), (xs, offsets, inv, cw), xn
     return (wout, iout, sout), (xs, offsets, inv, cw)
+
+
+@triton.jit
+def _rstd_rows(x, rows, mr, K, eps, BM: tl.constexpr, BK: tl.constexpr):
+    """rsqrt(mean(x[rows]^2) + eps) over K columns (fp32), as rmsnorm_kernel."""
+    ss = tl.zeros([BM], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kn = k0 + tl.arange(0, BK)
+        v = tl.load(x + rows.to(tl.int64)[:, None] * K + kn[None, :], mask=mr[:, None] & (kn < K)[None, :],
+                    other=0.).to(tl.float32)
+        ss += tl.sum(v * v, 1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def moe_front_kernel(x, nw, wr, w1, w3, y, lg, cnt, bias, wout, iout, sout, xs, offsets, inv, cw,
+                     M, K, E, NS, NR, eps, rsf, reps,
+                     BM: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KSLOT: tl.constexpr,
+                     KP: tl.constexpr, EP: tl.constexpr, BD: tl.constexpr, RENORM: tl.constexpr):
+    """One launch of a decode MoE front (rows m < M <= BM of x ``[M, K]``, the raw residual rows; xn =
+    RMSNorm(x) with weight nw rounded to x's dtype, SPEC.md 1). Programs pid < NR: logits
+    ``lg[m, e] = xn[m] . wr[e]`` (fp32) for BE experts each, then an atomic ticket on ``cnt`` (int32, 0 on
+    entry, reset to 0 by the last): the last router program reads all logits and runs ``k3.router`` (sigmoid,
+    top-KSLOT of s + bias, lower expert on ties, renormalised (+ reps) and scaled by rsf: wout/iout
+    ``[M, KSLOT]``, sout ``[M, E]``) and ``k3.moe_dispatch`` (offsets ``[E+1]``, inv ``[M, KSLOT]``,
+    cw, xs ``[M*KSLOT, K]`` = xn rows sorted by expert, stable). Programs pid >= NR: the shared expert's
+    ``y[m, n] = silu(xn w1[n]) * (xn w3[n])`` for BN columns n < NS each (as gemv_kernel with GLU and NORM)."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BM)
+    mr = rows < M
+    kk = tl.arange(0, BK)
+    mk = kk < K
+    if pid < NR:
+        offs_e = pid * BE + tl.arange(0, BE)
+        me = offs_e < E
+        erow = offs_e.to(tl.int64)[:, None] * K
+        wv = tl.load(wr + erow + kk[None, :], mask=me[:, None] & mk[None, :], other=0.).to(tl.float32)
+        rstd = _rstd_rows(x, rows, mr, K, eps, BM, BK)
+        xv = _x_tile(x, nw, rows, mr, kk, mk, K, rstd, True, x, 0, eps, 0, BM, BK)
+        acc = tl.sum(xv[:, None, :] * wv[None, :, :], 2)
+        for k0 in range(BK, K, BK):
+            kc = k0 + tl.arange(0, BK)
+            mc = kc < K
+            wc = tl.load(wr + erow + kc[None, :], mask=me[:, None] & mc[None, :], other=0.).to(tl.float32)
+            xc = _x_tile(x, nw, rows, mr, kc, mc, K, rstd, True, x, 0, eps, 0, BM, BK)
+            acc += tl.sum(xc[:, None, :] * wc[None, :, :], 2)
+        tl.store(lg + rows[:, None] * E + offs_e[None, :], acc, mask=mr[:, None] & me[None, :])
+        tl.debug_barrier()                      # every thread's logits stored before the ticket (release)
+        ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if ticket == NR - 1:                    # the last router program: all logits are visible (acquire)
+            cols = tl.arange(0, EP)
+            mcol = cols < E
+            logit = tl.load(lg + rows[:, None] * E + cols[None, :], mask=mr[:, None] & mcol[None, :], other=0.,
+                            volatile=True)
+            sg = tl.sigmoid(logit)
+            pw, pi = route_topk(sg, bias, cols, mcol, reps, BM, KSLOT, KP, EP, RENORM)
+            kc2 = tl.arange(0, KP)
+            pw = pw * rsf
+            valid2 = mr[:, None] & (kc2 < KSLOT)[None, :]
+            pi = tl.where(valid2, pi, -1)
+            slot2 = rows[:, None] * KSLOT + kc2[None, :]
+            tl.store(wout + slot2, pw, mask=valid2)
+            tl.store(iout + slot2, pi.to(tl.int64), mask=valid2)
+            tl.store(sout + rows[:, None] * E + cols[None, :], sg, mask=mr[:, None] & mcol[None, :])
+            e = tl.reshape(pi, (BM * KP,))
+            slot = tl.reshape(slot2, (BM * KP,))
+            wvl = tl.reshape(pw, (BM * KP,))
+            rs = tl.reshape(tl.broadcast_to(rstd[:, None], (BM, KP)), (BM * KP,))
+            valid = e >= 0
+            oh = (e[:, None] == cols[None, :]).to(tl.int32)
+            cnt_e = tl.sum(oh, 0)
+            tl.store(offsets + 1 + cols, tl.cumsum(cnt_e, 0).to(tl.int64), mask=mcol)
+            tl.store(offsets + cols, tl.zeros([EP], dtype=tl.int64), mask=cols == 0)
+            pos = tl.sum(oh * (tl.cumsum(oh, 0) - 1 + (tl.cumsum(cnt_e, 0) - cnt_e)[None, :]), 1)
+            tl.store(inv + slot, pos.to(tl.int64), mask=valid)
+            tl.store(cw + pos, wvl, mask=valid)
+            tok = (slot // KSLOT).to(tl.int64)
+            p64 = pos.to(tl.int64)
+            for d0 in range(0, K, BD):
+                dd = d0 + tl.arange(0, BD)
+                md = valid[:, None] & (dd < K)[None, :]
+                v = tl.load(x + tok[:, None] * K + dd[None, :], mask=md, other=0.)
+                wn = tl.load(nw + dd, mask=dd < K, other=0.).to(tl.float32)
+                v = (v.to(tl.float32) * rs[:, None] * wn[None, :]).to(x.dtype.element_ty)
+                tl.store(xs + p64[:, None] * K + dd[None, :], v, mask=md)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")     # ready for the next launch (graph replay)
+    else:
+        offs_n = (pid - NR) * BN + tl.arange(0, BN)
+        mn = offs_n < NS
+        wrow = offs_n.to(tl.int64)[:, None] * K
+        wv = tl.load(w1 + wrow + kk[None, :], mask=mn[:, None] & mk[None, :], other=0.).to(tl.float32)
+        w3v = tl.load(w3 + wrow + kk[None, :], mask=mn[:, None] & mk[None, :], other=0.).to(tl.float32)
+        rstd = _rstd_rows(x, rows, mr, K, eps, BM, BK)
+        xv = _x_tile(x, nw, rows, mr, kk, mk, K, rstd, True, x, 0, eps, 0, BM, BK)
+        acc = tl.sum(xv[:, None, :] * wv[None, :, :], 2)
+        acc3 = tl.sum(xv[:, None, :] * w3v[None, :, :], 2)
+        for k0 in range(BK, K, BK):
+            kc = k0 + tl.arange(0, BK)
+            mc = kc < K
+            xc = _x_tile(x, nw, rows, mr, kc, mc, K, rstd, True, x, 0, eps, 0, BM, BK)
+            wc = tl.load(w1 + wrow + kc[None, :], mask=mn[:, None] & mc[None, :], other=0.).to(tl.float32)
+            acc += tl.sum(xc[:, None, :] * wc[None, :, :], 2)
+            wc3 = tl.load(w3 + wrow + kc[None, :], mask=mn[:, None] & mc[None, :], other=0.).to(tl.float32)
+            acc3 += tl.sum(xc[:, None, :] * wc3[None, :, :], 2)
+        acc = acc * tl.sigmoid(acc) * acc3
+        tl.store(y + rows.to(tl.int64)[:, None] * NS + offs_n[None, :], acc.to(y.dtype.element_ty),
+                 mask=mr[:, None] & mn[None, :])
+
+
+#: per-device ticket counters of moe_front_kernel (int32, zero between launches: the last program resets it)
+_TICKETS: dict = {}
+
+
+def _ticket(dev) -> torch.Tensor:
+    key = str(dev)
+    t = _TICKETS.get(key)
+    if t is None:
+        t = _TICKETS[key] = torch.zeros(1, device=dev, dtype=torch.int32)
+    return t
+
+
+def front_supported(rows: int, num_experts: int, top_k: int, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                    wr: torch.Tensor) -> bool:
+    """Whether ``route_dispatch_glu`` takes these rows (<= gemv.MAX_ROWS) and weights (2-D, same K as x,
+    gate and up of one shape, a float dtype other than float64)."""
+    from .gemv import MAX_ROWS
+    K = x.shape[-1]
+    ok = all(w.dim() == 2 and w.shape[1] == K and w.dtype.is_floating_point and w.dtype != torch.float64
+             for w in (w1, w3, wr))
+    return (TUNING["front_glu"] and ok and tuple(w1.shape) == tuple(w3.shape) and 0 < rows <= MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and route_supported(rows, num_experts, top_k) and _p2(rows) * _p2(top_k, 2) <= 64)
+
+
+def route_dispatch_glu(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k: int, num_experts: int,
+                       renormalize: bool, scale: float, eps: float, norm, w1: torch.Tensor, w3: torch.Tensor):
+    """``rmsnorm`` -> ``k3.router`` -> ``k3.moe_dispatch``, plus the shared expert's SwiGLU gate/up linear of the
+    same normalised rows, in one launch (``moe_front_kernel``; decode rows, ``front_supported``). x ``[B,T,D]``
+    raw rows, wr ``[E, D]``, bias ``[E]``, norm ``(w_norm [D], eps)``, w1/w3 ``[NS, D]``. Returns
+    ((weights f32 ``[B,T,k]``, indices i64, scores f32 ``[B,T,E]``), (x_sorted ``[B*T*k, D]``, offsets i64
+    ``[E+1]``, inv i64 ``[B,T,k]``, comb_w f32 ``[B*T*k]``), silu(xn w1^T) * (xn w3^T) ``[B,T,NS]`` in x's
+    dtype). Uses a per-device ticket counter: launches on several streams at once are not supported."""
+    B, T, D = x.shape
+    E, k = num_experts, top_k
+    R, N, NS = B * T, B * T * top_k, w1.shape[0]
+    dev = x.device
+    xx = x.reshape(R, D).contiguous()
+
+    def cast(w):
+        return w if w.dtype == x.dtype and w.is_contiguous() else w.to(x.dtype).contiguous()
+    w1, w3 = cast(w1), cast(w3)
+    BM = _p2(R)
+    BN, BK, warps = gemv_config(R, NS, D, True)
+    BE = gemv_config(R, E, D, False)[0]
+    NR = triton.cdiv(E, BE)
+    lg = torch.empty(R, E, device=dev, dtype=torch.float32)
+    y = torch.empty(B, T, NS, device=dev, dtype=x.dtype)
+    wout = torch.empty(B, T, k, device=dev, dtype=torch.float32)
+    iout = torch.empty(B, T, k, device=dev, dtype=torch.int64)
+    sout = torch.empty(B, T, E, device=dev, dtype=torch.float32)
+    xs = torch.empty(N, D, device=dev, dtype=x.dtype)
+    offsets = torch.empty(E + 1, device=dev, dtype=torch.int64)
+    inv = torch.empty(B, T, k, device=dev, dtype=torch.int64)
+    cw = torch.empty(N, device=dev, dtype=torch.float32)
+    KP, EP = _p2(k, 2), _p2(E, 16)
+    BD = min(_p2(D, 16), max(16, 4096 // (BM * KP)))
+    moe_front_kernel[(NR + triton.cdiv(NS, BN),)](
+        xx, norm[0].reshape(D).contiguous(), wr.contiguous(), w1, w3, y, lg, _ticket(dev), bias.float().contiguous(),
+        wout, iout, sout, xs, offsets, inv, cw, R, D, E, NS, NR, float(norm[1]), float(scale), float(eps),
+        BM=BM, BE=BE, BN=BN, BK=BK, KSLOT=k, KP=KP, EP=EP, BD=BD, RENORM=bool(renormalize), num_warps=warps)
+    return (wout, iout, sout), (xs, offsets, inv, cw), y

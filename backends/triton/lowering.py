@@ -346,6 +346,18 @@ def plan(fn) -> dict[int, tuple]:
             us = uses.get(id(op.results[0]), [])
             if us and all(_norm_consumer(c, op.results[0], out) for c in us):
                 out[id(op)] = ("norm",)
+    # the shared expert's gate/up (lin_glu, parameter weights) on a router front's input: computed in the
+    # front's launch at decode (dispatch.route_dispatch_glu): ("route", dispatch, swiglu, gate, up, gate/up names)
+    for op in fn.ops:
+        act = out.get(id(op))
+        if act is None or act[0] != "lin_glu" or not (id(act[1].operands[1]) in pname and id(act[2].operands[1]) in pname):
+            continue
+        for r in fn.ops:
+            ra = out.get(id(r))
+            if ra is not None and ra[0] == "route" and len(ra) == 2 and r.operands[0] is act[1].operands[0]:
+                out[id(r)] = ("route", ra[1], op, act[1], act[2], pname[id(act[1].operands[1])],
+                              pname[id(act[2].operands[1])])
+                break
     return out
 
 
@@ -397,6 +409,8 @@ class PlanInterpreter(Interpreter):
                 return super().exec_op(op, env, observe)
             finally:
                 DEFER_GATED["on"] = False
+        if kind == "lin_glu" and id(op.results[0]) in env:    # computed by its MoE front (route_dispatch_glu)
+            return
         if kind in ("lin_glu", "lin_add"):
             return self._gemv_chain(op, act, env, observe)
         if kind == "lin_cat":
@@ -422,7 +436,7 @@ class PlanInterpreter(Interpreter):
                 return
             return super().exec_op(op, env, observe)
         if kind == "route":
-            return self._route(op, act[1], env, observe)
+            return self._route(op, act[1], env, observe, act[2:])
         if kind == "routed":
             stash = env.pop(("routed", id(op)), None)
             if stash is None:
@@ -523,9 +537,11 @@ class PlanInterpreter(Interpreter):
             return
         return super().exec_op(op, env, observe)
 
-    def _route(self, op, d, env, observe):
-        """Router + dispatch of a decode-size batch in two launches (``dispatch.route_dispatch``);
-        other sizes, float64 and routers without a fitting tile run the two ops as usual."""
+    def _route(self, op, d, env, observe, glu=()):
+        """Router + dispatch of a decode-size batch in two launches (``dispatch.route_dispatch``), or with the
+        shared expert's gate/up ``glu = (swiglu, gate linear, up linear, their weight names)`` in one (``route_dispatch_glu``, when
+        the RMSNorm is deferred and ``dispatch.TUNING["front_glu"]``); other sizes, float64 and routers
+        without a fitting tile run the two ops as usual."""
         xl = env[id(op.operands[0])]
         fuse = isinstance(xl, Prenormed) and xl.value is None          # the layer's RMSNorm goes into the front
         x = xl.x if fuse else _val(xl)
@@ -536,6 +552,18 @@ class PlanInterpreter(Interpreter):
         if (x.dtype == torch.float64 or x.dim() != 3 or int(d.attrs["num_experts"]) != E
                 or not disp_k.route_supported(rows, E, k) or not _no_grad(x, w, bias)):
             return super().exec_op(op, env, observe)
+        if fuse and glu:
+            gop, g_op, u_op, gname, uname = glu
+            w1, w3 = (env[id(o.operands[1])] if id(o.operands[1]) in env else self.get_param(n)
+                      for o, n in ((g_op, gname), (u_op, uname)))
+            if disp_k.front_supported(rows, E, k, x, w1, w3, w) and _no_grad(w1, w3):
+                rout, dout, y = disp_k.route_dispatch_glu(
+                    x, w, bias, k, E, bool(a.get("renormalize", True)), float(a.get("routed_scaling_factor", 1.0)),
+                    float(a.get("eps", 1e-20)), (xl.w, xl.eps), w1, w3)
+                env[("routed", id(d))] = dout
+                self._store(op, list(rout), env, observe)
+                self._store(gop, [y], env, observe)
+                return
         out = disp_k.route_dispatch(x, w, bias, k, E, bool(a.get("renormalize", True)),
                                     float(a.get("routed_scaling_factor", 1.0)), float(a.get("eps", 1e-20)),
                                     norm=(xl.w, xl.eps) if fuse else None)
