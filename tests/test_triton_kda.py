@@ -150,6 +150,7 @@ def _mixed_strong(x, K):
     {"order": "k", "bk": 16, "warps": 4, "wu_mode": "flat", "wu_bk": 16, "wu_bv": 16},
     {"order": "k", "bk": 16, "gcum": False, "gcum_bk": 16},
     {"intra": "fused"},
+    {"sp_clamp": True, "clamp_bk": 16},
 ])
 @pytest.mark.parametrize("case", ["k3", "softplus", "mixed"])
 def test_forward_variants_k_slices(variant, case, tuning):
@@ -162,6 +163,30 @@ def test_forward_variants_k_slices(variant, case, tuning):
         _mixed_strong(x, K)
     o, s = run(x)
     o_r, s_r = ref_np(x)
+    tol = 1e-5 if not GPU else 3e-3
+    assert torch.isfinite(o).all() and rel_err(o, o_r) < tol and rel_err(s, s_r) < tol
+
+
+def _mid_spans(x, K):
+    """Softplus gates with 16-row decay spans of ~80-117 per channel: past the plain reference's exp(80), inside
+    the clamped reference's threshold (``TUNING["sp_clamp"]``, clamp_thr 120)."""
+    x["A_log"] = torch.zeros_like(x["A_log"])
+    x["dt_bias"] = x["dt_bias"] * 0.3 + 6.0
+    return x
+
+
+@pytest.mark.parametrize("case", ["mid", "mixed", "varlen"])
+def test_softplus_clamp_variant(case, tuning):
+    """``sp_clamp``: the softplus diagonal blocks in the strip dots around ``min(Gs, Ge + 80)`` and, for channels
+    whose span passes ``clamp_thr``, exactly from ``kda_diagfix_kernel`` (mixed: spans ~1000 on half the
+    channels); 16-column slices (several per program), T not a multiple of 16, varlen with an empty sequence."""
+    tuning.update({"sp_clamp": True, "clamp_bk": 16})
+    K = 32
+    cu = [0, 1, 18, 18, 83] if case == "varlen" else None
+    x = make(1, 83 if cu else 70, 2, K, lb=None, seed=21, N=4 if cu else None)
+    x = _mid_spans(x, K) if case == "mid" else _mixed_strong(x, K)
+    o, s = run(x, cu_seqlens=torch.tensor(cu, device=DEV)) if cu else run(x)
+    o_r, s_r = ref_np(x, cu)
     tol = 1e-5 if not GPU else 3e-3
     assert torch.isfinite(o).all() and rel_err(o, o_r) < tol and rel_err(s, s_r) < tol
 

@@ -58,7 +58,14 @@ TUNING: dict = {"bwd_reuse": True, "intra": "split", "gcum": True, "gcum_bk": 32
                 "exact_bk": 16, "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
                 "inv_prec": "tf32", "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8,
                 "gcum_mode": "rows", "gcum_rows_bk": 128, "gcum_rows_rb": 16, "gcum_rows_warps": 1, "fast_log": True,
-                "wu_prefetch": False, "wu_mode": "flat", "wu_flat_warps": 4, "diag_main": False}
+                "wu_prefetch": False, "wu_mode": "flat", "wu_flat_warps": 4, "diag_main": False,
+                "sp_clamp": False, "clamp_thr": 120.0, "clamp_bk": 32, "clamp_maxnreg": None, "clamp_warps": None}
+#: ``sp_clamp`` (session 4, not yet timed): the softplus gate's akk runs the K3 code path (diagonal blocks inside
+#: the strip dots, ``clamp_bk``-column slices, ``clamp_warps`` warps or ``warps``, cap ``clamp_maxnreg``) with a
+#: per-channel reference ``min(Gs, Ge + 80)`` (factors within exp(80) and exp(span - 80)) on channels whose
+#: 16-row decay span is <= ``clamp_thr``; the diagonal blocks of the channels past it (rare) come exactly from
+#: ``kda_diagfix_kernel`` (element-wise, a launch before akk). Needs ``gcum`` and ``order`` "strip"; the
+#: precomputed gate keeps the exact path.
 
 
 def _bwd_mode() -> str:
@@ -112,7 +119,8 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
                         store_ai: bool = False, store_qk: bool | None = None):
     """The Triton launches, no autograd. Same contract as ``kda_forward``; ``stages`` picks launches
     for timing one kernel alone (the outputs are then meaningless): "intra" (all intra-chunk launches),
-    "gcum" / "akk" / "inv" / "wu" (one launch of the split path), "recur". With ``return_intermediates``
+    "gcum" / "fix" / "akk" / "inv" / "wu" (one launch of the split path; "fix": ``kda_diagfix_kernel`` of
+    ``TUNING["sp_clamp"]``), "recur". With ``return_intermediates``
     a third value, a dict:
     ``w, u, qg, kg`` ``[B,T,H,K|V]`` (q's dtype), ``Aqk`` (P, ``[B,T,H,64]``), ``gC`` (``exp(G_C)``, fp32
     ``[chunks,H,K]``, chunks in sequence order) and, split path only, ``Xb`` (``(I+A)^-1 diag(beta)``
@@ -185,6 +193,10 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
         if gpre:
             inter["G"] = Gbuf
         bk = min(TUNING["exact_bk"] if exact and TUNING.get("exact_bk") else TUNING["bk"], K)
+        clamp = (GATE == kk.GATE_SOFTPLUS and bool(TUNING.get("sp_clamp")) and gpre
+                 and TUNING["order"] == "strip")
+        if clamp:
+            bk = min(TUNING["clamp_bk"], K)
         if gpre and ("intra" in stages or "gcum" in stages) and TUNING["gcum_mode"] == "rows":
             gbk = min(TUNING["gcum_rows_bk"], K)
             kk.kda_gcum_rows_kernel[(NC, H, K // gbk)](
@@ -198,15 +210,28 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
                 IS_VARLEN=cu_seqlens is not None, num_warps=TUNING["gcum_warps"])
         inv_split = TUNING.get("inv") == "split"
         cap = None if _interpret() else TUNING["exact_maxnreg"] if exact else TUNING.get("maxnreg")
+        thr = float(TUNING.get("clamp_thr", 120.0))
+        if clamp:
+            cap = None if _interpret() else TUNING.get("clamp_maxnreg")
+            Dfix = torch.empty(B, T, H, BC, dtype=torch.float32, device=dev)
+            Qfix = torch.empty_like(Dfix)
+            dflag = torch.zeros(max(NC, 1) * H * (BT // BC), dtype=torch.int32, device=dev)
+            if "intra" in stages or "fix" in stages:
+                kf.kda_diagfix_kernel[(NC, H, BT // BC)](
+                    q, k, Gbuf, Dfix, Qfix, dflag, cu_dev, chunk_indices, T, H=H, K=K, BT=BT, BC=BC, THR=thr,
+                    IS_VARLEN=cu_seqlens is not None, num_warps=4)
+        else:
+            Dfix = Qfix = dflag = None
         if "intra" in stages or "akk" in stages:
             kf.kda_akk_kernel[(NC, H)](
                 q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, cu_dev, chunk_indices, T, scale, lb,
                 H=H, K=K, BT=BT, BC=BC, BK=bk, L2NORM=gate != "precomputed", BETA_SIGMOID=gate != "precomputed",
-                EXACT=(2 if exact and TUNING["diag_main"] else exact), PREC=prec, INV_DOTS=TUNING["inv_dots"],
-                STRIP_OUTER=TUNING["order"] == "strip",
+                EXACT=(3 if clamp else 2 if exact and TUNING["diag_main"] else exact), PREC=prec,
+                INV_DOTS=TUNING["inv_dots"], STRIP_OUTER=TUNING["order"] == "strip",
                 IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"], GPRE=gpre, INV_SPLIT=inv_split,
-                num_warps=TUNING["warps"], num_stages=TUNING["stages"], **({"maxnreg": cap} if cap else {}),
-                **common)
+                Dfix=Dfix, Qfix=Qfix, dflag=dflag, THR=thr,
+                num_warps=(TUNING.get("clamp_warps") or TUNING["warps"]) if clamp else TUNING["warps"],
+                num_stages=TUNING["stages"], **({"maxnreg": cap} if cap else {}), **common)
         Ai = None
         if inv_split and store_ai:
             inter["Ai"] = Ai = torch.empty(B, T, H, BT, dtype=dts.get("A", idt), device=dev)

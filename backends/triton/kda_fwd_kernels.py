@@ -109,7 +109,8 @@ def _diag(accA, accP, qI, kI, GI, GsI, GeI, k, Gbuf, row0, r0, nv, i_h, offs,
 @triton.jit
 def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv, i_h, offs, a_h, dtb, lb,
            I: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-           GATE: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr, GPRE: tl.constexpr):
+           GATE: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr, GPRE: tl.constexpr,
+           THR: tl.constexpr = 120.0):
     """Row strip ``I`` (16 rows x 64 columns) of A and P for one K slice: one dot each against all
     earlier rows of the chunk (and, bounded gates, the diagonal block) with reference ``Gs_I``;
     unbounded gates accumulate the diagonal block separately (``accD``, ``accQ``). Returns the
@@ -126,7 +127,13 @@ def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv,
         qI, kI, gt = _slice(q, k, g, row0, I * BC, nv, i_h, offs, a_h, dtb, lb, H, K, BC, GATE)
         GI = GsI[None, :] + tl.cumsum(gt, 0)
     blk = tl.arange(0, BT) // BC
-    if EXACT == 2:      # TUNING diag_main: the diagonal block rides in the strip's dot when its factors stay
+    ref = GsI
+    if EXACT == 3:      # TUNING sp_clamp (softplus: G falls): reference min(Gs, Ge + 80) per channel keeps the
+        span = GsI - GeI    # diagonal block's factors within exp(80) and exp(span - 80) on channels whose span <= THR
+        good = span <= THR  # (they ride in the strip's dot); the others keep Gs and leave their diagonal block to
+        ref = tl.where(good, tl.minimum(GsI, GeI + 80.0), GsI)  # kda_diagfix_kernel (exact, added at the store)
+        keep = ((blk[:, None] < I) | ((blk[:, None] == I) & good[None, :])) & (tl.arange(0, BT) < nv)[:, None]
+    elif EXACT == 2:      # TUNING diag_main: the diagonal block rides in the strip's dot when its factors stay
         if GATE == 1:   # within exp(80) on this slice (softplus: G falls, the span is Gs - Ge)
             smain = tl.max(GsI - GeI, 0)
         else:
@@ -137,7 +144,12 @@ def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv,
         keep = blk < I
     else:
         keep = blk <= I
-    if (not EXACT) or I > 0 or EXACT == 2:
+    if EXACT == 3:      # upper-triangle products of the diagonal block may overflow: masked at the store (where)
+        eL = tl.exp(GI - ref[None, :])
+        kr = tl.trans(tl.where(keep, kA * tl.exp(ref[None, :] - G_all), 0.))
+        accA = tl.dot(kI * eL, kr, accA, input_precision=PREC)
+        accP = tl.dot(qI * eL, kr, accP, input_precision=PREC)
+    elif (not EXACT) or I > 0 or EXACT == 2:
         eL = tl.exp(GI - GsI[None, :])
         keep = keep & (tl.arange(0, BT) < nv)
         kr = tl.trans(tl.where(keep[:, None], kA * tl.exp(GsI[None, :] - G_all), 0.))
@@ -147,7 +159,7 @@ def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv,
         if not dmain:
             accD, accQ = _diag(accD, accQ, qI, kI, GI, GsI, GeI, k, Gbuf, row0, I * BC, nv, i_h, offs, H, K, BC,
                                GATE, PREC, GPRE)
-    elif EXACT:
+    elif EXACT == 1:
         accD, accQ = _diag(accD, accQ, qI, kI, GI, GsI, GeI, k, Gbuf, row0, I * BC, nv, i_h, offs, H, K, BC,
                            GATE, PREC, GPRE)
     return accA, accP, accD, accQ, qI * qI, kI * kI
@@ -212,7 +224,8 @@ def _st_strip(Aqk, Ascr, P, A, D, Q, rqI, rkI, bI, rk_all, row0, nv, i_h,
 def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale,
              I: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
              BK: tl.constexpr, GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-             EXACT: tl.constexpr, PREC: tl.constexpr, GPRE: tl.constexpr):
+             EXACT: tl.constexpr, PREC: tl.constexpr, GPRE: tl.constexpr, Dfix=None, Qfix=None, dflag=None,
+             i_c=0, THR: tl.constexpr = 120.0):
     """Strip-outer order: the whole K loop of strip ``I`` (G loaded from ``Gbuf`` when ``GPRE``, else the
     chunk's gate cumsum recomputed per strip), then its scales and stores. Only this strip's accumulators
     are live. Returns beta."""
@@ -252,7 +265,7 @@ def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h
             GeI = tl.sum(tl.where(blk[:, None] < I + 1, gA, 0.), 0)
         accA, accP, accD, accQ, a, b = _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0,
                                               nv, i_h, offs, a_h, dtb, lb, I, H, K, BT, BC, GATE, EXACT, PREC,
-                                              GPRE)
+                                              GPRE, THR)
         sq += a
         sk += b
     if L2NORM:
@@ -270,8 +283,27 @@ def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h
     if I == 0:
         tl.store(rk + roff * H + i_h, rk_all, mask=m)
     bI = beta_rows(beta, row0, I * BC, nv, i_h, H, BC, BETA_SIGMOID)
-    _st_strip(Aqk, Ascr, accP, accA, accD, accQ, rqI, rkI, bI, rk_all, row0, nv, i_h, I, H, BT, BC, EXACT)
+    if EXACT == 3:      # the diagonal block's channels past THR, from kda_diagfix_kernel (flagged blocks only)
+        accA, accP = _add_fix(accA, accP, Dfix, Qfix, dflag, i_c, row0, nv, i_h, I, H, BT, BC)
+        _st_strip(Aqk, Ascr, accP, accA, accD, accQ, rqI, rkI, bI, rk_all, row0, nv, i_h, I, H, BT, BC, 0)
+    else:
+        _st_strip(Aqk, Ascr, accP, accA, accD, accQ, rqI, rkI, bI, rk_all, row0, nv, i_h, I, H, BT, BC, EXACT)
     return bI
+
+
+@triton.jit
+def _add_fix(accA, accP, Dfix, Qfix, dflag, i_c, row0, nv, i_h, I: tl.constexpr, H: tl.constexpr,
+             BT: tl.constexpr, BC: tl.constexpr):
+    """Adds the ``[BC, BC]`` diagonal block of ``Dfix``/``Qfix`` (``kda_diagfix_kernel``) to the strip's
+    accumulators ``[BC, BT]`` at columns ``I*BC..``, only where that kernel flagged strip ``I``."""
+    f = tl.load(dflag + (i_c * H + i_h) * (BT // BC) + I)
+    rows = I * BC + tl.arange(0, BC)
+    cols = tl.arange(0, BT)
+    on = (rows < nv)[:, None] & (((cols // BC) == I) & ((cols * 0 + f) != 0))[None, :]
+    off = (row0 + rows).to(tl.int64)[:, None] * (H * BC) + i_h * BC + (cols - I * BC)[None, :]
+    accA += tl.load(Dfix + off, mask=on, other=0.)
+    accP += tl.load(Qfix + off, mask=on, other=0.)
+    return accA, accP
 
 
 @triton.jit
@@ -417,20 +449,25 @@ def kda_akk_kernel(q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, c
                    GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
                    IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr,
                    INV_DOTS: tl.constexpr, IP: tl.constexpr, STRIP_OUTER: tl.constexpr, GPRE: tl.constexpr,
-                   INV_SPLIT: tl.constexpr):
+                   INV_SPLIT: tl.constexpr, Dfix=None, Qfix=None, dflag=None, THR: tl.constexpr = 120.0):
+    """A, P strips (and the inverse unless ``INV_SPLIT``) per chunk and head. ``EXACT`` 0: the K3 gate
+    (diagonal blocks in the strip dots); 1: unbounded gates, diagonal blocks apart (mid-point dots or the exact
+    element-wise loop); 2: ``diag_main``; 3: ``sp_clamp`` (softplus, strip order, ``GPRE``: the diagonal block in
+    the strip dot on channels whose sub-chunk span is <= ``THR``; ``Dfix``/``Qfix``/``dflag`` from
+    ``kda_diagfix_kernel`` hold the rest)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
     a_h = head_decay(A_log, i_h, GATE)
     if STRIP_OUTER:
         b0 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 0,
-                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE, Dfix, Qfix, dflag, i_c, THR)
         tl.debug_barrier()      # rk of strip 0 visible to every thread
         b1 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 1,
-                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE, Dfix, Qfix, dflag, i_c, THR)
         b2 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 2,
-                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE, Dfix, Qfix, dflag, i_c, THR)
         b3 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 3,
-                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE)
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE, Dfix, Qfix, dflag, i_c, THR)
     else:
         b0, b1, b2, b3 = _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb,
                                       scale, H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC,
@@ -505,3 +542,46 @@ def kda_wu_kernel(q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, Gbuf
         bv = tl.load(v + off, mask=m[:, None], other=0.)
         b_u = tl.dot(X, bv.to(X.dtype), input_precision=PREC)
         tl.store(u + off, b_u.to(u.dtype.element_ty), mask=m[:, None])
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_diagfix_kernel(q, k, Gbuf, Dfix, Qfix, dflag, cu_seqlens, chunk_indices, T,
+                       H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, THR: tl.constexpr,
+                       IS_VARLEN: tl.constexpr):
+    """Softplus gate, ``TUNING["sp_clamp"]`` (before ``kda_akk_kernel`` with ``EXACT=3``): per chunk, head and
+    16-row sub-chunk ``I``, the channels whose decay span ``G[row before] - G[last row]`` exceeds ``THR`` (their
+    factors around one reference would leave fp32) get the exact element-wise diagonal block
+    ``sum_c x[i,c] k[j,c] exp(G[i,c] - G[j,c])`` (``j <= i``, raw q and k; every exponent <= 0): ``Dfix`` (x = k)
+    and ``Qfix`` (x = q), fp32 ``[B,T,H,BC]``, written only for flagged sub-chunks; ``dflag`` int32
+    ``[chunks,H,BT/BC]`` = the number of such channels (0: nothing written, akk adds nothing)."""
+    i_c, i_h, I = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
+    cols = tl.arange(0, K)
+    r0 = I * BC
+    rs = tl.minimum(nv, r0) - 1
+    Gs = tl.load(Gbuf + (row0 + rs).to(tl.int64) * (H * K) + i_h * K + cols, mask=(cols * 0 + rs) >= 0, other=0.)
+    Ge = _grow(Gbuf, row0, tl.minimum(nv, r0 + BC) - 1, i_h, cols, H, K)
+    bad = (Gs - Ge) > THR
+    nb = tl.sum(bad.to(tl.int32), 0)
+    tl.store(dflag + (i_c * H + i_h) * (BT // BC) + I, nb)
+    if nb > 0:
+        rows = tl.arange(0, BC)
+        mI = (r0 + rows) < nv
+        offI = (row0 + r0 + rows).to(tl.int64)[:, None] * (H * K) + i_h * K + cols[None, :]
+        qI = tl.load(q + offI, mask=mI[:, None], other=0.).to(tl.float32)
+        kI = tl.load(k + offI, mask=mI[:, None], other=0.).to(tl.float32)
+        GI = tl.where(mI[:, None], tl.load(Gbuf + offI, mask=mI[:, None], other=0.), Ge[None, :])
+        dA = tl.zeros([BC, BC], dtype=tl.float32)
+        dP = tl.zeros([BC, BC], dtype=tl.float32)
+        for j in range(BC):
+            ok = (cols * 0 + r0 + j) < nv
+            off = (row0 + r0 + j).to(tl.int64) * (H * K) + i_h * K + cols
+            kj = tl.load(k + off, mask=ok, other=0.).to(tl.float32)
+            Gj = tl.load(Gbuf + off, mask=ok, other=0.)
+            e = tl.exp(tl.where((rows[:, None] >= j) & (bad & ok)[None, :], GI - Gj[None, :], float("-inf")))
+            t = kj[None, :] * e
+            dA = tl.where(rows[None, :] == j, tl.sum(kI * t, 1)[:, None], dA)
+            dP = tl.where(rows[None, :] == j, tl.sum(qI * t, 1)[:, None], dP)
+        offo = (row0 + r0 + rows).to(tl.int64)[:, None] * (H * BC) + i_h * BC + rows[None, :]
+        tl.store(Dfix + offo, dA, mask=mI[:, None])
+        tl.store(Qfix + offo, dP, mask=mI[:, None])
