@@ -18,6 +18,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before any Triton import (the other kernels' tests need it)
 pytest.importorskip("triton")
 
+from conftest import rel_err
+
 from k3ir import quant as Q
 
 G = pytest.importorskip("k3ir.backends.triton.moe_gluon")
@@ -183,35 +185,107 @@ def test_gluon_kernel_matches_dequantised_matmul(act, smax):
     assert err < 2e-2, err
 
 
-def test_prepared_is_cached_per_weight_version():
-    """The prepare-time permutation runs once per weight tensor; an in-place update of the weights or a
-    different scale tensor repacks (and ``is_prepared`` says whether a call would be free)."""
-    rng = np.random.default_rng(3)
-    w = torch.from_numpy(rng.integers(0, 256, (1, 16, 32), dtype=np.uint8))
-    s = torch.from_numpy(rng.integers(100, 129, (1, 16, 2), dtype=np.uint8))
-    assert not G.is_prepared(w, s)
-    a = G.prepared(w, s)
-    assert G.is_prepared(w, s) and G.prepared(w, s) is a
-    w[0, 0, 0] ^= 0xFF
-    assert not G.is_prepared(w, s)
-    b = G.prepared(w, s)
-    assert b is not a and not torch.equal(a.words, b.words)
-    assert not G.is_prepared(w, s.clone())
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
 
 
-def test_room_for_copy_keeps_the_triton_kernel_when_memory_is_short(monkeypatch, caplog):
-    """The permuted copy is made only when it leaves min_free_gb and min_free_frac of the memory free (else one
-    warning and the Triton kernels: the K3 4-layer model at decode B32 ran out of memory with both layouts)."""
-    GiB = 2 ** 30
-    w = torch.zeros(4 * GiB // 1024, 1024, dtype=torch.uint8, device="meta")      # 4 GiB of packed bytes
-    s = torch.zeros(1, dtype=torch.uint8, device="meta")
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 2 * GiB)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 1 * GiB)   # 1 GiB cached, free for reuse
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (12 * GiB, 140 * GiB))
-    assert G.room_for_copy([(w, s)], "cuda", 8.0, 0.05)       # 13 - 4 = 9 GiB left >= max(8, 7)
-    assert not G.room_for_copy([(w, s)], "cuda", 8.0, 0.25)   # 9 < 35
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (10 * GiB, 140 * GiB))
-    with caplog.at_level("WARNING"):
-        assert not G.room_for_copy([(w, s)], "cuda", 8.0, 0.05)     # 11 - 4 = 7 GiB < 8
-        assert not G.room_for_copy([(w, s)], "cuda", 8.0, 0.05)
-    assert sum("not enough free GPU memory" in r.message for r in caplog.records) == 1
+def _mx(rng, E, N, K, smax):
+    return (rng.integers(0, 256, (E, N, K // 2), dtype=np.uint8),
+            rng.integers(110, smax + 1, (E, N, K // 32), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("config", [None, ("t", 32, 16, 16, 64, 4, 1), (16, 32, 64, 1, 4, 1)])
+@pytest.mark.parametrize("act,smax", [("situ", 128), ("none", 200)])
+def test_triton_kernels_read_the_fragment_layout(config, act, smax):
+    """The Triton grouped GEMMs (swapped kernel by default, a BW 32 tile over N = 48 rows, i.e. a half-masked
+    last 32-row tile, and the row-major kernel) on weights permuted IN PLACE into the fragment layout, against
+    float64 dequantise-then-matmul: experts of 0, 1, 5, 17, 40 rows (not multiples of the row tiles), GLU and
+    plain with row scale, one and two scale multipliers (scale bytes up to 200). CPU: the exact integer decode
+    under the interpreter; GPU: the PTX decode (Triton kernel forced: mxfp4_kernel "triton")."""
+    from k3ir.backends.triton import moe, moe_layout
+    rng = np.random.default_rng(5)
+    cnt = np.array([0, 1, 5, 17, 40])
+    E, N, K = len(cnt), 48, 128
+    off = np.concatenate([[0], np.cumsum(cnt)])
+    R = int(off[-1])
+    x = rng.standard_normal((R, K))
+    mk = [_mx(rng, E, N, K, smax) for _ in range(2)]
+    Wd = [Q.mxfp4_dequantize(p, s) for p, s in mk]
+    rs = rng.uniform(0.2, 1.0, R)
+    want = np.zeros((R, N))
+    for e in range(E):
+        a, b = off[e], off[e + 1]
+        g = x[a:b] @ Wd[0][e].T
+        if act == "situ":
+            u = x[a:b] @ Wd[1][e].T
+            want[a:b] = 4 * np.tanh(g / 4) / (1 + np.exp(-g)) * 25 * np.tanh(u / 25)
+        else:
+            want[a:b] = g * rs[a:b, None]
+    ts = [moe_layout.prepare(torch.from_numpy(p.copy()).to(DEV), torch.from_numpy(s.copy()).to(DEV)) for p, s in mk]
+    assert ts[0][0].dtype == torch.uint8 and ts[0][0].shape == (E, N, K // 2)
+    assert moe_layout.lookup(*ts[0]).two == (smax > 128)
+    xt = torch.from_numpy(x).to(DEV).to(torch.bfloat16 if GPU else torch.float32)
+    old = moe.TUNING["mxfp4_kernel"]
+    moe.TUNING["mxfp4_kernel"] = "triton"
+    try:
+        got = moe.grouped_matmul(xt, torch.from_numpy(off).to(DEV), *ts[0], "mxfp4", w3=ts[1][0] if act != "none" else None,
+                                 scales3=ts[1][1] if act != "none" else None, act=act, config=config,
+                                 row_scale=torch.from_numpy(rs).to(DEV) if act == "none" else None)
+    finally:
+        moe.TUNING["mxfp4_kernel"] = old
+    got = got.double().cpu().numpy()
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < (2e-2 if GPU else 1e-5), err
+
+
+def test_to_fragments_in_place_one_copy_and_guards():
+    """In place: the words and sc1 live in the original tensors' storage (no second copy), chunk by chunk
+    equal to the out-of-place packing; the registry gives the layout to grouped_matmul, refuses a weight written
+    after its permutation, and leaves unregistered tensors in the original layout (Triton byte decode)."""
+    from k3ir.backends.triton import moe, moe_layout
+    rng = np.random.default_rng(6)
+    p, s = _mx(rng, 5, 32, 128, 200)
+    ref = moe_layout.pack_mxfp4(torch.from_numpy(p), torch.from_numpy(s))
+    w, sc = torch.from_numpy(p.copy()), torch.from_numpy(s.copy())
+    ptrs = (w.data_ptr(), sc.data_ptr())
+    w2, s2 = moe_layout.prepare(w, sc, inplace=True, chunk=2)
+    assert w2 is w and s2 is sc and (w.data_ptr(), sc.data_ptr()) == ptrs
+    pk = moe_layout.lookup(w, sc)
+    assert pk.words.data_ptr() == ptrs[0] and pk.sc1.data_ptr() == ptrs[1]
+    assert torch.equal(pk.words, ref.words) and torch.equal(pk.sc1, ref.sc1) and torch.equal(pk.sc2, ref.sc2)
+    assert moe_layout.lookup(torch.from_numpy(p), torch.from_numpy(s)) is None
+    with pytest.raises(ValueError, match="another scale tensor"):
+        moe_layout.lookup(w, sc.clone())
+    w[0, 0, 0] ^= 1
+    with pytest.raises(ValueError, match="modified after"):
+        moe.grouped_matmul(torch.zeros(2, 128), torch.tensor([0, 2, 2, 2, 2, 2]), w, sc, "mxfp4")
+    assert not moe_layout.fits(torch.zeros(1, 24, 32, dtype=torch.uint8), torch.zeros(1, 24, 2, dtype=torch.uint8))
+
+
+def test_executable_permutes_experts_once_and_matches_torch():
+    """A small K3 model (expert K = N = 64, MXFP4 experts) on the triton target: prepare_params puts every routed
+    expert tensor in the fragment layout (the caller's arrays untouched), and the forward logits equal the torch
+    target's (float32, SPEC 11)."""
+    from k3ir.backends.triton import moe_layout
+    from k3ir.runtime import Session
+    from k3ir.runtime.params import init_params
+
+    import k3ir
+    la = {"full_attn_layers": [2], "kda_layers": [1], "num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4,
+          "gate_lower_bound": -5.0, "use_full_rank_gate": True}
+    m = k3ir.load("k3-tiny", {"num_hidden_layers": 2, "linear_attn_config": la, "moe_intermediate_size": 64,
+                              "routed_expert_hidden_size": 64})
+    m.attrs["expert_quant"] = "mxfp4"
+    exe = k3ir.compile(m, target="triton", dtype="float32", device=DEV)
+    params = init_params(exe.module, 0)
+    before = {k: np.array(v, copy=True) for k, v in params.items()}
+    tri = Session(exe, params=params)
+    pairs = moe_layout.mxfp4_pairs(exe.module)
+    assert len(pairs) == 3
+    assert all(moe_layout.lookup(tri.params[w], tri.params[s]) is not None for w, s in pairs)
+    assert all(np.array_equal(before[k], params[k]) for k in params)
+    ref = Session(k3ir.compile(m, target="torch", dtype="float32", device=DEV), params=params)
+    ids = np.random.default_rng(0).integers(0, 250, (1, 9))
+    a, b = tri.forward(ids), ref.forward(ids)
+    a, b = (np.asarray(v[0] if isinstance(v, (tuple, list)) else v, np.float64) for v in (a, b))
+    assert rel_err(a, b) < (2e-3 if GPU else 1e-5)

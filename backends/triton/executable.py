@@ -225,8 +225,13 @@ class TritonExecutable(TorchExecutable):
     def prepare_params(self, arrays):
         """As the torch executable, plus every parameter made contiguous once: the kernels need
         unit-stride weights and would otherwise copy a strided view (e.g. the gate half of a
-        transformers ``gate_up_proj``) on every call (bench/MOE_NOTES.md, decode)."""
-        return {k: v.contiguous() for k, v in super().prepare_params(arrays).items()}
+        transformers ``gate_up_proj``) on every call (bench/MOE_NOTES.md, decode). MXFP4 expert weights
+        are permuted into ``moe_layout``'s fragment layout (in place when the tensor is this executable's copy)."""
+        out = {k: v.contiguous() for k, v in super().prepare_params(arrays).items()}
+        if self.compute != torch.float64:     # MXFP4 experts: the one fragment layout both MoE kernels read
+            from .moe_layout import prepare_params
+            prepare_params(self.module, out, arrays)
+        return out
 
     def _run_eager(self, function, targs, params):
         from .lowering import PlanInterpreter

@@ -26,18 +26,30 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .moe_asm import MX_ASM1, MX_ASM2, MX_WORD1, MX_WORD2, _mx_asm, _mx_asm_word  # noqa: F401 (used in @jit code)
+from .moe_asm import (  # noqa: F401 (@jit globals)
+    _ASM_OK,
+    MX_ASM1,
+    MX_ASM2,
+    MX_WORD1,
+    MX_WORD2,
+    MXFP4_DECODES,
+    _asm_verified,
+    _auto_decode,
+    _mx_asm,
+    _mx_asm_word,
+)
+from .moe_layout import _w_tile_frag, lookup
 
 QUANT_IDS = {"none": 0, "mxfp4": 1, "int4": 2}
 _log = logging.getLogger(__name__)
 ACT_IDS = {"none": 0, "situ": 1, "silu": 2, "swiglu": 2}
-# "mxfp4_kernel": "gluon" (default: moe_gluon, prepare-time fragment permutation, mma_v2; CUDA, bf16 activations,
-# rows per expert <= "gluon_max_rows" on average; K3 layer at 256 tokens 4.48 ms vs 14.04 ms for the Triton
-# kernel, H200 2026-11-30 04:15; it keeps a permuted copy of each MXFP4 expert tensor next to the original, which
-# the Triton kernels read for larger row counts) or "triton" (the Triton kernels only)
-# "gluon_min_free_gb" / "gluon_min_free_frac": the Gluon path is skipped (Triton kernels, one warning) when its
-# copy would leave less free (the K3 4-layer model ran out of memory at decode B32 with 5% and with 25%)
-TUNING = {"mxfp4_kernel": "gluon", "gluon_max_rows": 16, "gluon_min_free_gb": 8.0, "gluon_min_free_frac": 0.4}
+# MXFP4 expert weights prepared into the fragment layout (moe_layout; done by the executable's prepare_params,
+# or moe_layout.prepare) exist once on the device and both kernels read them: "mxfp4_kernel": "gluon" (default:
+# moe_gluon, mma_v2 on the fragment words, for CUDA, bf16, rows per expert <= "gluon_max_rows" on average; K3
+# layer at 256 tokens 4.48 ms vs 14.04 ms for the Triton kernel, H200 2026-11-30 04:15) or "triton" (the Triton
+# kernels, which read the fragment layout for every row count). Weights in the original packed layout (not
+# prepared) always take the Triton kernels.
+TUNING = {"mxfp4_kernel": "gluon", "gluon_max_rows": 16}
 
 
 @triton.jit
@@ -74,7 +86,7 @@ def _w_tile(w, s, e, offs_n, k0, N, K, QUANT: tl.constexpr, BN: tl.constexpr, BK
 
 
 @triton.jit
-def grouped_gemm_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, b1, b2,
+def grouped_gemm_kernel(x, offsets, w1, s1, w3, s3, y, rscale, t1, t3, N, K, b1, b2,
                         QUANT: tl.constexpr, ACT: tl.constexpr, SCALE_ROWS: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MS: tl.constexpr):
     """y[r, n] = act(x[r] W1_e^T, x[r] W3_e^T)[n] (ACT 0: just x W1^T; 1: SiTU-GLU; 2: SwiGLU),
@@ -94,10 +106,10 @@ def grouped_gemm_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, b1, b2,
         for k0 in range(0, K, BK):
             kk = k0 + offs_k
             a = tl.load(xrow + kk[None, :], mask=mr[:, None] & (kk < K)[None, :], other=0.)
-            wt = _w_tile_t(w1, s1, e, offs_n, k0, N, K, QUANT, BN, BK, DT)
+            wt = _w_tile_t(w1, s1, t1, e, pid_n * BN, offs_n, k0, N, K, QUANT, BN, BK, DT)
             acc = tl.dot(a, tl.trans(wt), acc)
             if ACT != 0:
-                wt3 = _w_tile_t(w3, s3, e, offs_n, k0, N, K, QUANT, BN, BK, DT)
+                wt3 = _w_tile_t(w3, s3, t3, e, pid_n * BN, offs_n, k0, N, K, QUANT, BN, BK, DT)
                 acc3 = tl.dot(a, tl.trans(wt3), acc3)
         if ACT == 1:     # SiTU-GLU: b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2)  (tanh(z) = 2 sigmoid(2z) - 1)
             g = acc.to(y.dtype.element_ty).to(tl.float32)
@@ -115,12 +127,15 @@ def grouped_gemm_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, b1, b2,
 
 
 @triton.jit
-def _w_tile_t(w, s, e, offs_n, k0, N, K, QUANT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _w_tile_t(w, s, t, e, n0, offs_n, k0, N, K, QUANT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               DT: tl.constexpr):
-    """Weight tile ``W_e[offs_n, k0:k0+BK]`` in dtype DT. QUANT 0/1/2 as ``_w_tile`` (1: exact fp32
-    decode); 3: MXFP4 through the bf16 bit-placement asm (exact, two fma); 4: same with one fma
-    (only valid while every scale byte <= 128; the sweep measures it, it is never a default)."""
-    if QUANT == 3 or QUANT == 4:
+    """Weight tile ``W_e[offs_n, k0:k0+BK]`` (``offs_n = n0 + arange(BN)``) in dtype DT. QUANT 0/1/2 as ``_w_tile``
+    (1: exact fp32 decode); 3: MXFP4 through the bf16 bit-placement asm (exact, two fma); 4: same with one fma
+    (only valid while every scale byte <= 128; the sweep measures it, it is never a default); 5/6: word decodes;
+    7/8: MXFP4 in the fragment layout (``moe_layout``: w words, s sc1, t sc2 or None), 7 exact, 8 PTX."""
+    if QUANT == 7 or QUANT == 8:
+        return _w_tile_frag(w, s, t, e, n0, k0, N, K, QUANT == 7, t is not None, BN, BK, DT)
+    elif QUANT == 3 or QUANT == 4:
         mn = (offs_n < N)[:, None]
         e64 = e.to(tl.int64)
         rows = offs_n.to(tl.int64)[:, None]
@@ -190,7 +205,7 @@ def _epilogue_t(acc, acc3, rows, mr, offs_n, y, rscale, N, b1, b2, ACT: tl.const
 
 
 @triton.jit
-def _first_pass_t(x, w1, s1, w3, s3, y, rscale, e, start, end, offs_n, offs_k, N, K, b1, b2,
+def _first_pass_t(x, w1, s1, t1, w3, s3, t3, y, rscale, e, start, end, n0, offs_n, offs_k, N, K, b1, b2,
                   QUANT: tl.constexpr, ACT: tl.constexpr, SCALE_ROWS: tl.constexpr, BW: tl.constexpr,
                   BT: tl.constexpr, TB: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
     """Rows ``start : start + BT + TB`` of expert ``e`` (masked at ``end``) in ONE pass over its weights: two
@@ -207,11 +222,11 @@ def _first_pass_t(x, w1, s1, w3, s3, y, rscale, e, start, end, offs_n, offs_k, N
         mk = (kk < K)[None, :]
         xa = tl.load(x + ra.to(tl.int64)[:, None] * K + kk[None, :], mask=ma[:, None] & mk, other=0.)
         xb = tl.load(x + rb.to(tl.int64)[:, None] * K + kk[None, :], mask=mb[:, None] & mk, other=0.)
-        wt = _w_tile_t(w1, s1, e, offs_n, k0, N, K, QUANT, BW, BK, DT)
+        wt = _w_tile_t(w1, s1, t1, e, n0, offs_n, k0, N, K, QUANT, BW, BK, DT)
         acc_a = tl.dot(wt, tl.trans(xa), acc_a)
         acc_b = tl.dot(wt, tl.trans(xb), acc_b)
         if ACT != 0:
-            wt3 = _w_tile_t(w3, s3, e, offs_n, k0, N, K, QUANT, BW, BK, DT)
+            wt3 = _w_tile_t(w3, s3, t3, e, n0, offs_n, k0, N, K, QUANT, BW, BK, DT)
             acc3_a = tl.dot(wt3, tl.trans(xa), acc3_a)
             acc3_b = tl.dot(wt3, tl.trans(xb), acc3_b)
     _epilogue_t(acc_a, acc3_a, ra, ma, offs_n, y, rscale, N, b1, b2, ACT, SCALE_ROWS)
@@ -219,7 +234,7 @@ def _first_pass_t(x, w1, s1, w3, s3, y, rscale, e, start, end, offs_n, offs_k, N
 
 
 @triton.jit
-def grouped_gemm_t_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, NE, b1, b2,
+def grouped_gemm_t_kernel(x, offsets, w1, s1, w3, s3, y, rscale, t1, t3, N, K, NE, b1, b2,
                           QUANT: tl.constexpr, ACT: tl.constexpr, SCALE_ROWS: tl.constexpr,
                           BW: tl.constexpr, BT: tl.constexpr, TAIL: tl.constexpr, BK: tl.constexpr,
                           TAIL2: tl.constexpr, ROWGRID: tl.constexpr, EP: tl.constexpr):
@@ -244,7 +259,8 @@ def grouped_gemm_t_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, NE, b1, b
         e = j
         start = tl.load(offsets + e).to(tl.int32)
         end = tl.load(offsets + e + 1).to(tl.int32)
-    offs_n = pid_n * BW + tl.arange(0, BW)
+    n0 = pid_n * BW
+    offs_n = n0 + tl.arange(0, BW)
     offs_k = tl.arange(0, BK)
     DT: tl.constexpr = x.dtype.element_ty
     t0 = start
@@ -252,13 +268,13 @@ def grouped_gemm_t_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, NE, b1, b
         if end - start > BT:    # the first BT + TAIL rows in one weight pass, the rest in BT-row tiles
             if TAIL2 > 0:
                 if end - start <= BT + TAIL2:
-                    _first_pass_t(x, w1, s1, w3, s3, y, rscale, e, start, end, offs_n, offs_k, N, K, b1, b2,
+                    _first_pass_t(x, w1, s1, t1, w3, s3, t3, y, rscale, e, start, end, n0, offs_n, offs_k, N, K, b1, b2,
                                   QUANT, ACT, SCALE_ROWS, BW, BT, TAIL2, BK, DT)
                 else:
-                    _first_pass_t(x, w1, s1, w3, s3, y, rscale, e, start, end, offs_n, offs_k, N, K, b1, b2,
+                    _first_pass_t(x, w1, s1, t1, w3, s3, t3, y, rscale, e, start, end, n0, offs_n, offs_k, N, K, b1, b2,
                                   QUANT, ACT, SCALE_ROWS, BW, BT, TAIL, BK, DT)
             else:
-                _first_pass_t(x, w1, s1, w3, s3, y, rscale, e, start, end, offs_n, offs_k, N, K, b1, b2,
+                _first_pass_t(x, w1, s1, t1, w3, s3, t3, y, rscale, e, start, end, n0, offs_n, offs_k, N, K, b1, b2,
                               QUANT, ACT, SCALE_ROWS, BW, BT, TAIL, BK, DT)
             t0 = start + BT + TAIL          # rows <= BT + TAIL2 end before this anyway
     for m0 in range(t0, end, BT):
@@ -270,10 +286,10 @@ def grouped_gemm_t_kernel(x, offsets, w1, s1, w3, s3, y, rscale, N, K, NE, b1, b
             kk = k0 + offs_k
             a = tl.load(x + rows.to(tl.int64)[:, None] * K + kk[None, :], mask=mr[:, None] & (kk < K)[None, :],
                         other=0.)
-            wt = _w_tile_t(w1, s1, e, offs_n, k0, N, K, QUANT, BW, BK, DT)
+            wt = _w_tile_t(w1, s1, t1, e, n0, offs_n, k0, N, K, QUANT, BW, BK, DT)
             acc = tl.dot(wt, tl.trans(a), acc)
             if ACT != 0:
-                wt3 = _w_tile_t(w3, s3, e, offs_n, k0, N, K, QUANT, BW, BK, DT)
+                wt3 = _w_tile_t(w3, s3, t3, e, n0, offs_n, k0, N, K, QUANT, BW, BK, DT)
                 acc3 = tl.dot(wt3, tl.trans(a), acc3)
         _epilogue_t(acc, acc3, rows, mr, offs_n, y, rscale, N, b1, b2, ACT, SCALE_ROWS)
 
@@ -327,10 +343,17 @@ PREFILL_BF16 = ("t", 128, 128, 64, 64, 8, 4, 32)
 
 
 def _packed_bk(BK: int, K: int, quant: str) -> int:
-    """Packed tiles are not masked along K: halve BK until it divides K (K % 32 == 0 is checked)."""
-    while quant != "none" and K % BK and BK > 32:
+    """Packed tiles are not masked along K: halve BK until it divides K (K % 32 == 0 is checked); the MXFP4
+    fragment layout ("mxfrag", K % 64 == 0) reads whole 64-column blocks (BK >= 64)."""
+    if quant == "mxfrag":
+        BK = max(BK, 64)
+    while quant != "none" and K % BK and BK > _min_bk(quant):
         BK //= 2
     return BK
+
+
+def _min_bk(quant: str) -> int:
+    return 64 if quant == "mxfrag" else 32
 
 
 SMEM_DEFAULT = 232448          # H100/H200 opt-in shared memory per block (bytes)
@@ -365,7 +388,7 @@ def smem_bytes(cfg: tuple, quant: str, xbytes: int, glu: bool) -> int:
     x = xrows * BK * xbytes
     if quant == "none":
         return stages * (x + nw * wrows * BK * xbytes)
-    per_el = 0.5 + 1 / 32 if quant == "mxfp4" else 0.5 + 4 / 32
+    per_el = 0.5 + 4 / 32 if quant == "int4" else 0.5 + 1 / 32
     decoded = nw * wrows * BK * xbytes      # one decoded tile per GEMM (the row-major B operand, word decodes)
     return int(stages * (x + nw * wrows * BK * per_el) + decoded)
 
@@ -377,7 +400,7 @@ def _fit_smem(cfg: tuple, quant: str, xbytes: int, glu: bool, limit: int) -> tup
     while smem_bytes(tuple(cfg), quant, xbytes, glu) > limit:
         if cfg[ist] > 2:
             cfg[ist] -= 1
-        elif cfg[ib] > 32:
+        elif cfg[ib] > _min_bk(quant):
             cfg[ib] //= 2
         elif cfg[ist] > 1:
             cfg[ist] -= 1
@@ -390,92 +413,19 @@ def plan(R: int, E: int, N: int, K: int, quant: str, glu: bool, xbytes: int, con
          limit: int = SMEM_DEFAULT) -> tuple:
     """The config a launch uses: ``config`` or ``_config``'s choice, BK made to divide K for packed
     weights, then fitted to ``limit`` bytes of shared memory (``_fit_smem``)."""
-    cfg = list(config or _config(R, E, N, K, quant, glu))
+    cfg = list(config or _config(R, E, N, K, "mxfp4" if quant == "mxfrag" else quant, glu))
     ib = 4 if cfg[0] == "t" else 2
     cfg[ib] = _packed_bk(cfg[ib], K, quant)
+    if quant == "mxfrag" and cfg[1] % 16:
+        raise ValueError(f"MXFP4 fragment layout: the weight tile of config {tuple(cfg)} must be a multiple of 16 rows")
     return _fit_smem(tuple(cfg), quant, xbytes, glu, limit)
 
 
-MXFP4_DECODES = {"exact": 1, "asm": 3, "asm1": 4, "word": 5, "word1": 6}
-_SMALL_SCALES = None          # WeakIdKeyDictionary: scale tensor -> (version, all bytes <= 128)
-
-
-def _auto_decode(*scales) -> str:
-    """"asm1" (one bf16x2 multiply: exact while every E8M0 byte is <= 128, i.e. block scales <= 2) when all
-    ``scales`` qualify, else "asm" (two multiplies, exact for 0..254). Checked once per scale tensor and
-    version (one reduction and host sync); while a CUDA graph is being captured an unchecked tensor
-    takes "asm"."""
-    global _SMALL_SCALES
-    if _SMALL_SCALES is None:
-        from torch.utils.weak import WeakIdKeyDictionary
-        _SMALL_SCALES = WeakIdKeyDictionary()
-    ok = True
-    for sc in scales:
-        hit = _SMALL_SCALES.get(sc)
-        if hit is None or hit[0] != sc._version:
-            if sc.is_cuda and torch.cuda.is_current_stream_capturing():
-                return "asm"
-            hit = (sc._version, bool((sc.max() <= 128).item()) if sc.numel() else True)
-            _SMALL_SCALES[sc] = hit
-        ok = ok and hit[1]
-    dec = "asm1" if ok else "asm"
-    dev = scales[0].device
-    if dev.type == "cuda" and not _asm_verified(dec, dev):
-        return "exact"
-    return dec
-
-
-_ASM_OK: dict = {}     # (decode, device index) -> the asm decode matched the reference decoder on this device
-
-
-def _asm_verified(dec: str, device) -> bool:
-    """Once per decode and device: an expert of 64 x 128 MXFP4 weights (every byte value, scale bytes 2..252,
-    or 2..128 for asm1) times the identity must give the reference decoder's values bit for bit; if not
-    (e.g. a PTX assembler that flushes bf16 subnormals), "auto" falls back to the exact fp32 decode and
-    a warning says so. While a CUDA graph is captured an unverified decode is trusted (warm-up runs
-    verify it first)."""
-    key = (dec, device.index if device.index is not None else torch.cuda.current_device())
-    if key in _ASM_OK:
-        return _ASM_OK[key]
-    if torch.cuda.is_current_stream_capturing():
-        return True
-    import numpy as np
-
-    from k3ir import quant as Q
-    rng = np.random.default_rng(0)
-    packed = np.arange(64 * 64).astype(np.uint8).reshape(1, 64, 64)
-    sc = rng.integers(2, 129 if dec == "asm1" else 253, (1, 64, 4)).astype(np.uint8)
-    sc[0, 0] = [2, 128, 128 if dec == "asm1" else 252, 100]
-    want = torch.from_numpy(Q.mxfp4_dequantize(packed, sc)[0].T.astype(np.float32)).to(torch.bfloat16)
-    x = torch.eye(128, device=device, dtype=torch.bfloat16)
-    off = torch.tensor([0, 128], device=device)
-    try:
-        got = grouped_matmul(x, off, torch.from_numpy(packed).to(device), torch.from_numpy(sc).to(device), "mxfp4",
-                             config=("t", 64, 16, 16, 128, 4, 2), mxfp4_decode=dec).cpu()
-        ok = bool(torch.equal(got.float(), want.float()))        # by value: a dot sums -0 to +0
-        bad = int((got.float() != want.float()).sum())
-    except Exception as e:   # noqa: BLE001 - any failure of the fast path falls back to the exact decode
-        ok, bad = False, repr(e)[-300:]
-    if not ok:
-        _log.warning("MXFP4 %s decode does not match the reference on %s (%s mismatches): using the exact "
-                     "fp32 decode", dec, device, bad)
-    _ASM_OK[key] = ok
-    return ok
-
-
-def _use_gluon(x, R: int, E: int, ws: tuple) -> bool:
-    """``TUNING["mxfp4_kernel"] == "gluon"`` and the case is one it serves (CUDA, bf16, few rows per expert; while
-    a CUDA graph is captured only with weights already permuted by a warm-up call)."""
-    if not (TUNING["mxfp4_kernel"] == "gluon" and not interpreting() and x.is_cuda and x.dtype == torch.bfloat16
-            and R <= TUNING["gluon_max_rows"] * E and ws[0].shape[1] % 64 == 0 and x.shape[1] % 64 == 0):
-        return False
-    from . import moe_gluon as mg
-    pairs = [(w, s) for w, s in zip(ws[::2], ws[1::2]) if w is not None]
-    if all(mg.is_prepared(w, s) for w, s in pairs):
-        return True
-    if torch.cuda.is_current_stream_capturing():
-        return False
-    return mg.room_for_copy(pairs, x.device, TUNING["gluon_min_free_gb"], TUNING["gluon_min_free_frac"])
+def _use_gluon(x, R: int, E: int, pk, N: int) -> bool:
+    """``TUNING["mxfp4_kernel"] == "gluon"`` and the case is one the Gluon kernel serves (weights in the fragment
+    layout ``pk``, CUDA, bf16, few rows per expert, N a multiple of 64). No memory query: there is no copy."""
+    return (pk is not None and TUNING["mxfp4_kernel"] == "gluon" and not interpreting() and x.is_cuda
+            and x.dtype == torch.bfloat16 and R <= TUNING["gluon_max_rows"] * E and N % 64 == 0)
 
 
 def _check(x, offsets, w, quant):
@@ -510,14 +460,20 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
     glu = act != "none"
     if glu and w3 is None:
         raise ValueError("a fused GLU needs w3")
-    if quant == "mxfp4" and mxfp4_decode is None and _use_gluon(x, R, w.shape[0], (w, scales, w3, scales3)):
-        from . import moe_gluon as mg
-        return mg.grouped_matmul(x, offsets, mg.prepared(w, scales), pw3=mg.prepared(w3, scales3) if glu else None,
-                                 act=act, b1=b1, b2=b2, row_scale=row_scale)
+    pk = pk3 = None
+    if quant == "mxfp4":
+        pk = lookup(w, scales)
+        pk3 = lookup(w3, scales3) if glu else pk
+        if (pk is None) != (pk3 is None) or (pk is not None and glu and pk.two != pk3.two):
+            raise ValueError("grouped_matmul: both GLU weights must be in the same MXFP4 layout (moe_layout.prepare)")
+        if mxfp4_decode is None and _use_gluon(x, R, E, pk, N):
+            from . import moe_gluon as mg
+            return mg.grouped_matmul(x, offsets, pk, pw3=pk3 if glu else None, act=act, b1=b1, b2=b2,
+                                     row_scale=row_scale)
     y = torch.empty(R, N, device=x.device, dtype=x.dtype)
     if R == 0:
         return y
-    cfg = plan(R, E, N, K, quant, glu, x.element_size(), config, smem_limit(x.device))
+    cfg = plan(R, E, N, K, "mxfrag" if pk is not None else quant, glu, x.element_size(), config, smem_limit(x.device))
     if quant == "none":
         w = w.to(x.dtype).contiguous()
         w3 = w3.to(x.dtype).contiguous() if glu else w
@@ -528,7 +484,11 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
         scales = scales.float()
         scales3 = scales3.float()
     qid = QUANT_IDS[quant]
-    if quant == "mxfp4":
+    t1 = t3 = None
+    if pk is not None:                     # fragment layout: words / sc1 / sc2 (moe_layout)
+        qid = 7 if interpreting() or mxfp4_decode == "exact" else 8
+        w, scales, t1, w3, scales3, t3 = pk.words, pk.sc1, pk.sc2, pk3.words, pk3.sc1, pk3.sc2
+    elif quant == "mxfp4":
         dec = mxfp4_decode or ("exact" if interpreting() else "auto")
         if dec == "auto" and not interpreting():
             dec = _auto_decode(scales, scales3)
@@ -540,7 +500,7 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
     rs = row_scale.float().contiguous() if row_scale is not None else None
     off = offsets.contiguous()
     common = {"QUANT": qid, "ACT": ACT_IDS[act], "SCALE_ROWS": rs is not None}
-    args = (x, off, w, scales, w3, scales3, y, rs, N, K, float(b1), float(b2))
+    args = (x, off, w, scales, w3, scales3, y, rs, t1, t3, N, K, float(b1), float(b2))
     _launch(cfg, E, N, args, common, y.device)
     return y
 
@@ -564,7 +524,7 @@ def _launch(cfg: tuple, E: int, N: int, args: tuple, common: dict, device) -> No
                 rowgrid = ROWGRID and R < E     # fewer rows than experts: a program column per row, not per expert
                 ep = triton.next_power_of_2(E) if rowgrid else 1
                 grouped_gemm_t_kernel[(triton.cdiv(N, BW), R if rowgrid else E)](
-                    *args[:10], E, *args[10:], BW=BW, BT=BT, TAIL=TAIL, BK=BK, TAIL2=tail2, ROWGRID=rowgrid, EP=ep,
+                    *args[:12], E, *args[12:], BW=BW, BT=BT, TAIL=TAIL, BK=BK, TAIL2=tail2, ROWGRID=rowgrid, EP=ep,
                     num_warps=warps, num_stages=stages, **common)
             else:
                 BM, BN, BK, MS, warps, stages = cfg
@@ -577,7 +537,7 @@ def _launch(cfg: tuple, E: int, N: int, args: tuple, common: dict, device) -> No
             ib, ist = (4, 6) if c[0] == "t" else (2, 5)
             if c[ist] > 1:
                 c[ist] -= 1
-            elif c[ib] > 32:
+            elif c[ib] > (64 if common["QUANT"] in (7, 8) else 32):
                 c[ib] //= 2
             else:
                 raise

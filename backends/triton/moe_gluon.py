@@ -3,7 +3,8 @@
 Why: at 256 tokens the K3 MoE layer (E 896, top-16, D 3584, I 3072) streams 15.7 GB of MXFP4 weights for
 ~4.6 token rows per expert, so the time is the decode's instructions per weight element (bench/MOE_NOTES.md,
 "MXFP4 T=256 ... what limits it"). Triton's blocked layouts re-lay the packed bytes into the MMA A fragment
-(~4.2 instructions per element); here the weights are permuted ONCE (``pack_mxfp4``) so that one int32 word
+(~4.2 instructions per element); here the weights are permuted ONCE at prepare time (``moe_layout``: the one
+device layout of MXFP4 experts, which the Triton kernels of ``moe`` read as well) so that one int32 word
 is exactly one thread's A fragment of one ``mma.m16n8k16`` (rows g, g+8; columns 2t, 2t+1, 2t+8, 2t+9 of a
 16x16 block, PTX ISA "Matrix Fragments for mma.m16n8k16"), with each element's 4 bits placed where a
 rotate + mask drops them into the bf16 bit pattern ``fp4 * 2^-126`` (``FRAG_SHIFTS``); one bf16x2 multiply
@@ -15,7 +16,7 @@ Operands: weights are the MMA's M side (16-row blocks, ``MR`` per warp), tokens 
 16 per pass, more rows loop), as in ``moe.grouped_gemm_t_kernel``; the GLU (SiTU/SwiGLU) and the down
 GEMM's row scale are fused in the epilogue; offsets/dispatch/combine are ``moe``'s.
 
-Layout of ``MXPacked`` (``E`` experts, ``N`` rows, ``K`` columns; ``N % 16 == 0``, ``K % 64 == 0``):
+Layout of ``moe_layout.MXPacked`` (``E`` experts, ``N`` rows, ``K`` columns; ``N % 16 == 0``, ``K % 64 == 0``):
 ``words int32[E, N/16, K/64, 32, 4]``: word ``[e, mb, kc, lane, kr]`` is lane ``g*4+t``'s fragment of the
 16x16 block (rows ``16 mb..``, columns ``64 kc + 16 kr..``); ``sc1 int32[E, N/16, 8, K/64]``: word ``[e, mb, g, kc]``
 holds the multiplier exponents ``min(s,128)+126`` of (row g, group 2kc), (row g, 2kc+1), (row g+8, 2kc),
@@ -30,9 +31,6 @@ per element at 164 / 128 registers. The Triton kernel it replaces: 6.34/el (benc
 """
 from __future__ import annotations
 
-import logging
-from typing import NamedTuple
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -40,186 +38,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-# --- the fragment word ----------------------------------------------------------------------------------------
-# Output register j of a word (j = rh + 2 kh: rows g + 8 rh, columns 2t + 8 kh + {0, 1}) is
-# ``rotr(w, r) & FRAG_MASK`` for j = 0, 1, 2 (r = FRAG_SHIFTS[j]) and, for j = 3 (no fourth rotation of the
-# mask tiles the word, checked by exhaustive search), ``(rotr(w, 6) & 0x81808180) | (rotr(w, 14) & 0x00400040)``.
-# In each bf16 half: E2M1 m -> bit 6, e0 -> 7, e1 -> 8, sign -> 15: the bf16 value is fp4 * 2^-126.
-FRAG_MASK = 0x81C081C0
-FRAG_SHIFTS = (0, 4, 10)
-COMP = ((6, 0x81808180), (14, 0x00400040))        # (rotation, mask) pairs of register 3
-_HALF_BITS = (6, 7, 8, 15)                          # bf16 bit of nibble bit b (m, e0, e1, sign), low half
-
-
-def _word_bit_positions():
-    """pos[j][h][b]: the word bit holding nibble bit b of register j's half h (see FRAG_SHIFTS, COMP)."""
-    pos = []
-    for j in range(4):
-        rj = []
-        for h in range(2):
-            rb = []
-            for b in range(4):
-                p = _HALF_BITS[b] + 16 * h
-                if j < 3:
-                    r = FRAG_SHIFTS[j]
-                else:
-                    r = next(rr for rr, m in COMP if (m >> p) & 1)
-                rb.append((p + r) % 32)
-            rj.append(rb)
-        pos.append(rj)
-    flat = [q for rj in pos for rb in rj for q in rb]
-    assert sorted(flat) == list(range(32)), "fragment bit placement must use every word bit once"
-    return pos
-
-
-WORD_POS = _word_bit_positions()
-
-
-def _decode_asm(two: bool) -> str:
-    """PTX for one fragment word (pack=2: $4/$5 = the word twice, $6/$7 = multiplier word twice, $8/$9 the
-    second multiplier): outputs $0..$3 = bf16x2 registers j = 0..3 (rows g, g+8, g, g+8; columns 2t.., 2t..,
-    2t+8.., 2t+8..). The multiplier word holds row g's bf16 multiplier in its low half, row g+8's in its high."""
-    s = ("{\n.reg .b32 a, b, z, m0, m1, n0, n1;\n.reg .b16 ml, mh, nl, nh;\nmov.b32 z, 0x80008000;\n"
-         "mov.b32 {ml, mh}, $6;\nmov.b32 m0, {ml, ml};\nmov.b32 m1, {mh, mh};\n")
-    if two:
-        s += "mov.b32 {nl, nh}, $8;\nmov.b32 n0, {nl, nl};\nmov.b32 n1, {nh, nh};\n"
-    for j in range(4):
-        m = "m0" if j % 2 == 0 else "m1"
-        if j == 0:
-            s += f"and.b32 a, $4, {FRAG_MASK:#010x};\n"
-        elif j < 3:
-            s += f"shf.r.wrap.b32 a, $4, $4, {FRAG_SHIFTS[j]};\nand.b32 a, a, {FRAG_MASK:#010x};\n"
-        else:
-            (r0, k0), (r1, k1) = COMP
-            s += (f"shf.r.wrap.b32 a, $4, $4, {r0};\nand.b32 a, a, {k0:#010x};\n"
-                  f"shf.r.wrap.b32 b, $4, $4, {r1};\nand.b32 b, b, {k1:#010x};\nor.b32 a, a, b;\n")
-        s += f"fma.rn.bf16x2 ${j}, a, {m}, z;\n"          # a * m + (-0): exact, keeps the sign of zero
-        if two:
-            s += f"fma.rn.bf16x2 ${j}, ${j}, {'n0' if j % 2 == 0 else 'n1'}, z;\n"
-    return s + "}"
-
-
-DEC1 = gl.constexpr(_decode_asm(False))
-DEC2 = gl.constexpr(_decode_asm(True))
-
-
-class MXPacked(NamedTuple):
-    """Prepared MXFP4 expert weights (module docstring): words, sc1, sc2 (or None), N, K."""
-    words: torch.Tensor
-    sc1: torch.Tensor
-    sc2: torch.Tensor | None
-    N: int
-    K: int
-
-    @property
-    def two(self) -> bool:
-        return self.sc2 is not None
-
-
-def _byte_luts() -> list[list[int]]:
-    """lut[j][byte]: the word bits of register j for one packed byte (low nibble = half 0, high = half 1), as
-    int32 values (two's complement)."""
-    luts = []
-    for j in range(4):
-        row = []
-        for v in range(256):
-            w = 0
-            for h in range(2):
-                c = (v >> (4 * h)) & 15
-                for b in range(4):
-                    w |= ((c >> b) & 1) << WORD_POS[j][h][b]
-            row.append(w - (1 << 32) if w >= 1 << 31 else w)
-        luts.append(row)
-    return luts
-
-
-_LUTS = _byte_luts()
-
-
-def _pack_words(p: torch.Tensor) -> torch.Tensor:
-    """packed uint8[E, N, K/2] -> int32 words [E, N/16, K/64, 32, 4] (module docstring). Register j = rh + 2 kh
-    of a word holds the two elements 2t + 8 kh + {0, 1} of row g + 8 rh: exactly one packed byte."""
-    E, N, K2 = p.shape
-    b = p.reshape(E, N // 16, 2, 8, K2 // 32, 4, 2, 4)                      # e mb rh g kc kr kh t
-    b = b.permute(0, 1, 4, 3, 7, 5, 6, 2).long()                            # e mb kc g t kr kh rh  (j = 2 kh + rh)
-    b = b.reshape(E, N // 16, K2 // 32, 32, 4, 4)
-    lut = torch.tensor(_LUTS, dtype=torch.int32, device=p.device)
-    w = lut[0][b[..., 0]] | lut[1][b[..., 1]] | lut[2][b[..., 2]] | lut[3][b[..., 3]]
-    return w.contiguous()
-
-
-def _pack_scales(e8: torch.Tensor) -> torch.Tensor:
-    """exponent bytes int64[E, N, K/32] -> int32 [E, N/16, 8, K/64] (word [e, mb, g, kc], bytes: (g, 2kc),
-    (g, 2kc+1), (g+8, 2kc), (g+8, 2kc+1)): a row group's words are contiguous along K."""
-    E, N, G = e8.shape
-    s = e8.reshape(E, N // 16, 2, 8, G // 2, 2).permute(0, 1, 3, 4, 2, 5)          # e mb g kc rh grp
-    s = s.reshape(E, N // 16, 8, G // 2, 4)
-    w = s[..., 0] | (s[..., 1] << 8) | (s[..., 2] << 16) | (s[..., 3] << 24)
-    return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32).contiguous()
-
-
-def pack_mxfp4(packed: torch.Tensor, scales: torch.Tensor, chunk: int = 16) -> MXPacked:
-    """Permute MXFP4 experts (``packed uint8[E, N, K/2]``, low nibble = even element; ``scales uint8[E, N,
-    K/32]`` E8M0) into the fragment-word layout of the Gluon kernel (once, at prepare time; on the tensors'
-    device, ``chunk`` experts at a time). Raises ValueError unless N % 16 == 0 and K % 64 == 0."""
-    E, N, K2 = packed.shape
-    K = 2 * K2
-    if N % 16 or K % 64 or tuple(scales.shape) != (E, N, K // 32):
-        raise ValueError(f"gluon MXFP4 needs N % 16 == 0, K % 64 == 0 and scales [E, N, K/32]; got packed "
-                         f"{tuple(packed.shape)}, scales {tuple(scales.shape)}")
-    two = bool((scales > 128).any().item()) if scales.numel() else False
-    words, s1, s2 = [], [], []
-    for e0 in range(0, E, chunk):
-        words.append(_pack_words(packed[e0:e0 + chunk]))
-        sb = scales[e0:e0 + chunk].to(torch.int64)
-        s1.append(_pack_scales(torch.clamp(sb, max=128) + 126))
-        if two:
-            s2.append(_pack_scales(torch.clamp(sb, min=128) - 1))
-    return MXPacked(torch.cat(words), torch.cat(s1), torch.cat(s2) if two else None, N, K)
-
-
-_CACHE = None            # WeakIdKeyDictionary: packed weight tensor -> (version, scales id, MXPacked)
-
-
-def prepared(w: torch.Tensor, scales: torch.Tensor) -> MXPacked:
-    """``pack_mxfp4(w, scales)`` computed once per weight tensor (and version) and kept while ``w`` lives
-    (the prepare-time permutation; it holds a second copy of the expert bytes)."""
-    global _CACHE
-    if _CACHE is None:
-        from torch.utils.weak import WeakIdKeyDictionary
-        _CACHE = WeakIdKeyDictionary()
-    hit = _CACHE.get(w)
-    if hit is None or hit[0] != (w._version, scales._version, id(scales)):
-        hit = ((w._version, scales._version, id(scales)), pack_mxfp4(w, scales))
-        _CACHE[w] = hit
-    return hit[1]
-
-
-_log = logging.getLogger(__name__)
-_SKIPPED: set = set()
-
-
-def room_for_copy(pairs, device, min_free_gb: float, min_free_frac: float = 0.25) -> bool:
-    """Whether the permuted copies of ``pairs`` ((packed, scales) tensors) fit on ``device`` leaving at least
-    ``min_free_gb`` GiB and ``min_free_frac`` of the memory free (PyTorch's cached free blocks count). When not, the
-    caller keeps the Triton kernels on the original layout (one warning per weight) instead of failing later
-    with an out-of-memory error."""
-    need = sum(w.numel() * w.element_size() + s.numel() * s.element_size() for w, s in pairs)
-    free, total = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    if free - need >= max(min_free_gb * 2 ** 30, min_free_frac * total):
-        return True
-    if id(pairs[0][0]) not in _SKIPPED:
-        _SKIPPED.add(id(pairs[0][0]))
-        _log.warning("MXFP4 experts: not enough free GPU memory for the Gluon kernel's permuted copy (%.1f GiB "
-                     "needed, %.1f GiB free): using the Triton kernel", need / 2 ** 30, free / 2 ** 30)
-    return False
-
-
-def is_prepared(w: torch.Tensor, scales: torch.Tensor) -> bool:
-    """True when ``prepared(w, scales)`` would return a cached permutation (no work, no host sync)."""
-    hit = _CACHE.get(w) if _CACHE is not None else None
-    return hit is not None and hit[0] == (w._version, scales._version, id(scales))
+# the fragment-word layout, its packing and its PTX decode live in moe_layout (the Triton kernels read it too)
+from .moe_layout import COMP, DEC1, DEC2, FRAG_MASK, FRAG_SHIFTS, WORD_POS, MXPacked, _decode_asm, pack_mxfp4  # noqa: F401
 
 
 # --- the kernel -------------------------------------------------------------------------------------------------
