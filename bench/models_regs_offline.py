@@ -1,7 +1,8 @@
 """Offline sm_90 compile of the whole-model kernels (dispatch, router, norms, MLA, KDA decode) in bf16
 and float32, without a GPU: registers, spills and shared memory per configuration (ptxas -v), so a
 float32 config that needs more than the H200's 232,448 B of shared memory is caught before device
-time. Use the device's Triton: ``PYTHONPATH=/tmp/triton36 python bench/models_regs_offline.py``."""
+time. Use the device's Triton: ``PYTHONPATH=/tmp/triton36 python bench/models_regs_offline.py [label parts]``
+(only the configs whose label contains one of the given parts, e.g. ``moe_front gemv``)."""
 from __future__ import annotations
 
 import os
@@ -26,7 +27,13 @@ def _sig(spec):
     return names, types, const
 
 
+#: label substrings to compile (command-line arguments; all kernels when none)
+ONLY: list = []
+
+
 def run(label, fn, spec, warps, stages=1):
+    if ONLY and not any(o in label for o in ONLY):
+        return
     names, types, const = _sig(spec)
     try:
         regs, spill, smem = _compile(fn, names, types, const, warps, stages)
@@ -83,6 +90,15 @@ def main():
                  ("gz_rs", "i32"), ("C1", "i32"), ("C2", "i32"), ("C3", "i32"),
                  ("BM", BM), ("BN", BN), ("BK", BK), ("GLU", glu), ("NRES", nres), ("NORM", nrm), ("KSLOT", 0),
                  ("SEG2", False), ("PDL", nrm), ("GV", gv), ("CONV_W", cv), ("CONV_WP", 4)], 4)
+        # the one-launch MoE front (dispatch.route_dispatch_glu), Kimi Linear: D 2048, E 64, k 8, shared 1024
+        for BM, BN, BK, BE, BD in ((1, 2, 2048, 4, 512), (4, 2, 512, 4, 128)):
+            run(f"moe_front {dt} BM{BM} BN{BN} BK{BK} BE{BE}", dispatch.moe_front_kernel,
+                [("x", p), ("nw", p), ("wr", p), ("w1", p), ("w3", p), ("y", p), ("lg", "*fp32"), ("cnt", "*i32"),
+                 ("bias", "*fp32"), ("wout", "*fp32"), ("iout", "*i64"), ("sout", "*fp32"), ("xs", p),
+                 ("offsets", "*i64"), ("inv", "*i64"), ("cw", "*fp32"), ("M", "i32"), ("K", "i32"), ("E", "i32"),
+                 ("NS", "i32"), ("NR", "i32"), ("eps", "fp32"), ("rsf", "fp32"), ("reps", "fp32"), ("BM", BM),
+                 ("BE", BE), ("BN", BN), ("BK", BK), ("KSLOT", 8), ("KP", 8), ("EP", 64), ("BD", BD),
+                 ("RENORM", True), ("FENCE", True)], 4)
         run(f"rmsnorm {dt} D2048", norm.rmsnorm_kernel,
             [("x", p), ("w", p), ("y", p), ("R", "i32"), ("D", "i32"), ("eps", "fp32"), ("BR", 2), ("BD", 2048)], 4)
         run(f"router_kernel {dt} E64", layer_kernels.router_kernel,
@@ -128,4 +144,5 @@ if __name__ == "__main__":
     if {"-h", "--help"} & set(sys.argv[1:]):
         print(__doc__)
         sys.exit(0)
+    ONLY.extend(sys.argv[1:])
     main()

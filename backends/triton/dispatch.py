@@ -326,10 +326,18 @@ def _rstd_rows(x, rows, mr, K, eps, BM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def _fence(v):
+    """``fence.acq_rel.gpu`` in every thread (the GPU path of the last-block-done ticket; no interpreter form)."""
+    return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.u32 $0, $1;", "=r,r", [v], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def moe_front_kernel(x, nw, wr, w1, w3, y, lg, cnt, bias, wout, iout, sout, xs, offsets, inv, cw,
                      M, K, E, NS, NR, eps, rsf, reps,
                      BM: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KSLOT: tl.constexpr,
-                     KP: tl.constexpr, EP: tl.constexpr, BD: tl.constexpr, RENORM: tl.constexpr):
+                     KP: tl.constexpr, EP: tl.constexpr, BD: tl.constexpr, RENORM: tl.constexpr,
+                     FENCE: tl.constexpr = False):
     """One launch of a decode MoE front (rows m < M <= BM of x ``[M, K]``, the raw residual rows; xn =
     RMSNorm(x) with weight nw rounded to x's dtype, SPEC.md 1). Programs pid < NR: logits
     ``lg[m, e] = xn[m] . wr[e]`` (fp32) for BE experts each, then an atomic ticket on ``cnt`` (int32, 0 on
@@ -337,7 +345,8 @@ def moe_front_kernel(x, nw, wr, w1, w3, y, lg, cnt, bias, wout, iout, sout, xs, 
     top-KSLOT of s + bias, lower expert on ties, renormalised (+ reps) and scaled by rsf: wout/iout
     ``[M, KSLOT]``, sout ``[M, E]``) and ``k3.moe_dispatch`` (offsets ``[E+1]``, inv ``[M, KSLOT]``,
     cw, xs ``[M*KSLOT, K]`` = xn rows sorted by expert, stable). Programs pid >= NR: the shared expert's
-    ``y[m, n] = silu(xn w1[n]) * (xn w3[n])`` for BN columns n < NS each (as gemv_kernel with GLU and NORM)."""
+    ``y[m, n] = silu(xn w1[n]) * (xn w3[n])`` for BN columns n < NS each (as gemv_kernel with GLU and NORM).
+    FENCE (on the GPU): a GPU-scope fence in every thread before the ticket and after winning it."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BM)
     mr = rows < M
@@ -358,9 +367,13 @@ def moe_front_kernel(x, nw, wr, w1, w3, y, lg, cnt, bias, wout, iout, sout, xs, 
             xc = _x_tile(x, nw, rows, mr, kc, mc, K, rstd, True, x, 0, eps, 0, BM, BK)
             acc += tl.sum(xc[:, None, :] * wc[None, :, :], 2)
         tl.store(lg + rows[:, None] * E + offs_e[None, :], acc, mask=mr[:, None] & me[None, :])
+        if FENCE:                               # each thread's stores ordered at GPU scope (threadfence)
+            _fence(pid)
         tl.debug_barrier()                      # every thread's logits stored before the ticket (release)
         ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
         if ticket == NR - 1:                    # the last router program: all logits are visible (acquire)
+            if FENCE:
+                _fence(pid)
             cols = tl.arange(0, EP)
             mcol = cols < E
             logit = tl.load(lg + rows[:, None] * E + cols[None, :], mask=mr[:, None] & mcol[None, :], other=0.,
@@ -398,26 +411,26 @@ def moe_front_kernel(x, nw, wr, w1, w3, y, lg, cnt, bias, wout, iout, sout, xs, 
                 tl.store(xs + p64[:, None] * K + dd[None, :], v, mask=md)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")     # ready for the next launch (graph replay)
     else:
-        offs_n = (pid - NR) * BN + tl.arange(0, BN)
-        mn = offs_n < NS
-        wrow = offs_n.to(tl.int64)[:, None] * K
-        wv = tl.load(w1 + wrow + kk[None, :], mask=mn[:, None] & mk[None, :], other=0.).to(tl.float32)
-        w3v = tl.load(w3 + wrow + kk[None, :], mask=mn[:, None] & mk[None, :], other=0.).to(tl.float32)
-        rstd = _rstd_rows(x, rows, mr, K, eps, BM, BK)
-        xv = _x_tile(x, nw, rows, mr, kk, mk, K, rstd, True, x, 0, eps, 0, BM, BK)
-        acc = tl.sum(xv[:, None, :] * wv[None, :, :], 2)
-        acc3 = tl.sum(xv[:, None, :] * w3v[None, :, :], 2)
-        for k0 in range(BK, K, BK):
-            kc = k0 + tl.arange(0, BK)
-            mc = kc < K
-            xc = _x_tile(x, nw, rows, mr, kc, mc, K, rstd, True, x, 0, eps, 0, BM, BK)
-            wc = tl.load(w1 + wrow + kc[None, :], mask=mn[:, None] & mc[None, :], other=0.).to(tl.float32)
-            acc += tl.sum(xc[:, None, :] * wc[None, :, :], 2)
-            wc3 = tl.load(w3 + wrow + kc[None, :], mask=mn[:, None] & mc[None, :], other=0.).to(tl.float32)
-            acc3 += tl.sum(xc[:, None, :] * wc3[None, :, :], 2)
-        acc = acc * tl.sigmoid(acc) * acc3
-        tl.store(y + rows.to(tl.int64)[:, None] * NS + offs_n[None, :], acc.to(y.dtype.element_ty),
-                 mask=mr[:, None] & mn[None, :])
+        g_offs_n = (pid - NR) * BN + tl.arange(0, BN)
+        g_mn = g_offs_n < NS
+        g_wrow = g_offs_n.to(tl.int64)[:, None] * K
+        g_wv = tl.load(w1 + g_wrow + kk[None, :], mask=g_mn[:, None] & mk[None, :], other=0.).to(tl.float32)
+        g_w3v = tl.load(w3 + g_wrow + kk[None, :], mask=g_mn[:, None] & mk[None, :], other=0.).to(tl.float32)
+        g_rstd = _rstd_rows(x, rows, mr, K, eps, BM, BK)
+        g_xv = _x_tile(x, nw, rows, mr, kk, mk, K, g_rstd, True, x, 0, eps, 0, BM, BK)
+        g_acc = tl.sum(g_xv[:, None, :] * g_wv[None, :, :], 2)
+        g_acc3 = tl.sum(g_xv[:, None, :] * g_w3v[None, :, :], 2)
+        for g_k0 in range(BK, K, BK):
+            g_kc = g_k0 + tl.arange(0, BK)
+            g_mc = g_kc < K
+            g_xc = _x_tile(x, nw, rows, mr, g_kc, g_mc, K, g_rstd, True, x, 0, eps, 0, BM, BK)
+            g_wc = tl.load(w1 + g_wrow + g_kc[None, :], mask=g_mn[:, None] & g_mc[None, :], other=0.).to(tl.float32)
+            g_acc += tl.sum(g_xc[:, None, :] * g_wc[None, :, :], 2)
+            g_wc3 = tl.load(w3 + g_wrow + g_kc[None, :], mask=g_mn[:, None] & g_mc[None, :], other=0.).to(tl.float32)
+            g_acc3 += tl.sum(g_xc[:, None, :] * g_wc3[None, :, :], 2)
+        g_acc = g_acc * tl.sigmoid(g_acc) * g_acc3
+        tl.store(y + rows.to(tl.int64)[:, None] * NS + g_offs_n[None, :], g_acc.to(y.dtype.element_ty),
+                 mask=mr[:, None] & g_mn[None, :])
 
 
 #: per-device ticket counters of moe_front_kernel (int32, zero between launches: the last program resets it)
@@ -480,5 +493,6 @@ def route_dispatch_glu(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, to
     moe_front_kernel[(NR + triton.cdiv(NS, BN),)](
         xx, norm[0].reshape(D).contiguous(), wr.contiguous(), w1, w3, y, lg, _ticket(dev), bias.float().contiguous(),
         wout, iout, sout, xs, offsets, inv, cw, R, D, E, NS, NR, float(norm[1]), float(scale), float(eps),
-        BM=BM, BE=BE, BN=BN, BK=BK, KSLOT=k, KP=KP, EP=EP, BD=BD, RENORM=bool(renormalize), num_warps=warps)
+        BM=BM, BE=BE, BN=BN, BK=BK, KSLOT=k, KP=KP, EP=EP, BD=BD, RENORM=bool(renormalize),
+        FENCE=not interpreting(), num_warps=warps)
     return (wout, iout, sout), (xs, offsets, inv, cw), y
