@@ -7,10 +7,12 @@ last and writes JSON.
     python bench/bench_kda.py --out bench_kda.json [--quick]
     python bench/bench_kda.py --sweep --no-fla --out kda_sweep.json [--budget 110]   # forward TUNING variants
     python bench/bench_kda.py --sweep --no-fla --budget 15 --variants default --shapes 1,32768,32,128  # ~20 s
+    python bench/bench_kda.py --sweep --no-fla --fla-missing --all-shapes --variants sp_clamp,s4 --acc  # session 4
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -21,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+DEV = "cuda"     # the CPU smoke test of --acc sets "cpu" (interpreter)
 MEM_BW = 4.25e12
 MATMUL = 679e12
 FWD_SHAPES = [(1, 32768, 32, 128), (8, 4096, 32, 128), (1, 8192, 96, 128)]
@@ -61,13 +64,13 @@ def fwd_cost(B, T, H, D):
     return bytes_, flops
 
 
-def inputs(B, T, H, D, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def inputs(B, T, H, D, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator(device=DEV).manual_seed(seed)
 
-    def r(*s, dt=torch.bfloat16):
-        return torch.randn(*s, device="cuda", generator=g).to(dt)
+    def r(*s, dt=dtype):
+        return torch.randn(*s, device=DEV, generator=g).to(dt)
     return {"q": r(B, T, H, D), "k": r(B, T, H, D), "v": r(B, T, H, D), "g": r(B, T, H, D), "beta": r(B, T, H),
-                "A_log": (torch.rand(H, device="cuda", generator=g) * 2 - 1).float(),
+                "A_log": (torch.rand(H, device=DEV, generator=g) * 2 - 1).float(),
                 "dt_bias": r(H * D, dt=torch.float32)}
 
 
@@ -162,6 +165,15 @@ VARIANTS = [
     ("wu_flat_w8", {"wu_flat_warps": 8}, None),
     ("recur_bv32", {"bv": 32}, None),          # recurrence BV 32 at N*H >= 128 too (use with --shapes 8,4096,32,128)
     ("no_gcum", {"gcum": False}, None),        # the gate cumsum recomputed inside akk and wu (the 00:58 design)
+    # session 4: softplus akk on the K3 code path (diagonal blocks in the strip dots around min(Gs, Ge + 80) per
+    # channel; channels with a 16-row span > clamp_thr exact in kda_diagfix_kernel): offline 128 regs, 0 B spill,
+    # 33.3k warp-instr. per program (K3 27.2k); the recurrence on 3 stages (132 regs, 188 kB smem; the backward's
+    # fwd_h gained from it)
+    ("sp_clamp", {"sp_clamp": True}, "softplus"),
+    ("sp_clamp_w8", {"sp_clamp": True, "clamp_warps": 8}, "softplus"),       # 128 regs, 0 B spill
+    ("sp_clamp_bk64", {"sp_clamp": True, "clamp_bk": 64}, "softplus"),     # 215 regs, 0 B spill
+    ("recur_s3", {"recur_stages": 3}, None),
+    ("s4", {"sp_clamp": True, "recur_stages": 3}, None),    # both (K3: recur_s3 alone)
 ]
 
 
@@ -217,7 +229,8 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
             if KD.TUNING["intra"] == "fused":
                 launches = ("intra", "recur")
             else:
-                launches = ((("gcum",) if KD.TUNING["gcum"] else ()) + ("akk",)
+                launches = ((("gcum",) if KD.TUNING["gcum"] else ())
+                            + (("fix",) if KD.TUNING.get("sp_clamp") and gate == "softplus" else ()) + ("akk",)
                             + (("inv",) if KD.TUNING["inv"] == "split" else ()) + ("wu", "recur"))
             nb = stage_bytes(*shape)
             for st in launches:
@@ -255,7 +268,7 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
         x = inputs(*shape)
         for gate, lb in gates:
             fla_o = None
-            if chunk_kda is not None:
+            if chunk_kda is not None and not (args.fla_missing and (tuple(shape), gate) in FLA_KNOWN_MS):
                 try:
                     fla = _fla_fwd(chunk_kda, x, lb)
                     fla_o = fla()[0]
@@ -263,13 +276,12 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
                 except Exception as e:  # noqa: BLE001
                     print("fla failed:", repr(e)[:200])
             r = one(x, shape, gate, lb, "default", {}, None, fla_o)
-            if shape in shapes:
-                refs[(tuple(shape), gate)] = (r, fla_o, None)
+            refs[(tuple(shape), gate)] = (r, fla_o, None)
         del x
         torch.cuda.empty_cache()
     # phase 2: variants in list order, both gates each (gate-specific ones only for their gate)
     variants = [v for v in VARIANTS[1:] if names is None or v[0] in names]
-    for shape in shapes[:1] if variants else []:
+    for shape in (shapes + extra if args.all_shapes else shapes[:1]) if variants else []:
         x = inputs(*shape)
         ref = {}
         for gate, lb in gates:
@@ -290,9 +302,109 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
         torch.cuda.empty_cache()
 
 
+ACC_CASES = ("k3", "softplus", "sp_strong", "sp_mid", "sp_varlen")
+ACC_SHAPE, ACC_CU = (2, 1000, 4, 128), [0, 1, 64, 65, 1100, 2048]     # --acc sizes (varlen: B1, T = ACC_CU[-1])
+ACC_DTYPE = torch.bfloat16
+
+
+def _acc_inputs(case, seed=5):
+    """Inputs of one ``--acc`` case (bf16, B2 T1000 H4 D128 with an initial state; varlen: B1 T2048, five
+    sequences): the bench gates, softplus with 16-row decay spans ~1000 on half the channels (``sp_strong``: the
+    exact fix-up path) or ~80-117 (``sp_mid``: the clamped reference), varlen with the strong gates."""
+    B, T, H, D = (1, ACC_CU[-1], *ACC_SHAPE[2:]) if case == "sp_varlen" else ACC_SHAPE
+    x = inputs(B, T, H, D, seed=seed, dtype=ACC_DTYPE)
+    cu = ACC_CU if case == "sp_varlen" else None
+    db = x["dt_bias"].reshape(H, D)
+    if case in ("sp_strong", "sp_varlen"):
+        x["A_log"] = torch.full_like(x["A_log"], 2.5)
+        db[:, : D // 2] = db[:, : D // 2] * 3 + 6
+        db[:, D // 2:] = db[:, D // 2:] - 4
+    elif case == "sp_mid":
+        x["A_log"] = torch.zeros_like(x["A_log"])
+        db.mul_(0.3).add_(6.0)
+    g = torch.Generator(device=DEV).manual_seed(seed + 1)
+    x["h0"] = torch.randn(len(cu) - 1 if cu else B, H, D, D, device=DEV, generator=g)
+    return x, (-5.0 if case == "k3" else None), cu
+
+
+def _ref64(x, lb, cu):
+    """float64 token recurrence on the GPU (the torch backend's ``kda_recurrent``), per sequence."""
+    from k3ir.backends.torch.ops import kda_recurrent as rec
+    q, k = x["q"].double(), x["k"].double()
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    H, K = k.shape[-2:]
+    a = torch.exp(x["A_log"].double())[:, None]
+    xg = x["g"].double() + x["dt_bias"].double().reshape(H, K)
+    gl = lb * torch.sigmoid(a * xg) if lb is not None else -a * torch.nn.functional.softplus(xg)
+    b, v, h0 = torch.sigmoid(x["beta"].double()), x["v"].double(), x["h0"].double()
+    if cu is None:
+        return rec(q, k, v, gl, b, K ** -0.5, h0)
+    outs = [rec(q[:, s:e], k[:, s:e], v[:, s:e], gl[:, s:e], b[:, s:e], K ** -0.5, h0[i:i + 1]) if e > s
+            else (v[:, s:e], h0[i:i + 1]) for i, (s, e) in enumerate(itertools.pairwise(cu))]
+    return torch.cat([o for o, _ in outs], 1), torch.cat([S for _, S in outs], 0)
+
+
+def acc_rows(args, rows, save, kda_forward_kernels):
+    """``--acc``: the default and the ``--variants`` against a float64 reference (bf16 inputs; fla's tolerance
+    5e-3 on o and the final state), finiteness included, for ``ACC_CASES``; ``--acc-budget`` seconds."""
+    from k3ir.backends.triton import kda as KD
+    base = dict(KD.TUNING)
+    names = ["default"] + [n for n in (args.variants or "").split(",") if n and n != "default"]
+    var = {n: (o, only) for n, o, only in VARIANTS}
+    t0 = time.time()
+    for case in ACC_CASES:
+        if time.time() - t0 > args.acc_budget:
+            print(f"acc budget used: skipping {case}", flush=True)
+            continue
+        try:
+            x, lb, cu = _acc_inputs(case)
+            o_r, s_r = _ref64(x, lb, cu)
+        except Exception as e:  # noqa: BLE001
+            rows.append({"kind": "acc", "case": case, "error": repr(e)[:300]})
+            continue
+        gate = "k3" if lb is not None else "softplus"
+        for name in names:
+            over, only = var.get(name, ({}, None))
+            if only is not None and only != gate:
+                continue
+            KD.TUNING.clear()
+            KD.TUNING.update(base)
+            KD.TUNING.update(over)
+            row = {"kind": "acc", "case": case, "variant": name, "gate": gate}
+            try:
+                o, st = kda_forward_kernels(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
+                                            lower_bound=lb, initial_state=x["h0"], output_final_state=True,
+                                            cu_seqlens=None if cu is None else torch.tensor(cu, device=DEV))
+                if DEV == "cuda":
+                    torch.cuda.synchronize()
+                row.update(err_o=rel(o, o_r), err_state=rel(st, s_r),
+                           finite=bool(torch.isfinite(o).all() and torch.isfinite(st).all()))
+                row["ok"] = row["finite"] and row["err_o"] < 5e-3 and row["err_state"] < 5e-3
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:300]
+            KD.TUNING.clear()
+            KD.TUNING.update(base)
+            print(row, flush=True)
+            rows.append(row)
+            save()
+
+
+def print_acc(rows):
+    acc = [r for r in rows if r.get("kind") == "acc"]
+    if acc:
+        print(f"\n{'acc case':10} {'variant':14} {'err o':>8} {'err state':>9} {'finite':>6} {'ok':>3}")
+    for r in acc:
+        if "error" in r:
+            print(f"{r['case']:10} {r.get('variant', '-'):14} ERROR {r['error'][:120]}")
+            continue
+        print(f"{r['case']:10} {r['variant']:14} {r['err_o']:8.1e} {r['err_state']:9.1e} {r['finite']!s:>6} "
+              f"{'ok' if r['ok'] else 'BAD':>3}")
+
+
 def print_sweep(rows):
     print(f"\n{'variant':14} {'B,T,H,D':>16} {'gate':8} {'ours ms':>8} {'fla ms':>7} {'fla/ours':>8} "
-          f"{'gcum ms':>7} {'akk ms':>7} {'inv ms':>7} {'wu ms':>7} {'recur ms':>8} {'akk mem%':>8} {'wu mem%':>7} "
+          f"{'gcum ms':>7} {'fix ms':>6} {'akk ms':>7} {'inv ms':>7} {'wu ms':>7} {'recur ms':>8} {'akk mem%':>8} {'wu mem%':>7} "
           f"{'err dflt':>8} {'err fla':>8}")
     for r in rows:
         if r.get("kind") != "variant":
@@ -304,7 +416,7 @@ def print_sweep(rows):
         shp = ",".join(map(str, r["shape"]))
         print(f"{r['variant']:14} {shp:>16} {r['gate']:8} {_fmt(r, 'ours_ms', '{:8.3f}')} "
               f"{_fmt(r, 'fla_ms', '{:7.3f}')} {_fmt(r, 'ratio', '{:8.2f}')} {_fmt(r, 'gcum_ms', '{:7.3f}'):>7} "
-              f"{intra:>7} {_fmt(r, 'inv_ms', '{:7.3f}'):>7} "
+              f"{_fmt(r, 'fix_ms', '{:6.3f}'):>6} {intra:>7} {_fmt(r, 'inv_ms', '{:7.3f}'):>7} "
               f"{_fmt(r, 'wu_ms', '{:7.3f}'):>7} "
               f"{_fmt(r, 'recur_ms', '{:8.3f}')} {_fmt(r, 'akk_mem_frac', '{:8.1%}')} "
               f"{_fmt(r, 'wu_mem_frac', '{:7.1%}')} {_fmt(r, 'err_vs_default_o', '{:8.1e}')} "
@@ -423,11 +535,17 @@ def main():
     ap.add_argument("--shapes", default=None, type=_shapes,
                     help="--sweep: B,T,H,D[;B,T,H,D...] instead of the sweep shapes (variants on the first)")
     ap.add_argument("--gates", default="both", choices=("both", "k3", "softplus"), help="--sweep: gates to run")
+    ap.add_argument("--all-shapes", action="store_true", help="--sweep: the variants at every shape, not the first")
+    ap.add_argument("--fla-missing", action="store_true",
+                    help="--sweep: time fla only where FLA_KNOWN_MS has no number (imports fla despite --no-fla)")
+    ap.add_argument("--acc", action="store_true",
+                    help="--sweep: then the default and --variants against a float64 reference (ACC_CASES)")
+    ap.add_argument("--acc-budget", type=float, default=20.0, help="--acc: seconds before cases are skipped")
     args = ap.parse_args()
     from k3ir.backends.triton import kda_decode, kda_forward
     from k3ir.backends.triton.kda import kda_forward_kernels
     chunk_kda = fused_recurrent_kda = None
-    if not args.no_fla:
+    if not args.no_fla or args.fla_missing:
         try:
             from fla.ops.kda import chunk_kda, fused_recurrent_kda
         except Exception as e:  # noqa: BLE001 - fla missing or broken: our numbers only
@@ -444,9 +562,12 @@ def main():
     if args.sweep:
         try:
             sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda)
+            if args.acc:
+                acc_rows(args, rows, save, kda_forward_kernels)
         finally:
             print(f"\n{meta}")
             print_sweep(rows)
+            print_acc(rows)
             save()
         return
     decode_rows(rows, kda_decode, fused_recurrent_kda, save)
