@@ -156,7 +156,7 @@ def wu_flat(bk=32, bv=32, warps=4, h=32, xb="fp32", store_qk=False):
 def diagfix(warps=4, h=32, thr=120.0):
     names = ["q", "k", "Gbuf", "Dfix", "Qfix", "dflag", "cu_seqlens", "chunk_indices", "T"]
     types = ["*bf16", "*bf16", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32", "i32"]
-    const = {"H": h, "K": 128, "BT": 64, "BC": 16, "THR": thr, "IS_VARLEN": False}
+    const = {"H": h, "K": 128, "BT": 64, "BC": 16, "BK": 32, "THR": thr, "IS_VARLEN": False}
     return _compile(kf.kda_diagfix_kernel, names, types, const, warps, 1)
 
 

@@ -175,13 +175,14 @@ def _mid_spans(x, K):
     return x
 
 
-@pytest.mark.parametrize("case", ["mid", "mixed", "varlen"])
+@pytest.mark.parametrize("case", ["mid", "mixed", "varlen", "k64"])
 def test_softplus_clamp_variant(case, tuning):
     """``sp_clamp``: the softplus diagonal blocks in the strip dots around ``min(Gs, Ge + 80)`` and, for channels
-    whose span passes ``clamp_thr``, exactly from ``kda_diagfix_kernel`` (mixed: spans ~1000 on half the
-    channels); 16-column slices (several per program), T not a multiple of 16, varlen with an empty sequence."""
-    tuning.update({"sp_clamp": True, "clamp_bk": 16})
-    K = 32
+    whose span passes ``clamp_thr``, their strips exactly from ``kda_diagfix_kernel`` (mixed: spans ~1000 on half
+    the channels); 16-column slices (several per program; k64: 32-column slices, two per program in both
+    launches), T not a multiple of 16, varlen with an empty sequence."""
+    tuning.update({"sp_clamp": True, "clamp_bk": 32 if case == "k64" else 16})
+    K = 64 if case == "k64" else 32
     cu = [0, 1, 18, 18, 83] if case == "varlen" else None
     x = make(1, 83 if cu else 70, 2, K, lb=None, seed=21, N=4 if cu else None)
     x = _mid_spans(x, K) if case == "mid" else _mixed_strong(x, K)

@@ -127,12 +127,10 @@ def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv,
         qI, kI, gt = _slice(q, k, g, row0, I * BC, nv, i_h, offs, a_h, dtb, lb, H, K, BC, GATE)
         GI = GsI[None, :] + tl.cumsum(gt, 0)
     blk = tl.arange(0, BT) // BC
-    ref = GsI
-    if EXACT == 3:      # TUNING sp_clamp (softplus: G falls): reference min(Gs, Ge + 80) per channel keeps the
-        span = GsI - GeI    # diagonal block's factors within exp(80) and exp(span - 80) on channels whose span <= THR
-        good = span <= THR  # (they ride in the strip's dot); the others keep Gs and leave their diagonal block to
-        ref = tl.where(good, tl.minimum(GsI, GeI + 80.0), GsI)  # kda_diagfix_kernel (exact, added at the store)
-        keep = ((blk[:, None] < I) | ((blk[:, None] == I) & good[None, :])) & (tl.arange(0, BT) < nv)[:, None]
+    if EXACT == 3:      # TUNING sp_clamp (softplus: G falls): per channel the reference min(Gs, Ge + 80) keeps
+        ref = tl.minimum(GsI, GeI + 80.0)   # the column factors within exp(80) and the row factors within
+        good = (GsI - GeI) <= THR           # exp(span - 80); channels whose span passes THR are left out of the
+        keep = (blk <= I) & (tl.arange(0, BT) < nv)     # row operands (their whole strip: kda_diagfix_kernel)
     elif EXACT == 2:      # TUNING diag_main: the diagonal block rides in the strip's dot when its factors stay
         if GATE == 1:   # within exp(80) on this slice (softplus: G falls, the span is Gs - Ge)
             smain = tl.max(GsI - GeI, 0)
@@ -146,9 +144,9 @@ def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv,
         keep = blk <= I
     if EXACT == 3:      # upper-triangle products of the diagonal block may overflow: masked at the store (where)
         eL = tl.exp(GI - ref[None, :])
-        kr = tl.trans(tl.where(keep, kA * tl.exp(ref[None, :] - G_all), 0.))
-        accA = tl.dot(kI * eL, kr, accA, input_precision=PREC)
-        accP = tl.dot(qI * eL, kr, accP, input_precision=PREC)
+        kr = tl.trans(tl.where(keep[:, None], kA * tl.exp(ref[None, :] - G_all), 0.))
+        accA = tl.dot(tl.where(good[None, :], kI * eL, 0.), kr, accA, input_precision=PREC)
+        accP = tl.dot(tl.where(good[None, :], qI * eL, 0.), kr, accP, input_precision=PREC)
     elif (not EXACT) or I > 0 or EXACT == 2:
         eL = tl.exp(GI - GsI[None, :])
         keep = keep & (tl.arange(0, BT) < nv)
@@ -283,7 +281,7 @@ def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h
     if I == 0:
         tl.store(rk + roff * H + i_h, rk_all, mask=m)
     bI = beta_rows(beta, row0, I * BC, nv, i_h, H, BC, BETA_SIGMOID)
-    if EXACT == 3:      # the diagonal block's channels past THR, from kda_diagfix_kernel (flagged blocks only)
+    if EXACT == 3:      # the strip's channels past THR, from kda_diagfix_kernel (flagged sub-chunks only)
         accA, accP = _add_fix(accA, accP, Dfix, Qfix, dflag, i_c, row0, nv, i_h, I, H, BT, BC)
         _st_strip(Aqk, Ascr, accP, accA, accD, accQ, rqI, rkI, bI, rk_all, row0, nv, i_h, I, H, BT, BC, 0)
     else:
@@ -294,13 +292,13 @@ def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h
 @triton.jit
 def _add_fix(accA, accP, Dfix, Qfix, dflag, i_c, row0, nv, i_h, I: tl.constexpr, H: tl.constexpr,
              BT: tl.constexpr, BC: tl.constexpr):
-    """Adds the ``[BC, BC]`` diagonal block of ``Dfix``/``Qfix`` (``kda_diagfix_kernel``) to the strip's
-    accumulators ``[BC, BT]`` at columns ``I*BC..``, only where that kernel flagged strip ``I``."""
+    """Adds strip ``I`` of ``Dfix``/``Qfix`` (``kda_diagfix_kernel``, ``[B,T,H,BT]``) to the strip's accumulators
+    ``[BC, BT]``, only where that kernel flagged it."""
     f = tl.load(dflag + (i_c * H + i_h) * (BT // BC) + I)
     rows = I * BC + tl.arange(0, BC)
     cols = tl.arange(0, BT)
-    on = (rows < nv)[:, None] & (((cols // BC) == I) & ((cols * 0 + f) != 0))[None, :]
-    off = (row0 + rows).to(tl.int64)[:, None] * (H * BC) + i_h * BC + (cols - I * BC)[None, :]
+    on = (rows < nv)[:, None] & ((cols * 0 + f) != 0)[None, :]
+    off = (row0 + rows).to(tl.int64)[:, None] * (H * BT) + i_h * BT + cols[None, :]
     accA += tl.load(Dfix + off, mask=on, other=0.)
     accP += tl.load(Qfix + off, mask=on, other=0.)
     return accA, accP
@@ -546,42 +544,60 @@ def kda_wu_kernel(q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, Gbuf
 
 @triton.jit(do_not_specialize=["T"])
 def kda_diagfix_kernel(q, k, Gbuf, Dfix, Qfix, dflag, cu_seqlens, chunk_indices, T,
-                       H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, THR: tl.constexpr,
-                       IS_VARLEN: tl.constexpr):
+                       H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                       THR: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Softplus gate, ``TUNING["sp_clamp"]`` (before ``kda_akk_kernel`` with ``EXACT=3``): per chunk, head and
-    16-row sub-chunk ``I``, the channels whose decay span ``G[row before] - G[last row]`` exceeds ``THR`` (their
-    factors around one reference would leave fp32) get the exact element-wise diagonal block
-    ``sum_c x[i,c] k[j,c] exp(G[i,c] - G[j,c])`` (``j <= i``, raw q and k; every exponent <= 0): ``Dfix`` (x = k)
-    and ``Qfix`` (x = q), fp32 ``[B,T,H,BC]``, written only for flagged sub-chunks; ``dflag`` int32
-    ``[chunks,H,BT/BC]`` = the number of such channels (0: nothing written, akk adds nothing)."""
+    16-row sub-chunk ``I``, the channels whose decay span ``G[row before] - G[last row]`` passes ``THR`` (akk
+    leaves them out) get their share of the strip exactly: ``sum_c x[i,c] k[j,c] exp(G[i,c] - G[j,c])`` over
+    those channels, earlier sub-chunks by fp32 dots around ``G[row before]`` (factors <= 1), the diagonal block
+    element-wise (``j <= i``: every exponent <= 0); raw q and k. ``Dfix`` (x = k) and ``Qfix`` (x = q), fp32
+    ``[B,T,H,BT]``, written only for flagged sub-chunks; ``dflag`` int32 ``[chunks,H,BT/BC]`` = the number of such
+    channels (0: nothing written, akk adds nothing)."""
     i_c, i_h, I = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
-    cols = tl.arange(0, K)
     r0 = I * BC
     rs = tl.minimum(nv, r0) - 1
-    Gs = tl.load(Gbuf + (row0 + rs).to(tl.int64) * (H * K) + i_h * K + cols, mask=(cols * 0 + rs) >= 0, other=0.)
-    Ge = _grow(Gbuf, row0, tl.minimum(nv, r0 + BC) - 1, i_h, cols, H, K)
-    bad = (Gs - Ge) > THR
-    nb = tl.sum(bad.to(tl.int32), 0)
+    re = tl.minimum(nv, r0 + BC) - 1
+    nb = 0
+    for c0 in range(0, K, BK):
+        cols = c0 + tl.arange(0, BK)
+        Gs = tl.load(Gbuf + (row0 + rs).to(tl.int64) * (H * K) + i_h * K + cols, mask=(cols * 0 + rs) >= 0, other=0.)
+        nb += tl.sum(((Gs - _grow(Gbuf, row0, re, i_h, cols, H, K)) > THR).to(tl.int32), 0)
     tl.store(dflag + (i_c * H + i_h) * (BT // BC) + I, nb)
     if nb > 0:
         rows = tl.arange(0, BC)
         mI = (r0 + rows) < nv
-        offI = (row0 + r0 + rows).to(tl.int64)[:, None] * (H * K) + i_h * K + cols[None, :]
-        qI = tl.load(q + offI, mask=mI[:, None], other=0.).to(tl.float32)
-        kI = tl.load(k + offI, mask=mI[:, None], other=0.).to(tl.float32)
-        GI = tl.where(mI[:, None], tl.load(Gbuf + offI, mask=mI[:, None], other=0.), Ge[None, :])
-        dA = tl.zeros([BC, BC], dtype=tl.float32)
-        dP = tl.zeros([BC, BC], dtype=tl.float32)
-        for j in range(BC):
-            ok = (cols * 0 + r0 + j) < nv
-            off = (row0 + r0 + j).to(tl.int64) * (H * K) + i_h * K + cols
-            kj = tl.load(k + off, mask=ok, other=0.).to(tl.float32)
-            Gj = tl.load(Gbuf + off, mask=ok, other=0.)
-            e = tl.exp(tl.where((rows[:, None] >= j) & (bad & ok)[None, :], GI - Gj[None, :], float("-inf")))
-            t = kj[None, :] * e
-            dA = tl.where(rows[None, :] == j, tl.sum(kI * t, 1)[:, None], dA)
-            dP = tl.where(rows[None, :] == j, tl.sum(qI * t, 1)[:, None], dP)
-        offo = (row0 + r0 + rows).to(tl.int64)[:, None] * (H * BC) + i_h * BC + rows[None, :]
-        tl.store(Dfix + offo, dA, mask=mI[:, None])
-        tl.store(Qfix + offo, dP, mask=mI[:, None])
+        rA = tl.arange(0, BT)
+        mA = (rA < r0) & (rA < nv)
+        accA = tl.zeros([BC, BT], dtype=tl.float32)
+        accP = tl.zeros([BC, BT], dtype=tl.float32)
+        for c0 in range(0, K, BK):
+            cols = c0 + tl.arange(0, BK)
+            Gs = tl.load(Gbuf + (row0 + rs).to(tl.int64) * (H * K) + i_h * K + cols, mask=(cols * 0 + rs) >= 0,
+                         other=0.)
+            Ge = _grow(Gbuf, row0, re, i_h, cols, H, K)
+            bad = (Gs - Ge) > THR
+            offI = (row0 + r0 + rows).to(tl.int64)[:, None] * (H * K) + i_h * K + cols[None, :]
+            qI = tl.load(q + offI, mask=mI[:, None], other=0.).to(tl.float32)
+            kI = tl.load(k + offI, mask=mI[:, None], other=0.).to(tl.float32)
+            GI = tl.where(mI[:, None], tl.load(Gbuf + offI, mask=mI[:, None], other=0.), Ge[None, :])
+            offA = (row0 + rA).to(tl.int64)[:, None] * (H * K) + i_h * K + cols[None, :]
+            kA = tl.load(k + offA, mask=mA[:, None], other=0.).to(tl.float32)
+            GA = tl.load(Gbuf + offA, mask=mA[:, None], other=0.)
+            eL = tl.where(bad[None, :], tl.exp(GI - Gs[None, :]), 0.)
+            kr = tl.trans(tl.where(mA[:, None], kA * tl.exp(Gs[None, :] - GA), 0.))
+            accA = tl.dot(kI * eL, kr, accA, input_precision="ieee")
+            accP = tl.dot(qI * eL, kr, accP, input_precision="ieee")
+            for j in range(BC):     # the diagonal block, element-wise
+                ok = (cols * 0 + r0 + j) < nv
+                off = (row0 + r0 + j).to(tl.int64) * (H * K) + i_h * K + cols
+                kj = tl.load(k + off, mask=ok, other=0.).to(tl.float32)
+                Gj = tl.load(Gbuf + off, mask=ok, other=0.)
+                e = tl.exp(tl.where((rows[:, None] >= j) & (bad & ok)[None, :], GI - Gj[None, :], float("-inf")))
+                t = kj[None, :] * e
+                at = rA[None, :] == r0 + j
+                accA = tl.where(at, accA + tl.sum(kI * t, 1)[:, None], accA)
+                accP = tl.where(at, accP + tl.sum(qI * t, 1)[:, None], accP)
+        offo = (row0 + r0 + rows).to(tl.int64)[:, None] * (H * BT) + i_h * BT + rA[None, :]
+        tl.store(Dfix + offo, accA, mask=mI[:, None])
+        tl.store(Qfix + offo, accP, mask=mI[:, None])
