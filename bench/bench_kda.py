@@ -151,6 +151,7 @@ VARIANTS = [
     ("akk_w4_bk16", {"warps": 4, "bk": 16, "exact_bk": 16}, None),  # split inverse: 123 regs, 4 CTAs/SM, -15% instr.
     ("akk_w4", {"warps": 4, "exact_bk": 16}, None),   # K3 BK32 on 4 warps: -29% instructions, 8 B spill
     ("akk_w2", {"warps": 2}, "k3"),            # 2 warps: -47% instructions, 164 regs (6 CTAs of 2 warps per SM)
+    ("akk_bk64", {"bk": 64}, "k3"),           # session 4: K3 akk BK 64 on 4 warps: 168 regs (3 CTAs/SM), -7.5% instr.
     ("gcum_rows", {"gcum_mode": "rows"}, None),  # gate cumsum as a per-thread running sum (offline 4-6x fewer instr.)
     ("rows_fastlog", {"gcum_mode": "rows", "fast_log": True}, "softplus"),  # ... and lg2.approx for the log
     ("wu_flat", {"wu_mode": "flat"}, None),   # w/u: one program per slice, all loads at once (4 CTAs/SM)
@@ -281,9 +282,17 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
             refs[(tuple(shape), gate)] = (r, fla_o, None)
         del x
         torch.cuda.empty_cache()
-    # phase 2: variants in list order, both gates each (gate-specific ones only for their gate)
+    # phase 2: variants in list order (--variants order when given), both gates each (gate-specific ones only for
+    # their gate); --all-shapes: each variant at every shape before the next variant
     variants = [v for v in VARIANTS[1:] if names is None or v[0] in names]
-    for shape in (shapes + extra if args.all_shapes else shapes[:1]) if variants else []:
+    if names is not None:
+        order = args.variants.split(",")
+        variants.sort(key=lambda v: order.index(v[0]))
+    if args.all_shapes:
+        jobs = [(shape, [v]) for v in variants for shape in shapes + extra]
+    else:
+        jobs = [(shapes[0], variants)] if variants else []
+    for shape, vs in jobs:
         x = inputs(*shape)
         ref = {}
         for gate, lb in gates:
@@ -292,7 +301,7 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
             except Exception as e:  # noqa: BLE001
                 print("default failed:", repr(e)[:200])
                 ref[gate] = None
-        for name, over, only in variants:
+        for name, over, only in vs:
             for gate, lb in gates:
                 if only is not None and only != gate:
                     continue
@@ -305,12 +314,13 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
 
 
 ACC_CASES = ("k3", "softplus", "sp_strong", "sp_mid", "sp_varlen")
-ACC_SHAPE, ACC_CU = (2, 1000, 4, 128), [0, 1, 64, 65, 1100, 2048]     # --acc sizes (varlen: B1, T = ACC_CU[-1])
+ACC_SHAPE, ACC_CU = (1, 1000, 32, 128), [0, 1, 64, 65, 1100, 2048]    # --acc sizes (varlen: B1, T = ACC_CU[-1];
+#                                                                      H 32 reuses the sweep's binaries)
 ACC_DTYPE = torch.bfloat16
 
 
 def _acc_inputs(case, seed=5):
-    """Inputs of one ``--acc`` case (bf16, B2 T1000 H4 D128 with an initial state; varlen: B1 T2048, five
+    """Inputs of one ``--acc`` case (bf16, B1 T1000 H32 D128 with an initial state; varlen: B1 T2048, five
     sequences): the bench gates, softplus with 16-row decay spans ~1000 on half the channels (``sp_strong``: the
     exact fix-up path) or ~80-117 (``sp_mid``: the clamped reference), varlen with the strong gates."""
     B, T, H, D = (1, ACC_CU[-1], *ACC_SHAPE[2:]) if case == "sp_varlen" else ACC_SHAPE
@@ -352,7 +362,7 @@ def acc_rows(args, rows, save, kda_forward_kernels):
     5e-3 on o and the final state), finiteness included, for ``ACC_CASES``; ``--acc-budget`` seconds."""
     from k3ir.backends.triton import kda as KD
     base = dict(KD.TUNING)
-    names = ["default"] + [n for n in (args.variants or "").split(",") if n and n != "default"]
+    names = ["default"] + [n for n in (args.acc_variants or args.variants or "").split(",") if n and n != "default"]
     var = {n: (o, only) for n, o, only in VARIANTS}
     t0 = time.time()
     for case in ACC_CASES:
@@ -543,6 +553,7 @@ def main():
     ap.add_argument("--acc", action="store_true",
                     help="--sweep: then the default and --variants against a float64 reference (ACC_CASES)")
     ap.add_argument("--acc-budget", type=float, default=20.0, help="--acc: seconds before cases are skipped")
+    ap.add_argument("--acc-variants", default=None, help="--acc: variants to check (default: --variants)")
     args = ap.parse_args()
     from k3ir.backends.triton import kda_decode, kda_forward
     from k3ir.backends.triton.kda import kda_forward_kernels
