@@ -91,11 +91,6 @@ def akk(bk=32, warps=8, gate=0, order="strip", stages=1, inv_dots=True, ip="ieee
              "PREC": "tf32", "INV_DOTS": inv_dots, "IP": ip,
              "STRIP_OUTER": order == "strip", "GPRE": bool(gpre),
              "INV_SPLIT": bool(inv_split), "THR": thr}
-    if clamp:       # sp_clamp: the diagonal fix-up buffers of kda_diagfix_kernel
-        names += ["Dfix", "Qfix", "dflag"]
-        types += ["*fp32", "*fp32", "*i32"]
-    else:
-        const.update(Dfix=None, Qfix=None, dflag=None)
     return _compile(kf.kda_akk_kernel, names, types, const, warps, stages, maxnreg)
 
 
@@ -153,14 +148,7 @@ def wu_flat(bk=32, bv=32, warps=4, h=32, xb="fp32", store_qk=False):
     return _compile(kk.kda_wu_flat_kernel, names, types, const, warps, 1)
 
 
-def diagfix(warps=4, h=32, thr=120.0):
-    names = ["q", "k", "Gbuf", "Dfix", "Qfix", "dflag", "cu_seqlens", "chunk_indices", "T"]
-    types = ["*bf16", "*bf16", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32", "i32"]
-    const = {"H": h, "K": 128, "BT": 64, "BC": 16, "BK": 32, "THR": thr, "IS_VARLEN": False}
-    return _compile(kf.kda_diagfix_kernel, names, types, const, warps, 1)
-
-
-KINDS = {"diagfix": diagfix, "wu_flat": wu_flat, "recur": recur, "akk": akk, "wu": wu, "gcum": gcum, "inv": inv, "gcum_rows": gcum_rows}
+KINDS = {"wu_flat": wu_flat, "recur": recur, "akk": akk, "wu": wu, "gcum": gcum, "inv": inv, "gcum_rows": gcum_rows}
 
 
 def main():
@@ -196,7 +184,6 @@ def main():
     cl = {"gate": 1, "clamp": True, "warps": 4}          # sp_clamp variants (bench_kda.py VARIANTS)
     rows += [("akk", dict(cl, **c)) for c in ({}, {"h": 96}, {"maxnreg": 128}, {"bk": 64}, {"warps": 8},
                                               {"bk": 16})]
-    rows += [("diagfix", {}), ("diagfix", {"h": 96})]
     for kind, cfg in rows:      # bench_kda.py VARIANTS at H=32 and the defaults at H=96
         r = KINDS[kind](**cfg)
         print(f"{kind:9} {cfg!s:44} {r[0]:>5} {r[1]:>8} {r[2]:>7}", flush=True)

@@ -64,9 +64,9 @@ TUNING: dict = {"bwd_reuse": True, "intra": "split", "gcum": True, "gcum_bk": 32
 #: the strip dots, ``clamp_bk``-column slices, ``clamp_warps`` warps or ``warps``, cap ``clamp_maxnreg``) with a
 #: per-channel reference ``min(Gs, Ge + 80)`` (factors within exp(80) and exp(span - 80)) on channels whose
 #: 16-row decay span is <= ``clamp_thr``; the channels past it (rare: 0.4% of the sub-chunks on bench_kda's random
-#: gates) are left out of akk's row operands and their whole strip comes exactly from ``kda_diagfix_kernel`` (a
-#: launch before akk: fp32 dots off the diagonal, element-wise on it). Needs ``gcum`` and ``order`` "strip"; the
-#: precomputed gate keeps the exact path.
+#: gates) are left out of the strip dots' row operands and their share of the strip is added exactly in a branch
+#: of the same launch (``kda_fwd_kernels._fix_strip``: dots off the diagonal, element-wise on it). Needs ``gcum``
+#: and ``order`` "strip"; the precomputed gate keeps the exact path.
 
 
 def _bwd_mode() -> str:
@@ -120,8 +120,7 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
                         store_ai: bool = False, store_qk: bool | None = None):
     """The Triton launches, no autograd. Same contract as ``kda_forward``; ``stages`` picks launches
     for timing one kernel alone (the outputs are then meaningless): "intra" (all intra-chunk launches),
-    "gcum" / "fix" / "akk" / "inv" / "wu" (one launch of the split path; "fix": ``kda_diagfix_kernel`` of
-    ``TUNING["sp_clamp"]``), "recur". With ``return_intermediates``
+    "gcum" / "akk" / "inv" / "wu" (one launch of the split path), "recur". With ``return_intermediates``
     a third value, a dict:
     ``w, u, qg, kg`` ``[B,T,H,K|V]`` (q's dtype), ``Aqk`` (P, ``[B,T,H,64]``), ``gC`` (``exp(G_C)``, fp32
     ``[chunks,H,K]``, chunks in sequence order) and, split path only, ``Xb`` (``(I+A)^-1 diag(beta)``
@@ -214,16 +213,6 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
         thr = float(TUNING.get("clamp_thr", 120.0))
         if clamp:
             cap = None if _interpret() else TUNING.get("clamp_maxnreg")
-            Dfix = torch.empty(B, T, H, BT, dtype=torch.float32, device=dev)
-            Qfix = torch.empty_like(Dfix)
-            dflag = torch.zeros(max(NC, 1) * H * (BT // BC), dtype=torch.int32, device=dev)
-            if "intra" in stages or "fix" in stages:
-                kf.kda_diagfix_kernel[(NC, H, BT // BC)](
-                    q, k, Gbuf, Dfix, Qfix, dflag, cu_dev, chunk_indices, T, H=H, K=K, BT=BT, BC=BC,
-                    BK=min(32, K), THR=thr,
-                    IS_VARLEN=cu_seqlens is not None, num_warps=4)
-        else:
-            Dfix = Qfix = dflag = None
         if "intra" in stages or "akk" in stages:
             kf.kda_akk_kernel[(NC, H)](
                 q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, cu_dev, chunk_indices, T, scale, lb,
@@ -231,7 +220,7 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
                 EXACT=(3 if clamp else 2 if exact and TUNING["diag_main"] else exact), PREC=prec,
                 INV_DOTS=TUNING["inv_dots"], STRIP_OUTER=TUNING["order"] == "strip",
                 IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"], GPRE=gpre, INV_SPLIT=inv_split,
-                Dfix=Dfix, Qfix=Qfix, dflag=dflag, THR=thr,
+                THR=thr,
                 num_warps=(TUNING.get("clamp_warps") or TUNING["warps"]) if clamp else TUNING["warps"],
                 num_stages=TUNING["stages"], **({"maxnreg": cap} if cap else {}), **common)
         Ai = None

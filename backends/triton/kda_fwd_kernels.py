@@ -130,7 +130,7 @@ def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv,
     if EXACT == 3:      # TUNING sp_clamp (softplus: G falls): per channel the reference min(Gs, Ge + 80) keeps
         ref = tl.minimum(GsI, GeI + 80.0)   # the column factors within exp(80) and the row factors within
         good = (GsI - GeI) <= THR           # exp(span - 80); channels whose span passes THR are left out of the
-        keep = (blk <= I) & (tl.arange(0, BT) < nv)     # row operands (their whole strip: kda_diagfix_kernel)
+        keep = (blk <= I) & (tl.arange(0, BT) < nv)     # row operands (their whole strip: _fix_strip)
     elif EXACT == 2:      # TUNING diag_main: the diagonal block rides in the strip's dot when its factors stay
         if GATE == 1:   # within exp(80) on this slice (softplus: G falls, the span is Gs - Ge)
             smain = tl.max(GsI - GeI, 0)
@@ -222,8 +222,7 @@ def _st_strip(Aqk, Ascr, P, A, D, Q, rqI, rkI, bI, rk_all, row0, nv, i_h,
 def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale,
              I: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
              BK: tl.constexpr, GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-             EXACT: tl.constexpr, PREC: tl.constexpr, GPRE: tl.constexpr, Dfix=None, Qfix=None, dflag=None,
-             i_c=0, THR: tl.constexpr = 120.0):
+             EXACT: tl.constexpr, PREC: tl.constexpr, GPRE: tl.constexpr, THR: tl.constexpr = 120.0):
     """Strip-outer order: the whole K loop of strip ``I`` (G loaded from ``Gbuf`` when ``GPRE``, else the
     chunk's gate cumsum recomputed per strip), then its scales and stores. Only this strip's accumulators
     are live. Returns beta."""
@@ -238,6 +237,7 @@ def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h
     sq = tl.zeros([BC, BK], dtype=tl.float32)       # squares summed over K slices element-wise, rows at the end
     sk = tl.zeros([BC, BK], dtype=tl.float32)
     sk_all = tl.zeros([BT, BK], dtype=tl.float32)
+    nbad = tl.zeros([BK], dtype=tl.int32)           # EXACT 3: channels past THR, per column over the K slices
     for c0 in range(0, K, BK):
         offs = c0 + tl.arange(0, BK)
         dtb = gate_bias(dt_bias, i_h, offs, K, GATE)
@@ -253,6 +253,8 @@ def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h
                 GsI = _grow(Gbuf, row0, tl.minimum(nv, I * BC) - 1, i_h, offs, H, K)
             if EXACT:
                 GeI = _grow(Gbuf, row0, tl.minimum(nv, I * BC + BC) - 1, i_h, offs, H, K)
+                if EXACT == 3:
+                    nbad += ((GsI - GeI) > THR).to(tl.int32)
             else:
                 GeI = GsI
         else:
@@ -281,8 +283,9 @@ def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h
     if I == 0:
         tl.store(rk + roff * H + i_h, rk_all, mask=m)
     bI = beta_rows(beta, row0, I * BC, nv, i_h, H, BC, BETA_SIGMOID)
-    if EXACT == 3:      # the strip's channels past THR, from kda_diagfix_kernel (flagged sub-chunks only)
-        accA, accP = _add_fix(accA, accP, Dfix, Qfix, dflag, i_c, row0, nv, i_h, I, H, BT, BC)
+    if EXACT == 3:      # the channels past THR left out of the strip dots (rare): exactly, in a branch
+        if tl.sum(nbad, 0) > 0:
+            accA, accP = _fix_strip(accA, accP, q, k, Gbuf, row0, nv, i_h, I, H, K, BT, BC, BK, THR, PREC)
         _st_strip(Aqk, Ascr, accP, accA, accD, accQ, rqI, rkI, bI, rk_all, row0, nv, i_h, I, H, BT, BC, 0)
     else:
         _st_strip(Aqk, Ascr, accP, accA, accD, accQ, rqI, rkI, bI, rk_all, row0, nv, i_h, I, H, BT, BC, EXACT)
@@ -290,17 +293,46 @@ def _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h
 
 
 @triton.jit
-def _add_fix(accA, accP, Dfix, Qfix, dflag, i_c, row0, nv, i_h, I: tl.constexpr, H: tl.constexpr,
-             BT: tl.constexpr, BC: tl.constexpr):
-    """Adds strip ``I`` of ``Dfix``/``Qfix`` (``kda_diagfix_kernel``, ``[B,T,H,BT]``) to the strip's accumulators
-    ``[BC, BT]``, only where that kernel flagged it."""
-    f = tl.load(dflag + (i_c * H + i_h) * (BT // BC) + I)
-    rows = I * BC + tl.arange(0, BC)
-    cols = tl.arange(0, BT)
-    on = (rows < nv)[:, None] & ((cols * 0 + f) != 0)[None, :]
-    off = (row0 + rows).to(tl.int64)[:, None] * (H * BT) + i_h * BT + cols[None, :]
-    accA += tl.load(Dfix + off, mask=on, other=0.)
-    accP += tl.load(Qfix + off, mask=on, other=0.)
+def _fix_strip(accA, accP, q, k, Gbuf, row0, nv, i_h, I: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+               BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, THR: tl.constexpr, PREC: tl.constexpr):
+    """``sp_clamp``, strip ``I`` (taken only when one of its channels has a 16-row decay span past ``THR``; the
+    strip dots left those channels out): adds their share exactly, ``sum_c x[i,c] k[j,c] exp(G[i,c] - G[j,c])``
+    (x = k into ``accA``, q into ``accP``; raw q and k): earlier sub-chunks by dots around ``G[row before]``
+    (factors <= 1), the diagonal block element-wise (``j <= i``: every exponent <= 0)."""
+    r0 = I * BC
+    rs = tl.minimum(nv, r0) - 1
+    re = tl.minimum(nv, r0 + BC) - 1
+    rows = tl.arange(0, BC)
+    mI = (r0 + rows) < nv
+    rA = tl.arange(0, BT)
+    mA = (rA < r0) & (rA < nv)
+    for c0 in range(0, K, BK):
+        cols = c0 + tl.arange(0, BK)
+        Gs = tl.load(Gbuf + (row0 + rs).to(tl.int64) * (H * K) + i_h * K + cols, mask=(cols * 0 + rs) >= 0, other=0.)
+        Ge = _grow(Gbuf, row0, re, i_h, cols, H, K)
+        bad = (Gs - Ge) > THR
+        offI = (row0 + r0 + rows).to(tl.int64)[:, None] * (H * K) + i_h * K + cols[None, :]
+        qI = tl.load(q + offI, mask=mI[:, None], other=0.).to(tl.float32)
+        kI = tl.load(k + offI, mask=mI[:, None], other=0.).to(tl.float32)
+        GI = tl.where(mI[:, None], tl.load(Gbuf + offI, mask=mI[:, None], other=0.), Ge[None, :])
+        if I > 0:
+            offA = (row0 + rA).to(tl.int64)[:, None] * (H * K) + i_h * K + cols[None, :]
+            kA = tl.load(k + offA, mask=mA[:, None], other=0.).to(tl.float32)
+            GA = tl.load(Gbuf + offA, mask=mA[:, None], other=0.)
+            eL = tl.where(bad[None, :], tl.exp(GI - Gs[None, :]), 0.)
+            kr = tl.trans(tl.where(mA[:, None], kA * tl.exp(Gs[None, :] - GA), 0.))
+            accA = tl.dot(kI * eL, kr, accA, input_precision=PREC)
+            accP = tl.dot(qI * eL, kr, accP, input_precision=PREC)
+        for j in range(BC):     # the diagonal block, element-wise
+            ok = (cols * 0 + r0 + j) < nv
+            off = (row0 + r0 + j).to(tl.int64) * (H * K) + i_h * K + cols
+            kj = tl.load(k + off, mask=ok, other=0.).to(tl.float32)
+            Gj = tl.load(Gbuf + off, mask=ok, other=0.)
+            e = tl.exp(tl.where((rows[:, None] >= j) & (bad & ok)[None, :], GI - Gj[None, :], float("-inf")))
+            t = kj[None, :] * e
+            at = rA[None, :] == r0 + j
+            accA = tl.where(at, accA + tl.sum(kI * t, 1)[:, None], accA)
+            accP = tl.where(at, accP + tl.sum(qI * t, 1)[:, None], accP)
     return accA, accP
 
 
@@ -447,25 +479,25 @@ def kda_akk_kernel(q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, c
                    GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
                    IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr,
                    INV_DOTS: tl.constexpr, IP: tl.constexpr, STRIP_OUTER: tl.constexpr, GPRE: tl.constexpr,
-                   INV_SPLIT: tl.constexpr, Dfix=None, Qfix=None, dflag=None, THR: tl.constexpr = 120.0):
+                   INV_SPLIT: tl.constexpr, THR: tl.constexpr = 120.0):
     """A, P strips (and the inverse unless ``INV_SPLIT``) per chunk and head. ``EXACT`` 0: the K3 gate
     (diagonal blocks in the strip dots); 1: unbounded gates, diagonal blocks apart (mid-point dots or the exact
     element-wise loop); 2: ``diag_main``; 3: ``sp_clamp`` (softplus, strip order, ``GPRE``: the diagonal block in
-    the strip dot on channels whose sub-chunk span is <= ``THR``; ``Dfix``/``Qfix``/``dflag`` from
-    ``kda_diagfix_kernel`` hold the rest)."""
+    the strip dot around ``min(Gs, Ge + 80)`` on channels whose sub-chunk span is <= ``THR``; the others, rare,
+    exactly in ``_fix_strip``)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
     a_h = head_decay(A_log, i_h, GATE)
     if STRIP_OUTER:
         b0 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 0,
-                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE, Dfix, Qfix, dflag, i_c, THR)
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE, THR)
         tl.debug_barrier()      # rk of strip 0 visible to every thread
         b1 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 1,
-                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE, Dfix, Qfix, dflag, i_c, THR)
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE, THR)
         b2 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 2,
-                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE, Dfix, Qfix, dflag, i_c, THR)
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE, THR)
         b3 = _strip_k(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb, scale, 3,
-                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE, Dfix, Qfix, dflag, i_c, THR)
+                      H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC, GPRE, THR)
     else:
         b0, b1, b2, b3 = _akk_k_outer(q, k, g, beta, dt_bias, Aqk, Ascr, rq, rk, Gbuf, row0, nv, i_h, a_h, lb,
                                       scale, H, K, BT, BC, BK, GATE, L2NORM, BETA_SIGMOID, EXACT, PREC,
@@ -541,63 +573,3 @@ def kda_wu_kernel(q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, Gbuf
         b_u = tl.dot(X, bv.to(X.dtype), input_precision=PREC)
         tl.store(u + off, b_u.to(u.dtype.element_ty), mask=m[:, None])
 
-
-@triton.jit(do_not_specialize=["T"])
-def kda_diagfix_kernel(q, k, Gbuf, Dfix, Qfix, dflag, cu_seqlens, chunk_indices, T,
-                       H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                       THR: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Softplus gate, ``TUNING["sp_clamp"]`` (before ``kda_akk_kernel`` with ``EXACT=3``): per chunk, head and
-    16-row sub-chunk ``I``, the channels whose decay span ``G[row before] - G[last row]`` passes ``THR`` (akk
-    leaves them out) get their share of the strip exactly: ``sum_c x[i,c] k[j,c] exp(G[i,c] - G[j,c])`` over
-    those channels, earlier sub-chunks by fp32 dots around ``G[row before]`` (factors <= 1), the diagonal block
-    element-wise (``j <= i``: every exponent <= 0); raw q and k. ``Dfix`` (x = k) and ``Qfix`` (x = q), fp32
-    ``[B,T,H,BT]``, written only for flagged sub-chunks; ``dflag`` int32 ``[chunks,H,BT/BC]`` = the number of such
-    channels (0: nothing written, akk adds nothing)."""
-    i_c, i_h, I = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
-    r0 = I * BC
-    rs = tl.minimum(nv, r0) - 1
-    re = tl.minimum(nv, r0 + BC) - 1
-    nb = 0
-    for c0 in range(0, K, BK):
-        cols = c0 + tl.arange(0, BK)
-        Gs = tl.load(Gbuf + (row0 + rs).to(tl.int64) * (H * K) + i_h * K + cols, mask=(cols * 0 + rs) >= 0, other=0.)
-        nb += tl.sum(((Gs - _grow(Gbuf, row0, re, i_h, cols, H, K)) > THR).to(tl.int32), 0)
-    tl.store(dflag + (i_c * H + i_h) * (BT // BC) + I, nb)
-    if nb > 0:
-        rows = tl.arange(0, BC)
-        mI = (r0 + rows) < nv
-        rA = tl.arange(0, BT)
-        mA = (rA < r0) & (rA < nv)
-        accA = tl.zeros([BC, BT], dtype=tl.float32)
-        accP = tl.zeros([BC, BT], dtype=tl.float32)
-        for c0 in range(0, K, BK):
-            cols = c0 + tl.arange(0, BK)
-            Gs = tl.load(Gbuf + (row0 + rs).to(tl.int64) * (H * K) + i_h * K + cols, mask=(cols * 0 + rs) >= 0,
-                         other=0.)
-            Ge = _grow(Gbuf, row0, re, i_h, cols, H, K)
-            bad = (Gs - Ge) > THR
-            offI = (row0 + r0 + rows).to(tl.int64)[:, None] * (H * K) + i_h * K + cols[None, :]
-            qI = tl.load(q + offI, mask=mI[:, None], other=0.).to(tl.float32)
-            kI = tl.load(k + offI, mask=mI[:, None], other=0.).to(tl.float32)
-            GI = tl.where(mI[:, None], tl.load(Gbuf + offI, mask=mI[:, None], other=0.), Ge[None, :])
-            offA = (row0 + rA).to(tl.int64)[:, None] * (H * K) + i_h * K + cols[None, :]
-            kA = tl.load(k + offA, mask=mA[:, None], other=0.).to(tl.float32)
-            GA = tl.load(Gbuf + offA, mask=mA[:, None], other=0.)
-            eL = tl.where(bad[None, :], tl.exp(GI - Gs[None, :]), 0.)
-            kr = tl.trans(tl.where(mA[:, None], kA * tl.exp(Gs[None, :] - GA), 0.))
-            accA = tl.dot(kI * eL, kr, accA, input_precision="ieee")
-            accP = tl.dot(qI * eL, kr, accP, input_precision="ieee")
-            for j in range(BC):     # the diagonal block, element-wise
-                ok = (cols * 0 + r0 + j) < nv
-                off = (row0 + r0 + j).to(tl.int64) * (H * K) + i_h * K + cols
-                kj = tl.load(k + off, mask=ok, other=0.).to(tl.float32)
-                Gj = tl.load(Gbuf + off, mask=ok, other=0.)
-                e = tl.exp(tl.where((rows[:, None] >= j) & (bad & ok)[None, :], GI - Gj[None, :], float("-inf")))
-                t = kj[None, :] * e
-                at = rA[None, :] == r0 + j
-                accA = tl.where(at, accA + tl.sum(kI * t, 1)[:, None], accA)
-                accP = tl.where(at, accP + tl.sum(qI * t, 1)[:, None], accP)
-        offo = (row0 + r0 + rows).to(tl.int64)[:, None] * (H * BT) + i_h * BT + rA[None, :]
-        tl.store(Dfix + offo, accA, mask=mI[:, None])
-        tl.store(Qfix + offo, accP, mask=mI[:, None])
