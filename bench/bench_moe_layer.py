@@ -60,6 +60,9 @@ def section_moe(smoke, dev="cpu", dt=torch.float32):
                                                                               (E, D, I // 2))]
     sc = [torch.randint(118, 123, s, device=dev, dtype=torch.uint8) for s in ((E, I, D // 32), (E, I, D // 32),
                                                                               (E, D, I // 32))]
+    from k3ir.backends.triton import moe_layout
+    for j in range(3):          # the device layout the triton executable prepares (in place: one copy)
+        p[j], sc[j] = moe_layout.prepare(p[j], sc[j])
     for T in toks:
         idx = torch.topk(torch.randn(T, E, device=dev), k, dim=-1).indices
         order, inv, cnt, off = sort_by_expert(idx, E)

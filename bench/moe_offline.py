@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 
 TGT = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
-NAMES = ["x", "offsets", "w1", "s1", "w3", "s3", "y", "rscale", "N", "K", "NE", "b1", "b2"]
+NAMES = ["x", "offsets", "w1", "s1", "w3", "s3", "y", "rscale", "t1", "t3", "N", "K", "NE", "b1", "b2"]
 E, D, I = 896, 3584, 3072
 
 
@@ -38,11 +38,13 @@ def compile_cfg(quant: str, glu: bool, xdt: str, cfg: tuple, N: int, K: int, dec
                 R: int = 4096, NE: int = E):
     """Compile one launch (config already planned; R rows over NE experts decide the row grid). Returns
     dict(regs, spills, smem, ops?)."""
-    wt = {"none": f"*{xdt}", "mxfp4": "*i32" if decode.startswith("word") else "*u8", "int4": "*i32"}[quant]
-    st = {"none": None, "mxfp4": "*u8", "int4": "*fp32"}[quant]
-    types = [f"*{xdt}", "*i64", wt, st, wt, st, f"*{xdt}", None if glu else "*fp32", "i32", "i32", "i32", "fp32",
-             "fp32"]
-    qid = {"none": 0, "int4": 2}.get(quant) if quant != "mxfp4" else moe.MXFP4_DECODES[decode]
+    frag = quant == "mxfp4" and decode.startswith("frag")      # fragment layout (moe_layout): frag / frag2 (sc2)
+    wt = {"none": f"*{xdt}", "mxfp4": "*i32" if decode.startswith(("word", "frag")) else "*u8", "int4": "*i32"}[quant]
+    st = {"none": None, "mxfp4": "*i32" if frag else "*u8", "int4": "*fp32"}[quant]
+    tt = "*i32" if decode == "frag2" and frag else None
+    types = [f"*{xdt}", "*i64", wt, st, wt, st, f"*{xdt}", None if glu else "*fp32", tt, tt, "i32", "i32", "i32",
+             "fp32", "fp32"]
+    qid = {"none": 0, "int4": 2}.get(quant) if quant != "mxfp4" else 8 if frag else moe.MXFP4_DECODES[decode]
     const = {"QUANT": qid, "ACT": 1 if glu else 0, "SCALE_ROWS": not glu}
     if cfg[0] == "t":
         _, BW, BT, TAIL, BK, warps, stages = cfg[:7]
@@ -85,6 +87,12 @@ def compile_cfg(quant: str, glu: bool, xdt: str, cfg: tuple, N: int, K: int, dec
                                       re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sa))
             out["ops"] = dict(ops.most_common())
             out["sass"] = sa
+            if cfg[0] == "t":      # hottest MMA loop: instructions per weight element per thread
+                loops = [lp for lp in loop_ops(sa) if lp[1].get("HGMMA") or lp[1].get("HMMA")]
+                if loops:
+                    n, lops = min(loops, key=lambda lp: lp[0])    # the innermost (K) loop
+                    el = cfg[1] * cfg[4] * (2 if glu else 1) / (32 * cfg[5])
+                    out["loop"] = (n, round(n / el, 2), dict(lops.most_common(10)))
     return out
 
 
@@ -188,7 +196,7 @@ def cases():
             for T in (1, 256, 2048, 8192):
                 if quant != "none" and xdt == "fp32" and T > 256:
                     continue
-                for dec in (("asm", "asm1") if quant == "mxfp4" else ("asm",)):
+                for dec in (("asm", "asm1", "frag", "frag2") if quant == "mxfp4" else ("asm",)):
                     tag = f" {dec}" if quant == "mxfp4" else ""
                     out.append((f"default {quant}{tag} {xdt} T={T} glu", quant, True, xdt, T * 16, E, I, D, None, dec))
                     out.append((f"default {quant}{tag} {xdt} T={T} down", quant, False, xdt, T * 16, E, D, I, None,
@@ -228,7 +236,7 @@ def main():
         if a.filter and a.filter not in label:
             continue
         xb = 4 if xdt == "fp32" else 2
-        plan = moe.plan(R, ne, N, K, quant, glu, xb, cfg)
+        plan = moe.plan(R, ne, N, K, "mxfrag" if dec.startswith("frag") and quant == "mxfp4" else quant, glu, xb, cfg)
         key = (quant, glu, xdt, plan, N, K, dec, R < ne, ne)
         try:
             r = seen[key] if key in seen else compile_cfg(quant, glu, xdt, plan, N, K, dec, a.sass, R, ne)
@@ -243,7 +251,7 @@ def main():
             continue
         print(f"{label:70} {plan!s:36} {r['regs']:>4} {r['spills']:>5} {r['smem']:>7} {est:>7}")
         if a.sass and "ops" in r:
-            print("    ", r["ops"])
+            print("    ", r.get("loop") or r["ops"])
             with open(f"/tmp/moe_{len(seen)}.sass", "w") as f:
                 f.write(r["sass"])
     print(f"{bad} configs fail (compile error or shared memory over {moe.SMEM_DEFAULT})")

@@ -449,8 +449,11 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
     by rows per expert). ``mxfp4_decode``: "auto" (default on the GPU: "asm1" when every scale byte of
     both weights is <= 128, else "asm"; checked once per scale tensor), "asm" (bf16 bit placement + two
     bf16x2 multiplies, exact for scale bytes 0..254), "asm1" (one multiply; only correct while all scale
-    bytes are <= 128), "exact" (fp32 decode; always under the interpreter). Returns ``[R, N]`` in x's dtype.
-    Raises ValueError on inconsistent shapes or an unknown format."""
+    bytes are <= 128), "exact" (fp32 decode; always under the interpreter). MXFP4 weights prepared into the
+    fragment layout (``moe_layout.prepare``; the triton executable's prepare_params does it) are read in that
+    layout: the Gluon kernel at few rows per expert (``TUNING``), else the Triton kernels (PTX decode; "exact":
+    integer decode). Returns ``[R, N]`` in x's dtype. Raises ValueError on inconsistent shapes, an unknown
+    format, or fragment-layout weights written after their permutation."""
     _check(x, offsets, w, quant)
     x = x.contiguous()
     R, K = x.shape
@@ -474,17 +477,17 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
     if R == 0:
         return y
     cfg = plan(R, E, N, K, "mxfrag" if pk is not None else quant, glu, x.element_size(), config, smem_limit(x.device))
+    qid = QUANT_IDS[quant]
+    t1 = t3 = None
     if quant == "none":
         w = w.to(x.dtype).contiguous()
         w3 = w3.to(x.dtype).contiguous() if glu else w
-    else:
+    elif pk is None:
         w, scales = w.contiguous(), scales.contiguous()
         w3, scales3 = (w3.contiguous(), scales3.contiguous()) if glu else (w, scales)
     if quant == "int4":
         scales = scales.float()
         scales3 = scales3.float()
-    qid = QUANT_IDS[quant]
-    t1 = t3 = None
     if pk is not None:                     # fragment layout: words / sc1 / sc2 (moe_layout)
         qid = 7 if interpreting() or mxfp4_decode == "exact" else 8
         w, scales, t1, w3, scales3, t3 = pk.words, pk.sc1, pk.sc2, pk3.words, pk3.sc1, pk3.sc2
