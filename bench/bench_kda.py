@@ -313,7 +313,7 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
         torch.cuda.empty_cache()
 
 
-ACC_CASES = ("k3", "softplus", "sp_strong", "sp_mid", "sp_varlen")
+ACC_CASES = ("sp_strong", "sp_mid", "sp_varlen", "k3", "softplus")   # most telling first (budget)
 ACC_SHAPE, ACC_CU = (1, 1000, 32, 128), [0, 1, 64, 65, 1100, 2048]    # --acc sizes (varlen: B1, T = ACC_CU[-1];
 #                                                                      H 32 reuses the sweep's binaries)
 ACC_DTYPE = torch.bfloat16
