@@ -15,8 +15,9 @@ spills is the first suspect when it runs far below both ceilings).
 replay time and a kernel table of one replay. ``prefill``: per shape, a warm-up of the same shape,
 the wall time and the same two tables. ``gemv``: the decode gemv at each Kimi Linear shape over a few
 launch configs (us per launch in a CUDA graph, TB/s, best config). ``decode`` also checks one graph
-step's logits against the eager step and, unless ``K3IR_DIAG_PDL=0``, repeats the replay with the gemv
-kernels launched with programmatic dependent launch (gemv.PDL). ``compiles``: distinct Triton specialisations (cold-cache compiles)
+step's logits against the eager step, times the replay with each decode switch off alone (MoE front in one
+launch, KDA low-rank up-projections in kda_decode; ``K3IR_DIAG_AB=0`` skips) and, with ``K3IR_DIAG_PDL=1``, with
+the gemv kernels launched with programmatic dependent launch (gemv.PDL, slower on the H200). ``compiles``: distinct Triton specialisations (cold-cache compiles)
 of the prefill shapes and decode B1/B32 (``TRITON_INTERPRET=1 ... --sections compiles --small --prefill 1x64,2x32``).
 """
 from __future__ import annotations
@@ -396,8 +397,31 @@ def section_decode(model, batch, small, prompt=64):
             torch.cuda.synchronize()
         _tables(prof, f"graph replay B{batch}", n=30)
     _graph_vs_eager(sess, exe, st, nxt)
-    from k3ir.backends.triton import gemv
-    if not gemv.PDL and os.environ.get("K3IR_DIAG_PDL", "1") == "1":
+    from k3ir.backends.triton import dispatch, executable, gemv
+    # A/B of the decode switches (each off alone, a fresh capture): K3IR_DIAG_AB=0 skips them
+    for label, mod, key in (("MoE front in one launch off (dispatch.TUNING front_glu)", dispatch.TUNING, "front_glu"),
+                            ("KDA low-rank up-proj in kda_decode off (executable.TUNING lowrank_in_decode)",
+                             executable.TUNING, "lowrank_in_decode")):
+        if os.environ.get("K3IR_DIAG_AB", "1") != "1" or not mod.get(key):
+            continue
+        mod[key] = False
+        try:
+            exe._graph = None
+            for _ in range(2):
+                _, st = sess.decode(nxt, st)
+            torch.cuda.synchronize()
+            gd = exe._graph
+            t = time.perf_counter()
+            for _ in range(20):
+                gd.graph.replay()
+            torch.cuda.synchronize()
+            print(f"graph replay alone, {label}: {(time.perf_counter() - t) / 20 * 1e3:.3f} ms", flush=True)
+        except Exception as e:      # noqa: BLE001 - a diagnostic: report and go on
+            print(f"A/B {label}: {type(e).__name__}: {e}", flush=True)
+        finally:
+            mod[key] = True
+            exe._graph = None
+    if not gemv.PDL and os.environ.get("K3IR_DIAG_PDL", "0") == "1":
         # programmatic dependent launch of the gemv kernels (gemv.PDL): a fresh capture, same checks
         gemv.PDL = True
         try:

@@ -111,10 +111,11 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches():
     assert outs[mla] is static[mla] and float(static[mla][:, L + 1:].abs().max()) == 0.0   # row L written in place
     # rmsnorm launches: the final norm only (MoE norms in the router front, MLA's latent norm in its prologue);
     # dispatch.TUNING["front_glu"]: norm + router + top-k + dispatch + shared gate/up in one launch per MoE layer;
-    # gemv: KDA 3 x (projections, low-rank pair, out), MLA (q+kv_a, out), dense (glu, down), 3 x shared down
+    # gemv: KDA 3 x (projections, out: the low-rank pair in kda_decode), MLA (q+kv_a, out), dense (glu, down),
+    # 3 x shared down
     assert launches["rmsnorm_kernel"] == 1 and launches["moe_front_kernel"] == 3
     assert launches["router_partial_kernel"] == 0 and launches["dispatch_kernel"] == 0
-    assert launches["gemv_kernel"] == 3 * 3 + 2 + 2 + 3
+    assert launches["gemv_kernel"] == 3 * 2 + 2 + 2 + 3
     assert launches["combine_kernel"] == 0
     assert launches["mla_absorb_q_kernel"] == 1 and launches["mla_decode_out_kernel"] == 1
     # executable.DECODE_SPLIT: the KDA short conv in the projection gemv, the gated head norm in the o_proj gemv
@@ -132,7 +133,14 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches():
     finally:
         dispatch.TUNING["front_glu"] = True
     assert launches["moe_front_kernel"] == 0 and launches["router_partial_kernel"] == 3
-    assert launches["gemv_kernel"] == 3 * 3 + 2 + 2 + 3 * 2
+    assert launches["gemv_kernel"] == 3 * 2 + 2 + 2 + 3 * 2
+    assert rel_err(out["r"][0].double().numpy(), want) < 1e-4
+    executable.TUNING["lowrank_in_decode"] = False     # the low-rank pair in a gemv2 launch
+    try:
+        launches = _count_launches(lambda: out.update(r=tri.decode(nxt[::-1].copy(), s_tri)))
+    finally:
+        executable.TUNING["lowrank_in_decode"] = True
+    assert launches["gemv_kernel"] == 3 * 3 + 2 + 2 + 3
     assert rel_err(out["r"][0].double().numpy(), want) < 1e-4
 
 
@@ -226,3 +234,37 @@ def test_moe_front_one_launch_matches_float64(B, k, E, D, NS):
         a, b = xnt @ w1.double().T, xnt @ w3.double().T
         assert rel_err(y.double().numpy(), (a * torch.sigmoid(a) * b).numpy()) < 1e-5
         assert int(disp._ticket(x.device)[0]) == 0
+
+
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_kda_decode_with_the_low_rank_up_projections_matches_float64(lb):
+    """layer.kda_decode(lowrank=...) (executable.TUNING lowrank_in_decode): the decay ``fa w_fb^T`` and the
+    output gate ``ga w_gb^T`` computed inside the decode kernel (rank 64 in two steps, V split in blocks)
+    against float64 up-projections, gate, recurrent step and the pool update at the rows' slots."""
+    from k3ir.backends.triton.layer import kda_decode
+
+    from k3ir.ops.kda import kda_gate_ref, kda_recurrent
+    g = torch.Generator().manual_seed(3)
+    B, H, K, R, P = 3, 2, 64, 64, 5
+    C = H * K
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32)
+    pool = torch.randn(P, H, K, K, generator=g)
+    pool0 = pool.clone()
+    xq, xk, xv = (torch.randn(B, C, generator=g) for _ in range(3))
+    fa, ga = torch.randn(B, R + 3, generator=g)[:, :R], torch.randn(B, R, generator=g)   # fa: strided rows
+    wfb, wgb = torch.randn(C, R, generator=g) * 0.2, torch.randn(C, R, generator=g) * 0.2
+    beta, A_log, dt = torch.randn(B, H, generator=g), torch.randn(H, generator=g), torch.randn(C, generator=g)
+    o, gz = kda_decode(xq, xk, xv, fa, beta, A_log, dt, pool, slots, lower_bound=lb, lowrank=(wfb, ga, wgb))
+    z = fa.double() @ wfb.double().T
+    assert rel_err(gz.double().numpy(), (ga.double() @ wgb.double().T).numpy()) < 1e-6
+    sl = slots.long().numpy()
+    nrm = lambda a: a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6)
+    qkv = [t.double().numpy().reshape(B, 1, H, K) for t in (xq, xk, xv)]
+    gl = kda_gate_ref(z.numpy().reshape(B, 1, H, K), A_log.double().numpy(), dt.double().numpy(),
+                      "softplus" if lb is None else "lower_bound", lb or -5.0)
+    o_r, s_r = kda_recurrent(nrm(qkv[0]), nrm(qkv[1]), qkv[2], gl, 1 / (1 + np.exp(-beta.double().numpy()[:, None])),
+                             K ** -0.5, pool0.double().numpy()[sl])
+    assert rel_err(o.double().numpy(), o_r.reshape(B, C)) < 1e-5
+    assert rel_err(pool[slots.long()].double().numpy(), s_r) < 1e-6
+    untouched = sorted(set(range(P)) - set(sl.tolist()))
+    assert torch.equal(pool[untouched], pool0[untouched])

@@ -147,6 +147,10 @@ GRAPH_STEP = {"in_place": False}
 #: fused launch with conv and norm inside, BV = V; ``K3IR_DECODE_SPLIT=0`` for A/B runs)
 DECODE_SPLIT = os.environ.get("K3IR_DECODE_SPLIT", "1") != "0"
 
+#: ``lowrank_in_decode``: with DECODE_SPLIT, the KDA decay and output-gate low-rank up-projections run inside
+#: ``kda_decode`` (layer.kda_decode ``lowrank=``) instead of a gemv2 launch (``K3IR_KDA_LOWRANK=0``: gemv2)
+TUNING: dict = {"lowrank_in_decode": os.environ.get("K3IR_KDA_LOWRANK", "1") != "0"}
+
 
 def _decode_split(inst, xr, nrm, cat, sizes, convs, cpools, pool, w_fb, gate_w, A_log, dt_bias, o_norm, lb):
     """The decode branch of ``fused_kda`` with DECODE_SPLIT: projections + conv + SiLU (conv states shifted
@@ -160,8 +164,14 @@ def _decode_split(inst, xr, nrm, cat, sizes, convs, cpools, pool, w_fb, gate_w, 
     cw = cat_weights(list(convs), convs[0].dtype)
     y = gemv(xr[:, 0], cat, norm=nrm, conv=(cw, cpools, slots, sizes[:3]))
     q, k, v, fa, bl, ga = torch.split(y, sizes, dim=-1)
-    z, gz = gemv2(fa, w_fb, ga, gate_w[1])
-    o = layer.kda_decode(q, k, v, z, bl, A_log, dt_bias, pool, slots, lower_bound=lb, scale=inst.scale)
+    R = w_fb.shape[1]
+    if TUNING["lowrank_in_decode"] and R & (R - 1) == 0 and R <= 256 and w_fb.dim() == 2:
+        # the decay and output-gate up-projections inside kda_decode (no gemv2 launch)
+        o, gz = layer.kda_decode(q, k, v, fa, bl, A_log, dt_bias, pool, slots, lower_bound=lb, scale=inst.scale,
+                                 lowrank=(w_fb, ga, gate_w[1]))
+    else:
+        z, gz = gemv2(fa, w_fb, ga, gate_w[1])
+        o = layer.kda_decode(q, k, v, z, bl, A_log, dt_bias, pool, slots, lower_bound=lb, scale=inst.scale)
     lazy = GateNormed(o.reshape(B, 1, H * D), gz.reshape(B, 1, H * D), o_norm, inst.eps)
     return (lazy if DEFER_GATED["on"] else lazy.materialize(), *cpools, pool)
 
