@@ -176,6 +176,7 @@ VARIANTS = [
     ("sp_clamp_nocap", {"sp_clamp": True, "clamp_maxnreg": None}, "softplus"),   # 206 regs (2 CTAs/SM)
     ("sp_clamp_w8", {"sp_clamp": True, "clamp_warps": 8}, "softplus"),       # 164 regs, 0 B spill (1 CTA/SM)
     ("sp_clamp_bk64", {"sp_clamp": True, "clamp_bk": 64, "clamp_maxnreg": None}, "softplus"),  # 224 regs
+    ("wu64_w8", {"wu_bk": 64, "wu_bv": 64, "wu_flat_warps": 8}, None),   # flat w/u, 64-wide slices: Xb read 4x
     ("recur_s3", {"recur_stages": 3}, None),
     ("s4", {"sp_clamp": True, "recur_stages": 3}, None),    # both (K3: recur_s3 alone)
 ]
