@@ -151,6 +151,7 @@ VARIANTS = [
     ("akk_w4_bk16", {"warps": 4, "bk": 16, "exact_bk": 16}, None),  # split inverse: 123 regs, 4 CTAs/SM, -15% instr.
     ("akk_w4", {"warps": 4, "exact_bk": 16}, None),   # K3 BK32 on 4 warps: -29% instructions, 8 B spill
     ("akk_w2", {"warps": 2}, "k3"),            # 2 warps: -47% instructions, 164 regs (6 CTAs of 2 warps per SM)
+    ("akk_s2", {"stages": 2, "maxnreg": 128}, "k3"),   # K3 akk loads pipelined (cp.async): 128 regs, 48 B spill
     ("akk_bk64", {"bk": 64}, "k3"),           # session 4: K3 akk BK 64 on 4 warps: 168 regs (3 CTAs/SM), -7.5% instr.
     ("gcum_rows", {"gcum_mode": "rows"}, None),  # gate cumsum as a per-thread running sum (offline 4-6x fewer instr.)
     ("rows_fastlog", {"gcum_mode": "rows", "fast_log": True}, "softplus"),  # ... and lg2.approx for the log
