@@ -67,6 +67,9 @@ TUNING: dict = {"bwd_reuse": True, "intra": "split", "gcum": True, "gcum_bk": 32
 #: gates) are left out of the strip dots' row operands and their share of the strip is added exactly in a branch
 #: of the same launch (``kda_fwd_kernels._fix_strip``: dots off the diagonal, element-wise on it). Needs ``gcum``
 #: and ``order`` "strip"; the precomputed gate keeps the exact path.
+#: ``NEXT``: the session-4 candidates (bench_kda variant ``s4``), CPU-checked, not yet GPU-timed: merge into
+#: ``TUNING`` once the sweep shows them faster and its ``--acc`` table ok.
+NEXT: dict = {"sp_clamp": True, "recur_stages": 3}
 
 
 def _bwd_mode() -> str:
