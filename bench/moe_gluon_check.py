@@ -225,9 +225,11 @@ def sec_k3(old=True):
     a1 = _alloc()
     same = all(L.lookup(w, s).words.data_ptr() == p[0] and L.lookup(w, s).sc1.data_ptr() == p[1]
                for w, s, p in zip(ws, ss, ptrs))
-    emit("k3 prepare in place (fragment layout, 3 x 896 experts)", s=time.perf_counter() - t1, expert_gib=nbytes / 2 ** 30,
+    emit("k3 prepare in place (fragment layout, 3 x 896 experts)", s=time.perf_counter() - t1,
+         expert_gib=nbytes / 2 ** 30,
          alloc_before_gib=a0 / 2 ** 30, alloc_after_gib=a1 / 2 ** 30, grew_mib=(a1 - a0) / 2 ** 20,
-         max_alloc_gib=(torch.cuda.max_memory_allocated() if DEV == "cuda" else 0) / 2 ** 30, same_storage=same, ok=same and a1 <= a0)
+         max_alloc_gib=(torch.cuda.max_memory_allocated() if DEV == "cuda" else 0) / 2 ** 30, same_storage=same,
+         ok=same and a1 <= a0)
     for T in SIZES:
         try:
             _k3_case(T, ws, ss, dev)
@@ -265,8 +267,8 @@ def _k3_case(T, ws, ss, dev):
             ms = _bench(layer, 60 if T < SIZES[2] else 150)
             kv = {}
             if T == SIZES[2]:
-                kv["ms_glu"] = _bench(lambda: moe.grouped_matmul(xs, off, ws[0], ss[0], "mxfp4", w3=ws[1], scales3=ss[1],
-                                                                 act="situ"), 80)
+                kv["ms_glu"] = _bench(lambda: moe.grouped_matmul(xs, off, ws[0], ss[0], "mxfp4", w3=ws[1],
+                                                                 scales3=ss[1], act="situ"), 80)
                 kv["ms_down"] = _bench(lambda h=h: moe.grouped_matmul(h, off, ws[2], ss[2], "mxfp4", row_scale=cw), 80)
             emit(f"k3 T={T} {kern}", rel_glu=eg, rel_down=ed, ok=max(eg, ed) < 2e-2, ms=ms, floor_ms=floor,
                  frac_of_floor=floor / ms, rows_per_expert=T * TOPK / E, active_experts=used, ref_s=h_ref_s, **kv)
@@ -287,12 +289,14 @@ def child(section, old, smoke=False):
     if section.startswith("warm"):
         sec_warm(int(section[4:]))
         return
-    emit(f"{section} env", gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__, triton=triton.__version__)
+    emit(f"{section} env", gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__,
+         triton=triton.__version__)
     sec_k3(old)
 
 
 def _run(args):
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", *args, *SMOKE], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", *args, *SMOKE],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(HERE))
 
 

@@ -376,3 +376,16 @@ def test_bad_inputs_raise():
         moe.grouped_matmul(torch.zeros(2, 32), torch.zeros(5, dtype=torch.long), torch.zeros(2, 4, 32))
     with pytest.raises(ValueError, match="needs w3"):
         moe.grouped_matmul(torch.zeros(2, 32), torch.zeros(3, dtype=torch.long), torch.zeros(2, 4, 32), act="situ")
+
+
+def test_plan_keeps_whole_64_column_blocks_for_the_fragment_layout():
+    """MXFP4 in the fragment layout (``moe_layout``) is read in 16-row x 64-column blocks: the planned BK never
+    drops below 64 (the byte layout's plan may go to 32), BK still divides K, and a weight tile that is not a
+    multiple of 16 rows is refused."""
+    assert moe.plan(64, 8, 64, 64, "mxfrag", False, 2, ("t", 64, 16, 16, 32, 4, 1))[4] == 64
+    assert moe.plan(64, 8, 64, 192, "mxfrag", False, 2, ("t", 64, 16, 16, 128, 4, 4))[4] == 64     # 64 | 192
+    assert moe.plan(64, 8, 64, 96, "mxfp4", False, 2, ("t", 64, 16, 16, 128, 4, 4))[4] == 32
+    big = moe.plan(4096, 64, 3072, 3584, "mxfrag", True, 4, ("t", 128, 128, 64, 256, 8, 4), limit=100_000)
+    assert big[4] >= 64 and big[6] >= 1
+    with pytest.raises(ValueError, match="multiple of 16"):
+        moe.plan(64, 8, 64, 64, "mxfrag", False, 2, ("t", 24, 16, 16, 64, 4, 1))

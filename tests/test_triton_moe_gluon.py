@@ -23,6 +23,7 @@ from conftest import rel_err
 from k3ir import quant as Q
 
 G = pytest.importorskip("k3ir.backends.triton.moe_gluon")
+L = pytest.importorskip("k3ir.backends.triton.moe_layout")
 
 
 def _bf(bits):
@@ -100,7 +101,7 @@ def _emulate(packed: np.ndarray, scales: np.ndarray):
     regs["$7"] = regs["$6"]
     if pw.two:
         regs["$8"] = regs["$9"] = mult(pw.sc2.numpy())
-    env = run_ptx(G._decode_asm(pw.two), regs)
+    env = run_ptx(L._decode_asm(pw.two), regs)
     K = KC * 64
     out = np.full((E, NB * 16, K), np.nan, np.float32)
     hits = np.zeros(out.shape, np.int64)
@@ -138,14 +139,14 @@ def test_fragment_words_decode_to_reference_values(smax):
 def test_word_bit_placement_uses_every_bit_once_and_matches_masks():
     """The bit table: 32 distinct word bits; rotating the word right by the register's shift and masking
     gives exactly the placed nibble bits (registers 0-2), register 3 from its two rotations."""
-    flat = sorted(q for rj in G.WORD_POS for rh in rj for q in rh)
+    flat = sorted(q for rj in L.WORD_POS for rh in rj for q in rh)
     assert flat == list(range(32))
     for j in range(3):
-        r = G.FRAG_SHIFTS[j]
-        got = sorted((q - r) % 32 for rh in G.WORD_POS[j] for q in rh)
-        assert got == sorted(b for b in range(32) if (G.FRAG_MASK >> b) & 1)
-    m1, m2 = G.COMP[0][1], G.COMP[1][1]
-    assert m1 & m2 == 0 and m1 | m2 == G.FRAG_MASK
+        r = L.FRAG_SHIFTS[j]
+        got = sorted((q - r) % 32 for rh in L.WORD_POS[j] for q in rh)
+        assert got == sorted(b for b in range(32) if (L.FRAG_MASK >> b) & 1)
+    m1, m2 = L.COMP[0][1], L.COMP[1][1]
+    assert m1 & m2 == 0 and m1 | m2 == L.FRAG_MASK
 
 
 def test_pack_rejects_bad_shapes_and_config_fits():
@@ -228,7 +229,8 @@ def test_triton_kernels_read_the_fragment_layout(config, act, smax):
     old = moe.TUNING["mxfp4_kernel"]
     moe.TUNING["mxfp4_kernel"] = "triton"
     try:
-        got = moe.grouped_matmul(xt, torch.from_numpy(off).to(DEV), *ts[0], "mxfp4", w3=ts[1][0] if act != "none" else None,
+        got = moe.grouped_matmul(xt, torch.from_numpy(off).to(DEV), *ts[0], "mxfp4",
+                                 w3=ts[1][0] if act != "none" else None,
                                  scales3=ts[1][1] if act != "none" else None, act=act, config=config,
                                  row_scale=torch.from_numpy(rs).to(DEV) if act == "none" else None)
     finally:

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 # the fragment-word layout, its packing and its PTX decode live in moe_layout (the Triton kernels read it too)
-from .moe_layout import COMP, DEC1, DEC2, FRAG_MASK, FRAG_SHIFTS, WORD_POS, MXPacked, _decode_asm, pack_mxfp4  # noqa: F401
+from .moe_layout import DEC1, DEC2, MXPacked, pack_mxfp4  # noqa: F401
 
 
 # --- the kernel -------------------------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def mx_gemm_kernel(x, offsets, w1, s1, t1, w3, s3, t3, y, rscale, NE, b1, b2, N:
                    KQ: gl.constexpr, BT: gl.constexpr, ROWGRID: gl.constexpr, EP: gl.constexpr, NW: gl.constexpr,
                    ST: gl.constexpr, TAIL: gl.constexpr):
     """``y[r, n] = act(x[r] W1_e^T, x[r] W3_e^T)[n]`` (ACT 0: x W1^T only; 1 SiTU-GLU(b1, b2); 2 SwiGLU) times
-    ``rscale[r]`` when SCALE_ROWS, for MXFP4 weights prepared by ``pack_mxfp4`` (w*: words, s*: sc1,
+    ``rscale[r]`` when SCALE_ROWS, for MXFP4 weights in ``moe_layout``'s fragment layout (w*: words, s*: sc1,
     t*: sc2 when TWO). Grid ``(N / (16 MR NW), E)`` (ROWGRID: ``(.., R)``, see ``moe.grouped_gemm_t_kernel``).
     Each program streams its ``16 MR NW`` weight rows over K once per BT-token pass. ST 0: the next K step's
     words are loaded into registers before the current one is decoded (register double buffer); ST >= 2: an
@@ -360,8 +360,8 @@ def config_for(N: int, K: int, config: dict | None = None) -> dict:
 def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, pw: MXPacked, *, pw3: MXPacked | None = None,
                    act: str = "none", b1: float = 4.0, b2: float = 25.0, row_scale: torch.Tensor | None = None,
                    config: dict | None = None, rowgrid: bool = True) -> torch.Tensor:
-    """``moe.grouped_matmul`` for MXFP4 weights prepared by ``pack_mxfp4`` (bf16 activations on a CUDA
-    device): x ``[R, K]`` sorted by expert, offsets ``int[E+1]``; ``pw3`` + act ("situ"/"silu"): the fused
+    """``moe.grouped_matmul`` for MXFP4 weights in the fragment layout (``moe_layout.MXPacked``; bf16
+    activations on a CUDA device): x ``[R, K]`` sorted by expert, offsets ``int[E+1]``; ``pw3`` + act ("situ"/"silu"): the fused
     GLU; ``row_scale f32[R]`` multiplies output rows. Returns ``[R, N]`` in x's dtype. Raises ValueError on
     inconsistent shapes."""
     x = x.contiguous()
