@@ -81,7 +81,12 @@ def get_backend(target: str) -> Backend:
     _load()
     name = _ALIASES.get(target, target)
     if name not in _BACKENDS:
-        raise K3BackendError(f"unknown target '{target}' (registered: {', '.join(sorted(_BACKENDS))})")
+        import difflib
+        near = difflib.get_close_matches(str(target).lower(), sorted(set(_BACKENDS) | set(_ALIASES)), n=1)
+        hint = f"; did you mean '{near[0]}'?" if near else ""
+        if str(target).lower().split(":")[0] in ("cpu", "cuda", "gpu"):
+            hint = f"; '{target}' is a device, not a target: use target torch or triton with device '{target}'"
+        raise K3BackendError(f"unknown target '{target}' (registered: {', '.join(sorted(_BACKENDS))}){hint}")
     return _BACKENDS[name]
 
 
@@ -126,16 +131,22 @@ _DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "f32": "float32", "bflo
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
-def resolve_dtype(backend: Backend, dtype: str) -> str:
+def resolve_dtype(backend: Backend, dtype: str | None) -> str:
     """The canonical compute dtype for ``dtype`` (``float32`` | ``bfloat16`` | ``float16`` |
-    ``float64``, or ``fp32``/``f32``/``bf16``/``fp16``/``f16``/``f64``) on ``backend``. Raises
-    K3BackendError naming ``dtype`` and the dtypes ``backend`` supports (``Backend.dtypes``) for an
-    unknown dtype or one the target does not compute in; called before anything is built."""
+    ``float64``, or ``fp32``/``f32``/``bf16``/``fp16``/``f16``/``f64``) on ``backend``; None = the
+    target's default (the first of ``Backend.dtypes``, else float32: float64 for ``reference``).
+    Raises K3BackendError naming ``dtype`` and the dtypes ``backend`` supports (``Backend.dtypes``)
+    for an unknown dtype or one the target does not compute in; called before anything is built."""
     ok = backend.dtypes or DTYPES
+    if dtype is None:
+        return ok[0]
     canon = _DTYPE_NAMES.get(dtype) if isinstance(dtype, str) else None
     if canon is None or canon not in ok:
         what = "unknown dtype" if canon is None else "unsupported dtype"
-        raise K3BackendError(f"{what} '{dtype}' for target '{backend.name}' (supported: {', '.join(ok)})")
+        hint = ""
+        if backend.name == "reference" and canon is not None:     # the oracle never changes precision silently
+            hint = f"; the reference target is the float64 NumPy oracle: use target 'torch' to compute in {canon}"
+        raise K3BackendError(f"{what} '{dtype}' for target '{backend.name}' (supported: {', '.join(ok)}){hint}")
     return canon
 
 
@@ -151,10 +162,11 @@ def _check_device(device: str) -> None:
         raise K3BackendError(f"unknown device '{device}' (want cpu, cuda or cuda:N)") from None
 
 
-def compile_module(module: Module, target: str = "torch", dtype: str = "float32", device: str = "cpu",
+def compile_module(module: Module, target: str = "torch", dtype: str | None = None, device: str = "cpu",
                    passes: list[str] | None = None, verify_each: bool = False, **options: Any) -> Executable:
     """Verify ``module`` (K3VerifyError with ``file:line:col`` for a parsed module: an invalid module
-    never compiles), check ``dtype`` against the target's dtypes (:func:`resolve_dtype`), run the
+    never compiles), check ``dtype`` against the target's dtypes (:func:`resolve_dtype`; None = the
+    target's default: float32, float64 for ``reference``), run the
     target's pipeline (or ``passes``) on a copy of it, then build. Raises K3BackendError."""
     from k3ir.verify import verify_module
     verify_module(module)

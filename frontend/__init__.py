@@ -16,14 +16,13 @@ __all__ = [
 
 def load(name_or_path: str, overrides=None, strict: bool = True):
     """Build the Module for a bundled name, a config.json path or a checkpoint directory. A
-    directory holding safetensors weights binds them lazily (``module.weights``, see
-    :func:`checkpoint.bind_checkpoint`; ``strict``: unused checkpoint tensors are an error)."""
+    directory binds its safetensors weights lazily (``module.weights``, see
+    :func:`checkpoint.bind_checkpoint`; ``strict``: unused checkpoint tensors are an error); a
+    directory without ``*.safetensors`` files raises K3CheckpointError naming it (random weights
+    come only from an explicit bundled name or ``config.json`` path)."""
     import os
     module = build_module(load_config(name_or_path, overrides))
     if isinstance(name_or_path, (str, os.PathLike)) and os.path.isdir(name_or_path):
-        from .checkpoint import bind_checkpoint, is_checkpoint_dir, note_no_weights
-        if is_checkpoint_dir(name_or_path):
-            bind_checkpoint(module, os.fspath(name_or_path), strict=strict)
-        else:                             # config.json only: warn, random init (module.attrs note)
-            note_no_weights(module, os.fspath(name_or_path))
+        from .checkpoint import bind_checkpoint
+        bind_checkpoint(module, os.fspath(name_or_path), strict=strict)
     return module

@@ -123,7 +123,7 @@ class Checkpoint:
         else:
             shards = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
             if not shards:
-                raise K3CheckpointError(f"{directory}: no *.safetensors files and no {INDEX_NAME}")
+                raise K3CheckpointError(no_weights_message(directory))
             _check_shard_set(directory, shards)
             shards = {p: None for p in shards}
         for path, listed in shards.items():
@@ -383,16 +383,12 @@ def _as_float(a: np.ndarray, dtype: str) -> np.ndarray:
     return a if dtype == "f64" else a.astype(np.float32)
 
 
-NO_WEIGHTS_NOTE = "checkpoint_note"
-
-
-def note_no_weights(module: Module, directory: str) -> Module:
-    """A directory with ``config.json`` but no safetensors weights: log a warning that random init
-    will be used and record it as ``module.attrs["checkpoint_note"]`` (shown by ``k3ir inspect``)."""
-    msg = f"no weights: {os.path.basename(os.path.normpath(directory))} has no *.safetensors files; random init is used"
-    log.warning("checkpoint: %s", msg)
-    module.attrs[NO_WEIGHTS_NOTE] = msg
-    return module
+def no_weights_message(directory: str) -> str:
+    """The K3CheckpointError text for a checkpoint directory without weights: names the directory,
+    what was expected, and the explicit way to random weights (the ``config.json`` path itself)."""
+    return (f"{directory}: no weights: expected model.safetensors, *.safetensors shards or {INDEX_NAME} in the "
+            f"checkpoint directory; for random weights pass the config itself "
+            f"({os.path.join(directory, 'config.json')})")
 
 
 def bind_checkpoint(module: Module, directory: str, strict: bool = True) -> Module:

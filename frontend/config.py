@@ -138,7 +138,10 @@ def resolve_config_path(name_or_path: str) -> str:
         return p
     if os.path.isfile(name_or_path):
         return name_or_path
-    raise K3ConfigError(f"no such file, directory or bundled model (bundled: {', '.join(BUNDLED)})",
+    bare = "/" not in str(name_or_path) and os.sep not in str(name_or_path)     # a name, not a path
+    near = difflib.get_close_matches(str(name_or_path).lower(), list(BUNDLED), n=1) if bare else []
+    hint = f"; did you mean '{near[0]}'?" if near else ""
+    raise K3ConfigError(f"no such file, directory or bundled model (bundled: {', '.join(BUNDLED)}){hint}",
                         path=name_or_path)
 
 

@@ -84,10 +84,11 @@ def save(module: Module, params: Any, directory: str, layout: str = "published",
     return save_checkpoint(module, params, directory, layout=layout, quantize=quantize, **options)
 
 
-def compile(module: Module, target: str = "torch", dtype: str = "float32", device: str = "cpu", **options: Any):
+def compile(module: Module, target: str = "torch", dtype: str | None = None, device: str = "cpu", **options: Any):
     """Run ``target``'s pass pipeline on a copy of ``module`` and build an Executable.
     ``dtype``: ``float32`` | ``bfloat16`` | ``float16`` | ``float64`` (compute dtype), as far as the
-    target supports it (``Backend.dtypes``: onnx float32/float16, mlir float32, tvm float32/float64);
-    raises K3BackendError naming the dtype and the supported ones."""
+    target supports it (``Backend.dtypes``: onnx float32/float16, mlir float32, tvm float32/float64,
+    reference float64 only); None (default) = the target's default (float32; float64 for
+    ``reference``). Raises K3BackendError naming the dtype and the supported ones."""
     from .backends import compile_module
     return compile_module(module, target=target, dtype=dtype, device=device, **options)

@@ -128,8 +128,6 @@ def cmd_inspect(args) -> int:
                         f"{human_bytes(before)} -> {human_bytes(r.param_bytes)}")
     if ck:
         print_checkpoint(ck)
-    elif m.attrs.get("checkpoint_note"):            # a directory with config.json but no weights
-        print(f"checkpoint: {m.attrs['checkpoint_note']}")
     return 0
 
 
@@ -243,7 +241,7 @@ def cmd_run(args) -> int:
     except ImportError:
         pass
     tiny = k3ir.load(args.tiny)
-    exe = k3ir.compile(tiny, target=args.target, dtype="float32", device=args.device)
+    exe = k3ir.compile(tiny, target=args.target, device=args.device)    # the target's default dtype (float32; reference float64)
     sess = Session(exe, seed=args.seed)
     _step(con, "2. compiled", f" {args.tiny} for target '{exe.target}' "
               f"({len(tiny.params)} tensors, {report(tiny).params_total:,} parameters, random init seed "

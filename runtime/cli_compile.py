@@ -1,8 +1,11 @@
 """``k3ir compile``: run a target's pass pipeline on a model, optionally dumping the IR after
-every pass, then build the target (skipped with a note when the backend is not usable here).
+every pass, then build the target. When the backend is not usable here (no GPU for triton, a
+missing pip extra) the build is skipped with a note; with ``-o DIR`` that is an error (exit 2,
+naming what is missing and what was written) unless ``--no-build``/``--ir-only`` asks for the IR only.
 
     k3ir compile kimi-k3 --target triton --dump-ir dumps/ --verify-each
     k3ir compile k3-tiny --target torch --passes "fuse-kda-chunks{chunk_size=64},dce" -o out/
+    k3ir compile kimi-k3 --target triton --ir-only -o ir/     # module.k3 + passes.json, on any machine
 """
 from __future__ import annotations
 
@@ -121,8 +124,12 @@ def cmd_compile(args) -> int:
                        "ops": {fn: dict(c) for fn, c in counts.items()}}, f, indent=2)
         con.print(f"wrote {os.path.join(args.output, 'module.k3')} and passes.json")
     if args.no_build:
-        con.print("build skipped (--no-build)")
+        con.print("build skipped (--no-build/--ir-only)")
     elif backend is None or why:
+        if args.output:        # -o promises an artifact: no silent IR-only output
+            raise K3BackendError(f"target '{args.target}' cannot build here: {why}; no runnable artifact in "
+                                 f"{args.output}, only the IR (module.k3 and passes.json); pass --ir-only to ask "
+                                 "for just that")
         con.print(f"note: target '{args.target}' cannot build here ({why}); ran its pipeline only")
     else:
         t2 = time.perf_counter()
@@ -146,11 +153,15 @@ def register(sub) -> None:
     p.add_argument("--quantize", choices=("none", "mxfp4", "int4"), help="override the config's expert quantisation")
     p.add_argument("--dump-ir", metavar="DIR", help="write 00-input.k3 and NN-<pass>.k3 after each pass")
     p.add_argument("--verify-each", action="store_true", help="run the verifier after every pass")
-    p.add_argument("-o", "--output", metavar="DIR", help="write the final module.k3 and passes.json")
-    p.add_argument("--no-build", action="store_true", help="run the pipeline only")
-    p.add_argument("--dtype", default="float32",
-                   help="compute dtype for the build: float32 (default), bfloat16, float16 or float64, as the target "
-                        "supports (k3ir backends)")
+    p.add_argument("-o", "--output", metavar="DIR",
+                   help="write the final module.k3 and passes.json, then the built artifact (Session.load(DIR)); "
+                        "a target that cannot build here (no GPU, missing pip extra) is an error (exit 2) unless "
+                        "--ir-only")
+    p.add_argument("--no-build", "--ir-only", dest="no_build", action="store_true",
+                   help="run the pipeline only, no build (with -o: write only module.k3 and passes.json)")
+    p.add_argument("--dtype", default=None,
+                   help="compute dtype for the build: float32, bfloat16, float16 or float64, as the target supports "
+                        "(default: the target's own, float32; reference computes only in float64)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0, help="random-init seed when the model has no weights")
     p.set_defaults(func=cmd_compile)

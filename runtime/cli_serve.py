@@ -12,7 +12,8 @@ from .cli import UsageError, load_model, model_arg
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="torch", help="backend target (default torch)")
     p.add_argument("--device", default="cpu", help="device for the torch/triton targets (default cpu)")
-    p.add_argument("--dtype", default="float32", help="compute dtype (default float32)")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the target's, float32; float64 for "
+                                                 "reference, which computes only in float64)")
     p.add_argument("--block-size", type=int, default=512, help="pool block in tokens, a multiple of 64 (default 512)")
     p.add_argument("--num-blocks", type=int, default=None, help="pool blocks (default: max-batch x 2048 tokens)")
     p.add_argument("--max-batch", type=int, default=32, help="running requests per step (default 32)")
@@ -31,7 +32,7 @@ def _setup(args):
     from .cli_compile import check_dtype
     from .engine import build_engine
     from .tokenizer import load_tokenizer
-    check_dtype(args.target, args.dtype)             # a bad --dtype fails before the model loads
+    args.dtype = check_dtype(args.target, args.dtype)    # a bad --dtype fails before the model loads
     module = load_model(args)
     tok = load_tokenizer(args.model, module)
     engine = build_engine(module, target=args.target, dtype=args.dtype, device=args.device, seed=args.init_seed,

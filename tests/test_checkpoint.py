@@ -361,13 +361,17 @@ def test_save_unknown_dtype_names_allowed_values(tiny, tmp_path, bad):
 
 
 # ---- a directory with config.json and no weights ------------------------------------------------------
-def test_config_only_directory_warns_and_inspect_says_no_weights(tiny, tmp_path, caplog, capsys):
+def test_config_only_directory_is_an_error_config_path_is_random_init(tiny, tmp_path, capsys):
+    """A checkpoint directory without weights no longer falls back to random init silently: the
+    error names the directory and what was expected; the config.json path itself builds randomly."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_LINEAR))
-    with caplog.at_level("WARNING", logger="k3ir.checkpoint"):
-        m = k3ir.load(str(tmp_path))
-    assert m.weights is None
-    assert any("no weights" in r.getMessage() and "random init" in r.getMessage() for r in caplog.records)
-    assert "no weights" in m.attrs["checkpoint_note"]
+    with pytest.raises(K3CheckpointError) as e:
+        k3ir.load(str(tmp_path))
+    msg = str(e.value)
+    assert msg.startswith(f"{tmp_path}: no weights") and "*.safetensors" in msg, msg
+    assert str(tmp_path / "config.json") in msg
+    assert k3ir.load(str(tmp_path / "config.json")).weights is None
     capsys.readouterr()
-    assert main(["inspect", str(tmp_path)]) == 0
-    assert "no weights" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"k3ir: error: {tmp_path}: no weights") and len(err.splitlines()) == 1, err
