@@ -240,7 +240,7 @@ def test_triton_kernels_read_the_fragment_layout(config, act, smax):
     assert err < (2e-2 if GPU else 1e-5), err
 
 
-def test_to_fragments_in_place_one_copy_and_guards():
+def test_to_fragments_in_place_one_copy_and_guards(monkeypatch):
     """In place: the words and sc1 live in the original tensors' storage (no second copy), chunk by chunk
     equal to the out-of-place packing; the registry gives the layout to grouped_matmul, refuses a weight written
     after its permutation, and leaves unregistered tensors in the original layout (Triton byte decode)."""
@@ -262,6 +262,15 @@ def test_to_fragments_in_place_one_copy_and_guards():
     with pytest.raises(ValueError, match="modified after"):
         moe.grouped_matmul(torch.zeros(2, 128), torch.tensor([0, 2, 2, 2, 2, 2]), w, sc, "mxfp4")
     assert not moe_layout.fits(torch.zeros(1, 24, 32, dtype=torch.uint8), torch.zeros(1, 24, 2, dtype=torch.uint8))
+    monkeypatch.setattr(moe_layout, "mxfp4_pairs", lambda module: [("w", "s")])
+    params = {"w": torch.from_numpy(p.copy()), "s": torch.from_numpy(s.copy())}
+    given = dict(params)
+    assert moe_layout.prepare_params(None, params, given) == 1          # the caller's tensors: out of place
+    assert params["w"] is not given["w"] and np.array_equal(given["w"].numpy(), p)
+    assert torch.equal(moe_layout.lookup(params["w"], params["s"]).words, ref.words)
+    again = dict(params)
+    assert moe_layout.prepare_params(None, again, {}) == 0             # already in the layout: never twice
+    assert again["w"] is params["w"] and torch.equal(moe_layout.lookup(again["w"], again["s"]).words, ref.words)
 
 
 def test_executable_permutes_experts_once_and_matches_torch():

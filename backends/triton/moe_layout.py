@@ -273,12 +273,13 @@ def prepare_params(module, params: dict, given: dict) -> int:
     """Prepare-time permutation of a module's MXFP4 expert tensors (``mxfp4_pairs``) in ``params`` (the
     executable's prepared tensors; ``given``: what the caller passed). In place where the executable owns the
     tensor (a copy made by ``prepare_params``: host arrays moved to the device), else into new tensors (the
-    caller's arrays are never modified), one expert tensor at a time. Returns the number of tensors permuted."""
+    caller's arrays are never modified; while the caller holds its device tensors both exist), one expert tensor
+    at a time. Tensors already in the layout (registered) are kept. Returns the number of tensors permuted."""
     n = 0
     for wn, sn in mxfp4_pairs(module):
         w, s = params.get(wn), params.get(sn)
-        if not isinstance(w, torch.Tensor) or not fits(w, s):
-            continue
+        if not isinstance(w, torch.Tensor) or not fits(w, s) or (_REG is not None and w in _REG):
+            continue            # not this layout's shape, or already in it (a registered tensor passed again)
         own = _ptr(given.get(wn)) != w.data_ptr() and _ptr(given.get(sn)) != s.data_ptr()
         params[wn], params[sn] = prepare(w, s, inplace=own)
         n += 1
