@@ -35,7 +35,7 @@ HBM = 4.25e12
 SMOKE: list = []
 E, D, I, TOPK = 896, 3584, 3072, 16
 SHAPES = ((I, D), (I, D), (D, I))          # w1, w3 (gate/up: [I, D]), w2 (down: [D, I])
-CHUNK = 64                                 # experts per generator chunk
+CHUNK = 32                                 # experts per generator chunk (and reference dequantisation)
 DEV, DT = "cuda", "bfloat16"               # --smoke: CPU (TRITON_INTERPRET=1), tiny shapes, float32
 CONFIGS = [{"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 0, "TAIL": 0}, {"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 3, "TAIL": 0},
            {"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 4, "TAIL": 1}, {"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 3, "TAIL": 1},
