@@ -1,7 +1,7 @@
 """Where the time goes on the GPU (issues 5 and 6): registers and spills of every compiled Triton
 kernel of the triton target, and a kernel-time profile of one decode step of a model.
 
-    python3 bench/gpu_diag.py [--sections regs,count,decode,prefill] [--model kimi-linear-6p6b] [--batch 1]
+    python3 bench/gpu_diag.py [--sections regs,count,decode,front,gemv,prefill] [--model kimi-linear-6p6b] [--batch 1]
                               [--prefill 1x4096,8x2048] [--small]
     TRITON_INTERPRET=1 python bench/gpu_diag.py --sections count --small      # on the CPU
 
@@ -17,7 +17,8 @@ the wall time and the same two tables. ``gemv``: the decode gemv at each Kimi Li
 launch configs (us per launch in a CUDA graph, TB/s, best config). ``decode`` also checks one graph
 step's logits against the eager step, times the replay with each decode switch off alone (MoE front in one
 launch, KDA low-rank up-projections in kda_decode; ``K3IR_DIAG_AB=0`` skips) and, with ``K3IR_DIAG_PDL=1``, with
-the gemv kernels launched with programmatic dependent launch (gemv.PDL, slower on the H200). ``compiles``: distinct Triton specialisations (cold-cache compiles)
+the gemv kernels launched with programmatic dependent launch (gemv.PDL, slower on the H200). ``front``: the one-launch MoE front against the three-launch path (agreement over
+many calls, us per call). ``compiles``: distinct Triton specialisations (cold-cache compiles)
 of the prefill shapes and decode B1/B32 (``TRITON_INTERPRET=1 ... --sections compiles --small --prefill 1x64,2x32``).
 """
 from __future__ import annotations
@@ -527,6 +528,69 @@ def section_gemv(reps=50):
         print(f"best {lb:<28} {cfg!s:<18} {us:.2f} us")
 
 
+def section_front(iters=200, dev="cuda"):
+    """The one-launch MoE front (dispatch.route_dispatch_glu) against the three-launch path (route_dispatch with the
+    norm + the shared-expert SwiGLU gemv) at the Kimi Linear shapes (D 2048, 64 experts, top-8, shared 1024, bf16):
+    ``iters`` random rows per batch (a race in the last-block-done ticket shows as wrong or unfilled outputs), then
+    us per call of each path from a CUDA graph of 50 calls."""
+    from k3ir.backends.triton import dispatch as dk
+    from k3ir.backends.triton import gemv as gk
+    torch.manual_seed(0)
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    D, E, k, NS = 2048, 64, 8, 1024
+    wr = (torch.randn(E, D, device=dev) * 0.02).to(dt)
+    bias = torch.randn(E, device=dev) * 0.01
+    nw = (1 + 0.1 * torch.randn(D, device=dev)).to(dt)
+    w1, w3 = ((torch.randn(NS, D, device=dev) * 0.02).to(dt) for _ in range(2))
+
+    def new(x):
+        return dk.route_dispatch_glu(x, wr, bias, k, E, True, 2.446, 1e-20, (nw, 1e-5), w1, w3)
+
+    def old(x):
+        rout, dout, xn = dk.route_dispatch(x, wr, bias, k, E, True, 2.446, 1e-20, norm=(nw, 1e-5))
+        return rout, dout, gk.gemv(xn, w1, w3)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+    for B in (1, 4):
+        bad_idx = bad_off = 0
+        worst = {"weights": 0.0, "cw": 0.0, "xs": 0.0, "y": 0.0}
+        for _ in range(iters):
+            x = (torch.randn(B, 1, D, device=dev) * 2).to(dt)
+            (nw_, ni, _), (nxs, noff, ninv, ncw), ny = new(x)
+            (ow, oi, _), (oxs, ooff, oinv, ocw), oy = old(x)
+            same = bool(torch.equal(ni, oi))
+            bad_idx += not same
+            bad_off += not torch.equal(noff, ooff)
+            if same:
+                bad_off += not torch.equal(ninv, oinv)
+                worst["weights"] = max(worst["weights"], rel(nw_, ow))
+                worst["cw"] = max(worst["cw"], rel(ncw, ocw))
+                worst["xs"] = max(worst["xs"], rel(nxs, oxs))
+            worst["y"] = max(worst["y"], rel(ny, oy))
+        tick = int(dk._ticket(torch.device(dev))[0])
+        print(f"front B{B}: {iters} calls, expert ids differ in {bad_idx} (near-ties: the old path rounds the normed "
+              f"row after the logits), offsets/inv differ in {bad_off}, worst rel: " +
+              ", ".join(f"{n} {v:.1e}" for n, v in worst.items()) + f"; ticket after: {tick}", flush=True)
+        x = (torch.randn(B, 1, D, device=dev) * 2).to(dt)
+        if dev != "cuda":       # the CPU interpreter: agreement only
+            continue
+        for name, fn in (("one launch", new), ("three launches", old)):
+            fn(x)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(50):
+                    fn(x)
+            g.replay()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(10):
+                g.replay()
+            torch.cuda.synchronize()
+            print(f"front B{B} {name}: {(time.perf_counter() - t) / 500 * 1e6:.2f} us per call (CUDA graph)", flush=True)
+
+
 def section_prefill(model, shapes, small):
     """One prefill per shape after a warm-up of the same shape: wall time, per-IR-op and kernel tables."""
     from torch.profiler import ProfilerActivity, profile
@@ -586,6 +650,8 @@ def main():
                 section_prefill(a.model, shapes, a.small)
             elif s == "gemv":
                 section_gemv()
+            elif s == "front":
+                section_front()
             else:
                 print(f"unknown section {s}")
         except Exception:  # noqa: BLE001 - a diagnostic: print and go on to the next section

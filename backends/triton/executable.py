@@ -155,9 +155,10 @@ TUNING: dict = {"lowrank_in_decode": os.environ.get("K3IR_KDA_LOWRANK", "1") != 
 def _decode_split(inst, xr, nrm, cat, sizes, convs, cpools, pool, w_fb, gate_w, A_log, dt_bias, o_norm, lb):
     """The decode branch of ``fused_kda`` with DECODE_SPLIT: projections + conv + SiLU (conv states shifted
     in place) in one gemv, the low-rank up-projections in one, the recurrent step over V blocks, and the
-    output returned as a deferred gated norm when the plan allows it (lowering.DEFER_GATED)."""
+    output returned as a deferred gated norm when the plan allows it (``inst.defer_gated``, set by
+    lowering.PlanInterpreter for the plan's ``kda_out`` action)."""
     from .gemv import cat_weights, gemv, gemv2
-    from .lowering import DEFER_GATED, GateNormed
+    from .lowering import GateNormed
     H, D = inst.heads, inst.head_dim
     B = xr.shape[0]
     slots = _slots(B, xr.device)
@@ -173,7 +174,7 @@ def _decode_split(inst, xr, nrm, cat, sizes, convs, cpools, pool, w_fb, gate_w, 
         z, gz = gemv2(fa, w_fb, ga, gate_w[1])
         o = layer.kda_decode(q, k, v, z, bl, A_log, dt_bias, pool, slots, lower_bound=lb, scale=inst.scale)
     lazy = GateNormed(o.reshape(B, 1, H * D), gz.reshape(B, 1, H * D), o_norm, inst.eps)
-    return (lazy if DEFER_GATED["on"] else lazy.materialize(), *cpools, pool)
+    return (lazy if getattr(inst, "defer_gated", False) else lazy.materialize(), *cpools, pool)
 
 
 KERNELS = {

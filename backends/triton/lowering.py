@@ -46,13 +46,11 @@ class Prenormed(Lazy):
         return norm_k.rmsnorm(self.x, self.w, self.eps)
 
 
-#: set while a ``kda_out`` KDA layer runs: its output may be returned as a GateNormed
-DEFER_GATED = {"on": False}
-
-
 class GateNormed(Lazy):
     """``gated_rmsnorm(o, gz, w, eps)`` of a KDA decode step not yet computed (heads of ``w.numel()``
-    columns): the o_proj gemv applies it in its prologue (gemv ``norm=(w, gz, eps, "gated")``)."""
+    columns): the o_proj gemv applies it in its prologue (gemv ``norm=(w, gz, eps, "gated")``). Returned by
+    ``fused_kda`` only when its op instance carries ``defer_gated`` (set by PlanInterpreter from the plan's
+    ``kda_out`` action, per run: False while an observer runs)."""
 
     def __init__(self, o, gz, w, eps):
         self.o, self.gz, self.w, self.eps = o, gz, w, float(eps)
@@ -401,14 +399,9 @@ class PlanInterpreter(Interpreter):
         kind = act[0]
         if kind == "skip":
             return
-        if kind == "kda_out":
-            if self.observe is not None:
-                return super().exec_op(op, env, observe)
-            DEFER_GATED["on"] = True
-            try:
-                return super().exec_op(op, env, observe)
-            finally:
-                DEFER_GATED["on"] = False
+        if kind == "kda_out":         # the plan's permission travels on the op instance (no module state)
+            object.__setattr__(self._op_inst(op), "defer_gated", self.observe is None)
+            return super().exec_op(op, env, observe)
         if kind == "lin_glu" and id(op.results[0]) in env:    # computed by its MoE front (route_dispatch_glu)
             return
         if kind in ("lin_glu", "lin_add"):
@@ -478,6 +471,16 @@ class PlanInterpreter(Interpreter):
         if self.post is not None:
             outs = self.post(op, outs)
         env[id(op.results[0])] = outs[0]
+
+    def _op_inst(self, op):
+        """The op instance ``eval_op`` passes to the op's implementation (made and cached here if new)."""
+        inst = self._inst.get(id(op))
+        if inst is None:
+            from k3ir.opdef import get_opdef
+            inst = get_opdef(op.name)(op.attrs, [v.type for v in op.operands])
+            object.__setattr__(inst, "call", self.run)
+            self._inst[id(op)] = inst
+        return inst
 
     def _store(self, op, outs, env, observe):
         if self.post is not None:
