@@ -568,7 +568,7 @@ def section_front(iters=200, dev="cuda"):
                 worst["cw"] = max(worst["cw"], rel(ncw, ocw))
                 worst["xs"] = max(worst["xs"], rel(nxs, oxs))
             worst["y"] = max(worst["y"], rel(ny, oy))
-        tick = int(dk._ticket(torch.device(dev))[0])
+        tick = int(dk._ticket(wr.device)[0])
         print(f"front B{B}: {iters} calls, expert ids differ in {bad_idx} (near-ties: the old path rounds the normed "
               f"row after the logits), offsets/inv differ in {bad_off}, worst rel: " +
               ", ".join(f"{n} {v:.1e}" for n, v in worst.items()) + f"; ticket after: {tick}", flush=True)

@@ -438,7 +438,7 @@ _TICKETS: dict = {}
 
 
 def _ticket(dev) -> torch.Tensor:
-    key = str(dev)
+    key = str(torch.device(dev))
     t = _TICKETS.get(key)
     if t is None:
         t = _TICKETS[key] = torch.zeros(1, device=dev, dtype=torch.int32)
@@ -453,6 +453,8 @@ def front_supported(rows: int, num_experts: int, top_k: int, x: torch.Tensor, w1
     K = x.shape[-1]
     ok = all(w.dim() == 2 and w.shape[1] == K and w.dtype.is_floating_point and w.dtype != torch.float64
              for w in (w1, w3, wr))
+    if x.is_cuda and str(torch.device(x.device)) not in _TICKETS and torch.cuda.is_current_stream_capturing():
+        return False        # its ticket counter would be made (zeroed) inside a graph capture: first call eagerly
     return (TUNING["front_glu"] and ok and tuple(w1.shape) == tuple(w3.shape) and 0 < rows <= MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and route_supported(rows, num_experts, top_k) and _p2(rows) * _p2(top_k, 2) <= 64)
