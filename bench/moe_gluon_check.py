@@ -15,7 +15,8 @@ Sections, each in its own process with its own timeout (a CUDA fault or a hang l
          the permutation; then ``moe_layout.prepare`` in place (time, memory allocated before/after: must not
          grow; words share the original storage), then for T = 1, 256, 8192: the default path and the Triton
          kernel forced, GLU and down outputs vs dequantise-then-matmul (bf16 weights, fp32 math; the down
-         reference takes the kernel's own h), and the layer times.
+         reference takes the kernel's own h), and the layer times; last, a control at T = 256: the Triton kernel
+         with ``moe.TUNING["frag_decode"] = "exact"`` (integer decode of the same layout, accuracy only).
 Rows print as ``[row] {json}``; the table prints last; JSON in $OUT/moe_gluon_check.json.
 
     python3 bench/moe_gluon_check.py [--budget 56] [--sections warm,k3] [--no-old]
@@ -172,7 +173,9 @@ def sec_warm(i):
     h = torch.randn(SIZES[2] * TOPK, I, device=dev, dtype=getattr(torch, DT))
     rs = torch.rand(SIZES[2] * TOPK, device=dev)
     label = ""
-    for T in {0: (SIZES[1], 1), 1: (SIZES[1], 1), 2: (SIZES[2],), 3: (SIZES[2],)}[i]:
+    for T, dec in {0: ((SIZES[1], "ptx"), (1, "ptx")), 1: ((SIZES[1], "ptx"), (1, "ptx"), (SIZES[1], "exact")),
+                   2: ((SIZES[2], "ptx"),), 3: ((SIZES[2], "ptx"),)}[i]:
+        moe.TUNING["frag_decode"] = dec           # "exact": the control's integer decode (k3 section, last)
         _, inv, off = _route(T, dev)
         R = T * TOPK
         xs = x[:T].repeat_interleave(TOPK, 0)
@@ -235,9 +238,16 @@ def sec_k3(old=True):
             _k3_case(T, ws, ss, dev)
         except Exception as ex:
             emit(f"k3 T={T}", error=repr(ex)[-1500:])
+    try:            # control, last (skipped if the budget ends first): the integer decode of the same layout
+        moe.TUNING["frag_decode"] = "exact"
+        _k3_case(SIZES[1], ws, ss, dev, kerns=("triton",), timed=False, tag=" frag_decode=exact")
+    except Exception as ex:
+        emit("k3 exact control", error=repr(ex)[-1500:])
+    finally:
+        moe.TUNING["frag_decode"] = "ptx"
 
 
-def _k3_case(T, ws, ss, dev):
+def _k3_case(T, ws, ss, dev, kerns=None, timed=True, tag=""):
     import torch
     from k3ir.backends.triton import moe
     order, inv, off = _route(T, dev)
@@ -251,7 +261,7 @@ def _k3_case(T, ws, ss, dev):
     h_ref = _situ(g_ref, _ref_gemm(1, xs, off, dev))
     del g_ref
     h_ref_s = time.perf_counter() - t0
-    kerns = ("gluon", "triton") if T * TOPK <= moe.TUNING["gluon_max_rows"] * E else ("triton",)
+    kerns = kerns or (("gluon", "triton") if T * TOPK <= moe.TUNING["gluon_max_rows"] * E else ("triton",))
     for kern in kerns:
         moe.TUNING["mxfp4_kernel"] = kern
         try:
@@ -264,6 +274,9 @@ def _k3_case(T, ws, ss, dev):
 
             def layer():
                 return moe.moe_forward(xs, off, ws[0], ws[1], ws[2], cw, inv, "mxfp4", ss, act="situ")
+            if not timed:
+                emit(f"k3 T={T} {kern}{tag}", rel_glu=eg, rel_down=ed, ok=max(eg, ed) < 2e-2)
+                continue
             ms = _bench(layer, 60 if T < SIZES[2] else 150)
             kv = {}
             if T == SIZES[2]:

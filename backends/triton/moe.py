@@ -49,7 +49,9 @@ ACT_IDS = {"none": 0, "situ": 1, "silu": 2, "swiglu": 2}
 # layer at 256 tokens 4.48 ms vs 14.04 ms for the Triton kernel, H200 2026-11-30 04:15) or "triton" (the Triton
 # kernels, which read the fragment layout for every row count). Weights in the original packed layout (not
 # prepared) always take the Triton kernels.
-TUNING = {"mxfp4_kernel": "gluon", "gluon_max_rows": 16}
+# "frag_decode": "ptx" (the Triton kernels decode fragment words with the Gluon kernel's PTX) or "exact" (integer
+# bit extraction + fp32 scale, as under the interpreter: a fallback should the PTX path disagree on a device)
+TUNING = {"mxfp4_kernel": "gluon", "gluon_max_rows": 16, "frag_decode": "ptx"}
 
 
 @triton.jit
@@ -489,7 +491,7 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
         scales = scales.float()
         scales3 = scales3.float()
     if pk is not None:                     # fragment layout: words / sc1 / sc2 (moe_layout)
-        qid = 7 if interpreting() or mxfp4_decode == "exact" else 8
+        qid = 7 if interpreting() or mxfp4_decode == "exact" or TUNING["frag_decode"] == "exact" else 8
         w, scales, t1, w3, scales3, t3 = pk.words, pk.sc1, pk.sc2, pk3.words, pk3.sc1, pk3.sc2
     elif quant == "mxfp4":
         dec = mxfp4_decode or ("exact" if interpreting() else "auto")
