@@ -56,20 +56,23 @@ INTERMEDIATE_DTYPES: dict = {}
 TUNING: dict = {"bwd_reuse": True, "intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "order": "strip", "bk": 32,
                 "warps": 4, "stages": 1, "inv": "split", "inv_warps": 1, "maxnreg": None, "exact_maxnreg": 128,
                 "exact_bk": 16, "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
-                "inv_prec": "tf32", "bv": None, "recur_warps": 4, "recur_stages": 2, "intra_warps": 8,
+                "inv_prec": "tf32", "bv": None, "recur_warps": 4, "recur_stages": 3, "intra_warps": 8,
                 "gcum_mode": "rows", "gcum_rows_bk": 128, "gcum_rows_rb": 16, "gcum_rows_warps": 1, "fast_log": True,
                 "wu_prefetch": False, "wu_mode": "flat", "wu_flat_warps": 4, "diag_main": False,
-                "sp_clamp": False, "clamp_thr": 120.0, "clamp_bk": 32, "clamp_maxnreg": 128, "clamp_warps": None}
-#: ``sp_clamp`` (session 4, not yet timed): the softplus gate's akk runs the K3 code path (diagonal blocks inside
-#: the strip dots, ``clamp_bk``-column slices, ``clamp_warps`` warps or ``warps``, cap ``clamp_maxnreg``) with a
-#: per-channel reference ``min(Gs, Ge + 80)`` (factors within exp(80) and exp(span - 80)) on channels whose
-#: 16-row decay span is <= ``clamp_thr``; the channels past it (rare: 0.4% of the sub-chunks on bench_kda's random
-#: gates) are left out of the strip dots' row operands and their share of the strip is added exactly in a branch
-#: of the same launch (``kda_fwd_kernels._fix_strip``: dots off the diagonal, element-wise on it). Needs ``gcum``
-#: and ``order`` "strip"; the precomputed gate keeps the exact path.
-#: ``NEXT``: the session-4 candidates (bench_kda variant ``s4``), CPU-checked, not yet GPU-timed: merge into
-#: ``TUNING`` once the sweep shows them faster and its ``--acc`` table ok.
-NEXT: dict = {"sp_clamp": True, "recur_stages": 3}
+                "sp_clamp": True, "clamp_thr": 120.0, "clamp_bk": 32, "clamp_maxnreg": 128, "clamp_warps": None}
+#: ``sp_clamp`` (default since the H200 sweep of 2026-11-30 06:23: softplus akk 2.09 -> 1.58 ms): the softplus gate's
+#: akk runs the K3 code path (diagonal blocks inside the strip dots, ``clamp_bk``-column slices, ``clamp_warps`` warps
+#: or ``warps``, cap ``clamp_maxnreg``) with a per-channel reference ``min(Gs, Ge + 80)`` (factors within exp(80) and
+#: exp(span - 80)) on channels whose 16-row decay span is <= ``clamp_thr``; the channels past it (rare: 0.4% of the
+#: sub-chunks on bench_kda's random gates) are left out of the strip dots' row operands and their share of the strip is
+#: added exactly in a branch of the same launch (``kda_fwd_kernels._fix_strip``: dots off the diagonal, element-wise on
+#: it). Needs ``gcum`` and ``order`` "strip"; the precomputed gate keeps the exact path.
+#: ``recur_stages`` 3 (same sweep): recurrence 1.06 -> 0.75 ms at B1 T32768 H32 (0.67 -> 0.47 at B8 T4096).
+#: ``NEXT``: candidate defaults waiting for a GPU sweep; empty when there are none. The
+#: last ones (``sp_clamp``, ``recur_stages`` 3: variant ``s4``) passed on 2026-11-30 06:23 (H200: K3 B1 T32768 H32
+#: 3.773 -> 3.469 ms vs fla 3.73, softplus 4.569 -> 3.741 vs 4.08; o within 1.7e-3 of the old default; the float64
+#: accuracy cases ok) and are in ``TUNING``.
+NEXT: dict = {}
 
 
 def _bwd_mode() -> str:
