@@ -368,10 +368,11 @@ class EngineThread:
             eng._finish(r, "abort")
 
 
-def build_engine(module, target: str = "torch", dtype: str = "float32", device: str = "cpu", params=None,
+def build_engine(module, target: str = "torch", dtype: str | None = None, device: str = "cpu", params=None,
                  seed: int = 0, **engine_kw) -> Engine:
     """Compile ``module`` with ``@prefill_varlen`` added (so mixed-length rows batch together) and
-    wrap it in a Session and an Engine (``engine_kw`` go to ``Engine``)."""
+    wrap it in a Session and an Engine (``engine_kw`` go to ``Engine``). ``dtype`` None: the target's own
+    (float32, float64 for ``reference``)."""
     from k3ir.frontend.model import add_varlen_function
 
     import k3ir
