@@ -539,6 +539,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="first shape only")
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--bwd-all", action="store_true", help="forward+backward at every shape (default: B1 T32768 H32)")
+    ap.add_argument("--launch-sweep", action="store_true",
+                    help="also time the old launch variants (inverse dots, value block, warps) at the first shape")
     ap.add_argument("--sweep", action="store_true", help="forward variants of kda.TUNING only (see VARIANTS)")
     ap.add_argument("--budget", type=float, default=110.0, help="--sweep: seconds before variants are skipped")
     ap.add_argument("--no-fla", action="store_true",
@@ -593,7 +595,7 @@ def main():
             rows.append(fwd_row(x, shape, gate, lb, kda_forward_kernels, chunk_kda))
             print(rows[-1], flush=True)
             save()
-            if shape == FWD_SHAPES[0] and gate == "k3" and not args.quick:
+            if shape == FWD_SHAPES[0] and gate == "k3" and args.launch_sweep:
                 rows.extend(sweep(x, shape, lb, kda_forward_kernels, chunk_kda))
                 save()
         del x

@@ -19,6 +19,7 @@ from k3ir.errors import K3RuntimeError
 from . import kda_fwd_kernels as kf
 from . import kda_kernels as kk
 from .kda_torch import kda_chunk_torch
+from .smem_fit import fit_stages
 
 BT, BC = 64, 16
 #: dtype overrides of the intermediates ({'w': ..., 'qk': ..., 'A': ...}); default: q's dtype, as fla
@@ -265,11 +266,12 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
     BV = min(BV, V)
     if "recur" not in stages:
         return (o, ht, inter) if return_intermediates else (o, ht)
-    kk.kda_recur_kernel[(V // BV, N * H)](
-        w, u, qg, kg, Aqk, gC, o, h0, ht, cu_dev, chunk_offsets, T,
-        H=H, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
-        IS_VARLEN=cu_seqlens is not None, PREC="ieee" if idt == torch.float32 else "tf32",
-        DOT_F32=_interpret(), num_warps=TUNING["recur_warps"], num_stages=TUNING["recur_stages"])
+    fit_stages(("kda_recur", idt, w.dtype, K, V, BV, TUNING["recur_warps"]), TUNING["recur_stages"],
+               lambda ns: kk.kda_recur_kernel[(V // BV, N * H)](
+                   w, u, qg, kg, Aqk, gC, o, h0, ht, cu_dev, chunk_offsets, T,
+                   H=H, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
+                   IS_VARLEN=cu_seqlens is not None, PREC="ieee" if idt == torch.float32 else "tf32",
+                   DOT_F32=_interpret(), num_warps=TUNING["recur_warps"], num_stages=ns))
     return (o, ht, inter) if return_intermediates else (o, ht)
 
 

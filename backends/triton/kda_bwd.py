@@ -18,6 +18,7 @@ import torch
 
 from . import kda_bwd_intra as ki
 from . import kda_bwd_kernels as kb
+from .smem_fit import fit_stages
 
 BT, BC = 64, 16
 #: storage dtype overrides: 'h' (states per chunk), 'dh', 'vn' (v'), 'dvn', 'w' (w, u, qg, kg, q/k
@@ -195,13 +196,15 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
             qn, kn, G, bn, v, Ai, P, w, u, qg, kg, cu, ci, T, shift,
             H=H, K=K, V=V, BT=BT, BC=BC, BK=bk_prep, BV=min(tu["bk_prep"], V), IS_VARLEN=VAR,
             EXACT=EXP, PREC=prec, num_warps=tu["w_prep"])),
-        ("fwd_h", lambda: kb.kda_bwd_fwd_h_kernel[(V // bv_rec, N * H)](
-            w, u, kg, G, h, vn, h0, cu, co, T, H=H, K=K, V=V, BT=BT, BV=bv_rec, USE_H0=h0 is not None,
-            IS_VARLEN=VAR, PREC=prec, num_warps=tu["w_rec"], num_stages=tu["stages_rec"])),
-        ("bwd_dh", lambda: kb.kda_bwd_dh_kernel[(V // bv_rec, N * H)](
-            qg, kg, w, P, G, do, dh, dvn, dht_, dh0, cu, co, T, H=H, K=K, V=V, BT=BT, BV=bv_rec,
-            USE_DHT=dht_ is not None, STORE_DH0=dh0 is not None, IS_VARLEN=VAR, PREC=prec,
-            num_warps=tu["w_rec"], num_stages=tu["stages_rec"])),
+        ("fwd_h", lambda: fit_stages(("fwd_h", w.dtype, prec, K, V, bv_rec, tu["w_rec"]), tu["stages_rec"],
+            lambda ns: kb.kda_bwd_fwd_h_kernel[(V // bv_rec, N * H)](
+                w, u, kg, G, h, vn, h0, cu, co, T, H=H, K=K, V=V, BT=BT, BV=bv_rec, USE_H0=h0 is not None,
+                IS_VARLEN=VAR, PREC=prec, num_warps=tu["w_rec"], num_stages=ns))),
+        ("bwd_dh", lambda: fit_stages(("bwd_dh", w.dtype, prec, K, V, bv_rec, tu["w_rec"]), tu["stages_rec"],
+            lambda ns: kb.kda_bwd_dh_kernel[(V // bv_rec, N * H)](
+                qg, kg, w, P, G, do, dh, dvn, dht_, dh0, cu, co, T, H=H, K=K, V=V, BT=BT, BV=bv_rec,
+                USE_DHT=dht_ is not None, STORE_DH0=dh0 is not None, IS_VARLEN=VAR, PREC=prec,
+                num_warps=tu["w_rec"], num_stages=ns))),
         ("bwd_wy", lambda: kb.kda_bwd_wy_kernel[(NC, H)](
             qn, kn, G, bn, v, vn, Ai, h, dh, do, dvn, dq, dk, dG, dv, db, dAq, dAk, cu, ci, T,
             H=H, K=K, V=V, BT=BT, BK=min(tu["bk_wy"], K), BV=bv_wy, IS_VARLEN=VAR, PREC=prec,
