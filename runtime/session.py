@@ -172,9 +172,33 @@ class Session:
         import torch
         return torch.cat(feats, dim=0)
 
+    def _device_ids(self, ids, what: str):
+        """``ids`` unchanged (as int64) when it is an integer torch tensor already on the executable's accelerator
+        (e.g. the argmax of the previous logits): it stays there, no host round trip and no host sync. Its shape
+        and dtype are checked; its values are not (that would wait for the GPU). None for anything else."""
+        dev = getattr(self.exe, "tdev", None)
+        try:
+            import torch
+        except ImportError:
+            return None
+        if not (isinstance(ids, torch.Tensor) and ids.device.type != "cpu" and dev is not None
+                and torch.device(dev).type == ids.device.type):
+            return None
+        if ids.dim() != 2:
+            raise K3RuntimeError(f"{what} must be [B, T], got shape {list(ids.shape)}")
+        if ids.shape[0] < 1 or ids.shape[1] < 1:
+            raise K3RuntimeError(f"{what} is empty (shape {list(ids.shape)})")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise K3RuntimeError(f"{what} must be integer token ids, got {ids.dtype}")
+        return ids.to(torch.int64)
+
     def decode(self, token_ids, state: State):
-        """One token per row: ``token_ids [B, 1]``. Returns (logits ``[B,1,V]``, new state)."""
-        ids = self._ids(token_ids, "token_ids")
+        """One token per row: ``token_ids [B, 1]`` (host ids are range-checked; an integer tensor on the
+        executable's GPU stays there without a host sync and is not range-checked). Returns (logits ``[B,1,V]``,
+        new state)."""
+        ids = self._device_ids(token_ids, "token_ids")
+        if ids is None:
+            ids = self._ids(token_ids, "token_ids")
         if ids.shape[1] != 1:
             raise K3RuntimeError(f"decode takes one token per row ([B, 1]), got {list(ids.shape)}")
         if state is None:
@@ -221,14 +245,13 @@ class Session:
             return out
         gen = torch.Generator().manual_seed(seed)
         logits, state = self.prefill(ids)
+        if temperature == 0:
+            return torch.cat([out, self._greedy(logits, state, max_new_tokens, eos_token_id)], dim=1)
         done = torch.zeros(ids.shape[0], dtype=torch.bool)
         for step in range(max_new_tokens):
             last = logits[:, -1].detach().to("cpu", torch.float64)
-            if temperature == 0:
-                nxt = torch.argmax(last, dim=-1)
-            else:
-                probs = torch.softmax(last / temperature, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
+            probs = torch.softmax(last / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
             if eos_token_id is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
                 done |= nxt == eos_token_id
@@ -236,3 +259,23 @@ class Session:
             if step + 1 < max_new_tokens:
                 logits, state = self.decode(nxt[:, None].numpy(), state)
         return out
+
+    def _greedy(self, logits, state: State, steps: int, eos_token_id: int | None):
+        """Greedy tokens ``LongTensor[B, steps]`` (CPU) after the prefill ``logits``: each token is the argmax of
+        the last logits (lower index on ties), picked where the logits live, so on a GPU the ids go back into
+        ``decode`` without a host round trip and the steps queue without waiting for each other (one copy to the
+        host at the end). Rows that emitted ``eos_token_id`` keep emitting it. Same tokens as an argmax of the
+        logits on the host (float64 holds every float32/bf16 value exactly: same order)."""
+        import torch
+        toks = []
+        done = None
+        for step in range(steps):
+            nxt = torch.argmax(logits[:, -1].detach(), dim=-1).to(torch.int64)
+            if eos_token_id is not None:
+                done = torch.zeros_like(nxt, dtype=torch.bool) if done is None else done
+                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                done = done | (nxt == eos_token_id)
+            toks.append(nxt)
+            if step + 1 < steps:
+                logits, state = self.decode(nxt[:, None], state)
+        return torch.stack(toks, dim=1).cpu()

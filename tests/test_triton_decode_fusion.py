@@ -110,12 +110,12 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches():
     mla = next(i for i, k in enumerate(gd.kinds) if k == "mla_cache")
     assert outs[mla] is static[mla] and float(static[mla][:, L + 1:].abs().max()) == 0.0   # row L written in place
     # rmsnorm launches: the final norm only (MoE norms in the router front, MLA's latent norm in its prologue);
-    # dispatch.TUNING["front_glu"]: norm + router + top-k + dispatch + shared gate/up in one launch per MoE layer;
+    # the MoE front by default (dispatch.TUNING["front_glu"] off): router_partial + dispatch + shared gate/up gemv;
     # gemv: KDA 3 x (projections, out: the low-rank pair in kda_decode), MLA (q+kv_a, out), dense (glu, down),
-    # 3 x shared down
-    assert launches["rmsnorm_kernel"] == 1 and launches["moe_front_kernel"] == 3
-    assert launches["router_partial_kernel"] == 0 and launches["dispatch_kernel"] == 0
-    assert launches["gemv_kernel"] == 3 * 2 + 2 + 2 + 3
+    # 3 x shared (gate/up, down)
+    assert launches["rmsnorm_kernel"] == 1 and launches["moe_front_kernel"] == 0
+    assert launches["router_partial_kernel"] == 3 and launches["dispatch_kernel"] == 3
+    assert launches["gemv_kernel"] == 3 * 2 + 2 + 2 + 3 * 2
     assert launches["combine_kernel"] == 0
     assert launches["mla_absorb_q_kernel"] == 1 and launches["mla_decode_out_kernel"] == 1
     # executable.DECODE_SPLIT: the KDA short conv in the projection gemv, the gated head norm in the o_proj gemv
@@ -127,20 +127,20 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches():
     finally:
         executable.DECODE_SPLIT = True
     assert rel_err(got.double().numpy(), want) < 1e-4
-    dispatch.TUNING["front_glu"] = False     # router_partial + dispatch + shared gate/up gemv (three launches)
+    dispatch.TUNING["front_glu"] = True      # norm + router + top-k + dispatch + shared gate/up in one launch
     try:
         launches = _count_launches(lambda: out.update(r=tri.decode(nxt[::-1].copy(), s_tri)))
     finally:
-        dispatch.TUNING["front_glu"] = True
-    assert launches["moe_front_kernel"] == 0 and launches["router_partial_kernel"] == 3
-    assert launches["gemv_kernel"] == 3 * 2 + 2 + 2 + 3 * 2
+        dispatch.TUNING["front_glu"] = False
+    assert launches["moe_front_kernel"] == 3 and launches["router_partial_kernel"] == 0
+    assert launches["dispatch_kernel"] == 0 and launches["gemv_kernel"] == 3 * 2 + 2 + 2 + 3
     assert rel_err(out["r"][0].double().numpy(), want) < 1e-4
     executable.TUNING["lowrank_in_decode"] = False     # the low-rank pair in a gemv2 launch
     try:
         launches = _count_launches(lambda: out.update(r=tri.decode(nxt[::-1].copy(), s_tri)))
     finally:
         executable.TUNING["lowrank_in_decode"] = True
-    assert launches["gemv_kernel"] == 3 * 3 + 2 + 2 + 3
+    assert launches["gemv_kernel"] == 3 * 3 + 2 + 2 + 3 * 2
     assert rel_err(out["r"][0].double().numpy(), want) < 1e-4
 
 
@@ -218,7 +218,12 @@ def test_moe_front_one_launch_matches_float64(B, k, E, D, NS):
     w = torch.randn(E, D, generator=g) * 0.1
     bias = torch.randn(E, generator=g) * 0.1
     w1, w3 = torch.randn(NS, D, generator=g) * 0.1, torch.randn(NS, D, generator=g) * 0.1
-    assert disp.front_supported(B, E, k, torch.zeros(B, 1, D), w1, w3, w)
+    assert not disp.front_supported(B, E, k, torch.zeros(B, 1, D), w1, w3, w)    # off by default (TUNING)
+    disp.TUNING["front_glu"] = True
+    try:
+        assert disp.front_supported(B, E, k, torch.zeros(B, 1, D), w1, w3, w)
+    finally:
+        disp.TUNING["front_glu"] = False
     for rep in range(2):
         x = torch.randn(B, 1, D, generator=g) * 4
         (rw, ri, rs), dout, y = disp.route_dispatch_glu(x, w, bias, k, E, True, 2.5, 1e-20, (nw, 1e-5), w1, w3)

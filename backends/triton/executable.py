@@ -255,16 +255,22 @@ class TritonExecutable(TorchExecutable):
 
     def run(self, function, args, params):
         from k3ir.types import TensorType
+
+        from .graphs import staging
+        graph = function == "decode" and self.cuda_graphs and self.compute != torch.float64
         targs = []
-        for a, spec in zip(args, self.module.functions[function].args):
+        for j, (a, spec) in enumerate(zip(args, self.module.functions[function].args)):
             t = a if isinstance(a, torch.Tensor) else torch.as_tensor(a)
             dt = self.torch_dtype(spec.type.dtype) if isinstance(spec.type, TensorType) else self.f32
             if self.tdev.type == "cuda" and t.device.type == "cpu" and t.numel() <= 65536:
-                # small host inputs (token ids) through pinned memory without a host sync: a pageable copy
-                # waits for the stream, so the next decode step could not be queued behind the running one
-                t = t.to(dtype=dt).pin_memory().to(device=self.tdev, non_blocking=True)
-            targs.append(t.to(device=self.tdev, dtype=dt))
-        if function == "decode" and self.cuda_graphs and self.compute != torch.float64:
+                # small host inputs (token ids) through the pinned staging ring (graphs.Staging): a pageable copy
+                # waits for the stream, so the next decode step could not be queued behind the running one. The
+                # graph decode stages its ids itself (with the step's position, one copy).
+                t = t.to(dtype=dt) if graph and j == 0 else staging(self).to_device(t, self.tdev, dt)
+            else:
+                t = t.to(device=self.tdev, dtype=dt)
+            targs.append(t)
+        if graph:
             if self._graph is None:
                 from .graphs import GraphDecode
                 self._graph = GraphDecode(self)

@@ -11,14 +11,76 @@ State hand-off: the State returned by a graph decode aliases the static buffers 
 views ``buf[:, :L+1]``). Passing it back to the next decode costs no copy; any other state (from
 prefill, or an older State) is copied into the buffers first. Consequence: a State from an
 earlier graph decode is overwritten by later decodes; copy it (``{k: v.clone()}``) to branch.
+
+Inputs without a host sync: the step's token ids, the cache position and the attended length live in ONE
+device buffer ``io = int64[B + 2]`` (ids, pos, nlen as the low half of the last word) that a single
+host-to-device copy fills per step, from a ring of pinned staging buffers (``Staging``): a staging buffer is
+rewritten only after the event recorded behind its previous copy has completed, so the host never waits for
+the GPU unless it is ``Staging.slots`` steps ahead. Token ids already on the device are copied device to
+device (no host round trip).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from k3ir.types import StateType
 
 BUCKET = 256
+
+
+class Staging:
+    """A ring of ``slots`` pinned host buffers for small host-to-device copies that never block the host on
+    the stream (a pageable source makes CUDA wait for the stream before the copy).
+
+    ``copy(dst, values)``: ``values`` (NumPy array, sequence or CPU tensor, ``dst.numel()`` elements) are written
+    into the next staging buffer, then ``dst.copy_(buffer, non_blocking=True)`` is queued on the current stream
+    and an event recorded behind it. A staging buffer is reused ``slots`` copies later, and only after that
+    event has completed (``event.synchronize()``: returns at once unless the host is ``slots`` copies ahead).
+    ``pin`` / ``event``: factories (pinned uint8 buffer of n bytes; a new event), replaceable for CPU tests."""
+
+    def __init__(self, slots: int = 8, pin=None, event=None):
+        self.slots = slots
+        self.bufs: list = [None] * slots
+        self.events: list = [None] * slots
+        self.i = 0
+        self.pin = pin or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        self.event = event or torch.cuda.Event
+
+    def copy(self, dst: torch.Tensor, values) -> None:
+        src = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(values))
+        n = dst.numel()
+        if src.numel() != n:
+            raise ValueError(f"staging copy: {src.numel()} values for a destination of {n}")
+        nbytes = n * dst.element_size()
+        i = self.i
+        self.i = (i + 1) % self.slots
+        if self.events[i] is not None:
+            self.events[i].synchronize()       # its previous copy has run: the buffer may be rewritten
+        if self.bufs[i] is None or self.bufs[i].numel() < nbytes:
+            self.bufs[i] = self.pin(max(nbytes, 64))
+        stage = self.bufs[i][:nbytes].view(dst.dtype)
+        stage.copy_(src.reshape(-1))
+        if not dst.is_contiguous():
+            raise ValueError("staging copy: the destination must be contiguous")
+        dst.view(-1).copy_(stage, non_blocking=True)
+        if self.events[i] is None:
+            self.events[i] = self.event()
+        self.events[i].record()
+
+    def to_device(self, values: torch.Tensor, device, dtype=None) -> torch.Tensor:
+        """A new device tensor holding the CPU tensor ``values`` (cast to ``dtype``), copied through the ring."""
+        out = torch.empty(values.shape, dtype=dtype or values.dtype, device=device)
+        self.copy(out, values.to(out.dtype))
+        return out
+
+
+def staging(exe) -> Staging:
+    """The executable's staging ring (one per executable, shared by its graph decode and its other small inputs)."""
+    st = getattr(exe, "_staging", None)
+    if st is None:
+        st = exe._staging = Staging()
+    return st
 
 
 class GraphDecode:
@@ -32,6 +94,7 @@ class GraphDecode:
         self.graph = None
         self.last_out: list | None = None
         self.captures = 0
+        self.staging = staging(exe)
 
     def _static_state(self, i, x, cap):
         if self.kinds[i] == "mla_cache":
@@ -41,17 +104,23 @@ class GraphDecode:
         return x.detach().float().contiguous().clone()
 
     def __call__(self, targs, params, run_eager):
+        """One decode step. ``targs[0]``: the token ids ``int64 [B, 1]`` on the host (CPU tensor: staged, no host
+        sync) or on the device; ``targs[1:]``: the states (on the device). Returns [logits, states...]."""
         mla = [i for i, k in enumerate(self.kinds) if k == "mla_cache"]
-        B = targs[0].shape[0]
+        ids = targs[0]
+        B = ids.shape[0]
         L = int(targs[mla[0]].shape[1]) if mla else 0
         cap = (L // BUCKET + 1) * BUCKET
         key = (B, cap, tuple(tuple(targs[i].shape) for i in range(1, len(targs)) if i not in mla))
-        dev = targs[0].device
+        dev = targs[1].device if len(targs) > 1 else self.exe.tdev
         if key != self.key:
             self.graph = None
-            self.static = [targs[0].clone()] + [self._static_state(i, targs[i], cap) for i in range(1, len(targs))]
-            self.pos = torch.zeros(1, dtype=torch.int64, device=dev)
-            self.nlen = torch.zeros(1, dtype=torch.int32, device=dev)
+            # ids, pos and nlen in one buffer: one host-to-device copy per step (nlen: low half of the last word)
+            self.io = torch.zeros(B + 2, dtype=torch.int64, device=dev)
+            self.static = [self.io[:B].view(B, 1)] + [self._static_state(i, targs[i], cap)
+                                                      for i in range(1, len(targs))]
+            self.pos = self.io[B:B + 1]
+            self.nlen = self.io[B + 1:B + 2].view(torch.int32)[:1]
             self.key = key
             fresh = True
         else:
@@ -65,9 +134,14 @@ class GraphDecode:
                     self.static[i][:, :L].copy_(targs[i])
                 else:
                     self.static[i].copy_(targs[i])
-        self.static[0].copy_(targs[0])
-        self.pos.fill_(L)
-        self.nlen.fill_(L + 1)
+        if ids.device.type == "cpu":
+            vals = np.empty(B + 2, dtype=np.int64)
+            vals[:B] = ids.reshape(B).numpy()
+            vals[B], vals[B + 1] = L, L + 1
+            self.staging.copy(self.io, vals)
+        else:
+            self.static[0].copy_(ids)
+            self.staging.copy(self.io[B:], np.array([L, L + 1], dtype=np.int64))
         if self.graph is None:
             self._capture(params, run_eager)
         self.graph.replay()
