@@ -2,19 +2,20 @@
 """GPU check + timing of the ONE MXFP4 expert layout (backends/triton/moe_layout.py, issue 6), < 60 s.
 
 The K3 MoE layer (E 896, top-16, D 3584, I 3072; random MXFP4 bytes, scale bytes 118..122) with its experts
-permuted IN PLACE into the fragment layout, read by the Gluon kernel (default at <= 16 rows per expert) and by
-the Triton kernels (prefill; and forced with ``moe.TUNING["mxfp4_kernel"] = "triton"``).
+permuted IN PLACE into the fragment layout, read by the Gluon kernel (default from ``gluon_min_rows`` = 32 rows
+up to 16 rows per expert) and by the Triton kernels (decode B1, prefill; forced with ``_force``).
 
 Sections, each in its own process with its own timeout (a CUDA fault or a hang loses one section only):
   warm   processes at once, compiling into Triton's on-disk cache the kernels the k3 section launches (Gluon GLU
-         and down, expert and row grid; Triton fragment-layout kernels at the T = 1 / 256 / 8192 configs; the
-         byte-layout Triton kernels at T = 8192 for the before/after row; combine): weights are stride-0 views
-         of one expert, so no real memory is needed.
+         and down, expert and row grid; Triton fragment-layout kernels at the T = 1 / 4 / 256 / 8192 configs;
+         the byte-layout Triton kernels at T = 8192 for the before/after row; combine): real-size uninitialised
+         weights (``torch.empty`` + ``moe_layout.mark``, 14.6 GiB per process; a stride-0 expand of one expert
+         is refused since it made the kernels read out of bounds).
   k3     weights drawn chunk by chunk from a seeded generator (the float64-free reference regenerates the same
          original bytes later); ``old``: T = 8192 layer time on the original byte layout (Triton asm1), before
          the permutation; then ``moe_layout.prepare`` in place (time, memory allocated before/after: must not
-         grow; words share the original storage), then for T = 1, 256, 8192: the default path and the Triton
-         kernel forced, GLU and down outputs vs dequantise-then-matmul (bf16 weights, fp32 math; the down
+         grow; words share the original storage), then for T = 1, 256, 4, 16, 64, 8192: each kernel forced
+         (Gluon up to 16 rows per expert; ``default_kernel``: what ``moe._use_gluon`` picks), GLU and down outputs vs dequantise-then-matmul (bf16 weights, fp32 math; the down
          reference takes the kernel's own h), and the layer times; last, a control at T = 256: the Triton kernel
          with ``moe.TUNING["frag_decode"] = "exact"`` (integer decode of the same layout, accuracy only).
 Rows print as ``[row] {json}``; the table prints last; JSON in $OUT/moe_gluon_check.json.
@@ -144,27 +145,34 @@ def _situ(g, u):
     return 4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0))
 
 
-def _fake_frag(dev, two=False):
-    """Registered stride-0 weights of 896 experts (one real expert) in the fragment layout: compile-only."""
+def _empty_frag(dev):
+    """Real-size weights (E experts, ``torch.empty``: compile-only contents, valid memory) marked as being in the
+    fragment layout (``moe_layout.mark``, one multiplier like the k3 section's scale bytes 118..122): the launches
+    specialise exactly as the k3 section's. (A stride-0 expand of one expert is refused: the kernels address
+    expert e at e * N * K / 8 words, so it read out of bounds: the illegal address of the 06:31 run.)"""
     import torch
     from k3ir.backends.triton import moe_layout as L
     out = []
     for n, k in SHAPES:
-        w = torch.randint(0, 256, (1, n, k // 2), device=dev, dtype=torch.uint8)
-        s = torch.randint(118, 123, (1, n, k // 32), device=dev, dtype=torch.uint8)
-        if two:
-            s += 20
-        pk = L.to_fragments(w, s)
-        ex = lambda t: t.expand(E, *t.shape[1:])
-        pk = L.MXPacked(ex(pk.words), ex(pk.sc1), ex(pk.sc2) if pk.two else None, n, k)
-        we, se = ex(w), ex(s)
-        L.register(we, se, pk)
-        out.append((we, se))
+        w = torch.empty(E, n, k // 2, device=dev, dtype=torch.uint8)
+        s = torch.empty(E, n, k // 32, device=dev, dtype=torch.uint8)
+        L.mark(w, s)
+        out.append((w, s))
     return out
 
 
+def _force(kern):
+    """moe.TUNING so that ``kern`` ("gluon"/"triton") serves every row count it can."""
+    from k3ir.backends.triton import moe
+    moe.TUNING["mxfp4_kernel"] = kern
+    if kern == "gluon":
+        moe.TUNING["gluon_min_rows"] = 0
+    else:
+        moe.TUNING.pop("gluon_min_rows", None)        # moe._use_gluon's default
+
+
 def sec_warm(i):
-    """Compile group i (see the module docstring) by launching on stride-0 weights."""
+    """Compile group i (see the module docstring) by launching on real-size uninitialised weights."""
     import torch
     from k3ir.backends.triton import moe
     dev = DEV
@@ -172,21 +180,21 @@ def sec_warm(i):
     x = torch.randn(SIZES[2], D, device=dev, dtype=getattr(torch, DT))
     h = torch.randn(SIZES[2] * TOPK, I, device=dev, dtype=getattr(torch, DT))
     rs = torch.rand(SIZES[2] * TOPK, device=dev)
-    label = ""
-    for T, dec in {0: ((SIZES[1], "ptx"), (1, "ptx")), 1: ((SIZES[1], "ptx"), (1, "ptx"), (SIZES[1], "exact")),
+    if i == 3:        # the byte layout (before the permutation), T = 8192 only
+        ps = [(torch.empty(E, n, k // 2, device=dev, dtype=torch.uint8),
+               torch.full((E, n, k // 32), 120, device=dev, dtype=torch.uint8)) for n, k in SHAPES]
+        label = "triton byte layout (asm1)"
+    else:
+        ps = _empty_frag(dev)
+        label = "gluon" if i == 0 else "triton fragment layout"
+    _force("gluon" if i == 0 else "triton")
+    for T, dec in {0: ((SIZES[1], "ptx"), (1, "ptx"), (4, "ptx")),
+                   1: ((SIZES[1], "ptx"), (1, "ptx"), (4, "ptx"), (SIZES[1], "exact")),
                    2: ((SIZES[2], "ptx"),), 3: ((SIZES[2], "ptx"),)}[i]:
         moe.TUNING["frag_decode"] = dec           # "exact": the control's integer decode (k3 section, last)
         _, inv, off = _route(T, dev)
         R = T * TOPK
         xs = x[:T].repeat_interleave(TOPK, 0)
-        if i == 3:        # the byte layout (before the permutation), T = 8192 only
-            ps = [(torch.empty(E, n, k // 2, device=dev, dtype=torch.uint8),
-                   torch.full((E, n, k // 32), 120, device=dev, dtype=torch.uint8)) for n, k in SHAPES]
-            label = "triton byte layout (asm1)"
-        else:
-            ps = _fake_frag(dev)
-            label = "gluon" if i == 0 else "triton fragment layout"
-        moe.TUNING["mxfp4_kernel"] = "gluon" if i == 0 else "triton"
         hh = moe.grouped_matmul(xs, off, ps[0][0], ps[0][1], "mxfp4", w3=ps[1][0], scales3=ps[1][1], act="situ")
         y = moe.grouped_matmul(h[:R], off, ps[2][0], ps[2][1], "mxfp4", row_scale=rs[:R])
         moe.moe_combine(y, None, inv)
@@ -196,6 +204,7 @@ def sec_warm(i):
 
 
 SIZES = (1, 256, 8192)
+CROSS = (4, 16, 64)          # with T = 1 and 256: where the Gluon kernel starts to win
 
 
 def sec_k3(old=True):
@@ -233,9 +242,9 @@ def sec_k3(old=True):
          alloc_before_gib=a0 / 2 ** 30, alloc_after_gib=a1 / 2 ** 30, grew_mib=(a1 - a0) / 2 ** 20,
          max_alloc_gib=(torch.cuda.max_memory_allocated() if DEV == "cuda" else 0) / 2 ** 30, same_storage=same,
          ok=same and a1 <= a0)
-    for T in SIZES:
+    for T in SIZES[:2] + CROSS + SIZES[2:]:
         try:
-            _k3_case(T, ws, ss, dev)
+            _k3_case(T, ws, ss, dev, kerns=("gluon", "triton") if T in CROSS else None)
         except Exception as ex:
             emit(f"k3 T={T}", error=repr(ex)[-1500:])
     try:            # control, last (skipped if the budget ends first): the integer decode of the same layout
@@ -262,8 +271,9 @@ def _k3_case(T, ws, ss, dev, kerns=None, timed=True, tag=""):
     del g_ref
     h_ref_s = time.perf_counter() - t0
     kerns = kerns or (("gluon", "triton") if T * TOPK <= moe.TUNING["gluon_max_rows"] * E else ("triton",))
+    default = "gluon" if DEV == "cuda" and moe._use_gluon(xs, T * TOPK, E, object(), I) else "triton"
     for kern in kerns:
-        moe.TUNING["mxfp4_kernel"] = kern
+        _force(kern)
         try:
             h = moe.grouped_matmul(xs, off, ws[0], ss[0], "mxfp4", w3=ws[1], scales3=ss[1], act="situ")
             y = moe.grouped_matmul(h, off, ws[2], ss[2], "mxfp4", row_scale=cw)
@@ -284,11 +294,13 @@ def _k3_case(T, ws, ss, dev, kerns=None, timed=True, tag=""):
                                                                  scales3=ss[1], act="situ"), 80)
                 kv["ms_down"] = _bench(lambda h=h: moe.grouped_matmul(h, off, ws[2], ss[2], "mxfp4", row_scale=cw), 80)
             emit(f"k3 T={T} {kern}", rel_glu=eg, rel_down=ed, ok=max(eg, ed) < 2e-2, ms=ms, floor_ms=floor,
+                 rows=T * TOPK, default_kernel=default,
                  frac_of_floor=floor / ms, rows_per_expert=T * TOPK / E, active_experts=used, ref_s=h_ref_s, **kv)
         except Exception as ex:
             emit(f"k3 T={T} {kern}", error=repr(ex)[-1500:])
         finally:
             moe.TUNING["mxfp4_kernel"] = "gluon"
+            moe.TUNING.pop("gluon_min_rows", None)
 
 
 def child(section, old, smoke=False):

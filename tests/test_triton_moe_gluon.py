@@ -242,8 +242,9 @@ def test_triton_kernels_read_the_fragment_layout(config, act, smax):
 
 def test_to_fragments_in_place_one_copy_and_guards(monkeypatch):
     """In place: the words and sc1 live in the original tensors' storage (no second copy), chunk by chunk
-    equal to the out-of-place packing; the registry gives the layout to grouped_matmul, refuses a weight written
-    after its permutation, and leaves unregistered tensors in the original layout (Triton byte decode)."""
+    equal to the out-of-place packing; the tensors become FragTensor (the marker grouped_matmul reads), a weight
+    written after its permutation is refused, unmarked tensors stay in the original layout (Triton byte decode),
+    and prepared tensors are never permuted twice."""
     from k3ir.backends.triton import moe, moe_layout
     rng = np.random.default_rng(6)
     p, s = _mx(rng, 5, 32, 128, 200)
@@ -252,13 +253,16 @@ def test_to_fragments_in_place_one_copy_and_guards(monkeypatch):
     ptrs = (w.data_ptr(), sc.data_ptr())
     w2, s2 = moe_layout.prepare(w, sc, inplace=True, chunk=2)
     assert w2 is w and s2 is sc and (w.data_ptr(), sc.data_ptr()) == ptrs
+    assert isinstance(w, moe_layout.FragTensor) and isinstance(sc, moe_layout.FragScales2)
     pk = moe_layout.lookup(w, sc)
     assert pk.words.data_ptr() == ptrs[0] and pk.sc1.data_ptr() == ptrs[1]
     assert torch.equal(pk.words, ref.words) and torch.equal(pk.sc1, ref.sc1) and torch.equal(pk.sc2, ref.sc2)
     assert moe_layout.lookup(torch.from_numpy(p), torch.from_numpy(s)) is None
-    with pytest.raises(ValueError, match="another scale tensor"):
-        moe_layout.lookup(w, sc.clone())
-    w[0, 0, 0] ^= 1
+    with pytest.raises(ValueError, match="both be in the fragment layout"):
+        moe_layout.lookup(w, torch.from_numpy(s))
+    with pytest.raises(ValueError, match="not permuted twice"):
+        moe_layout.prepare(w, sc)
+    w.view(-1)[0] = 1
     with pytest.raises(ValueError, match="modified after"):
         moe.grouped_matmul(torch.zeros(2, 128), torch.tensor([0, 2, 2, 2, 2, 2]), w, sc, "mxfp4")
     assert not moe_layout.fits(torch.zeros(1, 24, 32, dtype=torch.uint8), torch.zeros(1, 24, 2, dtype=torch.uint8))
@@ -267,6 +271,7 @@ def test_to_fragments_in_place_one_copy_and_guards(monkeypatch):
     given = dict(params)
     assert moe_layout.prepare_params(None, params, given) == 1          # the caller's tensors: out of place
     assert params["w"] is not given["w"] and np.array_equal(given["w"].numpy(), p)
+    assert type(given["w"]) is torch.Tensor
     assert torch.equal(moe_layout.lookup(params["w"], params["s"]).words, ref.words)
     again = dict(params)
     assert moe_layout.prepare_params(None, again, {}) == 0             # already in the layout: never twice
@@ -300,3 +305,87 @@ def test_executable_permutes_experts_once_and_matches_torch():
     a, b = tri.forward(ids), ref.forward(ids)
     a, b = (np.asarray(v[0] if isinstance(v, (tuple, list)) else v, np.float64) for v in (a, b))
     assert rel_err(a, b) < (2e-3 if GPU else 1e-5)
+
+
+def _ref_gemm(x, off, p, s):
+    """float64 x[rows of e] @ dequant(W_e)^T per expert (SPEC.md 7)."""
+    W = Q.mxfp4_dequantize(p, s)
+    out = np.zeros((x.shape[0], W.shape[1]))
+    for e in range(W.shape[0]):
+        out[off[e]:off[e + 1]] = x[off[e]:off[e + 1]] @ W[e].T
+    return out
+
+
+def test_copies_of_fragment_weights_are_read_right_or_refused():
+    """A clone / ``.to()`` / deepcopy / expert slice of prepared (fragment-layout) weights is never read as packed
+    bytes: it is read in the fragment layout from its own storage (same product as float64 dequantise-then-matmul)
+    or refused with a FragmentLayoutError (a copied scale tensor that needed the second multiplier: sc2 is not in
+    its bytes); reading the bytes as numbers (the torch dequantisation of the original layout, bitwise ops, a
+    cast) and pickling are refused too."""
+    import copy
+    import pickle
+
+    from k3ir.backends.torch import ops  # noqa: F401  (import order: ops before fused)
+    from k3ir.backends.torch.fused import dequantize
+    from k3ir.backends.triton import moe, moe_layout
+
+    from k3ir.errors import K3Error
+    rng = np.random.default_rng(11)
+    E, N, K = 3, 32, 128
+    off = np.array([0, 2, 3, 6])
+    x = rng.standard_normal((6, K))
+    xt = torch.from_numpy(x).to(DEV).to(torch.bfloat16 if GPU else torch.float32)
+    tol = 2e-2 if GPU else 1e-5
+    for smax in (128, 200):                      # one / two scale multipliers
+        p, s = _mx(rng, E, N, K, smax)
+        want = _ref_gemm(x, off, p, s)
+        w, sc = moe_layout.prepare(torch.from_numpy(p.copy()).to(DEV), torch.from_numpy(s.copy()).to(DEV))
+        offt = torch.from_numpy(off).to(DEV)
+        cases = {"prepared": (w, sc), "clone w": (w.clone(), sc), ".to() w": (w.to(DEV, copy=True), sc),
+                 "contiguous": (w.contiguous(), sc)}
+        if smax <= 128:
+            cases.update({"clone both": (w.clone(), sc.clone()), "deepcopy": (copy.deepcopy(w), copy.deepcopy(sc)),
+                          "empty_like + copy_": (torch.empty_like(w).copy_(w), torch.empty_like(sc).copy_(sc))})
+        for name, (a, b) in cases.items():
+            assert isinstance(a, moe_layout.FragTensor), name
+            got = moe.grouped_matmul(xt, offt, a, b, "mxfp4").double().cpu().numpy()
+            assert rel_err(got, want) < tol, (smax, name)
+        if smax <= 128:       # experts 1..2 as a slice (contiguous, offset storage): its own two experts
+            got = moe.grouped_matmul(xt[2:], offt[1:] - 2, w[1:], sc[1:], "mxfp4").double().cpu().numpy()
+            assert rel_err(got, want[2:]) < tol
+        else:
+            with pytest.raises(moe_layout.FragmentLayoutError, match="no sc2"):
+                moe.grouped_matmul(xt, offt, w, sc.clone(), "mxfp4")
+    for bad in (lambda: w & 15, lambda: w >> 4, lambda: w.float(), lambda: w.to(torch.int64), lambda: ~w,
+                lambda: dequantize("mxfp4", w, sc, torch.float64), lambda: pickle.dumps(w)):
+        with pytest.raises(moe_layout.FragmentLayoutError):
+            bad()
+    assert issubclass(moe_layout.FragmentLayoutError, K3Error) and "fragment layout" in repr(w)
+
+
+def test_stride0_or_strided_fragment_weights_are_refused():
+    """The kernels address expert e of the fragment layout at ``e * N * K / 8`` words (no strides), so an
+    expanded (stride-0) view of one prepared expert -- what bench/moe_gluon_check.py's warm sections once
+    passed, an illegal memory access on the H200 -- or a row slice is refused at the Python level with a
+    FragmentLayoutError (moe.grouped_matmul, moe_gluon.grouped_matmul with MXPacked views, moe_layout.mark)
+    instead of reading out of bounds; a contiguous copy of the expanded view is read correctly."""
+    from k3ir.backends.triton import moe, moe_gluon, moe_layout
+    rng = np.random.default_rng(12)
+    p, s = _mx(rng, 1, 32, 128, 128)
+    w, sc = moe_layout.prepare(torch.from_numpy(p.copy()), torch.from_numpy(s.copy()))
+    we, se = w.expand(4, -1, -1), sc.expand(4, -1, -1)
+    x, off = torch.randn(4, 128), torch.tensor([0, 1, 2, 3, 4])
+    with pytest.raises(moe_layout.FragmentLayoutError, match="out of bounds"):
+        moe.grouped_matmul(x, off, we, se, "mxfp4")
+    with pytest.raises(moe_layout.FragmentLayoutError, match="out of bounds"):
+        moe.grouped_matmul(x, off, we.contiguous()[:, :16], se.contiguous()[:, :16], "mxfp4")   # a row slice
+    pk = moe_layout.lookup(w, sc)
+    ex = moe_layout.MXPacked(pk.words.expand(4, *pk.words.shape[1:]), pk.sc1.expand(4, *pk.sc1.shape[1:]), None,
+                             pk.N, pk.K)
+    with pytest.raises(moe_layout.FragmentLayoutError, match="contiguous int32"):
+        moe_gluon.grouped_matmul(x.bfloat16(), off, ex)
+    with pytest.raises(moe_layout.FragmentLayoutError, match="out of bounds"):
+        moe_layout.mark(torch.from_numpy(p).expand(4, -1, -1), torch.from_numpy(s).expand(4, -1, -1))
+    got = moe.grouped_matmul(x, off, we.contiguous(), se.contiguous(), "mxfp4").double().numpy()
+    want = _ref_gemm(x.double().numpy(), off.numpy(), np.repeat(p, 4, 0), np.repeat(s, 4, 0))
+    assert rel_err(got, want) < 1e-5

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 # the fragment-word layout, its packing and its PTX decode live in moe_layout (the Triton kernels read it too)
-from .moe_layout import DEC1, DEC2, MXPacked, pack_mxfp4  # noqa: F401
+from .moe_layout import DEC1, DEC2, MXPacked, check_packed, pack_mxfp4  # noqa: F401
 
 
 # --- the kernel -------------------------------------------------------------------------------------------------
@@ -363,7 +363,11 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, pw: MXPacked, *, pw3:
     """``moe.grouped_matmul`` for MXFP4 weights in the fragment layout (``moe_layout.MXPacked``; bf16
     activations on a CUDA device): x ``[R, K]`` sorted by expert, offsets ``int[E+1]``; ``pw3`` + act ("situ"/"silu"): the fused
     GLU; ``row_scale f32[R]`` multiplies output rows. Returns ``[R, N]`` in x's dtype. Raises ValueError on
-    inconsistent shapes."""
+    inconsistent shapes, ``moe_layout.FragmentLayoutError`` (a ValueError) on non-contiguous words / scale words
+    (the kernel addresses expert e at ``e * N * K / 8`` words: a stride-0 expand would read out of bounds)."""
+    check_packed(pw, "gluon MXFP4 grouped_matmul")
+    if pw3 is not None:
+        check_packed(pw3, "gluon MXFP4 grouped_matmul (w3)")
     x = x.contiguous()
     R, K = x.shape
     E = pw.words.shape[0]

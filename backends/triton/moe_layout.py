@@ -30,11 +30,14 @@ instructions per BK step (asm1 439), down 246 / 159 (asm1 267); no spills anywhe
 """
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from k3ir.errors import K3BackendError
 
 # --- the fragment word ----------------------------------------------------------------------------------------
 # Output register j of a word is ``rotr(w, r) & FRAG_MASK`` for j = 0, 1, 2 (r = FRAG_SHIFTS[j]) and, for j = 3
@@ -166,8 +169,10 @@ def to_fragments(packed: torch.Tensor, scales: torch.Tensor, inplace: bool = Fal
     """Permute MXFP4 experts (``packed uint8[E, N, K/2]``, low nibble = even element; ``scales uint8[E, N,
     K/32]`` E8M0) into the fragment-word layout, ``chunk`` experts at a time on the tensors' device (extra memory:
     one chunk). ``inplace``: the words overwrite ``packed``'s storage and sc1 ``scales``' (their bytes are then
-    NOT the original format any more: ``register`` marks them); else new tensors. Raises ValueError unless
-    ``fits``."""
+    NOT the original format any more: ``prepare``/``mark`` mark them); else new tensors. Raises ValueError unless
+    ``fits`` (FragmentLayoutError for tensors already in the layout)."""
+    if isinstance(packed, FragTensor) or isinstance(scales, FragTensor):
+        raise FragmentLayoutError("MXFP4 expert weights already in the fragment layout: not permuted twice")
     if not fits(packed, scales):
         raise ValueError(f"MXFP4 fragment layout needs contiguous uint8 packed [E, N, K/2] and scales [E, N, K/32] "
                          f"with N % 16 == 0 and K % 64 == 0; got packed {tuple(packed.shape)} {packed.dtype}, scales "
@@ -199,39 +204,173 @@ def pack_mxfp4(packed: torch.Tensor, scales: torch.Tensor, chunk: int = 16) -> M
     return to_fragments(packed, scales, inplace=False, chunk=chunk)
 
 
-_REG = None          # WeakIdKeyDictionary: weight tensor (uint8 storage of the words) -> (version, scales id, MXPacked)
+class FragmentLayoutError(K3BackendError, ValueError):
+    """MXFP4 expert tensors in the fragment layout used in a way that would misread them (a ValueError too)."""
 
 
-def register(w: torch.Tensor, scales: torch.Tensor, pk: MXPacked) -> None:
-    """Mark ``w`` (the uint8 tensor whose storage holds ``pk.words``) and ``scales`` (holding ``pk.sc1``) as being
-    in the fragment layout: ``moe.grouped_matmul(x, off, w, scales, "mxfp4")`` then reads ``pk``."""
-    global _REG
-    if _REG is None:
-        from torch.utils.weak import WeakIdKeyDictionary
-        _REG = WeakIdKeyDictionary()
-    _REG[w] = (w._version, id(scales), pk)
+class FragTensor(torch.Tensor):
+    """A ``uint8`` expert tensor whose bytes hold the fragment layout (the words, or sc1). The class is the
+    marker: it survives ``clone()``, ``.to()``, ``.cpu()``, ``.contiguous()``, slicing and ``empty_like``, so a
+    copy is never taken for packed bytes (``lookup`` rebuilds its ``MXPacked`` from the copy's own storage), and
+    ops that would read the bytes as numbers (bitwise ops and shifts, any result of another dtype than uint8
+    except a ``view``) raise ``FragmentLayoutError`` (e.g. the torch dequantisation of the original layout).
+    The kernels get plain int32 views (``MXPacked``), never this class."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _deny():
+            raise FragmentLayoutError(f"{getattr(func, '__name__', func)} on MXFP4 expert weights in the fragment "
+                                      "layout (moe_layout): their bytes are not packed E2M1 pairs any more")
+        out = super().__torch_function__(func, types, args, kwargs)
+        if (isinstance(out, torch.Tensor) and out.dtype != torch.uint8 and func not in _views()
+                and any(isinstance(a, FragTensor) for a in args)):
+            raise FragmentLayoutError(f"{getattr(func, '__name__', func)} reads MXFP4 expert weights in the fragment "
+                                      f"layout as {out.dtype} (moe_layout): their bytes are not packed E2M1 pairs")
+        return out
+
+    def __repr__(self, *, tensor_contents=None):
+        return (f"FragTensor(MXFP4 fragment layout, shape={tuple(self.shape)}, device={self.device}, "
+                f"{'two multipliers' if isinstance(self, FragScales2) else 'one multiplier'})")
+
+    def __deepcopy__(self, memo):
+        return self.clone()
+
+    def __reduce_ex__(self, proto):
+        raise FragmentLayoutError("MXFP4 expert weights in the fragment layout are a device layout of the triton "
+                                  "target: pickle/save the original packed bytes, not the prepared tensors")
+
+
+class FragScales2(FragTensor):
+    """sc1 of weights that also need sc2 (some scale byte > 128): a copy of it cannot recover sc2 (an error)."""
+
+
+_DENY: set = set()
+_VIEWS: set = set()
+
+
+def _deny() -> set:
+    if not _DENY:
+        T = torch.Tensor
+        _DENY.update({T.__and__, T.__rand__, T.__iand__, T.__or__, T.__ror__, T.__ior__, T.__xor__, T.__rxor__,
+                      T.__ixor__, T.__rshift__, T.__rrshift__, T.__irshift__, T.__lshift__, T.__rlshift__,
+                      T.__ilshift__, T.__invert__, T.bitwise_and, T.bitwise_or, T.bitwise_xor, T.bitwise_not,
+                      torch.bitwise_and, torch.bitwise_or, torch.bitwise_xor, torch.bitwise_not,
+                      torch.bitwise_right_shift, torch.bitwise_left_shift, T.bitwise_right_shift,
+                      T.bitwise_left_shift})
+    return _DENY
+
+
+def _views() -> set:
+    if not _VIEWS:
+        _VIEWS.update({torch.Tensor.view, torch.Tensor.as_subclass})
+    return _VIEWS
+
+
+class _Meta(NamedTuple):
+    pk: MXPacked
+    scales: object          # weakref to the scale tensor this MXPacked was built with
+    version: tuple          # (w._version, scales._version) when it was built
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.as_subclass(torch.Tensor) if isinstance(t, FragTensor) else t
+
+
+def check_packed(pk: MXPacked, where: str = "MXFP4 fragment layout") -> MXPacked:
+    """Raise ``FragmentLayoutError`` unless ``pk``'s words / sc1 / sc2 are contiguous int32 tensors of the shapes
+    of the module docstring for ``E = words.shape[0]`` experts on one device (a stride-0 ``expand`` of one expert
+    or any other view the kernels' ``e * (N/16) * (K/64)`` block offsets would read past). Python-level only."""
+    E = pk.words.shape[0] if pk.words.dim() == 5 else -1
+    shapes = ((pk.words, (E, pk.N // 16, pk.K // 64, 32, 4)), (pk.sc1, (E, pk.N // 16, 8, pk.K // 64)))
+    if pk.sc2 is not None:
+        shapes += ((pk.sc2, (E, pk.N // 16, 8, pk.K // 64)),)
+    for name, (t, shp) in zip(("words", "sc1", "sc2"), shapes):
+        if (not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != shp
+                or not t.is_contiguous() or t.device != pk.words.device or pk.N % 16 or pk.K % 64):
+            desc = (f"{tuple(t.shape)} {t.dtype} strides {t.stride()} on {t.device}" if isinstance(t, torch.Tensor)
+                    else type(t).__name__)
+            raise FragmentLayoutError(f"{where}: {name} must be a contiguous int32 tensor {shp} (N={pk.N}, "
+                                      f"K={pk.K}) on {pk.words.device}, got {desc}; the kernels address expert e "
+                                      "at e * N * K / 8 words, so a stride-0 expand() or a strided view would read "
+                                      "out of bounds (make it contiguous, or prepare the weights again)")
+    return pk
+
+
+def _views_of(w: torch.Tensor, scales: torch.Tensor, sc2) -> MXPacked:
+    """``MXPacked`` views of the bytes of ``w`` (uint8 [E, N, K/2]) and ``scales`` (uint8 [E, N, K/32]) that
+    already hold the fragment layout; raises FragmentLayoutError unless both are contiguous and consistent."""
+    w, scales = _plain(w), _plain(scales)
+    if not fits(w, scales) or w.device != scales.device:
+        raise FragmentLayoutError(
+            f"MXFP4 fragment layout: weights {tuple(w.shape)} {w.dtype} strides {w.stride()} and scales "
+            f"{tuple(getattr(scales, 'shape', ()))} strides {scales.stride() if isinstance(scales, torch.Tensor) else ''}"
+            " must be contiguous uint8 [E, N, K/2] and [E, N, K/32] on one device (N % 16 == 0, K % 64 == 0); a "
+            "stride-0 expand() or strided view of prepared experts would make the kernels read out of bounds")
+    E, N, K2 = w.shape
+    K = 2 * K2
+    pk = MXPacked(w.view(-1).view(torch.int32).view(E, N // 16, K // 64, 32, 4),
+                  scales.view(-1).view(torch.int32).view(E, N // 16, 8, K // 64), sc2, N, K)
+    return check_packed(pk)
+
+
+def mark(w: torch.Tensor, scales: torch.Tensor, sc2: torch.Tensor | None = None) -> MXPacked:
+    """Declare that the bytes of ``w`` (uint8 [E, N, K/2]) and ``scales`` (uint8 [E, N, K/32]) ALREADY hold the
+    fragment layout (words and sc1; ``sc2 int32[E, N/16, 8, K/64]`` when two multipliers are needed): both
+    objects become ``FragTensor`` in place (class swap, same storage) and ``moe.grouped_matmul(x, off, w, scales,
+    "mxfp4")`` reads them in that layout. Returns their ``MXPacked``. Raises FragmentLayoutError on a
+    non-contiguous / inconsistent tensor (e.g. a stride-0 ``expand``)."""
+    pk = _views_of(w, scales, sc2)
+    w.__class__ = FragTensor
+    scales.__class__ = FragScales2 if sc2 is not None else FragTensor
+    w._k3frag = _Meta(pk, weakref.ref(scales), (w._version, scales._version))
+    scales._k3frag_sc2 = sc2
+    return pk
 
 
 def lookup(w, scales) -> MXPacked | None:
-    """The ``MXPacked`` of a registered weight (None for a weight in the original packed layout). Raises
-    ValueError when ``w`` was written after its permutation or comes with a different scale tensor."""
-    hit = _REG.get(w) if _REG is not None and isinstance(w, torch.Tensor) else None
-    if hit is None:
+    """The ``MXPacked`` of weights in the fragment layout (``FragTensor``), None for weights in the original
+    packed layout. A copy / moved / sliced FragTensor (``clone``, ``.to``, ``w[a:b]``) is read from its own
+    storage (cached on the object); sc2 comes from the scale tensor ``prepare``/``mark`` made. Raises
+    FragmentLayoutError when only one of ``w``/``scales`` is in the layout, when ``w`` was written after its
+    permutation, when a copied scale tensor needed sc2 (``FragScales2``: not recoverable from a copy), or on
+    non-contiguous tensors (the kernels would read out of bounds). Python-level checks only."""
+    fw, fs = isinstance(w, FragTensor), isinstance(scales, FragTensor)
+    if not (fw or fs):
         return None
-    if hit[0] != w._version or hit[1] != id(scales):
-        raise ValueError("MXFP4 expert weights in the fragment layout were modified after their permutation, or "
-                         "come with another scale tensor: prepare them again (moe_layout.prepare)")
-    return hit[2]
+    if fw != fs:
+        raise FragmentLayoutError("MXFP4 weights and scales must both be in the fragment layout or both in the "
+                                  f"original packed layout (weights: {'fragment' if fw else 'packed'}, scales: "
+                                  f"{'fragment' if fs else 'packed'}): prepare them together (moe_layout.prepare)")
+    m = w.__dict__.get("_k3frag")
+    ver = (w._version, scales._version)
+    if m is not None and m.scales() is scales:
+        if m.version != ver:
+            raise FragmentLayoutError("MXFP4 expert weights in the fragment layout were modified after their "
+                                      "permutation: prepare them again from the original bytes (moe_layout.prepare)")
+        return m.pk
+    sc2 = scales.__dict__.get("_k3frag_sc2")
+    if isinstance(scales, FragScales2) and sc2 is None:
+        raise FragmentLayoutError("a copy of MXFP4 fragment-layout scales that needed a second multiplier (a scale "
+                                  "byte > 128): the copy has no sc2; prepare the copy from the original bytes")
+    if sc2 is not None and tuple(sc2.shape[:1]) != tuple(w.shape[:1]):
+        raise FragmentLayoutError(f"MXFP4 fragment layout: sc2 of {sc2.shape[0]} experts with weights of "
+                                  f"{w.shape[0]} (a slice of scales with two multipliers): prepare the slice again")
+    pk = _views_of(w, scales, sc2)
+    w._k3frag = _Meta(pk, weakref.ref(scales), ver)
+    return pk
 
 
 def prepare(w: torch.Tensor, scales: torch.Tensor, inplace: bool = True, chunk: int = 16):
-    """Permute one expert tensor into the fragment layout and register it; returns ``(w', scales')``: the
-    tensors to pass to ``moe.grouped_matmul`` from now on (``w``/``scales`` themselves when ``inplace``, whose
-    original bytes are then gone). Raises ValueError unless ``fits``."""
+    """Permute one expert tensor into the fragment layout and mark it (``mark``: ``FragTensor``); returns
+    ``(w', scales')``: the tensors to pass to ``moe.grouped_matmul`` from now on (``w``/``scales`` themselves,
+    class-swapped, when ``inplace``: their original bytes are then gone). Raises ValueError unless ``fits``, and
+    FragmentLayoutError for tensors already in the layout (never permuted twice)."""
+    if isinstance(w, FragTensor) or isinstance(scales, FragTensor):
+        raise FragmentLayoutError("MXFP4 expert weights already in the fragment layout: not permuted twice")
     pk = to_fragments(w, scales, inplace=inplace, chunk=chunk)
     wo = w if inplace else pk.words.view(-1).view(torch.uint8).view(w.shape)
     so = scales if inplace else pk.sc1.view(-1).view(torch.uint8).view(scales.shape)
-    register(wo, so, pk)
+    mark(wo, so, pk.sc2)
     return wo, so
 
 
@@ -274,12 +413,15 @@ def prepare_params(module, params: dict, given: dict) -> int:
     executable's prepared tensors; ``given``: what the caller passed). In place where the executable owns the
     tensor (a copy made by ``prepare_params``: host arrays moved to the device), else into new tensors (the
     caller's arrays are never modified; while the caller holds its device tensors both exist), one expert tensor
-    at a time. Tensors already in the layout (registered) are kept. Returns the number of tensors permuted."""
+    at a time. Tensors already in the layout (``FragTensor``) are kept. Returns the number of tensors permuted."""
     n = 0
     for wn, sn in mxfp4_pairs(module):
         w, s = params.get(wn), params.get(sn)
-        if not isinstance(w, torch.Tensor) or not fits(w, s) or (_REG is not None and w in _REG):
-            continue            # not this layout's shape, or already in it (a registered tensor passed again)
+        if isinstance(w, FragTensor) or isinstance(s, FragTensor):
+            lookup(w, s)        # already in the layout (a prepared tensor passed again): checked, kept
+            continue
+        if not isinstance(w, torch.Tensor) or not fits(w, s):
+            continue            # not this layout's shape
         own = _ptr(given.get(wn)) != w.data_ptr() and _ptr(given.get(sn)) != s.data_ptr()
         params[wn], params[sn] = prepare(w, s, inplace=own)
         n += 1
