@@ -425,9 +425,13 @@ def plan(R: int, E: int, N: int, K: int, quant: str, glu: bool, xbytes: int, con
 
 def _use_gluon(x, R: int, E: int, pk, N: int) -> bool:
     """``TUNING["mxfp4_kernel"] == "gluon"`` and the case is one the Gluon kernel serves (weights in the fragment
-    layout ``pk``, CUDA, bf16, few rows per expert, N a multiple of 64). No memory query: there is no copy."""
+    layout ``pk``, CUDA, bf16, few rows per expert, N a multiple of 64). No memory query: there is no copy.
+    ``TUNING["gluon_min_rows"]`` (default 32): fewer rows R take the Triton kernel (K3 layer decode B1, 16 rows:
+    Triton 0.164 ms vs Gluon 0.198 on the H200, 2026-11-30 06:31; at 256 tokens Gluon 4.44 vs 6.57 ms): with
+    ~R active experts the Gluon grid (N/128 x R programs, loads one K step ahead) has too few bytes in flight."""
     return (pk is not None and TUNING["mxfp4_kernel"] == "gluon" and not interpreting() and x.is_cuda
-            and x.dtype == torch.bfloat16 and R <= TUNING["gluon_max_rows"] * E and N % 64 == 0)
+            and x.dtype == torch.bfloat16 and TUNING.get("gluon_min_rows", 32) <= R <= TUNING["gluon_max_rows"] * E
+            and N % 64 == 0)
 
 
 def _check(x, offsets, w, quant):
