@@ -18,6 +18,13 @@ scales, whose storage it takes); ``sc2`` the same for ``max(s,128)-1``, a new te
 is > 128 (None otherwise). Value of an element: ``bf16(bits) * 2^(sc1-127) [* 2^(sc2-127)] = fp4 * 2^(s-127)``
 (SPEC.md 7).
 
+Marking: ``prepare`` (and ``mark``, for bytes already in the layout) turns the uint8 weight and scale tensors into
+``FragTensor`` (class swap in place, same storage). The class survives clone / ``.to`` / slicing, so a copy is read
+in the fragment layout from its own storage (or refused when its sc2 cannot be known), never as packed bytes;
+ops that read the bytes as numbers raise ``FragmentLayoutError`` (a K3BackendError and ValueError). The kernels
+address expert ``e`` at ``e * N * K / 8`` words (no strides): non-contiguous tensors (a stride-0 ``expand``) are
+refused by ``lookup`` / ``check_packed`` before any launch.
+
 A 16-row x 64-column block is 512 contiguous bytes, so a ``[BW, BK]`` tile (BW % 16 == 0, BK % 64 == 0) reads
 ``BW/16`` runs of ``BK/64 x 512`` contiguous bytes: 16-byte vector loads (a lane's 4 words), fully coalesced.
 
@@ -342,7 +349,8 @@ def lookup(w, scales) -> MXPacked | None:
                                   f"original packed layout (weights: {'fragment' if fw else 'packed'}, scales: "
                                   f"{'fragment' if fs else 'packed'}): prepare them together (moe_layout.prepare)")
     m = w.__dict__.get("_k3frag")
-    ver = (w._version, scales._version)
+    with torch._C.DisableTorchFunctionSubclass():       # metadata reads without the subclass dispatch (~3 us each)
+        ver = (w._version, scales._version)
     if m is not None and m.scales() is scales:
         if m.version != ver:
             raise FragmentLayoutError("MXFP4 expert weights in the fragment layout were modified after their "
