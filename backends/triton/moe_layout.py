@@ -255,15 +255,15 @@ _DENY: set = set()
 _VIEWS: set = set()
 
 
+_DENY_NAMES = ("__and__", "__rand__", "__iand__", "__or__", "__ror__", "__ior__", "__xor__", "__rxor__", "__ixor__",
+               "__rshift__", "__rrshift__", "__irshift__", "__lshift__", "__rlshift__", "__ilshift__", "__invert__",
+               "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "bitwise_right_shift", "bitwise_left_shift")
+
+
 def _deny() -> set:
+    """Tensor methods and torch functions that read the bytes as packed E2M1 pairs (bitwise ops, shifts)."""
     if not _DENY:
-        T = torch.Tensor
-        _DENY.update({T.__and__, T.__rand__, T.__iand__, T.__or__, T.__ror__, T.__ior__, T.__xor__, T.__rxor__,
-                      T.__ixor__, T.__rshift__, T.__rrshift__, T.__irshift__, T.__lshift__, T.__rlshift__,
-                      T.__ilshift__, T.__invert__, T.bitwise_and, T.bitwise_or, T.bitwise_xor, T.bitwise_not,
-                      torch.bitwise_and, torch.bitwise_or, torch.bitwise_xor, torch.bitwise_not,
-                      torch.bitwise_right_shift, torch.bitwise_left_shift, T.bitwise_right_shift,
-                      T.bitwise_left_shift})
+        _DENY.update(f for src in (torch.Tensor, torch) for n in _DENY_NAMES if (f := getattr(src, n, None)))
     return _DENY
 
 
