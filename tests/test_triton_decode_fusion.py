@@ -110,12 +110,12 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches():
     mla = next(i for i, k in enumerate(gd.kinds) if k == "mla_cache")
     assert outs[mla] is static[mla] and float(static[mla][:, L + 1:].abs().max()) == 0.0   # row L written in place
     # rmsnorm launches: the final norm only (MoE norms in the router front, MLA's latent norm in its prologue);
-    # the MoE front by default (dispatch.TUNING["front_glu"] off): router_partial + dispatch + shared gate/up gemv;
-    # gemv: KDA 3 x (projections, out: the low-rank pair in kda_decode), MLA (q+kv_a, out), dense (glu, down),
-    # 3 x shared (gate/up, down)
+    # the MoE front by default (dispatch.TUNING: front_glu off, front_split on): router partial logits + shared
+    # gate/up in one launch, then the dispatch; gemv: KDA 3 x (projections, out: the low-rank pair in kda_decode),
+    # MLA (q+kv_a, out), dense (glu, down), 3 x shared down
     assert launches["rmsnorm_kernel"] == 1 and launches["moe_front_kernel"] == 0
-    assert launches["router_partial_kernel"] == 3 and launches["dispatch_kernel"] == 3
-    assert launches["gemv_kernel"] == 3 * 2 + 2 + 2 + 3 * 2
+    assert launches["router_glu_kernel"] == 3 and launches["dispatch_kernel"] == 3
+    assert launches["router_partial_kernel"] == 0 and launches["gemv_kernel"] == 3 * 2 + 2 + 2 + 3
     assert launches["combine_kernel"] == 0
     assert launches["mla_absorb_q_kernel"] == 1 and launches["mla_decode_out_kernel"] == 1
     # executable.DECODE_SPLIT: the KDA short conv in the projection gemv, the gated head norm in the o_proj gemv
@@ -127,6 +127,14 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches():
     finally:
         executable.DECODE_SPLIT = True
     assert rel_err(got.double().numpy(), want) < 1e-4
+    dispatch.TUNING["front_split"] = False   # router_partial + dispatch + shared gate/up gemv (three launches)
+    try:
+        launches = _count_launches(lambda: out.update(r=tri.decode(nxt[::-1].copy(), s_tri)))
+    finally:
+        dispatch.TUNING["front_split"] = True
+    assert launches["router_glu_kernel"] == 0 and launches["router_partial_kernel"] == 3
+    assert launches["dispatch_kernel"] == 3 and launches["gemv_kernel"] == 3 * 2 + 2 + 2 + 3 * 2
+    assert rel_err(out["r"][0].double().numpy(), want) < 1e-4
     dispatch.TUNING["front_glu"] = True      # norm + router + top-k + dispatch + shared gate/up in one launch
     try:
         launches = _count_launches(lambda: out.update(r=tri.decode(nxt[::-1].copy(), s_tri)))
@@ -140,7 +148,7 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches():
         launches = _count_launches(lambda: out.update(r=tri.decode(nxt[::-1].copy(), s_tri)))
     finally:
         executable.TUNING["lowrank_in_decode"] = True
-    assert launches["gemv_kernel"] == 3 * 3 + 2 + 2 + 3 * 2
+    assert launches["gemv_kernel"] == 3 * 3 + 2 + 2 + 3
     assert rel_err(out["r"][0].double().numpy(), want) < 1e-4
 
 
@@ -239,6 +247,40 @@ def test_moe_front_one_launch_matches_float64(B, k, E, D, NS):
         a, b = xnt @ w1.double().T, xnt @ w3.double().T
         assert rel_err(y.double().numpy(), (a * torch.sigmoid(a) * b).numpy()) < 1e-5
         assert int(disp._ticket(x.device)[0]) == 0
+
+
+@pytest.mark.parametrize("B,k,E,D,NS", [(1, 8, 64, 256, 48), (3, 2, 8, 40, 20)])
+def test_moe_front_two_launches_matches_float64_and_route_dispatch(B, k, E, D, NS):
+    """route_glu_dispatch (router_glu_kernel: router partial logits + shared-expert SwiGLU gate/up of the
+    RMSNorm-ed rows in one launch, then dispatch_kernel) against the float64 norm, router, dispatch and SwiGLU,
+    and against route_dispatch (the same experts, rows and sorted x; weights up to the fp32 summation order)."""
+    from k3ir.backends.triton import dispatch as disp
+
+    from k3ir.opdef import get_opdef
+    from k3ir.ops.moe import router_ref
+    g = torch.Generator().manual_seed(B * k + D + 1)
+    nw = 1 + 0.3 * torch.randn(D, generator=g)
+    w = torch.randn(E, D, generator=g) * 0.1
+    bias = torch.randn(E, generator=g) * 0.1
+    w1, w3 = torch.randn(NS, D, generator=g) * 0.1, torch.randn(NS, D, generator=g) * 0.1
+    assert disp.split_supported(B, E, k, torch.zeros(B, 1, D), w1, w3, w)
+    x = torch.randn(B, 1, D, generator=g) * 4
+    (rw, ri, rs), dout, y, xn_t = disp.route_glu_dispatch(x, w, bias, k, E, True, 2.5, 1e-20, (nw, 1e-5), w1, w3)
+    xd = x.double()
+    xn = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.double()).numpy()
+    ww, wi, ws = router_ref(xn, w.double().numpy(), bias.double().numpy(), k, True, 2.5, 1e-20)
+    assert np.array_equal(ri.numpy(), wi)
+    assert rel_err(rw.double().numpy(), ww) < 1e-5 and rel_err(rs.double().numpy(), ws) < 1e-5
+    want = get_opdef("k3.moe_dispatch")({"num_experts": E}, []).reference(xn, ww, wi)
+    assert np.array_equal(dout[1].numpy(), want[1]) and np.array_equal(dout[2].numpy(), want[2])
+    assert rel_err(dout[0].double().numpy(), want[0]) < 1e-6 and rel_err(dout[3].double().numpy(), want[3]) < 1e-5
+    assert rel_err(xn_t.double().numpy(), xn) < 1e-6
+    xnt = torch.from_numpy(xn)
+    a, b = xnt @ w1.double().T, xnt @ w3.double().T
+    assert rel_err(y.double().numpy(), (a * torch.sigmoid(a) * b).numpy()) < 1e-5
+    (rw2, ri2, _), dout2, xn2 = disp.route_dispatch(x, w, bias, k, E, True, 2.5, 1e-20, norm=(nw, 1e-5))
+    assert torch.equal(ri, ri2) and torch.equal(xn_t, xn2) and rel_err(rw.numpy(), rw2.numpy()) < 1e-6
+    assert all(torch.equal(dout[i], dout2[i]) for i in (0, 1, 2))
 
 
 @pytest.mark.parametrize("lb", [-5.0, None])

@@ -38,7 +38,11 @@ from .layer_kernels import route_topk
 #: per call vs 12.82 us for the three launches and the whole decode replay 1.365 ms vs 1.255 ms without it (its
 #: last-block-done tail runs top-k and the row copy on ONE program after all router programs). ``K3IR_MOE_FRONT=1``
 #: turns it on.
-TUNING: dict = {"front_glu": os.environ.get("K3IR_MOE_FRONT", "0") == "1"}
+#: ``front_split``: the router partial logits and the shared expert's gate/up gemv in one launch
+#: (``router_glu_kernel``), then ``dispatch_kernel`` (ROUTE): two launches instead of three, the same router
+#: arithmetic as ``route_dispatch`` (``K3IR_MOE_FRONT_SPLIT=0``: three launches). ``front_glu`` goes first.
+TUNING: dict = {"front_glu": os.environ.get("K3IR_MOE_FRONT", "0") == "1",
+                "front_split": os.environ.get("K3IR_MOE_FRONT_SPLIT", "1") != "0"}
 
 
 @triton.jit(do_not_specialize=["R"])   # decode B1 (R = 1) and larger batches: one compile
@@ -52,6 +56,13 @@ def router_partial_kernel(x, w, part, nw, pss, R, D, E, DS, BR: tl.constexpr, BE
     if PDL:       # programmatic dependent launch (gemv.PDL): start early, wait before reading x
         gdc_launch_dependents()
         gdc_wait()
+    _router_part(x, w, part, nw, pss, R, D, E, DS, pe, pr, sp, BR, BE, BK, IEEE, NORM)
+
+
+@triton.jit
+def _router_part(x, w, part, nw, pss, R, D, E, DS, pe, pr, sp, BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                 IEEE: tl.constexpr, NORM: tl.constexpr):
+    """Program (pe, pr, sp) of router_partial_kernel (also the router programs of router_glu_kernel)."""
     rows = pr * BR + tl.arange(0, BR)
     cols = pe * BE + tl.arange(0, BE)
     mr, me = rows < R, cols < E
@@ -414,26 +425,68 @@ def moe_front_kernel(x, nw, wr, w1, w3, y, lg, cnt, bias, wout, iout, sout, xs, 
                 tl.store(xs + p64[:, None] * K + dd[None, :], v, mask=md)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")     # ready for the next launch (graph replay)
     else:
-        g_offs_n = (pid - NR) * BN + tl.arange(0, BN)
-        g_mn = g_offs_n < NS
-        g_wrow = g_offs_n.to(tl.int64)[:, None] * K
-        g_wv = tl.load(w1 + g_wrow + kk[None, :], mask=g_mn[:, None] & mk[None, :], other=0.).to(tl.float32)
-        g_w3v = tl.load(w3 + g_wrow + kk[None, :], mask=g_mn[:, None] & mk[None, :], other=0.).to(tl.float32)
-        g_rstd = _rstd_rows(x, rows, mr, K, eps, BM, BK)
-        g_xv = _x_tile(x, nw, rows, mr, kk, mk, K, g_rstd, True, x, 0, eps, 0, BM, BK)
-        g_acc = tl.sum(g_xv[:, None, :] * g_wv[None, :, :], 2)
-        g_acc3 = tl.sum(g_xv[:, None, :] * g_w3v[None, :, :], 2)
-        for g_k0 in range(BK, K, BK):
-            g_kc = g_k0 + tl.arange(0, BK)
-            g_mc = g_kc < K
-            g_xc = _x_tile(x, nw, rows, mr, g_kc, g_mc, K, g_rstd, True, x, 0, eps, 0, BM, BK)
-            g_wc = tl.load(w1 + g_wrow + g_kc[None, :], mask=g_mn[:, None] & g_mc[None, :], other=0.).to(tl.float32)
-            g_acc += tl.sum(g_xc[:, None, :] * g_wc[None, :, :], 2)
-            g_wc3 = tl.load(w3 + g_wrow + g_kc[None, :], mask=g_mn[:, None] & g_mc[None, :], other=0.).to(tl.float32)
-            g_acc3 += tl.sum(g_xc[:, None, :] * g_wc3[None, :, :], 2)
-        g_acc = g_acc * tl.sigmoid(g_acc) * g_acc3
-        tl.store(y + rows.to(tl.int64)[:, None] * NS + g_offs_n[None, :], g_acc.to(y.dtype.element_ty),
-                 mask=mr[:, None] & g_mn[None, :])
+        _shared_glu(x, nw, w1, w3, y, rows, mr, kk, mk, K, NS, eps, pid - NR, BM, BN, BK)
+
+
+@triton.jit
+def _shared_glu(x, nw, w1, w3, y, rows, mr, kk, mk, K, NS, eps, g, BM: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr):
+    """GLU program g of a decode MoE front: ``y[m, n] = silu(xn w1[n]) * (xn w3[n])`` for BN columns n < NS, xn the
+    RMSNorm-ed rows (weight nw, rounded to x's dtype; rstd computed here), as gemv_kernel with GLU and NORM."""
+    g_offs_n = g * BN + tl.arange(0, BN)
+    g_mn = g_offs_n < NS
+    g_wrow = g_offs_n.to(tl.int64)[:, None] * K
+    g_wv = tl.load(w1 + g_wrow + kk[None, :], mask=g_mn[:, None] & mk[None, :], other=0.).to(tl.float32)
+    g_w3v = tl.load(w3 + g_wrow + kk[None, :], mask=g_mn[:, None] & mk[None, :], other=0.).to(tl.float32)
+    g_rstd = _rstd_rows(x, rows, mr, K, eps, BM, BK)
+    g_xv = _x_tile(x, nw, rows, mr, kk, mk, K, g_rstd, True, x, 0, eps, 0, BM, BK)
+    g_acc = tl.sum(g_xv[:, None, :] * g_wv[None, :, :], 2)
+    g_acc3 = tl.sum(g_xv[:, None, :] * g_w3v[None, :, :], 2)
+    for g_k0 in range(BK, K, BK):
+        g_kc = g_k0 + tl.arange(0, BK)
+        g_mc = g_kc < K
+        g_xc = _x_tile(x, nw, rows, mr, g_kc, g_mc, K, g_rstd, True, x, 0, eps, 0, BM, BK)
+        g_wc = tl.load(w1 + g_wrow + g_kc[None, :], mask=g_mn[:, None] & g_mc[None, :], other=0.).to(tl.float32)
+        g_acc += tl.sum(g_xc[:, None, :] * g_wc[None, :, :], 2)
+        g_wc3 = tl.load(w3 + g_wrow + g_kc[None, :], mask=g_mn[:, None] & g_mc[None, :], other=0.).to(tl.float32)
+        g_acc3 += tl.sum(g_xc[:, None, :] * g_wc3[None, :, :], 2)
+    g_acc = g_acc * tl.sigmoid(g_acc) * g_acc3
+    tl.store(y + rows.to(tl.int64)[:, None] * NS + g_offs_n[None, :], g_acc.to(y.dtype.element_ty),
+             mask=mr[:, None] & g_mn[None, :])
+
+
+@triton.jit
+def router_glu_kernel(x, wr, part, nw, pss, w1, w3, y, R, D, E, DS, NE, NRP, NS, eps,
+                      BE: tl.constexpr, RBK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """A decode MoE front in two launches, this one first: programs pid < NRP do router_partial_kernel's work
+    (expert block pid % NE, split pid // NE, all R <= BM rows; NORM: partial logits of ``x * nw`` rounded to x's
+    dtype, fp32 sums, and the splits' ``sum x^2``, finished by dispatch_kernel with ROUTE and NORM), the others
+    the shared expert's SwiGLU gate/up of the RMSNorm-ed rows (``_shared_glu``, BN columns each)."""
+    pid = tl.program_id(0)
+    if pid < NRP:   # elementwise products (no tl.dot: a [16, BK] MMA tile here took 168 registers for the kernel)
+        pe, sp = pid % NE, pid // NE
+        rows = tl.arange(0, BM)
+        mr = rows < R
+        cols = pe * BE + tl.arange(0, BE)
+        me = cols < E
+        acc = tl.zeros([BM, BE], dtype=tl.float32)
+        ss = tl.zeros([BM], dtype=tl.float32)
+        for k0 in range(sp * DS, tl.minimum(D, sp * DS + DS), RBK):
+            kk = k0 + tl.arange(0, RBK)
+            mk = kk < D
+            a = tl.load(x + rows.to(tl.int64)[:, None] * D + kk[None, :], mask=mr[:, None] & mk[None, :],
+                        other=0.).to(tl.float32)
+            ss += tl.sum(a * a, 1)
+            a = (a * tl.load(nw + kk, mask=mk, other=0.).to(tl.float32)[None, :]).to(x.dtype.element_ty)
+            b = tl.load(wr + cols.to(tl.int64)[:, None] * D + kk[None, :], mask=me[:, None] & mk[None, :], other=0.)
+            acc += tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], 2)
+        tl.store(part + (sp * R + rows.to(tl.int64))[:, None] * E + cols[None, :], acc, mask=mr[:, None] & me[None, :])
+        if pe == 0:
+            tl.store(pss + sp * R + rows, ss, mask=mr)
+    else:
+        rows = tl.arange(0, BM)
+        kk = tl.arange(0, BK)
+        _shared_glu(x, nw, w1, w3, y, rows, rows < R, kk, kk < D, D, NS, eps, pid - NRP, BM, BN, BK)
 
 
 #: per-device ticket counters of moe_front_kernel (int32, zero between launches: the last program resets it)
@@ -501,3 +554,62 @@ def route_dispatch_glu(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, to
         BM=BM, BE=BE, BN=BN, BK=BK, KSLOT=k, KP=KP, EP=EP, BD=BD, RENORM=bool(renormalize),
         FENCE=not interpreting(), num_warps=warps)
     return (wout, iout, sout), (xs, offsets, inv, cw), y
+
+
+def split_supported(rows: int, num_experts: int, top_k: int, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                    wr: torch.Tensor) -> bool:
+    """Whether ``route_glu_dispatch`` takes these rows (<= 16, one router row block) and weights (as
+    ``front_supported``, without its ticket)."""
+    K = x.shape[-1]
+    ok = all(w.dim() == 2 and w.shape[1] == K and w.dtype.is_floating_point and w.dtype != torch.float64
+             for w in (w1, w3, wr))
+    return (TUNING["front_split"] and ok and tuple(w1.shape) == tuple(w3.shape) and 0 < rows <= 16
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and route_supported(rows, num_experts, top_k))
+
+
+def route_glu_dispatch(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k: int, num_experts: int,
+                       renormalize: bool, scale: float, eps: float, norm, w1: torch.Tensor, w3: torch.Tensor):
+    """``rmsnorm`` -> ``k3.router`` -> ``k3.moe_dispatch`` plus the shared expert's SwiGLU gate/up of the same
+    normalised rows in two launches (``router_glu_kernel``, then ``dispatch_kernel`` with ROUTE and NORM; decode
+    rows, ``split_supported``); the router logits are ``route_dispatch``'s up to the fp32 summation order. Shapes as
+    ``route_dispatch_glu``. Returns (router outputs, dispatch outputs, gate/up ``[B,T,NS]``, normalised x
+    ``[B,T,D]``)."""
+    B, T, D = x.shape
+    E, k = num_experts, top_k
+    R, N, NS = B * T, B * T * top_k, w1.shape[0]
+    dev = x.device
+    xx = x.reshape(R, D).contiguous()
+
+    def cast(w):
+        return w if w.dtype == x.dtype and w.is_contiguous() else w.to(x.dtype).contiguous()
+    w1, w3 = cast(w1), cast(w3)
+    RBK = 32 if interpreting() else 128
+    DS = RBK * max(1, triton.cdiv(D, RBK * 8))
+    NSPLIT = triton.cdiv(D, DS)
+    BE = 16
+    NE = triton.cdiv(E, BE)
+    BN, BK, warps = gemv_config(R, NS, D, True)
+    BM = _p2(R)
+    nw, neps = norm[0].reshape(D).contiguous(), float(norm[1])
+    part = torch.empty(NSPLIT, R, E, device=dev, dtype=torch.float32)
+    pss = torch.empty(NSPLIT, R, device=dev, dtype=torch.float32)
+    y = torch.empty(B, T, NS, device=dev, dtype=x.dtype)
+    router_glu_kernel[(NE * NSPLIT + triton.cdiv(NS, BN),)](
+        xx, wr.contiguous(), part, nw, pss, w1, w3, y, R, D, E, DS, NE, NE * NSPLIT, NS, neps,
+        BE=BE, RBK=RBK, BM=BM, BN=BN, BK=BK, num_warps=warps)
+    wout = torch.empty(B, T, k, device=dev, dtype=torch.float32)
+    iout = torch.empty(B, T, k, device=dev, dtype=torch.int64)
+    sout = torch.empty(B, T, E, device=dev, dtype=torch.float32)
+    xs = torch.empty(N, D, device=dev, dtype=x.dtype)
+    offsets = torch.empty(E + 1, device=dev, dtype=torch.int64)
+    inv = torch.empty(B, T, k, device=dev, dtype=torch.int64)
+    cw = torch.empty(N, device=dev, dtype=torch.float32)
+    xn = torch.empty(B, T, D, device=dev, dtype=x.dtype)
+    RB, KP, EP = _p2(R), _p2(k, 2), _p2(E, 16)
+    BD = _bd(RB * KP, D)
+    dispatch_kernel[(1, triton.cdiv(D, BD))](
+        xx, None, None, None, offsets, xs, inv, cw, part, bias.float().contiguous(), wout, iout, sout, nw, pss, xn,
+        N, D, E, NSPLIT, float(scale), float(eps), BD, neps, KSLOT=k, KP=KP, RB=RB, BS=1, EP=EP, BD=BD, SINGLE=True,
+        ROUTE=True, RENORM=bool(renormalize), NORM=True, NSU=NSPLIT if RB * EP <= 1024 else 1,
+        num_warps=_warps(RB * KP * EP))
+    return (wout, iout, sout), (xs, offsets, inv, cw), y, xn

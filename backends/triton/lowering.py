@@ -543,8 +543,8 @@ class PlanInterpreter(Interpreter):
     def _route(self, op, d, env, observe, glu=()):
         """Router + dispatch of a decode-size batch in two launches (``dispatch.route_dispatch``), or with the
         shared expert's gate/up ``glu = (swiglu, gate linear, up linear, their weight names)`` in one (``route_dispatch_glu``, when
-        the RMSNorm is deferred and ``dispatch.TUNING["front_glu"]``); other sizes, float64 and routers
-        without a fitting tile run the two ops as usual."""
+        the RMSNorm is deferred and ``dispatch.TUNING["front_glu"]``) or in the same two (``route_glu_dispatch``,
+        ``TUNING["front_split"]``); other sizes, float64 and routers without a fitting tile run the two ops as usual."""
         xl = env[id(op.operands[0])]
         fuse = isinstance(xl, Prenormed) and xl.value is None          # the layer's RMSNorm goes into the front
         x = xl.x if fuse else _val(xl)
@@ -559,10 +559,15 @@ class PlanInterpreter(Interpreter):
             gop, g_op, u_op, gname, uname = glu
             w1, w3 = (env[id(o.operands[1])] if id(o.operands[1]) in env else self.get_param(n)
                       for o, n in ((g_op, gname), (u_op, uname)))
-            if disp_k.front_supported(rows, E, k, x, w1, w3, w) and _no_grad(w1, w3):
-                rout, dout, y = disp_k.route_dispatch_glu(
-                    x, w, bias, k, E, bool(a.get("renormalize", True)), float(a.get("routed_scaling_factor", 1.0)),
+            args = (x, w, bias, k, E, bool(a.get("renormalize", True)), float(a.get("routed_scaling_factor", 1.0)),
                     float(a.get("eps", 1e-20)), (xl.w, xl.eps), w1, w3)
+            if disp_k.front_supported(rows, E, k, x, w1, w3, w) and _no_grad(w1, w3):
+                rout, dout, y = disp_k.route_dispatch_glu(*args)
+            elif disp_k.split_supported(rows, E, k, x, w1, w3, w) and _no_grad(w1, w3):
+                rout, dout, y, xl.value = disp_k.route_glu_dispatch(*args)    # two launches (TUNING front_split)
+            else:
+                y = None
+            if y is not None:
                 env[("routed", id(d))] = dout
                 self._store(op, list(rout), env, observe)
                 self._store(gop, [y], env, observe)
