@@ -8,6 +8,9 @@ last and writes JSON.
     python bench/bench_kda.py --sweep --no-fla --out kda_sweep.json [--budget 110]   # forward TUNING variants
     python bench/bench_kda.py --sweep --no-fla --budget 15 --variants default --shapes 1,32768,32,128  # ~20 s
     python bench/bench_kda.py --sweep --no-fla --fla-missing --all-shapes --variants sp_clamp,s4 --acc  # session 4
+    python bench/bench_kda.py --sweep --no-fla --all-shapes --budget 38 --margin 3 --shapes \
+        "1,8192,96,128;1,32768,32,128@k3" --variants recur_waves,recur_bv64_s1,recur_s1 --first-only recur_s1 \
+        --variant-launches akk,wu,recur   # session 4 H96: recurrence value block by waves
 """
 from __future__ import annotations
 
@@ -141,7 +144,8 @@ SWEEP_SHAPES = [(1, 32768, 32, 128)]                 # default + every variant, 
 SWEEP_EXTRA = [(8, 4096, 32, 128), (1, 8192, 96, 128)]  # default only
 #: fla chunk_kda forward measured on the H200 (2026-11-30, Triton 3.6): used with --no-fla
 FLA_KNOWN_MS = {((1, 32768, 32, 128), "k3"): 3.73, ((1, 32768, 32, 128), "softplus"): 4.08,
-                ((8, 4096, 32, 128), "k3"): 3.67, ((8, 4096, 32, 128), "softplus"): 4.05}
+                ((8, 4096, 32, 128), "k3"): 3.67, ((8, 4096, 32, 128), "softplus"): 4.05,
+                ((1, 8192, 96, 128), "k3"): 2.620, ((1, 8192, 96, 128), "softplus"): 2.921}   # s4run4 06:41
 #: (name, TUNING overrides, only this gate or None); the first is the default. See kda.TUNING for the keys.
 VARIANTS = [
     ("default", {}, None),       # inverse split on 1 warp, tf32 dots; softplus akk BK 32 under the 128 cap
@@ -180,6 +184,16 @@ VARIANTS = [
     ("wu64_w8", {"wu_bk": 64, "wu_bv": 64, "wu_flat_warps": 8}, None),   # flat w/u, 64-wide slices: Xb read 4x
     ("recur_s3", {"recur_stages": 3}, None),
     ("s4", {"sp_clamp": True, "recur_stages": 3}, None),    # both (K3: recur_s3 alone)
+    # session 4, H96: the recurrence is a serial chain of chunk steps on 1 CTA/SM (3 stages: 134 regs, 188 kB at
+    # BV 32; 240 regs, 205 kB at BV 64; H200 steps ~1.49 us at BV 32, 1.82 at BV 64), so it costs ceil(programs /
+    # 132) waves x chunks x step: (1,8192,96,128) BV 32 = 384 programs, 3 waves (0.583 ms); BV 64 = 192, 2 waves
+    # (pred. ~0.47); B1 T32768 H32 keeps BV 32 (128 programs, 1 wave; BV 64 pred. 0.93 vs 0.75)
+    ("recur_waves", {"bv_rule": "waves"}, None),        # kda.recur_block "waves": BV 64 at N*H 96 / 64, 32 at 32
+    ("recur_bv64", {"bv": 64}, "k3"),                   # BV 64 everywhere (loses at N*H = 32)
+    ("recur_s1", {"recur_stages": 1}, "k3"),            # BV 32, 1 stage: 156 regs, 64 kB: 3 CTAs/SM = 396 slots
+    ("recur_bv64_s1", {"bv": 64, "recur_stages": 1}, "k3"),   # BV 64, 1 stage: 255 regs, 72 kB: 2 CTAs/SM
+    ("recur_bv16_s1", {"bv": 16, "recur_stages": 1}, "k3"),   # BV 16, 1 stage: 126 regs, 60 kB: 3 CTAs/SM
+    ("recur_waves_w8", {"bv_rule": "waves", "recur_warps": 8}, "k3"),   # BV 64 on 8 warps: 203 regs, 205 kB
 ]
 
 
@@ -238,6 +252,9 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
                 launches = ((("gcum",) if KD.TUNING["gcum"] else ()) + ("akk",)
                             + (("inv",) if KD.TUNING["inv"] == "split" else ()) + ("wu", "recur"))
             nb = stage_bytes(*shape)
+            if name != "default" and args.variant_launches:
+                keep = args.variant_launches.split(",")
+                launches = tuple(st for st in launches if st in keep)
             for st in launches:
                 ms = bench(_ours_fwd(kda_forward_kernels, x, lb, stages=(st,)), rep=args.rep)
                 row[f"{st}_ms"] = ms
@@ -271,7 +288,7 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
     # phase 1: defaults (and fla unless --no-fla)
     for shape in shapes + extra:
         x = inputs(*shape)
-        for gate, lb in gates:
+        for gate, lb in _gates_of(shape, gates):
             fla_o = None
             if chunk_kda is not None and not (args.fla_missing and (tuple(shape), gate) in FLA_KNOWN_MS):
                 try:
@@ -291,23 +308,27 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
         order = args.variants.split(",")
         variants.sort(key=lambda v: order.index(v[0]))
     if args.all_shapes:
-        jobs = [(shape, [v]) for v in variants for shape in shapes + extra]
+        first = set((args.first_only or "").split(","))
+        jobs = [(shape, [v]) for v in variants for shape in shapes + extra if v[0] not in first or shape == shapes[0]]
     else:
         jobs = [(shapes[0], variants)] if variants else []
     for shape, vs in jobs:
         x = inputs(*shape)
         ref = {}
-        for gate, lb in gates:
+        sgates = _gates_of(shape, gates)
+        for gate, lb in sgates:
+            if not any(only in (None, gate) for _, _, only in vs):
+                continue
             try:
                 ref[gate] = _ours_fwd(kda_forward_kernels, x, lb)()[0]
             except Exception as e:  # noqa: BLE001
                 print("default failed:", repr(e)[:200])
                 ref[gate] = None
         for name, over, only in vs:
-            for gate, lb in gates:
+            for gate, lb in sgates:
                 if only is not None and only != gate:
                     continue
-                if time.time() - t0 > args.budget - 8:
+                if time.time() - t0 > args.budget - args.margin:
                     print(f"budget of {args.budget} s used: skipping {name} {shape} {gate}", flush=True)
                     continue
                 one(x, shape, gate, lb, name, over, ref[gate], refs.get((tuple(shape), gate), (None, None))[1])
@@ -523,14 +544,34 @@ def _fmt(r, k, fmt):
     return fmt.format(v) if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)) else "-"
 
 
+#: --shapes "B,T,H,D@gate": that shape runs only that gate (filled by ``_shapes``)
+SHAPE_GATES: dict = {}
+
+
 def _shapes(text):
+    out = []
     try:
-        out = [tuple(int(n) for n in part.split(",")) for part in text.split(";") if part.strip()]
+        for part in (p.strip() for p in text.split(";")):
+            if not part:
+                continue
+            dims, _, gate = part.partition("@")
+            out.append(tuple(int(n) for n in dims.split(",")))
+            if gate:
+                if gate not in ("k3", "softplus"):
+                    out = []
+                    break
+                SHAPE_GATES[out[-1]] = gate
     except ValueError:
         out = []
     if not out or any(len(sh) != 4 for sh in out):
-        raise argparse.ArgumentTypeError(f"shapes must be B,T,H,D[;B,T,H,D...], got {text!r}")
+        raise argparse.ArgumentTypeError(f"shapes must be B,T,H,D[@k3|@softplus][;...], got {text!r}")
     return out
+
+
+def _gates_of(shape, gates):
+    """The (gate, lower bound) pairs that run at ``shape`` (``--shapes ...@gate`` restricts one shape)."""
+    only = SHAPE_GATES.get(tuple(shape))
+    return tuple(gt for gt in gates if only is None or gt[0] == only)
 
 
 def main():
@@ -543,13 +584,22 @@ def main():
                     help="also time the old launch variants (inverse dots, value block, warps) at the first shape")
     ap.add_argument("--sweep", action="store_true", help="forward variants of kda.TUNING only (see VARIANTS)")
     ap.add_argument("--budget", type=float, default=110.0, help="--sweep: seconds before variants are skipped")
+    ap.add_argument("--margin", type=float, default=8.0,
+                    help="--sweep: a variant row starts only while this many seconds of --budget are left (8: an "
+                         "akk compile; recurrence-only variants compile in ~0.5 s)")
+    ap.add_argument("--first-only", default=None,
+                    help="--sweep --all-shapes: comma-separated variants that run at the first shape only")
+    ap.add_argument("--variant-launches", default=None,
+                    help="--sweep: per-launch times of the variants for these launches only (e.g. akk,wu,recur; "
+                         "the defaults always time every launch)")
     ap.add_argument("--no-fla", action="store_true",
                     help="do not import or time fla (--sweep: its known H200 times fill the fla column)")
     ap.add_argument("--rep", type=int, default=60, help="--sweep: timing window per measurement (ms)")
     ap.add_argument("--variants", default=None,
                     help="--sweep: comma-separated VARIANTS names to run after the defaults ('default': none)")
     ap.add_argument("--shapes", default=None, type=_shapes,
-                    help="--sweep: B,T,H,D[;B,T,H,D...] instead of the sweep shapes (variants on the first)")
+                    help="--sweep: B,T,H,D[@gate][;B,T,H,D...] instead of the sweep shapes (variants on the first "
+                         "unless --all-shapes; '@k3' / '@softplus': that shape with that gate only)")
     ap.add_argument("--gates", default="both", choices=("both", "k3", "softplus"), help="--sweep: gates to run")
     ap.add_argument("--all-shapes", action="store_true", help="--sweep: the variants at every shape, not the first")
     ap.add_argument("--fla-missing", action="store_true",

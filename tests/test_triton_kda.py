@@ -238,6 +238,36 @@ def test_forward_intermediates(lb):
     assert rel_err(it["G"][0], Gl) < tol                     # kda_gcum_kernel (TUNING["gcum"], default)
 
 
+def test_recur_block_rule():
+    """``kda.recur_block``: BV of the recurrence from waves of one CTA per SM (hand-computed: 132 SMs, V = 128;
+    waves(BV) = ceil(V / BV * nh / 132), BV 64 when waves(64) * 1.22 < waves(32))."""
+    from k3ir.backends.triton.kda import recur_block
+    assert recur_block(96, 128, 132, "waves") == 64       # 384 programs = 3 waves vs 192 = 2 (2.44 < 3)
+    assert recur_block(32, 128, 132, "waves") == 32       # 128 vs 64 programs: 1 wave each
+    assert recur_block(64, 128, 132, "waves") == 64       # 256 = 2 waves vs 128 = 1
+    assert recur_block(256, 128, 132, "waves") == 64      # 8 vs 4 waves
+    assert recur_block(264, 128, 132, "waves", cost64=2.1) == 32   # 8 vs 4 waves: a step cost > 2 keeps 32
+    assert recur_block(96, 128, 132) == 32 and recur_block(128, 128, 132) == 64   # "nh128": the old rule
+    assert recur_block(96, 32, 132, "waves") == 32 and recur_block(300, 16, 132) == 16   # V < 64: BV = V
+    with pytest.raises(ValueError, match="bv_rule"):
+        recur_block(96, 128, 132, "fast")
+
+
+@pytest.mark.parametrize("variant", [{"bv": 16}, {"bv": 64, "recur_stages": 1}, {"bv_rule": "waves"}])
+def test_forward_value_blocks(variant, tuning, monkeypatch):
+    """The recurrence split into 8, 2 or (``bv_rule`` "waves" on 2 SMs: 2 waves at BV 64 vs 4 at BV 32) 2 value
+    blocks of V = 128, T = 70, initial state: o and the final state against float64."""
+    from k3ir.backends.triton import kda as kd
+    monkeypatch.setattr(kd, "_sm_count", lambda dev: 2)
+    assert kd.recur_block(2, 128, 2, "waves") == 64
+    tuning.update(variant)
+    x = make(1, 70, 2, 16, V=128, seed=41)
+    o, s = run(x)
+    o_r, s_r = ref_np(x)
+    tol = 1e-5 if not GPU else 3e-3
+    assert rel_err(o, o_r) < tol and rel_err(s, s_r) < tol
+
+
 def test_prefix_outputs_and_gradients_ignore_later_tokens():
     x = make(1, 50, 2, 16, seed=5, h0=False)
     y = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in x.items()}

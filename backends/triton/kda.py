@@ -10,6 +10,7 @@ of activation memory per token-head at K = V = 128 in bf16 (w, u, qg, kg, qn, kn
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -60,7 +61,11 @@ TUNING: dict = {"bwd_reuse": True, "intra": "split", "gcum": True, "gcum_bk": 32
                 "inv_prec": "tf32", "bv": None, "recur_warps": 4, "recur_stages": 3, "intra_warps": 8,
                 "gcum_mode": "rows", "gcum_rows_bk": 128, "gcum_rows_rb": 16, "gcum_rows_warps": 1, "fast_log": True,
                 "wu_prefetch": False, "wu_mode": "flat", "wu_flat_warps": 4, "diag_main": False,
-                "sp_clamp": True, "clamp_thr": 120.0, "clamp_bk": 32, "clamp_maxnreg": 128, "clamp_warps": None}
+                "sp_clamp": True, "clamp_thr": 120.0, "clamp_bk": 32, "clamp_maxnreg": 128, "clamp_warps": None,
+                "bv_rule": "nh128", "bv64_cost": 1.22}
+#: ``bv_rule``: the recurrence's value block when ``bv`` is None (``recur_block``): "nh128" (BV 64 when N*H >= 128,
+#: else 32) or "waves" (the BV of fewer 1-CTA-per-SM waves, a BV 64 step costing ``bv64_cost`` BV 32 steps: H200
+#: 3-stage steps 1.82 vs ~1.49 us; at N*H = 96 BV 64 is 2 waves instead of 3, at N*H = 32 both are 1 wave).
 #: ``sp_clamp`` (default since the H200 sweep of 2026-11-30 06:23: softplus akk 2.09 -> 1.58 ms): the softplus gate's
 #: akk runs the K3 code path (diagonal blocks inside the strip dots, ``clamp_bk``-column slices, ``clamp_warps`` warps
 #: or ``warps``, cap ``clamp_maxnreg``) with a per-channel reference ``min(Gs, Ge + 80)`` (factors within exp(80) and
@@ -86,6 +91,39 @@ def _bwd_mode() -> str:
 def _interpret() -> bool:
     import os
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _sm_count_cuda(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _sm_count(dev: torch.device) -> int:
+    """Streaming multiprocessors of ``dev`` (132 off CUDA: the H200's count, so the interpreter takes the same
+    branches)."""
+    if dev.type != "cuda":
+        return 132
+    return _sm_count_cuda(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def recur_block(nh: int, V: int, sms: int, rule: str = "nh128", cost64: float = 1.22) -> int:
+    """Value-block width BV of ``kda_recur_kernel`` (grid ``V // BV`` x ``nh`` programs, nh = sequences * heads).
+
+    ``rule`` "nh128": 64 when ``nh >= 128`` (or V < 64: BV = V), else 32. "waves": the recurrence runs one
+    4-warp CTA per SM (3 stages: 188-205 kB of shared memory), each program a serial chain of chunk steps, so its
+    time is ``ceil(programs / sms)`` waves times a step's latency; BV 64 takes half the programs at ``cost64``
+    times a BV 32 step and is chosen when ``waves(64) * cost64 < waves(32)``: N*H = 96 on 132 SMs: 2 waves at 64
+    vs 3 at 32 (64); N*H = 32: 1 vs 1 (32); N*H = 64: 1 vs 2 (64); N*H >= 128 as "nh128". V < 64: BV = V.
+    Raises ValueError on an unknown rule."""
+    if V < 64:
+        return V
+    if rule == "nh128":
+        return 64 if nh >= 128 else 32
+    if rule != "waves":
+        raise ValueError(f"kda TUNING['bv_rule'] must be 'nh128' or 'waves', got {rule!r}")
+    w32 = -(-(V // 32) * nh // sms)
+    w64 = -(-(V // 64) * nh // sms)
+    return 64 if w64 * cost64 < w32 else 32
 
 
 def _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate):
@@ -262,8 +300,8 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
             H=H, K=K, V=V, BT=BT, BC=BC, L2NORM=gate != "precomputed",
             BETA_SIGMOID=gate != "precomputed", EXACT=GATE != kk.GATE_LOWER_BOUND,
             PREC=prec, INV_DOTS=TUNING["inv_dots"], num_warps=4 if K <= 64 else TUNING["intra_warps"], **common)
-    BV = TUNING["bv"] or (min(64, V) if N * H >= 128 or V < 64 else 32)
-    BV = min(BV, V)
+    BV = min(TUNING["bv"] or recur_block(N * H, V, _sm_count(dev), TUNING.get("bv_rule", "nh128"),
+                                         float(TUNING.get("bv64_cost", 1.22))), V)
     if "recur" not in stages:
         return (o, ht, inter) if return_intermediates else (o, ht)
     fit_stages(("kda_recur", idt, w.dtype, K, V, BV, TUNING["recur_warps"]), TUNING["recur_stages"],
