@@ -199,12 +199,25 @@ def sec_warm(i):
         y = moe.grouped_matmul(h[:R], off, ps[2][0], ps[2][1], "mxfp4", row_scale=rs[:R])
         moe.moe_combine(y, None, inv)
         del hh, y
+    if i == 0 and DEV == "cuda":       # the Gluon config variants of the decode sizes (row grid, as T = 1)
+        from k3ir.backends.triton import moe_gluon as G
+        from k3ir.backends.triton import moe_layout as L
+        _, inv, off = _route(1, dev)
+        p1, p3, p2 = (L.lookup(w, s) for w, s in ps)
+        for tag, cfg in GLUON_VARIANTS:
+            try:
+                G.grouped_matmul(x[:1].repeat_interleave(TOPK, 0), off, p1, pw3=p3, act="situ", config=cfg)
+                G.grouped_matmul(h[:TOPK], off, p2, row_scale=rs[:TOPK], config=cfg)
+            except Exception as ex:
+                emit(f"warm 0 gluon {tag}", error=repr(ex)[-800:])
     _sync()
     emit(f"warm {i} {label}", s=time.perf_counter() - t0)
 
 
 SIZES = (1, 256, 8192)
 CROSS = (4, 16, 64)          # with T = 1 and 256: where the Gluon kernel starts to win
+VARIANT_T = (1, 4)           # Gluon config variants timed at these T (compiled in warm 0)
+GLUON_VARIANTS = (("MR1 (BW 64)", {"MR": 1}), ("ST3 (cp.async ring)", {"ST": 3}))
 
 
 def sec_k3(old=True):
@@ -289,7 +302,7 @@ def _k3_case(T, ws, ss, dev, kerns=None, timed=True, tag=""):
                 continue
             ms = _bench(layer, 60 if T < SIZES[2] else 150)
             kv = {}
-            if T == SIZES[2]:
+            if T == SIZES[2] or T < SIZES[1]:
                 kv["ms_glu"] = _bench(lambda: moe.grouped_matmul(xs, off, ws[0], ss[0], "mxfp4", w3=ws[1],
                                                                  scales3=ss[1], act="situ"), 80)
                 kv["ms_down"] = _bench(lambda h=h: moe.grouped_matmul(h, off, ws[2], ss[2], "mxfp4", row_scale=cw), 80)
@@ -301,6 +314,29 @@ def _k3_case(T, ws, ss, dev, kerns=None, timed=True, tag=""):
         finally:
             moe.TUNING["mxfp4_kernel"] = "gluon"
             moe.TUNING.pop("gluon_min_rows", None)
+    if timed and DEV == "cuda" and T in VARIANT_T:
+        _gluon_variants(T, ws, ss, xs, off, cw, inv, h_ref)
+
+
+def _gluon_variants(T, ws, ss, xs, off, cw, inv, h_ref):
+    """Layer time of Gluon configs with more bytes in flight per SM (BW 64: twice the programs; a 3-slot cp.async
+    ring: two K steps ahead) at decode sizes: would a Gluon config beat the Triton kernel there instead?"""
+    from k3ir.backends.triton import moe
+    from k3ir.backends.triton import moe_gluon as G
+    from k3ir.backends.triton import moe_layout as L
+    p1, p3, p2 = (L.lookup(w, s) for w, s in zip(ws, ss))
+    for tag, cfg in GLUON_VARIANTS:
+        try:
+            def layer(cfg=cfg):
+                h = G.grouped_matmul(xs, off, p1, pw3=p3, act="situ", config=cfg)
+                return moe.moe_combine(G.grouped_matmul(h, off, p2, row_scale=cw, config=cfg), None, inv)
+            h = G.grouped_matmul(xs, off, p1, pw3=p3, act="situ", config=cfg)
+            eg = _rel(h, h_ref)
+            emit(f"k3 T={T} gluon {tag}", rel_glu=eg, ok=eg < 2e-2, ms=_bench(layer, 60), rows=T * TOPK,
+                 ms_glu=_bench(lambda cfg=cfg: G.grouped_matmul(xs, off, p1, pw3=p3, act="situ", config=cfg), 60),
+                 ms_down=_bench(lambda cfg=cfg, h=h: G.grouped_matmul(h, off, p2, row_scale=cw, config=cfg), 60))
+        except Exception as ex:
+            emit(f"k3 T={T} gluon {tag}", error=repr(ex)[-1500:])
 
 
 def child(section, old, smoke=False):
