@@ -9,8 +9,8 @@ last and writes JSON.
     python bench/bench_kda.py --sweep --no-fla --budget 15 --variants default --shapes 1,32768,32,128  # ~20 s
     python bench/bench_kda.py --sweep --no-fla --fla-missing --all-shapes --variants sp_clamp,s4 --acc  # session 4
     python bench/bench_kda.py --sweep --no-fla --all-shapes --budget 38 --margin 3 --shapes \
-        "1,8192,96,128;1,32768,32,128@k3" --variants recur_waves,recur_bv64_s1,recur_s1 --first-only recur_s1 \
-        --variant-launches akk,wu,recur   # session 4 H96: recurrence value block by waves
+        "1,8192,96,128;1,32768,32,128@k3" --variants recur_waves,recur_s1,recur_bv64_s1,recur_waves_w8,wu64_w8 \
+        --first-only recur_s1,recur_bv64_s1,recur_waves_w8 --variant-launches akk,wu,recur   # session 4 H96 (~42 s)
 """
 from __future__ import annotations
 
@@ -194,6 +194,10 @@ VARIANTS = [
     ("recur_bv64_s1", {"bv": 64, "recur_stages": 1}, "k3"),   # BV 64, 1 stage: 255 regs, 72 kB: 2 CTAs/SM
     ("recur_bv16_s1", {"bv": 16, "recur_stages": 1}, "k3"),   # BV 16, 1 stage: 126 regs, 60 kB: 3 CTAs/SM
     ("recur_waves_w8", {"bv_rule": "waves", "recur_warps": 8}, "k3"),   # BV 64 on 8 warps: 203 regs, 205 kB
+    # "waves" over 3-stage and 1-stage configs (guessed 1-stage step costs: 1.8 at 3 CTAs/SM, 2.0 at 2): (32, 1) at
+    # N*H 96 (= recur_s1 there), (32, 3) at N*H 32 (= default); set the costs from recur_s1 / recur_bv64_s1
+    ("recur_occ", {"bv_rule": "waves", "recur_table": ((32, 3, 1, 1.0), (64, 3, 1, 1.22), (32, 1, 3, 1.8),
+                                                       (64, 1, 2, 2.0))}, None),
 ]
 
 

@@ -239,27 +239,32 @@ def test_forward_intermediates(lb):
 
 
 def test_recur_block_rule():
-    """``kda.recur_block``: BV of the recurrence from waves of one CTA per SM (hand-computed: 132 SMs, V = 128;
-    waves(BV) = ceil(V / BV * nh / 132), BV 64 when waves(64) * 1.22 < waves(32))."""
+    """``kda.recur_block``: BV (and stages) of the recurrence from waves (hand-computed: 132 SMs, V = 128;
+    waves = ceil(V / BV * nh / (132 * ctas)), times the table's step cost; default table: BV 32 cost 1, BV 64 1.22,
+    3 stages, 1 CTA per SM)."""
     from k3ir.backends.triton.kda import recur_block
-    assert recur_block(96, 128, 132, "waves") == 64       # 384 programs = 3 waves vs 192 = 2 (2.44 < 3)
-    assert recur_block(32, 128, 132, "waves") == 32       # 128 vs 64 programs: 1 wave each
-    assert recur_block(64, 128, 132, "waves") == 64       # 256 = 2 waves vs 128 = 1
-    assert recur_block(256, 128, 132, "waves") == 64      # 8 vs 4 waves
-    assert recur_block(264, 128, 132, "waves", cost64=2.1) == 32   # 8 vs 4 waves: a step cost > 2 keeps 32
-    assert recur_block(96, 128, 132) == 32 and recur_block(128, 128, 132) == 64   # "nh128": the old rule
-    assert recur_block(96, 32, 132, "waves") == 32 and recur_block(300, 16, 132) == 16   # V < 64: BV = V
+    assert recur_block(96, 128, 132, "waves") == (64, 3)       # 384 programs = 3 waves vs 192 = 2 (2.44 < 3)
+    assert recur_block(32, 128, 132, "waves") == (32, 3)       # 128 vs 64 programs: 1 wave each
+    assert recur_block(64, 128, 132, "waves") == (64, 3)       # 256 = 2 waves vs 128 = 1
+    assert recur_block(256, 128, 132, "waves") == (64, 3)      # 8 vs 4 waves
+    occ = ((32, 3, 1, 1.0), (64, 3, 1, 1.22), (32, 1, 3, 1.8), (64, 1, 2, 2.0))
+    assert recur_block(96, 128, 132, "waves", occ) == (32, 1)  # 384 programs in 396 slots: 1 wave x 1.8
+    assert recur_block(32, 128, 132, "waves", occ) == (32, 3)  # 1 wave either way: the cheaper step
+    assert recur_block(264, 128, 132, "waves", ((32, 3, 1, 1.0), (64, 3, 1, 2.1))) == (32, 3)   # 8 vs 4 x 2.1
+    assert recur_block(96, 128, 132) == (32, None) and recur_block(128, 128, 132) == (64, None)   # "nh128"
+    assert recur_block(96, 32, 132, "waves") == (32, None) and recur_block(300, 16, 132) == (16, None)  # V < 64
     with pytest.raises(ValueError, match="bv_rule"):
         recur_block(96, 128, 132, "fast")
 
 
-@pytest.mark.parametrize("variant", [{"bv": 16}, {"bv": 64, "recur_stages": 1}, {"bv_rule": "waves"}])
+@pytest.mark.parametrize("variant", [{"bv": 16}, {"bv": 64, "recur_stages": 1}, {"bv_rule": "waves"},
+                                     {"bv_rule": "waves", "recur_table": ((64, 1, 2, 2.0),)}])
 def test_forward_value_blocks(variant, tuning, monkeypatch):
     """The recurrence split into 8, 2 or (``bv_rule`` "waves" on 2 SMs: 2 waves at BV 64 vs 4 at BV 32) 2 value
     blocks of V = 128, T = 70, initial state: o and the final state against float64."""
     from k3ir.backends.triton import kda as kd
     monkeypatch.setattr(kd, "_sm_count", lambda dev: 2)
-    assert kd.recur_block(2, 128, 2, "waves") == 64
+    assert kd.recur_block(2, 128, 2, "waves") == (64, 3)
     tuning.update(variant)
     x = make(1, 70, 2, 16, V=128, seed=41)
     o, s = run(x)

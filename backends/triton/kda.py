@@ -62,10 +62,12 @@ TUNING: dict = {"bwd_reuse": True, "intra": "split", "gcum": True, "gcum_bk": 32
                 "gcum_mode": "rows", "gcum_rows_bk": 128, "gcum_rows_rb": 16, "gcum_rows_warps": 1, "fast_log": True,
                 "wu_prefetch": False, "wu_mode": "flat", "wu_flat_warps": 4, "diag_main": False,
                 "sp_clamp": True, "clamp_thr": 120.0, "clamp_bk": 32, "clamp_maxnreg": 128, "clamp_warps": None,
-                "bv_rule": "nh128", "bv64_cost": 1.22}
-#: ``bv_rule``: the recurrence's value block when ``bv`` is None (``recur_block``): "nh128" (BV 64 when N*H >= 128,
-#: else 32) or "waves" (the BV of fewer 1-CTA-per-SM waves, a BV 64 step costing ``bv64_cost`` BV 32 steps: H200
-#: 3-stage steps 1.82 vs ~1.49 us; at N*H = 96 BV 64 is 2 waves instead of 3, at N*H = 32 both are 1 wave).
+                "bv_rule": "nh128", "recur_table": ((32, 3, 1, 1.0), (64, 3, 1, 1.22))}
+RECUR_TABLE = TUNING["recur_table"]
+#: ``bv_rule``: the recurrence's value block (and stages) when ``bv`` is None (``recur_block``): "nh128" (BV 64 when
+#: N*H >= 128, else 32; ``recur_stages``) or "waves": the ``recur_table`` entry ``(BV, stages, CTAs per SM, step
+#: cost)`` with the fewest waves x step cost (default table: the 3-stage configs at 1 CTA/SM, H200 steps 1.49 us at
+#: BV 32 and 1.82 at BV 64: at N*H = 96 BV 64 is 2 waves instead of 3, at N*H = 32 both are 1 wave).
 #: ``sp_clamp`` (default since the H200 sweep of 2026-11-30 06:23: softplus akk 2.09 -> 1.58 ms): the softplus gate's
 #: akk runs the K3 code path (diagonal blocks inside the strip dots, ``clamp_bk``-column slices, ``clamp_warps`` warps
 #: or ``warps``, cap ``clamp_maxnreg``) with a per-channel reference ``min(Gs, Ge + 80)`` (factors within exp(80) and
@@ -106,24 +108,30 @@ def _sm_count(dev: torch.device) -> int:
     return _sm_count_cuda(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
-def recur_block(nh: int, V: int, sms: int, rule: str = "nh128", cost64: float = 1.22) -> int:
-    """Value-block width BV of ``kda_recur_kernel`` (grid ``V // BV`` x ``nh`` programs, nh = sequences * heads).
+def recur_block(nh: int, V: int, sms: int, rule: str = "nh128", table=RECUR_TABLE) -> tuple[int, int | None]:
+    """Value-block width BV and pipeline stages of ``kda_recur_kernel`` (grid ``V // BV`` x ``nh`` programs,
+    nh = sequences * heads); stages None = ``TUNING["recur_stages"]``.
 
-    ``rule`` "nh128": 64 when ``nh >= 128`` (or V < 64: BV = V), else 32. "waves": the recurrence runs one
-    4-warp CTA per SM (3 stages: 188-205 kB of shared memory), each program a serial chain of chunk steps, so its
-    time is ``ceil(programs / sms)`` waves times a step's latency; BV 64 takes half the programs at ``cost64``
-    times a BV 32 step and is chosen when ``waves(64) * cost64 < waves(32)``: N*H = 96 on 132 SMs: 2 waves at 64
-    vs 3 at 32 (64); N*H = 32: 1 vs 1 (32); N*H = 64: 1 vs 2 (64); N*H >= 128 as "nh128". V < 64: BV = V.
-    Raises ValueError on an unknown rule."""
-    if V < 64:
-        return V
-    if rule == "nh128":
-        return 64 if nh >= 128 else 32
-    if rule != "waves":
+    ``rule`` "nh128": BV 64 when ``nh >= 128``, else 32. "waves": each program is a serial chain of chunk steps
+    (latency-bound), so a config's time is ``ceil(programs / (sms * ctas))`` waves times its step cost; ``table``
+    lists ``(BV, stages, ctas per SM, step cost)`` and the cheapest entry wins (ties: the first). Default table,
+    3 stages at 1 CTA/SM (188-205 kB of shared memory): N*H = 96 on 132 SMs: BV 32 3 waves, BV 64 2 x 1.22
+    (BV 64); N*H = 32: 1 vs 1.22 (BV 32); N*H = 64: 2 vs 1.22 (BV 64); N*H >= 128 as "nh128". V < 64 (or no
+    table entry dividing V): BV = V. Raises ValueError on an unknown rule."""
+    if rule not in ("nh128", "waves"):
         raise ValueError(f"kda TUNING['bv_rule'] must be 'nh128' or 'waves', got {rule!r}")
-    w32 = -(-(V // 32) * nh // sms)
-    w64 = -(-(V // 64) * nh // sms)
-    return 64 if w64 * cost64 < w32 else 32
+    if V < 64:
+        return V, None
+    if rule == "nh128":
+        return (64 if nh >= 128 else 32), None
+    best = None
+    for bv, stages, ctas, cost in table:
+        if bv > V or V % bv:
+            continue
+        t = -(-(V // bv) * nh // (sms * ctas)) * cost
+        if best is None or t < best[0]:
+            best = (t, bv, stages)
+    return (best[1], best[2]) if best else (V, None)
 
 
 def _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate):
@@ -300,11 +308,13 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
             H=H, K=K, V=V, BT=BT, BC=BC, L2NORM=gate != "precomputed",
             BETA_SIGMOID=gate != "precomputed", EXACT=GATE != kk.GATE_LOWER_BOUND,
             PREC=prec, INV_DOTS=TUNING["inv_dots"], num_warps=4 if K <= 64 else TUNING["intra_warps"], **common)
-    BV = min(TUNING["bv"] or recur_block(N * H, V, _sm_count(dev), TUNING.get("bv_rule", "nh128"),
-                                         float(TUNING.get("bv64_cost", 1.22))), V)
+    BV, rstages = (TUNING["bv"], None) if TUNING["bv"] else recur_block(
+        N * H, V, _sm_count(dev), TUNING.get("bv_rule", "nh128"), TUNING.get("recur_table") or RECUR_TABLE)
+    BV = min(BV, V)
+    rstages = rstages or TUNING["recur_stages"]
     if "recur" not in stages:
         return (o, ht, inter) if return_intermediates else (o, ht)
-    fit_stages(("kda_recur", idt, w.dtype, K, V, BV, TUNING["recur_warps"]), TUNING["recur_stages"],
+    fit_stages(("kda_recur", idt, w.dtype, K, V, BV, TUNING["recur_warps"]), rstages,
                lambda ns: kk.kda_recur_kernel[(V // BV, N * H)](
                    w, u, qg, kg, Aqk, gC, o, h0, ht, cu_dev, chunk_offsets, T,
                    H=H, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
