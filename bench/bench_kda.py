@@ -8,9 +8,9 @@ last and writes JSON.
     python bench/bench_kda.py --sweep --no-fla --out kda_sweep.json [--budget 110]   # forward TUNING variants
     python bench/bench_kda.py --sweep --no-fla --budget 15 --variants default --shapes 1,32768,32,128  # ~20 s
     python bench/bench_kda.py --sweep --no-fla --fla-missing --all-shapes --variants sp_clamp,s4 --acc  # session 4
-    python bench/bench_kda.py --sweep --no-fla --all-shapes --budget 38 --margin 3 --shapes \
-        "1,8192,96,128;1,32768,32,128@k3" --variants recur_waves,recur_s1,recur_bv64_s1,recur_waves_w8,wu64_w8 \
-        --first-only recur_s1,recur_bv64_s1,recur_waves_w8 --variant-launches akk,wu,recur   # session 4 H96 (~42 s)
+    python bench/bench_kda.py --sweep --no-fla --all-shapes --budget 40 --margin 3 --precompile 12 --shapes \
+        "1,8192,96,128;1,32768,32,128@k3" --variants h96,recur_s1,recur_bv64_s1,wu64_w8,recur_waves_w8 \
+        --first-only recur_s1,recur_bv64_s1,recur_waves_w8 --variant-launches akk,wu,recur  # session 4 H96, ~30 s
 """
 from __future__ import annotations
 
@@ -196,6 +196,11 @@ VARIANTS = [
     ("recur_waves_w8", {"bv_rule": "waves", "recur_warps": 8}, "k3"),   # BV 64 on 8 warps: 203 regs, 205 kB
     # "waves" over 3-stage and 1-stage configs (guessed 1-stage step costs: 1.8 at 3 CTAs/SM, 2.0 at 2): (32, 1) at
     # N*H 96 (= recur_s1 there), (32, 3) at N*H 32 (= default); set the costs from recur_s1 / recur_bv64_s1
+    # the K3 akk at H 96 compiles to 140 registers (3 CTAs of 4 warps per SM; 26.4k warp-instructions) where H 32
+    # gets 128 (4 CTAs; 27.2k): capped at 128 it is H 32's code at H 96 too (offline Triton 3.6: 128 regs, 0 spill,
+    # 27.2k instr.), pred. akk 1.080 -> ~0.98 ms at (1,8192,96,128); no change at H 32
+    ("akk_cap128", {"maxnreg": 128}, "k3"),
+    ("h96", {"bv_rule": "waves", "maxnreg": 128}, None),    # akk_cap128 + recur_waves (softplus: recur_waves only)
     ("recur_occ", {"bv_rule": "waves", "recur_table": ((32, 3, 1, 1.0), (64, 3, 1, 1.22), (32, 1, 3, 1.8),
                                                        (64, 1, 2, 2.0))}, None),
 ]
@@ -289,6 +294,21 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
     extra = [] if args.shapes else SWEEP_EXTRA
     names = set(args.variants.split(",")) if args.variants else None
     gates = tuple(gt for gt in gates if args.gates in ("both", gt[0]))
+    variants = [v for v in VARIANTS[1:] if names is None or v[0] in names]
+    if names is not None:
+        order = args.variants.split(",")
+        variants.sort(key=lambda v: order.index(v[0]))
+    if args.all_shapes:
+        first = set((args.first_only or "").split(","))
+        jobs = [(shape, [v]) for v in variants for shape in shapes + extra if v[0] not in first or shape == shapes[0]]
+    else:
+        jobs = [(shapes[0], variants)] if variants else []
+    if args.precompile:
+        specs = [(shape, gate, "default") for shape in shapes + extra for gate, _ in _gates_of(shape, gates)]
+        specs += [(shape, gate, name) for shape, vs in jobs for name, _, only in vs
+                  for gate, _ in _gates_of(shape, gates) if only in (None, gate)]
+        precompile(specs, args.precompile, min(18.0, max(5.0, args.budget * 0.45)))
+        print(f"precompiled {len(specs)} configs in {time.time() - t0:.1f} s", flush=True)
     # phase 1: defaults (and fla unless --no-fla)
     for shape in shapes + extra:
         x = inputs(*shape)
@@ -307,15 +327,6 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
         torch.cuda.empty_cache()
     # phase 2: variants in list order (--variants order when given), both gates each (gate-specific ones only for
     # their gate); --all-shapes: each variant at every shape before the next variant
-    variants = [v for v in VARIANTS[1:] if names is None or v[0] in names]
-    if names is not None:
-        order = args.variants.split(",")
-        variants.sort(key=lambda v: order.index(v[0]))
-    if args.all_shapes:
-        first = set((args.first_only or "").split(","))
-        jobs = [(shape, [v]) for v in variants for shape in shapes + extra if v[0] not in first or shape == shapes[0]]
-    else:
-        jobs = [(shapes[0], variants)] if variants else []
     for shape, vs in jobs:
         x = inputs(*shape)
         ref = {}
@@ -338,6 +349,52 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
                 one(x, shape, gate, lb, name, over, ref[gate], refs.get((tuple(shape), gate), (None, None))[1])
         del x, ref
         torch.cuda.empty_cache()
+
+
+def precompile(specs, jobs, timeout):
+    """``--precompile N``: compile every (shape, gate, variant) of the sweep in up to N parallel processes (a
+    ``--warm`` forward at T = 128 each: T is not specialised, so the binaries are those of the full shapes) into
+    Triton's on-disk cache, so the sweep's first calls load instead of compiling one kernel after the other
+    (~3-7 s per akk variant). Failures and the ``timeout`` (s) are reported, not fatal: the sweep then compiles."""
+    import subprocess
+    import tempfile
+    todo = [f"{sh[0]},{sh[2]},{sh[3]}|{gate}|{name}" for sh, gate, name in dict.fromkeys(specs)]
+    t_end = time.time() + timeout
+    running = []
+    while todo or running:
+        while todo and len(running) < jobs:
+            spec = todo.pop(0)
+            err = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed when its process ends
+            running.append((spec, err, subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", spec],
+                                                        stdout=subprocess.DEVNULL, stderr=err)))
+        time.sleep(0.05)
+        for job in list(running):
+            spec, err, pr = job
+            if pr.poll() is None and time.time() < t_end:
+                continue
+            if pr.poll() is None:
+                pr.kill()
+                pr.wait()
+                print(f"precompile {spec}: timed out", flush=True)
+            elif pr.returncode:
+                err.seek(0)
+                print(f"precompile {spec}: rc {pr.returncode} {err.read()[-300:]!r}", flush=True)
+            err.close()
+            running.remove(job)
+        if time.time() >= t_end:
+            todo = []
+
+
+def warm(spec):
+    """``--warm B,H,D|gate|variant``: one forward at T = 128 with that variant's TUNING (fills Triton's cache)."""
+    from k3ir.backends.triton import kda as KD
+    from k3ir.backends.triton.kda import kda_forward_kernels
+    dims, gate, name = spec.split("|")
+    B, H, D = (int(n) for n in dims.split(","))
+    KD.TUNING.update({n: o for n, o, _ in VARIANTS}[name])
+    _ours_fwd(kda_forward_kernels, inputs(B, 128, H, D), -5.0 if gate == "k3" else None)()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
 
 
 ACC_CASES = ("sp_strong", "sp_mid", "sp_varlen", "k3", "softplus")   # most telling first (budget)
@@ -612,7 +669,13 @@ def main():
                     help="--sweep: then the default and --variants against a float64 reference (ACC_CASES)")
     ap.add_argument("--acc-budget", type=float, default=20.0, help="--acc: seconds before cases are skipped")
     ap.add_argument("--acc-variants", default=None, help="--acc: variants to check (default: --variants)")
+    ap.add_argument("--precompile", type=int, default=0,
+                    help="--sweep: compile the sweep's configs first in up to N parallel processes (Triton cache)")
+    ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)   # precompile's worker: B,H,D|gate|variant
     args = ap.parse_args()
+    if args.warm:
+        warm(args.warm)
+        return
     from k3ir.backends.triton import kda_decode, kda_forward
     from k3ir.backends.triton.kda import kda_forward_kernels
     chunk_kda = fused_recurrent_kda = None
