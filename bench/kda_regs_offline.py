@@ -184,6 +184,9 @@ def main():
     cl = {"gate": 1, "clamp": True, "warps": 4}          # sp_clamp variants (bench_kda.py VARIANTS)
     rows += [("akk", dict(cl, **c)) for c in ({}, {"h": 96}, {"maxnreg": 128}, {"bk": 64}, {"warps": 8},
                                               {"bk": 16})]
+    # session 4, H96 (bench_kda.py h96, recur_s1, recur_bv64_s1): K3 akk 140 regs at H 96 uncapped, 128 capped
+    rows += [("akk", {"gate": 0, "warps": 4, "h": 96, "maxnreg": 128})]
+    rows += [("recur", dict(c, h=96)) for c in ({"bv": 64, "stages": 3}, {"stages": 1}, {"bv": 64, "stages": 1})]
     for kind, cfg in rows:      # bench_kda.py VARIANTS at H=32 and the defaults at H=96
         r = KINDS[kind](**cfg)
         print(f"{kind:9} {cfg!s:44} {r[0]:>5} {r[1]:>8} {r[2]:>7}", flush=True)
