@@ -8,7 +8,7 @@ last and writes JSON.
     python bench/bench_kda.py --sweep --no-fla --out kda_sweep.json [--budget 110]   # forward TUNING variants
     python bench/bench_kda.py --sweep --no-fla --budget 15 --variants default --shapes 1,32768,32,128  # ~20 s
     python bench/bench_kda.py --sweep --no-fla --fla-missing --all-shapes --variants sp_clamp,s4 --acc  # session 4
-    python bench/bench_kda.py --sweep --no-fla --all-shapes --budget 40 --margin 3 --precompile 12 --shapes \
+    python bench/bench_kda.py --sweep --no-fla --all-shapes --budget 38 --margin 3 --precompile 12 --shapes \
         "1,8192,96,128;1,32768,32,128@k3" --variants h96,recur_s1,recur_bv64_s1,wu64_w8,recur_waves_w8 \
         --first-only recur_s1,recur_bv64_s1,recur_waves_w8 --variant-launches akk,wu,recur  # session 4 H96, ~30 s
 """
