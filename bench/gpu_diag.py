@@ -401,6 +401,8 @@ def section_decode(model, batch, small, prompt=64):
     from k3ir.backends.triton import dispatch, executable, gemv
     # A/B of the decode switches (each off alone, a fresh capture): K3IR_DIAG_AB=0 skips them
     for label, mod, key in (("MoE front in one launch off (dispatch.TUNING front_glu)", dispatch.TUNING, "front_glu"),
+                            ("MoE front in two launches off (dispatch.TUNING front_split)", dispatch.TUNING,
+                             "front_split"),
                             ("KDA low-rank up-proj in kda_decode off (executable.TUNING lowrank_in_decode)",
                              executable.TUNING, "lowrank_in_decode")):
         if os.environ.get("K3IR_DIAG_AB", "1") != "1" or not mod.get(key):
@@ -550,9 +552,24 @@ def section_front(iters=200, dev="cuda"):
         rout, dout, xn = dk.route_dispatch(x, wr, bias, k, E, True, 2.446, 1e-20, norm=(nw, 1e-5))
         return rout, dout, gk.gemv(xn, w1, w3)
 
+    def split(x):
+        return dk.route_glu_dispatch(x, wr, bias, k, E, True, 2.446, 1e-20, (nw, 1e-5), w1, w3)[:3]
+
     def rel(a, b):
         return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
     for B in (1, 4):
+        try:        # the two-launch front (dispatch.TUNING front_split) against the three launches
+            d_idx, d_y = 0, 0.0
+            for _ in range(20):
+                x = (torch.randn(B, 1, D, device=dev) * 2).to(dt)
+                (_, si, _), _, sy = split(x)
+                (_, oi, _), _, oy = old(x)
+                d_idx += not torch.equal(si, oi)
+                d_y = max(d_y, rel(sy, oy))
+            print(f"front B{B} two launches vs three: expert ids differ in {d_idx} of 20 calls, shared y worst rel "
+                  f"{d_y:.1e}", flush=True)
+        except Exception as e:      # noqa: BLE001 - a diagnostic: report and go on
+            print(f"front B{B} two launches: {type(e).__name__}: {e}", flush=True)
         bad_idx = bad_off = 0
         worst = {"weights": 0.0, "cw": 0.0, "xs": 0.0, "y": 0.0}
         for _ in range(iters):
@@ -575,7 +592,7 @@ def section_front(iters=200, dev="cuda"):
         x = (torch.randn(B, 1, D, device=dev) * 2).to(dt)
         if dev != "cuda":       # the CPU interpreter: agreement only
             continue
-        for name, fn in (("one launch", new), ("three launches", old)):
+        for name, fn in (("one launch", new), ("two launches", split), ("three launches", old)):
             fn(x)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
