@@ -424,6 +424,30 @@ def section_decode(model, batch, small, prompt=64):
         finally:
             mod[key] = True
             exe._graph = None
+    from k3ir.backends.triton import moe
+    # A/B of the small-row bf16 grouped GEMM config (moe.DECODE_BF16: ("t", BW, BT, TAIL, BK, warps, stages))
+    base = moe.DECODE_BF16
+    for cfg in (("t", 64, 16, 0, 128, 4, 4), ("t", 32, 16, 0, 64, 4, 6), ("t", 16, 16, 0, 128, 4, 4)):
+        if os.environ.get("K3IR_DIAG_AB", "1") != "1":
+            break
+        moe.DECODE_BF16 = cfg
+        try:
+            exe._graph = None
+            for _ in range(2):
+                _, st = sess.decode(nxt, st)
+            torch.cuda.synchronize()
+            gd = exe._graph
+            t = time.perf_counter()
+            for _ in range(20):
+                gd.graph.replay()
+            torch.cuda.synchronize()
+            print(f"graph replay alone, moe.DECODE_BF16 {cfg} (default {base}): "
+                  f"{(time.perf_counter() - t) / 20 * 1e3:.3f} ms", flush=True)
+        except Exception as e:      # noqa: BLE001 - a diagnostic: report and go on
+            print(f"A/B DECODE_BF16 {cfg}: {type(e).__name__}: {e}", flush=True)
+        finally:
+            moe.DECODE_BF16 = base
+            exe._graph = None
     if not gemv.PDL and os.environ.get("K3IR_DIAG_PDL", "0") == "1":
         # programmatic dependent launch of the gemv kernels (gemv.PDL): a fresh capture, same checks
         gemv.PDL = True
