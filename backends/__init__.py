@@ -150,16 +150,33 @@ def resolve_dtype(backend: Backend, dtype: str | None) -> str:
     return canon
 
 
-def _check_device(device: str) -> None:
-    """K3BackendError for a device string torch cannot parse (``tpu``, ``cuda:x``)."""
+def device_problem(device: str, need_gpu: bool = True) -> str | None:
+    """Why ``device`` cannot be used, or None: k3ir runs on ``cpu`` and ``cuda[:N]``; ``need_gpu``: also
+    check that the CUDA device exists here."""
     try:
         import torch
     except ImportError:
-        return
+        return None
     try:
-        torch.device(device)
+        d = torch.device(device)
     except (RuntimeError, TypeError):
-        raise K3BackendError(f"unknown device '{device}' (want cpu, cuda or cuda:N)") from None
+        return f"unknown device '{device}' (want cpu, cuda or cuda:N)"
+    if d.type not in ("cpu", "cuda"):
+        return f"device '{device}' is not supported (k3ir runs on cpu, cuda or cuda:N)"
+    if d.type == "cuda" and need_gpu:
+        if not torch.cuda.is_available():
+            return f"device '{device}' requested but no CUDA GPU is available"
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            return f"device '{device}' does not exist (this machine has {torch.cuda.device_count()} CUDA GPU(s))"
+    return None
+
+
+def _check_device(device: str) -> None:
+    """K3BackendError for a device string k3ir cannot use (``tpu``, ``mps``, ``cuda:x``, ``cuda:7`` on a
+    one-GPU machine, ``cuda`` without a GPU)."""
+    why = device_problem(device)
+    if why:
+        raise K3BackendError(why)
 
 
 def compile_module(module: Module, target: str = "torch", dtype: str | None = None, device: str = "cpu",

@@ -32,6 +32,17 @@ def model_arg(p: argparse.ArgumentParser, default: str = "kimi-k3") -> None:
                    help="override a config value (dotted keys reach linear_attn_config); repeatable")
 
 
+def device_type(value: str) -> str:
+    """argparse ``type`` of ``--device``: ``cpu``, ``cuda`` or ``cuda:N`` (N checked when a GPU is present);
+    anything else (``tpu``, ``mps``, ``CPU``) is a usage error (exit 2) before any work starts."""
+    import torch
+    from k3ir.backends import device_problem
+    why = device_problem(value, need_gpu=torch.cuda.is_available())
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return value
+
+
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     from k3ir.frontend import parse_override_value
     out = {}
@@ -290,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_arg(s)
     s.add_argument("--tiny", default="k3-tiny", help="small model to compile and run (default k3-tiny)")
     s.add_argument("--target", default="torch")
-    s.add_argument("--device", default="cpu")
+    s.add_argument("--device", default="cpu", type=device_type)
     s.add_argument("--prompt", default=DEFAULT_PROMPT)
     s.add_argument("--max-new-tokens", type=int, default=24)
     s.add_argument("--seed", type=int, default=0)

@@ -16,7 +16,7 @@ from collections import Counter
 
 from k3ir.errors import K3BackendError
 
-from .cli import UsageError, console, human_bytes, load_model, model_arg
+from .cli import UsageError, console, device_type, human_bytes, load_model, model_arg
 
 FUSED_OPS = ("k3.fused_kda", "k3.moe_dispatch", "k3.grouped_matmul", "k3.moe_combine", "k3.attn_res_fused",
              "k3.kda", "k3.moe", "k3.attn_res", "k3.mla")
@@ -162,7 +162,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", default=None,
                    help="compute dtype for the build: float32, bfloat16, float16 or float64, as the target supports "
                         "(default: the target's own, float32; reference computes only in float64)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", type=device_type)
     p.add_argument("--seed", type=int, default=0, help="random-init seed when the model has no weights")
     p.set_defaults(func=cmd_compile)
 

@@ -6,12 +6,12 @@ import errno
 import socket
 import sys
 
-from .cli import UsageError, load_model, model_arg
+from .cli import UsageError, device_type, load_model, model_arg
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="torch", help="backend target (default torch)")
-    p.add_argument("--device", default="cpu", help="device for the torch/triton targets (default cpu)")
+    p.add_argument("--device", default="cpu", help="device for the torch/triton targets (default cpu)", type=device_type)
     p.add_argument("--dtype", default=None, help="compute dtype (default: the target's, float32; float64 for "
                                                  "reference, which computes only in float64)")
     p.add_argument("--block-size", type=int, default=512, help="pool block in tokens, a multiple of 64 (default 512)")

@@ -29,7 +29,7 @@ LOG_FILE = "training.json"
 
 
 def register(sub) -> None:
-    from .cli import model_arg
+    from .cli import device_type, model_arg
     p = sub.add_parser("train", help="train a model on byte-level text (QB balancing, checkpoints, plot)",
                        description="Train MODEL (default k3-tiny) on byte-level tokens of --data (default: the "
                                    "bundled public-domain text). Prints loss=<value> at each logged step, writes "
@@ -66,7 +66,7 @@ def register(sub) -> None:
     p.add_argument("--ckpt-every", type=int, help="checkpoint every N steps, 0 = only at the end (default 100; a "
                                                   "resumed run keeps its own)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")
-    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda; default cpu)")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda; default cpu)", type=device_type)
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
     p.set_defaults(func=cmd_train)
 
@@ -114,7 +114,7 @@ def _config(args, meta: dict | None):
         v = getattr(args, flag)
         if isinstance(v, float) and not math.isfinite(v):
             raise K3RuntimeError(f"--{flag.replace('_', '-')} must be a finite number, got {v}")
-    for flag in ("weight_decay", "clip", "router_lr_scale"):
+    for flag in ("weight_decay", "clip", "router_lr_scale", "warmup"):
         v = getattr(args, flag)
         if v is not None and v < 0:
             raise K3RuntimeError(f"--{flag.replace('_', '-')} must be >= 0, got {v}")

@@ -187,3 +187,20 @@ def test_train_threads_flag_checked_and_documented(capsys):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--threads 1" in text and "load average" in text
+
+
+@pytest.mark.parametrize("device, words", [("tpu", "unknown device 'tpu'"), ("mps", "device 'mps' is not supported"),
+                                           ("CPU", "unknown device 'CPU'"), ("meta", "device 'meta' is not supported")])
+def test_unusable_device_is_a_usage_error_before_any_work(capsys, device, words):
+    """``--device`` tpu/mps/meta/CPU: exit 2 with one line from argparse (was a torch traceback after the passes)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ex:                 # argparse: usage line + one error line, exit 2
+        main(["compile", "k3-tiny", "--target", "torch", "--device", device])
+    err = capsys.readouterr().err
+    assert ex.value.code == 2 and f"argument --device: {words}" in err and "Traceback" not in err
+
+
+def test_negative_warmup_is_rejected(capsys, tmp_path):
+    rc, _, err = _run(capsys, "train", "k3-tiny", "--steps", "2", "--batch", "1", "--seq", "8", "--warmup", "-5",
+                      "--out", str(tmp_path / "t"))
+    assert rc == 2 and "--warmup must be >= 0, got -5" in err

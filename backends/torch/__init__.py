@@ -28,7 +28,7 @@ class TorchExecutable(Executable):
         from .ops import TABLE
         self.table = TABLE
         if device.startswith("cuda") and not torch.cuda.is_available():
-            raise K3BackendError("device 'cuda' requested but no CUDA GPU is available")
+            raise K3BackendError(f"device '{device}' requested but no CUDA GPU is available")
         self.tdev = torch.device(device)
         self.compute = getattr(torch, dtype)
         self.f32 = torch.float64 if dtype == "float64" else torch.float32
