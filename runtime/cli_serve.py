@@ -18,6 +18,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None, help="pool blocks (default: max-batch x 2048 tokens)")
     p.add_argument("--max-batch", type=int, default=32, help="running requests per step (default 32)")
     p.add_argument("--init-seed", type=int, default=0, help="random-init seed when the model has no weights")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's; on a shared machine pass --threads 1)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +35,11 @@ def _setup(args):
     from .engine import build_engine
     from .tokenizer import load_tokenizer
     args.dtype = check_dtype(args.target, args.dtype)    # a bad --dtype fails before the model loads
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+        torch.set_num_threads(args.threads)
     module = load_model(args)
     tok = load_tokenizer(args.model, module)
     engine = build_engine(module, target=args.target, dtype=args.dtype, device=args.device, seed=args.init_seed,
