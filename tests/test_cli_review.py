@@ -208,7 +208,11 @@ def test_negative_warmup_is_rejected(capsys, tmp_path):
 
 def test_generate_takes_threads(capsys):
     """``--threads`` (README: "on a shared machine pass --threads 1") works on generate too; 0 is an error."""
-    rc, out, _ = _run(capsys, "generate", "k3-tiny", "--prompt", "Kimi ", "--max-tokens", "2", "--threads", "1")
-    assert rc == 0 and out.startswith("Kimi ") and torch.get_num_threads() == 1
+    before = torch.get_num_threads()
+    try:
+        rc, out, _ = _run(capsys, "generate", "k3-tiny", "--prompt", "Kimi ", "--max-tokens", "2", "--threads", "1")
+        assert rc == 0 and out.startswith("Kimi ") and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)            # the rest of the suite runs in this process
     rc, _, err = _run(capsys, "generate", "k3-tiny", "--prompt", "x", "--threads", "0")
     assert rc == 2 and "--threads must be >= 1, got 0" in err
