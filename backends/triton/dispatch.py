@@ -19,6 +19,8 @@ tile, so no atomics and nothing depends on the run (CUDA-graph capturable, deter
   router logits for a block of experts each, the last of them to finish (an atomic counter: last-block-done)
   runs the top-k and the dispatch, and the other programs meanwhile stream the shared expert's gate and up
   projections (SwiGLU, as ``gemv``). Replaces router_partial_kernel + dispatch_kernel + one gemv launch.
+* ``route_glu_dispatch`` (``TUNING["front_split"]``, the default): the same front in two launches,
+  ``router_glu_kernel`` (router partial logits + the shared gate/up, no serial tail), then ``dispatch_kernel``.
 """
 from __future__ import annotations
 
