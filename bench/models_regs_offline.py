@@ -104,11 +104,12 @@ def main():
                  ("BE", BE), ("BN", BN), ("BK", BK), ("KSLOT", 8), ("KP", 8), ("EP", 64), ("BD", BD),
                  ("RENORM", True), ("FENCE", True)], 4)
         # the two-launch MoE front (dispatch.route_glu_dispatch): router partials + shared gate/up, Kimi Linear
-        for BM, BN, BK in ((1, 2, 2048), (4, 2, 512)):
+        for BM, BN, BK in ((1, 2, 2048), (4, 2, 512), (16, 2, 128)):
             run(f"router_glu {dt} BM{BM} BN{BN} BK{BK}", dispatch.router_glu_kernel,
                 [("x", p), ("wr", p), ("part", "*fp32"), ("nw", p), ("pss", "*fp32"), ("w1", p), ("w3", p), ("y", p),
                  ("R", "i32"), ("D", "i32"), ("E", "i32"), ("DS", "i32"), ("NE", "i32"), ("NRP", "i32"),
-                 ("NS", "i32"), ("eps", "fp32"), ("BE", 16), ("RBK", 128), ("BM", BM), ("BN", BN), ("BK", BK)], 4)
+                 ("NS", "i32"), ("eps", "fp32"), ("BE", 16), ("RBK", max(8, 128 // BM)), ("BM", BM), ("BN", BN),
+                 ("BK", BK)], 4)
         run(f"rmsnorm {dt} D2048", norm.rmsnorm_kernel,
             [("x", p), ("w", p), ("y", p), ("R", "i32"), ("D", "i32"), ("eps", "fp32"), ("BR", 2), ("BD", 2048)], 4)
         run(f"router_kernel {dt} E64", layer_kernels.router_kernel,

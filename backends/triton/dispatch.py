@@ -585,13 +585,14 @@ def route_glu_dispatch(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, to
     def cast(w):
         return w if w.dtype == x.dtype and w.is_contiguous() else w.to(x.dtype).contiguous()
     w1, w3 = cast(w1), cast(w3)
-    RBK = 32 if interpreting() else 128
-    DS = RBK * max(1, triton.cdiv(D, RBK * 8))
+    base = 32 if interpreting() else 128
+    DS = base * max(1, triton.cdiv(D, base * 8))          # route_dispatch's splits
     NSPLIT = triton.cdiv(D, DS)
     BE = 16
     NE = triton.cdiv(E, BE)
     BN, BK, warps = gemv_config(R, NS, D, True)
     BM = _p2(R)
+    RBK = max(8, base // BM)        # the [BM, 16, RBK] product tile stays at <= 2048 elements (16 per thread)
     nw, neps = norm[0].reshape(D).contiguous(), float(norm[1])
     part = torch.empty(NSPLIT, R, E, device=dev, dtype=torch.float32)
     pss = torch.empty(NSPLIT, R, device=dev, dtype=torch.float32)
