@@ -56,18 +56,21 @@ INTERMEDIATE_DTYPES: dict = {}
 #: which skips its prep and prelude launches (``_KDAFunction``: +2.25 kB per token-head of activation memory);
 #: False: recompute.
 TUNING: dict = {"bwd_reuse": True, "intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "order": "strip", "bk": 32,
-                "warps": 4, "stages": 1, "inv": "split", "inv_warps": 1, "maxnreg": None, "exact_maxnreg": 128,
+                "warps": 4, "stages": 1, "inv": "split", "inv_warps": 1, "maxnreg": 128, "exact_maxnreg": 128,
                 "exact_bk": 16, "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
                 "inv_prec": "tf32", "bv": None, "recur_warps": 4, "recur_stages": 3, "intra_warps": 8,
                 "gcum_mode": "rows", "gcum_rows_bk": 128, "gcum_rows_rb": 16, "gcum_rows_warps": 1, "fast_log": True,
                 "wu_prefetch": False, "wu_mode": "flat", "wu_flat_warps": 4, "diag_main": False,
                 "sp_clamp": True, "clamp_thr": 120.0, "clamp_bk": 32, "clamp_maxnreg": 128, "clamp_warps": None,
-                "bv_rule": "nh128", "recur_table": ((32, 3, 1, 1.0), (64, 3, 1, 1.22))}
+                "bv_rule": "waves", "recur_table": ((32, 3, 1, 1.0), (64, 3, 1, 1.22))}
 RECUR_TABLE = TUNING["recur_table"]
 #: ``bv_rule``: the recurrence's value block (and stages) when ``bv`` is None (``recur_block``): "nh128" (BV 64 when
 #: N*H >= 128, else 32; ``recur_stages``) or "waves": the ``recur_table`` entry ``(BV, stages, CTAs per SM, step
 #: cost)`` with the fewest waves x step cost (default table: the 3-stage configs at 1 CTA/SM, H200 steps 1.49 us at
-#: BV 32 and 1.82 at BV 64: at N*H = 96 BV 64 is 2 waves instead of 3, at N*H = 32 both are 1 wave).
+#: BV 32 and 1.82 at BV 64: at N*H = 96 BV 64 is 2 waves instead of 3, at N*H = 32 both are 1 wave). Default
+#: "waves" with ``maxnreg`` 128 since the H200 sweep of 2026-11-30 07:22 (variant ``h96``): (1,8192,96,128) K3
+#: 2.712 -> 2.488 ms (fla 2.620), softplus 2.916 -> 2.808 (fla 2.921); B1 T32768 H32 unchanged (3.418 / 3.416);
+#: outputs identical. fp32 inputs keep "nh128" (the table is timed for bf16).
 #: ``sp_clamp`` (default since the H200 sweep of 2026-11-30 06:23: softplus akk 2.09 -> 1.58 ms): the softplus gate's
 #: akk runs the K3 code path (diagonal blocks inside the strip dots, ``clamp_bk``-column slices, ``clamp_warps`` warps
 #: or ``warps``, cap ``clamp_maxnreg``) with a per-channel reference ``min(Gs, Ge + 80)`` (factors within exp(80) and
@@ -308,8 +311,9 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
             H=H, K=K, V=V, BT=BT, BC=BC, L2NORM=gate != "precomputed",
             BETA_SIGMOID=gate != "precomputed", EXACT=GATE != kk.GATE_LOWER_BOUND,
             PREC=prec, INV_DOTS=TUNING["inv_dots"], num_warps=4 if K <= 64 else TUNING["intra_warps"], **common)
+    rule = TUNING.get("bv_rule", "nh128") if idt != torch.float32 else "nh128"    # "waves" is timed for bf16
     BV, rstages = (TUNING["bv"], None) if TUNING["bv"] else recur_block(
-        N * H, V, _sm_count(dev), TUNING.get("bv_rule", "nh128"), TUNING.get("recur_table") or RECUR_TABLE)
+        N * H, V, _sm_count(dev), rule, TUNING.get("recur_table") or RECUR_TABLE)
     BV = min(BV, V)
     rstages = rstages or TUNING["recur_stages"]
     if "recur" not in stages:
@@ -319,7 +323,7 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
                    w, u, qg, kg, Aqk, gC, o, h0, ht, cu_dev, chunk_offsets, T,
                    H=H, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
                    IS_VARLEN=cu_seqlens is not None, PREC="ieee" if idt == torch.float32 else "tf32",
-                   DOT_F32=_interpret(), num_warps=TUNING["recur_warps"], num_stages=ns))
+                   DOT_F32=_interpret(), num_warps=TUNING["recur_warps"], num_stages=ns), floor=min(2, rstages))
     return (o, ht, inter) if return_intermediates else (o, ht)
 
 

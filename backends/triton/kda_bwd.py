@@ -199,12 +199,12 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
         ("fwd_h", lambda: fit_stages(("fwd_h", w.dtype, prec, K, V, bv_rec, tu["w_rec"]), tu["stages_rec"],
             lambda ns: kb.kda_bwd_fwd_h_kernel[(V // bv_rec, N * H)](
                 w, u, kg, G, h, vn, h0, cu, co, T, H=H, K=K, V=V, BT=BT, BV=bv_rec, USE_H0=h0 is not None,
-                IS_VARLEN=VAR, PREC=prec, num_warps=tu["w_rec"], num_stages=ns))),
+                IS_VARLEN=VAR, PREC=prec, num_warps=tu["w_rec"], num_stages=ns), floor=min(2, tu["stages_rec"]))),
         ("bwd_dh", lambda: fit_stages(("bwd_dh", w.dtype, prec, K, V, bv_rec, tu["w_rec"]), tu["stages_rec"],
             lambda ns: kb.kda_bwd_dh_kernel[(V // bv_rec, N * H)](
                 qg, kg, w, P, G, do, dh, dvn, dht_, dh0, cu, co, T, H=H, K=K, V=V, BT=BT, BV=bv_rec,
                 USE_DHT=dht_ is not None, STORE_DH0=dh0 is not None, IS_VARLEN=VAR, PREC=prec,
-                num_warps=tu["w_rec"], num_stages=ns))),
+                num_warps=tu["w_rec"], num_stages=ns), floor=min(2, tu["stages_rec"]))),
         ("bwd_wy", lambda: kb.kda_bwd_wy_kernel[(NC, H)](
             qn, kn, G, bn, v, vn, Ai, h, dh, do, dvn, dq, dk, dG, dv, db, dAq, dAk, cu, ci, T,
             H=H, K=K, V=V, BT=BT, BK=min(tu["bk_wy"], K), BV=bv_wy, IS_VARLEN=VAR, PREC=prec,

@@ -14,18 +14,19 @@ from triton.runtime.errors import OutOfResources
 _FITTED: dict = {}
 
 
-def fit_stages(key: Hashable, stages: int, launch: Callable[[int], object]):
-    """Return ``launch(s)`` for the largest ``s <= stages`` whose kernel fits in shared memory.
+def fit_stages(key: Hashable, stages: int, launch: Callable[[int], object], floor: int = 1):
+    """Return ``launch(s)`` for the largest ``s`` in ``floor..stages`` whose kernel fits in shared memory.
 
     ``key`` identifies the launch configuration (kernel name, dtype, tile sizes, warps, requested stages);
-    ``launch(num_stages)`` launches the kernel. Raises ``OutOfResources`` when even one stage does not fit
-    (other resources, or a tile that is too large)."""
+    ``launch(num_stages)`` launches the kernel. Raises ``OutOfResources`` when even ``floor`` stages do not fit.
+    The KDA recurrences pass ``floor=2``: a 1-stage forward recurrence (bench_kda variant ``recur_s1``, BV 32 at
+    (1,8192,96,128)) hit an illegal address on the H200 (2026-11-30 07:22), cause not found."""
     s = _FITTED.get((key, stages), stages)
     while True:
         try:
             out = launch(s)
         except OutOfResources:
-            if s <= 1:
+            if s <= floor:
                 raise
             s -= 1
             continue
