@@ -43,6 +43,18 @@ def device_type(value: str) -> str:
     return value
 
 
+def quiet_stdout() -> None:
+    """After EPIPE on stdout: point file descriptor 1 at /dev/null, so later writes and the
+    interpreter's final flush do not print "Exception ignored ... BrokenPipeError"."""
+    import os
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):      # stdout without a file descriptor (captured in tests)
+        pass
+
+
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     from k3ir.frontend import parse_override_value
     out = {}
@@ -351,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("k3ir: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
+    except BrokenPipeError:              # `k3ir ... | head`: the reader went away; exit quietly
+        quiet_stdout()
         return 0
     except OSError as e:       # last line of defence for user paths (unreadable, unwritable, a directory...)
         where = f"{e.filename}: " if e.filename else ""

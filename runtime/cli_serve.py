@@ -6,7 +6,7 @@ import errno
 import socket
 import sys
 
-from .cli import UsageError, device_type, load_model, model_arg
+from .cli import UsageError, device_type, load_model, model_arg, quiet_stdout
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -30,10 +30,16 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
 
 
+_SIZE_FLAGS = {"block_size": "--block-size", "num_blocks": "--num-blocks", "max_batch": "--max-batch"}
+
+
 def _setup(args):
     from .cli_compile import check_dtype
-    from .engine import build_engine
+    from .engine import build_engine, engine_size_problem
     from .tokenizer import load_tokenizer
+    why = engine_size_problem(args.block_size, args.num_blocks, args.max_batch, names=_SIZE_FLAGS)
+    if why:                                              # before the model loads and compiles
+        raise UsageError(why)
     args.dtype = check_dtype(args.target, args.dtype)    # a bad --dtype fails before the model loads
     if args.threads is not None:
         if args.threads < 1:
@@ -58,13 +64,31 @@ def cmd_generate(args) -> int:
     ids = tok.encode(args.prompt)
     dec = IncrementalDecoder(tok)
 
+    broken = []                                      # set when the reader of stdout went away (EPIPE)
+
     def on_event(req, token):
-        if token is not None:
+        if token is None or broken:
+            return
+        try:
             sys.stdout.write(dec.push(token))
             sys.stdout.flush()
-    sys.stdout.write(args.prompt)
+        except BrokenPipeError:                      # `k3ir generate ... | head`: stop quietly, as print/inspect do
+            broken.append(True)
+            req.cancelled = True                     # the engine aborts it before the next step
+            quiet_stdout()
     req = engine.add_request(ids, sp, on_event=on_event)
-    engine.run([req])
+    sys.stdout.write(args.prompt)
+    try:
+        engine.run([req])
+    except KeyboardInterrupt:                        # "k3ir: interrupted" goes to stderr on a line of its own
+        try:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        except OSError:
+            pass
+        raise
+    if broken:
+        return 0
     sys.stdout.write(dec.flush() + "\n")
     if args.show_ids:
         sys.stdout.write(f"token ids: {req.output}\nfinish: {req.finish_reason}\n")
@@ -97,10 +121,14 @@ def cmd_serve(args) -> int:
     from .server import ServerLimits, create_app, serve
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
-    check_port(args.host, args.port)                 # before loading the model: uvicorn's bind error is a raw log
-    module, tok, engine = _setup(args)
+    for flag in ("max_request_bytes", "max_prompt_tokens", "max_output_tokens", "max_concurrent"):
+        v = getattr(args, flag)
+        if v < 1:                                    # 0 would start a server that refuses every request
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
     limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_prompt_tokens=args.max_prompt_tokens,
                           max_output_tokens=args.max_output_tokens, max_concurrent=args.max_concurrent)
+    check_port(args.host, args.port)                 # before loading the model: uvicorn's bind error is a raw log
+    module, tok, engine = _setup(args)
     app = create_app(engine, tok, args.served_name or module.name, limits)
     serve(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -41,6 +41,29 @@ VARLEN = "prefill_varlen"
 _ids = itertools.count()
 
 
+def engine_size_problem(block_size: Any = 512, num_blocks: Any = None, max_batch: Any = 32,
+                        max_prefill_tokens: Any = 4096, names: dict[str, str] | None = None) -> str | None:
+    """Why these ``Engine`` sizes cannot work (None when they can): ``block_size`` a positive
+    multiple of the KDA chunk (64), ``num_blocks`` (None = default) / ``max_batch`` /
+    ``max_prefill_tokens`` integers >= 1. ``names`` renames the arguments in the message
+    (the CLI passes its flags)."""
+    from .pool import KDA_CHUNK
+    names = names or {}
+
+    def bad_int(v) -> bool:
+        return isinstance(v, bool) or not isinstance(v, (int, np.integer))
+
+    n = names.get("block_size", "block_size")
+    if bad_int(block_size) or block_size <= 0 or block_size % KDA_CHUNK:
+        return f"{n} must be a positive multiple of the KDA chunk {KDA_CHUNK} (pool block in tokens), got {block_size!r}"
+    for key, v in (("num_blocks", num_blocks), ("max_batch", max_batch), ("max_prefill_tokens", max_prefill_tokens)):
+        if key == "num_blocks" and v is None:
+            continue
+        if bad_int(v) or v < 1:
+            return f"{names.get(key, key)} must be an integer >= 1, got {v!r}"
+    return None
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request. ``prompt`` token ids; ``output`` grows as tokens are sampled;
@@ -85,11 +108,15 @@ class Engine:
     (default: enough for ``max_batch`` requests of 2048 tokens); ``max_batch`` running requests;
     ``max_prefill_tokens`` prompt tokens per step (at least one segment always runs);
     ``stop_token_ids`` end every request (default: the model's ``eos_token_id``).
-    Single-threaded: call ``add_request``/``step`` from one thread (``EngineThread`` does)."""
+    Single-threaded: call ``add_request``/``step`` from one thread (``EngineThread`` does).
+    Raises K3RuntimeError for bad sizes (``engine_size_problem``) or a session without states."""
 
     def __init__(self, session, block_size: int = 512, num_blocks: int | None = None, max_batch: int = 32,
                  max_prefill_tokens: int = 4096, stop_token_ids: Sequence[int] | None = None):
         import torch
+        why = engine_size_problem(block_size, num_blocks, max_batch, max_prefill_tokens)
+        if why:
+            raise K3RuntimeError(why)
         self.session = session
         self.exe = session.exe
         self.specs = list(session.state_specs)
@@ -372,12 +399,17 @@ def build_engine(module, target: str = "torch", dtype: str | None = None, device
                  seed: int = 0, **engine_kw) -> Engine:
     """Compile ``module`` with ``@prefill_varlen`` added (so mixed-length rows batch together) and
     wrap it in a Session and an Engine (``engine_kw`` go to ``Engine``). ``dtype`` None: the target's own
-    (float32, float64 for ``reference``)."""
+    (float32, float64 for ``reference``). Raises K3RuntimeError for bad engine sizes (see
+    ``engine_size_problem``) before compiling."""
     from k3ir.frontend.model import add_varlen_function
 
     import k3ir
 
     from .session import Session
+    sizes = {k: engine_kw[k] for k in ("block_size", "num_blocks", "max_batch", "max_prefill_tokens") if k in engine_kw}
+    why = engine_size_problem(**sizes)          # before the (slow) compile
+    if why:
+        raise K3RuntimeError(why)
     m = add_varlen_function(module.clone())
     exe = k3ir.compile(m, target=target, dtype=dtype, device=device)
     return Engine(Session(exe, params=params, seed=seed), **engine_kw)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from k3ir.errors import K3Error
+from k3ir.errors import K3Error, K3RuntimeError
 
 from .engine import Engine, EngineThread, Request
 from .sampler import SamplingParams
@@ -28,11 +28,18 @@ log = logging.getLogger("k3ir.server")
 @dataclass
 class ServerLimits:
     """Per-request and global limits: body bytes, prompt tokens, output tokens (``max_tokens``),
-    requests in flight (queued + running; more get 429)."""
+    requests in flight (queued + running; more get 429). Each must be an integer >= 1
+    (K3RuntimeError otherwise)."""
     max_request_bytes: int = 1 << 20
     max_prompt_tokens: int = 4096
     max_output_tokens: int = 1024
     max_concurrent: int = 64
+
+    def __post_init__(self) -> None:
+        for key in ("max_request_bytes", "max_prompt_tokens", "max_output_tokens", "max_concurrent"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise K3RuntimeError(f"server limit {key} must be an integer >= 1, got {v!r}")
 
 
 class APIError(Exception):

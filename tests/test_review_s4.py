@@ -1,0 +1,114 @@
+"""Fresh-user review s4 (notes/review_s4.md): ``generate | head`` (F13), engine and server sizes
+checked up front (F20, F21), ``num_hidden_layers`` on kimi-linear (F14), save/load errors (F9,
+F24), the serve content-type hint (F26) and small CLI messages (F4, F12, F22)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from k3ir.runtime.cli import main
+
+from k3ir.errors import K3Error, K3RuntimeError
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err.strip()
+
+
+def _one_line(err: str) -> str:
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("k3ir: error: "), err
+    return err
+
+
+# ---- F13: generate | head --------------------------------------------------------------------
+class _ClosedAfter:
+    """A stdout whose reader goes away after ``n`` writes (each later write raises EPIPE)."""
+
+    def __init__(self, n: int):
+        self.n, self.writes, self.failed = n, 0, 0
+
+    def write(self, s: str) -> int:
+        self.writes += 1
+        if self.writes > self.n:
+            self.failed += 1
+            raise BrokenPipeError(32, "Broken pipe")
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_generate_stops_at_the_first_broken_pipe(capsys, caplog, monkeypatch):
+    fake = _ClosedAfter(3)                       # the prompt and two tokens, then the pipe breaks
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdout", fake)
+    rc = main(["generate", "k3-tiny", "--prompt", "x", "--max-tokens", "40", "--threads", "1"])
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert rc == 0 and err == ""
+    assert fake.failed == 1, fake.failed        # no write after the first EPIPE: generation stopped there
+    assert not [r for r in caplog.records if "callback failed" in r.getMessage()]
+
+
+def test_generate_into_head_is_quiet():
+    env = dict(os.environ, PYTHONUNBUFFERED="0")
+    p = subprocess.Popen([sys.executable, "-m", "k3ir.runtime.cli", "generate", "k3-tiny", "--prompt", "x",
+                          "--max-tokens", "200", "--threads", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdout.read(1)                             # like `head -c 1`: read, then go away
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    rc = p.wait(timeout=120)
+    assert rc == 0, (rc, err)
+    assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err, err
+
+
+# ---- F20 / F21: sizes checked up front -----------------------------------------------------------
+@pytest.mark.parametrize("argv, needle", [
+    (["--block-size", "0"], "--block-size must be a positive multiple of the KDA chunk 64 (pool block in tokens), got 0"),
+    (["--block-size", "96"], "--block-size must be a positive multiple of the KDA chunk 64"),
+    (["--num-blocks", "0"], "--num-blocks must be an integer >= 1, got 0"),
+    (["--max-batch", "0"], "--max-batch must be an integer >= 1, got 0"),
+    (["--max-concurrent", "0"], "--max-concurrent must be >= 1, got 0"),
+    (["--max-output-tokens", "-1"], "--max-output-tokens must be >= 1, got -1"),
+])
+def test_serve_sizes_are_usage_errors(capsys, argv, needle):
+    rc, _, err = _run(capsys, "serve", "k3-tiny", "--port", "0", *argv)
+    assert rc == 2
+    assert needle in _one_line(err), err
+
+
+def test_generate_block_size_zero(capsys):
+    rc, _, err = _run(capsys, "generate", "k3-tiny", "--prompt", "x", "--block-size", "0")
+    assert rc == 2 and "--block-size must be a positive multiple" in _one_line(err)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"block_size": 0}, "block_size must be a positive multiple of the KDA chunk 64"),
+    ({"num_blocks": 0}, "num_blocks must be an integer >= 1, got 0"),
+    ({"max_batch": -2}, "max_batch must be an integer >= 1, got -2"),
+    ({"max_prefill_tokens": 0}, "max_prefill_tokens must be an integer >= 1, got 0"),
+])
+def test_engine_sizes_raise_k3error(kw, needle):
+    from k3ir.runtime.engine import Engine, build_engine
+
+    import k3ir
+    with pytest.raises(K3RuntimeError, match="must be"):
+        Engine(object(), **kw)                   # checked before the session is touched
+    with pytest.raises(K3RuntimeError) as ei:
+        build_engine(k3ir.load("k3-tiny"), **kw)
+    assert needle in str(ei.value)
+
+
+def test_server_limits_raise_k3error():
+    pytest.importorskip("pydantic")
+    from k3ir.runtime.server import ServerLimits
+    with pytest.raises(K3Error, match="max_concurrent must be an integer >= 1, got 0"):
+        ServerLimits(max_concurrent=0)
+    assert ServerLimits(max_concurrent=1).max_concurrent == 1
