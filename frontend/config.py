@@ -168,7 +168,8 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
     """Set dotted keys. For a ``kimi_k3`` wrapper, keys not starting with ``text_config.``/
     ``vision_config.`` (or naming a top-level key) go to ``text_config``; dotted keys reach
     ``linear_attn_config``. Overriding ``num_hidden_layers`` alone re-derives the layer lists
-    (MLA layers beyond the new depth dropped; KDA = the complement); overriding ``hidden_size``
+    (MLA layers beyond the new depth dropped; KDA = the complement; ``layer_types`` /
+    ``mlp_layer_types`` / ``first_k_dense_replace`` follow); overriding ``hidden_size``
     alone also sets ``vision_config.text_hidden_size`` (the projector's output width)."""
     if not overrides:
         return raw
@@ -200,7 +201,36 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
         n = text.get("num_hidden_layers")
         if isinstance(n, int) and isinstance(lac.get("full_attn_layers"), list):
             lac["kda_layers"] = [i for i in range(1, n + 1) if i not in lac["full_attn_layers"]]
+    if "num_hidden_layers" in keys and isinstance(text.get("num_hidden_layers"), int):
+        _rederive_per_layer_lists(text, keys)
     return cfg
+
+
+def _rederive_per_layer_lists(text: dict, keys: set[str]) -> None:
+    """After ``num_hidden_layers`` alone changed: the per-layer lists transformers' Kimi Linear
+    config writes follow the new depth, as ``linear_attn_config`` does. ``layer_types`` comes
+    from ``full_attn_layers`` (or is cut / padded with ``linear_attention``: KDA is the
+    complement); ``mlp_layer_types`` keeps its leading dense layers up to the new depth and
+    ``first_k_dense_replace`` is capped at it. Keys overridden too are left as given."""
+    n = text["num_hidden_layers"]
+    if n < 1:
+        return                                     # the validator names num_hidden_layers
+    lac = text.get("linear_attn_config")
+    lt = text.get("layer_types")
+    if "layer_types" not in keys and isinstance(lt, list):
+        full = lac.get("full_attn_layers") if isinstance(lac, dict) else None
+        if isinstance(full, list):
+            text["layer_types"] = ["full_attention" if i + 1 in full else "linear_attention" for i in range(n)]
+        else:
+            text["layer_types"] = (lt + ["linear_attention"] * n)[:n]
+    fk = text.get("first_k_dense_replace")
+    if "first_k_dense_replace" not in keys and isinstance(fk, int) and not isinstance(fk, bool) and fk > n:
+        text["first_k_dense_replace"] = n
+    mt = text.get("mlp_layer_types")
+    if "mlp_layer_types" not in keys and isinstance(mt, list):
+        k = next((i for i, t in enumerate(mt) if t != "dense"), len(mt))
+        k = min(k, n)
+        text["mlp_layer_types"] = ["dense"] * k + ["sparse"] * (n - k)
 
 
 def override_path(raw: dict, key: str) -> list[str]:
@@ -543,7 +573,9 @@ def _valid(raw: Any) -> bool:
 
 
 #: keys apply_overrides derives from others (the override to blame when they are invalid)
-_DERIVED = {"text_hidden_size": ("hidden_size",), "kda_layers": ("num_hidden_layers", "full_attn_layers")}
+_DERIVED = {"text_hidden_size": ("hidden_size",), "kda_layers": ("num_hidden_layers", "full_attn_layers"),
+            "layer_types": ("num_hidden_layers",), "mlp_layer_types": ("num_hidden_layers",),
+            "first_k_dense_replace": ("num_hidden_layers",)}
 
 
 def _override_for(raw: Any, overrides: dict[str, Any] | None, key: str | None) -> str | None:

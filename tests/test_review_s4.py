@@ -112,3 +112,31 @@ def test_server_limits_raise_k3error():
     with pytest.raises(K3Error, match="max_concurrent must be an integer >= 1, got 0"):
         ServerLimits(max_concurrent=0)
     assert ServerLimits(max_concurrent=1).max_concurrent == 1
+
+
+# ---- F14: num_hidden_layers on kimi-linear re-derives layer_types / mlp_layer_types ------------------------
+@pytest.mark.parametrize("n, kda, mla, dense", [(2, 2, 0, 1), (4, 3, 1, 1), (5, 4, 1, 1), (1, 1, 0, 1)])
+def test_kimi_linear_depth_override(capsys, n, kda, mla, dense):
+    import json
+    rc, out, err = _run(capsys, "inspect", "kimi-linear-6p6b", "--set", f"num_hidden_layers={n}", "--json")
+    assert rc == 0, err
+    counts = json.loads(out)["counts"]
+    # the bundled file: full attention at 1-based layers 4, 8, 12, 16; layer 1 dense, the rest MoE
+    assert counts == {"kda": kda, "mla": mla, "moe": n - dense, "dense": dense}
+
+
+def test_kimi_linear_depth_override_lists():
+    from k3ir.frontend.config import apply_overrides, read_config
+    raw, _ = read_config("kimi-linear-6p6b")
+    cfg = apply_overrides(raw, {"num_hidden_layers": 5})
+    assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention", "linear_attention"]
+    assert cfg["mlp_layer_types"] == ["dense"] + ["sparse"] * 4
+    assert cfg["linear_attn_config"]["full_attn_layers"] == [4]
+    kept = apply_overrides(raw, {"num_hidden_layers": 2, "layer_types": ["full_attention", "linear_attention"]})
+    assert kept["layer_types"] == ["full_attention", "linear_attention"]       # an explicit list stays as given
+
+
+def test_kimi_linear_readme_depth_command(capsys):
+    rc, out, err = _run(capsys, "inspect", "kimi-linear-6p6b", "--set", "num_hidden_layers=2")
+    assert rc == 0 and err == ""
+    assert "layers: 2 KDA + 0 MLA" in out
