@@ -75,13 +75,22 @@ def save(module: Module, params: Any, directory: str, layout: str = "published",
     weights bound from a checkpoint keep their stored dtype; a narrower explicit dtype rounds and
     logs a warning),
     ``max_shard_bytes``, ``shared_experts`` (``fused`` | ``split``). Returns the file names
-    written; raises K3CheckpointError (also for an unknown ``dtype``, naming the allowed values)."""
+    written; raises K3CheckpointError (also for an unknown ``dtype``, naming the allowed values,
+    and for a directory that cannot be created or written, naming the path and the OS reason)."""
+    import os
+
     from .frontend.checkpoint import save_checkpoint
     if params is None:
         if module.weights is None:
             raise K3CheckpointError("save: no params given and the module has no bound weights")
         params = module.weights
-    return save_checkpoint(module, params, directory, layout=layout, quantize=quantize, **options)
+    try:
+        return save_checkpoint(module, params, directory, layout=layout, quantize=quantize, **options)
+    except OSError as e:                  # unwritable / missing parent / a file in the way / disk full
+        why = e.strerror or str(e)
+        if not os.path.isdir(directory):
+            raise K3CheckpointError(f"{directory}: cannot create the directory ({why})") from e
+        raise K3CheckpointError(f"{e.filename or directory}: cannot write the checkpoint ({why})") from e
 
 
 def compile(module: Module, target: str = "torch", dtype: str | None = None, device: str = "cpu", **options: Any):

@@ -72,21 +72,40 @@ class Session:
         """A Session over a compiled artifact directory (``k3ir compile ... -o DIR``) without
         recompiling: ``DIR/manifest.json`` names the loader (``"module:function"``) that reopens the
         executable; weights stored in the artifact are used unless ``params`` is given.
-        Raises K3RuntimeError when DIR is not an artifact."""
+        Raises K3RuntimeError when DIR is not an artifact or is damaged (manifest.json not JSON,
+        a file missing, truncated or unreadable), naming the file and the problem."""
         import importlib
         import json
         import os
+
+        from k3ir.errors import K3Error
         path = os.path.join(directory, "manifest.json")
         if not os.path.isdir(directory):
             raise K3RuntimeError(f"{directory}: no such directory (want a compiled artifact: `k3ir compile ... -o DIR`)")
         if not os.path.isfile(path):
             raise K3RuntimeError(f"{directory}: not a compiled artifact (no manifest.json)")
-        with open(path) as f:
-            loader = json.load(f).get("loader", "")
-        mod, _, fn = loader.partition(":")
+        redo = "the artifact is damaged; write it again with `k3ir compile ... -o DIR`"
+        try:
+            with open(path, encoding="utf-8") as f:
+                man = json.load(f)
+        except json.JSONDecodeError as e:
+            raise K3RuntimeError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}); {redo}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise K3RuntimeError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e}); {redo}") from None
+        loader = man.get("loader", "") if isinstance(man, dict) else ""
+        mod, _, fn = str(loader).partition(":")
         if not mod or not fn:
             raise K3RuntimeError(f"{path}: no 'loader' entry (want 'module:function')")
-        exe = getattr(importlib.import_module(mod), fn)(directory)
+        try:
+            exe = getattr(importlib.import_module(mod), fn)(directory)
+        except (K3Error, ModuleNotFoundError):     # already clear / the CLI names the extra to install
+            raise
+        except FileNotFoundError as e:             # safetensors names the file only in its text
+            name = e.filename or str(e).rpartition("No such file or directory: ")[2].strip() or directory
+            raise K3RuntimeError(f"{name}: missing from the artifact; {redo}") from None
+        except Exception as e:                     # truncated weights, an emptied .so, a bad manifest entry...
+            raise K3RuntimeError(f"{directory}: cannot open the artifact ({type(e).__name__}: "
+                                 f"{str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}); {redo}") from e
         return cls(exe, params=params, seed=seed)
 
     # ---- helpers -----------------------------------------------------------------

@@ -140,3 +140,54 @@ def test_kimi_linear_readme_depth_command(capsys):
     rc, out, err = _run(capsys, "inspect", "kimi-linear-6p6b", "--set", "num_hidden_layers=2")
     assert rc == 0 and err == ""
     assert "layers: 2 KDA + 0 MLA" in out
+
+
+# ---- F9 / F24: save to a bad place, load a damaged artifact ----------------------------------------------
+def test_save_to_uncreatable_directory_is_a_checkpoint_error(tmp_path):
+    from k3ir.runtime.params import init_params
+
+    import k3ir
+    from k3ir.errors import K3CheckpointError
+    m = k3ir.load("k3-tiny")
+    params = init_params(m, seed=0)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for where in ("/proc/nope", str(blocker / "sub")):
+        with pytest.raises(K3CheckpointError) as ei:
+            k3ir.save(m, params, where)
+        msg = str(ei.value)
+        assert msg.startswith(f"{where}: cannot create the directory (") and msg.endswith(")"), msg
+
+
+@pytest.fixture(scope="module")
+def torch_artifact(tmp_path_factory):
+    out = tmp_path_factory.mktemp("art") / "tiny"
+    assert main(["compile", "k3-tiny", "--target", "torch", "-o", str(out)]) == 0
+    return out
+
+
+def _damaged(src, dst, damage):
+    import shutil
+    shutil.copytree(src, dst)
+    damage(dst)
+    return str(dst)
+
+
+def test_damaged_artifact_raises_k3error(torch_artifact, tmp_path):
+    from k3ir.runtime import Session
+    assert Session.load(str(torch_artifact)).vocab > 0          # the intact one opens
+    bad1 = _damaged(torch_artifact, tmp_path / "bad1", lambda d: (d / "manifest.json").write_text("{\n"))
+    with pytest.raises(K3RuntimeError) as ei:
+        Session.load(bad1)
+    assert str(ei.value).startswith(os.path.join(bad1, "manifest.json") + ": invalid JSON at line 2, column 1")
+    assert "damaged" in str(ei.value)
+
+    bad2 = _damaged(torch_artifact, tmp_path / "bad2", lambda d: (d / "weights.safetensors").unlink())
+    with pytest.raises(K3RuntimeError) as ei:
+        Session.load(bad2)
+    assert str(ei.value).startswith(os.path.join(bad2, "weights.safetensors") + ": missing from the artifact")
+
+    bad3 = _damaged(torch_artifact, tmp_path / "bad3", lambda d: (d / "weights.safetensors").write_bytes(b"\x08"))
+    with pytest.raises(K3RuntimeError) as ei:
+        Session.load(bad3)
+    assert str(ei.value).startswith(f"{bad3}: cannot open the artifact (")
