@@ -191,6 +191,18 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
         if first.get("type") == "json_invalid":
             return JSONResponse(error_body(f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
                                            "invalid_request_error", "invalid_json"), status_code=400)
+        ctype = request.headers.get("content-type", "")
+        if tuple(first.get("loc", ())) == ("body",) and ctype.split(";")[0].strip().lower() != "application/json":
+            # FastAPI reads a body as JSON only under this header (curl -d sends form encoding)
+            got = f"got Content-Type '{ctype}'" if ctype else "no Content-Type was sent"
+            return JSONResponse(error_body(f"the request body must be a JSON object sent with the header "
+                                           f"'Content-Type: application/json' ({got}; with curl: "
+                                           f"-H 'Content-Type: application/json')",
+                                           "invalid_request_error", "invalid_content_type"), status_code=400)
+        if tuple(first.get("loc", ())) == ("body",):      # JSON, but a list / string / number
+            return JSONResponse(error_body("the request body must be a JSON object (OpenAI-style fields: "
+                                           "{\"prompt\": ..., \"max_tokens\": ...})", "invalid_request_error",
+                                           "invalid_request"), status_code=400)
         msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in errs[:5])
         return JSONResponse(error_body(msg or "invalid request", "invalid_request_error", "invalid_request", loc),
                             status_code=400)
