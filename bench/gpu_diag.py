@@ -399,15 +399,16 @@ def section_decode(model, batch, small, prompt=64):
         _tables(prof, f"graph replay B{batch}", n=30)
     _graph_vs_eager(sess, exe, st, nxt)
     from k3ir.backends.triton import dispatch, executable, gemv
-    # A/B of the decode switches (each off alone, a fresh capture): K3IR_DIAG_AB=0 skips them
-    for label, mod, key in (("MoE front in one launch off (dispatch.TUNING front_glu)", dispatch.TUNING, "front_glu"),
-                            ("MoE front in two launches off (dispatch.TUNING front_split)", dispatch.TUNING,
-                             "front_split"),
-                            ("KDA low-rank up-proj in kda_decode off (executable.TUNING lowrank_in_decode)",
-                             executable.TUNING, "lowrank_in_decode")):
-        if os.environ.get("K3IR_DIAG_AB", "1") != "1" or not mod.get(key):
+    # A/B of the decode switches (each flipped alone, a fresh capture): K3IR_DIAG_AB=0 skips them
+    for name, mod, key in (("MoE front in one launch (dispatch.TUNING front_glu)", dispatch.TUNING, "front_glu"),
+                           ("MoE front in two launches (dispatch.TUNING front_split)", dispatch.TUNING, "front_split"),
+                           ("KDA low-rank up-proj in kda_decode (executable.TUNING lowrank_in_decode)",
+                            executable.TUNING, "lowrank_in_decode")):
+        if os.environ.get("K3IR_DIAG_AB", "1") != "1":
             continue
-        mod[key] = False
+        default = bool(mod.get(key))
+        mod[key] = not default
+        label = f"{name} {'off' if default else 'on'}"
         try:
             exe._graph = None
             for _ in range(2):
@@ -422,12 +423,12 @@ def section_decode(model, batch, small, prompt=64):
         except Exception as e:      # noqa: BLE001 - a diagnostic: report and go on
             print(f"A/B {label}: {type(e).__name__}: {e}", flush=True)
         finally:
-            mod[key] = True
+            mod[key] = default
             exe._graph = None
     from k3ir.backends.triton import moe
     # A/B of the small-row bf16 grouped GEMM config (moe.DECODE_BF16: ("t", BW, BT, TAIL, BK, warps, stages))
     base = moe.DECODE_BF16
-    for cfg in (("t", 64, 16, 0, 128, 4, 4), ("t", 32, 16, 0, 64, 4, 6), ("t", 16, 16, 0, 128, 4, 4)):
+    for cfg in (("t", 32, 16, 0, 128, 4, 4), ("t", 64, 16, 0, 64, 4, 6), ("t", 128, 16, 0, 128, 4, 4)):
         if os.environ.get("K3IR_DIAG_AB", "1") != "1":
             break
         moe.DECODE_BF16 = cfg

@@ -2,7 +2,7 @@
 """GPU check + timing of the ONE MXFP4 expert layout (backends/triton/moe_layout.py, issue 6), < 60 s.
 
 The K3 MoE layer (E 896, top-16, D 3584, I 3072; random MXFP4 bytes, scale bytes 118..122) with its experts
-permuted IN PLACE into the fragment layout, read by the Gluon kernel (default from ``gluon_min_rows`` = 32 rows
+permuted IN PLACE into the fragment layout, read by the Gluon kernel (default from ``gluon_min_rows`` = 1 row
 up to 16 rows per expert) and by the Triton kernels (decode B1, prefill; forced with ``_force``).
 
 Sections, each in its own process with its own timeout (a CUDA fault or a hang loses one section only):

@@ -393,20 +393,20 @@ def test_plan_keeps_whole_64_column_blocks_for_the_fragment_layout():
 
 def test_use_gluon_row_window(monkeypatch):
     """``moe._use_gluon``: the Gluon MXFP4 kernel serves ``gluon_min_rows <= R <= gluon_max_rows * E`` (fragment
-    layout, CUDA, bf16, N % 64 == 0); the K3 decode B1 (16 rows of 896 experts) takes the Triton kernel, 32 rows
-    the Gluon one, and ``gluon_min_rows = 0`` forces Gluon down to one row (the GPU check's crossover sweep)."""
+    layout, CUDA, bf16, N % 64 == 0); with ``gluon_min_rows = 32`` the K3 decode B1 (16 rows of 896 experts) takes
+    the Triton kernel and 32 rows the Gluon one; the default (1) gives every row count to Gluon."""
     import types
 
     from k3ir.backends.triton import moe
     monkeypatch.setattr(moe, "interpreting", lambda: False)
     monkeypatch.setattr(moe, "TUNING", {**moe.TUNING})
-    moe.TUNING.pop("gluon_min_rows", None)
+    moe.TUNING["gluon_min_rows"] = 32
     x = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
     pk = object()
     assert [moe._use_gluon(x, R, 896, pk, 3072) for R in (1, 16, 31, 32, 4096, 896 * 16, 896 * 16 + 1)] == \
         [False, False, False, True, True, True, False]
     assert not moe._use_gluon(x, 64, 896, None, 3072) and not moe._use_gluon(x, 64, 896, pk, 3072 + 16)
-    moe.TUNING["gluon_min_rows"] = 0
-    assert moe._use_gluon(x, 1, 896, pk, 3072)
+    moe.TUNING.pop("gluon_min_rows")                  # the default: 1
+    assert moe._use_gluon(x, 1, 896, pk, 3072) and moe._use_gluon(x, 16, 896, pk, 3072)
     moe.TUNING["mxfp4_kernel"] = "triton"
     assert not moe._use_gluon(x, 64, 896, pk, 3072)

@@ -148,8 +148,10 @@ GRAPH_STEP = {"in_place": False}
 DECODE_SPLIT = os.environ.get("K3IR_DECODE_SPLIT", "1") != "0"
 
 #: ``lowrank_in_decode``: with DECODE_SPLIT, the KDA decay and output-gate low-rank up-projections run inside
-#: ``kda_decode`` (layer.kda_decode ``lowrank=``) instead of a gemv2 launch (``K3IR_KDA_LOWRANK=0``: gemv2)
-TUNING: dict = {"lowrank_in_decode": os.environ.get("K3IR_KDA_LOWRANK", "1") != "0"}
+#: ``kda_decode`` (layer.kda_decode ``lowrank=``) instead of a gemv2 launch (``K3IR_KDA_LOWRANK=1``). Off by
+#: default: one launch fewer per KDA layer, but the H200 A/Bs of 2026-11-30 had the Kimi Linear 6.6B B1 replay
+#: 8-11 us faster without it (1.354 vs 1.365 ms at 06:32, 1.207 vs 1.215 at 07:22).
+TUNING: dict = {"lowrank_in_decode": os.environ.get("K3IR_KDA_LOWRANK", "0") == "1"}
 
 
 def _decode_split(inst, xr, nrm, cat, sizes, convs, cpools, pool, w_fb, gate_w, A_log, dt_bias, o_norm, lb):

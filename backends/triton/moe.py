@@ -51,7 +51,12 @@ ACT_IDS = {"none": 0, "situ": 1, "silu": 2, "swiglu": 2}
 # prepared) always take the Triton kernels.
 # "frag_decode": "ptx" (the Triton kernels decode fragment words with the Gluon kernel's PTX) or "exact" (integer
 # bit extraction + fp32 scale, as under the interpreter: a fallback should the PTX path disagree on a device)
-TUNING = {"mxfp4_kernel": "gluon", "gluon_max_rows": 16, "frag_decode": "ptx"}
+# "gluon_min_rows" / "gluon_small_rows" / "gluon_small": below "gluon_small_rows" rows the Gluon kernel runs with
+# the "gluon_small" config (a 3-slot cp.async ring: more bytes in flight when ~R experts are active). K3 layer,
+# H200 2026-11-30 07:22, T=1 (16 rows): Gluon ST3 0.120 ms, Gluon default 0.329, Triton 0.282; T=4 (64 rows):
+# Gluon default 0.318, ST3 0.376, Triton 0.493. Fewer rows than "gluon_min_rows" take the Triton kernels.
+TUNING = {"mxfp4_kernel": "gluon", "gluon_max_rows": 16, "frag_decode": "ptx", "gluon_min_rows": 1,
+          "gluon_small_rows": 32, "gluon_small": {"ST": 3}}
 
 
 @triton.jit
@@ -340,7 +345,9 @@ def _config(R: int, E: int, N: int, K: int, quant: str, glu: bool):
     return PREFILL_BF16
 
 
-DECODE_BF16 = ("t", 32, 16, 0, 128, 4, 4)
+#: decode-size bf16 grouped GEMM (<= 2 rows per expert): 64-row weight tiles (H200 A/B of 2026-11-30 07:22, Kimi
+#: Linear 6.6B B1 graph replay 1.215 -> 1.200 ms against 32-row tiles; 16-row tiles 1.292)
+DECODE_BF16 = ("t", 64, 16, 0, 128, 4, 4)
 PREFILL_BF16 = ("t", 128, 128, 64, 64, 8, 4, 32)
 
 
@@ -426,11 +433,11 @@ def plan(R: int, E: int, N: int, K: int, quant: str, glu: bool, xbytes: int, con
 def _use_gluon(x, R: int, E: int, pk, N: int) -> bool:
     """``TUNING["mxfp4_kernel"] == "gluon"`` and the case is one the Gluon kernel serves (weights in the fragment
     layout ``pk``, CUDA, bf16, few rows per expert, N a multiple of 64). No memory query: there is no copy.
-    ``TUNING["gluon_min_rows"]`` (default 32): fewer rows R take the Triton kernel (K3 layer decode B1, 16 rows:
-    Triton 0.164 ms vs Gluon 0.198 on the H200, 2026-11-30 06:31; at 256 tokens Gluon 4.44 vs 6.57 ms): with
-    ~R active experts the Gluon grid (N/128 x R programs, loads one K step ahead) has too few bytes in flight."""
+    ``TUNING["gluon_min_rows"]`` (default 1): fewer rows R take the Triton kernel; below ``gluon_small_rows`` the
+    Gluon kernel runs its ``gluon_small`` config (see TUNING: at 16 rows the default Gluon config, loading one K
+    step ahead, has too few bytes in flight; the cp.async ring fixes that)."""
     return (pk is not None and TUNING["mxfp4_kernel"] == "gluon" and not interpreting() and x.is_cuda
-            and x.dtype == torch.bfloat16 and TUNING.get("gluon_min_rows", 32) <= R <= TUNING["gluon_max_rows"] * E
+            and x.dtype == torch.bfloat16 and TUNING.get("gluon_min_rows", 1) <= R <= TUNING["gluon_max_rows"] * E
             and N % 64 == 0)
 
 
@@ -477,8 +484,9 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
             raise ValueError("grouped_matmul: both GLU weights must be in the same MXFP4 layout (moe_layout.prepare)")
         if mxfp4_decode is None and _use_gluon(x, R, E, pk, N):
             from . import moe_gluon as mg
+            small = TUNING.get("gluon_small") if R < TUNING.get("gluon_small_rows", 0) else None
             return mg.grouped_matmul(x, offsets, pk, pw3=pk3 if glu else None, act=act, b1=b1, b2=b2,
-                                     row_scale=row_scale)
+                                     row_scale=row_scale, config=small)
     y = torch.empty(R, N, device=x.device, dtype=x.dtype)
     if R == 0:
         return y
