@@ -248,6 +248,8 @@ def cmd_run(args) -> int:
 
     import k3ir
     from k3ir.accounting import report
+    if args.max_new_tokens < 1:                 # as `generate --max-tokens` (checked before the big model loads)
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     con = console()
     t0 = time.perf_counter()
     big = k3ir.load(args.model, overrides=parse_overrides(args.overrides))

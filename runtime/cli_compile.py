@@ -124,7 +124,8 @@ def cmd_compile(args) -> int:
                        "ops": {fn: dict(c) for fn, c in counts.items()}}, f, indent=2)
         con.print(f"wrote {os.path.join(args.output, 'module.k3')} and passes.json")
     if args.no_build:
-        con.print("build skipped (--no-build/--ir-only)")
+        con.print("build skipped (--no-build/--ir-only)" + ("" if args.output else
+                  "; no -o given, so nothing was written (-o DIR writes the IR: module.k3 and passes.json)"))
     elif backend is None or why:
         if args.output:        # -o promises an artifact: no silent IR-only output
             raise K3BackendError(f"target '{args.target}' cannot build here: {why}; no runnable artifact in "

@@ -252,3 +252,31 @@ def test_non_json_content_type_names_the_header(api, ctype):
 def test_json_that_is_not_an_object(api):
     r = api.post("/v1/completions", json=[1])
     assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"]
+
+
+# ---- F12 / F22 / F4: small CLI messages ------------------------------------------------------------------
+def test_generate_interrupt_ends_the_text_line(capsys, monkeypatch):
+    from k3ir.runtime.engine import Engine
+
+    def interrupted(self, requests=None):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Engine, "run", interrupted)
+    rc, out, err = _run(capsys, "generate", "k3-tiny", "--prompt", "Kimi ", "--max-tokens", "4")
+    assert rc == 130 and err == "k3ir: interrupted"
+    assert out == "Kimi \n"                      # the message starts a line of its own on a terminal
+
+
+def test_run_max_new_tokens_zero_is_an_error_like_generate(capsys):
+    rc, _, err = _run(capsys, "run", "--max-new-tokens", "0")
+    assert rc == 2 and _one_line(err) == "k3ir: error: --max-new-tokens must be >= 1, got 0"
+    rc, _, err = _run(capsys, "generate", "k3-tiny", "--prompt", "x", "--max-tokens", "0")
+    assert rc == 2 and "must be an integer >= 1, got 0" in _one_line(err)
+
+
+def test_ir_only_without_output_says_nothing_was_written(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _run(capsys, "compile", "k3-tiny", "--target", "torch", "--ir-only")
+    out = " ".join(out.split())                  # rich wraps long lines
+    assert rc == 0 and err == ""
+    assert "no -o given, so nothing was written (-o DIR writes the IR: module.k3 and passes.json)" in out
+    assert os.listdir(tmp_path) == []
