@@ -410,3 +410,28 @@ def test_use_gluon_row_window(monkeypatch):
     assert moe._use_gluon(x, 1, 896, pk, 3072) and moe._use_gluon(x, 16, 896, pk, 3072)
     moe.TUNING["mxfp4_kernel"] = "triton"
     assert not moe._use_gluon(x, 64, 896, pk, 3072)
+
+
+@pytest.mark.parametrize("config", [moe.DECODE_BF16[:4] + (32, 4, 1), ("t", 32, 16, 0, 32, 4, 1)])
+def test_decode_tiles_one_row_per_active_expert(config):
+    """The decode-size bf16 config's 64-row weight tiles (``moe.DECODE_BF16``, BK narrowed for the interpreter)
+    and the previous 32-row tiles: batch 1, top-8 of 16 experts (one row each, 8 empty experts), N = 96 (a
+    half-masked last tile), the GLU launch and the down launch with combine weights, against float64."""
+    rng = np.random.default_rng(11)
+    E, N, K = 16, 96, 64
+    cnt = [1, 0] * 8
+    off = np.concatenate([[0], np.cumsum(cnt)])
+    xs = rng.standard_normal((off[-1], K))
+    W, W3 = rng.standard_normal((E, N, K)), rng.standard_normal((E, N, K))
+    rs = rng.random(off[-1])
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(DEV)
+    glu = moe.grouped_matmul(t(xs).to(ACT_DT), t(off), t(W).to(ACT_DT), config=config, w3=t(W3).to(ACT_DT),
+                             act="silu").double().cpu().numpy()
+    down = moe.grouped_matmul(t(xs).to(ACT_DT), t(off), t(W).to(ACT_DT), config=config,
+                              row_scale=t(rs).float()).double().cpu().numpy()
+    for e in range(E):
+        a, b = off[e], off[e + 1]
+        if b > a:
+            g, u = xs[a:b] @ W[e].T, xs[a:b] @ W3[e].T
+            assert rel_err(glu[a:b], g / (1 + np.exp(-g)) * u) < (2e-2 if GPU else 1e-5), (config, e)
+            assert rel_err(down[a:b], rs[a:b, None] * g) < (2e-2 if GPU else 1e-5), (config, e)
