@@ -410,16 +410,8 @@ def section_decode(model, batch, small, prompt=64):
         mod[key] = not default
         label = f"{name} {'off' if default else 'on'}"
         try:
-            exe._graph = None
-            for _ in range(2):
-                _, st = sess.decode(nxt, st)
-            torch.cuda.synchronize()
-            gd = exe._graph
-            t = time.perf_counter()
-            for _ in range(20):
-                gd.graph.replay()
-            torch.cuda.synchronize()
-            print(f"graph replay alone, {label}: {(time.perf_counter() - t) / 20 * 1e3:.3f} ms", flush=True)
+            ms, st = _recapture_replay_ms(sess, exe, st, nxt)
+            print(f"graph replay alone, {label}: {ms:.3f} ms", flush=True)
         except Exception as e:      # noqa: BLE001 - a diagnostic: report and go on
             print(f"A/B {label}: {type(e).__name__}: {e}", flush=True)
         finally:
@@ -433,17 +425,8 @@ def section_decode(model, batch, small, prompt=64):
             break
         moe.DECODE_BF16 = cfg
         try:
-            exe._graph = None
-            for _ in range(2):
-                _, st = sess.decode(nxt, st)
-            torch.cuda.synchronize()
-            gd = exe._graph
-            t = time.perf_counter()
-            for _ in range(20):
-                gd.graph.replay()
-            torch.cuda.synchronize()
-            print(f"graph replay alone, moe.DECODE_BF16 {cfg} (default {base}): "
-                  f"{(time.perf_counter() - t) / 20 * 1e3:.3f} ms", flush=True)
+            ms, st = _recapture_replay_ms(sess, exe, st, nxt)
+            print(f"graph replay alone, moe.DECODE_BF16 {cfg} (default {base}): {ms:.3f} ms", flush=True)
         except Exception as e:      # noqa: BLE001 - a diagnostic: report and go on
             print(f"A/B DECODE_BF16 {cfg}: {type(e).__name__}: {e}", flush=True)
         finally:
@@ -453,20 +436,27 @@ def section_decode(model, batch, small, prompt=64):
         # programmatic dependent launch of the gemv kernels (gemv.PDL): a fresh capture, same checks
         gemv.PDL = True
         try:
-            exe._graph = None
-            for _ in range(2):
-                _, st = sess.decode(nxt, st)
-            torch.cuda.synchronize()
-            gd = exe._graph
-            t = time.perf_counter()
-            for _ in range(20):
-                gd.graph.replay()
-            torch.cuda.synchronize()
-            print(f"graph replay alone, gemv with PDL: {(time.perf_counter() - t) / 20 * 1e3:.3f} ms", flush=True)
+            ms, st = _recapture_replay_ms(sess, exe, st, nxt)
+            print(f"graph replay alone, gemv with PDL: {ms:.3f} ms", flush=True)
             _graph_vs_eager(sess, exe, st, nxt, "PDL ")
         finally:
             gemv.PDL = False
             exe._graph = None
+
+
+def _recapture_replay_ms(sess, exe, st, nxt):
+    """Drop the captured decode graph, decode twice (a fresh capture with the current switches) and return
+    (mean replay ms over 20, the new state)."""
+    exe._graph = None
+    for _ in range(2):
+        _, st = sess.decode(nxt, st)
+    torch.cuda.synchronize()
+    gd = exe._graph
+    t = time.perf_counter()
+    for _ in range(20):
+        gd.graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / 20 * 1e3, st
 
 
 def _graph_vs_eager(sess, exe, st, nxt, tag=""):
