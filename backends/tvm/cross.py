@@ -101,6 +101,10 @@ def register_cross_targets() -> None:
     missing = {"rocm": "needs a ROCm install to link AMDGPU code", "vulkan": "SPIR-V codegen not in the PyPI TVM"}
     for kind in CROSS_KINDS:
         def available(kind=kind) -> str:
+            from . import _available
+            why = _available()
+            if why is not None:       # no TVM: nothing builds, same reason as the `tvm` row
+                return f"cross target: {why}"
             if kind in missing:
                 return f"cross target: TVM cannot build {kind} code here ({missing[kind]})"
             return (f"cross target: TVM builds {kind} code here but it does not run here "
