@@ -9,6 +9,7 @@ import copy
 import difflib
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -340,6 +341,8 @@ class _Reader:
             v = float(v)
         if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
             self.fail(k, f"must be {typ.__name__}, got {type(v).__name__} {v!r}")
+        if typ is float and not math.isfinite(v):          # json.loads accepts NaN / Infinity
+            self.fail(k, f"must be finite, got {v}")
         if choices is not None and v not in choices:
             self.fail(k, f"must be one of {list(choices)}, got {v!r}")
         if lo is not None and v < lo:
@@ -429,11 +432,13 @@ def build_config(raw: dict, path: str | None = None, name: str | None = None,
     if vision is not None and not isinstance(vision, dict):
         raise K3ConfigError("must be an object", key="vision_config", path=path)
     q_lora = r.get("q_lora_rank", int, None, lo=1, allow_none=True)
+    if (eps := r.get("rms_norm_eps", float, 1e-6, lo=0.0)) <= 0:      # rsqrt(mean(x^2) + 0) of a zero row
+        r.fail("rms_norm_eps", f"must be > 0, got {eps}")
     return ModelConfig(
         name=name or os.path.splitext(os.path.basename(path or "model"))[0],
         model_type=model_type, key_prefix=kp,
         vocab_size=r.get("vocab_size", int, lo=1), hidden_size=hidden, num_hidden_layers=n_layers,
-        rms_norm_eps=r.get("rms_norm_eps", float, 1e-6, lo=0.0),
+        rms_norm_eps=eps,
         tie_word_embeddings=r.get("tie_word_embeddings", bool, False),
         dtype=_DTYPES[dtype_name],
         bos_token_id=r.peek("bos_token_id"), eos_token_id=r.peek("eos_token_id"),

@@ -34,3 +34,35 @@ def test_tvm_cross_targets_unavailable_without_tvm(monkeypatch):
     monkeypatch.undo()
     if importlib.util.find_spec("tvm") is not None:     # with TVM the cross rows keep their own reason
         assert "builds c code here" in get_backend("tvm-c").available()
+
+
+# ---- F8: non-finite / non-positive floats in a config.json ---------------------------------------
+def _tiny_config(tmp_path, section: str, key: str, value) -> str:
+    import json
+
+    from k3ir.frontend.config import resolve_config_path
+    with open(resolve_config_path("k3-tiny")) as f:
+        raw = json.load(f)
+    (raw[section] if section else raw)[key] = value
+    path = tmp_path / "c_bad.json"
+    path.write_text(json.dumps(raw))                    # json.dumps writes NaN / Infinity as Python does
+    return str(path)
+
+
+def test_config_rejects_nan_eps_at_load(capsys, tmp_path):
+    import pytest
+
+    import k3ir
+    from k3ir.errors import K3ConfigError
+    for value, what in ((float("nan"), "must be finite, got nan"), (float("inf"), "must be finite, got inf"),
+                        (0.0, "must be > 0, got 0.0"), (-1e-6, "must be >= 0.0")):
+        path = _tiny_config(tmp_path, "text_config", "rms_norm_eps", value)
+        rc, _, err = _run(capsys, "inspect", path)
+        assert rc == 2, (value, err)
+        line = _one_line(err)
+        assert "c_bad.json" in line and "'text_config.rms_norm_eps'" in line and what in line, line
+    path = _tiny_config(tmp_path, "text_config", "activation_situ_beta", float("-inf"))
+    with pytest.raises(K3ConfigError, match="activation_situ_beta.*must be finite"):
+        k3ir.frontend.load_config(path)
+    path = _tiny_config(tmp_path, "text_config", "rms_norm_eps", 1e-5)   # a finite positive eps still loads
+    assert k3ir.frontend.load_config(path).rms_norm_eps == 1e-5
