@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from k3ir.errors import K3Error
 from k3ir.ir import Module, Operation, Value
 
 from .manager import Pass, PassResult, register_pass
@@ -159,9 +160,21 @@ def match_kda_layer(rw: Rewriter, kda: Operation) -> KDAMatch | None:
 @dataclass
 class FuseKDAChunks(Pass):
     """Fold each KDA layer into one ``k3.fused_kda`` (chunked; recurrent in decode).
-    Options: ``chunk_size`` (0 keeps each layer's own), ``mode`` (``auto``: recurrent iff T == 1)."""
+    Options: ``chunk_size`` (a positive multiple of 16; the default 0 keeps each layer's own), ``mode``
+    (``auto``: recurrent iff T == 1, ``chunk`` or ``recurrent``). Raises K3Error naming a bad option."""
     chunk_size: int = 0
     mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.check_options({})
+
+    def check_options(self, given: dict) -> None:
+        where = "pass 'fuse-kda-chunks' option"
+        if ("chunk_size" in given or self.chunk_size) and (self.chunk_size <= 0 or self.chunk_size % 16):
+            raise K3Error(f"{where} 'chunk_size': must be a positive multiple of 16 (the fused KDA tile), "
+                          f"got {self.chunk_size}; omit it to keep each layer's own")
+        if self.mode not in ("auto", "chunk", "recurrent"):
+            raise K3Error(f"{where} 'mode': must be auto, chunk or recurrent, got {self.mode!r}")
 
     def run(self, module: Module) -> PassResult:
         count, skipped, modes = 0, 0, {"chunk": 0, "recurrent": 0}

@@ -48,6 +48,10 @@ class Pass:
     def run(self, module: Module) -> PassResult:
         raise NotImplementedError
 
+    def check_options(self, given: dict[str, Any]) -> None:
+        """Raise K3Error naming the pass and option for a bad value; ``given``: the options set
+        explicitly in a ``name{key=value}`` spec (``make_pass``). The base accepts everything."""
+
     def spec(self) -> str:
         """``name{key=value,...}`` with the options that differ from their defaults."""
         opts = []
@@ -142,7 +146,9 @@ def make_pass(spec: str | Pass) -> Pass:
         f = fields[k]
         default = f.default if f.default is not dataclasses.MISSING else ""
         opts[k] = _convert(v, default, f"pass '{name}' option '{k}'")
-    return cls(**opts)
+    p = cls(**opts)
+    p.check_options(opts)
+    return p
 
 
 def _apply_quantize(passes: list[Pass], quantize: str | None) -> list[Pass]:

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
+from k3ir.passes.manager import make_pass
 from k3ir.runtime.cli import main
+
+import k3ir
+from k3ir.errors import K3ConfigError, K3Error
 
 
 def _run(capsys, *argv) -> tuple[int, str, str]:
@@ -50,10 +55,6 @@ def _tiny_config(tmp_path, section: str, key: str, value) -> str:
 
 
 def test_config_rejects_nan_eps_at_load(capsys, tmp_path):
-    import pytest
-
-    import k3ir
-    from k3ir.errors import K3ConfigError
     for value, what in ((float("nan"), "must be finite, got nan"), (float("inf"), "must be finite, got inf"),
                         (0.0, "must be > 0, got 0.0"), (-1e-6, "must be >= 0.0")):
         path = _tiny_config(tmp_path, "text_config", "rms_norm_eps", value)
@@ -66,3 +67,18 @@ def test_config_rejects_nan_eps_at_load(capsys, tmp_path):
         k3ir.frontend.load_config(path)
     path = _tiny_config(tmp_path, "text_config", "rms_norm_eps", 1e-5)   # a finite positive eps still loads
     assert k3ir.frontend.load_config(path).rms_norm_eps == 1e-5
+
+
+# ---- F16: fuse-kda-chunks options ----------------------------------------------------------------
+def test_fuse_kda_chunk_size_checked_naming_the_option(capsys):
+    for bad in (0, -3, 24):
+        rc, _, err = _run(capsys, "compile", "k3-tiny", "--target", "torch", "--no-build",
+                          "--passes", f"fuse-kda-chunks{{chunk_size={bad}}},dce")
+        assert rc == 2, err
+        line = _one_line(err)
+        assert "pass 'fuse-kda-chunks' option 'chunk_size'" in line and f"got {bad}" in line, line
+        assert "positive multiple of 16" in line, line
+    with pytest.raises(K3Error, match="option 'mode': must be auto, chunk or recurrent, got 'fast'"):
+        make_pass("fuse-kda-chunks{mode=fast}")
+    assert make_pass("fuse-kda-chunks{chunk_size=48}").chunk_size == 48
+    assert make_pass("fuse-kda-chunks").chunk_size == 0            # default: each layer keeps its own
