@@ -164,6 +164,10 @@ def load_tokenizer(model: str, module) -> Tokenizer:
     vocab = int(module.attrs.get("vocab_size", 0))
     if 256 <= vocab <= 512:
         return ByteTokenizer(module.attrs.get("bos_token_id"), module.attrs.get("eos_token_id"), vocab)
-    where = os.fspath(d) if d is not None else model
-    raise K3ConfigError(f"no tokenizer for '{model}': put tokenizer.json or tiktoken.model in {where} "
-                        f"(vocabulary of {vocab} ids is not a byte vocabulary)")
+    why = f"vocabulary of {vocab} ids is not a byte vocabulary"
+    if d is None:            # a bundled name: a config only, nowhere to put a tokenizer
+        raise K3ConfigError(f"no tokenizer for '{model}': it is a bundled config without a tokenizer ({why}); "
+                            f"pass a checkpoint directory holding config.json and tokenizer.json (or "
+                            f"tiktoken.model) instead of the name")
+    raise K3ConfigError(f"no tokenizer for '{model}': put tokenizer.json or tiktoken.model in {os.fspath(d)} "
+                        f"({why})")

@@ -82,3 +82,18 @@ def test_fuse_kda_chunk_size_checked_naming_the_option(capsys):
         make_pass("fuse-kda-chunks{mode=fast}")
     assert make_pass("fuse-kda-chunks{chunk_size=48}").chunk_size == 48
     assert make_pass("fuse-kda-chunks").chunk_size == 0            # default: each layer keeps its own
+
+
+# ---- F25: tokenizer hint for a bundled name ------------------------------------------------------
+def test_generate_bundled_name_without_tokenizer(capsys, tmp_path):
+    rc, _, err = _run(capsys, "generate", "kimi-k3", "--prompt", "x", "--max-tokens", "2")
+    assert rc == 2, err
+    line = _one_line(err)
+    assert "'kimi-k3': it is a bundled config without a tokenizer" in line, line
+    assert "checkpoint directory" in line and "tokenizer.json" in line and "put tokenizer.json" not in line, line
+    from types import SimpleNamespace
+
+    from k3ir.runtime.tokenizer import load_tokenizer
+    (tmp_path / "config.json").write_text("{}")          # a directory: the hint names it
+    with pytest.raises(K3ConfigError, match=f"put tokenizer.json or tiktoken.model in {tmp_path}"):
+        load_tokenizer(str(tmp_path), SimpleNamespace(attrs={"vocab_size": 1000}))
