@@ -389,3 +389,24 @@ def test_stride0_or_strided_fragment_weights_are_refused():
     got = moe.grouped_matmul(x, off, we.contiguous(), se.contiguous(), "mxfp4").double().numpy()
     want = _ref_gemm(x.double().numpy(), off.numpy(), np.repeat(p, 4, 0), np.repeat(s, 4, 0))
     assert rel_err(got, want) < 1e-5
+
+
+def test_prepared_weights_refuse_host_copies_and_checkpoints(tmp_path):
+    """Prepared (fragment-layout) expert bytes never reach NumPy: ``.numpy()``, ``np.asarray`` and ``.tolist()``
+    raise, so ``k3ir.save`` of a triton session's params cannot write the permuted bytes as packed E2M1 pairs
+    (it did silently before)."""
+    from k3ir.backends.triton import moe_layout
+    from k3ir.runtime import init_params
+
+    import k3ir
+    rng = np.random.default_rng(13)
+    p, s = _mx(rng, 2, 32, 128, 128)
+    w, _ = moe_layout.prepare(torch.from_numpy(p.copy()), torch.from_numpy(s.copy()))
+    for f in (lambda: w.numpy(), lambda: np.asarray(w), lambda: w.tolist(), lambda: w.clone().cpu().numpy()):
+        with pytest.raises(moe_layout.FragmentLayoutError):
+            f()
+    m = k3ir.load("k3-tiny")
+    params = init_params(m)
+    name = next(n for n in params if params[n].ndim == 3)        # a stacked expert tensor
+    with pytest.raises(moe_layout.FragmentLayoutError):
+        k3ir.save(m, {**params, name: w}, str(tmp_path / "bad"))

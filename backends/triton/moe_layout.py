@@ -257,11 +257,14 @@ _VIEWS: set = set()
 
 _DENY_NAMES = ("__and__", "__rand__", "__iand__", "__or__", "__ror__", "__ior__", "__xor__", "__rxor__", "__ixor__",
                "__rshift__", "__rrshift__", "__irshift__", "__lshift__", "__rlshift__", "__ilshift__", "__invert__",
-               "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "bitwise_right_shift", "bitwise_left_shift")
+               "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "bitwise_right_shift", "bitwise_left_shift",
+               "numpy", "__array__", "tolist")     # host copies of the raw bytes: k3ir.save(m, session.params) would
+#                                                   write the fragment layout as if it were packed E2M1 pairs
 
 
 def _deny() -> set:
-    """Tensor methods and torch functions that read the bytes as packed E2M1 pairs (bitwise ops, shifts)."""
+    """Tensor methods and torch functions that read the bytes as packed E2M1 pairs (bitwise ops, shifts) or hand
+    them to NumPy (``.numpy()``, ``np.asarray``, ``.tolist()``: a checkpoint written from them would be wrong)."""
     if not _DENY:
         _DENY.update(f for src in (torch.Tensor, torch) for n in _DENY_NAMES if (f := getattr(src, n, None)))
     return _DENY
