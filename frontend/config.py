@@ -152,7 +152,9 @@ def read_config(name_or_path: str) -> tuple[dict, str]:
         with open(path, encoding="utf-8") as f:
             return json.load(f), path
     except json.JSONDecodeError as e:
-        raise K3ConfigError(f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}", path=path) from None
+        from k3ir.runtime.train_checkpoint import pointer_message  # `k3ir generate run/checkpoints/latest`
+        raise K3ConfigError(pointer_message(path) or f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}",
+                            path=path) from None
     except OSError as e:
         raise K3ConfigError(f"cannot read: {e.strerror}", path=path) from None
 

@@ -97,3 +97,19 @@ def test_generate_bundled_name_without_tokenizer(capsys, tmp_path):
     (tmp_path / "config.json").write_text("{}")          # a directory: the hint names it
     with pytest.raises(K3ConfigError, match=f"put tokenizer.json or tiktoken.model in {tmp_path}"):
         load_tokenizer(str(tmp_path), SimpleNamespace(attrs={"vocab_size": 1000}))
+
+
+# ---- F15: a run's checkpoints/latest pointer passed as MODEL ------------------------------------
+def test_checkpoint_pointer_as_model(capsys, tmp_path):
+    ck = tmp_path / "run" / "checkpoints"
+    (ck / "step-000080").mkdir(parents=True)
+    (ck / "latest").write_text("step-000080\n")            # what train_checkpoint.save_checkpoint writes
+    rc, _, err = _run(capsys, "generate", str(ck / "latest"), "--prompt", "The ", "--max-tokens", "4")
+    assert rc == 2, err
+    line = _one_line(err)
+    assert f"{ck / 'latest'}: is a training run's checkpoint pointer (it names step-000080)" in line, line
+    assert f"pass the checkpoint directory {ck / 'step-000080'}" in line and "invalid JSON" not in line, line
+    other = tmp_path / "latest"                              # a stray file called latest: still plain JSON error
+    other.write_text("not json\n")
+    with pytest.raises(K3ConfigError, match="invalid JSON at line 1"):
+        k3ir.load(str(other))
