@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from k3ir.errors import K3RuntimeError
+from k3ir.errors import K3Error, K3RuntimeError
 
 log = logging.getLogger("k3ir.train")
 
@@ -155,6 +155,7 @@ def cmd_train(args) -> int:
         run["threads"] = args.threads
     torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out is not None else run_dir(args.resume) if args.resume else Path(".")
+    _refuse_other_run(out, args.resume)
     cfg = _config(args, meta)
     data_path = args.data if meta is None else (args.data or meta.get("data"))
     if meta is not None and args.data and meta.get("data") not in (None, args.data):
@@ -208,6 +209,25 @@ def cmd_train(args) -> int:
         path = write_plot(tr, out / PLOT_FILE, title=f"{module.name} qb={cfg.qb}")
         print(f"plot: {path}", flush=True)
     return 0
+
+
+def _refuse_other_run(out: Path, resume: str | None) -> None:
+    """Raise K3RuntimeError when ``out`` already holds a training run (``checkpoints/latest`` or
+    ``checkpoints/step-*``) that is not the one being resumed: a fresh run there would mix its
+    checkpoints, ``latest`` and training.json with the old run's."""
+    from .train_checkpoint import LATEST, read_meta
+    ck = out / "checkpoints"
+    if not ck.is_dir() or not ((ck / LATEST).exists() or any(ck.glob("step-*"))):
+        return
+    if resume is not None and run_dir(resume).resolve() == out.resolve():
+        return
+    try:
+        meta = read_meta(out)
+        what = f"{meta.get('model', 'a model')} at step {meta.get('step')}/{(meta.get('config') or {}).get('steps')}"
+    except K3Error:
+        what = f"checkpoints in {ck}"
+    hint = f"pass --resume {out} to continue it" if resume is None else f"--resume {resume} belongs to another run"
+    raise K3RuntimeError(f"--out {out} already holds a training run ({what}); {hint}, or choose another --out")
 
 
 def run_dir(resume: str) -> Path:

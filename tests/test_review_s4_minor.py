@@ -113,3 +113,26 @@ def test_checkpoint_pointer_as_model(capsys, tmp_path):
     other.write_text("not json\n")
     with pytest.raises(K3ConfigError, match="invalid JSON at line 1"):
         k3ir.load(str(other))
+
+
+# ---- F11: train --out into a directory holding another run ---------------------------------------
+def test_train_refuses_an_out_dir_holding_another_run(capsys, tmp_path):
+    import json
+    run = tmp_path / "run"
+    common = ["train", "k3-tiny", "--threads", "1", "--batch", "1", "--seq", "16", "--no-plot", "--log-every", "1"]
+    rc, out, err = _run(capsys, *common, "--steps", "2", "--out", str(run))
+    assert rc == 0 and (run / "checkpoints" / "step-000002").is_dir(), err
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    rc, out, err = _run(capsys, *common, "--steps", "3", "--out", str(run))          # a new run into it
+    assert rc == 2, err
+    line = _one_line(err)
+    assert f"--out {run} already holds a training run (k3-tiny at step 2/2)" in line, line
+    assert f"pass --resume {run} to continue it" in line and "step 1/" not in out, (line, out)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before      # nothing written
+    other = tmp_path / "other" / "checkpoints" / "step-000001"                     # resuming another run into it
+    other.mkdir(parents=True)
+    (other / "trainer.json").write_text(json.dumps({"step": 1, "config": {"steps": 5}, "model": "k3-tiny"}))
+    rc, _, err = _run(capsys, *common, "--out", str(run), "--resume", str(other))
+    assert rc == 2 and f"--resume {other} belongs to another run" in _one_line(err), err
+    rc, out, err = _run(capsys, "train", "k3-tiny", "--resume", str(run), "--no-plot")   # its own run: allowed
+    assert rc == 0 and "already complete (2/2 steps)" in out, (out, err)
