@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -130,7 +131,41 @@ def _config(args, meta: dict | None):
     return cfg
 
 
+LOCK_FILE = ".k3ir-train.lock"
+_held: list = []          # open lock files of this process's running train commands
+
+
 def cmd_train(args) -> int:
+    try:
+        return _train(args)
+    finally:
+        while _held:
+            _held.pop().close()             # closing the file releases its flock
+
+
+def _lock_run(out: Path) -> None:
+    """Hold an exclusive ``flock`` on ``<out>/.k3ir-train.lock`` until the command ends; raise
+    K3RuntimeError naming the holder's pid when another ``k3ir train`` writes into ``out``."""
+    try:
+        import fcntl
+    except ImportError:                     # no flock on this platform: no lock
+        return
+    f = open(out / LOCK_FILE, "a+")         # noqa: SIM115 (held until cmd_train returns)
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        raise K3RuntimeError(f"--out {out} is in use by another k3ir train (pid {pid}); wait for it to finish "
+                             "or choose another --out") from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _held.append(f)
+
+
+def _train(args) -> int:
     import torch
 
     import k3ir
@@ -167,6 +202,8 @@ def cmd_train(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise K3RuntimeError(f"--out {out}: cannot create the directory ({e.strerror or e})") from None
+    _lock_run(out)
+    _refuse_other_run(out, args.resume)    # again under the lock: a run may have started meanwhile
     exe = k3ir.compile(module, target="torch", dtype="float32", device=args.device)
     data = ByteBatches(read_bytes(data_path), cfg.batch, cfg.seq, cfg.seed)
     tr = Trainer(exe, cfg)

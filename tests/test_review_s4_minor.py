@@ -136,3 +136,19 @@ def test_train_refuses_an_out_dir_holding_another_run(capsys, tmp_path):
     assert rc == 2 and f"--resume {other} belongs to another run" in _one_line(err), err
     rc, out, err = _run(capsys, "train", "k3-tiny", "--resume", str(run), "--no-plot")   # its own run: allowed
     assert rc == 0 and "already complete (2/2 steps)" in out, (out, err)
+
+
+def test_train_refuses_an_out_dir_in_use(capsys, tmp_path):
+    fcntl = pytest.importorskip("fcntl")
+    from k3ir.runtime.cli_train import LOCK_FILE
+    run = tmp_path / "live"
+    run.mkdir()
+    with open(run / LOCK_FILE, "w") as held:                 # another trainer holds the run directory
+        held.write("4242\n")
+        held.flush()
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        rc, out, err = _run(capsys, "train", "k3-tiny", "--threads", "1", "--steps", "1", "--batch", "1",
+                            "--seq", "16", "--no-plot", "--out", str(run))
+    assert rc == 2, err
+    assert f"--out {run} is in use by another k3ir train (pid 4242)" in _one_line(err), err
+    assert not (run / "checkpoints").exists() and "step 1/" not in out
