@@ -4,9 +4,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from triton.runtime.errors import OutOfResources  # noqa: E402
-
-from k3ir.backends.triton import smem_fit  # noqa: E402
+from k3ir.backends.triton import smem_fit
+from triton.runtime.errors import OutOfResources
 
 
 def _launcher(limit, calls):
