@@ -27,6 +27,22 @@ except ImportError:
     pass
 
 
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """``k3ir`` in process: (exit code, stdout, stripped stderr) of ``main(argv)``."""
+    from k3ir.runtime.cli import main
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err.strip()
+
+
+def one_line_error(err: str) -> str:
+    """``err`` after checking it is one ``k3ir: error: ...`` line without a traceback."""
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("k3ir: error: "), err
+    return err
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -9,26 +9,13 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import one_line_error, run_cli
 from k3ir.backends import get_backend
 from k3ir.runtime import Session
 from k3ir.runtime.cli import main
 
 import k3ir
 from k3ir.errors import K3BackendError, K3CheckpointError, K3ConfigError
-
-
-def _run(capsys, *argv) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err.strip()
-
-
-def _one_line(err: str) -> str:
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert err.startswith("k3ir: error: "), err
-    return err
-
 
 # ---- 1. compile -o for a target that cannot build here ------------------------------------------
 TVM_MISSING = "apache-tvm is not installed (pip install 'k3ir[tvm]')"     # what backends/tvm says without tvm
@@ -37,9 +24,9 @@ TVM_MISSING = "apache-tvm is not installed (pip install 'k3ir[tvm]')"     # what
 def test_compile_output_for_unbuildable_target_is_an_error(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(get_backend("tvm"), "available", lambda: TVM_MISSING)
     out = tmp_path / "art"
-    rc, _, err = _run(capsys, "compile", "k3-tiny", "--target", "tvm", "-o", str(out))
+    rc, _, err = run_cli(capsys, "compile", "k3-tiny", "--target", "tvm", "-o", str(out))
     assert rc == 2
-    line = _one_line(err)
+    line = one_line_error(err)
     for needle in ("target 'tvm' cannot build here", "pip install 'k3ir[tvm]'", str(out), "module.k3",
                    "passes.json", "--ir-only"):
         assert needle in line, (needle, line)
@@ -51,7 +38,7 @@ def test_compile_output_for_unbuildable_target_is_an_error(capsys, tmp_path, mon
 def test_compile_ir_only_is_the_explicit_way(capsys, tmp_path, monkeypatch, flag):
     monkeypatch.setattr(get_backend("tvm"), "available", lambda: TVM_MISSING)
     out = tmp_path / "ir"
-    rc, stdout, err = _run(capsys, "compile", "k3-tiny", "--target", "tvm", "-o", str(out), flag)
+    rc, stdout, err = run_cli(capsys, "compile", "k3-tiny", "--target", "tvm", "-o", str(out), flag)
     assert rc == 0 and err == ""
     assert sorted(os.listdir(out)) == ["module.k3", "passes.json"]
     assert "build skipped" in stdout
@@ -61,7 +48,7 @@ def test_compile_ir_only_is_the_explicit_way(capsys, tmp_path, monkeypatch, flag
 
 def test_compile_without_output_keeps_the_note(capsys, monkeypatch):
     monkeypatch.setattr(get_backend("tvm"), "available", lambda: TVM_MISSING)
-    rc, stdout, _ = _run(capsys, "compile", "k3-tiny", "--target", "tvm")
+    rc, stdout, _ = run_cli(capsys, "compile", "k3-tiny", "--target", "tvm")
     stdout = " ".join(stdout.split())                   # rich wraps long lines
     assert rc == 0 and "cannot build here" in stdout and "ran its pipeline only" in stdout
 
@@ -71,9 +58,9 @@ def test_compile_triton_output_without_gpu_names_the_gpu(capsys, tmp_path, monke
     monkeypatch.setenv("TRITON_INTERPRET", "0")            # conftest turns the CPU interpreter on: a plain CPU box
     if get_backend("triton").available() is None:
         pytest.skip("triton usable here")
-    rc, _, err = _run(capsys, "compile", "k3-tiny", "--target", "triton", "-o", str(tmp_path / "t"))
+    rc, _, err = run_cli(capsys, "compile", "k3-tiny", "--target", "triton", "-o", str(tmp_path / "t"))
     assert rc == 2
-    line = _one_line(err)
+    line = one_line_error(err)
     assert "no CUDA GPU" in line or "Triton is not installed" in line, line
 
 
@@ -102,8 +89,8 @@ def test_directory_without_safetensors_is_a_checkpoint_error(tmp_path, capsys):
     assert msg.startswith(f"{d}: no weights") and "model.safetensors" in msg and "*.safetensors" in msg
     assert str(d / "config.json") in msg                                  # the explicit random-weights route
     for cmd in (["inspect", str(d)], ["compile", str(d), "--target", "torch", "--no-build"]):
-        rc, _, err = _run(capsys, *cmd)
-        assert rc == 2 and f"{d}: no weights" in _one_line(err)
+        rc, _, err = run_cli(capsys, *cmd)
+        assert rc == 2 and f"{d}: no weights" in one_line_error(err)
     m = k3ir.load(str(d / "config.json"))                                 # explicit: random init, as asked
     assert m.weights is None and len(m.params) == len(k3ir.load("k3-tiny").params)
 
@@ -116,10 +103,10 @@ def test_reference_rejects_float32_python_and_cli(capsys):
     msg = str(e.value)
     assert msg.startswith("unsupported dtype 'float32' for target 'reference' (supported: float64)"), msg
     assert "target 'torch'" in msg
-    rc, _, err = _run(capsys, "compile", "k3-tiny", "--target", "reference", "--dtype", "float32", "--no-build")
-    assert rc == 2 and "supported: float64" in _one_line(err)
-    rc, _, err = _run(capsys, "compile", "k3-tiny", "--target", "reference", "--dtype", "bf16", "--no-build")
-    assert rc == 2 and "unsupported dtype 'bf16'" in _one_line(err)
+    rc, _, err = run_cli(capsys, "compile", "k3-tiny", "--target", "reference", "--dtype", "float32", "--no-build")
+    assert rc == 2 and "supported: float64" in one_line_error(err)
+    rc, _, err = run_cli(capsys, "compile", "k3-tiny", "--target", "reference", "--dtype", "bf16", "--no-build")
+    assert rc == 2 and "unsupported dtype 'bf16'" in one_line_error(err)
 
 
 def test_reference_default_and_float64_compute_in_float64():
@@ -142,8 +129,8 @@ def test_reference_default_and_float64_compute_in_float64():
 def test_misspelt_model_suggests_a_bundled_name(capsys, name, near):
     with pytest.raises(K3ConfigError, match=f"did you mean '{near}'"):
         k3ir.load(name)
-    rc, _, err = _run(capsys, "inspect", name)
-    assert rc == 2 and f"did you mean '{near}'?" in _one_line(err)
+    rc, _, err = run_cli(capsys, "inspect", name)
+    assert rc == 2 and f"did you mean '{near}'?" in one_line_error(err)
 
 
 @pytest.mark.parametrize("name", ["zzz", "./kimi-k2", "models/k3tiny"])
@@ -156,12 +143,12 @@ def test_no_suggestion_for_far_names_or_paths(name):
 def test_misspelt_target_and_set_key_suggest(capsys):
     with pytest.raises(K3BackendError, match="did you mean 'torch'"):
         k3ir.compile(k3ir.load("k3-tiny"), target="torh")
-    rc, _, err = _run(capsys, "compile", "k3-tiny", "--target", "tritn", "--no-build")
-    assert rc == 2 and "unknown target 'tritn'" in err and "did you mean 'triton'?" in _one_line(err)
-    rc, _, err = _run(capsys, "compile", "k3-tiny", "--target", "cuda", "--no-build")
-    assert rc == 2 and "'cuda' is a device, not a target" in _one_line(err)
-    rc, _, err = _run(capsys, "inspect", "k3-tiny", "--set", "hidden_sizee=3")
-    assert rc == 2 and "did you mean 'hidden_size'?" in _one_line(err)
+    rc, _, err = run_cli(capsys, "compile", "k3-tiny", "--target", "tritn", "--no-build")
+    assert rc == 2 and "unknown target 'tritn'" in err and "did you mean 'triton'?" in one_line_error(err)
+    rc, _, err = run_cli(capsys, "compile", "k3-tiny", "--target", "cuda", "--no-build")
+    assert rc == 2 and "'cuda' is a device, not a target" in one_line_error(err)
+    rc, _, err = run_cli(capsys, "inspect", "k3-tiny", "--set", "hidden_sizee=3")
+    assert rc == 2 and "did you mean 'hidden_size'?" in one_line_error(err)
 
 
 # ---- 5. training threads ----------------------------------------------------------------------------
@@ -181,8 +168,8 @@ def test_default_threads_follow_the_load(monkeypatch):
 
 
 def test_train_threads_flag_checked_and_documented(capsys):
-    rc, _, err = _run(capsys, "train", "--threads", "0", "--steps", "1")
-    assert rc == 2 and "--threads must be >= 1" in _one_line(err)
+    rc, _, err = run_cli(capsys, "train", "--threads", "0", "--steps", "1")
+    assert rc == 2 and "--threads must be >= 1" in one_line_error(err)
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
@@ -201,7 +188,7 @@ def test_unusable_device_is_a_usage_error_before_any_work(capsys, device, words)
 
 
 def test_negative_warmup_is_rejected(capsys, tmp_path):
-    rc, _, err = _run(capsys, "train", "k3-tiny", "--steps", "2", "--batch", "1", "--seq", "8", "--warmup", "-5",
+    rc, _, err = run_cli(capsys, "train", "k3-tiny", "--steps", "2", "--batch", "1", "--seq", "8", "--warmup", "-5",
                       "--out", str(tmp_path / "t"))
     assert rc == 2 and "--warmup must be >= 0, got -5" in err
 
@@ -210,9 +197,9 @@ def test_generate_takes_threads(capsys):
     """``--threads`` (README: "on a shared machine pass --threads 1") works on generate too; 0 is an error."""
     before = torch.get_num_threads()
     try:
-        rc, out, _ = _run(capsys, "generate", "k3-tiny", "--prompt", "Kimi ", "--max-tokens", "2", "--threads", "1")
+        rc, out, _ = run_cli(capsys, "generate", "k3-tiny", "--prompt", "Kimi ", "--max-tokens", "2", "--threads", "1")
         assert rc == 0 and out.startswith("Kimi ") and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)            # the rest of the suite runs in this process
-    rc, _, err = _run(capsys, "generate", "k3-tiny", "--prompt", "x", "--threads", "0")
+    rc, _, err = run_cli(capsys, "generate", "k3-tiny", "--prompt", "x", "--threads", "0")
     assert rc == 2 and "--threads must be >= 1, got 0" in err

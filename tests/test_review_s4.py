@@ -8,22 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import one_line_error, run_cli
 from k3ir.runtime.cli import main
 
 from k3ir.errors import K3Error, K3RuntimeError
-
-
-def _run(capsys, *argv) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err.strip()
-
-
-def _one_line(err: str) -> str:
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert err.startswith("k3ir: error: "), err
-    return err
 
 
 # ---- F13: generate | head --------------------------------------------------------------------
@@ -79,14 +67,14 @@ def test_generate_into_head_is_quiet():
     (["--max-output-tokens", "-1"], "--max-output-tokens must be >= 1, got -1"),
 ])
 def test_serve_sizes_are_usage_errors(capsys, argv, needle):
-    rc, _, err = _run(capsys, "serve", "k3-tiny", "--port", "0", *argv)
+    rc, _, err = run_cli(capsys, "serve", "k3-tiny", "--port", "0", *argv)
     assert rc == 2
-    assert needle in _one_line(err), err
+    assert needle in one_line_error(err), err
 
 
 def test_generate_block_size_zero(capsys):
-    rc, _, err = _run(capsys, "generate", "k3-tiny", "--prompt", "x", "--block-size", "0")
-    assert rc == 2 and "--block-size must be a positive multiple" in _one_line(err)
+    rc, _, err = run_cli(capsys, "generate", "k3-tiny", "--prompt", "x", "--block-size", "0")
+    assert rc == 2 and "--block-size must be a positive multiple" in one_line_error(err)
 
 
 @pytest.mark.parametrize("kw, needle", [
@@ -118,7 +106,7 @@ def test_server_limits_raise_k3error():
 @pytest.mark.parametrize("n, kda, mla, dense", [(2, 2, 0, 1), (4, 3, 1, 1), (5, 4, 1, 1), (1, 1, 0, 1)])
 def test_kimi_linear_depth_override(capsys, n, kda, mla, dense):
     import json
-    rc, out, err = _run(capsys, "inspect", "kimi-linear-6p6b", "--set", f"num_hidden_layers={n}", "--json")
+    rc, out, err = run_cli(capsys, "inspect", "kimi-linear-6p6b", "--set", f"num_hidden_layers={n}", "--json")
     assert rc == 0, err
     counts = json.loads(out)["counts"]
     # the bundled file: full attention at 1-based layers 4, 8, 12, 16; layer 1 dense, the rest MoE
@@ -137,7 +125,7 @@ def test_kimi_linear_depth_override_lists():
 
 
 def test_kimi_linear_readme_depth_command(capsys):
-    rc, out, err = _run(capsys, "inspect", "kimi-linear-6p6b", "--set", "num_hidden_layers=2")
+    rc, out, err = run_cli(capsys, "inspect", "kimi-linear-6p6b", "--set", "num_hidden_layers=2")
     assert rc == 0 and err == ""
     assert "layers: 2 KDA + 0 MLA" in out
 
@@ -261,21 +249,21 @@ def test_generate_interrupt_ends_the_text_line(capsys, monkeypatch):
     def interrupted(self, requests=None):
         raise KeyboardInterrupt
     monkeypatch.setattr(Engine, "run", interrupted)
-    rc, out, err = _run(capsys, "generate", "k3-tiny", "--prompt", "Kimi ", "--max-tokens", "4")
+    rc, out, err = run_cli(capsys, "generate", "k3-tiny", "--prompt", "Kimi ", "--max-tokens", "4")
     assert rc == 130 and err == "k3ir: interrupted"
     assert out == "Kimi \n"                      # the message starts a line of its own on a terminal
 
 
 def test_run_max_new_tokens_zero_is_an_error_like_generate(capsys):
-    rc, _, err = _run(capsys, "run", "--max-new-tokens", "0")
-    assert rc == 2 and _one_line(err) == "k3ir: error: --max-new-tokens must be >= 1, got 0"
-    rc, _, err = _run(capsys, "generate", "k3-tiny", "--prompt", "x", "--max-tokens", "0")
-    assert rc == 2 and "must be an integer >= 1, got 0" in _one_line(err)
+    rc, _, err = run_cli(capsys, "run", "--max-new-tokens", "0")
+    assert rc == 2 and one_line_error(err) == "k3ir: error: --max-new-tokens must be >= 1, got 0"
+    rc, _, err = run_cli(capsys, "generate", "k3-tiny", "--prompt", "x", "--max-tokens", "0")
+    assert rc == 2 and "must be an integer >= 1, got 0" in one_line_error(err)
 
 
 def test_ir_only_without_output_says_nothing_was_written(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    rc, out, err = _run(capsys, "compile", "k3-tiny", "--target", "torch", "--ir-only")
+    rc, out, err = run_cli(capsys, "compile", "k3-tiny", "--target", "torch", "--ir-only")
     out = " ".join(out.split())                  # rich wraps long lines
     assert rc == 0 and err == ""
     assert "no -o given, so nothing was written (-o DIR writes the IR: module.k3 and passes.json)" in out

@@ -6,24 +6,11 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from conftest import one_line_error, run_cli
 from k3ir.passes.manager import make_pass
-from k3ir.runtime.cli import main
 
 import k3ir
 from k3ir.errors import K3ConfigError, K3Error
-
-
-def _run(capsys, *argv) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err.strip()
-
-
-def _one_line(err: str) -> str:
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert err.startswith("k3ir: error: "), err
-    return err
 
 
 # ---- F18: tvm cross targets when apache-tvm is missing ------------------------------------------
@@ -58,9 +45,9 @@ def test_config_rejects_nan_eps_at_load(capsys, tmp_path):
     for value, what in ((float("nan"), "must be finite, got nan"), (float("inf"), "must be finite, got inf"),
                         (0.0, "must be > 0, got 0.0"), (-1e-6, "must be >= 0.0")):
         path = _tiny_config(tmp_path, "text_config", "rms_norm_eps", value)
-        rc, _, err = _run(capsys, "inspect", path)
+        rc, _, err = run_cli(capsys, "inspect", path)
         assert rc == 2, (value, err)
-        line = _one_line(err)
+        line = one_line_error(err)
         assert "c_bad.json" in line and "'text_config.rms_norm_eps'" in line and what in line, line
     path = _tiny_config(tmp_path, "text_config", "activation_situ_beta", float("-inf"))
     with pytest.raises(K3ConfigError, match="activation_situ_beta.*must be finite"):
@@ -72,10 +59,10 @@ def test_config_rejects_nan_eps_at_load(capsys, tmp_path):
 # ---- F16: fuse-kda-chunks options ----------------------------------------------------------------
 def test_fuse_kda_chunk_size_checked_naming_the_option(capsys):
     for bad in (0, -3, 24):
-        rc, _, err = _run(capsys, "compile", "k3-tiny", "--target", "torch", "--no-build",
+        rc, _, err = run_cli(capsys, "compile", "k3-tiny", "--target", "torch", "--no-build",
                           "--passes", f"fuse-kda-chunks{{chunk_size={bad}}},dce")
         assert rc == 2, err
-        line = _one_line(err)
+        line = one_line_error(err)
         assert "pass 'fuse-kda-chunks' option 'chunk_size'" in line and f"got {bad}" in line, line
         assert "positive multiple of 16" in line, line
     with pytest.raises(K3Error, match="option 'mode': must be auto, chunk or recurrent, got 'fast'"):
@@ -86,9 +73,9 @@ def test_fuse_kda_chunk_size_checked_naming_the_option(capsys):
 
 # ---- F25: tokenizer hint for a bundled name ------------------------------------------------------
 def test_generate_bundled_name_without_tokenizer(capsys, tmp_path):
-    rc, _, err = _run(capsys, "generate", "kimi-k3", "--prompt", "x", "--max-tokens", "2")
+    rc, _, err = run_cli(capsys, "generate", "kimi-k3", "--prompt", "x", "--max-tokens", "2")
     assert rc == 2, err
-    line = _one_line(err)
+    line = one_line_error(err)
     assert "'kimi-k3': it is a bundled config without a tokenizer" in line, line
     assert "checkpoint directory" in line and "tokenizer.json" in line and "put tokenizer.json" not in line, line
     from types import SimpleNamespace
@@ -104,9 +91,9 @@ def test_checkpoint_pointer_as_model(capsys, tmp_path):
     ck = tmp_path / "run" / "checkpoints"
     (ck / "step-000080").mkdir(parents=True)
     (ck / "latest").write_text("step-000080\n")            # what train_checkpoint.save_checkpoint writes
-    rc, _, err = _run(capsys, "generate", str(ck / "latest"), "--prompt", "The ", "--max-tokens", "4")
+    rc, _, err = run_cli(capsys, "generate", str(ck / "latest"), "--prompt", "The ", "--max-tokens", "4")
     assert rc == 2, err
-    line = _one_line(err)
+    line = one_line_error(err)
     assert f"{ck / 'latest'}: is a training run's checkpoint pointer (it names step-000080)" in line, line
     assert f"pass the checkpoint directory {ck / 'step-000080'}" in line and "invalid JSON" not in line, line
     other = tmp_path / "latest"                              # a stray file called latest: still plain JSON error
@@ -120,21 +107,21 @@ def test_train_refuses_an_out_dir_holding_another_run(capsys, tmp_path):
     import json
     run = tmp_path / "run"
     common = ["train", "k3-tiny", "--threads", "1", "--batch", "1", "--seq", "16", "--no-plot", "--log-every", "1"]
-    rc, out, err = _run(capsys, *common, "--steps", "2", "--out", str(run))
+    rc, out, err = run_cli(capsys, *common, "--steps", "2", "--out", str(run))
     assert rc == 0 and (run / "checkpoints" / "step-000002").is_dir(), err
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    rc, out, err = _run(capsys, *common, "--steps", "3", "--out", str(run))          # a new run into it
+    rc, out, err = run_cli(capsys, *common, "--steps", "3", "--out", str(run))          # a new run into it
     assert rc == 2, err
-    line = _one_line(err)
+    line = one_line_error(err)
     assert f"--out {run} already holds a training run (k3-tiny at step 2/2)" in line, line
     assert f"pass --resume {run} to continue it" in line and "step 1/" not in out, (line, out)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before      # nothing written
     other = tmp_path / "other" / "checkpoints" / "step-000001"                     # resuming another run into it
     other.mkdir(parents=True)
     (other / "trainer.json").write_text(json.dumps({"step": 1, "config": {"steps": 5}, "model": "k3-tiny"}))
-    rc, _, err = _run(capsys, *common, "--out", str(run), "--resume", str(other))
-    assert rc == 2 and f"--resume {other} belongs to another run" in _one_line(err), err
-    rc, out, err = _run(capsys, "train", "k3-tiny", "--resume", str(run), "--no-plot")   # its own run: allowed
+    rc, _, err = run_cli(capsys, *common, "--out", str(run), "--resume", str(other))
+    assert rc == 2 and f"--resume {other} belongs to another run" in one_line_error(err), err
+    rc, out, err = run_cli(capsys, "train", "k3-tiny", "--resume", str(run), "--no-plot")   # its own run: allowed
     assert rc == 0 and "already complete (2/2 steps)" in out, (out, err)
 
 
@@ -147,8 +134,8 @@ def test_train_refuses_an_out_dir_in_use(capsys, tmp_path):
         held.write("4242\n")
         held.flush()
         fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        rc, out, err = _run(capsys, "train", "k3-tiny", "--threads", "1", "--steps", "1", "--batch", "1",
+        rc, out, err = run_cli(capsys, "train", "k3-tiny", "--threads", "1", "--steps", "1", "--batch", "1",
                             "--seq", "16", "--no-plot", "--out", str(run))
     assert rc == 2, err
-    assert f"--out {run} is in use by another k3ir train (pid 4242)" in _one_line(err), err
+    assert f"--out {run} is in use by another k3ir train (pid 4242)" in one_line_error(err), err
     assert not (run / "checkpoints").exists() and "step 1/" not in out
