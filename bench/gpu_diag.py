@@ -384,6 +384,7 @@ def section_decode(model, batch, small, prompt=64):
         _, st = sess.decode(nxt, st)
     torch.cuda.synchronize()
     print(f"graph decode step (Session.decode, incl. host): {(time.perf_counter() - t) / 10 * 1e3:.3f} ms")
+    st = _host_gap(sess, st, nxt)
     gd = exe._graph
     if gd is not None and gd.graph is not None:
         gd.graph.replay()
@@ -442,6 +443,61 @@ def section_decode(model, batch, small, prompt=64):
         finally:
             gemv.PDL = False
             exe._graph = None
+
+
+def _host_gap(sess, st, nxt):
+    """Where the bench step's time above the bare replay goes: the host time of one ``Session.decode`` with the
+    GPU kept busy (``torch.cuda._sleep``: nothing the host does can wait for the GPU), a cProfile of those calls,
+    the per-step time over 8 / 32 / 128 steps, and the GPU ops of 3 consecutive steps."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(60e-3 * 1.98e9))        # ~60 ms of GPU spin: the host runs ahead of it
+    t = time.perf_counter()
+    n = 6                                          # < the 8 staging slots: no wait on an earlier copy
+    for _ in range(n):
+        _, st = sess.decode(nxt, st)
+    host = (time.perf_counter() - t) / n * 1e3
+    torch.cuda.synchronize()
+    print(f"host time per Session.decode (GPU busy, {n} calls): {host:.3f} ms", flush=True)
+    torch.cuda._sleep(int(60e-3 * 1.98e9))
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        _, st = sess.decode(nxt, st)
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(18)
+    print("\n".join(ln for ln in buf.getvalue().splitlines() if ln.strip())[:4000], flush=True)
+    for steps in (8, 32, 128):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            _, st = sess.decode(nxt, st)
+        torch.cuda.synchronize()
+        print(f"graph decode step over {steps} steps (host ids): {(time.perf_counter() - t) / steps * 1e3:.3f} ms",
+              flush=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            _, st = sess.decode(nxt, st)
+        torch.cuda.synchronize()
+    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if ev:
+        t0 = min(e.time_range.start for e in ev)
+        t1 = max(e.time_range.end for e in ev)
+        busy = sum(e.time_range.end - e.time_range.start for e in ev)
+        other = {}
+        for e in ev:
+            if "kernel" not in e.name and not e.name.startswith(("gemv", "grouped", "dispatch", "router", "kda",
+                                                                "mla", "nvjet", "rmsnorm")):
+                other[e.name[:60]] = other.get(e.name[:60], 0) + 1
+        print(f"3 Session.decode steps on the GPU: span {(t1 - t0) / 3e3:.3f} ms per step, busy "
+              f"{busy / 3e3:.3f} ms per step, {len(ev)} GPU ops; non-kernel ops: {other}", flush=True)
+    return st
 
 
 def _recapture_replay_ms(sess, exe, st, nxt):
