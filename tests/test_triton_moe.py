@@ -143,6 +143,36 @@ def test_grouped_kernels_row_grid_and_two_tails(config, rowgrid):
                 assert rel_err(got[a:b], g / (1 + np.exp(-g)) * u) < (2e-2 if GPU else 1e-5), (config, e)
 
 
+def test_row_grid_prologue_reads_start_and_end_from_the_ends_vector():
+    """ROWGRID's one-round-trip prologue (start/end taken from the loaded ``offsets[1:]`` vector, not reloaded):
+    empty first and last experts, experts of 1..3 rows next to each other, the last row owned by the last
+    non-empty expert. Same bits as one program column per expert, and GLU + plain outputs vs float64."""
+    rng = np.random.default_rng(11)
+    for cnt in ([0, 0, 2, 0, 1, 3, 0, 0, 1] + [0] * 7, [0] * 5 + [3] + [0] * 2 + [1, 1], [1] + [0] * 6 + [2]):
+        E, N, K = len(cnt), 16, 32
+        off = np.concatenate([[0], np.cumsum(cnt)])
+        assert off[-1] < E                          # the row grid is taken
+        xs = rng.standard_normal((off[-1], K))
+        W = rng.standard_normal((E, N, K))
+        t = lambda a: torch.from_numpy(np.asarray(a)).to(DEV)
+        got = {}
+        for rowgrid in (True, False):
+            moe.ROWGRID = rowgrid
+            try:
+                got[rowgrid] = [moe.grouped_matmul(t(xs).to(ACT_DT), t(off), t(W).to(ACT_DT), **kw).double().cpu()
+                                for kw in ({}, {"w3": t(W[:, ::-1].copy()).to(ACT_DT), "act": "silu"})]
+            finally:
+                moe.ROWGRID = True
+        for a, b in zip(got[True], got[False]):
+            assert torch.equal(a, b), cnt
+        for e in range(E):
+            a, b = off[e], off[e + 1]
+            if b > a:
+                g, u = xs[a:b] @ W[e].T, xs[a:b] @ W[e, ::-1].T
+                assert rel_err(got[True][0][a:b].numpy(), g) < (2e-2 if GPU else 1e-5), (cnt, e)
+                assert rel_err(got[True][1][a:b].numpy(), g / (1 + np.exp(-g)) * u) < (2e-2 if GPU else 1e-5)
+
+
 def test_decode_config_and_row_grid_choice():
     """Decode-size batches (<= 2 rows per expert, bf16) take the 32-row weight strips; prefill bf16 the 4-stage
     128/128+64 config with the 160-row first pass; both fit shared memory unchanged."""

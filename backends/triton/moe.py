@@ -256,11 +256,15 @@ def grouped_gemm_t_kernel(x, offsets, w1, s1, w3, s3, y, rscale, t1, t3, N, K, N
     active experts get programs (EP: a power of two >= NE)."""
     pid_n, j = tl.program_id(0), tl.program_id(1)
     if ROWGRID:
+        # one round trip: the ends vector (offsets[1:]) and offsets[0] load together; the owner's start/end are
+        # read off that vector (ends is non-decreasing) instead of two more dependent loads
         ie = tl.arange(0, EP)
-        ends = tl.load(offsets + 1 + ie, mask=ie < NE, other=2147483647)
-        e = tl.sum((ends <= j).to(tl.int32), axis=0)              # the expert that owns row j
-        start = tl.load(offsets + e).to(tl.int32)
-        end = tl.load(offsets + e + 1).to(tl.int32)
+        ends = tl.load(offsets + 1 + ie, mask=ie < NE, other=2147483647).to(tl.int32)
+        first = tl.load(offsets).to(tl.int32)
+        below = ends <= j
+        e = tl.sum(below.to(tl.int32), axis=0)                     # the expert that owns row j
+        start = tl.max(tl.where(below, ends, first), axis=0)      # offsets[e]: the last end <= j (or offsets[0])
+        end = tl.min(tl.where(below, 2147483647, ends), axis=0)   # offsets[e + 1]: the first end > j
         end = tl.where(start == j, end, start)                     # not its first row: nothing to do
     else:
         e = j
