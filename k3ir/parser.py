@@ -1,6 +1,7 @@
 """Parser for the text IR (see printer.py). Errors carry 1-based line and column."""
 from __future__ import annotations
 
+import ast
 import json
 import re
 from typing import Any
@@ -21,6 +22,21 @@ _TOKEN = re.compile(r"""
   | (?P<ident>[A-Za-z_][A-Za-z0-9_.]*)
   | (?P<punct>[{}()\[\],:=<>+*-])
 """, re.VERBOSE)
+
+
+_DIM_PUNCT = frozenset("()+-*")
+
+
+def _dim_expr_ok(s: str) -> bool:
+    """``s`` is an integer, a name, or a ``+ - *`` expression of them (``types.eval_dim`` evaluates it)."""
+    try:
+        tree = ast.parse(s, mode="eval")
+    except SyntaxError:
+        return False
+    ok = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Add, ast.Sub, ast.Mult, ast.USub, ast.UAdd, ast.Name,
+          ast.Load, ast.Constant)
+    return all(isinstance(n, ok) and (not isinstance(n, ast.Constant) or type(n.value) is int)
+               for n in ast.walk(tree))
 
 
 class _Tok:
@@ -139,23 +155,38 @@ class _Parser:
 
     # ---- types ---------------------------------------------------------------------------
     def dim(self) -> int | str:
+        """One dimension: an integer, a name or a ``+ - *`` expression of them with parentheses
+        (``B``, ``L+T``, ``(L+T)*2``). Anything else is a K3ParseError at the offending token."""
         parts = []
         depth = 0
+        first = self.tok
         while True:
             t = self.tok
             if t.text in (",", "]") and depth == 0:
                 break
-            if t.kind not in ("number", "ident", "punct") or t.text in ("{", "}", "=", ":", "<", ">"):
+            if t.text == "]" and depth > 0:
+                raise self.error("unclosed '(' in a dimension")
+            if t.kind not in ("number", "ident") and t.text not in _DIM_PUNCT:
                 raise self.error(f"bad dimension token '{t.text or 'end of input'}'")
+            if t.kind == "number" and not re.fullmatch(r"-?\d+", t.text):
+                raise self.error(f"bad dimension '{t.text}' (a dimension is a non-negative integer, a name or "
+                                 "a + - * expression of them)")
             if t.text == "(":
                 depth += 1
             elif t.text == ")":
                 depth -= 1
+                if depth < 0:
+                    raise self.error("unbalanced ')' in a dimension")
             parts.append(t.text)
             self.next()
         if not parts:
             raise self.error("empty dimension")
         s = "".join(parts)
+        if re.fullmatch(r"-\d+", s):
+            raise self.error(f"negative dimension {s}", first)
+        if not _dim_expr_ok(s):
+            raise self.error(f"bad dimension '{s}' (a dimension is a non-negative integer, a name or "
+                             "a + - * expression of them)", first)
         return int(s) if re.fullmatch(r"\d+", s) else s
 
     def type(self) -> Type:
