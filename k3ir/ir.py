@@ -150,6 +150,8 @@ class Module:
         self.functions: dict[str, Function] = {}
         #: optional lazy weight source bound by a checkpoint loader (name -> array provider)
         self.weights = None
+        #: where the module's attributes were written when parsed from text (None for built modules)
+        self.loc: Loc | None = None
 
     def add_param(self, name: str, type: TensorType, **attrs: Any) -> ParamDecl:
         if name in self.params:
@@ -177,6 +179,7 @@ class Module:
             for a, b in zip(fn.ops, m.functions[name].ops):
                 b.loc = a.loc
         m.weights = self.weights
+        m.loc = self.loc
         if hasattr(self, "config"):
             m.config = self.config
         return m

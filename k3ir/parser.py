@@ -219,6 +219,7 @@ class _Parser:
         self.expect("module")
         m = Module(self.symbol())
         if self.tok.text == "{" and self._looks_like_attrs():
+            m.loc = Loc(self.tok.line, self.tok.col, self.source)
             m.attrs = self.attrs()
         self.expect("{")
         while not self.accept("}"):

@@ -140,3 +140,51 @@ def verify_module(m: Module) -> None:
             body = op.attrs.get("body")
             if body is not None and body not in m.functions:
                 raise K3VerifyError(f"{_where(fn, op)}: body function @{body} is not defined")
+    _check_layer_attrs(m)
+
+
+#: module attribute -> the ops that make a decoder layer one of that kind
+LAYER_KINDS: dict[str, tuple[str, ...]] = {"kda_layers": ("k3.kda", "k3.fused_kda"), "mla_layers": ("k3.mla",)}
+_KIND_WORDS = {"kda_layers": "a KDA", "mla_layers": "an MLA"}
+
+
+def _check_layer_attrs(m: Module) -> None:
+    """The module attributes ``kda_layers`` / ``mla_layers`` (0-based layer lists, when present) agree
+    with the body (every op of LAYER_KINDS that carries a ``layer`` annotation is listed under its
+    kind), are lists of distinct layers in ``0..num_hidden_layers-1``, do not overlap and together
+    cover every layer. Raises K3VerifyError naming the attribute and the layer (after
+    ``file:line:col`` of the module's attributes when the module was parsed from a file)."""
+    lists = {key: list(v) for key in LAYER_KINDS if isinstance(v := m.attrs.get(key), (list, tuple))}
+    for fn in m.functions.values():
+        for op in fn.ops:
+            layer = op.attrs.get("layer")
+            for key, names in LAYER_KINDS.items():
+                if layer is not None and key in lists and op.name in names and layer not in lists[key]:
+                    raise K3VerifyError(f"{_where(fn, op)}: layer {layer} is {_KIND_WORDS[key]} layer "
+                                        f"in the body but module attribute {key}={lists[key]} does not list it")
+    loc = getattr(m, "loc", None)
+    where = f"{loc}: " if loc is not None else ""
+    n = m.attrs.get("num_hidden_layers")
+    n = n if isinstance(n, int) and not isinstance(n, bool) else None
+    for key in LAYER_KINDS:
+        v = m.attrs.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+            raise K3VerifyError(f"{where}module attribute {key}={v!r} must be a list of layer indices (0-based)")
+        for i in v:
+            if n is not None and not 0 <= i < n:
+                raise K3VerifyError(f"{where}module attribute {key}={list(v)}: layer {i} is out of range "
+                                    f"0..{n - 1} (num_hidden_layers={n})")
+            if list(v).count(i) > 1:
+                raise K3VerifyError(f"{where}module attribute {key}={list(v)}: layer {i} is listed twice")
+    if len(lists) == 2:
+        kda, mla = lists["kda_layers"], lists["mla_layers"]
+        both = sorted(set(kda) & set(mla))
+        if both:
+            raise K3VerifyError(f"{where}module attributes kda_layers={kda} and mla_layers={mla} "
+                                f"both list layer {both[0]}")
+        missing = [i for i in range(n or 0) if i not in kda and i not in mla]
+        if missing:
+            raise K3VerifyError(f"{where}module attributes kda_layers={kda} and mla_layers={mla} leave out "
+                                f"layer {missing[0]} (num_hidden_layers={n})")
