@@ -245,8 +245,12 @@ class _Parser:
         return m
 
     def _looks_like_attrs(self) -> bool:
+        """At a '{': an attribute dict (``{}`` followed by the body's '{', or ``{name=``), not the body
+        (an empty module body ``{ }`` is a body)."""
         nxt = self.toks[self.i + 1]
-        return nxt.text == "}" or (nxt.kind == "ident" and self.toks[self.i + 2].text == "=")
+        if nxt.text == "}":
+            return self.toks[self.i + 2].text == "{"
+        return nxt.kind == "ident" and self.toks[self.i + 2].text == "="
 
     def function(self, m: Module) -> Function:
         self.expect("func")

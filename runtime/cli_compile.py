@@ -68,6 +68,10 @@ def apply_passes(module, target: str, passes: str | None = None, quantize: str |
     return results, backend, why
 
 
+#: functions a built artifact is run through (Session.forward / prefill); compile refuses a module without one
+ENTRY_FUNCTIONS = ("forward", "prefill")
+
+
 def make_dir(path: str, flag: str) -> None:
     """Create output directory ``path`` (for ``flag``) or raise UsageError naming it."""
     try:
@@ -91,6 +95,10 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     m = load_model(args)
     t_load = time.perf_counter() - t0
+    if not args.no_build and not any(f in m.functions for f in ENTRY_FUNCTIONS):
+        have = ", ".join("@" + f for f in m.functions) or "no functions"
+        raise UsageError(f"{args.model}: nothing to build: an artifact needs @forward or @prefill (the module has "
+                         f"{have}); --ir-only runs the pipeline without building")
     bytes_before = report(m).param_bytes
     t1 = time.perf_counter()
     results, backend, why = apply_passes(m, args.target, args.passes, args.quantize, args.verify_each, args.dump_ir)
