@@ -235,9 +235,11 @@ def _train(args) -> int:
     ev = tr.eval_loss(data.eval_batch())
     summary = _summary(tr, ev, time.perf_counter() - t_start)
     (out / LOG_FILE).write_text(json.dumps(summary, indent=1))
-    print(f"done: final loss={summary['final_loss']:.6f} (mean of last 10: {summary['final_loss_10']:.4f}; "
-          f"ln(256)={math.log(256):.4f}), held-out loss={ev:.4f}, worst-layer max/mean load "
-          f"(mean of last 20 steps) {summary['worst_balance_20']:.3f}", flush=True)
+    n10, n20 = min(len(tr.history), 10), min(len(tr.history), 20)
+    mean10 = f"mean of last {n10} steps: {summary['final_loss_10']:.4f}; " if n10 > 1 else ""
+    over20 = f"mean of last {n20} steps" if n20 > 1 else "last step"
+    print(f"done: final loss={summary['final_loss']:.6f} ({mean10}ln(256)={math.log(256):.4f}), "
+          f"held-out loss={ev:.4f}, worst-layer max/mean load ({over20}) {summary['worst_balance_20']:.3f}", flush=True)
     if not args.no_plot:
         import importlib.util
         if importlib.util.find_spec("matplotlib") is None:   # the run itself succeeded: say so, exit 0
