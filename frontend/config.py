@@ -353,6 +353,12 @@ class _Reader:
             self.fail(k, f"must be <= {hi}, got {v}")
         return v
 
+    def eps(self, k: str, default: float) -> float:
+        """A normalisation epsilon: a finite float > 0 (``rsqrt(mean(x^2) + 0)`` of a zero row is inf)."""
+        if (eps := self.get(k, float, default, lo=0.0)) <= 0:
+            self.fail(k, f"must be > 0, got {eps}")
+        return eps
+
 
 def build_config(raw: dict, path: str | None = None, name: str | None = None,
                  reads: set[str] | None = None) -> ModelConfig:
@@ -434,8 +440,7 @@ def build_config(raw: dict, path: str | None = None, name: str | None = None,
     if vision is not None and not isinstance(vision, dict):
         raise K3ConfigError("must be an object", key="vision_config", path=path)
     q_lora = r.get("q_lora_rank", int, None, lo=1, allow_none=True)
-    if (eps := r.get("rms_norm_eps", float, 1e-6, lo=0.0)) <= 0:      # rsqrt(mean(x^2) + 0) of a zero row
-        r.fail("rms_norm_eps", f"must be > 0, got {eps}")
+    eps = r.eps("rms_norm_eps", 1e-6)
     return ModelConfig(
         name=name or os.path.splitext(os.path.basename(path or "model"))[0],
         model_type=model_type, key_prefix=kp,

@@ -21,6 +21,8 @@ from k3ir.errors import K3ConfigError, K3RuntimeError
 from k3ir.ir import Function, Module, Value
 from k3ir.types import TensorType
 
+from .config import _Reader
+
 #: the peer's image processor defaults (transformers ``Kimi_K25ImageProcessor``)
 IMAGE_MEAN = (0.5, 0.5, 0.5)
 IMAGE_STD = (0.5, 0.5, 0.5)
@@ -69,21 +71,12 @@ class VisionSpec:
 
 
 def vision_spec(vc: dict, text_hidden: int, path: str | None = None) -> VisionSpec:
-    """Validate ``vision_config`` (MoonViT names) -> VisionSpec; K3ConfigError names the key."""
-    def get(key, typ, default=None, lo=None):
-        v = vc.get(key, default)
-        if v is None:
-            raise K3ConfigError("is required", key=f"vision_config.{key}", path=path)
-        if typ is float and isinstance(v, int) and not isinstance(v, bool):
-            v = float(v)
-        if not isinstance(v, typ) or isinstance(v, bool):
-            raise K3ConfigError(f"must be {typ.__name__}, got {v!r}", key=f"vision_config.{key}", path=path)
-        if lo is not None and v < lo:
-            raise K3ConfigError(f"must be >= {lo}, got {v}", key=f"vision_config.{key}", path=path)
-        return v
-
-    hidden = get("vt_hidden_size", int, lo=1)
-    heads = get("vt_num_attention_heads", int, lo=1)
+    """Validate ``vision_config`` (MoonViT names) -> VisionSpec; K3ConfigError names the key
+    (``vision_config.<key>``) and ``path``. Values are read as the text config's are (config.py
+    ``_Reader``: types, ranges, finite floats, epsilons > 0)."""
+    r = _Reader(vc, "vision_config.", path)
+    hidden = r.get("vt_hidden_size", int, lo=1)
+    heads = r.get("vt_num_attention_heads", int, lo=1)
     if hidden % heads or (hidden // heads) % 4:
         raise K3ConfigError(f"vt_hidden_size {hidden} / heads {heads} must give a head dim divisible by 4",
                             key="vision_config.vt_num_attention_heads", path=path)
@@ -92,11 +85,11 @@ def vision_spec(vc: dict, text_hidden: int, path: str | None = None) -> VisionSp
                                                                           for k in merge)):
         raise K3ConfigError(f"must be two positive ints, got {merge!r}", key="vision_config.merge_kernel_size",
                             path=path)
-    mm_hidden = get("mm_hidden_size", int, hidden, lo=1)
+    mm_hidden = r.get("mm_hidden_size", int, hidden, lo=1)
     if mm_hidden != hidden:
         raise K3ConfigError(f"the patch-merger normalises vision tokens of width vt_hidden_size={hidden}, "
                             f"got {mm_hidden}", key="vision_config.mm_hidden_size", path=path)
-    th = get("text_hidden_size", int, text_hidden, lo=1)
+    th = r.get("text_hidden_size", int, text_hidden, lo=1)
     if th != text_hidden:
         raise K3ConfigError(f"{th} differs from the text hidden_size {text_hidden}",
                             key="vision_config.text_hidden_size", path=path)
@@ -105,11 +98,11 @@ def vision_spec(vc: dict, text_hidden: int, path: str | None = None) -> VisionSp
         if vc.get(key, want) != want:
             raise K3ConfigError(f"only {want!r} is supported, got {vc[key]!r}", key=f"vision_config.{key}",
                                 path=path)
-    return VisionSpec(hidden=hidden, layers=get("vt_num_hidden_layers", int, lo=1), heads=heads,
-                      intermediate=get("vt_intermediate_size", int, lo=1), patch=get("patch_size", int, 14, lo=1),
-                      pos_h=get("init_pos_emb_height", int, 64, lo=1), pos_w=get("init_pos_emb_width", int, 64, lo=1),
-                      pos_t=get("init_pos_emb_time", int, 4, lo=1), merge=(int(merge[0]), int(merge[1])),
-                      mm_hidden=mm_hidden, text_hidden=th, projector_eps=get("projector_ln_eps", float, 1e-5, lo=0.0))
+    return VisionSpec(hidden=hidden, layers=r.get("vt_num_hidden_layers", int, lo=1), heads=heads,
+                      intermediate=r.get("vt_intermediate_size", int, lo=1), patch=r.get("patch_size", int, 14, lo=1),
+                      pos_h=r.get("init_pos_emb_height", int, 64, lo=1), pos_w=r.get("init_pos_emb_width", int, 64, lo=1),
+                      pos_t=r.get("init_pos_emb_time", int, 4, lo=1), merge=(int(merge[0]), int(merge[1])),
+                      mm_hidden=mm_hidden, text_hidden=th, projector_eps=r.eps("projector_ln_eps", 1e-5))
 
 
 # ---- the IR function ------------------------------------------------------------------------------
