@@ -2,7 +2,9 @@
 sse-starlette): ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``. Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
 status for bad input (400 malformed or over a limit, 404 unknown model/route, 413 body too large,
-429 too many concurrent requests). Binds 127.0.0.1 by default."""
+429 too many concurrent requests). A request field the server does not read is a 400 naming it
+(``unknown_parameter``; OpenAI fields it does not implement, ``UNSUPPORTED``, are accepted at their
+defaults, else ``unsupported_parameter``). Binds 127.0.0.1 by default."""
 from __future__ import annotations
 
 import asyncio
@@ -54,8 +56,20 @@ def error_body(message: str, kind: str, code: str | None, param: str | None = No
 
 
 # ---- request schemas --------------------------------------------------------------------
+#: OpenAI request fields this server does not implement, with the values it accepts for them (their
+#: defaults: clients often send those explicitly). Any other value is a 400 naming the field.
+UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (None, 0, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "stream_options": (None,), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+}
+#: OpenAI fields accepted and ignored: ``user`` only identifies the end user to the API provider
+IGNORED = frozenset({"user"})
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")     # extra fields are checked by check_fields (400 naming them)
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
@@ -79,6 +93,24 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)    # OpenAI's newer name for max_tokens
+
+
+def check_fields(body: _Common) -> None:
+    """APIError 400 for a field the request schema does not read: an unsupported OpenAI field
+    (UNSUPPORTED) at a value other than its default, or a field the server does not know at all."""
+    for key, value in (body.model_extra or {}).items():
+        if key in IGNORED:
+            continue
+        if key in UNSUPPORTED:
+            if value in UNSUPPORTED[key]:         # 0.0 == 0 == False: a default in any JSON spelling
+                continue
+            ok = " or ".join(json.dumps(v) for v in UNSUPPORTED[key])
+            raise APIError(400, f"'{key}' is not supported by this server (accepted only as {ok}), got "
+                                f"{json.dumps(value)}", "unsupported_parameter", key)
+        fields = ", ".join(sorted(type(body).model_fields) + sorted(IGNORED))
+        raise APIError(400, f"unrecognized request field '{key}' (this endpoint reads: {fields})",
+                       "unknown_parameter", key)
 
 
 # ---- text with stop strings ---------------------------------------------------------------
@@ -309,6 +341,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
+        check_fields(body)
         if isinstance(body.prompt, str):
             ids = tokenizer.encode(body.prompt)
         else:
@@ -319,6 +352,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest):
+        check_fields(body)
+        if body.max_completion_tokens is not None:
+            if body.max_tokens is not None and body.max_tokens != body.max_completion_tokens:
+                raise APIError(400, f"max_tokens {body.max_tokens} and max_completion_tokens "
+                                    f"{body.max_completion_tokens} disagree (give one)", "invalid_request", "max_tokens")
+            body.max_tokens = body.max_completion_tokens
         try:
             ids = tokenizer.chat([m.model_dump() for m in body.messages])
         except (TemplateError, TypeError, KeyError, ValueError) as e:   # the checkpoint's template failed

@@ -134,6 +134,43 @@ def test_bad_requests_get_json_errors(client, body, status, code):
     assert err["code"] == code and err["message"]
 
 
+@pytest.mark.parametrize("route,extra,code,msg", [
+    ("/v1/completions", {"logprobs": 3}, "unsupported_parameter",
+     "'logprobs' is not supported by this server (accepted only as null or 0 or false), got 3"),
+    ("/v1/completions", {"echo": True}, "unsupported_parameter", "'echo' is not supported"),
+    ("/v1/completions", {"presence_penalty": 0.5}, "unsupported_parameter", "'presence_penalty' is not supported"),
+    ("/v1/completions", {"bogus": 1}, "unknown_parameter",
+     ("unrecognized request field 'bogus' (this endpoint reads: max_tokens, model, n, prompt, seed, stop, stream, "
+      "temperature, top_k, top_p, user)")),
+    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "unsupported_parameter", "'tools' is not supported"),
+    ("/v1/chat/completions", {"max_tokenz": 3}, "unknown_parameter", "unrecognized request field 'max_tokenz'"),
+])
+def test_unread_fields_are_a_400_naming_them(client, route, extra, code, msg):
+    body = {"prompt": "x"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    r = client.post(route, json={**body, "max_tokens": 2, **extra})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == code and err["param"] == next(iter(extra)) and err["message"].startswith(msg), err
+
+
+def test_default_valued_openai_fields_are_accepted(client, session):
+    req = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    plain = client.post("/v1/completions", json=req).json()
+    defaults = {"logprobs": None, "echo": False, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0,
+                "logit_bias": {}, "suffix": None, "user": "u-1"}
+    r = client.post("/v1/completions", json={**req, **defaults})
+    assert r.status_code == 200, r.text
+    _, text = greedy_text(session, [256] + list(b"Hello"), 4)
+    assert r.json()["choices"][0]["text"] == plain["choices"][0]["text"] == text
+    msgs = [{"role": "user", "content": "hi"}]
+    a = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 3, "temperature": 0}).json()
+    b = client.post("/v1/chat/completions", json={"messages": msgs, "max_completion_tokens": 3, "temperature": 0,
+                                                  "logprobs": False, "tool_choice": "none"}).json()
+    assert a["choices"] == b["choices"] and a["usage"] == b["usage"]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 3, "max_completion_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
 def test_chat_malformed_and_unknown_route(client):
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})
     assert r.status_code == 400 and "error" in r.json()
