@@ -43,6 +43,20 @@ def one_line_error(err: str) -> str:
     return err
 
 
+def tiny_config_file(tmp_path, section: str, key: str, value) -> str:
+    """Path of a copy of the bundled k3-tiny config.json (``tmp_path/c_bad.json``) with ``[section][key] =
+    value`` (``section`` "" for the top level); json.dumps writes NaN / Infinity as Python does."""
+    import json
+
+    from k3ir.frontend.config import resolve_config_path
+    with open(resolve_config_path("k3-tiny")) as f:
+        raw = json.load(f)
+    (raw[section] if section else raw)[key] = value
+    path = tmp_path / "c_bad.json"
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

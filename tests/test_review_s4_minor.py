@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from conftest import one_line_error, run_cli
+from conftest import one_line_error, run_cli, tiny_config_file
 from k3ir.passes.manager import make_pass
 
 import k3ir
@@ -29,30 +29,18 @@ def test_tvm_cross_targets_unavailable_without_tvm(monkeypatch):
 
 
 # ---- F8: non-finite / non-positive floats in a config.json ---------------------------------------
-def _tiny_config(tmp_path, section: str, key: str, value) -> str:
-    import json
-
-    from k3ir.frontend.config import resolve_config_path
-    with open(resolve_config_path("k3-tiny")) as f:
-        raw = json.load(f)
-    (raw[section] if section else raw)[key] = value
-    path = tmp_path / "c_bad.json"
-    path.write_text(json.dumps(raw))                    # json.dumps writes NaN / Infinity as Python does
-    return str(path)
-
-
 def test_config_rejects_nan_eps_at_load(capsys, tmp_path):
     for value, what in ((float("nan"), "must be finite, got nan"), (float("inf"), "must be finite, got inf"),
                         (0.0, "must be > 0, got 0.0"), (-1e-6, "must be >= 0.0")):
-        path = _tiny_config(tmp_path, "text_config", "rms_norm_eps", value)
+        path = tiny_config_file(tmp_path, "text_config", "rms_norm_eps", value)
         rc, _, err = run_cli(capsys, "inspect", path)
         assert rc == 2, (value, err)
         line = one_line_error(err)
         assert "c_bad.json" in line and "'text_config.rms_norm_eps'" in line and what in line, line
-    path = _tiny_config(tmp_path, "text_config", "activation_situ_beta", float("-inf"))
+    path = tiny_config_file(tmp_path, "text_config", "activation_situ_beta", float("-inf"))
     with pytest.raises(K3ConfigError, match="activation_situ_beta.*must be finite"):
         k3ir.frontend.load_config(path)
-    path = _tiny_config(tmp_path, "text_config", "rms_norm_eps", 1e-5)   # a finite positive eps still loads
+    path = tiny_config_file(tmp_path, "text_config", "rms_norm_eps", 1e-5)   # a finite positive eps still loads
     assert k3ir.frontend.load_config(path).rms_norm_eps == 1e-5
 
 
