@@ -537,7 +537,7 @@ def bwd_row(x, shape, gate, lb, kda_forward, chunk_kda):
 
     row = {"kind": "fwd+bwd", "shape": list(shape), "gate": gate}
     try:
-        t_o = wall(fb_ours)
+        t_o = bench(fb_ours, rep=100)     # timed as fla below (do_bench median), not host wall clock
         row.update(ours_ms=t_o, mem_frac=3 * nbytes / MEM_BW / (t_o * 1e-3),
                    flop_frac=3 * flops / MATMUL / (t_o * 1e-3), floor_ms=3 * max(nbytes / MEM_BW, flops / MATMUL) * 1e3)
     except Exception as e:  # noqa: BLE001 - OOM or the like: record and go on
@@ -641,6 +641,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="first shape only")
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--bwd-all", action="store_true", help="forward+backward at every shape (default: B1 T32768 H32)")
+    ap.add_argument("--bwd-only", default=None, type=_shapes,
+                    help="only forward+backward rows (both gates unless @gate) at these B,T,H,D[@gate][;...] shapes: "
+                         "fla's first backward call per shape autotunes for ~1.5 min")
     ap.add_argument("--launch-sweep", action="store_true",
                     help="also time the old launch variants (inverse dots, value block, warps) at the first shape")
     ap.add_argument("--sweep", action="store_true", help="forward variants of kda.TUNING only (see VARIANTS)")
@@ -704,8 +707,20 @@ def main():
             print_acc(rows)
             save()
         return
-    decode_rows(rows, kda_decode, fused_recurrent_kda, save)
-    shapes = FWD_SHAPES[:1] if args.quick else FWD_SHAPES
+    if args.bwd_only:
+        for shape in args.bwd_only:
+            x = inputs(*shape)
+            for gate, lb in _gates_of(shape, (("k3", -5.0), ("softplus", None))):
+                rows.append(bwd_row(x, shape, gate, lb, kda_forward, chunk_kda))
+                print(rows[-1], flush=True)
+                save()
+            del x
+            torch.cuda.empty_cache()
+        args.no_bwd = True
+        shapes = []
+    else:
+        decode_rows(rows, kda_decode, fused_recurrent_kda, save)
+        shapes = FWD_SHAPES[:1] if args.quick else FWD_SHAPES
     for shape in shapes:
         x = inputs(*shape)
         for gate, lb in (("k3", -5.0), ("softplus", None)):
