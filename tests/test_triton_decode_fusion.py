@@ -117,13 +117,17 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches(monkeypatc
     # gate/up in one launch, then the dispatch; gemv: KDA 3 x (projections, out: the low-rank pair in kda_decode),
     # MLA (q+kv_a, out), dense (glu, down), 3 x shared down
     assert launches["rmsnorm_kernel"] == 1 and launches["moe_front_kernel"] == 0
-    assert launches["router_glu_kernel"] == 3 and launches["dispatch_kernel"] == 3
+    from k3ir.backends.triton import dispatch
+    # dispatch.TUNING["routed_glu"] (default on): the grouped GLU launch routes, no dispatch_kernel
+    routed = dispatch.TUNING["routed_glu"]
+    assert launches["router_glu_kernel"] == 3 and launches["dispatch_kernel"] == (0 if routed else 3)
+    assert launches["routed_glu_kernel"] == (3 if routed else 0)
     assert launches["router_partial_kernel"] == 0 and launches["gemv_kernel"] == 3 * 2 + 2 + 2 + 3
     assert launches["combine_kernel"] == 0
     assert launches["mla_absorb_q_kernel"] == 1 and launches["mla_decode_out_kernel"] == 1
     # executable.DECODE_SPLIT: the KDA short conv in the projection gemv, the gated head norm in the o_proj gemv
     assert launches["kda_decode_kernel"] == 3 and launches["gated_rmsnorm_kernel"] == 0
-    from k3ir.backends.triton import dispatch, executable
+    from k3ir.backends.triton import executable
     executable.DECODE_SPLIT = False          # the one-launch path (conv and norm inside kda_decode) still matches
     try:
         got, _ = tri.decode(nxt[::-1].copy(), s_tri)

@@ -43,8 +43,13 @@ from .layer_kernels import route_topk
 #: ``front_split``: the router partial logits and the shared expert's gate/up gemv in one launch
 #: (``router_glu_kernel``), then ``dispatch_kernel`` (ROUTE): two launches instead of three, the same router
 #: arithmetic as ``route_dispatch`` (``K3IR_MOE_FRONT_SPLIT=0``: three launches). ``front_glu`` goes first.
+#: ``routed_glu``: at most moe_decode.MAX_ROWS tokens (decode), after router_glu_kernel the routed experts' grouped
+#: GLU launch routes the step itself (moe_decode.routed_glu_kernel: dispatch_kernel's routing in every program, the
+#: RMSNorm-ed x rows read from the raw rows) and dispatch_kernel is not launched: 4 launches per MoE layer instead
+#: of 5 (``K3IR_MOE_ROUTED_GLU=0``: off). Needs ``front_split``.
 TUNING: dict = {"front_glu": os.environ.get("K3IR_MOE_FRONT", "0") == "1",
-                "front_split": os.environ.get("K3IR_MOE_FRONT_SPLIT", "1") != "0"}
+                "front_split": os.environ.get("K3IR_MOE_FRONT_SPLIT", "1") != "0",
+                "routed_glu": os.environ.get("K3IR_MOE_ROUTED_GLU", "1") != "0"}
 
 
 @triton.jit(do_not_specialize=["R"])   # decode B1 (R = 1) and larger batches: one compile
@@ -122,6 +127,75 @@ def dispatch_scan_kernel(hist, base, offsets, NB, E, EP: tl.constexpr, HB: tl.co
 
 
 @triton.jit
+def route_rows(part, pss, bias, R, D, E, NSPLIT, rsf, eps, neps, RB: tl.constexpr, KSLOT: tl.constexpr,
+               KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr, NORM: tl.constexpr, NSU: tl.constexpr):
+    """The router of a decode MoE front from ``part [NSPLIT, R, E]`` partial logits (fp32; NSU >= NSPLIT: the
+    loads unrolled, all in flight) and, NORM, the splits' ``pss [NSPLIT, R]`` sums of x^2 (rstd = rsqrt(sum / D +
+    neps) scales the logits: the layer's RMSNorm, SPEC.md 1): s = sigmoid(logits), top-KSLOT of s + bias (lower
+    expert on ties), renormalised (+ eps) when RENORM and scaled by rsf (SPEC.md 5). Shared by dispatch_kernel
+    (ROUTE) and moe_decode.routed_glu_kernel, so both route bit-identically. Returns (rows r ``[RB]``, their mask,
+    expert mask ``[EP]``, scores ``[RB, EP]``, weights f32 ``[RB, KP]``, expert ids i32 (-1 past KSLOT / R), their
+    mask, slot numbers ``r * KSLOT + j``, rstd ``[RB]`` (1 without NORM))."""
+    cols = tl.arange(0, EP)
+    r = tl.arange(0, RB)
+    mr = r < R
+    me = cols < E
+    logit = tl.zeros([RB, EP], dtype=tl.float32)
+    ss = tl.zeros([RB], dtype=tl.float32)
+    if NSU > 1:
+        for s in tl.static_range(NSU):      # unrolled: the NSPLIT partial loads in flight at once
+            ms = mr & (tl.full([RB], s, tl.int32) < NSPLIT)
+            logit += tl.load(part + (s * R + r)[:, None] * E + cols[None, :], mask=ms[:, None] & me[None, :],
+                             other=0.)
+            if NORM:
+                ss += tl.load(pss + s * R + r, mask=ms, other=0.)
+    else:
+        for s in range(NSPLIT):
+            logit += tl.load(part + (s * R + r)[:, None] * E + cols[None, :], mask=mr[:, None] & me[None, :],
+                             other=0.)
+            if NORM:
+                ss += tl.load(pss + s * R + r, mask=mr, other=0.)
+    rstd = tl.full([RB], 1.0, dtype=tl.float32)
+    if NORM:
+        rstd = tl.rsqrt(ss / D + neps)
+        logit = logit * rstd[:, None]
+    sg = tl.sigmoid(logit)
+    pw, pi = route_topk(sg, bias, cols, me, eps, RB, KSLOT, KP, EP, RENORM)
+    kc = tl.arange(0, KP)
+    pw = pw * rsf
+    valid2 = mr[:, None] & (kc < KSLOT)[None, :]
+    pi = tl.where(valid2, pi, -1)
+    slot2 = r[:, None] * KSLOT + kc[None, :]
+    return r, mr, me, sg, pw, pi, valid2, slot2, rstd
+
+
+@triton.jit
+def route_slots(pi, pw, rstd, slot2, cols, RB: tl.constexpr, KP: tl.constexpr):
+    """route_rows' picks as a flat slot list ``[RB*KP]``: (expert (-1: none), slot number, weight, the row's rstd,
+    valid, one-hot ``[RB*KP, EP]`` (int32) over ``cols``, per-expert counts ``[EP]``)."""
+    e = tl.reshape(pi, (RB * KP,))
+    slot = tl.reshape(slot2, (RB * KP,))
+    wv = tl.reshape(pw, (RB * KP,))
+    rs = tl.reshape(tl.broadcast_to(rstd[:, None], (RB, KP)), (RB * KP,))
+    oh = (e[:, None] == cols[None, :]).to(tl.int32)
+    return e, slot, wv, rs, e >= 0, oh, tl.sum(oh, 0)
+
+
+@triton.jit
+def sorted_pos(oh, start):
+    """Sorted row of each slot: its expert's first row ``start [EP]`` + the slot's rank among the slots of that
+    expert (slot order: a stable sort). oh: the slots' one-hot ``[S, EP]`` (int32; a slot of no expert gets 0)."""
+    return tl.sum(oh * (tl.cumsum(oh, 0) - 1 + start[None, :]), 1)
+
+
+@triton.jit
+def store_offsets(offsets, cnt, cols, E, EP: tl.constexpr):
+    """offsets ``[E+1]`` (int64) = [0, cumsum(cnt)] from the per-expert counts ``cnt [EP]``."""
+    tl.store(offsets + 1 + cols, tl.cumsum(cnt, 0).to(tl.int64), mask=cols < E)
+    tl.store(offsets + cols, tl.zeros([EP], dtype=tl.int64), mask=cols == 0)
+
+
+@triton.jit
 def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
                     part, bias, wout, iout, sout, nw, pss, xn,
                     N, D, E, NSPLIT, rsf, eps, DPP, neps,
@@ -148,59 +222,24 @@ def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
         gdc_wait()
     cols = tl.arange(0, EP)
     if ROUTE:
-        R = N // KSLOT
-        r = tl.arange(0, RB)
-        mr = r < R
-        me = cols < E
-        logit = tl.zeros([RB, EP], dtype=tl.float32)
-        ss = tl.zeros([RB], dtype=tl.float32)
-        if NSU > 1:
-            for s in tl.static_range(NSU):      # unrolled: the NSPLIT partial loads in flight at once
-                ms = mr & (tl.full([RB], s, tl.int32) < NSPLIT)
-                logit += tl.load(part + (s * R + r)[:, None] * E + cols[None, :], mask=ms[:, None] & me[None, :],
-                                 other=0.)
-                if NORM:
-                    ss += tl.load(pss + s * R + r, mask=ms, other=0.)
-        else:
-            for s in range(NSPLIT):
-                logit += tl.load(part + (s * R + r)[:, None] * E + cols[None, :], mask=mr[:, None] & me[None, :],
-                                 other=0.)
-                if NORM:
-                    ss += tl.load(pss + s * R + r, mask=mr, other=0.)
-        rstd = tl.full([RB], 1.0, dtype=tl.float32)
-        if NORM:
-            rstd = tl.rsqrt(ss / D + neps)
-            logit = logit * rstd[:, None]
-        sg = tl.sigmoid(logit)
-        pw, pi = route_topk(sg, bias, cols, me, eps, RB, KSLOT, KP, EP, RENORM)
-        kc = tl.arange(0, KP)
-        pw = pw * rsf
-        valid2 = mr[:, None] & (kc < KSLOT)[None, :]
-        pi = tl.where(valid2, pi, -1)
-        slot2 = r[:, None] * KSLOT + kc[None, :]
+        r, mr, me, sg, pw, pi, valid2, slot2, rstd = route_rows(part, pss, bias, N // KSLOT, D, E, NSPLIT, rsf, eps,
+                                                                neps, RB, KSLOT, KP, EP, RENORM, NORM, NSU)
         if pd == 0:
             tl.store(wout + slot2, pw, mask=valid2)
             tl.store(iout + slot2, pi.to(tl.int64), mask=valid2)
             tl.store(sout + r[:, None] * E + cols[None, :], sg, mask=mr[:, None] & me[None, :])
-        e = tl.reshape(pi, (RB * KP,))
-        slot = tl.reshape(slot2, (RB * KP,))
-        wv = tl.reshape(pw, (RB * KP,))
-        rs = tl.reshape(tl.broadcast_to(rstd[:, None], (RB, KP)), (RB * KP,))
-        valid = e >= 0
-        oh = (e[:, None] == cols[None, :]).to(tl.int32)
-        cnt = tl.sum(oh, 0)
+        _, slot, wv, rs, valid, oh, cnt = route_slots(pi, pw, rstd, slot2, cols, RB, KP)
     else:
-        slot, e, oh, cnt = _block_slots(idx, pb * BS, N, BS, EP)
+        slot, _, oh, cnt = _block_slots(idx, pb * BS, N, BS, EP)
         valid = slot < N
         wv = tl.load(wts + slot, mask=valid, other=0.)
     if SINGLE:
         start = tl.cumsum(cnt, 0) - cnt
         if (pb == 0) & (pd == 0):
-            tl.store(offsets + 1 + cols, tl.cumsum(cnt, 0).to(tl.int64), mask=cols < E)
-            tl.store(offsets + cols, tl.zeros([EP], dtype=tl.int64), mask=cols == 0)
+            store_offsets(offsets, cnt, cols, E, EP)
     else:
         start = tl.load(base + pb * EP + cols) + tl.load(offsets + cols, mask=cols < E, other=0).to(tl.int32)
-    pos = tl.sum(oh * (tl.cumsum(oh, 0) - 1 + start[None, :]), 1)
+    pos = sorted_pos(oh, start)
     if pd == 0:
         tl.store(inv + slot, pos.to(tl.int64), mask=valid)
         tl.store(cw + pos, wv, mask=valid)
@@ -569,16 +608,40 @@ def split_supported(rows: int, num_experts: int, top_k: int, x: torch.Tensor, w1
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and route_supported(rows, num_experts, top_k))
 
 
-def route_glu_dispatch(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k: int, num_experts: int,
-                       renormalize: bool, scale: float, eps: float, norm, w1: torch.Tensor, w3: torch.Tensor):
-    """``rmsnorm`` -> ``k3.router`` -> ``k3.moe_dispatch`` plus the shared expert's SwiGLU gate/up of the same
-    normalised rows in two launches (``router_glu_kernel``, then ``dispatch_kernel`` with ROUTE and NORM; decode
-    rows, ``split_supported``); the router logits are ``route_dispatch``'s up to the fp32 summation order. Shapes as
-    ``route_dispatch_glu``. Returns (router outputs, dispatch outputs, gate/up ``[B,T,NS]``, normalised x
-    ``[B,T,D]``)."""
+class Front:
+    """A decode MoE front after ``router_glu_kernel``: the router's partial logits ``part [NSPLIT, R, E]`` and sums
+    of x^2 ``pss [NSPLIT, R]`` of the raw rows ``x [R, D]`` (RMSNorm weight nw, eps neps), not yet routed. Holds the
+    routing outputs (allocated, written by whichever launch routes: ``dispatch_front`` or
+    ``moe_decode.routed_glu``): router (wout f32 / iout i64 ``[B,T,k]``, sout f32 ``[B,T,E]``) and dispatch
+    (offsets i64 ``[E+1]``, inv i64 ``[B,T,k]``, cw f32 ``[R*k]``)."""
+
+    def __init__(self, x, shape, nw, neps, part, pss, bias, k, E, renorm, scale, eps):
+        B, T = shape[:2]
+        R, dev = B * T, x.device
+        self.x, self.shape, self.nw, self.neps, self.part, self.pss = x, shape, nw, neps, part, pss
+        self.bias, self.k, self.E, self.renorm, self.scale, self.eps = bias, k, E, renorm, scale, eps
+        self.wout = torch.empty(B, T, k, device=dev, dtype=torch.float32)
+        self.iout = torch.empty(B, T, k, device=dev, dtype=torch.int64)
+        self.sout = torch.empty(B, T, E, device=dev, dtype=torch.float32)
+        self.offsets = torch.empty(E + 1, device=dev, dtype=torch.int64)
+        self.inv = torch.empty(B, T, k, device=dev, dtype=torch.int64)
+        self.cw = torch.empty(R * k, device=dev, dtype=torch.float32)
+
+    def consts(self) -> dict:
+        """route_rows' constexprs (RB, KSLOT, KP, EP, RENORM, NORM, NSU) for this front."""
+        R, NSPLIT = self.part.shape[1], self.part.shape[0]
+        RB, EP = _p2(R), _p2(self.E, 16)
+        return {"RB": RB, "KSLOT": self.k, "KP": _p2(self.k, 2), "EP": EP, "RENORM": bool(self.renorm), "NORM": True,
+                "NSU": NSPLIT if RB * EP <= 1024 else 1}
+
+
+def router_glu_front(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k: int, num_experts: int,
+                     renormalize: bool, scale: float, eps: float, norm, w1: torch.Tensor, w3: torch.Tensor):
+    """The first launch of ``route_glu_dispatch`` (``router_glu_kernel``). Returns (``Front``, the shared expert's
+    silu(xn w1^T) * (xn w3^T) ``[B,T,NS]`` in x's dtype)."""
     B, T, D = x.shape
     E, k = num_experts, top_k
-    R, N, NS = B * T, B * T * top_k, w1.shape[0]
+    R, NS = B * T, w1.shape[0]
     dev = x.device
     xx = x.reshape(R, D).contiguous()
 
@@ -600,19 +663,33 @@ def route_glu_dispatch(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, to
     router_glu_kernel[(NE * NSPLIT + triton.cdiv(NS, BN),)](
         xx, wr.contiguous(), part, nw, pss, w1, w3, y, R, D, E, DS, NE, NE * NSPLIT, NS, neps,
         BE=BE, RBK=RBK, BM=BM, BN=BN, BK=BK, num_warps=warps)
-    wout = torch.empty(B, T, k, device=dev, dtype=torch.float32)
-    iout = torch.empty(B, T, k, device=dev, dtype=torch.int64)
-    sout = torch.empty(B, T, E, device=dev, dtype=torch.float32)
-    xs = torch.empty(N, D, device=dev, dtype=x.dtype)
-    offsets = torch.empty(E + 1, device=dev, dtype=torch.int64)
-    inv = torch.empty(B, T, k, device=dev, dtype=torch.int64)
-    cw = torch.empty(N, device=dev, dtype=torch.float32)
-    xn = torch.empty(B, T, D, device=dev, dtype=x.dtype)
-    RB, KP, EP = _p2(R), _p2(k, 2), _p2(E, 16)
-    BD = _bd(RB * KP, D)
+    front = Front(xx, (B, T, D), nw, neps, part, pss, bias.float().contiguous(), k, E, renormalize, scale, eps)
+    return front, y
+
+
+def dispatch_front(f: Front):
+    """The second launch of ``route_glu_dispatch``: ``dispatch_kernel`` with ROUTE and NORM on a ``Front``. Returns
+    ((wout, iout, sout), (x_sorted ``[R*k, D]``, offsets, inv, cw), normalised x ``[B,T,D]``)."""
+    B, T, D = f.shape
+    N = B * T * f.k
+    xs = torch.empty(N, D, device=f.x.device, dtype=f.x.dtype)
+    xn = torch.empty(B, T, D, device=f.x.device, dtype=f.x.dtype)
+    c = f.consts()
+    BD = _bd(c["RB"] * c["KP"], D)
     dispatch_kernel[(1, triton.cdiv(D, BD))](
-        xx, None, None, None, offsets, xs, inv, cw, part, bias.float().contiguous(), wout, iout, sout, nw, pss, xn,
-        N, D, E, NSPLIT, float(scale), float(eps), BD, neps, KSLOT=k, KP=KP, RB=RB, BS=1, EP=EP, BD=BD, SINGLE=True,
-        ROUTE=True, RENORM=bool(renormalize), NORM=True, NSU=NSPLIT if RB * EP <= 1024 else 1,
-        num_warps=_warps(RB * KP * EP))
-    return (wout, iout, sout), (xs, offsets, inv, cw), y, xn
+        f.x, None, None, None, f.offsets, xs, f.inv, f.cw, f.part, f.bias, f.wout, f.iout, f.sout, f.nw, f.pss, xn,
+        N, D, f.E, f.part.shape[0], float(f.scale), float(f.eps), BD, f.neps, BS=1, BD=BD, SINGLE=True, ROUTE=True,
+        num_warps=_warps(c["RB"] * c["KP"] * c["EP"]), **c)
+    return (f.wout, f.iout, f.sout), (xs, f.offsets, f.inv, f.cw), xn
+
+
+def route_glu_dispatch(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k: int, num_experts: int,
+                       renormalize: bool, scale: float, eps: float, norm, w1: torch.Tensor, w3: torch.Tensor):
+    """``rmsnorm`` -> ``k3.router`` -> ``k3.moe_dispatch`` plus the shared expert's SwiGLU gate/up of the same
+    normalised rows in two launches (``router_glu_kernel``, then ``dispatch_kernel`` with ROUTE and NORM; decode
+    rows, ``split_supported``); the router logits are ``route_dispatch``'s up to the fp32 summation order. Shapes as
+    ``route_dispatch_glu``. Returns (router outputs, dispatch outputs, gate/up ``[B,T,NS]``, normalised x
+    ``[B,T,D]``)."""
+    front, y = router_glu_front(x, wr, bias, top_k, num_experts, renormalize, scale, eps, norm, w1, w3)
+    rout, dout, xn = dispatch_front(front)
+    return rout, dout, y, xn

@@ -14,7 +14,7 @@ import torch
 from ..interpreter import Interpreter
 from . import dispatch as disp_k
 from . import gemv as gemv_k
-from . import interpreting
+from . import interpreting, moe_decode
 from . import mla as mla_k
 from . import moe as moe_k
 from . import norm as norm_k
@@ -72,6 +72,20 @@ class Combined(Lazy):
 
     def _compute(self):
         return moe_k.moe_combine(self.y, None, self.inv)
+
+
+class Routed(Lazy):
+    """The sorted expert rows (``k3.moe_dispatch`` result 0) of a decode MoE front whose routing is not done yet
+    (``dispatch.Front``): the GLU launch routes it (moe_decode.routed_glu, plan ``("routed", glu)``) or, for any
+    other use, ``dispatch_front`` runs (it writes the same routing outputs the front holds)."""
+
+    def __init__(self, front):
+        self.front = front
+        self.shape = (front.x.shape[0] * front.k, front.x.shape[1])
+        self.dtype, self.device = front.x.dtype, front.x.device
+
+    def _compute(self):
+        return disp_k.dispatch_front(self.front)[1][0]
 
 
 class KVCat(Lazy):
@@ -278,12 +292,15 @@ def plan(fn) -> dict[int, tuple]:
         out[id(u)] = ("skip",)
         out[id(op)] = ("glu", g, u)
         downs = uses.get(id(op.results[0]), [])
+        chain = [g, u]
         if len(downs) == 1 and downs[0] is not None and downs[0].name == "k3.grouped_matmul":
             d = downs[0]
             comb = uses.get(id(d.results[0]), [])
             if len(comb) == 1 and comb[0] is not None and comb[0].name == "k3.moe_combine":
                 out[id(d)] = ("down", comb[0])
                 out[id(comb[0])] = ("combine",)
+                chain += [d, comb[0]]
+        _routed_glu(g, chain, producer, uses, out)
     for op in fn.ops:      # linear -> add (-> add): the residual additions in the linear's epilogue
         if op.name != "k3.linear" or id(op) in out:
             continue
@@ -357,6 +374,21 @@ def plan(fn) -> dict[int, tuple]:
                               pname[id(act[2].operands[1])])
                 break
     return out
+
+
+def _routed_glu(g, chain, producer, uses, out) -> None:
+    """A routed dispatch (plan ``routed``) whose outputs only this GLU chain reads (sorted rows: the gate/up
+    grouped GEMMs; offsets, inv, combine weights: the chain's ops) under a router whose scores nothing reads:
+    marked ``("routed", g)``, so at decode the GLU launch may route itself (moe_decode.routed_glu)."""
+    d = producer.get(id(g.operands[0]))
+    if d is None or out.get(id(d)) != ("routed",) or g.operands[0] is not d.results[0] or g.operands[1] is not d.results[1]:
+        return
+    r = producer.get(id(d.operands[1]))
+    ids = {id(o) for o in chain}
+    if (r is None or uses.get(id(r.results[2])) or any(c is None or id(c) not in ids for v in d.results
+                                                       for c in uses.get(id(v), []))):
+        return
+    out[id(d)] = ("routed", g)
 
 
 def _norm_consumer(c, r, out) -> bool:
@@ -447,6 +479,12 @@ class PlanInterpreter(Interpreter):
                 return super().exec_op(op, env, observe)
             acts = {"k3.situ_glu": "situ", "k3.swiglu": "silu"}[op.name]
             q = g.attrs.get("quant", "none")
+            if isinstance(x, Routed):
+                if x.value is None and q == "none" and moe_decode.routed_supported(x.front, gv[2], uv[2], acts):
+                    out = moe_decode.routed_glu(x.front, gv[2], uv[2], acts, b1=float(op.attrs.get("b1", 4.0)),
+                                                b2=float(op.attrs.get("b2", 25.0)))[2]
+                    return self._store(op, [out], env, observe)
+                x = x.materialize()
             out = moe_k.grouped_matmul(x, gv[1], gv[2], gv[3] if len(gv) > 3 else None, q, w3=uv[2],
                                        scales3=uv[3] if len(uv) > 3 else None, act=acts,
                                        b1=float(op.attrs.get("b1", 4.0)), b2=float(op.attrs.get("b2", 25.0)))
@@ -564,7 +602,14 @@ class PlanInterpreter(Interpreter):
             if disp_k.front_supported(rows, E, k, x, w1, w3, w) and _no_grad(w1, w3):
                 rout, dout, y = disp_k.route_dispatch_glu(*args)
             elif disp_k.split_supported(rows, E, k, x, w1, w3, w) and _no_grad(w1, w3):
-                rout, dout, y, xl.value = disp_k.route_glu_dispatch(*args)    # two launches (TUNING front_split)
+                if (disp_k.TUNING["routed_glu"] and self.observe is None and len(self._plan.get(id(d), ())) == 2
+                        and rows <= moe_decode.MAX_ROWS):
+                    # the routing is left to the GLU launch (moe_decode.routed_glu; dispatch_front if it can't)
+                    front, y = disp_k.router_glu_front(*args)
+                    rout, dout = (front.wout, front.iout, front.sout), (Routed(front), front.offsets, front.inv,
+                                                                         front.cw)
+                else:
+                    rout, dout, y, xl.value = disp_k.route_glu_dispatch(*args)    # two launches (TUNING front_split)
             else:
                 y = None
             if y is not None:
