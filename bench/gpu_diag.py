@@ -237,13 +237,13 @@ def section_count(model, batch, small):
             exe.table[n] = impl
     # the step as a CUDA graph captures it: states in static buffers updated in place, the MLA cache a
     # preallocated buffer with its length on the device (graphs.GraphDecode), no host work counted
-    from k3ir.backends.triton.graphs import BUCKET, GraphDecode
+    from k3ir.backends.triton.graphs import GraphDecode, capacity
     gd = GraphDecode(exe)
     dev = exe.tdev
     targs = [torch.as_tensor(nxt, dtype=torch.int64, device=dev)] + [torch.as_tensor(st.values[n]).to(dev)
                                                                      for n in st.names]
     L = max([int(targs[i].shape[1]) for i, k in enumerate(gd.kinds) if k == "mla_cache"] or [0])
-    static = [targs[0]] + [gd._static_state(i, targs[i], (L // BUCKET + 1) * BUCKET) for i in range(1, len(targs))]
+    static = [targs[0]] + [gd._static_state(i, targs[i], capacity(L)) for i in range(1, len(targs))]
     exe.graph_ctx = {"pos": torch.full((1,), L, dtype=torch.int64, device=dev),
                      "nlen": torch.full((1,), L + 1, dtype=torch.int32, device=dev)}
     try:

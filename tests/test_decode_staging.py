@@ -170,3 +170,14 @@ def test_greedy_generate_equals_the_synchronous_host_loop():
     assert (want_eos[1, 5:] == eos).all()
     assert torch.equal(sess.generate(ids, 6, eos_token_id=eos), want_eos)
     assert torch.equal(sess.generate(ids, 1), want[:, :5]) and torch.equal(sess.generate(ids, 0), want[:, :4])
+
+
+def test_graph_cache_capacity_doubles_then_grows_linearly():
+    """The decode graph's MLA cache capacity (graphs.capacity) always exceeds the rows held before the step,
+    doubles from 256 up to 8192 rows and then grows by 8192: 6 captures up to 8192 tokens instead of 32."""
+    from k3ir.backends.triton.graphs import capacity
+    assert [capacity(L) for L in (0, 255, 256, 511, 512, 1023, 4096, 8191)] == \
+        [256, 256, 512, 512, 1024, 1024, 8192, 8192]
+    assert [capacity(L) for L in (8192, 16383, 16384, 20000)] == [16384, 16384, 24576, 24576]
+    caps = {capacity(L) for L in range(8192)}
+    assert len(caps) == 6 and all(capacity(L) > L for L in range(0, 40000, 7))

@@ -4,8 +4,10 @@ The ``decode`` function (one token per row) is captured once per (batch, cache c
 replayed every step. States live in static device buffers that the step updates in place: KDA
 and conv states through the decode kernel on its slot pool, MLA caches as a preallocated
 ``[B, capacity, R+P]`` buffer into which the step writes row ``L`` and whose valid length ``L+1``
-the attention kernel reads from device memory. Capacity grows in steps of ``BUCKET`` rows (a new
-capture each time).
+the attention kernel reads from device memory. Capacity (``capacity``) starts at ``BUCKET`` rows and
+doubles up to ``GROW`` rows, then grows by ``GROW`` rows: a new capture each time (~0.05-0.1 s, plus a
+Triton compile when the MLA split count changes), so a long generation recaptures a few times, not every
+``BUCKET`` tokens; the attention reads only the valid rows, so spare capacity costs memory, not time.
 
 State hand-off: the State returned by a graph decode aliases the static buffers (MLA caches as
 views ``buf[:, :L+1]``). Passing it back to the next decode costs no copy; any other state (from
@@ -27,6 +29,16 @@ import torch
 from k3ir.types import StateType
 
 BUCKET = 256
+GROW = 8192
+
+
+def capacity(L: int) -> int:
+    """MLA cache rows of the decode graph for a cache holding ``L`` rows before the step (> L): ``BUCKET``
+    doubled while below ``GROW``, then the next multiple of ``GROW``."""
+    cap = BUCKET
+    while cap <= L and cap < GROW:
+        cap *= 2
+    return cap if cap > L else (L // GROW + 1) * GROW
 
 
 class Staging:
@@ -110,7 +122,7 @@ class GraphDecode:
         ids = targs[0]
         B = ids.shape[0]
         L = int(targs[mla[0]].shape[1]) if mla else 0
-        cap = (L // BUCKET + 1) * BUCKET
+        cap = capacity(L)
         key = (B, cap, tuple(tuple(targs[i].shape) for i in range(1, len(targs)) if i not in mla))
         dev = targs[1].device if len(targs) > 1 else self.exe.tdev
         if key != self.key:
