@@ -558,8 +558,9 @@ def section_gemv(reps=50):
         nw = torch.ones(K, device=dev, dtype=bf)
         res = tuple(torch.randn(1, N, device=dev, dtype=bf) for _ in range(nres))
         ref = None
-        for cfg in GEMV_CONFIGS:
-            gemv.CONFIG = cfg
+        for cfg in GEMV_CONFIGS + ["PDL"]:
+            gemv.CONFIG = None if cfg == "PDL" else cfg
+            gemv.PDL = cfg == "PDL"      # the default config as a chain of programmatic dependent launches
             try:
                 def call(i, x=x, ws=ws, w3s=w3s, res=res, nrm=(nw, 1e-5) if nrm else None):
                     return gemv.gemv(x, ws[i % len(ws)], w3s[i % len(ws)], res=res, norm=nrm)
@@ -589,11 +590,14 @@ def section_gemv(reps=50):
                 print(f"{label} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             finally:
                 gemv.CONFIG = None
+                gemv.PDL = False
         ws = w3s = None
         torch.cuda.empty_cache()
     print(f"\n{'gemv shape':<28} {'config (BN,BK,W)':<18} {'us':>7} {'TB/s':>6} {'rel err':>8}")
     for r in rows:
         print(f"{r[0]:<28} {r[1]:<18} {r[2]:>7.2f} {r[3]:>6.2f} {r[4]:>8.1e}")
+    tot_pdl = sum(r[2] * r[5] for r in rows if r[1] == "PDL")
+    print(f"\ndecode step gemv time at B1 as chains of programmatic dependent launches: {tot_pdl:.1f} us")
     tot_def = sum(r[2] * r[5] for r in rows if r[1] == "None")
     tot_best = sum(best[lb][1] * per for lb, *_, per in GEMV_SHAPES if lb in best)
     print(f"\ndecode step gemv time at B1: default configs {tot_def:.1f} us, best per shape {tot_best:.1f} us")
