@@ -41,15 +41,21 @@ def init_param(decl: ParamDecl, seed: int = 0, std: float = 0.02) -> np.ndarray:
     return r.normal(0.0, std, size=shape)
 
 
+def check_seed(seed) -> int:
+    """``seed`` as an int; K3RuntimeError for anything but an integer (``"x"``, ``1.0`` and ``True`` would each
+    give another init silently)."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise K3RuntimeError(f"seed must be an integer, got {type(seed).__name__} {seed!r}")
+    return int(seed)
+
+
 def init_params(module: Module, seed: int = 0) -> dict[str, np.ndarray]:
     """Random float64 values for every declared parameter (stacked experts as one array).
     Quantised expert parameters (made by the quantize-experts pass) are the quantisation of
     the float weights this init gives their unquantised source parameter. Raises K3RuntimeError for a
     ``seed`` that is not an integer (``"x"``, ``1.0`` and ``True`` would each give another init silently)."""
     from k3ir.passes.quantize_experts import is_derived, materialize
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
-        raise K3RuntimeError(f"seed must be an integer, got {type(seed).__name__} {seed!r}")
-    seed = int(seed)
+    seed = check_seed(seed)
     cfg = getattr(module, "config", None)
     name = getattr(cfg, "name", None) or getattr(cfg, "path", None) or "this model"
     check_fits(8 * sum(int(decl.type.numel()) for decl in module.params.values()), f"random init of {name}")

@@ -9,7 +9,7 @@ import numpy as np
 from k3ir.errors import K3RuntimeError
 from k3ir.types import StateType
 
-from .params import bound_params, init_params
+from .params import bound_params, check_seed, init_params
 
 
 @dataclass
@@ -44,10 +44,12 @@ class Session:
 
     ``Session(executable, params=None, seed=0)``: ``params=None`` uses the weights bound to the
     module (a loaded checkpoint) or, if none, a deterministic random init from ``seed``.
-    Token ids are ``LongTensor[B, T]`` (or arrays); logits come back as torch tensors
-    ``[B, T, vocab]`` (float32, float64 on the reference target)."""
+    Token ids are ``LongTensor[B, T]``, integer arrays or nested lists; logits come back as torch
+    tensors ``[B, T, vocab]`` (float32, float64 on the reference target). ``generate`` with
+    ``max_new_tokens=0`` returns the ids unchanged. K3RuntimeError for a non-integer ``seed``."""
 
     def __init__(self, executable, params: dict[str, Any] | None = None, seed: int = 0):
+        check_seed(seed)           # also when bound or given weights leave it unused: a bad seed is a caller bug
         self.exe = executable
         self.module = executable.module
         if params is None and getattr(executable, "weights_inside", False):

@@ -141,6 +141,9 @@ def test_session_seed_must_be_an_integer():
     for seed, what in (("x", "str 'x'"), (1.0, "float 1.0"), (True, "bool True")):
         with pytest.raises(K3RuntimeError, match=re.escape(f"seed must be an integer, got {what}")):
             Session(exe, seed=seed)
+    params = init_params(m, 0)
+    with pytest.raises(K3RuntimeError, match="seed must be an integer, got str 'x'"):
+        Session(exe, params=params, seed="x")          # refused even where given weights leave it unused
     a, b = init_params(m, np.int64(3)), init_params(m, 3)
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     assert not np.array_equal(a["language_model.model.embed_tokens.weight"],
