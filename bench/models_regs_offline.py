@@ -2,7 +2,7 @@
 and float32, without a GPU: registers, spills and shared memory per configuration (ptxas -v), so a
 float32 config that needs more than the H200's 232,448 B of shared memory is caught before device
 time. Use the device's Triton: ``PYTHONPATH=/tmp/triton36 python bench/models_regs_offline.py [label parts]``
-(only the configs whose label contains one of the given parts, e.g. ``moe_front gemv``)."""
+(only the configs whose label contains one of the given parts, e.g. ``router_glu gemv``)."""
 from __future__ import annotations
 
 import os
@@ -94,15 +94,6 @@ def main():
                  ("gz_rs", "i32"), ("C1", "i32"), ("C2", "i32"), ("C3", "i32"),
                  ("BM", BM), ("BN", BN), ("BK", BK), ("GLU", glu), ("NRES", nres), ("NORM", nrm), ("KSLOT", 0),
                  ("SEG2", False), ("PDL", nrm), ("GV", gv), ("CONV_W", cv), ("CONV_WP", 4)], 4)
-        # the one-launch MoE front (dispatch.route_dispatch_glu), Kimi Linear: D 2048, E 64, k 8, shared 1024
-        for BM, BN, BK, BE, BD in ((1, 2, 2048, 4, 512), (4, 2, 512, 4, 128)):
-            run(f"moe_front {dt} BM{BM} BN{BN} BK{BK} BE{BE}", dispatch.moe_front_kernel,
-                [("x", p), ("nw", p), ("wr", p), ("w1", p), ("w3", p), ("y", p), ("lg", "*fp32"), ("cnt", "*i32"),
-                 ("bias", "*fp32"), ("wout", "*fp32"), ("iout", "*i64"), ("sout", "*fp32"), ("xs", p),
-                 ("offsets", "*i64"), ("inv", "*i64"), ("cw", "*fp32"), ("M", "i32"), ("K", "i32"), ("E", "i32"),
-                 ("NS", "i32"), ("NR", "i32"), ("eps", "fp32"), ("rsf", "fp32"), ("reps", "fp32"), ("BM", BM),
-                 ("BE", BE), ("BN", BN), ("BK", BK), ("KSLOT", 8), ("KP", 8), ("EP", 64), ("BD", BD),
-                 ("RENORM", True), ("FENCE", True)], 4)
         # the two-launch MoE front (dispatch.route_glu_dispatch): router partials + shared gate/up, Kimi Linear
         for BM, BN, BK in ((1, 2, 2048), (4, 2, 512), (16, 2, 128)):
             run(f"router_glu {dt} BM{BM} BN{BN} BK{BK}", dispatch.router_glu_kernel,

@@ -14,13 +14,11 @@ tile, so no atomics and nothing depends on the run (CUDA-graph capturable, deter
   (router logits split over experts and the model width, many programs) and ``dispatch_kernel``
   with ``ROUTE``, which sums the partial logits, applies the sigmoid, picks the top-k (ties: lower
   expert first), renormalises and dispatches: the router's own outputs are written too.
-* ``route_dispatch_glu`` (``TUNING["front_glu"]``): decode front of a MoE layer with a shared expert in ONE
-  launch (``moe_front_kernel``): the layer's RMSNorm in every program's prologue, the first programs compute
-  router logits for a block of experts each, the last of them to finish (an atomic counter: last-block-done)
-  runs the top-k and the dispatch, and the other programs meanwhile stream the shared expert's gate and up
-  projections (SwiGLU, as ``gemv``). Replaces router_partial_kernel + dispatch_kernel + one gemv launch.
-* ``route_glu_dispatch`` (``TUNING["front_split"]``, the default): the same front in two launches,
-  ``router_glu_kernel`` (router partial logits + the shared gate/up, no serial tail), then ``dispatch_kernel``.
+* ``route_glu_dispatch`` (``TUNING["front_split"]``, the default): decode front of a MoE layer with a shared expert
+  in two launches, ``router_glu_kernel`` (router partial logits + the shared expert's gate/up), then
+  ``dispatch_kernel``; with ``TUNING["routed_glu"]`` only the first (``router_glu_front``): the routed experts'
+  GLU launch routes (moe_decode.py). (A one-launch front with a last-block-done top-k tail, ``moe_front_kernel``,
+  was measured slower on the H200 (16.25 us vs 12.82 for three launches) and removed.)
 """
 from __future__ import annotations
 
@@ -35,20 +33,14 @@ from .gemv import _x_tile, gdc_launch_dependents, gdc_wait, pdl_kwargs
 from .gemv import config as gemv_config
 from .layer_kernels import route_topk
 
-#: ``front_glu``: the router, top-k, dispatch and the shared expert's gate/up gemv in one launch at decode
-#: (``route_dispatch_glu``). Off by default: on the H200 (2026-11-30 06:32, Kimi Linear 6.6B B1) it took 16.25 us
-#: per call vs 12.82 us for the three launches and the whole decode replay 1.365 ms vs 1.255 ms without it (its
-#: last-block-done tail runs top-k and the row copy on ONE program after all router programs). ``K3IR_MOE_FRONT=1``
-#: turns it on.
 #: ``front_split``: the router partial logits and the shared expert's gate/up gemv in one launch
 #: (``router_glu_kernel``), then ``dispatch_kernel`` (ROUTE): two launches instead of three, the same router
-#: arithmetic as ``route_dispatch`` (``K3IR_MOE_FRONT_SPLIT=0``: three launches). ``front_glu`` goes first.
+#: arithmetic as ``route_dispatch`` (``K3IR_MOE_FRONT_SPLIT=0``: three launches).
 #: ``routed_glu``: at most moe_decode.MAX_ROWS tokens (decode), after router_glu_kernel the routed experts' grouped
 #: GLU launch routes the step itself (moe_decode.routed_glu_kernel: dispatch_kernel's routing in every program, the
 #: RMSNorm-ed x rows read from the raw rows) and dispatch_kernel is not launched: 4 launches per MoE layer instead
 #: of 5 (``K3IR_MOE_ROUTED_GLU=0``: off). Needs ``front_split``.
-TUNING: dict = {"front_glu": os.environ.get("K3IR_MOE_FRONT", "0") == "1",
-                "front_split": os.environ.get("K3IR_MOE_FRONT_SPLIT", "1") != "0",
+TUNING: dict = {"front_split": os.environ.get("K3IR_MOE_FRONT_SPLIT", "1") != "0",
                 "routed_glu": os.environ.get("K3IR_MOE_ROUTED_GLU", "1") != "0"}
 
 
@@ -381,95 +373,6 @@ def _rstd_rows(x, rows, mr, K, eps, BM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _fence(v):
-    """``fence.acq_rel.gpu`` in every thread (the GPU path of the last-block-done ticket; no interpreter form)."""
-    return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.u32 $0, $1;", "=r,r", [v], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def moe_front_kernel(x, nw, wr, w1, w3, y, lg, cnt, bias, wout, iout, sout, xs, offsets, inv, cw,
-                     M, K, E, NS, NR, eps, rsf, reps,
-                     BM: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KSLOT: tl.constexpr,
-                     KP: tl.constexpr, EP: tl.constexpr, BD: tl.constexpr, RENORM: tl.constexpr,
-                     FENCE: tl.constexpr = False):
-    """One launch of a decode MoE front (rows m < M <= BM of x ``[M, K]``, the raw residual rows; xn =
-    RMSNorm(x) with weight nw rounded to x's dtype, SPEC.md 1). Programs pid < NR: logits
-    ``lg[m, e] = xn[m] . wr[e]`` (fp32) for BE experts each, then an atomic ticket on ``cnt`` (int32, 0 on
-    entry, reset to 0 by the last): the last router program reads all logits and runs ``k3.router`` (sigmoid,
-    top-KSLOT of s + bias, lower expert on ties, renormalised (+ reps) and scaled by rsf: wout/iout
-    ``[M, KSLOT]``, sout ``[M, E]``) and ``k3.moe_dispatch`` (offsets ``[E+1]``, inv ``[M, KSLOT]``,
-    cw, xs ``[M*KSLOT, K]`` = xn rows sorted by expert, stable). Programs pid >= NR: the shared expert's
-    ``y[m, n] = silu(xn w1[n]) * (xn w3[n])`` for BN columns n < NS each (as gemv_kernel with GLU and NORM).
-    FENCE (on the GPU): a GPU-scope fence in every thread before the ticket and after winning it."""
-    pid = tl.program_id(0)
-    rows = tl.arange(0, BM)
-    mr = rows < M
-    kk = tl.arange(0, BK)
-    mk = kk < K
-    if pid < NR:
-        offs_e = pid * BE + tl.arange(0, BE)
-        me = offs_e < E
-        erow = offs_e.to(tl.int64)[:, None] * K
-        wv = tl.load(wr + erow + kk[None, :], mask=me[:, None] & mk[None, :], other=0.).to(tl.float32)
-        rstd = _rstd_rows(x, rows, mr, K, eps, BM, BK)
-        xv = _x_tile(x, nw, rows, mr, kk, mk, K, rstd, True, x, 0, eps, 0, BM, BK)
-        acc = tl.sum(xv[:, None, :] * wv[None, :, :], 2)
-        for k0 in range(BK, K, BK):
-            kc = k0 + tl.arange(0, BK)
-            mc = kc < K
-            wc = tl.load(wr + erow + kc[None, :], mask=me[:, None] & mc[None, :], other=0.).to(tl.float32)
-            xc = _x_tile(x, nw, rows, mr, kc, mc, K, rstd, True, x, 0, eps, 0, BM, BK)
-            acc += tl.sum(xc[:, None, :] * wc[None, :, :], 2)
-        tl.store(lg + rows[:, None] * E + offs_e[None, :], acc, mask=mr[:, None] & me[None, :])
-        if FENCE:                               # each thread's stores ordered at GPU scope (threadfence)
-            _fence(pid)
-        tl.debug_barrier()                      # every thread's logits stored before the ticket (release)
-        ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        if ticket == NR - 1:                    # the last router program: all logits are visible (acquire)
-            if FENCE:
-                _fence(pid)
-            cols = tl.arange(0, EP)
-            mcol = cols < E
-            logit = tl.load(lg + rows[:, None] * E + cols[None, :], mask=mr[:, None] & mcol[None, :], other=0.,
-                            volatile=True)
-            sg = tl.sigmoid(logit)
-            pw, pi = route_topk(sg, bias, cols, mcol, reps, BM, KSLOT, KP, EP, RENORM)
-            kc2 = tl.arange(0, KP)
-            pw = pw * rsf
-            valid2 = mr[:, None] & (kc2 < KSLOT)[None, :]
-            pi = tl.where(valid2, pi, -1)
-            slot2 = rows[:, None] * KSLOT + kc2[None, :]
-            tl.store(wout + slot2, pw, mask=valid2)
-            tl.store(iout + slot2, pi.to(tl.int64), mask=valid2)
-            tl.store(sout + rows[:, None] * E + cols[None, :], sg, mask=mr[:, None] & mcol[None, :])
-            e = tl.reshape(pi, (BM * KP,))
-            slot = tl.reshape(slot2, (BM * KP,))
-            wvl = tl.reshape(pw, (BM * KP,))
-            rs = tl.reshape(tl.broadcast_to(rstd[:, None], (BM, KP)), (BM * KP,))
-            valid = e >= 0
-            oh = (e[:, None] == cols[None, :]).to(tl.int32)
-            cnt_e = tl.sum(oh, 0)
-            tl.store(offsets + 1 + cols, tl.cumsum(cnt_e, 0).to(tl.int64), mask=mcol)
-            tl.store(offsets + cols, tl.zeros([EP], dtype=tl.int64), mask=cols == 0)
-            pos = tl.sum(oh * (tl.cumsum(oh, 0) - 1 + (tl.cumsum(cnt_e, 0) - cnt_e)[None, :]), 1)
-            tl.store(inv + slot, pos.to(tl.int64), mask=valid)
-            tl.store(cw + pos, wvl, mask=valid)
-            tok = (slot // KSLOT).to(tl.int64)
-            p64 = pos.to(tl.int64)
-            for d0 in range(0, K, BD):
-                dd = d0 + tl.arange(0, BD)
-                md = valid[:, None] & (dd < K)[None, :]
-                v = tl.load(x + tok[:, None] * K + dd[None, :], mask=md, other=0.)
-                wn = tl.load(nw + dd, mask=dd < K, other=0.).to(tl.float32)
-                v = (v.to(tl.float32) * rs[:, None] * wn[None, :]).to(x.dtype.element_ty)
-                tl.store(xs + p64[:, None] * K + dd[None, :], v, mask=md)
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")     # ready for the next launch (graph replay)
-    else:
-        _shared_glu(x, nw, w1, w3, y, rows, mr, kk, mk, K, NS, eps, pid - NR, BM, BN, BK)
-
-
-@triton.jit
 def _shared_glu(x, nw, w1, w3, y, rows, mr, kk, mk, K, NS, eps, g, BM: tl.constexpr, BN: tl.constexpr,
                 BK: tl.constexpr):
     """GLU program g of a decode MoE front: ``y[m, n] = silu(xn w1[n]) * (xn w3[n])`` for BN columns n < NS, xn the
@@ -530,77 +433,10 @@ def router_glu_kernel(x, wr, part, nw, pss, w1, w3, y, R, D, E, DS, NE, NRP, NS,
         _shared_glu(x, nw, w1, w3, y, rows, rows < R, kk, kk < D, D, NS, eps, pid - NRP, BM, BN, BK)
 
 
-#: per-device ticket counters of moe_front_kernel (int32, zero between launches: the last program resets it)
-_TICKETS: dict = {}
-
-
-def _ticket(dev) -> torch.Tensor:
-    key = str(torch.device(dev))
-    t = _TICKETS.get(key)
-    if t is None:
-        t = _TICKETS[key] = torch.zeros(1, device=dev, dtype=torch.int32)
-    return t
-
-
-def front_supported(rows: int, num_experts: int, top_k: int, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                    wr: torch.Tensor) -> bool:
-    """Whether ``route_dispatch_glu`` takes these rows (<= gemv.MAX_ROWS) and weights (2-D, same K as x,
-    gate and up of one shape, a float dtype other than float64)."""
-    from .gemv import MAX_ROWS
-    K = x.shape[-1]
-    ok = all(w.dim() == 2 and w.shape[1] == K and w.dtype.is_floating_point and w.dtype != torch.float64
-             for w in (w1, w3, wr))
-    if x.is_cuda and str(torch.device(x.device)) not in _TICKETS and torch.cuda.is_current_stream_capturing():
-        return False        # its ticket counter would be made (zeroed) inside a graph capture: first call eagerly
-    return (TUNING["front_glu"] and ok and tuple(w1.shape) == tuple(w3.shape) and 0 < rows <= MAX_ROWS
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and route_supported(rows, num_experts, top_k) and _p2(rows) * _p2(top_k, 2) <= 64)
-
-
-def route_dispatch_glu(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k: int, num_experts: int,
-                       renormalize: bool, scale: float, eps: float, norm, w1: torch.Tensor, w3: torch.Tensor):
-    """``rmsnorm`` -> ``k3.router`` -> ``k3.moe_dispatch``, plus the shared expert's SwiGLU gate/up linear of the
-    same normalised rows, in one launch (``moe_front_kernel``; decode rows, ``front_supported``). x ``[B,T,D]``
-    raw rows, wr ``[E, D]``, bias ``[E]``, norm ``(w_norm [D], eps)``, w1/w3 ``[NS, D]``. Returns
-    ((weights f32 ``[B,T,k]``, indices i64, scores f32 ``[B,T,E]``), (x_sorted ``[B*T*k, D]``, offsets i64
-    ``[E+1]``, inv i64 ``[B,T,k]``, comb_w f32 ``[B*T*k]``), silu(xn w1^T) * (xn w3^T) ``[B,T,NS]`` in x's
-    dtype). Uses a per-device ticket counter: launches on several streams at once are not supported."""
-    B, T, D = x.shape
-    E, k = num_experts, top_k
-    R, N, NS = B * T, B * T * top_k, w1.shape[0]
-    dev = x.device
-    xx = x.reshape(R, D).contiguous()
-
-    def cast(w):
-        return w if w.dtype == x.dtype and w.is_contiguous() else w.to(x.dtype).contiguous()
-    w1, w3 = cast(w1), cast(w3)
-    BM = _p2(R)
-    BN, BK, warps = gemv_config(R, NS, D, True)
-    BE = gemv_config(R, E, D, False)[0]
-    NR = triton.cdiv(E, BE)
-    lg = torch.empty(R, E, device=dev, dtype=torch.float32)
-    y = torch.empty(B, T, NS, device=dev, dtype=x.dtype)
-    wout = torch.empty(B, T, k, device=dev, dtype=torch.float32)
-    iout = torch.empty(B, T, k, device=dev, dtype=torch.int64)
-    sout = torch.empty(B, T, E, device=dev, dtype=torch.float32)
-    xs = torch.empty(N, D, device=dev, dtype=x.dtype)
-    offsets = torch.empty(E + 1, device=dev, dtype=torch.int64)
-    inv = torch.empty(B, T, k, device=dev, dtype=torch.int64)
-    cw = torch.empty(N, device=dev, dtype=torch.float32)
-    KP, EP = _p2(k, 2), _p2(E, 16)
-    BD = min(_p2(D, 16), max(16, 4096 // (BM * KP)))
-    moe_front_kernel[(NR + triton.cdiv(NS, BN),)](
-        xx, norm[0].reshape(D).contiguous(), wr.contiguous(), w1, w3, y, lg, _ticket(dev), bias.float().contiguous(),
-        wout, iout, sout, xs, offsets, inv, cw, R, D, E, NS, NR, float(norm[1]), float(scale), float(eps),
-        BM=BM, BE=BE, BN=BN, BK=BK, KSLOT=k, KP=KP, EP=EP, BD=BD, RENORM=bool(renormalize),
-        FENCE=not interpreting(), num_warps=warps)
-    return (wout, iout, sout), (xs, offsets, inv, cw), y
-
-
 def split_supported(rows: int, num_experts: int, top_k: int, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                     wr: torch.Tensor) -> bool:
-    """Whether ``route_glu_dispatch`` takes these rows (<= 16, one router row block) and weights (as
-    ``front_supported``, without its ticket)."""
+    """Whether ``route_glu_dispatch`` takes these rows (<= 16, one router row block) and weights (2-D, same K as x,
+    gate and up of one shape, a float dtype other than float64)."""
     K = x.shape[-1]
     ok = all(w.dim() == 2 and w.shape[1] == K and w.dtype.is_floating_point and w.dtype != torch.float64
              for w in (w1, w3, wr))
@@ -687,8 +523,8 @@ def route_glu_dispatch(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, to
                        renormalize: bool, scale: float, eps: float, norm, w1: torch.Tensor, w3: torch.Tensor):
     """``rmsnorm`` -> ``k3.router`` -> ``k3.moe_dispatch`` plus the shared expert's SwiGLU gate/up of the same
     normalised rows in two launches (``router_glu_kernel``, then ``dispatch_kernel`` with ROUTE and NORM; decode
-    rows, ``split_supported``); the router logits are ``route_dispatch``'s up to the fp32 summation order. Shapes as
-    ``route_dispatch_glu``. Returns (router outputs, dispatch outputs, gate/up ``[B,T,NS]``, normalised x
+    rows, ``split_supported``); the router logits are ``route_dispatch``'s up to the fp32 summation order. x
+    ``[B,T,D]`` raw rows, wr ``[E, D]``, bias ``[E]``, norm ``(w_norm [D], eps)``, w1/w3 ``[NS, D]``. Returns (router outputs, dispatch outputs, gate/up ``[B,T,NS]``, normalised x
     ``[B,T,D]``)."""
     front, y = router_glu_front(x, wr, bias, top_k, num_experts, renormalize, scale, eps, norm, w1, w3)
     rout, dout, xn = dispatch_front(front)

@@ -300,7 +300,7 @@ def plan(fn) -> dict[int, tuple]:
                 out[id(d)] = ("down", comb[0])
                 out[id(comb[0])] = ("combine",)
                 chain += [d, comb[0]]
-        _routed_glu(g, chain, producer, uses, out)
+        moe_decode.plan_routed(g, chain, producer, uses, out)
     for op in fn.ops:      # linear -> add (-> add): the residual additions in the linear's epilogue
         if op.name != "k3.linear" or id(op) in out:
             continue
@@ -362,7 +362,7 @@ def plan(fn) -> dict[int, tuple]:
             if us and all(_norm_consumer(c, op.results[0], out) for c in us):
                 out[id(op)] = ("norm",)
     # the shared expert's gate/up (lin_glu, parameter weights) on a router front's input: computed in the
-    # front's launch at decode (dispatch.route_dispatch_glu): ("route", dispatch, swiglu, gate, up, gate/up names)
+    # front's first launch at decode (dispatch.route_glu_dispatch): ("route", dispatch, swiglu, gate, up, gate/up names)
     for op in fn.ops:
         act = out.get(id(op))
         if act is None or act[0] != "lin_glu" or not (id(act[1].operands[1]) in pname and id(act[2].operands[1]) in pname):
@@ -374,21 +374,6 @@ def plan(fn) -> dict[int, tuple]:
                               pname[id(act[2].operands[1])])
                 break
     return out
-
-
-def _routed_glu(g, chain, producer, uses, out) -> None:
-    """A routed dispatch (plan ``routed``) whose outputs only this GLU chain reads (sorted rows: the gate/up
-    grouped GEMMs; offsets, inv, combine weights: the chain's ops) under a router whose scores nothing reads:
-    marked ``("routed", g)``, so at decode the GLU launch may route itself (moe_decode.routed_glu)."""
-    d = producer.get(id(g.operands[0]))
-    if d is None or out.get(id(d)) != ("routed",) or g.operands[0] is not d.results[0] or g.operands[1] is not d.results[1]:
-        return
-    r = producer.get(id(d.operands[1]))
-    ids = {id(o) for o in chain}
-    if (r is None or uses.get(id(r.results[2])) or any(c is None or id(c) not in ids for v in d.results
-                                                       for c in uses.get(id(v), []))):
-        return
-    out[id(d)] = ("routed", g)
 
 
 def _norm_consumer(c, r, out) -> bool:
@@ -434,7 +419,7 @@ class PlanInterpreter(Interpreter):
         if kind == "kda_out":         # the plan's permission travels on the op instance (no module state)
             object.__setattr__(self._op_inst(op), "defer_gated", self.observe is None)
             return super().exec_op(op, env, observe)
-        if kind == "lin_glu" and id(op.results[0]) in env:    # computed by its MoE front (route_dispatch_glu)
+        if kind == "lin_glu" and id(op.results[0]) in env:    # computed by its MoE front (route_glu_dispatch)
             return
         if kind in ("lin_glu", "lin_add"):
             return self._gemv_chain(op, act, env, observe)
@@ -580,9 +565,11 @@ class PlanInterpreter(Interpreter):
 
     def _route(self, op, d, env, observe, glu=()):
         """Router + dispatch of a decode-size batch in two launches (``dispatch.route_dispatch``), or with the
-        shared expert's gate/up ``glu = (swiglu, gate linear, up linear, their weight names)`` in one (``route_dispatch_glu``, when
-        the RMSNorm is deferred and ``dispatch.TUNING["front_glu"]``) or in the same two (``route_glu_dispatch``,
-        ``TUNING["front_split"]``); other sizes, float64 and routers without a fitting tile run the two ops as usual."""
+        shared expert's gate/up ``glu = (swiglu, gate linear, up linear, their weight names)`` in the same two
+        (``route_glu_dispatch``, when the RMSNorm is deferred and ``dispatch.TUNING["front_split"]``), or, with
+        ``TUNING["routed_glu"]`` and a plan ``("routed", glu)``, only the first of them (``router_glu_front``: the
+        routed experts' GLU launch routes, moe_decode.routed_glu); other sizes, float64 and routers without a fitting
+        tile run the two ops as usual."""
         xl = env[id(op.operands[0])]
         fuse = isinstance(xl, Prenormed) and xl.value is None          # the layer's RMSNorm goes into the front
         x = xl.x if fuse else _val(xl)
@@ -599,9 +586,7 @@ class PlanInterpreter(Interpreter):
                       for o, n in ((g_op, gname), (u_op, uname)))
             args = (x, w, bias, k, E, bool(a.get("renormalize", True)), float(a.get("routed_scaling_factor", 1.0)),
                     float(a.get("eps", 1e-20)), (xl.w, xl.eps), w1, w3)
-            if disp_k.front_supported(rows, E, k, x, w1, w3, w) and _no_grad(w1, w3):
-                rout, dout, y = disp_k.route_dispatch_glu(*args)
-            elif disp_k.split_supported(rows, E, k, x, w1, w3, w) and _no_grad(w1, w3):
+            if disp_k.split_supported(rows, E, k, x, w1, w3, w) and _no_grad(w1, w3):
                 if (disp_k.TUNING["routed_glu"] and self.observe is None and len(self._plan.get(id(d), ())) == 2
                         and rows <= moe_decode.MAX_ROWS):
                     # the routing is left to the GLU launch (moe_decode.routed_glu; dispatch_front if it can't)
