@@ -5,7 +5,8 @@ Kimi Linear 6.6B shapes (D 2048, 64 experts, top-8, expert I 1024, shared 1024, 
   (router_glu_front -> dispatch_front -> grouped GLU) on the same front: router outputs, offsets, inv, combine
   weights and the GLU rows must be equal bit for bit (counts of calls that differ are printed);
 * time: us per MoE step front + GLU + down (the shared-expert down gemv is the same in both paths, not included)
-  from a CUDA graph of 50 calls, and each kernel alone.
+  from a CUDA graph of 50 calls, and each kernel alone; then the new step, routed GLU and dispatch again with the
+  other top-k form (dispatch.TUNING rank_topk: ``*_rank`` when it is off by default).
 
     python3 bench/moe_decode_check.py [--iters 50]      # ~20-40 s on an H200 (compiles included); JSON to $OUT
 
@@ -102,7 +103,21 @@ def main() -> int:
                     "routed_glu": _graph_us(lambda f=f: moe_decode.routed_glu(f, w1, w3, "silu")),
                     "grouped_down": _graph_us(lambda h=h, off=off, cw=cw: moe.grouped_matmul(h, off, w2, row_scale=cw)),
                 }
-                print(f"B{B}: " + ", ".join(f"{n} {v:.2f} us" for n, v in row["us"].items()), flush=True)
+                saved = dk.TUNING["rank_topk"]
+                dk.TUNING["rank_topk"] = not saved      # the other top-k form (dispatch.rank_topk / route_topk)
+                try:
+                    tag = "rank" if not saved else "loop"
+                    ro, do, ho, yo = new(x)
+                    rn, dn, hn, yn = old(x)
+                    row[f"{tag}_agrees"] = bool(all(torch.equal(p, q) for p, q in zip((*ro, *do, ho, yo),
+                                                                                     (*rn, *dn, hn, yn))))
+                    row["us"][f"new_step_{tag}"] = _graph_us(lambda x=x: new(x))
+                    row["us"][f"routed_glu_{tag}"] = _graph_us(lambda f=f: moe_decode.routed_glu(f, w1, w3, "silu"))
+                    row["us"][f"dispatch_{tag}"] = _graph_us(lambda f=f: dk.dispatch_front(f))
+                finally:
+                    dk.TUNING["rank_topk"] = saved
+                print(f"B{B}: " + ", ".join(f"{n} {v:.2f} us" for n, v in row["us"].items()) +
+                      f"; {tag} top-k: routed == dispatch path: {row[f'{tag}_agrees']}", flush=True)
         except Exception as e:      # noqa: BLE001 - a diagnostic: report and go on
             row["error"] = f"{type(e).__name__}: {e}"
             print(f"B{B}: {row['error']}", flush=True)

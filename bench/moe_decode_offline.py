@@ -67,7 +67,7 @@ def main() -> int:
     bad = 0
     for dt, xb in (("bf16", 2), ("fp32", 4)):
         p = "*" + dt
-        for R in (1, 2, 4):
+        for R, rank in ((1, False), (2, False), (4, False), (1, True), (2, True)):
             cfg = moe.plan(R * K8, E, I, D, "none", True, xb)
             _, BW, BT, _, BK, warps, stages = cfg[:7]
             NSPLIT = triton.cdiv(D, 128 * triton.cdiv(D, 1024))
@@ -78,8 +78,9 @@ def main() -> int:
                     ("rsf", "fp32"), ("eps", "fp32"), ("neps", "fp32"), ("b1", "fp32"), ("b2", "fp32"),
                     ("R", 1 if R == 1 else "i32"), ("ACT", 2), ("BW", BW), ("BT", BT), ("BK", BK), ("RB", RB),
                     ("KSLOT", K8), ("KP", 8), ("EP", EP), ("RENORM", True), ("NORM", True),
-                    ("NSU", NSPLIT if RB * EP <= 1024 else 1)]
-            bad += _run(f"routed_glu {dt} R={R} cfg={cfg}", moe_decode.routed_glu_kernel, spec, warps, stages) is None
+                    ("NSU", NSPLIT if RB * EP <= 1024 else 1), ("RANK", rank)]
+            bad += _run(f"routed_glu {dt} R={R} rank={rank} cfg={cfg}", moe_decode.routed_glu_kernel, spec, warps,
+                        stages) is None
         for glu in (True, False):      # the ROWGRID decode grouped GEMM (one-round-trip prologue)
             N, KK = (I, D) if glu else (D, I)
             cfg = moe.plan(K8, E, N, KK, "none", glu, xb)
@@ -91,7 +92,7 @@ def main() -> int:
                     ("TAIL2", cfg[7] if len(cfg) > 7 else 0), ("ROWGRID", True), ("EP", 64)]
             bad += _run(f"grouped_gemm_t ROWGRID {dt} glu={glu} cfg={cfg}", moe.grouped_gemm_t_kernel, spec, warps,
                         stages) is None
-        for R in (1, 4):               # dispatch_kernel ROUTE + NORM (route_glu_dispatch's second launch)
+        for R, rank in ((1, False), (4, False), (1, True), (2, True)):   # dispatch_kernel ROUTE + NORM (dispatch_front)
             RB = triton.next_power_of_2(R)
             BD = dispatch._bd(RB * 8, D)
             spec = [("x", p), ("idx", None), ("wts", None), ("base", None), ("offsets", "*i64"), ("xs", p),
@@ -101,8 +102,8 @@ def main() -> int:
                     ("DPP", "i32/16"),
                     ("neps", "fp32"), ("KSLOT", K8), ("KP", 8), ("RB", RB), ("BS", 1), ("EP", 64), ("BD", BD),
                     ("SINGLE", True), ("ROUTE", True), ("RENORM", True), ("NORM", True), ("PDL", False),
-                    ("NSU", 8 if RB * 64 <= 1024 else 1)]
-            bad += _run(f"dispatch route+norm {dt} R={R}", dispatch.dispatch_kernel, spec,
+                    ("NSU", 8 if RB * 64 <= 1024 else 1), ("RANK", rank)]
+            bad += _run(f"dispatch route+norm {dt} R={R} rank={rank}", dispatch.dispatch_kernel, spec,
                         dispatch._warps(RB * 8 * 64), 1) is None
     return 1 if bad else 0
 

@@ -40,8 +40,13 @@ from .layer_kernels import route_topk
 #: GLU launch routes the step itself (moe_decode.routed_glu_kernel: dispatch_kernel's routing in every program, the
 #: RMSNorm-ed x rows read from the raw rows) and dispatch_kernel is not launched: 4 launches per MoE layer instead
 #: of 5 (``K3IR_MOE_ROUTED_GLU=0``: off). Needs ``front_split``.
+#: ``rank_topk``: the decode fronts' top-k (dispatch_front, routed_glu) as expert ranks (``rank_topk``: 3 reductions
+#: instead of 3 per pick; the same picks) up to RANK_TILE (``K3IR_MOE_RANK_TOPK=1``; not measured on a GPU yet).
 TUNING: dict = {"front_split": os.environ.get("K3IR_MOE_FRONT_SPLIT", "1") != "0",
-                "routed_glu": os.environ.get("K3IR_MOE_ROUTED_GLU", "1") != "0"}
+                "routed_glu": os.environ.get("K3IR_MOE_ROUTED_GLU", "1") != "0",
+                "rank_topk": os.environ.get("K3IR_MOE_RANK_TOPK", "0") == "1"}
+#: largest ``[RB, EP, EP]`` rank tile of ``rank_topk`` (RB rows, EP padded experts): larger ones keep route_topk
+RANK_TILE = 8192
 
 
 @triton.jit(do_not_specialize=["R"])   # decode B1 (R = 1) and larger batches: one compile
@@ -120,14 +125,16 @@ def dispatch_scan_kernel(hist, base, offsets, NB, E, EP: tl.constexpr, HB: tl.co
 
 @triton.jit
 def route_rows(part, pss, bias, R, D, E, NSPLIT, rsf, eps, neps, RB: tl.constexpr, KSLOT: tl.constexpr,
-               KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr, NORM: tl.constexpr, NSU: tl.constexpr):
+               KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr, NORM: tl.constexpr, NSU: tl.constexpr,
+               RANK: tl.constexpr = False):
     """The router of a decode MoE front from ``part [NSPLIT, R, E]`` partial logits (fp32; NSU >= NSPLIT: the
     loads unrolled, all in flight) and, NORM, the splits' ``pss [NSPLIT, R]`` sums of x^2 (rstd = rsqrt(sum / D +
     neps) scales the logits: the layer's RMSNorm, SPEC.md 1): s = sigmoid(logits), top-KSLOT of s + bias (lower
     expert on ties), renormalised (+ eps) when RENORM and scaled by rsf (SPEC.md 5). Shared by dispatch_kernel
     (ROUTE) and moe_decode.routed_glu_kernel, so both route bit-identically. Returns (rows r ``[RB]``, their mask,
     expert mask ``[EP]``, scores ``[RB, EP]``, weights f32 ``[RB, KP]``, expert ids i32 (-1 past KSLOT / R), their
-    mask, slot numbers ``r * KSLOT + j``, rstd ``[RB]`` (1 without NORM))."""
+    mask, slot numbers ``r * KSLOT + j``, rstd ``[RB]`` (1 without NORM)). RANK: the top-k as ranks (``rank_topk``,
+    three wide reductions) instead of route_topk's KSLOT rounds of three reductions; same picks."""
     cols = tl.arange(0, EP)
     r = tl.arange(0, RB)
     mr = r < R
@@ -152,13 +159,37 @@ def route_rows(part, pss, bias, R, D, E, NSPLIT, rsf, eps, neps, RB: tl.constexp
         rstd = tl.rsqrt(ss / D + neps)
         logit = logit * rstd[:, None]
     sg = tl.sigmoid(logit)
-    pw, pi = route_topk(sg, bias, cols, me, eps, RB, KSLOT, KP, EP, RENORM)
+    if RANK:
+        pw, pi = rank_topk(sg, bias, cols, me, eps, RB, KSLOT, KP, EP, RENORM)
+    else:
+        pw, pi = route_topk(sg, bias, cols, me, eps, RB, KSLOT, KP, EP, RENORM)
     kc = tl.arange(0, KP)
     pw = pw * rsf
     valid2 = mr[:, None] & (kc < KSLOT)[None, :]
     pi = tl.where(valid2, pi, -1)
     slot2 = r[:, None] * KSLOT + kc[None, :]
     return r, mr, me, sg, pw, pi, valid2, slot2, rstd
+
+
+@triton.jit
+def rank_topk(s, bias, cols, me, eps, RB: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+              RENORM: tl.constexpr):
+    """route_topk's selection (SPEC.md 5: top-K of s + bias, lower expert first on ties, weights = s at the picks,
+    renormalised (+ eps) when RENORM) from each expert's rank ``#{c' : v[c'] > v[c] or (v[c'] == v[c], c' < c)}``:
+    pick j is the expert of rank j, so the same picks in the same order (finite scores) with three reductions over a
+    ``[RB, EP, EP]`` / ``[RB, KP, EP]`` tile instead of K rounds of three. Returns (weights, ids) ``[RB, KP]``."""
+    v = tl.where(me[None, :], s + tl.load(bias + cols, mask=me, other=0.)[None, :], -float("inf"))
+    a = v[:, :, None]
+    b = v[:, None, :]
+    ahead = (b > a) | ((b == a) & (cols[None, None, :] < cols[None, :, None]))
+    rank = tl.sum(ahead.to(tl.int32), 2)                                   # [RB, EP]
+    kc = tl.arange(0, KP)
+    hit = (rank[:, None, :] == kc[None, :, None]) & (kc < K)[None, :, None]    # [RB, KP, EP]
+    pi = tl.where((kc < K)[None, :], tl.sum(tl.where(hit, cols[None, None, :], 0), 2), -1)
+    pw = tl.sum(tl.where(hit, s[:, None, :], 0.), 2)
+    if RENORM:
+        pw = pw / (tl.sum(pw, 1) + eps)[:, None]
+    return pw, pi
 
 
 @triton.jit
@@ -193,7 +224,7 @@ def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
                     N, D, E, NSPLIT, rsf, eps, DPP, neps,
                     KSLOT: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr, BS: tl.constexpr, EP: tl.constexpr,
                     BD: tl.constexpr, SINGLE: tl.constexpr, ROUTE: tl.constexpr, RENORM: tl.constexpr,
-                    NORM: tl.constexpr, PDL: tl.constexpr = False, NSU: tl.constexpr = 1):
+                    NORM: tl.constexpr, PDL: tl.constexpr = False, NSU: tl.constexpr = 1, RANK: tl.constexpr = False):
     """Program (slot block b, column group d): sorted rows of the block's slots, then
     ``xs[pos_n, cols] = x[n // KSLOT, cols]`` for the DPP columns of group d (BD at a time); programs
     with d == 0 write ``inv`` (slot -> row) and ``cw`` (combine weight per sorted row), program
@@ -215,7 +246,7 @@ def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
     cols = tl.arange(0, EP)
     if ROUTE:
         r, mr, me, sg, pw, pi, valid2, slot2, rstd = route_rows(part, pss, bias, N // KSLOT, D, E, NSPLIT, rsf, eps,
-                                                                neps, RB, KSLOT, KP, EP, RENORM, NORM, NSU)
+                                                                neps, RB, KSLOT, KP, EP, RENORM, NORM, NSU, RANK)
         if pd == 0:
             tl.store(wout + slot2, pw, mask=valid2)
             tl.store(iout + slot2, pi.to(tl.int64), mask=valid2)
@@ -464,11 +495,11 @@ class Front:
         self.cw = torch.empty(R * k, device=dev, dtype=torch.float32)
 
     def consts(self) -> dict:
-        """route_rows' constexprs (RB, KSLOT, KP, EP, RENORM, NORM, NSU) for this front."""
+        """route_rows' constexprs (RB, KSLOT, KP, EP, RENORM, NORM, NSU, RANK) for this front."""
         R, NSPLIT = self.part.shape[1], self.part.shape[0]
         RB, EP = _p2(R), _p2(self.E, 16)
         return {"RB": RB, "KSLOT": self.k, "KP": _p2(self.k, 2), "EP": EP, "RENORM": bool(self.renorm), "NORM": True,
-                "NSU": NSPLIT if RB * EP <= 1024 else 1}
+                "NSU": NSPLIT if RB * EP <= 1024 else 1, "RANK": TUNING["rank_topk"] and RB * EP * EP <= RANK_TILE}
 
 
 def router_glu_front(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k: int, num_experts: int,

@@ -5,7 +5,7 @@ At a decode batch (``routed_supported``: at most ``MAX_ROWS`` tokens) a MoE laye
 layer's RMSNorm, the sorted row copy), the grouped GLU, the grouped down, the shared down gemv (+ combine +
 residual). ``routed_glu_kernel`` replaces the middle two: every program of the grouped GLU finishes the router
 itself from the partial logits (``dispatch.route_rows``, the helper dispatch_kernel's ROUTE runs, so the routing is
-bit-identical), ranks the slots by expert (a stable counting sort, ``dispatch.sorted_pos``) and serves the expert
+bit-identical), ranks the slots by expert (dispatch_kernel's stable sort, counted over the slots) and serves the expert
 whose first sorted row is its row j (as ``grouped_gemm_t_kernel``'s ROWGRID), reading the RMSNorm-ed x rows of
 that expert's tokens straight from the raw residual rows (``x * rstd * nw`` rounded to x's dtype: dispatch_kernel's
 copy, so the GLU sees the same bits). Program (0, 0) writes the routing for the later launches of the step: the
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import moe as moe_k
-from .dispatch import Front, route_rows, route_slots, sorted_pos, store_offsets
+from .dispatch import Front, route_rows, route_slots, store_offsets
 from .moe import ACT_IDS, _epilogue_t, _w_tile_t
 
 #: the most tokens a step may have for the routed GLU (every slot of the step is in each program's routing tile)
@@ -31,7 +31,7 @@ def routed_glu_kernel(x, nw, part, pss, bias, w1, w3, h, wout, iout, sout, offse
                       D, N, E, NSPLIT, rsf, eps, neps, b1, b2, R,
                       ACT: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       RB: tl.constexpr, KSLOT: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                      RENORM: tl.constexpr, NORM: tl.constexpr, NSU: tl.constexpr):
+                      RENORM: tl.constexpr, NORM: tl.constexpr, NSU: tl.constexpr, RANK: tl.constexpr = False):
     """Program (n-strip, sorted row j): route the step's R <= RB tokens (``route_rows`` on ``part [NSPLIT, R, E]``
     and ``pss [NSPLIT, R]``; NORM is always set), then, if row j is its expert e's first sorted row,
     ``h[rows of e, strip] = act(xn[rows] W1_e^T, xn[rows] W3_e^T)`` with xn = (x[token] * rstd * nw) rounded to x's
@@ -41,21 +41,23 @@ def routed_glu_kernel(x, nw, part, pss, bias, w1, w3, h, wout, iout, sout, offse
     pid_n, j = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, EP)
     r, mr, me, sg, pw, pi, valid2, slot2, rstd = route_rows(part, pss, bias, R, D, E, NSPLIT, rsf, eps, neps,
-                                                            RB, KSLOT, KP, EP, RENORM, NORM, NSU)
-    es, slot, wv, rs, valid, oh, cnt = route_slots(pi, pw, rstd, slot2, cols, RB, KP)
-    start = tl.cumsum(cnt, 0) - cnt
-    pos = sorted_pos(oh, start)
+                                                            RB, KSLOT, KP, EP, RENORM, NORM, NSU, RANK)
+    es, slot, wv, rs, valid, _, _ = route_slots(pi, pw, rstd, slot2, cols, RB, KP)
+    # sorted row of each slot (dispatch_kernel's stable counting sort, over the slots: #{m : (e_m, m) < (e_n, n)})
+    ea = tl.where(valid, es, EP)
+    m = tl.arange(0, RB * KP)
+    ahead = (ea[None, :] < ea[:, None]) | ((ea[None, :] == ea[:, None]) & (m[None, :] < m[:, None]))
+    pos = tl.sum(ahead.to(tl.int32), 1)
     if (pid_n == 0) & (j == 0):
         tl.store(wout + slot2, pw, mask=valid2)
         tl.store(iout + slot2, pi.to(tl.int64), mask=valid2)
         tl.store(sout + r[:, None] * E + cols[None, :], sg, mask=mr[:, None] & me[None, :])
-        store_offsets(offsets, cnt, cols, E, EP)
+        store_offsets(offsets, tl.sum((es[:, None] == cols[None, :]).to(tl.int32), 0), cols, E, EP)
         tl.store(inv + slot, pos.to(tl.int64), mask=valid)
         tl.store(cw + pos, wv, mask=valid)
-    at = valid & (pos == j)
-    e = tl.sum(tl.where(at, es, 0), 0)                          # the expert of sorted row j
-    first = tl.sum(tl.where(cols == e, start, 0), 0)
-    nrows = tl.where(first == j, tl.sum(tl.where(cols == e, cnt, 0), 0), 0)   # not its first row: nothing to do
+    e = tl.sum(tl.where(valid & (pos == j), es, 0), 0)          # the expert of sorted row j
+    first = tl.sum((valid & (es < e)).to(tl.int32), 0)          # its first sorted row
+    nrows = tl.where(first == j, tl.sum((valid & (es == e)).to(tl.int32), 0), 0)   # not its first row: nothing to do
     if nrows > 0:
         t = tl.arange(0, BT)
         mrow = t < nrows
