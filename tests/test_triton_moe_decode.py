@@ -16,6 +16,8 @@ triton = pytest.importorskip("triton")
 from conftest import rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+#: float32 GEMMs run as TF32 on the GPU: looser tolerances there (as tests/test_triton_moe.py)
+TOL_GLU, TOL_MODEL = (2e-2, 2e-3) if DEV == "cuda" else (1e-5, 1e-4)
 
 
 def _layer(B, k, E, D, NS, I, seed):
@@ -66,7 +68,7 @@ def test_routed_glu_equals_dispatch_then_grouped_glu(B, k, E, D, I, act):
                 want = gt / (1 + np.exp(-gt)) * up
             else:
                 want = 4 * np.tanh(gt / 4) / (1 + np.exp(-gt)) * 25 * np.tanh(up / 25)
-            assert rel_err(h_new[row].double().cpu().numpy(), want) < 1e-5, (b, j)
+            assert rel_err(h_new[row].double().cpu().numpy(), want) < TOL_GLU, (b, j)
             assert cw2[row] == rout2[0][b, 0, j]
 
 
@@ -120,7 +122,7 @@ def test_whole_model_decode_with_the_routed_glu_matches_reference_and_drops_disp
         res = {}
         launches[on] = _count_launches(lambda res=res: res.update(r=tri.decode(nxt, s_tri)))
         got[on] = res["r"][0]
-        assert rel_err(got[on].double().cpu().numpy(), want) < 1e-4, on
+        assert rel_err(got[on].double().cpu().numpy(), want) < TOL_MODEL, on
     assert torch.equal(got[True], got[False])
     assert launches[True]["routed_glu_kernel"] == 3 and launches[True]["dispatch_kernel"] == 0
     assert launches[True]["grouped_gemm_t_kernel"] == 3 and launches[True]["router_glu_kernel"] == 3
