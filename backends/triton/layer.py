@@ -6,6 +6,7 @@ import torch
 from k3ir.errors import K3RuntimeError
 
 from . import layer_kernels as lk
+from .gemv import pdl_kwargs
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, silu: bool = True):
@@ -97,7 +98,7 @@ def kda_decode(q, k, v, z, beta, A_log, dt_bias, pool, slots, lower_bound=None, 
         q, k, v, *cw, cs_q, cs_k, cs_v, z if lowrank is not None else z.contiguous(), beta,
         A_log.reshape(-1).contiguous(), dt_bias.reshape(-1).contiguous(), gz, nw, pool, slots, o,
         float(scale), float(lower_bound or 0.0), eps, q.stride(0), k.stride(0), v.stride(0), beta.stride(0), H=H, K=K, V=V, W=W, WP=max(2, 1 << (W - 2).bit_length()), BV=BV, GATE=GATE, HAS_CONV=has_conv,
-        HAS_NORM=has_norm, num_warps=4 if BV <= 32 else 8, **lr)
+        HAS_NORM=has_norm, num_warps=4 if BV <= 32 else 8, **lr, **pdl_kwargs(q))
     return (o, lr["gzo"]) if lowrank is not None else o
 
 

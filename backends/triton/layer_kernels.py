@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .gemv import gdc_launch_dependents, gdc_wait
 from .kda_common import gate_pre_act, rnorm
 
 
@@ -89,7 +90,7 @@ def kda_decode_kernel(xq, xk, xv, cw_q, cw_k, cw_v, cs_q, cs_k, cs_v, z, beta, A
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
                       GATE: tl.constexpr, HAS_CONV: tl.constexpr, HAS_NORM: tl.constexpr,
                       wfb=None, ga=None, wgb=None, gzo=None, fa_rs=0, ga_rs=0, LR: tl.constexpr = 0,
-                      LRB: tl.constexpr = 32):
+                      LRB: tl.constexpr = 32, PDL: tl.constexpr = False):
     """One token per batch row. Program (value block, row*H + head). q/k/v ``[B, H*K|V]`` (pre-conv
     when HAS_CONV; rows ``q_rs``/``k_rs``/``v_rs`` apart), z ``[B, H*K]`` raw decay, beta ``[B, H]``
     logits (rows ``b_rs`` apart), gz ``[B, H*V]``; pool
@@ -97,8 +98,12 @@ def kda_decode_kernel(xq, xk, xv, cw_q, cw_k, cw_v, cs_q, cs_k, cs_v, z, beta, A
     LR > 0 (the low-rank up-projections here, no gemv launch): z is the rank-LR decay input ``[B, LR]`` (rows
     ``fa_rs`` apart) and the decay is ``z wfb^T`` (wfb ``[H*K, LR]``) rounded to q's dtype; the program also
     stores its block of the output gate ``gzo[b, v] = ga[b] . wgb[v]`` (ga ``[B, LR]`` rows ``ga_rs`` apart,
-    wgb ``[H*V, LR]``) for the o_proj prologue. LRB: rank columns per step."""
+    wgb ``[H*V, LR]``) for the o_proj prologue. LRB: rank columns per step. PDL (programmatic dependent launch,
+    gemv.PDL): the state tile (written by this layer's previous step, never by the kernels just before) and the
+    slot (a static index buffer) are loaded before ``griddepcontrol.wait``; every program waits."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
     i_b = i_bh // H
     i_h = i_bh % H
     slot = tl.load(slots + i_b).to(tl.int64)
@@ -108,6 +113,8 @@ def kda_decode_kernel(xq, xk, xv, cw_q, cw_k, cw_v, cs_q, cs_k, cs_v, z, beta, A
     # head at B1: the kernel is a chain of dependent global round trips)
     p_s = pool + ((slot * H + i_h) * K + tl.arange(0, K)[:, None]) * V + i_v * BV + tl.arange(0, BV)[None, :]
     S = tl.load(p_s)
+    if PDL:
+        gdc_wait()
     if HAS_CONV:
         bq = _conv_step(xq, cw_q, cs_q, i_b, slot, offs_k, H * K, q_rs, W, WP, True)
         bk = _conv_step(xk, cw_k, cs_k, i_b, slot, offs_k, H * K, k_rs, W, WP, True)

@@ -73,11 +73,16 @@ def mla_prefill_kernel(q, kn, kr, v, o, lens, T, S, H, scale,
 @triton.jit
 def mla_decode_kernel(qt, qr, cache, olat, ml, nlen, lens, H, L_STRIDE, scale,
                       R: tl.constexpr, P: tl.constexpr, RP: tl.constexpr, PP: tl.constexpr,
-                      HAS_LEN: tl.constexpr, BH: tl.constexpr, BL: tl.constexpr, NS: tl.constexpr):
+                      HAS_LEN: tl.constexpr, BH: tl.constexpr, BL: tl.constexpr, NS: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """qt [B,H,R], qr [B,H,P], cache [B,L_STRIDE,R+P] with nlen[0] valid rows -> olat [B,H,R] (fp32).
     NS > 1: split s of the rows (flash-decoding) writes its unnormalised partial sum to
-    olat [B,NS,H,R] and (max, sum) to ml [B,NS,H,2]; ``mla_decode_combine_kernel`` merges them."""
+    olat [B,NS,H,R] and (max, sum) to ml [B,NS,H,2]; ``mla_decode_combine_kernel`` merges them. PDL: launched
+    early (gemv.PDL), every program waits for the previous kernel (the query and the step's cache row) first."""
     hb, b, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     b64 = b.to(tl.int64)
     heads = hb * BH + tl.arange(0, BH)
     mh = heads < H
@@ -279,7 +284,7 @@ def mla_decode_parts(qt, qr, cache, nlen, scale: float, lengths=None, splits: in
     mla_decode_kernel[(triton.cdiv(H, BH), B, NS)](
         qt.contiguous(), qr.contiguous(), cache, part, ml, nlen, lens, H, cache.shape[1], float(scale),
         R=R, P=P, RP=_p2(R), PP=_p2(P), HAS_LEN=lens is not None, BH=BH, BL=BL, NS=NS,
-        num_warps=4 if interpreting() else 8, num_stages=1 if interpreting() else 2)
+        num_warps=4 if interpreting() else 8, num_stages=1 if interpreting() else 2, **pdl_kwargs(qt))
     return part, ml, NS
 
 
