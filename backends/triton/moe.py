@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .gemv import gdc_launch_dependents, gdc_wait, pdl_kwargs
 from .moe_asm import (  # noqa: F401 (@jit globals)
     _ASM_OK,
     MX_ASM1,
@@ -244,7 +245,7 @@ def _first_pass_t(x, w1, s1, t1, w3, s3, t3, y, rscale, e, start, end, n0, offs_
 def grouped_gemm_t_kernel(x, offsets, w1, s1, w3, s3, y, rscale, t1, t3, N, K, NE, b1, b2,
                           QUANT: tl.constexpr, ACT: tl.constexpr, SCALE_ROWS: tl.constexpr,
                           BW: tl.constexpr, BT: tl.constexpr, TAIL: tl.constexpr, BK: tl.constexpr,
-                          TAIL2: tl.constexpr, ROWGRID: tl.constexpr, EP: tl.constexpr):
+                          TAIL2: tl.constexpr, ROWGRID: tl.constexpr, EP: tl.constexpr, PDL: tl.constexpr = False):
     """Same contract as ``grouped_gemm_kernel`` with the operands swapped: the weight rows are the MMA's
     M side (``acc[BW, BT] = W_e[n-tile] x[rows]^T``), tokens its N side (wgmma N can be 8..256, so a
     decode batch of ~5 rows per expert no longer pads to a 64-row M tile). An expert with
@@ -253,8 +254,13 @@ def grouped_gemm_t_kernel(x, offsets, w1, s1, w3, s3, y, rscale, t1, t3, N, K, N
     TAIL2 (0 < TAIL2 < TAIL): experts with BT < rows <= BT + TAIL2 take a narrower first pass (less padded
     MMA work). Grid (cdiv(N, BW), E); ROWGRID (fewer rows R than experts NE, e.g. decode): grid
     (cdiv(N, BW), R), program j serves the expert whose first row is row j (the others exit), so only
-    active experts get programs (EP: a power of two >= NE)."""
+    active experts get programs (EP: a power of two >= NE). PDL (programmatic dependent launch, decode ROWGRID
+    launches with gemv.PDL): triggered at start, every program waits for the previous kernel before its first load
+    (the offsets and rows come from the dispatch)."""
     pid_n, j = tl.program_id(0), tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     if ROWGRID:
         # one round trip: the ends vector (offsets[1:]) and offsets[0] load together; the owner's start/end are
         # read off that vector (ends is non-decreasing) instead of two more dependent loads
@@ -546,7 +552,7 @@ def _launch(cfg: tuple, E: int, N: int, args: tuple, common: dict, device) -> No
                 ep = triton.next_power_of_2(E) if rowgrid else 1
                 grouped_gemm_t_kernel[(triton.cdiv(N, BW), R if rowgrid else E)](
                     *args[:12], E, *args[12:], BW=BW, BT=BT, TAIL=TAIL, BK=BK, TAIL2=tail2, ROWGRID=rowgrid, EP=ep,
-                    num_warps=warps, num_stages=stages, **common)
+                    num_warps=warps, num_stages=stages, **common, **(pdl_kwargs(args[0]) if rowgrid else {}))
             else:
                 BM, BN, BK, MS, warps, stages = cfg
                 grouped_gemm_kernel[(triton.cdiv(N, BN), E, MS)](*args, BM=BM, BN=BN, BK=BK, MS=MS,
