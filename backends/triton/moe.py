@@ -20,6 +20,7 @@ epilogue; ``moe_combine`` then sums each token's ``k`` rows (one program per tok
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import triton
@@ -356,8 +357,10 @@ def _config(R: int, E: int, N: int, K: int, quant: str, glu: bool):
 
 
 #: decode-size bf16 grouped GEMM (<= 2 rows per expert): 64-row weight tiles (H200 A/B of 2026-11-30 07:22, Kimi
-#: Linear 6.6B B1 graph replay 1.215 -> 1.200 ms against 32-row tiles; 16-row tiles 1.292)
-DECODE_BF16 = ("t", 64, 16, 0, 128, 4, 4)
+#: Linear 6.6B B1 graph replay 1.215 -> 1.200 ms against 32-row tiles; 16-row tiles 1.292).
+#: ``K3IR_MOE_DECODE_BF16=BW,BT,TAIL,BK,warps,stages`` overrides it (GPU A/Bs).
+DECODE_BF16 = ("t", *(int(v) for v in os.environ["K3IR_MOE_DECODE_BF16"].split(","))) \
+    if os.environ.get("K3IR_MOE_DECODE_BF16") else ("t", 64, 16, 0, 128, 4, 4)
 PREFILL_BF16 = ("t", 128, 128, 64, 64, 8, 4, 32)
 
 
