@@ -5,8 +5,9 @@ Kimi Linear 6.6B shapes (D 2048, 64 experts, top-8, expert I 1024, shared 1024, 
   (router_glu_front -> dispatch_front -> grouped GLU) on the same front: router outputs, offsets, inv, combine
   weights and the GLU rows must be equal bit for bit (counts of calls that differ are printed);
 * time: us per MoE step front + GLU + down (the shared-expert down gemv is the same in both paths, not included)
-  from a CUDA graph of 50 calls, and each kernel alone; then the new step, routed GLU and dispatch again with the
-  other top-k form (dispatch.TUNING rank_topk: ``*_rank`` when it is off by default).
+  from a CUDA graph of 50 calls, and each kernel alone; then both steps, routed GLU and dispatch again with the
+  other top-k form (dispatch.TUNING rank_topk, off by default: ``*_rank`` = expert ranks; ``old_step`` is the
+  production step with routed_glu off, ``new_step`` with it on).
 
     python3 bench/moe_decode_check.py [--iters 50]      # ~20-40 s on an H200 (compiles included); JSON to $OUT
 
@@ -111,6 +112,7 @@ def main() -> int:
                     rn, dn, hn, yn = old(x)
                     row[f"{tag}_agrees"] = bool(all(torch.equal(p, q) for p, q in zip((*ro, *do, ho, yo),
                                                                                      (*rn, *dn, hn, yn))))
+                    row["us"][f"old_step_{tag}"] = _graph_us(lambda x=x: old(x))
                     row["us"][f"new_step_{tag}"] = _graph_us(lambda x=x: new(x))
                     row["us"][f"routed_glu_{tag}"] = _graph_us(lambda f=f: moe_decode.routed_glu(f, w1, w3, "silu"))
                     row["us"][f"dispatch_{tag}"] = _graph_us(lambda f=f: dk.dispatch_front(f))

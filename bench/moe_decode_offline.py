@@ -67,7 +67,8 @@ def main() -> int:
     bad = 0
     for dt, xb in (("bf16", 2), ("fp32", 4)):
         p = "*" + dt
-        for R, rank in ((1, False), (2, False), (4, False), (1, True), (2, True)):
+        # rank=True at R=4 is past dispatch.RANK_TILE (not launched; compiled to show why: registers / spills)
+        for R, rank in ((1, False), (2, False), (4, False), (1, True), (2, True), (4, True)):
             cfg = moe.plan(R * K8, E, I, D, "none", True, xb)
             _, BW, BT, _, BK, warps, stages = cfg[:7]
             NSPLIT = triton.cdiv(D, 128 * triton.cdiv(D, 1024))
@@ -92,7 +93,7 @@ def main() -> int:
                     ("TAIL2", cfg[7] if len(cfg) > 7 else 0), ("ROWGRID", True), ("EP", 64)]
             bad += _run(f"grouped_gemm_t ROWGRID {dt} glu={glu} cfg={cfg}", moe.grouped_gemm_t_kernel, spec, warps,
                         stages) is None
-        for R, rank in ((1, False), (4, False), (1, True), (2, True)):   # dispatch_kernel ROUTE + NORM (dispatch_front)
+        for R, rank in ((1, False), (4, False), (1, True), (2, True), (4, True)):   # dispatch_kernel ROUTE + NORM (dispatch_front)
             RB = triton.next_power_of_2(R)
             BD = dispatch._bd(RB * 8, D)
             spec = [("x", p), ("idx", None), ("wts", None), ("base", None), ("offsets", "*i64"), ("xs", p),

@@ -118,7 +118,7 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches(monkeypatc
     # MLA (q+kv_a, out), dense (glu, down), 3 x shared down
     assert launches["rmsnorm_kernel"] == 1
     from k3ir.backends.triton import dispatch
-    # dispatch.TUNING["routed_glu"] (default on): the grouped GLU launch routes, no dispatch_kernel
+    # dispatch.TUNING["routed_glu"] (K3IR_MOE_ROUTED_GLU=1): the grouped GLU launch routes, no dispatch_kernel
     routed = dispatch.TUNING["routed_glu"]
     assert launches["router_glu_kernel"] == 3 and launches["dispatch_kernel"] == (0 if routed else 3)
     assert launches["routed_glu_kernel"] == (3 if routed else 0)

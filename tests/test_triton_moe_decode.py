@@ -35,7 +35,7 @@ def _layer(B, k, E, D, NS, I, seed):
 
 @pytest.mark.parametrize("B,k,E,D,I,act", [(1, 8, 64, 96, 32, "silu"), (3, 2, 8, 40, 24, "situ"),
                                            (4, 4, 16, 64, 16, "silu")])
-def test_routed_glu_equals_dispatch_then_grouped_glu(B, k, E, D, I, act):
+def test_routed_glu_equals_dispatch_then_grouped_glu(B, k, E, D, I, act, monkeypatch):
     """Same front (router_glu_kernel) routed twice: by dispatch_kernel (+ grouped_matmul on its sorted copy) and by
     routed_glu_kernel. Router outputs, offsets, inv, combine weights and the GLU rows must be equal bit for bit;
     expert ids and GLU rows also against float64 (RMSNorm, sigmoid router, top-k, SwiGLU / SiTU-GLU)."""
@@ -43,6 +43,7 @@ def test_routed_glu_equals_dispatch_then_grouped_glu(B, k, E, D, I, act):
     from k3ir.backends.triton import moe, moe_decode
 
     from k3ir.ops.moe import router_ref
+    monkeypatch.setitem(disp.TUNING, "routed_glu", True)
     x, nw, wr, bias, s1, s3, w1, w3 = _layer(B, k, E, D, 12, I, seed=B * 7 + k)
     args = (x, wr, bias, k, E, True, 2.5, 1e-20, (nw, 1e-5), s1, s3)
     f_old, y_old = disp.router_glu_front(*args)
@@ -72,10 +73,11 @@ def test_routed_glu_equals_dispatch_then_grouped_glu(B, k, E, D, I, act):
             assert cw2[row] == rout2[0][b, 0, j]
 
 
-def test_routed_glu_switch_and_limits():
+def test_routed_glu_switch_and_limits(monkeypatch):
     """Off with TUNING["routed_glu"] False, more than MAX_ROWS tokens, packed or float64 weights, no GLU."""
     from k3ir.backends.triton import dispatch as disp
     from k3ir.backends.triton import moe_decode
+    monkeypatch.setitem(disp.TUNING, "routed_glu", True)
     x, nw, wr, bias, s1, s3, w1, w3 = _layer(1, 2, 8, 32, 8, 16, seed=1)
     f, _ = disp.router_glu_front(x, wr, bias, 2, 8, True, 1.0, 1e-20, (nw, 1e-5), s1, s3)
     assert moe_decode.routed_supported(f, w1, w3, "silu")

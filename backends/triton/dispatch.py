@@ -39,13 +39,18 @@ from .layer_kernels import route_topk
 #: ``routed_glu``: at most moe_decode.MAX_ROWS tokens (decode), after router_glu_kernel the routed experts' grouped
 #: GLU launch routes the step itself (moe_decode.routed_glu_kernel: dispatch_kernel's routing in every program, the
 #: RMSNorm-ed x rows read from the raw rows) and dispatch_kernel is not launched: 4 launches per MoE layer instead
-#: of 5 (``K3IR_MOE_ROUTED_GLU=0``: off). Needs ``front_split``.
-#: ``rank_topk``: the decode fronts' top-k (dispatch_front, routed_glu) as expert ranks (``rank_topk``: 3 reductions
-#: instead of 3 per pick; the same picks) up to RANK_TILE (``K3IR_MOE_RANK_TOPK=1``; not measured on a GPU yet).
+#: of 5 (``K3IR_MOE_ROUTED_GLU=1``: on). Needs ``front_split``. Off: H200 2026-11-30 09:10 (Kimi Linear 6.6B B1) the
+#: kernel took 31.8 us vs 19.7 + 6.7 (GLU + dispatch), replay 1.293 vs 1.215 ms: its x tiles were loaded
+#: synchronously in every K step; they are loaded one step ahead since (not measured yet).
+#: ``rank_topk``: the decode fronts' top-k (dispatch_front, routed_glu) as expert ranks (``rank_topk``; the same
+#: picks) up to RANK_TILE (``K3IR_MOE_RANK_TOPK=1``). Off: H200 A/B of 2026-11-30 09:10 (Kimi Linear 6.6B B1, routed
+#: GLU on) replay 1.297 ms vs 1.293 with route_topk, although offline SASS of routed_glu_kernel at one token has 153
+#: bar.sync in route_topk's straight-line prologue and 5 with the ranks (plus ~340 L1-hit loads, ~1k instructions).
 TUNING: dict = {"front_split": os.environ.get("K3IR_MOE_FRONT_SPLIT", "1") != "0",
-                "routed_glu": os.environ.get("K3IR_MOE_ROUTED_GLU", "1") != "0",
+                "routed_glu": os.environ.get("K3IR_MOE_ROUTED_GLU", "0") == "1",
                 "rank_topk": os.environ.get("K3IR_MOE_RANK_TOPK", "0") == "1"}
 #: largest ``[RB, EP, EP]`` rank tile of ``rank_topk`` (RB rows, EP padded experts): larger ones keep route_topk
+#: (offline sm_90: 64 experts x 4 rows took 254-255 registers and spilled in fp32 dispatch_kernel; 2 rows 126-228)
 RANK_TILE = 8192
 
 
