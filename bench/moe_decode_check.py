@@ -3,7 +3,8 @@ Kimi Linear 6.6B shapes (D 2048, 64 experts, top-8, expert I 1024, shared 1024, 
 
 * agreement: ``iters`` random rows per batch; the routed path (router_glu_front -> routed_glu) against the old one
   (router_glu_front -> dispatch_front -> grouped GLU) on the same front: router outputs, offsets, inv, combine
-  weights and the GLU rows must be equal bit for bit (counts of calls that differ are printed);
+  weights and the GLU rows must be equal bit for bit (counts of calls that differ are printed); with routed_xn
+  (the GLU reads router_glu_kernel's normalised rows) the routing bit for bit and the GLU rows within rounding;
 * time: us per MoE step front + GLU + down (the shared-expert down gemv is the same in both paths, not included)
   from a CUDA graph of 50 calls, and each kernel alone; then both steps, routed GLU and dispatch again with the
   other top-k form (dispatch.TUNING rank_topk, off by default: ``*_rank`` = expert ranks; ``old_step`` is the
@@ -62,8 +63,8 @@ def main() -> int:
     w2 = (torch.randn(E, D, I, device=dev) * 0.02).to(dt)
     rows = []
 
-    def front(x):
-        return dk.router_glu_front(x, wr, bias, k, E, True, 2.446, 1e-20, (nw, 1e-5), s1, s3)[0]
+    def front(x, xn=False):
+        return dk.router_glu_front(x, wr, bias, k, E, True, 2.446, 1e-20, (nw, 1e-5), s1, s3, write_xn=xn)[0]
 
     def old(x):
         f = front(x)
@@ -71,15 +72,16 @@ def main() -> int:
         h = moe.grouped_matmul(xs, off, w1, w3=w3, act="silu")
         return rout, (off, inv, cw), h, moe.grouped_matmul(h, off, w2, row_scale=cw)
 
-    def new(x):
-        f = front(x)
+    def new(x, xn=False):
+        f = front(x, xn)
         rout, (off, inv, cw), h = moe_decode.routed_glu(f, w1, w3, "silu")
         return rout, (off, inv, cw), h, moe.grouped_matmul(h, off, w2, row_scale=cw)
 
     for B in (int(b) for b in a.batches.split(",")):
         row = {"B": B}
         try:
-            diff = {"router": 0, "dispatch": 0, "h": 0, "down": 0}
+            diff = {"router": 0, "dispatch": 0, "h": 0, "down": 0, "xn_routing": 0}
+            worst_xn = 0.0
             for _ in range(a.iters):
                 x = (torch.randn(B, 1, D, device=dev) * 2).to(dt)
                 ro, do, ho, yo = old(x)
@@ -88,11 +90,17 @@ def main() -> int:
                 diff["dispatch"] += not all(torch.equal(p, q) for p, q in zip(do, dn))
                 diff["h"] += not torch.equal(ho, hn)
                 diff["down"] += not torch.equal(yo, yn)
+                rx, dx, hx, _ = new(x, True)       # routed_xn: the front's normalised rows (GLU within rounding)
+                diff["xn_routing"] += not all(torch.equal(p, q) for p, q in zip((*ro, *do), (*rx, *dx)))
+                worst_xn = max(worst_xn, ((hx.float() - ho.float()).norm() / ho.float().norm()).item())
+            row["xn_h_worst_rel"] = worst_xn
             row["calls_differing"] = diff
-            print(f"B{B}: {a.iters} calls; calls that differ (want all 0): {diff}", flush=True)
+            print(f"B{B}: {a.iters} calls; calls that differ (want all 0): {diff}; routed_xn GLU rows worst rel "
+                  f"{worst_xn:.1e} (bf16 rounding of a 1-ulp rstd difference: want < 1e-2)", flush=True)
             if dev == "cuda":
                 x = (torch.randn(B, 1, D, device=dev) * 2).to(dt)
                 f = front(x)
+                fx = front(x, True)
                 _, (xs, off, _, cw), _ = dk.dispatch_front(f)
                 h = moe.grouped_matmul(xs, off, w1, w3=w3, act="silu")
                 row["us"] = {
@@ -102,6 +110,9 @@ def main() -> int:
                     "dispatch": _graph_us(lambda f=f: dk.dispatch_front(f)),
                     "grouped_glu": _graph_us(lambda xs=xs, off=off: moe.grouped_matmul(xs, off, w1, w3=w3, act="silu")),
                     "routed_glu": _graph_us(lambda f=f: moe_decode.routed_glu(f, w1, w3, "silu")),
+                    "new_step_xn": _graph_us(lambda x=x: new(x, True)),
+                    "routed_glu_xn": _graph_us(lambda fx=fx: moe_decode.routed_glu(fx, w1, w3, "silu")),
+                    "router_glu_xn": _graph_us(lambda x=x: front(x, True)),
                     "grouped_down": _graph_us(lambda h=h, off=off, cw=cw: moe.grouped_matmul(h, off, w2, row_scale=cw)),
                 }
                 saved = dk.TUNING["rank_topk"]
@@ -128,17 +139,18 @@ def main() -> int:
     if out:
         with open(os.path.join(out, "moe_decode_check.json"), "w") as fh:
             json.dump(rows, fh, indent=1)
-    print(f"\n{'B':>2} {'differ r/d/h/y':>16} {'old step':>9} {'new step':>9} {'dispatch':>9} {'grp GLU':>8} "
-          f"{'routed GLU':>10} {'down':>7} (us, CUDA graph)")
+    print(f"\n{'B':>2} {'differ r/d/h/y':>16} {'old step':>9} {'new step':>9} {'new xn':>7} {'dispatch':>9} "
+          f"{'grp GLU':>8} {'routed GLU':>10} {'routed xn':>9} {'down':>7} (us, CUDA graph)")
     for r in rows:
         if "us" not in r:
             print(f"{r['B']:>2} {r.get('error', r.get('calls_differing'))}")
             continue
         d, u = r["calls_differing"], r["us"]
         print(f"{r['B']:>2} {d['router']:>4}/{d['dispatch']}/{d['h']}/{d['down']:<7} {u['old_step']:>9.2f} "
-              f"{u['new_step']:>9.2f} {u['dispatch']:>9.2f} {u['grouped_glu']:>8.2f} {u['routed_glu']:>10.2f} "
-              f"{u['grouped_down']:>7.2f}")
-    return 0 if all("calls_differing" in r and not any(r["calls_differing"].values()) for r in rows) else 1
+              f"{u['new_step']:>9.2f} {u['new_step_xn']:>7.2f} {u['dispatch']:>9.2f} {u['grouped_glu']:>8.2f} "
+              f"{u['routed_glu']:>10.2f} {u['routed_glu_xn']:>9.2f} {u['grouped_down']:>7.2f}")
+    return 0 if all("calls_differing" in r and not any(r["calls_differing"].values()) and r["xn_h_worst_rel"] < 1e-2
+                    for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Offline sm_90 compile of the decode MoE kernels changed for issue 6 (no GPU): ``moe_decode.routed_glu_kernel``
 (the grouped GLU that routes itself, dispatch.TUNING routed_glu) for Kimi Linear 6.6B shapes (E 64, top-8, D 2048,
-I 1024) at 1..4 tokens, bf16 and float32, the ROWGRID ``grouped_gemm_t_kernel`` decode configs (GLU and down) and
+I 1024) at 1..4 tokens, bf16 and float32 (``xn``: reading router_glu_kernel's normalised rows, routed_xn), the
+router_glu_kernel with those rows stored, the ROWGRID ``grouped_gemm_t_kernel`` decode configs (GLU and down) and
 ``dispatch_kernel`` with ROUTE (its routing now in the shared ``dispatch.route_rows``). Registers, spill bytes and
 shared memory per config (ptxas -v). Use the device's Triton:
 
@@ -68,7 +69,8 @@ def main() -> int:
     for dt, xb in (("bf16", 2), ("fp32", 4)):
         p = "*" + dt
         # rank=True at R=4 is past dispatch.RANK_TILE (not launched; compiled to show why: registers / spills)
-        for R, rank in ((1, False), (2, False), (4, False), (1, True), (2, True), (4, True)):
+        for R, rank, xn in ((1, False, True), (2, False, True), (4, False, True), (1, False, False),
+                            (2, False, False), (4, False, False), (1, True, True), (2, True, True), (4, True, True)):
             cfg = moe.plan(R * K8, E, I, D, "none", True, xb)
             _, BW, BT, _, BK, warps, stages = cfg[:7]
             NSPLIT = triton.cdiv(D, 128 * triton.cdiv(D, 1024))
@@ -79,9 +81,16 @@ def main() -> int:
                     ("rsf", "fp32"), ("eps", "fp32"), ("neps", "fp32"), ("b1", "fp32"), ("b2", "fp32"),
                     ("R", 1 if R == 1 else "i32"), ("ACT", 2), ("BW", BW), ("BT", BT), ("BK", BK), ("RB", RB),
                     ("KSLOT", K8), ("KP", 8), ("EP", EP), ("RENORM", True), ("NORM", True),
-                    ("NSU", NSPLIT if RB * EP <= 1024 else 1), ("RANK", rank)]
-            bad += _run(f"routed_glu {dt} R={R} rank={rank} cfg={cfg}", moe_decode.routed_glu_kernel, spec, warps,
-                        stages) is None
+                    ("NSU", NSPLIT if RB * EP <= 1024 else 1), ("RANK", rank), ("xn", p if xn else None), ("XN", xn)]
+            bad += _run(f"routed_glu {dt} R={R} rank={rank} xn={xn} cfg={cfg}", moe_decode.routed_glu_kernel, spec,
+                        warps, stages) is None
+        for BM, BN, BK in ((1, 2, 2048), (4, 2, 512)):      # router_glu_kernel storing the normalised rows (XN)
+            bad += _run(f"router_glu xn {dt} BM{BM}", dispatch.router_glu_kernel,
+                        [("x", p), ("wr", p), ("part", "*fp32"), ("nw", p), ("pss", "*fp32"), ("w1", p), ("w3", p),
+                         ("y", p), ("R", 1 if BM == 1 else "i32"), ("D", "i32/16"), ("E", "i32/16"), ("DS", "i32/16"),
+                         ("NE", "i32"), ("NRP", "i32"), ("NS", "i32/16"), ("eps", "fp32"), ("BE", 16),
+                         ("RBK", max(8, 128 // BM)), ("BM", BM), ("BN", BN), ("BK", BK), ("xn", p), ("XN", True)],
+                        4, 1) is None
         for glu in (True, False):      # the ROWGRID decode grouped GEMM (one-round-trip prologue)
             N, KK = (I, D) if glu else (D, I)
             cfg = moe.plan(K8, E, N, KK, "none", glu, xb)

@@ -33,12 +33,14 @@ def _layer(B, k, E, D, NS, I, seed):
     return [t.to(DEV) for t in (x, nw, wr, bias, s1, s3, w1, w3)]
 
 
+@pytest.mark.parametrize("use_xn", [False, True])
 @pytest.mark.parametrize("B,k,E,D,I,act", [(1, 8, 64, 96, 32, "silu"), (3, 2, 8, 40, 24, "situ"),
                                            (4, 4, 16, 64, 16, "silu")])
-def test_routed_glu_equals_dispatch_then_grouped_glu(B, k, E, D, I, act, monkeypatch):
+def test_routed_glu_equals_dispatch_then_grouped_glu(B, k, E, D, I, act, use_xn, monkeypatch):
     """Same front (router_glu_kernel) routed twice: by dispatch_kernel (+ grouped_matmul on its sorted copy) and by
-    routed_glu_kernel. Router outputs, offsets, inv, combine weights and the GLU rows must be equal bit for bit;
-    expert ids and GLU rows also against float64 (RMSNorm, sigmoid router, top-k, SwiGLU / SiTU-GLU)."""
+    routed_glu_kernel. Router outputs, offsets, inv, combine weights must be equal bit for bit, and the GLU rows too
+    when the routed GLU norms the raw rows (xn False); with router_glu_kernel's normalised rows (xn True, one-pass
+    rstd) within fp32 rounding. Expert ids, GLU rows and those normalised rows also against float64."""
     from k3ir.backends.triton import dispatch as disp
     from k3ir.backends.triton import moe, moe_decode
 
@@ -49,16 +51,24 @@ def test_routed_glu_equals_dispatch_then_grouped_glu(B, k, E, D, I, act, monkeyp
     f_old, y_old = disp.router_glu_front(*args)
     rout, (xs, off, inv, cw), _ = disp.dispatch_front(f_old)
     h_old = moe.grouped_matmul(xs, off, w1, w3=w3, act=act)
-    f_new, y_new = disp.router_glu_front(*args)
+    f_new, y_new = disp.router_glu_front(*args, write_xn=use_xn)
+    assert (f_new.xn is not None) == use_xn
     assert moe_decode.routed_supported(f_new, w1, w3, act)
     rout2, (off2, inv2, cw2), h_new = moe_decode.routed_glu(f_new, w1, w3, act)
     assert torch.equal(y_old, y_new)
-    for a, b in zip((*rout, off, inv, cw, h_old), (*rout2, off2, inv2, cw2, h_new)):
+    for a, b in zip((*rout, off, inv, cw), (*rout2, off2, inv2, cw2)):
         assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    assert h_old.shape == h_new.shape and h_old.dtype == h_new.dtype
+    if use_xn:
+        assert rel_err(h_new.double().cpu().numpy(), h_old.double().cpu().numpy()) < (TOL_GLU if DEV == "cuda" else 1e-6)
+    else:
+        assert torch.equal(h_old, h_new)
     # independent check: float64 norm, router and GLU per slot
     xd = x.double().cpu()
     xn = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.double().cpu()).numpy()
     ww, wi, _ = router_ref(xn, wr.double().cpu().numpy(), bias.double().cpu().numpy(), k, True, 2.5, 1e-20)
+    if use_xn:
+        assert rel_err(f_new.xn.double().cpu().numpy(), xn.reshape(B, D)) < 1e-6
     assert np.array_equal(rout2[1].cpu().numpy(), wi) and rel_err(rout2[0].double().cpu().numpy(), ww) < 1e-5
     W1, W3 = w1.double().cpu().numpy(), w3.double().cpu().numpy()
     for b in range(B):
@@ -97,9 +107,10 @@ def test_routed_glu_switch_and_limits(monkeypatch):
 
 def test_whole_model_decode_with_the_routed_glu_matches_reference_and_drops_dispatch(monkeypatch):
     """A tiny Kimi Linear (3 MoE layers with a shared expert) on the triton target, float32: decode steps with
-    TUNING["routed_glu"] on (no dispatch_kernel launch: the grouped GLU routes) against the float64 reference
-    backend and bit for bit against the same steps with it off (dispatch_kernel + grouped GLU); also the step as a
-    CUDA graph runs it (static buffers, graph_ctx), emulated eagerly."""
+    TUNING["routed_glu"] on (no dispatch_kernel launch: the grouped GLU routes; with routed_xn on or off) against the
+    float64 reference backend, bit for bit against the same steps with it off (dispatch_kernel + grouped GLU) when
+    the routed GLU norms the raw rows itself; also the step as a CUDA graph runs it (static buffers, graph_ctx),
+    emulated eagerly."""
     from k3ir.backends.triton import dispatch
     from k3ir.backends.triton.graphs import GraphDecode
     from k3ir.runtime import Session
@@ -119,18 +130,23 @@ def test_whole_model_decode_with_the_routed_glu_matches_reference_and_drops_disp
     nxt = np.array([[7], [7], [300]])          # two rows alike: experts with two rows
     want, _ = ref.decode(nxt, s_ref)
     got, launches = {}, {}
-    for on in (True, False):
+    for on, xn in ((True, False), (True, True), (False, False)):
         monkeypatch.setitem(dispatch.TUNING, "routed_glu", on)
+        monkeypatch.setitem(dispatch.TUNING, "routed_xn", xn)
         res = {}
-        launches[on] = _count_launches(lambda res=res: res.update(r=tri.decode(nxt, s_tri)))
-        got[on] = res["r"][0]
-        assert rel_err(got[on].double().cpu().numpy(), want) < TOL_MODEL, on
-    assert torch.equal(got[True], got[False])
-    assert launches[True]["routed_glu_kernel"] == 3 and launches[True]["dispatch_kernel"] == 0
-    assert launches[True]["grouped_gemm_t_kernel"] == 3 and launches[True]["router_glu_kernel"] == 3
-    assert launches[False]["routed_glu_kernel"] == 0 and launches[False]["dispatch_kernel"] == 3
-    assert launches[False]["grouped_gemm_t_kernel"] == 6
+        launches[on, xn] = _count_launches(lambda res=res: res.update(r=tri.decode(nxt, s_tri)))
+        got[on, xn] = res["r"][0]
+        assert rel_err(got[on, xn].double().cpu().numpy(), want) < TOL_MODEL, (on, xn)
+    assert torch.equal(got[True, False], got[False, False])     # the routed GLU norming raw rows: the same bits
+    assert rel_err(got[True, True].double().cpu().numpy(), got[False, False].double().cpu().numpy()) < TOL_MODEL / 10
+    for key in ((True, False), (True, True)):
+        assert launches[key]["routed_glu_kernel"] == 3 and launches[key]["dispatch_kernel"] == 0
+        assert launches[key]["grouped_gemm_t_kernel"] == 3 and launches[key]["router_glu_kernel"] == 3
+        assert launches[key]["rmsnorm_kernel"] == launches[False, False]["rmsnorm_kernel"]
+    assert launches[False, False]["routed_glu_kernel"] == 0 and launches[False, False]["dispatch_kernel"] == 3
+    assert launches[False, False]["grouped_gemm_t_kernel"] == 6
     monkeypatch.setitem(dispatch.TUNING, "routed_glu", True)
+    monkeypatch.setitem(dispatch.TUNING, "routed_xn", True)
     gd = GraphDecode(exe)                      # as a CUDA graph captures it: static inputs, lengths on the device
     targs = [torch.as_tensor(nxt, device=DEV)] + [s_tri.values[n].clone() for n in s_tri.names]
     L = s_tri.length
@@ -141,7 +157,7 @@ def test_whole_model_decode_with_the_routed_glu_matches_reference_and_drops_disp
         outs = exe._run_eager("decode", static, tri.params)
     finally:
         exe.graph_ctx = None
-    assert torch.equal(outs[0], got[True])
+    assert torch.equal(outs[0], got[True, True])
 
 
 @pytest.mark.parametrize("B,k,E", [(1, 8, 64), (2, 4, 16), (1, 3, 10)])

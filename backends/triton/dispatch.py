@@ -42,13 +42,19 @@ from .layer_kernels import route_topk
 #: of 5 (``K3IR_MOE_ROUTED_GLU=1``: on). Needs ``front_split``. Off: H200 2026-11-30 09:10 (Kimi Linear 6.6B B1) the
 #: kernel took 31.8 us vs 19.7 + 6.7 (GLU + dispatch), replay 1.293 vs 1.215 ms: its x tiles were loaded
 #: synchronously in every K step; they are loaded one step ahead since (not measured yet).
+#: ``routed_xn``: with routed_glu, the shared expert's first gemv program in router_glu_kernel stores the normalised
+#: rows and the routed GLU gathers them as a direct (cp.async-pipelined) MMA operand, as the grouped GLU on a sorted
+#: copy does (rstd summed in one pass, not from the router's split sums: the GLU input may differ from
+#: dispatch_kernel's copy in the last bit; the routing does not). Off: the routed GLU norms the raw rows itself
+#: (bit-identical GLU), loading each K step's x tile one step ahead. ``K3IR_MOE_ROUTED_XN=0``: off.
 #: ``rank_topk``: the decode fronts' top-k (dispatch_front, routed_glu) as expert ranks (``rank_topk``; the same
 #: picks) up to RANK_TILE (``K3IR_MOE_RANK_TOPK=1``). Off: H200 A/B of 2026-11-30 09:10 (Kimi Linear 6.6B B1, routed
 #: GLU on) replay 1.297 ms vs 1.293 with route_topk, although offline SASS of routed_glu_kernel at one token has 153
 #: bar.sync in route_topk's straight-line prologue and 5 with the ranks (plus ~340 L1-hit loads, ~1k instructions).
 TUNING: dict = {"front_split": os.environ.get("K3IR_MOE_FRONT_SPLIT", "1") != "0",
                 "routed_glu": os.environ.get("K3IR_MOE_ROUTED_GLU", "0") == "1",
-                "rank_topk": os.environ.get("K3IR_MOE_RANK_TOPK", "0") == "1"}
+                "rank_topk": os.environ.get("K3IR_MOE_RANK_TOPK", "0") == "1",
+                "routed_xn": os.environ.get("K3IR_MOE_ROUTED_XN", "1") != "0"}
 #: largest ``[RB, EP, EP]`` rank tile of ``rank_topk`` (RB rows, EP padded experts): larger ones keep route_topk
 #: (offline sm_90: 64 experts x 4 rows took 254-255 registers and spilled in fp32 dispatch_kernel; 2 rows 126-228)
 RANK_TILE = 8192
@@ -410,7 +416,7 @@ def _rstd_rows(x, rows, mr, K, eps, BM: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _shared_glu(x, nw, w1, w3, y, rows, mr, kk, mk, K, NS, eps, g, BM: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr):
+                BK: tl.constexpr, xn=None, XN: tl.constexpr = False):
     """GLU program g of a decode MoE front: ``y[m, n] = silu(xn w1[n]) * (xn w3[n])`` for BN columns n < NS, xn the
     RMSNorm-ed rows (weight nw, rounded to x's dtype; rstd computed here), as gemv_kernel with GLU and NORM."""
     g_offs_n = g * BN + tl.arange(0, BN)
@@ -422,10 +428,18 @@ def _shared_glu(x, nw, w1, w3, y, rows, mr, kk, mk, K, NS, eps, g, BM: tl.conste
     g_xv = _x_tile(x, nw, rows, mr, kk, mk, K, g_rstd, True, x, 0, eps, 0, BM, BK)
     g_acc = tl.sum(g_xv[:, None, :] * g_wv[None, :, :], 2)
     g_acc3 = tl.sum(g_xv[:, None, :] * g_w3v[None, :, :], 2)
+    if XN:   # noqa: SIM102 (a constexpr test, then a runtime one)
+        if g == 0:      # program 0 also stores the normalised rows (moe_decode.routed_glu reads them)
+            tl.store(xn + rows.to(tl.int64)[:, None] * K + kk[None, :], g_xv.to(xn.dtype.element_ty),
+                     mask=mr[:, None] & mk[None, :])
     for g_k0 in range(BK, K, BK):
         g_kc = g_k0 + tl.arange(0, BK)
         g_mc = g_kc < K
         g_xc = _x_tile(x, nw, rows, mr, g_kc, g_mc, K, g_rstd, True, x, 0, eps, 0, BM, BK)
+        if XN:  # noqa: SIM102
+            if g == 0:
+                tl.store(xn + rows.to(tl.int64)[:, None] * K + g_kc[None, :], g_xc.to(xn.dtype.element_ty),
+                         mask=mr[:, None] & g_mc[None, :])
         g_wc = tl.load(w1 + g_wrow + g_kc[None, :], mask=g_mn[:, None] & g_mc[None, :], other=0.).to(tl.float32)
         g_acc += tl.sum(g_xc[:, None, :] * g_wc[None, :, :], 2)
         g_wc3 = tl.load(w3 + g_wrow + g_kc[None, :], mask=g_mn[:, None] & g_mc[None, :], other=0.).to(tl.float32)
@@ -437,11 +451,13 @@ def _shared_glu(x, nw, w1, w3, y, rows, mr, kk, mk, K, NS, eps, g, BM: tl.conste
 
 @triton.jit
 def router_glu_kernel(x, wr, part, nw, pss, w1, w3, y, R, D, E, DS, NE, NRP, NS, eps,
-                      BE: tl.constexpr, RBK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                      BE: tl.constexpr, RBK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      xn=None, XN: tl.constexpr = False):
     """A decode MoE front in two launches, this one first: programs pid < NRP do router_partial_kernel's work
     (expert block pid % NE, split pid // NE, all R <= BM rows; NORM: partial logits of ``x * nw`` rounded to x's
     dtype, fp32 sums, and the splits' ``sum x^2``, finished by dispatch_kernel with ROUTE and NORM), the others
-    the shared expert's SwiGLU gate/up of the RMSNorm-ed rows (``_shared_glu``, BN columns each)."""
+    the shared expert's SwiGLU gate/up of the RMSNorm-ed rows (``_shared_glu``, BN columns each; XN: its program 0
+    also stores those rows to ``xn [R, D]``)."""
     pid = tl.program_id(0)
     if pid < NRP:   # elementwise products (no tl.dot: a [16, BK] MMA tile here took 168 registers for the kernel)
         pe, sp = pid % NE, pid // NE
@@ -466,7 +482,7 @@ def router_glu_kernel(x, wr, part, nw, pss, w1, w3, y, R, D, E, DS, NE, NRP, NS,
     else:
         rows = tl.arange(0, BM)
         kk = tl.arange(0, BK)
-        _shared_glu(x, nw, w1, w3, y, rows, rows < R, kk, kk < D, D, NS, eps, pid - NRP, BM, BN, BK)
+        _shared_glu(x, nw, w1, w3, y, rows, rows < R, kk, kk < D, D, NS, eps, pid - NRP, BM, BN, BK, xn, XN)
 
 
 def split_supported(rows: int, num_experts: int, top_k: int, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
@@ -498,6 +514,7 @@ class Front:
         self.offsets = torch.empty(E + 1, device=dev, dtype=torch.int64)
         self.inv = torch.empty(B, T, k, device=dev, dtype=torch.int64)
         self.cw = torch.empty(R * k, device=dev, dtype=torch.float32)
+        self.xn = None      # the normalised rows [R, D] when router_glu_front wrote them (write_xn)
 
     def consts(self) -> dict:
         """route_rows' constexprs (RB, KSLOT, KP, EP, RENORM, NORM, NSU, RANK) for this front."""
@@ -508,9 +525,12 @@ class Front:
 
 
 def router_glu_front(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k: int, num_experts: int,
-                     renormalize: bool, scale: float, eps: float, norm, w1: torch.Tensor, w3: torch.Tensor):
+                     renormalize: bool, scale: float, eps: float, norm, w1: torch.Tensor, w3: torch.Tensor,
+                     write_xn: bool = False):
     """The first launch of ``route_glu_dispatch`` (``router_glu_kernel``). Returns (``Front``, the shared expert's
-    silu(xn w1^T) * (xn w3^T) ``[B,T,NS]`` in x's dtype)."""
+    silu(xn w1^T) * (xn w3^T) ``[B,T,NS]`` in x's dtype). ``write_xn``: the shared expert's first program also
+    stores its RMSNorm-ed rows to ``Front.xn [R, D]`` (x's dtype; its rstd is summed in one pass over the row, so it
+    may differ from dispatch_kernel's (split sums) in the last bit)."""
     B, T, D = x.shape
     E, k = num_experts, top_k
     R, NS = B * T, w1.shape[0]
@@ -532,10 +552,12 @@ def router_glu_front(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_
     part = torch.empty(NSPLIT, R, E, device=dev, dtype=torch.float32)
     pss = torch.empty(NSPLIT, R, device=dev, dtype=torch.float32)
     y = torch.empty(B, T, NS, device=dev, dtype=x.dtype)
+    xn = torch.empty(R, D, device=dev, dtype=x.dtype) if write_xn else None
     router_glu_kernel[(NE * NSPLIT + triton.cdiv(NS, BN),)](
         xx, wr.contiguous(), part, nw, pss, w1, w3, y, R, D, E, DS, NE, NE * NSPLIT, NS, neps,
-        BE=BE, RBK=RBK, BM=BM, BN=BN, BK=BK, num_warps=warps)
+        BE=BE, RBK=RBK, BM=BM, BN=BN, BK=BK, xn=xn, XN=write_xn, num_warps=warps)
     front = Front(xx, (B, T, D), nw, neps, part, pss, bias.float().contiguous(), k, E, renormalize, scale, eps)
+    front.xn = xn
     return front, y
 
 

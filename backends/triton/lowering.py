@@ -590,7 +590,8 @@ class PlanInterpreter(Interpreter):
                 if (disp_k.TUNING["routed_glu"] and self.observe is None and len(self._plan.get(id(d), ())) == 2
                         and rows <= moe_decode.MAX_ROWS):
                     # the routing is left to the GLU launch (moe_decode.routed_glu; dispatch_front if it can't)
-                    front, y = disp_k.router_glu_front(*args)
+                    front, y = disp_k.router_glu_front(*args, write_xn=disp_k.TUNING["routed_xn"])
+                    xl.value = front.xn       # (None: materialized by rmsnorm if anything else reads it)
                     rout, dout = (front.wout, front.iout, front.sout), (Routed(front), front.offsets, front.inv,
                                                                          front.cw)
                 else:

@@ -31,13 +31,15 @@ def routed_glu_kernel(x, nw, part, pss, bias, w1, w3, h, wout, iout, sout, offse
                       D, N, E, NSPLIT, rsf, eps, neps, b1, b2, R,
                       ACT: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       RB: tl.constexpr, KSLOT: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                      RENORM: tl.constexpr, NORM: tl.constexpr, NSU: tl.constexpr, RANK: tl.constexpr = False):
+                      RENORM: tl.constexpr, NORM: tl.constexpr, NSU: tl.constexpr, RANK: tl.constexpr = False,
+                      xn=None, XN: tl.constexpr = False):
     """Program (n-strip, sorted row j): route the step's R <= RB tokens (``route_rows`` on ``part [NSPLIT, R, E]``
     and ``pss [NSPLIT, R]``; NORM is always set), then, if row j is its expert e's first sorted row,
     ``h[rows of e, strip] = act(xn[rows] W1_e^T, xn[rows] W3_e^T)`` with xn = (x[token] * rstd * nw) rounded to x's
     dtype, as ``grouped_gemm_t_kernel`` (weights on the MMA's M side, BT >= rows per expert). ACT as there. Grid
     (cdiv(N, BW), R * KSLOT). Program (0, 0) stores wout/iout ``[R, KSLOT]``, sout ``[R, E]``, offsets ``[E+1]``,
-    inv ``[R, KSLOT]`` (slot -> sorted row) and cw (combine weight per sorted row), as dispatch_kernel."""
+    inv ``[R, KSLOT]`` (slot -> sorted row) and cw (combine weight per sorted row), as dispatch_kernel. XN: the
+    normalised rows are read from ``xn [R, D]`` (router_glu_kernel's, x's dtype) as a direct MMA operand instead."""
     pid_n, j = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, EP)
     r, mr, me, sg, pw, pi, valid2, slot2, rstd = route_rows(part, pss, bias, R, D, E, NSPLIT, rsf, eps, neps,
@@ -73,19 +75,27 @@ def routed_glu_kernel(x, nw, part, pss, bias, w1, w3, h, wout, iout, sout, offse
         DT: tl.constexpr = x.dtype.element_ty
         acc = tl.zeros([BW, BT], dtype=tl.float32)
         acc3 = tl.zeros([BW, BT], dtype=tl.float32)
-        # the raw x tile is not a direct MMA operand (normalised in registers), so the pipeliner leaves its load
-        # synchronous (an L2 round trip per K step: measured 31.8 us vs 19.7 for the GLU on a sorted copy): the next
-        # step's tile is loaded here, one step ahead, into registers (two steps ahead cost the weights' cp.async
-        # pipelining, offline sm_90 SASS)
-        xrow = x + tok[:, None] * D
         kk = tl.arange(0, BK)
-        xa = tl.load(xrow + kk[None, :], mask=mrow[:, None] & (kk < D)[None, :], other=0.)
-        wn = tl.load(nw + kk, mask=kk < D, other=0.)
+        xrow = x + tok[:, None] * D
+        if XN:
+            xa = tl.zeros([BT, BK], dtype=DT)      # (not used: the rows come from xn)
+            wn = tl.zeros([BK], dtype=tl.float32)
+        else:
+            # the raw x tile is not a direct MMA operand (normalised in registers), so the pipeliner leaves its load
+            # synchronous (an L2 round trip per K step: measured 31.8 us vs 19.7 for the GLU on a sorted copy): the
+            # next step's tile is loaded one step ahead into registers (two steps ahead cost the weights' cp.async
+            # pipelining, offline sm_90 SASS)
+            xa = tl.load(xrow + kk[None, :], mask=mrow[:, None] & (kk < D)[None, :], other=0.)
+            wn = tl.load(nw + kk, mask=kk < D, other=0.).to(tl.float32)
         for k0 in range(0, D, BK):
-            a = (xa.to(tl.float32) * rsr[:, None] * wn.to(tl.float32)[None, :]).to(DT)
-            kn = k0 + BK + kk
-            xa = tl.load(xrow + kn[None, :], mask=mrow[:, None] & (kn < D)[None, :], other=0.)
-            wn = tl.load(nw + kn, mask=kn < D, other=0.)
+            if XN:      # router_glu_kernel's normalised rows: a direct MMA operand (cp.async stages)
+                ka = k0 + kk
+                a = tl.load(xn + tok[:, None] * D + ka[None, :], mask=mrow[:, None] & (ka < D)[None, :], other=0.)
+            else:
+                a = (xa.to(tl.float32) * rsr[:, None] * wn[None, :]).to(DT)
+                kn = k0 + BK + kk
+                xa = tl.load(xrow + kn[None, :], mask=mrow[:, None] & (kn < D)[None, :], other=0.)
+                wn = tl.load(nw + kn, mask=kn < D, other=0.).to(tl.float32)
             wt = _w_tile_t(w1, None, None, e, n0, offs_n, k0, N, D, 0, BW, BK, DT)
             acc = tl.dot(wt, tl.trans(a), acc)
             if ACT != 0:
@@ -122,7 +132,8 @@ def routed_glu(f: Front, w1: torch.Tensor, w3: torch.Tensor, act: str = "silu", 
     """Route the front ``f`` (``dispatch.router_glu_front``) and run the routed experts' gate/up GLU in one launch
     (``routed_glu_kernel``). w1/w3 ``[E, N, D]`` (cast to x's dtype). Returns ((wout, iout, sout), (offsets, inv,
     cw), h ``[R*k, N]`` in x's dtype, rows sorted by expert): the same values as ``dispatch.dispatch_front`` and
-    ``moe.grouped_matmul(x_sorted, offsets, w1, w3=w3, act=act)``."""
+    ``moe.grouped_matmul(x_sorted, offsets, w1, w3=w3, act=act)`` (h: bit for bit when ``f.xn`` is None; with the
+    front's normalised rows (``router_glu_front(write_xn=True)``) up to their rstd's last bit)."""
     R, D = f.x.shape
     E, N, k = f.E, w1.shape[1], f.k
     w1 = w1 if w1.dtype == f.x.dtype and w1.is_contiguous() else w1.to(f.x.dtype).contiguous()
@@ -132,7 +143,8 @@ def routed_glu(f: Front, w1: torch.Tensor, w3: torch.Tensor, act: str = "silu", 
     routed_glu_kernel[(triton.cdiv(N, BW), R * k)](
         f.x, f.nw, f.part, f.pss, f.bias, w1, w3, h, f.wout, f.iout, f.sout, f.offsets, f.inv, f.cw,
         D, N, E, f.part.shape[0], float(f.scale), float(f.eps), f.neps, float(b1), float(b2), R,
-        ACT=ACT_IDS[act], BW=BW, BT=BT, BK=BK, num_warps=warps, num_stages=stages, **f.consts())
+        ACT=ACT_IDS[act], BW=BW, BT=BT, BK=BK, xn=f.xn, XN=f.xn is not None, num_warps=warps, num_stages=stages,
+        **f.consts())
     return (f.wout, f.iout, f.sout), (f.offsets, f.inv, f.cw), h
 
 
