@@ -404,6 +404,8 @@ def section_decode(model, batch, small, prompt=64):
     for name, mod, key in (("MoE routing in the grouped GLU launch (dispatch.TUNING routed_glu)", dispatch.TUNING,
                             "routed_glu"),
                            ("MoE top-k as expert ranks (dispatch.TUNING rank_topk)", dispatch.TUNING, "rank_topk"),
+                           ("routed GLU reads the front's normed rows (dispatch.TUNING routed_xn)", dispatch.TUNING,
+                            "routed_xn"),
                            ("MoE front in two launches (dispatch.TUNING front_split)", dispatch.TUNING, "front_split"),
                            ("KDA low-rank up-proj in kda_decode (executable.TUNING lowrank_in_decode)",
                             executable.TUNING, "lowrank_in_decode")):
