@@ -71,14 +71,20 @@ def _compile(fn, names, types, const, warps, stages, maxnreg=None):
                 f.write(ck.asm["cubin"])
             SASS["text"] = subprocess.run([os.path.join(os.path.dirname(_ptxas()), "cuobjdump"), "-sass", cub],
                                           check=False, capture_output=True, text=True).stdout
+    return (*ptxas_stats(ck.asm["ptx"]), ck.metadata.shared)
+
+
+def ptxas_stats(ptx: str) -> tuple[int, int]:
+    """(registers, spill-store bytes) that ``ptxas -v`` reports for ``ptx`` on sm_90a (-1 where it says nothing)."""
+    with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.ptx")
         with open(p, "w") as f:
-            f.write(ck.asm["ptx"])
+            f.write(ptx)
         out = subprocess.run([_ptxas(), "-v", "--gpu-name", "sm_90a", p, "-o", os.path.join(d, "k.cubin")],
                              check=False, capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", out)
     spill = re.search(r"(\d+) bytes spill stores", out)
-    return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1, ck.metadata.shared
+    return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1
 
 
 def akk(bk=32, warps=8, gate=0, order="strip", stages=1, inv_dots=True, ip="ieee", gpre=True, h=32, maxnreg=None,

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton
 from k3ir.backends.triton import dispatch, moe, moe_decode
-from kda_regs_offline import _ptxas
+from kda_regs_offline import ptxas_stats
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -29,9 +29,6 @@ SMEM = 232448
 def _compile(fn, spec, warps, stages):
     """triton.compile for sm_90 with the launcher's specialisation: pointers and ``"i32/16"`` integers (values
     divisible by 16) carry tt.divisibility 16; then ptxas -v. Returns (registers, spill bytes, shared memory)."""
-    import re
-    import subprocess
-    import tempfile
     sig, const, attrs = {}, {}, {}
     for n, t in spec:
         if isinstance(t, str):
@@ -42,15 +39,7 @@ def _compile(fn, spec, warps, stages):
             sig[n], const[n] = "constexpr", t
     ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=TGT,
                         options={"num_warps": warps, "num_stages": stages})
-    with tempfile.TemporaryDirectory() as d:
-        p = os.path.join(d, "k.ptx")
-        with open(p, "w") as f:
-            f.write(ck.asm["ptx"])
-        out = subprocess.run([_ptxas(), "-v", "--gpu-name", "sm_90a", p, "-o", os.path.join(d, "k.cubin")],
-                             check=False, capture_output=True, text=True).stderr
-    regs = re.search(r"Used (\d+) registers", out)
-    spill = re.search(r"(\d+) bytes spill stores", out)
-    return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1, ck.metadata.shared
+    return (*ptxas_stats(ck.asm["ptx"]), ck.metadata.shared)
 
 
 def _run(label, fn, spec, warps, stages):
