@@ -15,10 +15,10 @@ spills is the first suspect when it runs far below both ceilings).
 replay time and a kernel table of one replay. ``prefill``: per shape, a warm-up of the same shape,
 the wall time and the same two tables. ``gemv``: the decode gemv at each Kimi Linear shape over a few
 launch configs (us per launch in a CUDA graph, TB/s, best config). ``decode`` also checks one graph
-step's logits against the eager step, times the replay with each decode switch off alone (MoE front in one
-launch, KDA low-rank up-projections in kda_decode; ``K3IR_DIAG_AB=0`` skips) and, with ``K3IR_DIAG_PDL=1``, with
-the gemv kernels launched with programmatic dependent launch (gemv.PDL, slower on the H200). ``front``: the one-launch MoE front against the three-launch path (agreement over
-many calls, us per call). ``compiles``: distinct Triton specialisations (cold-cache compiles)
+step's logits against the eager step, times the replay with each decode switch flipped alone (routed GLU, top-k
+by ranks, two-launch front, KDA low-rank up-projections in kda_decode, decode GEMM tiles; ``K3IR_DIAG_AB=0``
+skips) and with programmatic dependent launch flipped (gemv.PDL, on by default; ``K3IR_DIAG_PDL=0`` skips).
+``front``: the two-launch MoE front against the three-launch path (agreement over many calls, us per call). ``compiles``: distinct Triton specialisations (cold-cache compiles)
 of the prefill shapes and decode B1/B32 (``TRITON_INTERPRET=1 ... --sections compiles --small --prefill 1x64,2x32``).
 """
 from __future__ import annotations
@@ -437,15 +437,17 @@ def section_decode(model, batch, small, prompt=64):
         finally:
             moe.DECODE_BF16 = base
             exe._graph = None
-    if not gemv.PDL and os.environ.get("K3IR_DIAG_PDL", "0") == "1":
-        # programmatic dependent launch of the gemv kernels (gemv.PDL): a fresh capture, same checks
-        gemv.PDL = True
+    if os.environ.get("K3IR_DIAG_PDL", "1") == "1":
+        # programmatic dependent launch of the decode kernels (gemv.PDL) flipped: a fresh capture, same checks
+        pdl = gemv.PDL
+        gemv.PDL = not pdl
         try:
             ms, st = _recapture_replay_ms(sess, exe, st, nxt)
-            print(f"graph replay alone, gemv with PDL: {ms:.3f} ms", flush=True)
-            _graph_vs_eager(sess, exe, st, nxt, "PDL ")
+            print(f"graph replay alone, programmatic dependent launch {'off' if pdl else 'on'}: {ms:.3f} ms",
+                  flush=True)
+            _graph_vs_eager(sess, exe, st, nxt, "PDL flipped: ")
         finally:
-            gemv.PDL = False
+            gemv.PDL = pdl
             exe._graph = None
 
 
@@ -562,6 +564,7 @@ def section_gemv(reps=50):
         nw = torch.ones(K, device=dev, dtype=bf)
         res = tuple(torch.randn(1, N, device=dev, dtype=bf) for _ in range(nres))
         ref = None
+        pdl = gemv.PDL
         for cfg in GEMV_CONFIGS + ["PDL"]:
             gemv.CONFIG = None if cfg == "PDL" else cfg
             gemv.PDL = cfg == "PDL"      # the default config as a chain of programmatic dependent launches
@@ -594,7 +597,7 @@ def section_gemv(reps=50):
                 print(f"{label} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             finally:
                 gemv.CONFIG = None
-                gemv.PDL = False
+                gemv.PDL = pdl
         ws = w3s = None
         torch.cuda.empty_cache()
     print(f"\n{'gemv shape':<28} {'config (BN,BK,W)':<18} {'us':>7} {'TB/s':>6} {'rel err':>8}")

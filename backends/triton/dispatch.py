@@ -39,9 +39,10 @@ from .layer_kernels import route_topk
 #: ``routed_glu``: at most moe_decode.MAX_ROWS tokens (decode), after router_glu_kernel the routed experts' grouped
 #: GLU launch routes the step itself (moe_decode.routed_glu_kernel: dispatch_kernel's routing in every program, the
 #: RMSNorm-ed x rows read from the raw rows) and dispatch_kernel is not launched: 4 launches per MoE layer instead
-#: of 5 (``K3IR_MOE_ROUTED_GLU=1``: on). Needs ``front_split``. Off: H200 2026-11-30 09:10 (Kimi Linear 6.6B B1) the
-#: kernel took 31.8 us vs 19.7 + 6.7 (GLU + dispatch), replay 1.293 vs 1.215 ms: its x tiles were loaded
-#: synchronously in every K step; they are loaded one step ahead since (not measured yet).
+#: of 5 (``K3IR_MOE_ROUTED_GLU=0``: off). Needs ``front_split``. On: H200 2026-11-30 09:41 (Kimi Linear 6.6B B1,
+#: with PDL and routed_xn) 873 tok/s, replay 1.126 ms, against 844 / 1.168 with it off (routed_glu_kernel with
+#: routed_xn 22.7 us vs 19.1 + 6.4 for GLU + dispatch). The first version (09:10: x tiles loaded synchronously in
+#: every K step) took 31.8 us.
 #: ``routed_xn``: with routed_glu, the shared expert's first gemv program in router_glu_kernel stores the normalised
 #: rows and the routed GLU gathers them as a direct (cp.async-pipelined) MMA operand, as the grouped GLU on a sorted
 #: copy does (rstd summed in one pass, not from the router's split sums: the GLU input may differ from
@@ -52,7 +53,7 @@ from .layer_kernels import route_topk
 #: GLU on) replay 1.297 ms vs 1.293 with route_topk, although offline SASS of routed_glu_kernel at one token has 153
 #: bar.sync in route_topk's straight-line prologue and 5 with the ranks (plus ~340 L1-hit loads, ~1k instructions).
 TUNING: dict = {"front_split": os.environ.get("K3IR_MOE_FRONT_SPLIT", "1") != "0",
-                "routed_glu": os.environ.get("K3IR_MOE_ROUTED_GLU", "0") == "1",
+                "routed_glu": os.environ.get("K3IR_MOE_ROUTED_GLU", "1") != "0",
                 "rank_topk": os.environ.get("K3IR_MOE_RANK_TOPK", "0") == "1",
                 "routed_xn": os.environ.get("K3IR_MOE_ROUTED_XN", "1") != "0"}
 #: largest ``[RB, EP, EP]`` rank tile of ``rank_topk`` (RB rows, EP padded experts): larger ones keep route_topk
