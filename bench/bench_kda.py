@@ -15,7 +15,6 @@ last and writes JSON.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -424,21 +423,10 @@ def _acc_inputs(case, seed=5):
 
 
 def _ref64(x, lb, cu):
-    """float64 token recurrence on the GPU (the torch backend's ``kda_recurrent``), per sequence."""
-    from k3ir.backends.torch.ops import kda_recurrent as rec
-    q, k = x["q"].double(), x["k"].double()
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    H, K = k.shape[-2:]
-    a = torch.exp(x["A_log"].double())[:, None]
-    xg = x["g"].double() + x["dt_bias"].double().reshape(H, K)
-    gl = lb * torch.sigmoid(a * xg) if lb is not None else -a * torch.nn.functional.softplus(xg)
-    b, v, h0 = torch.sigmoid(x["beta"].double()), x["v"].double(), x["h0"].double()
-    if cu is None:
-        return rec(q, k, v, gl, b, K ** -0.5, h0)
-    outs = [rec(q[:, s:e], k[:, s:e], v[:, s:e], gl[:, s:e], b[:, s:e], K ** -0.5, h0[i:i + 1]) if e > s
-            else (v[:, s:e], h0[i:i + 1]) for i, (s, e) in enumerate(itertools.pairwise(cu))]
-    return torch.cat([o for o, _ in outs], 1), torch.cat([S for _, S in outs], 0)
+    """float64 token recurrence on the GPU (the torch backend's ``kda_reference64``), per sequence."""
+    from k3ir.backends.torch.ops import kda_reference64
+    return kda_reference64(*(x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), lower_bound=lb,
+                           initial_state=x["h0"], cu_seqlens=cu)
 
 
 def acc_rows(args, rows, save, kda_forward_kernels):

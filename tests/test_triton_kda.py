@@ -85,6 +85,20 @@ def ref_torch64(q, k, v, g, beta, A_log, dt_bias, lb, h0):
     return torch.stack(outs, 1), S
 
 
+@pytest.mark.parametrize("lb", [-5.0, None])
+@pytest.mark.parametrize("cu", [None, [0, 5, 5, 13]])
+def test_torch_reference64_equals_numpy_reference(lb, cu):
+    """The float64 torch reference used at GPU sizes (``kda_reference64``) against the NumPy one (SPEC.md 3.3-3.5),
+    with an initial state, variable lengths and an empty sequence."""
+    from k3ir.backends.torch.ops import kda_reference64
+    x = make(1 if cu else 2, 13, 2, 16, lb=lb, seed=3, h0=True, N=3 if cu else None)
+    o, S = kda_reference64(*(x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), lower_bound=lb,
+                           initial_state=x["h0"], cu_seqlens=cu)
+    o_r, s_r = ref_np(x, cu)
+    assert o.dtype == torch.float64 and tuple(o.shape) == o_r.shape and tuple(S.shape) == s_r.shape
+    assert np.abs(o.cpu().numpy() - o_r).max() < 1e-12 and np.abs(S.cpu().numpy() - s_r).max() < 1e-12
+
+
 def run(x, **kw):
     return kda_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], lower_bound=x["lb"],
                        initial_state=x["h0"], output_final_state=True, **kw)
@@ -438,28 +452,10 @@ def test_backend_registered_and_says_why_not():
 
 # ---- GPU: real sizes, bf16, fla's tolerances --------------------------------------------
 def _ref_torch_gpu(x, cu=None):
-    """float64 on the GPU, chunk by token (the torch backend's recurrence), for big sizes."""
-    from k3ir.backends.torch.ops import kda_recurrent as rec
-    q, k = x["q"].double(), x["k"].double()
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    H, K = k.shape[-2:]
-    a = torch.exp(x["A_log"].double())[:, None]
-    xg = x["g"].double() + x["dt_bias"].double().reshape(H, K)
-    gl = x["lb"] * torch.sigmoid(a * xg) if x["lb"] is not None else -a * torch.nn.functional.softplus(xg)
-    b = torch.sigmoid(x["beta"].double())
-    v = x["v"].double()
-    h0 = x["h0"].double() if x["h0"] is not None else None
-    if cu is None:
-        return rec(q, k, v, gl, b, K ** -0.5, h0)
-    os_, ss = [], []
-    for i in range(len(cu) - 1):
-        s, e = cu[i], cu[i + 1]
-        o, S = rec(q[:, s:e], k[:, s:e], v[:, s:e], gl[:, s:e], b[:, s:e], K ** -0.5,
-                   None if h0 is None else h0[i:i + 1])
-        os_.append(o)
-        ss.append(S)
-    return torch.cat(os_, 1), torch.cat(ss, 0)
+    """float64 on the GPU, token by token (the torch backend's ``kda_reference64``), for big sizes."""
+    from k3ir.backends.torch.ops import kda_reference64
+    return kda_reference64(*(x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), lower_bound=x["lb"],
+                           initial_state=x["h0"], cu_seqlens=cu)
 
 
 @pytest.mark.gpu

@@ -182,6 +182,38 @@ def kda_chunked(q, k, v, g, beta, scale: float, S=None, chunk: int = 64):
     return torch.cat(outs, dim=1).to(dt), S
 
 
+def kda_reference64(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, initial_state=None, cu_seqlens=None):
+    """float64 token recurrence of KDA from ``kda_forward``'s raw inputs (an independent check for the fused
+    kernels, on whatever device the inputs live): q, k ``[B, T, H, K]`` L2-normalised (eps 1e-6), the gate from
+    the raw pre-activation ``g`` (``lower_bound * sigmoid(exp(A_log) (g + dt_bias))``, or
+    ``-exp(A_log) softplus(g + dt_bias)`` when ``lower_bound`` is None; SPEC.md 3.3), beta = sigmoid(beta),
+    scale K^-0.5. ``cu_seqlens`` (batch 1): each sequence from its own ``initial_state`` row. Returns (o
+    ``[B, T, H, V]``, final state ``[N, H, K, V]``), float64."""
+    q, k = q.double(), k.double()
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    H, K = k.shape[-2:]
+    a = torch.exp(A_log.double())[:, None]
+    xg = g.double() + dt_bias.double().reshape(H, K)
+    gl = lower_bound * torch.sigmoid(a * xg) if lower_bound is not None else -a * torch.nn.functional.softplus(xg)
+    b, v = torch.sigmoid(beta.double()), v.double()
+    h0 = initial_state.double() if initial_state is not None else None
+    if cu_seqlens is None:
+        return kda_recurrent(q, k, v, gl, b, K ** -0.5, h0)
+    os_, ss = [], []
+    for i in range(len(cu_seqlens) - 1):
+        s, e = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
+        S0 = None if h0 is None else h0[i:i + 1]
+        if e > s:
+            o, S = kda_recurrent(q[:, s:e], k[:, s:e], v[:, s:e], gl[:, s:e], b[:, s:e], K ** -0.5, S0)
+        else:       # an empty sequence: no output rows, its state unchanged
+            o = v[:, s:e]
+            S = S0 if S0 is not None else v.new_zeros(1, H, K, v.shape[-1])
+        os_.append(o)
+        ss.append(S)
+    return torch.cat(os_, 1), torch.cat(ss, 0)
+
+
 def kda_recurrent(q, k, v, g, beta, scale: float, S=None):
     """Token-by-token KDA in fp32 (decode, T small)."""
     dt = v.dtype
