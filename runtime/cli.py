@@ -25,6 +25,19 @@ class UsageError(K3Error):
     """Bad command-line input."""
 
 
+def check_prompt(text: str, flag: str = "--prompt") -> str:
+    """``text`` when it encodes as UTF-8, else UsageError naming ``flag`` and the first bad byte.
+    Python decodes argv bytes that are not UTF-8 to lone surrogates (surrogateescape); they are
+    refused rather than fed to the tokenizer, so every tokenizer sees the same valid text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"lone surrogate U+{c:04X}"
+        raise UsageError(f"{flag} is not valid UTF-8 text ({what} at character {e.start}); pass UTF-8 text") from None
+    return text
+
+
 def model_arg(p: argparse.ArgumentParser, default: str = "kimi-k3") -> None:
     p.add_argument("model", nargs="?", default=default, metavar="MODEL",
                    help=f"config.json path, checkpoint directory, bundled name or .k3 IR file (default: {default})")
@@ -271,7 +284,7 @@ def cmd_run(args) -> int:
     _step(con, "2. compiled", f" {args.tiny} for target '{exe.target}' "
               f"({len(tiny.params)} tensors, {report(tiny).params_total:,} parameters, random init seed "
               f"{args.seed}) in {time.perf_counter() - t1:.2f} s")
-    prompt = args.prompt.encode("utf-8")
+    prompt = check_prompt(args.prompt).encode("utf-8")
     ids = np.array([[tiny.attrs.get("bos_token_id", 256)] + list(prompt)], dtype=np.int64)
     t2 = time.perf_counter()
     out = sess.generate(ids, max_new_tokens=args.max_new_tokens, temperature=0.0)

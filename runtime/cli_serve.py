@@ -6,7 +6,7 @@ import errno
 import socket
 import sys
 
-from .cli import UsageError, device_type, load_model, model_arg, quiet_stdout
+from .cli import UsageError, check_prompt, device_type, load_model, model_arg, quiet_stdout
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -58,6 +58,7 @@ def cmd_generate(args) -> int:
     from .tokenizer import IncrementalDecoder
     if args.prompt is None:
         raise UsageError("generate needs --prompt TEXT")
+    check_prompt(args.prompt)                        # before the model loads
     _, tok, engine = _setup(args)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed, stop_token_ids=list(tok.stop_ids))

@@ -64,21 +64,36 @@ UNSUPPORTED: dict[str, tuple] = {
     "stream_options": (None,), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
 }
-#: OpenAI fields accepted and ignored: ``user`` only identifies the end user to the API provider
-IGNORED = frozenset({"user"})
+#: OpenAI fields accepted and ignored without a schema (``user``, which only identifies the end user to
+#: the API provider, is a declared field so that its type is checked)
+IGNORED: frozenset[str] = frozenset()
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")     # extra fields are checked by check_fields (400 naming them)
+    # strict: a wrong JSON type is a 400 naming the field ("2" or true for max_tokens, "yes" for stream),
+    # never silently coerced; JSON integers are still accepted for float fields. Extra fields are checked
+    # by check_fields (400 naming them).
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=0)
     seed: int | None = Field(default=None, ge=0, lt=2 ** 63)
     stop: str | list[str] | None = None
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1)
+    user: str | None = None          # accepted and ignored
+
+
+def check_text(text: str, param: str) -> None:
+    """APIError 400 naming ``param`` when ``text`` cannot be encoded as UTF-8 (a lone surrogate such
+    as ``"\\ud800"``, which JSON can spell but no tokenizer can encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} holds a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}, "
+                            "which is not valid Unicode text (send a UTF-8 string)", "invalid_request", param) from None
 
 
 class CompletionRequest(_Common):
@@ -86,7 +101,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)     # an unknown key in a message is a 400
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
 
@@ -343,6 +358,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
     async def completions(body: CompletionRequest):
         check_fields(body)
         if isinstance(body.prompt, str):
+            check_text(body.prompt, "prompt")
             ids = tokenizer.encode(body.prompt)
         else:
             ids = list(body.prompt)
@@ -358,6 +374,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
                 raise APIError(400, f"max_tokens {body.max_tokens} and max_completion_tokens "
                                     f"{body.max_completion_tokens} disagree (give one)", "invalid_request", "max_tokens")
             body.max_tokens = body.max_completion_tokens
+        for i, m in enumerate(body.messages):
+            check_text(m.content, f"messages.{i}.content")
         try:
             ids = tokenizer.chat([m.model_dump() for m in body.messages])
         except (TemplateError, TypeError, KeyError, ValueError) as e:   # the checkpoint's template failed

@@ -206,3 +206,51 @@ def test_short_loopback_load_test():
     assert rep["errors"] == 0, rep["error_samples"]
     assert rep["requests"] > 0 and set(rep["latency_s"]) >= {"p50", "p90", "p99"}
     assert rep["server"]["pool"]["referenced"] == 0
+
+
+def test_lone_surrogate_prompt_is_a_400_naming_it(client):
+    # S5-1: JSON can spell a lone surrogate; no tokenizer can encode it
+    r = client.post("/v1/completions", content=b'{"prompt": "ab\\ud800", "max_tokens": 2}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and "U+D800 at character 2" in err["message"]
+    r = client.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
+
+
+def test_generate_refuses_a_prompt_that_is_not_utf8(capsys):
+    from conftest import one_line_error, run_cli
+    bad = b"\xff\xfeab".decode("utf-8", "surrogateescape")       # how Python hands such argv bytes over
+    rc, _, err = run_cli(capsys, "generate", "k3-tiny", "--prompt", bad, "--max-tokens", "2")
+    assert rc == 2 and "--prompt is not valid UTF-8 text (byte 0xff at character 0)" in one_line_error(err)
+
+
+@pytest.mark.parametrize("extra,param,msg", [
+    ({"max_tokens": "2"}, "max_tokens", "valid integer"),
+    ({"max_tokens": True}, "max_tokens", "valid integer"),
+    ({"max_tokens": 1e30}, "max_tokens", "valid integer"),
+    ({"stream": "yes"}, "stream", "valid boolean"),
+    ({"user": 5}, "user", "valid string"),
+    ({"seed": "3"}, "seed", "valid integer"),
+    ({"temperature": float("nan")}, "temperature", "finite number"),
+    ({"top_p": float("inf")}, "top_p", "finite number"),
+])
+def test_wrong_json_types_are_not_coerced(client, extra, param, msg):
+    # S5-2: pydantic strict mode: a wrong type is a 400 naming the field, never a silent conversion
+    body = json.dumps({"prompt": "a", "max_tokens": 2, **extra}).encode()     # json writes NaN/Infinity
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(f"{param}: ") and msg in err["message"], err
+
+
+def test_float_fields_take_json_integers_and_unknown_message_keys_are_refused(client):
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "temperature": 0, "top_p": 1})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "hi", "foo": "bar"}], "max_tokens": 2})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "messages.0.foo" and "Extra inputs are not permitted" in err["message"], err
