@@ -73,6 +73,8 @@ def _check_attrs(op: Operation, cls: type[Op], where: str) -> None:
                                 f"got {type(v).__name__}")
         if finite and _nonfinite(v):
             raise K3VerifyError(f"{where}: attribute {k}={v!r} must be finite")
+        if (k == "eps" or k.endswith("_eps")) and isinstance(v, numbers.Real) and not v > 0:
+            raise K3VerifyError(f"{where}: {k} must be > 0, got {v!r}")
 
 
 def verify_op(op: Operation, fn: Function | None = None, module: Module | None = None) -> None:
@@ -141,6 +143,53 @@ def verify_module(m: Module) -> None:
             if body is not None and body not in m.functions:
                 raise K3VerifyError(f"{_where(fn, op)}: body function @{body} is not defined")
     _check_layer_attrs(m)
+    _check_model_attrs(m)
+
+
+def _module_where(m: Module) -> str:
+    loc = getattr(m, "loc", None)
+    return f"{loc}: " if loc is not None else ""
+
+
+def _check_model_attrs(m: Module) -> None:
+    """The module attributes ``vocab_size`` (the rows of every ``k3.embedding`` / ``k3.lm_head`` weight),
+    ``num_experts`` (the rows of every ``k3.router`` weight) and ``top_k`` (every router's ``top_k``)
+    are positive ints that agree with the body where the body has such ops. Raises K3VerifyError
+    naming the attribute (and the op that disagrees)."""
+    where = _module_where(m)
+    for key in ("vocab_size", "num_experts", "top_k"):
+        v = m.attrs.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v <= 0:
+            raise K3VerifyError(f"{where}module attribute {key}={v!r} must be a positive int")
+    vocab, n_exp, top_k = (m.attrs.get(k) for k in ("vocab_size", "num_experts", "top_k"))
+    if top_k is not None and n_exp is not None and top_k > n_exp:
+        raise K3VerifyError(f"{where}module attribute top_k={top_k} exceeds num_experts={n_exp}")
+    for fn in m.functions.values():
+        for op in fn.ops:
+            if op.name in ("k3.embedding", "k3.lm_head") and vocab is not None and len(op.operands) > 1:
+                rows = _rows(op.operands[1].type)
+                if rows is not None and rows != vocab:
+                    raise K3VerifyError(f"{_where(fn, op)}: weight has {rows} rows but module attribute "
+                                        f"vocab_size={vocab}")
+            elif op.name == "k3.router" and len(op.operands) > 1:
+                rows = _rows(op.operands[1].type)
+                if n_exp is not None and rows is not None and rows != n_exp:
+                    raise K3VerifyError(f"{_where(fn, op)}: router weight has {rows} experts but module "
+                                        f"attribute num_experts={n_exp}")
+                k = op.attrs.get("top_k")
+                if top_k is not None and k is not None and k != top_k:
+                    raise K3VerifyError(f"{_where(fn, op)}: top_k={k} but module attribute top_k={top_k}")
+
+
+def _rows(t) -> int | None:
+    if isinstance(t, TensorType) and t.rank >= 1:
+        try:
+            return int(str(t.shape[0]))
+        except ValueError:
+            return None
+    return None
 
 
 #: module attribute -> the ops that make a decoder layer one of that kind

