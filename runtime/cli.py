@@ -25,6 +25,17 @@ class UsageError(K3Error):
     """Bad command-line input."""
 
 
+#: seeds every command (and the server's ``seed`` field) accepts: 0 <= seed < 2**63
+SEED_LIMIT = 2 ** 63
+
+
+def check_seed(value: int | None, flag: str = "--seed") -> None:
+    """UsageError unless ``value`` is None or in 0..2**63-1 (the range of generate, serve, train and
+    the server's ``seed`` request field)."""
+    if value is not None and not 0 <= value < SEED_LIMIT:
+        raise UsageError(f"{flag} must be >= 0 and < 2**63, got {value}")
+
+
 def check_prompt(text: str, flag: str = "--prompt") -> str:
     """``text`` when it encodes as UTF-8, else UsageError naming ``flag`` and the first bad byte.
     Python decodes argv bytes that are not UTF-8 to lone surrogates (surrogateescape); they are
@@ -263,6 +274,7 @@ def cmd_run(args) -> int:
     from k3ir.accounting import report
     if args.max_new_tokens < 1:                 # as `generate --max-tokens` (checked before the big model loads)
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_seed(args.seed)
     con = console()
     t0 = time.perf_counter()
     big = k3ir.load(args.model, overrides=parse_overrides(args.overrides))

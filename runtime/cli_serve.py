@@ -6,7 +6,7 @@ import errno
 import socket
 import sys
 
-from .cli import UsageError, check_prompt, device_type, load_model, model_arg, quiet_stdout
+from .cli import UsageError, check_prompt, check_seed, device_type, load_model, model_arg, quiet_stdout
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +37,8 @@ def _setup(args):
     from .cli_compile import check_dtype
     from .engine import build_engine, engine_size_problem
     from .tokenizer import load_tokenizer
+    check_seed(args.init_seed, "--init-seed")
+    check_seed(getattr(args, "seed", None))
     why = engine_size_problem(args.block_size, args.num_blocks, args.max_batch, names=_SIZE_FLAGS)
     if why:                                              # before the model loads and compiles
         raise UsageError(why)

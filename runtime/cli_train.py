@@ -115,6 +115,8 @@ def _config(args, meta: dict | None):
         v = getattr(args, flag)
         if isinstance(v, float) and not math.isfinite(v):
             raise K3RuntimeError(f"--{flag.replace('_', '-')} must be a finite number, got {v}")
+    from .cli import check_seed
+    check_seed(args.seed)
     for flag in ("weight_decay", "clip", "router_lr_scale", "warmup"):
         v = getattr(args, flag)
         if v is not None and v < 0:
