@@ -441,10 +441,12 @@ def build_config(raw: dict, path: str | None = None, name: str | None = None,
         raise K3ConfigError("must be an object", key="vision_config", path=path)
     q_lora = r.get("q_lora_rank", int, None, lo=1, allow_none=True)
     eps = r.eps("rms_norm_eps", 1e-6)
+    vocab = r.get("vocab_size", int, lo=1)
+    _check_token_ids(raw, text, prefix, path, vocab)
     return ModelConfig(
         name=name or os.path.splitext(os.path.basename(path or "model"))[0],
         model_type=model_type, key_prefix=kp,
-        vocab_size=r.get("vocab_size", int, lo=1), hidden_size=hidden, num_hidden_layers=n_layers,
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=n_layers,
         rms_norm_eps=eps,
         tie_word_embeddings=r.get("tie_word_embeddings", bool, False),
         dtype=_DTYPES[dtype_name],
@@ -474,6 +476,27 @@ def build_config(raw: dict, path: str | None = None, name: str | None = None,
         attn_res_block_size=block, expert_quant=quant, quant_ignore=ignore,
         media_placeholder_token_id=raw.get("media_placeholder_token_id"),
         vision=vision, raw=raw, path=path)
+
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id")
+
+
+def _check_token_ids(raw: dict, text: dict, prefix: str, path: str | None, vocab: int) -> None:
+    """Special token ids (in ``text_config`` and at the top level; ``eos_token_id`` may be a list; null
+    means none) are ints in ``0..vocab_size-1``. Raises K3ConfigError naming the dotted key."""
+    places = [(text, prefix)] + ([(raw, "")] if raw is not text else [])
+    for d, pre in places:
+        for k in TOKEN_ID_KEYS:
+            v = d.get(k)
+            if v is None:
+                continue
+            vals = v if k == "eos_token_id" and isinstance(v, list) else [v]
+            for x in vals:
+                if not isinstance(x, int) or isinstance(x, bool):
+                    raise K3ConfigError(f"must be an int token id, got {type(x).__name__} {x!r}",
+                                        key=pre + k, path=path)
+                if not 0 <= x < vocab:
+                    raise K3ConfigError(f"must be in 0..{vocab - 1}, got {x}", key=pre + k, path=path)
 
 
 def _linear_attn_config(text: dict, r: _Reader, n_layers: int) -> dict:

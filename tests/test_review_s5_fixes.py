@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import one_line_error, run_cli
+from conftest import one_line_error, run_cli, tiny_config_file
 
 import k3ir
 from k3ir.errors import K3VerifyError
@@ -83,3 +83,28 @@ def test_module_attributes_against_body(tiny_text, key, value, msg):
 def test_bundled_models_verify():
     for name in ("k3-tiny", "kimi-linear-6p6b"):
         k3ir.verify_module(k3ir.load(name))
+
+
+# ---- S5-4: special token ids are range-checked at load ---------------------------------------------------
+@pytest.mark.parametrize("section,key,value,msg", [
+    ("text_config", "bos_token_id", -1, "must be in 0..259, got -1"),
+    ("text_config", "bos_token_id", 5000, "must be in 0..259, got 5000"),
+    ("text_config", "eos_token_id", 999, "must be in 0..259, got 999"),
+    ("text_config", "eos_token_id", [257, 260], "must be in 0..259, got 260"),
+    ("text_config", "pad_token_id", 9999, "must be in 0..259, got 9999"),
+    ("text_config", "pad_token_id", "x", "must be an int token id, got str 'x'"),
+    ("", "media_placeholder_token_id", 5000, "must be in 0..259, got 5000"),
+    ("", "eos_token_id", 260, "must be in 0..259, got 260"),
+])
+def test_special_token_ids_range_checked(capsys, tmp_path, section, key, value, msg):
+    bad = tiny_config_file(tmp_path, section, key, value)
+    rc, out, err = run_cli(capsys, "inspect", bad, "--json")
+    assert rc == 2 and out == ""
+    dotted = f"{section}.{key}" if section else key
+    assert one_line_error(err) == f"k3ir: error: {bad}: key '{dotted}': {msg}"
+
+
+def test_special_token_ids_valid_edges(tmp_path):
+    cfg = k3ir.load(tiny_config_file(tmp_path, "text_config", "eos_token_id", [0, 259])).config
+    assert cfg.eos_token_id == [0, 259]
+    assert k3ir.load(tiny_config_file(tmp_path, "text_config", "bos_token_id", None)).config.bos_token_id is None
