@@ -30,6 +30,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
 
 
+#: uvicorn's log levels
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 _SIZE_FLAGS = {"block_size": "--block-size", "num_blocks": "--num-blocks", "max_batch": "--max-batch"}
 
 
@@ -122,6 +124,10 @@ def check_port(host: str, port: int) -> None:
 
 def cmd_serve(args) -> int:
     from .server import ServerLimits, create_app, serve
+    if args.log_level not in LOG_LEVELS:              # checked here, not by argparse: one line, not the usage
+        raise UsageError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {args.log_level!r}")
+    if args.served_name is not None and not args.served_name.strip():
+        raise UsageError("--served-name must not be empty (leave it out to serve under the model's name)")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     for flag in ("max_request_bytes", "max_prompt_tokens", "max_output_tokens", "max_concurrent"):
@@ -155,6 +161,7 @@ def register(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=4096)
     p.add_argument("--max-output-tokens", type=int, default=1024)
     p.add_argument("--max-concurrent", type=int, default=64)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", type=str.lower, metavar="{" + ",".join(LOG_LEVELS) + "}",
+                   help="uvicorn log level (default info)")
     _engine_args(p)
     p.set_defaults(func=cmd_serve)

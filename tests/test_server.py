@@ -254,3 +254,32 @@ def test_float_fields_take_json_integers_and_unknown_message_keys_are_refused(cl
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "messages.0.foo" and "Extra inputs are not permitted" in err["message"], err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (("--log-level", "shout"), "--log-level must be one of critical, error, warning, info, debug, trace, got 'shout'"),
+    (("--served-name", ""), "--served-name must not be empty"),
+    (("--served-name", "  "), "--served-name must not be empty"),
+])
+def test_serve_flags_refused_before_the_model_loads(capsys, monkeypatch, argv, msg):
+    from conftest import one_line_error, run_cli
+    from k3ir.runtime import cli_serve
+    monkeypatch.setattr(cli_serve, "_setup", lambda args: pytest.fail("the model loaded"))
+    rc, _, err = run_cli(capsys, "serve", "k3-tiny", "--port", "0", *argv)
+    assert rc == 2 and msg in one_line_error(err), err
+
+
+def test_serve_log_level_is_case_insensitive_and_listed_in_help(capsys, monkeypatch):
+    from conftest import run_cli
+    from k3ir.runtime import cli_serve
+    seen = {}
+
+    def fake_setup(args):
+        seen["level"] = args.log_level
+        raise cli_serve.UsageError("stop here")
+    monkeypatch.setattr(cli_serve, "_setup", fake_setup)
+    assert run_cli(capsys, "serve", "k3-tiny", "--port", "0", "--log-level", "DEBUG")[0] == 2
+    assert seen["level"] == "debug"
+    with pytest.raises(SystemExit):
+        run_cli(capsys, "serve", "--help")
+    assert "--log-level {critical,error,warning,info,debug,trace}" in capsys.readouterr().out
