@@ -28,7 +28,9 @@ NATIVE, DECOMPOSED, ERROR = "native", "decomposition", "error"
 @dataclass
 class OpRow:
     """One op name (and status) of a check: how many instances, in which functions, and for a
-    decomposition the ops it expands to (``via``); for an error, ``why``."""
+    decomposition the native ops its ``count`` instances expand to (``via``: op name -> number of
+    ops, summed over the instances; recursive expansions counted to their native leaves); for an
+    error, ``why``."""
     op: str
     family: str
     status: str
@@ -146,7 +148,7 @@ def check_module(module: Module, target: str, native: set[str] | None = None,
             r.count += 1
             r.functions.add(fname)
             if status != NATIVE:
-                r.via.update({k: 0 for k in leaves})
+                r.via.update(leaves)           # the native ops this instance expands to, with counts
     order = {ERROR: 0, DECOMPOSED: 1, NATIVE: 2}
     return CheckReport(target, module.name, sorted(rows.values(), key=lambda r: (order[r.status], r.family, r.op)),
                        skipped=skipped)

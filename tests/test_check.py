@@ -84,3 +84,22 @@ def test_check_every_function_by_default_and_explicit_functions():
     vis = check_module(m, "onnx-like", native=lowers, functions=("encode_images",))
     assert "forward" in vis.skipped and vis.errors                # the vision ops, if built, would fail
     assert any("k3.rope_2d" in r.op or "rope_2d" in r.why for r in vis.errors)
+
+
+def test_via_counts_the_native_ops_each_row_expands_to():
+    """S5-13: ``via`` holds real counts (summed over the row's instances), hand-counted from the
+    decompositions: linear = transpose + matmul; rmsnorm = square, reduce_mean, constant (eps),
+    add, rsqrt and two muls."""
+    from k3ir.passes import run_pipeline
+    from k3ir.passes.pipelines import pipeline_for
+    m = run_pipeline(k3ir.load("k3-tiny"), pipeline_for("torch"), quantize="none")
+    core = {n for n, c in k3ir.opdef.all_ops().items() if c.family == "core"}
+    rows = {r["op"]: r for r in json.loads(json.dumps(check_module(m, "core-only", native=core).as_dict()))["ops"]}
+    lin, rms = rows["k3.linear"], rows["k3.rmsnorm"]
+    n_lin = sum(op.name == "k3.linear" for f in m.functions.values() for op in f.ops)
+    n_rms = sum(op.name == "k3.rmsnorm" for f in m.functions.values() for op in f.ops)
+    assert lin["count"] == n_lin > 0 and rms["count"] == n_rms > 0
+    assert lin["via"] == {"k3.transpose": n_lin, "k3.matmul": n_lin}
+    assert rms["via"] == {"k3.square": n_rms, "k3.reduce_mean": n_rms, "k3.constant": n_rms, "k3.add": n_rms,
+                          "k3.rsqrt": n_rms, "k3.mul": 2 * n_rms}
+    assert all(v >= 1 for r in rows.values() for v in r["via"].values())
