@@ -59,8 +59,17 @@ def load(name_or_path: str, overrides: dict[str, Any] | None = None, strict: boo
     ``linear_attn_config``). Raises K3ConfigError naming the key. A directory with safetensors
     weights binds them lazily as ``module.weights`` (name -> array); missing, extra (unless
     ``strict=False``), mis-shaped or wrongly typed tensors raise K3CheckpointError."""
+    import os
+
+    from .errors import K3ConfigError
     from .frontend import load as _load
-    return _load(name_or_path, overrides, strict=strict)
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise K3ConfigError(f"load: name_or_path must be a model name or a path (str), got "
+                            f"{type(name_or_path).__name__} {name_or_path!r}"[:300])
+    if overrides is not None and not isinstance(overrides, dict):
+        raise K3ConfigError(f"load: overrides must be a dict of config keys (e.g. {{'hidden_size': 96}}), got "
+                            f"{type(overrides).__name__}")
+    return _load(os.fspath(name_or_path), overrides, strict=strict)
 
 
 def save(module: Module, params: Any, directory: str, layout: str = "published", quantize: str | None = None,
@@ -100,4 +109,10 @@ def compile(module: Module, target: str = "torch", dtype: str | None = None, dev
     reference float64 only); None (default) = the target's default (float32; float64 for
     ``reference``). Raises K3BackendError naming the dtype and the supported ones."""
     from .backends import compile_module
+    from .errors import K3BackendError
+    if not isinstance(module, Module):
+        if isinstance(module, str):
+            raise K3BackendError(f"compile takes a Module: use k3ir.load({module!r}) first")
+        raise K3BackendError(f"compile takes a Module (from k3ir.load or k3ir.parse_file), got "
+                             f"{type(module).__name__}")
     return compile_module(module, target=target, dtype=dtype, device=device, **options)

@@ -55,6 +55,8 @@ def init_params(module: Module, seed: int = 0) -> dict[str, np.ndarray]:
     the float weights this init gives their unquantised source parameter. Raises K3RuntimeError for a
     ``seed`` that is not an integer (``"x"``, ``1.0`` and ``True`` would each give another init silently)."""
     from k3ir.passes.quantize_experts import is_derived, materialize
+    if not isinstance(module, Module):
+        raise K3RuntimeError(f"init_params takes a Module (from k3ir.load), got {type(module).__name__}")
     seed = check_seed(seed)
     cfg = getattr(module, "config", None)
     name = getattr(cfg, "name", None) or getattr(cfg, "path", None) or "this model"

@@ -50,6 +50,13 @@ class Session:
 
     def __init__(self, executable, params: dict[str, Any] | None = None, seed: int = 0):
         check_seed(seed)           # also when bound or given weights leave it unused: a bad seed is a caller bug
+        if not (hasattr(executable, "module") and callable(getattr(executable, "run", None))):
+            hint = (": use Session(k3ir.compile(k3ir.load(...))) or Session.load(DIR)"
+                    if isinstance(executable, str) else "")
+            raise K3RuntimeError(f"Session takes an Executable (from k3ir.compile), got "
+                                 f"{type(executable).__name__}{hint}")
+        if params is not None and not isinstance(params, dict):
+            raise K3RuntimeError(f"Session: params must be a dict (name -> array) or None, got {type(params).__name__}")
         self.exe = executable
         self.module = executable.module
         if params is None and getattr(executable, "weights_inside", False):
@@ -81,6 +88,9 @@ class Session:
         import os
 
         from k3ir.errors import K3Error
+        if not isinstance(directory, (str, os.PathLike)):
+            raise K3RuntimeError(f"Session.load: directory must be a path (str), got {type(directory).__name__}")
+        directory = os.fspath(directory)
         path = os.path.join(directory, "manifest.json")
         if not os.path.isdir(directory):
             raise K3RuntimeError(f"{directory}: no such directory (want a compiled artifact: `k3ir compile ... -o DIR`)")
@@ -118,7 +128,17 @@ class Session:
                 ids = ids.detach().cpu().numpy()
         except ImportError:
             pass
-        a = np.asarray(ids)
+        if ids is None or isinstance(ids, (str, bytes)):
+            raise K3RuntimeError(f"{what} must be token ids [B, T] (a LongTensor, an integer array or nested lists), "
+                                 f"got {type(ids).__name__}")
+        try:
+            a = np.asarray(ids)
+        except (ValueError, TypeError):
+            a = None
+        if a is None or a.dtype == object:
+            lens = sorted({len(r) for r in ids if hasattr(r, "__len__")}) if isinstance(ids, (list, tuple)) else []
+            raise K3RuntimeError(f"{what} must be a rectangular [B, T] array of token ids"
+                                 + (f"; the rows have different lengths {lens}" if len(lens) > 1 else ""))
         if a.ndim != 2:
             raise K3RuntimeError(f"{what} must be [B, T], got shape {list(a.shape)}")
         if a.shape[0] < 1 or a.shape[1] < 1:
@@ -256,6 +276,16 @@ class Session:
         (deterministic), else sampled from ``softmax(logits / temperature)`` with ``seed``.
         Returns ``LongTensor[B, T + new]``. Rows that emit ``eos_token_id`` keep emitting it."""
         import torch
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+            raise K3RuntimeError(f"max_new_tokens must be an integer, got {type(max_new_tokens).__name__} "
+                                 f"{max_new_tokens!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)) \
+                or np.isnan(temperature):
+            raise K3RuntimeError(f"temperature must be a number >= 0, got {type(temperature).__name__} {temperature!r}")
+        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, (int, np.integer))):
+            raise K3RuntimeError(f"eos_token_id must be an integer or None, got {type(eos_token_id).__name__} "
+                                 f"{eos_token_id!r}")
+        check_seed(seed)
         if max_new_tokens < 0:
             raise K3RuntimeError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if temperature < 0:
