@@ -251,14 +251,20 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         scores: dict[int, Any] = {}
         loss = self.loss(batch, scores)
-        if not torch.isfinite(loss):
-            raise K3RuntimeError(f"loss is {float(loss)} at step {self.step}")
+        shown = self.step + 1                 # steps are counted from 1 in the CLI's log ("step N/steps")
+        if not torch.isfinite(loss):          # nothing applied: raised before backward
+            raise K3RuntimeError(f"loss is {loss.item()} at step {shown}; the step was not applied (lower --lr, "
+                                 "or keep --clip > 0)")
         loss.backward()
         tp = [self.params[n] for n in self.trainable]
-        if self.cfg.clip > 0:
+        if self.cfg.clip > 0:   # the norm is computed before clipping; non-finite grads are fixed below
             gn = float(torch.nn.utils.clip_grad_norm_(tp, self.cfg.clip))
         else:
             gn = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in tp if p.grad is not None])))
+        if not math.isfinite(gn):             # an overflowing gradient must not reach the weights
+            self.opt.zero_grad(set_to_none=True)
+            raise K3RuntimeError(f"gradient norm is {gn} at step {shown} (loss {loss.item():.6g}); the step was "
+                                 "not applied (lower --lr, or keep --clip > 0)")
         self.opt.step()
         balance = self.qb.update(scores, {lay: self.params[n] for lay, n in self.bias_names.items()})
         b = np.asarray(batch)

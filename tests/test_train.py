@@ -142,6 +142,49 @@ def test_activation_checkpointing_gives_identical_steps(exe):
     assert [s.balance for s in a] == [s.balance for s in b]
 
 
+def _snapshot(tr):
+    return {n: p.detach().clone() for n, p in tr.params.items()}
+
+
+def _unchanged(tr, before):
+    return all(torch.allclose(tr.params[n].detach(), v, rtol=0, atol=0, equal_nan=True) for n, v in before.items())
+
+
+def test_nan_loss_names_the_logged_step_without_a_warning(exe):
+    """S5-15: the CLI logs steps from 1; the error names the step that failed, raises no torch
+    UserWarning (float() of a tensor with grad) and applies nothing."""
+    import warnings
+    torch.manual_seed(0)
+    cfg = TrainConfig(steps=4, batch=2, seq=16, warmup=0, lr=1e-3, qb="quantile")
+    tr = Trainer(exe, cfg)
+    data = ByteBatches(read_bytes(), cfg.batch, cfg.seq, seed=0)
+    tr.train_step(data.batch_at(0))
+    name = next(n for n in tr.trainable if n.endswith("q_proj.weight"))
+    tr.set_params({name: torch.full_like(tr.params[name], float("nan"))})
+    before = _snapshot(tr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(k3ir.K3RuntimeError, match=r"^loss is nan at step 2; the step was not applied"):
+            tr.train_step(data.batch_at(1))
+    assert tr.step == 1 and len(tr.history) == 1 and _unchanged(tr, before)
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_non_finite_gradient_is_not_applied(exe, clip):
+    """S5-15: a finite loss whose gradient overflows (here: a hook makes one gradient NaN) stops
+    training before the optimizer or QB touch any parameter."""
+    torch.manual_seed(0)
+    cfg = TrainConfig(steps=4, batch=2, seq=16, warmup=0, lr=1e-3, clip=clip, qb="quantile")
+    tr = Trainer(exe, cfg)
+    data = ByteBatches(read_bytes(), cfg.batch, cfg.seq, seed=0)
+    name = next(n for n in tr.trainable if n.endswith("q_proj.weight"))
+    tr.params[name].register_hook(lambda g: g * float("nan"))
+    before = _snapshot(tr)
+    with pytest.raises(k3ir.K3RuntimeError, match=r"^gradient norm is nan at step 1 \(loss 5\.\d+\); the step was not"):
+        tr.train_step(data.batch_at(0))
+    assert tr.step == 0 and not tr.history and _unchanged(tr, before) and not tr.opt.state
+
+
 def test_trainer_rejects_reference_target():
     ref = k3ir.compile(k3ir.load("k3-tiny"), target="reference")
     with pytest.raises(k3ir.K3RuntimeError, match="torch"):
