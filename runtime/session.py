@@ -301,6 +301,9 @@ class Session:
         done = torch.zeros(ids.shape[0], dtype=torch.bool)
         for step in range(max_new_tokens):
             last = logits[:, -1].detach().to("cpu", torch.float64)
+            finite = torch.isfinite(last.max(dim=-1).values)        # NaN or +inf anywhere, or all -inf
+            if not bool(finite.all()):
+                _nonfinite_error(last, finite, step, max_new_tokens)
             probs = torch.softmax(last / temperature, dim=-1)
             nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
             if eos_token_id is not None:
@@ -318,10 +321,12 @@ class Session:
         host at the end). Rows that emitted ``eos_token_id`` keep emitting it. Same tokens as an argmax of the
         logits on the host (float64 holds every float32/bf16 value exactly: same order)."""
         import torch
-        toks = []
+        toks, peaks = [], []
         done = None
         for step in range(steps):
-            nxt = torch.argmax(logits[:, -1].detach(), dim=-1).to(torch.int64)
+            peak, nxt = torch.max(logits[:, -1].detach(), dim=-1)     # one kernel: argmax and its value
+            nxt = nxt.to(torch.int64)
+            peaks.append(peak)
             if eos_token_id is not None:
                 done = torch.zeros_like(nxt, dtype=torch.bool) if done is None else done
                 nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
@@ -329,4 +334,22 @@ class Session:
             toks.append(nxt)
             if step + 1 < steps:
                 logits, state = self.decode(nxt[:, None], state)
+        # a NaN anywhere in a row makes its max NaN, +inf makes it inf, an all -inf row -inf: one host check at the
+        # end instead of a sync per step
+        peaks = torch.stack(peaks, dim=1).cpu()
+        finite = torch.isfinite(peaks)
+        if not bool(finite.all()):
+            step = int((~finite).any(dim=0).nonzero()[0, 0])
+            _nonfinite_error(peaks[:, step:step + 1], finite[:, step], step, steps)
         return torch.stack(toks, dim=1).cpu()
+
+
+def _nonfinite_error(last, finite_rows, step: int, steps: int):
+    """Raise K3RuntimeError for non-finite logits at 0-based ``step`` (``last``: the step's logits ``[B, V]`` or
+    their row maxima ``[B, 1]``; ``finite_rows``: bool ``[B]``)."""
+    import torch
+    row = int((~finite_rows).nonzero()[0, 0])
+    vals = last[row]
+    kind = "nan" if bool(torch.isnan(vals).any()) else "inf" if bool(torch.isposinf(vals).any()) else "-inf everywhere"
+    raise K3RuntimeError(f"the model's logits are not finite ({kind}) at generation step {step + 1} of {steps} "
+                         f"(batch row {row}): the weights or the config give NaN/inf; no token was sampled")

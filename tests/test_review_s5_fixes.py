@@ -157,3 +157,54 @@ def test_session_argument_types(tiny_session):
         tiny_session.generate(ids, max_new_tokens=1, temperature="hot")
     # the checks do not refuse numpy integers
     assert tiny_session.generate(ids, max_new_tokens=np.int64(2)).shape == (1, 5)
+
+
+# ---- S5-6: non-finite logits are an error naming the step, not token 0 ------------------------------------
+def _nan_session(step_bad: int):
+    """A k3-tiny torch Session whose decode logits turn NaN at 1-based generation step ``step_bad`` (prefill gives
+    step 1; decode call j gives step j + 1)."""
+    import torch
+    from k3ir.runtime import Session
+    s = Session(k3ir.compile(k3ir.load("k3-tiny"), target="torch"), seed=0)
+    calls = {"n": 1}
+    real = s.decode
+
+    def decode(ids, state):
+        logits, st = real(ids, state)
+        calls["n"] += 1
+        if calls["n"] >= step_bad:
+            logits = logits.clone()
+            logits[0, -1, 7] = torch.nan
+        return logits, st
+    s.decode = decode
+    return s
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_nan_logits_raise_naming_step(temperature):
+    import numpy as np
+
+    from k3ir.errors import K3RuntimeError
+    s = _nan_session(3)
+    ids = np.array([[1, 2, 3]])
+    with pytest.raises(K3RuntimeError, match=r"^the model's logits are not finite \(nan\) at generation step 3 of 5 "
+                                             r"\(batch row 0\)"):
+        s.generate(ids, max_new_tokens=5, temperature=temperature)
+    # two steps before the NaN are fine and still give the real argmax tokens
+    ok = _nan_session(3).generate(ids, max_new_tokens=2, temperature=temperature, seed=1)
+    ref = _nan_session(99)
+    assert ok.tolist() == ref.generate(ids, max_new_tokens=2, temperature=temperature, seed=1).tolist()
+
+
+def test_nan_weights_raise_at_step_one():
+    import numpy as np
+    from k3ir.runtime import Session, init_params
+
+    from k3ir.errors import K3RuntimeError
+    m = k3ir.load("k3-tiny")
+    p = init_params(m, 0)
+    name = next(k for k in p if k.endswith("q_proj.weight") or "q_proj" in k)
+    p[name] = np.full_like(p[name], np.nan)
+    s = Session(k3ir.compile(m, target="torch"), params=p)
+    with pytest.raises(K3RuntimeError, match=r"^the model's logits are not finite \(nan\) at generation step 1 of 3"):
+        s.generate(np.array([[1, 2]]), max_new_tokens=3)
