@@ -190,6 +190,7 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
         node[parts[-1]] = value
     text = cfg["text_config"] if wrapped else cfg
     keys = {k.split(".")[-1] for k in overrides}
+    _sync_duplicates(text, keys)
     vision = cfg.get("vision_config") if wrapped else None
     if ("hidden_size" in keys and isinstance(vision, dict) and "text_hidden_size" in vision
             and not any(k.endswith("text_hidden_size") for k in overrides)):
@@ -207,6 +208,52 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
     if "num_hidden_layers" in keys and isinstance(text.get("num_hidden_layers"), int):
         _rederive_per_layer_lists(text, keys)
     return cfg
+
+
+#: transformers' flat Kimi Linear keys -> the ``linear_attn_config`` key k3ir reads (and its default)
+LAC_MIRRORS = {"linear_num_heads": ("num_heads", None), "linear_head_dim": ("head_dim", None),
+               "linear_conv_kernel_dim": ("short_conv_kernel_size", 4)}
+
+
+def _sync_duplicates(text: dict, keys: set[str]) -> None:
+    """After overrides: a key that duplicates another in the file follows it when only one of the two was set
+    (``linear_num_heads`` <-> ``linear_attn_config.num_heads`` ..., ``qk_head_dim`` = nope + rope), so that
+    ``--set`` of either changes the model and the loader's agreement check passes."""
+    lac = text.get("linear_attn_config")
+    if isinstance(lac, dict):
+        for flat, (inner, _) in LAC_MIRRORS.items():
+            if flat in keys and inner not in keys:
+                lac[inner] = text.get(flat)
+            elif inner in keys and flat not in keys and flat in text:
+                text[flat] = lac.get(inner)
+    if "qk_head_dim" in text and "qk_head_dim" not in keys and keys & {"qk_nope_head_dim", "qk_rope_head_dim"}:
+        nope, rope = text.get("qk_nope_head_dim"), text.get("qk_rope_head_dim", 0)
+        if isinstance(nope, int) and isinstance(rope, int):
+            text["qk_head_dim"] = nope + rope
+
+
+def _check_ignored_keys(text: dict, lac: dict, r: _Reader) -> None:
+    """Keys k3ir does not read (HF_EXTRAS, duplicates of keys it reads) must not say another architecture than
+    the one k3ir builds: K3ConfigError naming the key otherwise."""
+    if isinstance(text.get("linear_attn_config"), dict):
+        for flat, (inner, default) in LAC_MIRRORS.items():
+            v, want = text.get(flat), lac.get(inner, default)
+            if v is not None and want is not None and v != want:
+                r.fail(flat, f"{v!r} disagrees with linear_attn_config.{inner} = {want!r} (k3ir reads "
+                             f"linear_attn_config; set both or drop {flat})")
+    qk = text.get("qk_head_dim")
+    nope, rope = text.get("qk_nope_head_dim"), text.get("qk_rope_head_dim", 0)
+    if qk is not None and isinstance(nope, int) and isinstance(rope, int) and qk != nope + rope:
+        r.fail("qk_head_dim", f"{qk!r} disagrees with qk_nope_head_dim + qk_rope_head_dim = {nope} + {rope} = "
+                              f"{nope + rope}")
+    freq = text.get("moe_layer_freq")
+    if freq is not None and freq != 1:
+        r.fail("moe_layer_freq", f"only 1 is supported (every layer from first_k_dense_replace on is MoE), "
+                                 f"got {freq!r}")
+    tm = text.get("topk_method")
+    if tm is not None and tm != "noaux_tc":
+        r.fail("topk_method", f"only 'noaux_tc' is supported (sigmoid scores, top-k of scores + "
+                              f"e_score_correction_bias), got {tm!r}")
 
 
 def _rederive_per_layer_lists(text: dict, keys: set[str]) -> None:
@@ -273,6 +320,11 @@ def check_override_keys(raw: dict, overrides: dict[str, Any] | None, path: str |
     ``raw`` nor read by k3ir (a typo would otherwise be ignored silently)."""
     for key in overrides or {}:
         parts = override_path(raw, key)
+        if all(parts) and parts[-1] in HF_EXTRAS - {"model_type"} and not _read_key(raw, parts):
+            msg = f"'{key}' is a key k3ir ignores (it would not change the model)"
+            err = K3ConfigError(msg, path=_override_where(path, key))
+            err.override, err.bare = key, msg
+            raise err
         if not all(parts) or not _known(raw, parts):
             last = parts[-1]
             pool = VISION_KEYS if "vision_config" in parts[:1] else LAC_KEYS if "linear_attn_config" in parts \
@@ -283,6 +335,17 @@ def check_override_keys(raw: dict, overrides: dict[str, Any] | None, path: str |
                                 path=_override_where(path, key))
             err.override, err.bare = key, f"'{key}' is not a known key (not in the config and not read by k3ir){hint}"
             raise err
+
+
+def _read_key(raw: dict, parts: list[str]) -> bool:
+    """Whether k3ir reads the key at ``parts`` (a wrapper key, a text key, a vision key)."""
+    wrapped = "text_config" in raw
+    if wrapped and len(parts) == 1:
+        return parts[0] in WRAPPER_KEYS
+    if wrapped and parts[0] == "vision_config":
+        return len(parts) == 2 and parts[1] in VISION_KEYS
+    rel = parts[1:] if wrapped and parts[0] == "text_config" else parts
+    return len(rel) == 1 and rel[0] in TEXT_KEYS
 
 
 def _override_where(path: str | None, key: str) -> str:
@@ -383,6 +446,7 @@ def build_config(raw: dict, path: str | None = None, name: str | None = None,
     n_layers = r.get("num_hidden_layers", int, lo=1)
     hidden = r.get("hidden_size", int, lo=1)
     lac = _linear_attn_config(text, r, n_layers)
+    _check_ignored_keys(text, lac, r)
     la = _Reader(lac, prefix + "linear_attn_config.", path, r.reads)
     full = la.get("full_attn_layers", list)
     for j, i in enumerate(full):

@@ -208,3 +208,64 @@ def test_nan_weights_raise_at_step_one():
     s = Session(k3ir.compile(m, target="torch"), params=p)
     with pytest.raises(K3RuntimeError, match=r"^the model's logits are not finite \(nan\) at generation step 1 of 3"):
         s.generate(np.array([[1, 2]]), max_new_tokens=3)
+
+
+# ---- S5-3: ignored / duplicate config keys that would change the architecture -----------------------------
+def _linear_file(tmp_path, **changes) -> str:
+    import json
+
+    from k3ir.frontend.config import resolve_config_path
+    with open(resolve_config_path("kimi-linear-6p6b")) as f:
+        raw = json.load(f)
+    raw.update(changes)
+    p = tmp_path / "lin.json"
+    p.write_text(json.dumps(raw))
+    return str(p)
+
+
+@pytest.mark.parametrize("changes,key,msg", [
+    ({"linear_num_heads": 4}, "linear_num_heads",
+     ("4 disagrees with linear_attn_config.num_heads = 32 (k3ir reads linear_attn_config; set both or drop "
+     "linear_num_heads)")),
+    ({"linear_head_dim": 64}, "linear_head_dim", "64 disagrees with linear_attn_config.head_dim = 128"),
+    ({"linear_conv_kernel_dim": 3}, "linear_conv_kernel_dim",
+     "3 disagrees with linear_attn_config.short_conv_kernel_size = 4"),
+    ({"qk_head_dim": 7}, "qk_head_dim", "7 disagrees with qk_nope_head_dim + qk_rope_head_dim = 128 + 64 = 192"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq", "only 1 is supported"),
+    ({"topk_method": "greedy"}, "topk_method", "only 'noaux_tc' is supported"),
+])
+def test_contradicting_duplicate_keys_in_file(capsys, tmp_path, changes, key, msg):
+    import json
+
+    from k3ir.frontend.config import resolve_config_path
+    with open(resolve_config_path("kimi-linear-6p6b")) as f:
+        lac = json.load(f)["linear_attn_config"]
+    msg = msg.replace("= 32", f"= {lac['num_heads']}")
+    bad = _linear_file(tmp_path, **changes)
+    rc, out, err = run_cli(capsys, "inspect", bad, "--json")
+    assert rc == 2 and out == ""
+    assert one_line_error(err).startswith(f"k3ir: error: {bad}: key '{key}': {msg}"), err
+
+
+def test_set_of_duplicate_keys_changes_the_model():
+    from k3ir.accounting import report
+
+    def count_params(m):
+        return report(m).params_total
+    base = {"num_hidden_layers": 8}
+    via_lac = k3ir.load("kimi-linear-6p6b", overrides={**base, "linear_attn_config.num_heads": 4})
+    via_flat = k3ir.load("kimi-linear-6p6b", overrides={**base, "linear_num_heads": 4})
+    assert via_lac.config.kda_num_heads == via_flat.config.kda_num_heads == 4
+    assert via_lac.config.raw["linear_num_heads"] == 4
+    unchanged = k3ir.load("kimi-linear-6p6b", overrides=base)
+    assert count_params(via_flat) == count_params(via_lac) < count_params(unchanged)
+    nope = k3ir.load("kimi-linear-6p6b", overrides={**base, "qk_nope_head_dim": 64})
+    assert nope.config.raw["qk_head_dim"] == 64 + nope.config.qk_rope_head_dim
+
+
+@pytest.mark.parametrize("key", ["moe_layer_freq=2", "topk_method=greedy", "max_position_embeddings=8"])
+def test_set_of_ignored_key_fails(capsys, key):
+    rc, out, err = run_cli(capsys, "inspect", "k3-tiny", "--json", "--set", key)
+    name = key.split("=")[0]
+    assert rc == 2 and out == ""
+    assert one_line_error(err) == f"k3ir: error: --set {key}: '{name}' is a key k3ir ignores (it would not change the model)"
