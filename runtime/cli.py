@@ -387,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError as e:             # NumPy/torch allocations beyond this machine's memory
         print(f"k3ir: error: out of memory in {args.command}: {str(e)[:200]}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("k3ir: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:       # a command may say what the interruption left (e.g. train's checkpoints)
+        print(f"k3ir: interrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
         return 130
     except BrokenPipeError:              # `k3ir ... | head`: the reader went away; exit quietly
         quiet_stdout()

@@ -142,7 +142,12 @@ def cmd_train(args) -> int:
         return _train(args)
     finally:
         while _held:
-            _held.pop().close()             # closing the file releases its flock
+            f = _held.pop()
+            try:                            # removed while still locked: a later run creates a fresh one
+                os.unlink(f.name)
+            except OSError:
+                pass
+            f.close()                       # closing the file releases its flock
 
 
 def _lock_run(out: Path) -> None:
@@ -152,15 +157,25 @@ def _lock_run(out: Path) -> None:
         import fcntl
     except ImportError:                     # no flock on this platform: no lock
         return
-    f = open(out / LOCK_FILE, "a+")         # noqa: SIM115 (held until cmd_train returns)
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        pid = f.read().strip() or "?"
-        f.close()
-        raise K3RuntimeError(f"--out {out} is in use by another k3ir train (pid {pid}); wait for it to finish "
-                             "or choose another --out") from None
+    path = out / LOCK_FILE
+    for _ in range(5):                      # the holder unlinks the file when it ends: lock the file at `path`
+        f = open(path, "a+")                # noqa: SIM115 (held until cmd_train returns)
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            pid = f.read().strip() or "?"
+            f.close()
+            raise K3RuntimeError(f"--out {out} is in use by another k3ir train (pid {pid}); wait for it to finish "
+                                 "or choose another --out") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()                           # locked a file its holder had just removed: take the new one
+    else:
+        raise K3RuntimeError(f"--out {out}: cannot take the lock file {path}")
     f.truncate(0)
     f.write(f"{os.getpid()}\n")
     f.flush()
@@ -222,18 +237,23 @@ def _train(args) -> int:
           f"torch threads {torch.get_num_threads()} ({why})", flush=True)
     t_start = time.perf_counter()
     toks = 0
-    with _progress(cfg.steps, tr.step) as (prog, task):
-        while tr.step < cfg.steps:
-            st = tr.train_step(data.batch_at(tr.step))
-            toks += st.tokens
-            tps = toks / max(time.perf_counter() - t_start, 1e-9)
-            bal = st.worst_balance
-            prog.update(task, completed=tr.step, loss=st.loss, tps=tps, bal=bal)
-            if tr.step % args.log_every == 0 or tr.step == cfg.steps or tr.step == 1:
-                print(f"step {tr.step}/{cfg.steps} loss={st.loss:.6f} lr={st.lr:.2e} grad_norm={st.grad_norm:.3f} "
-                      f"tok/s={tps:.0f} max/mean_load={bal:.3f}", flush=True)
-            if (args.ckpt_every and tr.step % args.ckpt_every == 0) or tr.step == cfg.steps:
-                save_checkpoint(out, tr, extra)
+    saved = [(tr.step, args.resume)] if args.resume else []      # (step, directory) of this run's checkpoints
+    try:
+        with _progress(cfg.steps, tr.step) as (prog, task):
+            while tr.step < cfg.steps:
+                st = tr.train_step(data.batch_at(tr.step))
+                toks += st.tokens
+                tps = toks / max(time.perf_counter() - t_start, 1e-9)
+                bal = st.worst_balance
+                prog.update(task, completed=tr.step, loss=st.loss, tps=tps, bal=bal)
+                if tr.step % args.log_every == 0 or tr.step == cfg.steps or tr.step == 1:
+                    print(f"step {tr.step}/{cfg.steps} loss={st.loss:.6f} lr={st.lr:.2e} "
+                          f"grad_norm={st.grad_norm:.3f} tok/s={tps:.0f} max/mean_load={bal:.3f}", flush=True)
+                if (args.ckpt_every and tr.step % args.ckpt_every == 0) or tr.step == cfg.steps:
+                    save_checkpoint(out, tr, extra)
+                    saved.append((tr.step, out))
+    except KeyboardInterrupt:              # main prints "k3ir: interrupted: <this>" and exits 130
+        raise KeyboardInterrupt(interrupted_text(tr.step, cfg.steps, args.ckpt_every, saved)) from None
     ev = tr.eval_loss(data.eval_batch())
     summary = _summary(tr, ev, time.perf_counter() - t_start)
     (out / LOG_FILE).write_text(json.dumps(summary, indent=1))
@@ -250,6 +270,17 @@ def _train(args) -> int:
         path = write_plot(tr, out / PLOT_FILE, title=f"{module.name} qb={cfg.qb}")
         print(f"plot: {path}", flush=True)
     return 0
+
+
+def interrupted_text(done: int, steps: int, ckpt_every: int, saved: list) -> str:
+    """What a Ctrl-C during training leaves: ``done`` steps finished, the checkpoints ``saved``
+    as (step, run or checkpoint directory), oldest first."""
+    head = f"at step {done + 1}/{steps} ({done} steps done)"
+    if not saved:
+        first = min(ckpt_every, steps) if ckpt_every else steps
+        return f"{head}; no checkpoint written (the first is at step {first}; --ckpt-every sets the interval)"
+    step, where = saved[-1]
+    return f"{head}; the last checkpoint is step {step}: continue with k3ir train --resume {where}"
 
 
 def _refuse_other_run(out: Path, resume: str | None) -> None:

@@ -296,3 +296,40 @@ def test_resume_keeps_the_run_settings(tmp_path):
     steps = [ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("step ")]
     assert steps == ["3/4", "4/4"]
     assert "torch threads 1" in res.stdout
+
+
+@pytest.mark.parametrize("ckpt_every,stop_at,says", [
+    ("100", 3, ("k3ir: interrupted: at step 3/6 (2 steps done); no checkpoint written (the first is at step 6; "
+               "--ckpt-every sets the interval)")),
+    ("2", 4, ("k3ir: interrupted: at step 4/6 (3 steps done); the last checkpoint is step 2: continue with k3ir "
+             "train --resume {out}")),
+])
+def test_ctrl_c_says_what_is_left_and_removes_the_lock(capsys, monkeypatch, tmp_path, ckpt_every, stop_at, says):
+    """S5-14: Ctrl-C (KeyboardInterrupt) during step ``stop_at``: one line saying which checkpoint
+    (if any) exists, rc 130, and no lock file left behind."""
+    from conftest import run_cli
+    from k3ir.runtime import cli_train, trainer
+    real = trainer.Trainer.train_step
+
+    def step(self, batch):
+        if self.step + 1 == stop_at:
+            raise KeyboardInterrupt
+        return real(self, batch)
+    monkeypatch.setattr(trainer.Trainer, "train_step", step)
+    out = tmp_path / "run"
+    rc, _, err = run_cli(capsys, "train", "k3-tiny", "--steps", "6", "--batch", "2", "--seq", "8", "--threads", "1",
+                         "--ckpt-every", ckpt_every, "--no-plot", "--out", str(out))
+    assert rc == 130 and err.splitlines()[-1] == says.format(out=out), err
+    assert not (out / cli_train.LOCK_FILE).exists()
+    ck = sorted(p.name for p in (out / "checkpoints").glob("step-*")) if (out / "checkpoints").exists() else []
+    assert ck == ([] if ckpt_every == "100" else ["step-000002"])
+
+
+def test_clean_exit_removes_the_lock(capsys, tmp_path):
+    from conftest import run_cli
+    from k3ir.runtime import cli_train
+    rc, out, err = run_cli(capsys, "train", "k3-tiny", "--steps", "1", "--batch", "2", "--seq", "8", "--threads", "1",
+                           "--no-plot", "--out", str(tmp_path))
+    assert rc == 0, err
+    assert "done: final loss=" in out and not (tmp_path / cli_train.LOCK_FILE).exists()
+    assert (tmp_path / "checkpoints" / "latest").exists()
