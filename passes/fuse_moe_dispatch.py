@@ -9,8 +9,10 @@ assume; batches exceeding it take the exact ragged path, so no token is ever dro
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from k3ir.errors import K3Error
 from k3ir.ir import Module
 
 from .manager import Pass, PassResult, register_pass
@@ -24,6 +26,14 @@ class FuseMoEDispatch(Pass):
     expert; overrides the factor)."""
     capacity_factor: float = 0.0
     capacity: int = 0
+
+    def check_options(self, given: dict) -> None:
+        where = "pass 'fuse-moe-dispatch' option"
+        if self.capacity < 0:
+            raise K3Error(f"{where} 'capacity': must be >= 0 (0: no fixed capacity), got {self.capacity}")
+        if not math.isfinite(self.capacity_factor) or self.capacity_factor < 0:
+            raise K3Error(f"{where} 'capacity_factor': must be a finite number >= 0 (0: no static capacity), "
+                          f"got {self.capacity_factor}")
 
     def run(self, module: Module) -> PassResult:
         count = 0

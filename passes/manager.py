@@ -87,8 +87,9 @@ def known_passes() -> list[str]:
 _SPEC = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\{(.*)\})?\s*$", re.DOTALL)
 
 
-def split_specs(text: str) -> list[str]:
-    """Split ``a,b{x=1,y=2},c`` at the commas outside braces."""
+def split_specs(text: str, keep_empty: bool = False) -> list[str]:
+    """Split ``a,b{x=1,y=2},c`` at the commas outside braces (empty items dropped unless ``keep_empty``;
+    an empty ``text`` is an empty list either way)."""
     out, depth, cur = [], 0, ""
     for ch in text:
         if ch == "{":
@@ -101,6 +102,8 @@ def split_specs(text: str) -> list[str]:
         else:
             cur += ch
     out.append(cur)
+    if keep_empty and text.strip():
+        return [s.strip() for s in out]
     return [s.strip() for s in out if s.strip()]
 
 
@@ -188,7 +191,10 @@ def run_pipeline(module: Module, passes: list[str | Pass] | str, verify_each: bo
     ``results``: a list that receives each pass's PassResult (with name and seconds).
     Raises K3Error for unknown passes or options."""
     if isinstance(passes, str):
-        passes = split_specs(passes)
+        passes = split_specs(passes, keep_empty=True)
+    for i, p in enumerate(passes):
+        if isinstance(p, str) and not p.strip():
+            raise K3Error(f"pass list item {i + 1} is empty (a doubled or trailing comma?)")
     plist = _apply_quantize([make_pass(p) for p in passes], quantize)
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
