@@ -55,8 +55,9 @@ __all__ = [
 
 def load(name_or_path: str, overrides: dict[str, Any] | None = None, strict: bool = True) -> Module:
     """Build a Module from a bundled name (``kimi-k3``, ``k3-tiny``), a config.json path or a
-    checkpoint directory. ``overrides`` sets config keys (dotted keys reach
-    ``linear_attn_config``). Raises K3ConfigError naming the key. A directory with safetensors
+    checkpoint directory; a ``.k3`` IR file (``k3ir print``) is parsed and verified, as
+    ``k3ir.parse_file`` + ``k3ir.verify_module`` (K3ParseError / K3VerifyError with file:line:col).
+    ``overrides`` sets config keys (dotted keys reach ``linear_attn_config``). Raises K3ConfigError naming the key. A directory with safetensors
     weights binds them lazily as ``module.weights`` (name -> array); missing, extra (unless
     ``strict=False``), mis-shaped or wrongly typed tensors raise K3CheckpointError."""
     import os
@@ -69,7 +70,15 @@ def load(name_or_path: str, overrides: dict[str, Any] | None = None, strict: boo
     if overrides is not None and not isinstance(overrides, dict):
         raise K3ConfigError(f"load: overrides must be a dict of config keys (e.g. {{'hidden_size': 96}}), got "
                             f"{type(overrides).__name__}")
-    return _load(os.fspath(name_or_path), overrides, strict=strict)
+    path = os.fspath(name_or_path)
+    if path.endswith(".k3") and os.path.isfile(path):        # what `k3ir print` writes: parse + verify it
+        if overrides:
+            raise K3ConfigError(f"{path}: overrides set config keys; a .k3 IR file has no config (edit the "
+                                "file, or load the model's config.json with overrides)")
+        module = parse_file(path)
+        verify_module(module)
+        return module
+    return _load(path, overrides, strict=strict)
 
 
 def save(module: Module, params: Any, directory: str, layout: str = "published", quantize: str | None = None,

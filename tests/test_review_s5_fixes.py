@@ -293,3 +293,19 @@ def test_pass_options_valid_still_run():
     m = run_pipeline(k3ir.load("k3-tiny"), "fuse-moe-dispatch{capacity=0,capacity_factor=1.25}, dce")
     ops = [op for op in m.functions["forward"].ops if op.name == "k3.moe_dispatch"]
     assert ops and all(op.attrs["capacity_factor"] == 1.25 for op in ops)
+
+
+# ---- S5-11: k3ir.load of a .k3 IR file ---------------------------------------------------------------------
+def test_load_parses_k3_file(tmp_path, tiny_text):
+    from k3ir.errors import K3ConfigError
+    p = tmp_path / "tiny.k3"
+    p.write_text(tiny_text)
+    m = k3ir.load(str(p))
+    assert k3ir.print_module(m) == tiny_text
+    assert k3ir.load(p).attrs["vocab_size"] == 260                    # a Path works too
+    with pytest.raises(K3ConfigError, match=r"tiny.k3: overrides set config keys; a .k3 IR file has no config"):
+        k3ir.load(str(p), overrides={"hidden_size": 96})
+    bad, line, col = _replace_first(tiny_text, "{eps=1e-05", "{eps=-5.0")
+    p.write_text(bad)
+    with pytest.raises(K3VerifyError, match=rf"^{re.escape(str(p))}:{line}:{col}: .*eps must be > 0, got -5.0$"):
+        k3ir.load(str(p))
