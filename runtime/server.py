@@ -256,6 +256,13 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
+        cause = exc.__cause__               # FastAPI's "There was an error parsing the body" hides why
+        if exc.status_code == 400 and isinstance(cause, UnicodeDecodeError):
+            return JSONResponse(error_body(f"request body is not valid UTF-8 ({cause.reason} at byte {cause.start})",
+                                           "invalid_request_error", "invalid_json"), status_code=400)
+        if exc.status_code == 400 and isinstance(cause, RecursionError):
+            return JSONResponse(error_body("request body is not valid JSON for this server: arrays/objects nested "
+                                           "too deeply", "invalid_request_error", "invalid_json"), status_code=400)
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error", f"http_{exc.status_code}"),
                             status_code=exc.status_code)
 

@@ -283,3 +283,19 @@ def test_serve_log_level_is_case_insensitive_and_listed_in_help(capsys, monkeypa
     with pytest.raises(SystemExit):
         run_cli(capsys, "serve", "--help")
     assert "--log-level {critical,error,warning,info,debug,trace}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("body,msg", [
+    (b'{"prompt": "a\xff", "max_tokens": 2}', "request body is not valid UTF-8 (invalid start byte at byte 13)"),
+    (b"[" * 100000 + b"]" * 100000, "nested too deeply"),
+    (b'{"prompt": "a", "stop": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply"),
+])
+def test_unparsable_bodies_say_why(tiny, body, msg):
+    # S5-16: FastAPI's bare "There was an error parsing the body" names neither the problem nor the position
+    eng = build_engine(tiny, block_size=64, num_blocks=8, max_batch=2)
+    app = create_app(eng, load_tokenizer("k3-tiny", tiny), "k3-tiny", ServerLimits(max_request_bytes=1 << 20))
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "invalid_json" and msg in err["message"], err
