@@ -134,6 +134,8 @@ def _config(args, meta: dict | None):
 
 
 LOCK_FILE = ".k3ir-train.lock"
+#: parameter-name prefixes of the vision pathway (not counted by ``inspect``, which reports the language model)
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 _held: list = []          # open lock files of this process's running train commands
 
 
@@ -232,7 +234,10 @@ def _train(args) -> int:
             return 0
     extra = {"data": data_path, "model_arg": args.model, "run": run}
     nlayers = len(tr.layers)
-    print(f"training {module.name}: {sum(p.numel() for p in tr.params.values()):,} parameters, "
+    n_all = sum(p.numel() for p in tr.params.values())
+    n_vis = sum(p.numel() for n, p in tr.params.items() if n.startswith(VISION_PREFIXES))
+    split = f" ({n_all - n_vis:,} language model + {n_vis:,} vision tower/projector)" if n_vis else ""
+    print(f"training {module.name}: {n_all:,} parameters{split}, "
           f"{nlayers} MoE layers, qb={cfg.qb}, batch {cfg.batch} x seq {cfg.seq}, steps {tr.step}->{cfg.steps}, "
           f"torch threads {torch.get_num_threads()} ({why})", flush=True)
     t_start = time.perf_counter()

@@ -333,3 +333,19 @@ def test_clean_exit_removes_the_lock(capsys, tmp_path):
     assert rc == 0, err
     assert "done: final loss=" in out and not (tmp_path / cli_train.LOCK_FILE).exists()
     assert (tmp_path / "checkpoints" / "latest").exists()
+
+
+def test_train_parameter_line_splits_off_the_vision_tower(capsys, tmp_path):
+    """S5-16: train's parameter count includes the vision tower; the line says so, and its language-model
+    part equals what ``inspect`` reports."""
+    from conftest import run_cli
+
+    from k3ir.accounting import report
+    total = report(k3ir.load("k3-tiny")).params_total
+    rc, out, err = run_cli(capsys, "train", "k3-tiny", "--steps", "1", "--batch", "1", "--seq", "8", "--threads", "1",
+                           "--no-plot", "--out", str(tmp_path))
+    assert rc == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("training k3-tiny: "))
+    n_all, lm, vis = (int(x.replace(",", "")) for x in
+                      (line.split(": ")[1].split()[0], line.split("(")[1].split()[0], line.split("+ ")[1].split()[0]))
+    assert lm == total and vis > 0 and n_all == lm + vis, line
