@@ -15,12 +15,16 @@ ARTIFACT = "k3ir-artifact"
 
 def write_manifest(directory: str, module: Module, target: str, dtype: str, loader: str,
                    files: dict[str, str], **extra: Any) -> None:
-    """Write ``module.k3`` and ``manifest.json`` into ``directory``."""
+    """Write ``module.k3`` and ``manifest.json`` into ``directory``. ``sizes`` records the byte size of
+    ``module.k3`` and of every file named in ``files`` (``read_manifest`` checks them before anything is
+    opened: a truncated shared library would kill the process with SIGBUS on dlopen)."""
     from k3ir.printer import print_module
     with open(os.path.join(directory, "module.k3"), "w") as f:
         f.write(print_module(module))
+    names = ["module.k3"] + [v for v in files.values() if isinstance(v, str) and ".." not in v]
+    sizes = {n: os.path.getsize(os.path.join(directory, n)) for n in names if os.path.isfile(os.path.join(directory, n))}
     man = {"format": ARTIFACT, "target": target, "dtype": dtype, "loader": loader, "files": files,
-           "module": "module.k3", **extra}
+           "module": "module.k3", "sizes": sizes, **extra}
     with open(os.path.join(directory, "manifest.json"), "w") as f:
         json.dump(man, f, indent=2)
 
@@ -37,7 +41,24 @@ def read_manifest(directory: str, target: str) -> tuple[dict, Module]:
         man = json.load(f)
     if man.get("format") != ARTIFACT or man.get("target") != target:
         raise K3RuntimeError(f"{path}: expected a '{target}' artifact, found target '{man.get('target')}'")
+    check_sizes(directory, man)
     return man, parse_file(os.path.join(directory, man.get("module", "module.k3")))
+
+
+def check_sizes(directory: str, man: dict) -> None:
+    """K3RuntimeError naming the first file whose size differs from the manifest's ``sizes`` entry, or that is
+    missing (manifests written before sizes were recorded: no check)."""
+    sizes = man.get("sizes")
+    if not isinstance(sizes, dict):
+        return
+    redo = "the artifact is damaged; write it again with `k3ir compile ... -o DIR`"
+    for name, want in sizes.items():
+        p = os.path.join(directory, str(name))
+        if not os.path.isfile(p):
+            raise K3RuntimeError(f"{p}: missing from the artifact; {redo}")
+        got = os.path.getsize(p)
+        if got != want:
+            raise K3RuntimeError(f"{p}: {got} bytes, the manifest records {want} (truncated or replaced); {redo}")
 
 
 def save_ir_artifact(exe: Any, directory: str, params: dict[str, Any]) -> str:

@@ -309,3 +309,56 @@ def test_load_parses_k3_file(tmp_path, tiny_text):
     p.write_text(bad)
     with pytest.raises(K3VerifyError, match=rf"^{re.escape(str(p))}:{line}:{col}: .*eps must be > 0, got -5.0$"):
         k3ir.load(str(p))
+
+
+# ---- S5-9: artifact files are size-checked before they are opened ------------------------------------------
+def test_truncated_shared_library_refused_before_dlopen(tmp_path):
+    """A TVM artifact whose .so was truncated: the manifest's recorded size stops Session.load before
+    tvm.runtime.load_module (which would SIGBUS). The library here is a stand-in file: the check runs first."""
+    pytest.importorskip("tvm")
+    import json
+    import os
+
+    from k3ir.backends.artifact import write_manifest
+    from k3ir.runtime import Session
+
+    from k3ir.errors import K3RuntimeError
+    d = tmp_path / "art"
+    d.mkdir()
+    (d / "tvm_forward.so").write_bytes(b"\x7fELF" + bytes(20000))
+    (d / "weights.safetensors").write_bytes(bytes(64))
+    write_manifest(str(d), k3ir.load("k3-tiny"), "tvm", "float32", "k3ir.backends.tvm:load_executable",
+                   {"forward": "tvm_forward.so", "names:forward": json.dumps(["forward"]),
+                    "weights": "weights.safetensors"})
+    man = json.loads((d / "manifest.json").read_text())
+    assert man["sizes"] == {"module.k3": os.path.getsize(d / "module.k3"), "tvm_forward.so": 20004,
+                            "weights.safetensors": 64}
+    os.truncate(d / "tvm_forward.so", 5000)
+    with pytest.raises(K3RuntimeError, match=r"tvm_forward.so: 5000 bytes, the manifest records 20004 \(truncated "
+                                             r"or replaced\); the artifact is damaged; write it again"):
+        Session.load(str(d))
+    os.remove(d / "tvm_forward.so")
+    with pytest.raises(K3RuntimeError, match=r"tvm_forward.so: missing from the artifact"):
+        Session.load(str(d))
+
+
+def test_ir_artifact_sizes_and_old_manifest(capsys, tmp_path):
+    import json
+    import os
+
+    from k3ir.runtime import Session
+
+    from k3ir.errors import K3RuntimeError
+    d = tmp_path / "art"
+    rc, _, err = run_cli(capsys, "compile", "k3-tiny", "--target", "torch", "-o", str(d))
+    assert rc == 0, err
+    ref = Session.load(str(d)).forward([[1, 2, 3]])
+    man = json.loads((d / "manifest.json").read_text())
+    assert man["sizes"]["weights.safetensors"] == os.path.getsize(d / "weights.safetensors")
+    del man["sizes"]                                    # an artifact written before sizes were recorded still loads
+    (d / "manifest.json").write_text(json.dumps(man))
+    assert (Session.load(str(d)).forward([[1, 2, 3]]) == ref).all()
+    man["sizes"] = {"weights.safetensors": os.path.getsize(d / "weights.safetensors") + 1}
+    (d / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(K3RuntimeError, match=r"weights.safetensors: \d+ bytes, the manifest records \d+"):
+        Session.load(str(d))
