@@ -418,7 +418,7 @@ class _Reader:
 
     def eps(self, k: str, default: float) -> float:
         """A normalisation epsilon: a finite float > 0 (``rsqrt(mean(x^2) + 0)`` of a zero row is inf)."""
-        if (eps := self.get(k, float, default, lo=0.0)) <= 0:
+        if (eps := self.get(k, float, default)) <= 0:
             self.fail(k, f"must be > 0, got {eps}")
         return eps
 

@@ -92,6 +92,9 @@ class Session:
             raise K3RuntimeError(f"Session.load: directory must be a path (str), got {type(directory).__name__}")
         directory = os.fspath(directory)
         path = os.path.join(directory, "manifest.json")
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise K3RuntimeError(f"{directory}: is a file, not a compiled artifact directory "
+                                 "(`k3ir compile ... -o DIR` writes one)")
         if not os.path.isdir(directory):
             raise K3RuntimeError(f"{directory}: no such directory (want a compiled artifact: `k3ir compile ... -o DIR`)")
         if not os.path.isfile(path):

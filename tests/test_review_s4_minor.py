@@ -31,7 +31,7 @@ def test_tvm_cross_targets_unavailable_without_tvm(monkeypatch):
 # ---- F8: non-finite / non-positive floats in a config.json ---------------------------------------
 def test_config_rejects_nan_eps_at_load(capsys, tmp_path):
     for value, what in ((float("nan"), "must be finite, got nan"), (float("inf"), "must be finite, got inf"),
-                        (0.0, "must be > 0, got 0.0"), (-1e-6, "must be >= 0.0")):
+                        (0.0, "must be > 0, got 0.0"), (-1e-6, "must be > 0, got -1e-06")):
         path = tiny_config_file(tmp_path, "text_config", "rms_norm_eps", value)
         rc, _, err = run_cli(capsys, "inspect", path)
         assert rc == 2, (value, err)

@@ -182,7 +182,7 @@ def test_empty_module_commands(capsys, tmp_path):
 # ---- vision_config floats: finite, epsilons > 0, named by key ---------------------------------------------------
 def test_vision_eps_checked_at_load(capsys, tmp_path):
     for value, what in ((float("nan"), "must be finite, got nan"), (float("inf"), "must be finite, got inf"),
-                        (0.0, "must be > 0, got 0.0"), (-1e-6, "must be >= 0.0"), ("x", "must be float")):
+                        (0.0, "must be > 0, got 0.0"), (-1e-6, "must be > 0, got -1e-06"), ("x", "must be float")):
         path = tiny_config_file(tmp_path, "vision_config", "projector_ln_eps", value)
         rc, _, err = run_cli(capsys, "inspect", path)
         assert rc == 2, (value, err)

@@ -362,3 +362,20 @@ def test_ir_artifact_sizes_and_old_manifest(capsys, tmp_path):
     (d / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(K3RuntimeError, match=r"weights.safetensors: \d+ bytes, the manifest records \d+"):
         Session.load(str(d))
+
+
+# ---- S5-16 nits: the eps bound message, Session.load of a file ---------------------------------------------
+def test_negative_eps_names_the_real_bound(capsys):
+    rc, out, err = run_cli(capsys, "inspect", "k3-tiny", "--set", "rms_norm_eps=-1")
+    assert rc == 2 and out == ""
+    assert one_line_error(err).endswith("key 'text_config.rms_norm_eps': must be > 0, got -1.0"), err
+
+
+def test_session_load_of_a_file(tmp_path):
+    from k3ir.runtime import Session
+
+    from k3ir.errors import K3RuntimeError
+    f = tmp_path / "file.py"
+    f.write_text("x = 1\n")
+    with pytest.raises(K3RuntimeError, match=r"file.py: is a file, not a compiled artifact directory"):
+        Session.load(str(f))
