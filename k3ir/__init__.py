@@ -115,8 +115,8 @@ def compile(module: Module, target: str = "torch", dtype: str | None = None, dev
     """Run ``target``'s pass pipeline on a copy of ``module`` and build an Executable.
     ``dtype``: ``float32`` | ``bfloat16`` | ``float16`` | ``float64`` (compute dtype), as far as the
     target supports it (``Backend.dtypes``: onnx float32/float16, mlir float32, tvm float32/float64,
-    reference float64 only); None (default) = the target's default (float32; float64 for
-    ``reference``). Raises K3BackendError naming the dtype and the supported ones."""
+    reference float64 only; a ``torch.dtype`` such as ``torch.float32`` names the same); None (default)
+    = the target's default (float32; float64 for ``reference``). Raises K3BackendError naming the dtype and the supported ones."""
     from .backends import compile_module
     from .errors import K3BackendError
     if not isinstance(module, Module):
@@ -124,4 +124,6 @@ def compile(module: Module, target: str = "torch", dtype: str | None = None, dev
             raise K3BackendError(f"compile takes a Module: use k3ir.load({module!r}) first")
         raise K3BackendError(f"compile takes a Module (from k3ir.load or k3ir.parse_file), got "
                              f"{type(module).__name__}")
+    if dtype is not None and type(dtype).__module__ == "torch" and str(dtype).startswith("torch."):
+        dtype = str(dtype)[len("torch."):]             # torch.float32 -> "float32" (checked by the target as usual)
     return compile_module(module, target=target, dtype=dtype, device=device, **options)

@@ -379,3 +379,13 @@ def test_session_load_of_a_file(tmp_path):
     f.write_text("x = 1\n")
     with pytest.raises(K3RuntimeError, match=r"file.py: is a file, not a compiled artifact directory"):
         Session.load(str(f))
+
+
+def test_compile_accepts_torch_dtype():
+    import torch
+
+    from k3ir.errors import K3BackendError
+    m = k3ir.load("k3-tiny")
+    assert k3ir.compile(m, target="torch", dtype=torch.float64).dtype == "float64"
+    with pytest.raises(K3BackendError, match=r"unknown dtype 'int32' for target 'torch'"):
+        k3ir.compile(m, target="torch", dtype=torch.int32)
