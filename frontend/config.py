@@ -320,7 +320,7 @@ def check_override_keys(raw: dict, overrides: dict[str, Any] | None, path: str |
     ``raw`` nor read by k3ir (a typo would otherwise be ignored silently)."""
     for key in overrides or {}:
         parts = override_path(raw, key)
-        if all(parts) and parts[-1] in HF_EXTRAS - {"model_type"} and not _read_key(raw, parts):
+        if all(parts) and parts[-1] in HF_EXTRAS - {"model_type"} and _ignored_key(raw, parts):
             msg = f"'{key}' is a key k3ir ignores (it would not change the model)"
             err = K3ConfigError(msg, path=_override_where(path, key))
             err.override, err.bare = key, msg
@@ -337,15 +337,16 @@ def check_override_keys(raw: dict, overrides: dict[str, Any] | None, path: str |
             raise err
 
 
-def _read_key(raw: dict, parts: list[str]) -> bool:
-    """Whether k3ir reads the key at ``parts`` (a wrapper key, a text key, a vision key)."""
+def _ignored_key(raw: dict, parts: list[str]) -> bool:
+    """Whether ``parts`` is a key of the wrapper, the text config or ``vision_config`` that k3ir does not read
+    (HF_EXTRAS are skipped at these levels); keys inside ``linear_attn_config`` etc. are never 'ignored'."""
     wrapped = "text_config" in raw
     if wrapped and len(parts) == 1:
-        return parts[0] in WRAPPER_KEYS
+        return parts[0] not in WRAPPER_KEYS
     if wrapped and parts[0] == "vision_config":
-        return len(parts) == 2 and parts[1] in VISION_KEYS
+        return len(parts) == 2 and parts[1] not in VISION_KEYS
     rel = parts[1:] if wrapped and parts[0] == "text_config" else parts
-    return len(rel) == 1 and rel[0] in TEXT_KEYS
+    return len(rel) == 1 and rel[0] not in TEXT_KEYS
 
 
 def _override_where(path: str | None, key: str) -> str:
