@@ -204,9 +204,14 @@ def _check_layer_attrs(m: Module) -> None:
     cover every layer. Raises K3VerifyError naming the attribute and the layer (after
     ``file:line:col`` of the module's attributes when the module was parsed from a file)."""
     lists = {key: list(v) for key in LAYER_KINDS if isinstance(v := m.attrs.get(key), (list, tuple))}
+    n_layers = m.attrs.get("num_hidden_layers")
+    n_layers = n_layers if isinstance(n_layers, int) and not isinstance(n_layers, bool) and n_layers > 0 else None
     for fn in m.functions.values():
         for op in fn.ops:
             layer = op.attrs.get("layer")
+            if layer is not None and n_layers is not None and not 0 <= layer < n_layers:
+                raise K3VerifyError(f"{_where(fn, op)}: layer={layer} is out of range 0..{n_layers - 1} "
+                                    f"(module attribute num_hidden_layers={n_layers})")
             for key, names in LAYER_KINDS.items():
                 if layer is not None and key in lists and op.name in names and layer not in lists[key]:
                     raise K3VerifyError(f"{_where(fn, op)}: layer {layer} is {_KIND_WORDS[key]} layer "

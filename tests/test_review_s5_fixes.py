@@ -389,3 +389,19 @@ def test_compile_accepts_torch_dtype():
     assert k3ir.compile(m, target="torch", dtype=torch.float64).dtype == "float64"
     with pytest.raises(K3BackendError, match=r"unknown dtype 'int32' for target 'torch'"):
         k3ir.compile(m, target="torch", dtype=torch.int32)
+
+
+def test_layer_annotation_in_range(tiny_text):
+    text, line, col = _replace_first(tiny_text, "{eps=1e-05, layer=0}", "{eps=1e-05, layer=77}")
+    with pytest.raises(K3VerifyError) as ei:
+        k3ir.verify_module(k3ir.parse_module(text, source="m.k3"))
+    assert str(ei.value) == (f"m.k3:{line}:{col}: @forward: %l0.2 = k3.rmsnorm (layer 77): layer=77 is out of range "
+                             "0..8 (module attribute num_hidden_layers=9)")
+
+
+def test_set_of_nested_key_named_like_an_ignored_one():
+    """``head_dim`` is an ignored top-level HF key, but ``linear_attn_config.head_dim`` is read."""
+    m = k3ir.load("kimi-linear-6p6b", overrides={"num_hidden_layers": 4, "linear_attn_config.head_dim": 64})
+    assert m.config.kda_head_dim == 64
+    with pytest.raises(k3ir.K3ConfigError, match="'head_dim' is a key k3ir ignores"):
+        k3ir.load("kimi-linear-6p6b", overrides={"head_dim": 32})
