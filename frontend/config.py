@@ -191,6 +191,8 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
     text = cfg["text_config"] if wrapped else cfg
     keys = {k.split(".")[-1] for k in overrides}
     _sync_duplicates(text, keys)
+    if "vocab_size" in keys:
+        _follow_vocab(raw, cfg, keys)
     vision = cfg.get("vision_config") if wrapped else None
     if ("hidden_size" in keys and isinstance(vision, dict) and "text_hidden_size" in vision
             and not any(k.endswith("text_hidden_size") for k in overrides)):
@@ -213,6 +215,31 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
 #: transformers' flat Kimi Linear keys -> the ``linear_attn_config`` key k3ir reads (and its default)
 LAC_MIRRORS = {"linear_num_heads": ("num_heads", None), "linear_head_dim": ("head_dim", None),
                "linear_conv_kernel_dim": ("short_conv_kernel_size", 4)}
+
+
+def _follow_vocab(old_raw: dict, cfg: dict, keys: set[str]) -> None:
+    """After ``vocab_size`` changed by an override: special token ids that are not overridden themselves and fall
+    outside the new vocabulary keep their distance from its end (Kimi K3's bos 163584 of 163840 -> 256 of 512);
+    one that would go below 0 becomes null. A scaled-down test model thus keeps valid special tokens."""
+    old_text = old_raw.get("text_config", old_raw)
+    text = cfg.get("text_config", cfg)
+    old_v, new_v = old_text.get("vocab_size"), text.get("vocab_size")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (old_v, new_v)):
+        return
+
+    def move(x):
+        if not isinstance(x, int) or isinstance(x, bool) or 0 <= x < new_v:
+            return x
+        y = new_v - (old_v - x)
+        return y if 0 <= y < new_v else None
+    for d in ([text, cfg] if cfg is not text else [text]):
+        for k in TOKEN_ID_KEYS:
+            if k in keys or d.get(k) is None:
+                continue
+            v = d[k]
+            d[k] = [move(x) for x in v] if isinstance(v, list) else move(v)
+            if isinstance(d[k], list):
+                d[k] = [x for x in d[k] if x is not None] or None
 
 
 def _sync_duplicates(text: dict, keys: set[str]) -> None:

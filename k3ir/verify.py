@@ -209,7 +209,8 @@ def _check_layer_attrs(m: Module) -> None:
     for fn in m.functions.values():
         for op in fn.ops:
             layer = op.attrs.get("layer")
-            if layer is not None and n_layers is not None and not 0 <= layer < n_layers:
+            if layer is not None and n_layers is not None and not 0 <= layer < n_layers \
+                    and fn.attrs.get("kind") != "vision":       # the vision tower numbers its own layers
                 raise K3VerifyError(f"{_where(fn, op)}: layer={layer} is out of range 0..{n_layers - 1} "
                                     f"(module attribute num_hidden_layers={n_layers})")
             for key, names in LAYER_KINDS.items():
