@@ -248,11 +248,12 @@ def _sync_duplicates(text: dict, keys: set[str]) -> None:
     ``--set`` of either changes the model and the loader's agreement check passes."""
     lac = text.get("linear_attn_config")
     if isinstance(lac, dict):
-        for flat, (inner, _) in LAC_MIRRORS.items():
-            if flat in keys and inner not in keys:
+        whole = "linear_attn_config" in keys                   # the dict overridden as a whole
+        for flat, (inner, default) in LAC_MIRRORS.items():
+            if flat in keys and inner not in keys and not whole:
                 lac[inner] = text.get(flat)
-            elif inner in keys and flat not in keys and flat in text:
-                text[flat] = lac.get(inner)
+            elif (inner in keys or whole) and flat not in keys and flat in text:
+                text[flat] = lac.get(inner, default)
     if "qk_head_dim" in text and "qk_head_dim" not in keys and keys & {"qk_nope_head_dim", "qk_rope_head_dim"}:
         nope, rope = text.get("qk_nope_head_dim"), text.get("qk_rope_head_dim", 0)
         if isinstance(nope, int) and isinstance(rope, int):

@@ -419,3 +419,14 @@ def test_vocab_override_moves_special_tokens():
     small = k3ir.load("kimi-k3", overrides={"vocab_size": 100, "num_hidden_layers": 2,
                                             "linear_attn_config.full_attn_layers": [2]}).config
     assert (small.bos_token_id, small.pad_token_id) == (None, 99)
+
+
+def test_whole_linear_attn_config_override_carries_flat_keys():
+    """bench/gpu_model_check.py's pattern: ``linear_attn_config`` overridden as one dict; the file's flat
+    ``linear_num_heads`` / ``linear_head_dim`` follow it instead of contradicting it."""
+    la = {"full_attn_layers": [4], "kda_layers": [1, 2, 3], "head_dim": 64, "num_heads": 2, "short_conv_kernel_size": 4}
+    m = k3ir.load("kimi-linear-6p6b", {"num_hidden_layers": 4, "linear_attn_config": la,
+                                       "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                                       "mlp_layer_types": ["dense"] + ["sparse"] * 3})
+    assert (m.config.kda_num_heads, m.config.kda_head_dim) == (2, 64)
+    assert (m.config.raw["linear_num_heads"], m.config.raw["linear_head_dim"]) == (2, 64)
