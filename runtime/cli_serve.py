@@ -6,6 +6,8 @@ import errno
 import socket
 import sys
 
+from k3ir.errors import K3RuntimeError
+
 from .cli import UsageError, check_prompt, check_seed, device_type, load_model, model_arg, quiet_stdout
 
 
@@ -97,7 +99,10 @@ def cmd_generate(args) -> int:
     sys.stdout.write(dec.flush() + "\n")
     if args.show_ids:
         sys.stdout.write(f"token ids: {req.output}\nfinish: {req.finish_reason}\n")
-    return 0 if req.finish_reason != "error" else 1
+    if req.finish_reason == "error":
+        sys.stdout.flush()
+        raise K3RuntimeError(f"generation failed: {req.error}")
+    return 0
 
 
 def check_port(host: str, port: int) -> None:

@@ -328,6 +328,12 @@ class Engine:
         self.pool.register(blk, req.hashes[i])
 
     def _sample(self, req: Request, row) -> None:
+        top = float(row.max())
+        if not np.isfinite(top):         # NaN / +inf / all -inf logits: no token is meaningful (would be id 0)
+            self._finish(req, "error", f"the model's logits are not finite ({top}) at generation step "
+                                       f"{len(req.output) + 1}")
+            self._recent.append(req)
+            return
         tok = sample(row, req.params, req.generator)
         if req.keep_logits:
             req.logits.append(row.detach().to("cpu").clone())

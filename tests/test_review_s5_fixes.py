@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 from conftest import one_line_error, run_cli, tiny_config_file
 
@@ -430,3 +431,39 @@ def test_whole_linear_attn_config_override_carries_flat_keys():
                                        "mlp_layer_types": ["dense"] + ["sparse"] * 3})
     assert (m.config.kda_num_heads, m.config.kda_head_dim) == (2, 64)
     assert (m.config.raw["linear_num_heads"], m.config.raw["linear_head_dim"]) == (2, 64)
+
+
+def test_engine_finishes_a_request_with_non_finite_logits(tmp_path):
+    """S5-6 on the engine path (k3ir generate / serve): a NaN weight makes every logit NaN; the request finishes
+    with an error naming the step instead of emitting token 0 (the server answers it with generation failed)."""
+    from k3ir.runtime import init_params
+    from k3ir.runtime.engine import build_engine
+
+    m = k3ir.load("k3-tiny", overrides={"num_hidden_layers": 2})
+    params = init_params(m, 0)
+    name = next(k for k in params if k.endswith("q_proj.weight"))
+    params[name] = params[name] * np.nan
+    eng = build_engine(m, params=params, block_size=64)
+    req = eng.add_request([1, 2, 3])
+    eng.run([req])
+    assert req.finish_reason == "error" and req.output == []
+    assert "not finite (nan) at generation step 1" in req.error
+    ok = build_engine(m, params=init_params(m, 0), block_size=64)
+    r2 = ok.add_request([1, 2, 3])
+    ok.run([r2])
+    assert r2.finish_reason == "length" and len(r2.output) > 0
+
+
+def test_generate_cli_reports_non_finite_logits(tmp_path, capsys):
+    """S5-6 through `k3ir generate` on a checkpoint with a NaN weight: one error line naming the step, rc 2."""
+    from k3ir.runtime import init_params
+    m = k3ir.load("k3-tiny")
+    params = init_params(m, 0)
+    name = next(k for k in params if k.endswith("q_proj.weight"))
+    params[name] = params[name] * np.nan
+    k3ir.save(m, params, str(tmp_path / "ck"))
+    rc, out, err = run_cli(capsys, "generate", str(tmp_path / "ck"), "--prompt", "hi", "--max-tokens", "3",
+                           "--show-ids")
+    assert rc == 2 and "finish: error" in out and "token ids: []" in out
+    msg = one_line_error(err)
+    assert "generation failed" in msg and "not finite (nan) at generation step 1" in msg
