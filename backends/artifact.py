@@ -29,6 +29,10 @@ def write_manifest(directory: str, module: Module, target: str, dtype: str, load
         json.dump(man, f, indent=2)
 
 
+#: the advice every damaged-artifact error ends with (here and in Session.load)
+DAMAGED = "the artifact is damaged; write it again with `k3ir compile ... -o DIR`"
+
+
 def read_manifest(directory: str, target: str) -> tuple[dict, Module]:
     """(manifest, compiled module) of an artifact of ``target``; K3RuntimeError otherwise."""
     from k3ir.parser import parse_file
@@ -51,7 +55,7 @@ def check_sizes(directory: str, man: dict) -> None:
     sizes = man.get("sizes")
     if not isinstance(sizes, dict):
         return
-    redo = "the artifact is damaged; write it again with `k3ir compile ... -o DIR`"
+    redo = DAMAGED
     for name, want in sizes.items():
         p = os.path.join(directory, str(name))
         if not os.path.isfile(p):

@@ -99,7 +99,7 @@ class Session:
             raise K3RuntimeError(f"{directory}: no such directory (want a compiled artifact: `k3ir compile ... -o DIR`)")
         if not os.path.isfile(path):
             raise K3RuntimeError(f"{directory}: not a compiled artifact (no manifest.json)")
-        redo = "the artifact is damaged; write it again with `k3ir compile ... -o DIR`"
+        from k3ir.backends.artifact import DAMAGED as redo
         try:
             with open(path, encoding="utf-8") as f:
                 man = json.load(f)
