@@ -31,6 +31,9 @@ class Backend:
     functions: tuple[str, ...] | None = None     # entry functions build() compiles; None = every function
     #: compute dtypes build() accepts (canonical names, see DTYPES); None = all of them
     dtypes: tuple[str, ...] | None = None
+    #: ``(directory, manifest, module) -> Executable`` reopening what ``Executable.save`` wrote (``Session.load``);
+    #: None = the IR artifact of ``Executable.save`` (``artifact.load_ir_artifact``). See docs/artifacts.md.
+    load_artifact: Callable[[str, dict, Module], Executable] | None = None
 
 
 def register_backend(backend: Backend) -> Backend:
