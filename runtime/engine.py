@@ -305,17 +305,29 @@ class Engine:
         self.stats["calls"] += 1
         self.stats["rows"] += G
         for b, (req, toks) in enumerate(items):
-            prefill = req.length < len(req.prompt)
-            self.stats["prefill_tokens" if prefill else "decode_tokens"] += T
-            blk, off = req.blocks[req.length // self.bs], req.length % self.bs
-            for name in self.pool.mla_names:
-                self.pool.write_latents(name, blk, off, torch.as_tensor(new[name])[b, L:L + T])
-            req.kda = {n: self._t(new[n])[b:b + 1] for n in self.pool.kda_names}
-            req.length += T
-            if req.length % self.bs == 0:
-                self._publish(req, blk)
-            if req.length >= len(req.prompt):
-                self._sample(req, logits[b, -1])
+            try:                    # one row's failure ends that request only, not the others of the call
+                self._advance(req, b, T, L, new, logits)
+            except Exception as e:
+                log.exception("request %s failed after its model call", req.id)
+                if not req.done:
+                    self._finish(req, "error", f"{type(e).__name__}: {e}")
+                    self._recent.append(req)
+
+    def _advance(self, req: Request, b: int, T: int, L: int, new: dict[str, Any], logits: Any) -> None:
+        """Store row ``b``'s new states for ``req`` (``T`` tokens after the padded cache length ``L``)
+        and sample when its prompt is consumed."""
+        import torch
+        prefill = req.length < len(req.prompt)
+        self.stats["prefill_tokens" if prefill else "decode_tokens"] += T
+        blk, off = req.blocks[req.length // self.bs], req.length % self.bs
+        for name in self.pool.mla_names:
+            self.pool.write_latents(name, blk, off, torch.as_tensor(new[name])[b, L:L + T])
+        req.kda = {n: self._t(new[n])[b:b + 1] for n in self.pool.kda_names}
+        req.length += T
+        if req.length % self.bs == 0:
+            self._publish(req, blk)
+        if req.length >= len(req.prompt):
+            self._sample(req, logits[b, -1])
 
     def _publish(self, req: Request, blk: int) -> None:
         """Snapshot the KDA states at the block boundary just reached and publish the block."""

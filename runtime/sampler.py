@@ -8,12 +8,17 @@ from typing import Any
 
 from k3ir.errors import K3RuntimeError
 
+#: A temperature below this (but > 0) samples greedily: ``softmax(logits / T)`` tends to the argmax
+#: as T -> 0, and below ~1e-300 ``logits / T`` overflows to inf (NaN probabilities).
+TEMPERATURE_FLOOR = 1e-5
+
 
 @dataclass
 class SamplingParams:
     """Per-request decoding settings.
 
-    ``temperature`` 0 means greedy (argmax, lowest index on ties); ``top_k`` 0 disables top-k;
+    ``temperature`` 0, or any value below ``TEMPERATURE_FLOOR`` (1e-5), means greedy (argmax,
+    lowest index on ties); ``top_k`` 0 disables top-k (values above the vocabulary keep it all);
     ``top_p`` 1 disables nucleus sampling; ``seed`` seeds this request's generator;
     ``max_tokens`` caps generated tokens; generation stops after a token in ``stop_token_ids``
     (it is returned, then the request ends). Raises K3RuntimeError on out-of-range values."""
@@ -42,9 +47,16 @@ def filtered_probs(logits: Any, temperature: float, top_k: int = 0, top_p: float
     """The distribution sampled from: ``softmax(logits / temperature)`` restricted to the
     ``top_k`` largest logits (ties: lower index first) and then to the smallest set of most
     likely tokens whose probability reaches ``top_p``, renormalised. ``logits`` ``[V]``;
-    returns float64 ``[V]`` on the CPU. ``temperature`` must be > 0."""
+    returns float64 ``[V]`` on the CPU. ``temperature`` must be > 0; below ``TEMPERATURE_FLOOR``
+    (or where ``logits / temperature`` leaves the float64 range) the limit T -> 0 is returned: one-hot
+    at the argmax (lowest index on ties)."""
     import torch
-    x = logits.detach().to("cpu", torch.float64).reshape(-1) / float(temperature)
+    x = logits.detach().to("cpu", torch.float64).reshape(-1)
+    if float(temperature) < TEMPERATURE_FLOOR:
+        return _one_hot_argmax(x)
+    x = x / float(temperature)
+    if not bool(torch.isfinite(x.max())):
+        return _one_hot_argmax(logits.detach().to("cpu", torch.float64).reshape(-1))
     V = x.shape[0]
     order = torch.sort(x, descending=True, stable=True).indices
     keep = torch.zeros(V, dtype=torch.bool)
@@ -64,15 +76,23 @@ def filtered_probs(logits: Any, temperature: float, top_k: int = 0, top_p: float
     return p
 
 
+def _one_hot_argmax(x: Any):
+    import torch
+    p = torch.zeros(x.shape[0], dtype=torch.float64)
+    p[int(torch.argmax(x))] = 1.0
+    return p
+
+
 def make_generator(seed: int):
     import torch
     return torch.Generator().manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
 
 
 def sample(logits: Any, params: SamplingParams, generator) -> int:
-    """One token id from ``logits`` ``[V]`` under ``params`` (greedy when temperature is 0)."""
+    """One token id from ``logits`` ``[V]`` under ``params`` (greedy when the temperature is below
+    ``TEMPERATURE_FLOOR``, 0 included)."""
     import torch
-    if params.temperature == 0:
+    if params.temperature < TEMPERATURE_FLOOR:
         return int(torch.argmax(logits.detach().to("cpu", torch.float64).reshape(-1)))
     p = filtered_probs(logits, params.temperature, params.top_k, params.top_p)
     return int(torch.multinomial(p, 1, generator=generator)[0])
