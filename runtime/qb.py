@@ -4,8 +4,9 @@ layer after every step, from that step's router scores.
 The update rules themselves are the float64 reference ``k3ir.ops.moe.qb_update`` (``quantile``,
 ``margin``, DeepSeek-V3 ``sign``, ``none``). This module adds what a training run needs around
 them: finding each MoE layer's router and bias parameter, measuring the step's expert loads
-(max-load / mean-load per layer), and a histogram form of the quantile for data-parallel runs
-(per-expert histograms summed with one all-reduce give the same quantiles within one bin).
+(max-load / mean-load per layer), and a histogram form of the column statistics for data-parallel
+runs (per-expert histograms summed with one all-reduce give the same quantiles, and the same
+(q+1)-th largest margins, within one bin).
 """
 from __future__ import annotations
 
@@ -104,8 +105,9 @@ def hist_ranges(bias: np.ndarray, rule: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def qb_values(scores: np.ndarray, bias: np.ndarray, top_k: int, rule: str) -> np.ndarray:
-    """The ``[m, E]`` values whose column quantiles QB takes: ``s + b`` (``quantile``) or the
-    margins ``s + b - a_i`` (``margin``, ``a_i`` the (k+1)-th largest biased score of token i)."""
+    """The ``[m, E]`` values whose column statistic QB takes: ``s + b`` (``quantile``: the
+    ``1 - k/n`` quantile) or the margins ``s + b - a_i`` (``margin``: the (q+1)-th largest;
+    ``a_i`` the (k+1)-th largest biased score of token i)."""
     s = np.asarray(scores, dtype=np.float64).reshape(-1, scores.shape[-1])
     biased = s + np.asarray(bias, dtype=np.float64)
     if rule == "quantile":
@@ -132,14 +134,22 @@ def local_histograms(values: np.ndarray, lo: np.ndarray, hi: np.ndarray, bins: i
 def hist_quantile(hist: np.ndarray, lo: np.ndarray, hi: np.ndarray, q: float) -> np.ndarray:
     """Quantile ``q`` per expert from counts ``hist [E, bins]`` over ``[lo_j, hi_j]``, matching
     NumPy's default (linear) quantile within one bin width: the value of fractional rank
-    ``r = q (m - 1)`` is placed inside its bin assuming the bin's values are spread uniformly
-    (the i-th of c values at ``lo + (i + 0.5) / c`` of the bin)."""
+    ``r = q (m - 1)`` (``hist_rank_value``)."""
+    return hist_rank_value(hist, lo, hi, q * (hist.sum(axis=1) - 1.0))
+
+
+def hist_rank_value(hist: np.ndarray, lo: np.ndarray, hi: np.ndarray, rank) -> np.ndarray:
+    """The value of ascending rank ``rank`` (0 = the smallest; a scalar or one per expert, may be
+    fractional) per expert from counts ``hist [E, bins]`` over ``[lo_j, hi_j]``, placed inside
+    its bin assuming the bin's values are spread uniformly (the i-th of c values at
+    ``lo + (i + 0.5) / c`` of the bin). For an integer rank this is the order statistic within
+    one bin width; returns float64 ``[E]``."""
     E, bins = hist.shape
-    m = hist.sum(axis=1)
     width = (hi - lo) / bins
+    ranks = np.broadcast_to(np.asarray(rank, dtype=np.float64), (E,))
     out = np.empty(E)
     for j in range(E):
-        r = q * (m[j] - 1.0)
+        r = ranks[j]
         cum = np.cumsum(hist[j])
         b = int(np.searchsorted(cum, r, side="right"))
         b = min(b, bins - 1)
@@ -153,10 +163,12 @@ def qb_update_hist(scores: np.ndarray, bias: np.ndarray, top_k: int, rule: str =
                    bins: int = HIST_BINS, all_reduce: Callable[[np.ndarray], np.ndarray] | None = None
                    ) -> np.ndarray:
     """The data-parallel QB update (SPEC.md 6): like ``qb_update`` for ``quantile``/``margin``,
-    but the column quantile comes from per-expert histograms of this rank's ``scores [m, E]``,
+    but the column statistic comes from per-expert histograms of this rank's ``scores [m, E]``,
     summed across ranks by ``all_reduce`` (a function returning the elementwise sum over ranks
     of an ``[E, bins]`` float64 array, e.g. wrapping ``torch.distributed.all_reduce``; None = one
-    rank). Within one bin width (``hist_ranges``) of the exact update on the global batch.
+    rank): the ``1 - k/n`` quantile (``quantile``) or the (q+1)-th largest margin,
+    ``q = floor(M k / n)`` with M the global token count (``margin``). Within one bin width
+    (``hist_ranges``) of the exact update on the global batch, before centring.
     ``sign``/``none`` need only the loads and fall back to ``qb_update``."""
     if rule in ("sign", "none"):
         return qb_update(scores, bias, top_k, rule)
@@ -166,7 +178,12 @@ def qb_update_hist(scores: np.ndarray, bias: np.ndarray, top_k: int, rule: str =
     h = local_histograms(qb_values(scores, b, top_k, rule), lo, hi, bins)
     if all_reduce is not None:
         h = np.asarray(all_reduce(h), dtype=np.float64)
-    c = b - hist_quantile(h, lo, hi, 1.0 - top_k / n)
+    if rule == "margin":
+        m = round(float(h[0].sum()))
+        q = min(m * top_k // n, m - 1)
+        c = b - hist_rank_value(h, lo, hi, m - 1 - q)
+    else:
+        c = b - hist_quantile(h, lo, hi, 1.0 - top_k / n)
     return c - c.mean()
 
 

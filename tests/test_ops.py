@@ -239,10 +239,10 @@ def test_qb_quantile_rules_vs_formula(rule, rng):
     c = np.empty(n)
     for j in range(n):
         if rule == "quantile":
-            col = [biased[i, j] for i in range(m)]
+            c[j] = b[j] - quantile_linear([biased[i, j] for i in range(m)], 1 - k / n)
         else:
             col = [biased[i, j] - sorted(biased[i], reverse=True)[k] for i in range(m)]   # (k+1)-th largest
-        c[j] = b[j] - quantile_linear(col, 1 - k / n)
+            c[j] = b[j] - sorted(col, reverse=True)[m * k // n]        # (q+1)-th largest margin, q = floor(mk/n)
     assert rel_err(got, c - c.mean()) < 1e-13
     assert abs(got.sum()) < 1e-12
 
