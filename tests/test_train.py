@@ -119,9 +119,15 @@ def _run(exe, qb, steps=20, **kw):
     return tr, [tr.train_step(data.batch_at(i)) for i in range(steps)]
 
 
-def test_short_run_loss_falls_and_qb_balances_better_than_none(exe):
-    _, none = _run(exe, "none")
-    tr, qb = _run(exe, "quantile")
+@pytest.fixture(scope="module")
+def unbalanced_run(exe):
+    return _run(exe, "none")[1]
+
+
+@pytest.mark.parametrize("rule", ["quantile", "margin"])
+def test_short_run_loss_falls_and_qb_balances_better_than_none(exe, unbalanced_run, rule):
+    none = unbalanced_run
+    tr, qb = _run(exe, rule)
     first = none[0].loss
     assert abs(first - math.log(260)) < 0.05                          # uniform-ish at init: ln(vocab)
     for hist in (none, qb):
