@@ -79,40 +79,24 @@ class Session:
     @classmethod
     def load(cls, directory: str, params: dict[str, Any] | None = None, seed: int = 0) -> Session:
         """A Session over a compiled artifact directory (``k3ir compile ... -o DIR``) without
-        recompiling: ``DIR/manifest.json`` names the loader (``"module:function"``) that reopens the
-        executable; weights stored in the artifact are used unless ``params`` is given.
-        Raises K3RuntimeError when DIR is not an artifact or is damaged (manifest.json not JSON,
-        a file missing, truncated or unreadable), naming the file and the problem."""
-        import importlib
-        import json
+        recompiling: ``DIR/manifest.json`` names the registered target whose backend reopens the
+        executable (``Backend.load_artifact``); weights stored in the artifact are used unless ``params``
+        is given. A manifest is data: it never names code to run (docs/artifacts.md).
+        Raises K3RuntimeError when DIR is not an artifact, is of another artifact format version (re-compile
+        it), names an unknown target or a ``"loader"`` callable, or is damaged (manifest.json not JSON, a file
+        missing, truncated or unreadable), naming the file and the problem; K3BackendError when its target
+        cannot run here (a missing pip extra)."""
         import os
+
+        from k3ir.backends.artifact import DAMAGED as redo
+        from k3ir.backends.artifact import open_artifact
 
         from k3ir.errors import K3Error
         if not isinstance(directory, (str, os.PathLike)):
             raise K3RuntimeError(f"Session.load: directory must be a path (str), got {type(directory).__name__}")
         directory = os.fspath(directory)
-        path = os.path.join(directory, "manifest.json")
-        if os.path.exists(directory) and not os.path.isdir(directory):
-            raise K3RuntimeError(f"{directory}: is a file, not a compiled artifact directory "
-                                 "(`k3ir compile ... -o DIR` writes one)")
-        if not os.path.isdir(directory):
-            raise K3RuntimeError(f"{directory}: no such directory (want a compiled artifact: `k3ir compile ... -o DIR`)")
-        if not os.path.isfile(path):
-            raise K3RuntimeError(f"{directory}: not a compiled artifact (no manifest.json)")
-        from k3ir.backends.artifact import DAMAGED as redo
         try:
-            with open(path, encoding="utf-8") as f:
-                man = json.load(f)
-        except json.JSONDecodeError as e:
-            raise K3RuntimeError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}); {redo}") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise K3RuntimeError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e}); {redo}") from None
-        loader = man.get("loader", "") if isinstance(man, dict) else ""
-        mod, _, fn = str(loader).partition(":")
-        if not mod or not fn:
-            raise K3RuntimeError(f"{path}: no 'loader' entry (want 'module:function')")
-        try:
-            exe = getattr(importlib.import_module(mod), fn)(directory)
+            exe = open_artifact(directory)
         except (K3Error, ModuleNotFoundError):     # already clear / the CLI names the extra to install
             raise
         except FileNotFoundError as e:             # safetensors names the file only in its text

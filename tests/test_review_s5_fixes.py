@@ -328,7 +328,7 @@ def test_truncated_shared_library_refused_before_dlopen(tmp_path):
     d.mkdir()
     (d / "tvm_forward.so").write_bytes(b"\x7fELF" + bytes(20000))
     (d / "weights.safetensors").write_bytes(bytes(64))
-    write_manifest(str(d), k3ir.load("k3-tiny"), "tvm", "float32", "k3ir.backends.tvm:load_executable",
+    write_manifest(str(d), k3ir.load("k3-tiny"), "tvm", "float32",
                    {"forward": "tvm_forward.so", "names:forward": json.dumps(["forward"]),
                     "weights": "weights.safetensors"})
     man = json.loads((d / "manifest.json").read_text())
@@ -356,7 +356,10 @@ def test_ir_artifact_sizes_and_old_manifest(capsys, tmp_path):
     ref = Session.load(str(d)).forward([[1, 2, 3]])
     man = json.loads((d / "manifest.json").read_text())
     assert man["sizes"]["weights.safetensors"] == os.path.getsize(d / "weights.safetensors")
-    del man["sizes"]                                    # an artifact written before sizes were recorded still loads
+    old = {k: v for k, v in man.items() if k not in ("sizes", "format_version")}   # written before sizes: refused
+    (d / "manifest.json").write_text(json.dumps(old))
+    with pytest.raises(K3RuntimeError, match=r"artifact format version 1 \(written by an older k3ir\).*`k3ir compile"):
+        Session.load(str(d))
     (d / "manifest.json").write_text(json.dumps(man))
     assert (Session.load(str(d)).forward([[1, 2, 3]]) == ref).all()
     man["sizes"] = {"weights.safetensors": os.path.getsize(d / "weights.safetensors") + 1}

@@ -201,20 +201,21 @@ class MlirExecutable(Executable):
             a = a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
             arrays[k] = np.ascontiguousarray(a.astype(np.float32) if a.dtype.kind == "f" else a)
         save_file(arrays, os.path.join(directory, "weights.safetensors"))
-        write_manifest(directory, self.module, "mlir", self.dtype, "k3ir.backends.mlir:load_executable",
+        write_manifest(directory, self.module, "mlir", self.dtype,
                        {"vmfb": "k3.vmfb", "mlir": "module.mlir", "weights": "weights.safetensors"},
                        functions=list(fns), param_order=order, iree_target="llvm-cpu")
         return directory
 
 
-def load_executable(directory: str) -> MlirExecutable:
-    """Reopen an artifact written by ``MlirExecutable.save`` (no MLIR emission, no compilation)."""
+def load_executable(directory: str, man: dict, module: Module) -> MlirExecutable:
+    """Reopen an artifact written by ``MlirExecutable.save`` from its checked manifest ``man`` and IR ``module``
+    (``artifact.read_manifest``): no MLIR emission, no compilation. The ``.vmfb`` holds native code
+    (docs/artifacts.md)."""
     from safetensors.numpy import load_file
 
-    from ..artifact import read_manifest
-    man, module = read_manifest(directory, "mlir")
-    exe = MlirExecutable(module, man.get("dtype", "float32"))
-    with open(os.path.join(directory, man["files"]["vmfb"]), "rb") as f:
+    from ..artifact import artifact_file
+    exe = MlirExecutable(module, man["dtype"])
+    with open(artifact_file(directory, man, "vmfb"), "rb") as f:
         vmfb = f.read()
     fns = tuple(man["functions"])
     exe.param_order = {k: list(v) for k, v in man["param_order"].items()}
@@ -223,7 +224,7 @@ def load_executable(directory: str) -> MlirExecutable:
     ctx.add_vm_module(rt.VmModule.copy_buffer(ctx.instance, vmfb))
     for f in fns:
         exe._modules[f] = ctx.modules.k3[f]
-    exe._arrays = load_file(os.path.join(directory, man["files"]["weights"]))
+    exe._arrays = load_file(artifact_file(directory, man, "weights"))
     exe.weights_inside = True
     return exe
 
@@ -250,4 +251,5 @@ def _available() -> str | None:
 
 register_backend(Backend(name="mlir", description="linalg/tensor MLIR compiled and run by IREE (llvm-cpu)",
                          build=_build, pipeline=["dce"], lowers=_lowers, aliases=("iree",),
-                         available=_available, functions=("forward", "prefill", "decode"), dtypes=("float32",)))
+                         available=_available, functions=("forward", "prefill", "decode"), dtypes=("float32",),
+                         load_artifact=load_executable))

@@ -14,7 +14,7 @@ from k3ir.errors import K3BackendError
 from k3ir.ir import Module
 
 from .. import Backend, Executable, register_backend
-from ..artifact import ARTIFACT, read_manifest, write_manifest  # noqa: F401 (re-exported)
+from ..artifact import ARTIFACT, artifact_file, write_manifest  # noqa: F401 (re-exported)
 
 FUNCTIONS = ("forward", "prefill", "decode")
 
@@ -114,15 +114,15 @@ class OnnxExecutable(Executable):
                     model = x.export_function(fn, external_path="weights.bin", external_file=f)
                     onnx.save_model(model, os.path.join(directory, f"{fn}.onnx"))
                     files[fn] = f"{fn}.onnx"
-        write_manifest(directory, self.module, "onnx", self.dtype, "k3ir.backends.onnx:load_executable", files)
+        write_manifest(directory, self.module, "onnx", self.dtype, files, data_files=("weights.bin",))
         return directory
 
 
-def load_executable(directory: str) -> OnnxExecutable:
-    """Reopen an artifact written by ``OnnxExecutable.save`` (no re-export)."""
-    man, module = read_manifest(directory, "onnx")
-    paths = {fn: os.path.join(directory, p) for fn, p in man["files"].items()}
-    return OnnxExecutable(module, man.get("dtype", "float32"), "cpu", model_paths=paths)
+def load_executable(directory: str, man: dict, module: Module) -> OnnxExecutable:
+    """Reopen an artifact written by ``OnnxExecutable.save`` from its checked manifest ``man`` and IR ``module``
+    (``artifact.read_manifest``), no re-export."""
+    paths = {fn: artifact_file(directory, man, fn) for fn in man["files"]}
+    return OnnxExecutable(module, man["dtype"], "cpu", model_paths=paths)
 
 
 def _build(module: Module, dtype: str = "float32", device: str = "cpu") -> OnnxExecutable:
@@ -144,4 +144,4 @@ def _available() -> str | None:
 
 register_backend(Backend(name="onnx", description="standard ONNX (opset 20) run by onnxruntime (CPU)",
                          build=_build, pipeline=["dce"], lowers=_lowers, available=_available,
-                         functions=FUNCTIONS, dtypes=("float32", "float16")))
+                         functions=FUNCTIONS, dtypes=("float32", "float16"), load_artifact=load_executable))

@@ -174,30 +174,27 @@ class TVMExecutable(Executable):
             arrays[k] = np.ascontiguousarray(a.astype(np.float32) if a.dtype.kind == "f" else a)
         save_file(arrays, os.path.join(directory, "weights.safetensors"))
         files["weights"] = "weights.safetensors"
-        write_manifest(directory, self.module, "tvm", self.dtype, "k3ir.backends.tvm:load_executable", files,
-                       opt_level=opt_level())
+        write_manifest(directory, self.module, "tvm", self.dtype, files, opt_level=opt_level())
         return directory
 
 
-def load_executable(directory: str) -> TVMExecutable:
-    """Reopen an artifact written by ``TVMExecutable.save`` (``tvm.runtime.load_module``, no
-    lowering and no compilation)."""
-    import os
-
+def load_executable(directory: str, man: dict, module: Module) -> TVMExecutable:
+    """Reopen an artifact written by ``TVMExecutable.save`` from its checked manifest ``man`` and IR ``module``
+    (``artifact.read_manifest``): ``tvm.runtime.load_module`` of each library, no lowering and no
+    compilation. The libraries are native code (docs/artifacts.md)."""
     import tvm
     from safetensors.numpy import load_file
 
-    from ..artifact import read_manifest
-    man, module = read_manifest(directory, "tvm")
-    exe = TVMExecutable(module, man.get("dtype", "float32"), "cpu")
+    from ..artifact import artifact_file
+    exe = TVMExecutable(module, man["dtype"], "cpu")
     files = man["files"]
-    for key, lib in files.items():
+    for key in files:
         if key.startswith("names:") or key == "weights":
             continue
         group = key.split("|")
         names = json.loads(files["names:" + key])
-        exe._loaded[exe._key(group)] = (tvm.runtime.load_module(os.path.join(directory, lib)), names)
-    exe._arrays = load_file(os.path.join(directory, files["weights"]))
+        exe._loaded[exe._key(group)] = (tvm.runtime.load_module(artifact_file(directory, man, key)), names)
+    exe._arrays = load_file(artifact_file(directory, man, "weights"))
     exe.weights_inside = True
     return exe
 
@@ -220,7 +217,7 @@ def _pipeline() -> list[str]:
 
 register_backend(Backend(name="tvm", description="Apache TVM Relax, compiled for llvm (this CPU)",
                          build=_build, pipeline=_pipeline(), lowers=_lowers, aliases=("tvm-llvm",),
-                         available=_available, dtypes=("float32", "float64")))
+                         available=_available, dtypes=("float32", "float64"), load_artifact=load_executable))
 
 from .cross import register_cross_targets
 
