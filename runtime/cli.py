@@ -18,6 +18,7 @@ COMMAND_MODULES: list[str] = [
     "k3ir.runtime.cli_export",       # export (onnx, mlir, dot/svg/html)
     "k3ir.runtime.cli_train",        # train
     "k3ir.runtime.cli_serve",        # generate, serve
+    "k3ir.runtime.cli_plan",         # plan (multi-GPU layouts: memory, communication, decode roofline)
 ]
 
 
