@@ -1,14 +1,15 @@
 """Backends: a registry of targets. A backend has a name, a pass pipeline and a lowering table
-(op name -> implementation); ops missing from the table fall back to their decomposition.
-Out-of-tree backends register through the entry-point group ``k3ir.backends``."""
+(op name -> implementation, with per-op conditions: ``lowering.LoweringTable``); ops missing from
+the table, or refused by its ``supports`` hook, fall back to their decomposition. Out-of-tree
+backends register through the entry-point group ``k3ir.backends``."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from k3ir.errors import K3BackendError
-from k3ir.ir import Module
+from k3ir.ir import Module, Operation
 
 _BACKENDS: dict[str, Backend] = {}
 _ALIASES: dict[str, str] = {}
@@ -20,12 +21,22 @@ BUILTIN = ("reference", "torch", "triton", "tvm", "onnx", "mlir")
 
 @dataclass
 class Backend:
-    """A target: ``build(module, dtype, device) -> Executable`` plus its pass pipeline."""
+    """A target: ``build(module, dtype, device) -> Executable`` plus its pass pipeline and its
+    lowering table.
+
+    ``table``: ``() -> Mapping`` op name -> implementation (called lazily: a table may import the
+    backend's heavy dependency); a ``lowering.LoweringTable`` carries per-op conditions. ``support``:
+    optional ``(op: Operation) -> None | reason`` for conditional support (dtype, quantisation, static
+    shapes); default: the table's own conditions. ``function_support``: optional ``(module, function
+    name) -> None | reason`` for functions the backend cannot lower as a whole (e.g. argument shapes
+    it cannot express). ``lowers``: ``() -> set`` of op names, the older form of ``table`` (plugins
+    may pass either; given ``table``, ``lowers`` defaults to its keys). ``functions``: the entry
+    functions ``build`` compiles (None = every function)."""
     name: str
     description: str
     build: Callable[..., Executable]
     pipeline: list[str] = field(default_factory=list)
-    lowers: Callable[[], set[str]] = field(default=lambda: set())
+    lowers: Callable[[], set[str]] | None = None
     aliases: tuple[str, ...] = ()
     available: Callable[[], str | None] = field(default=lambda: None)   # None = usable here, else why not
     functions: tuple[str, ...] | None = None     # entry functions build() compiles; None = every function
@@ -34,6 +45,40 @@ class Backend:
     #: ``(directory, manifest, module) -> Executable`` reopening what ``Executable.save`` wrote (``Session.load``);
     #: None = the IR artifact of ``Executable.save`` (``artifact.load_ir_artifact``). See docs/artifacts.md.
     load_artifact: Callable[[str, dict, Module], Executable] | None = None
+    table: Callable[[], Mapping[str, Any]] | None = None
+    support: Callable[[Operation], str | None] | None = None
+    function_support: Callable[[Module, str], str | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.lowers is None:
+            table = self.table
+            self.lowers = (lambda: set(table())) if table is not None else (lambda: set())
+
+    def lowering_table(self) -> Mapping[str, Any]:
+        """op name -> implementation (``table()``; for a backend declaring only ``lowers()``, its names
+        mapped to None)."""
+        if self.table is not None:
+            return self.table()
+        return dict.fromkeys(self.lowers())
+
+    def supports(self, op: Operation) -> str | None:
+        """None when this backend lowers ``op`` natively, else why not: not in its table, or the reason
+        its ``support`` hook (default: the table's conditions) gives for this op's attributes/types."""
+        from .lowering import table_supports
+        if op.name not in self.lowers():
+            return f"no lowering for {op.name}"
+        if self.support is not None:
+            return self.support(op)
+        return table_supports(self.lowering_table(), op) if self.table is not None else None
+
+    def function_problem(self, module: Module, function: str) -> str | None:
+        """None when this backend builds ``function`` of ``module`` (as far as can be told before
+        compiling), else why not: not one of ``functions``, or the ``function_support`` hook's reason."""
+        if self.functions is not None and function not in self.functions:
+            return f"target '{self.name}' builds only {', '.join(self.functions)}"
+        if self.function_support is not None:
+            return self.function_support(module, function)
+        return None
 
 
 def register_backend(backend: Backend) -> Backend:

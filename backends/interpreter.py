@@ -1,6 +1,6 @@
 """A graph interpreter shared by the eager backends: walks a Function, calls the backend's
 lowering for each op, and falls back to the op's decomposition (into core ops) when the table
-has no entry."""
+has no entry or the entry's condition refuses the op (``lowering.LoweringTable``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -10,6 +10,8 @@ from k3ir.builder import Builder
 from k3ir.errors import K3BackendError
 from k3ir.ir import Function, Module, Operation
 from k3ir.opdef import get_opdef
+
+from .lowering import native_impl
 
 Impl = Callable[..., Any]
 
@@ -30,7 +32,8 @@ def decompose_op(module: Module | None, op: Operation) -> Function:
 
 
 class Interpreter:
-    """Runs functions of ``module`` with ``table`` (op name -> ``impl(inst, *operands)``).
+    """Runs functions of ``module`` with ``table`` (op name -> ``impl(inst, *operands)``; a
+    ``LoweringTable``'s conditions are honoured: a refused op runs its decomposition, as ``k3ir check`` says).
     ``get_param(name)`` returns a parameter's runtime value; ``post(op, results)`` may convert
     results (e.g. dtype casts); ``observe(op, results)``, if given, sees every top-level op's
     final results (the trainer captures router scores with it)."""
@@ -45,6 +48,7 @@ class Interpreter:
         self.observe = observe
         self._decomp: dict[int, Function] = {}
         self._inst: dict[int, Any] = {}
+        self._impl: dict[int, Impl | None] = {}
 
     def run(self, fn: str | Function, args: list[Any]) -> list[Any]:
         f = self.module.functions[fn] if isinstance(fn, str) else fn
@@ -72,13 +76,15 @@ class Interpreter:
             env[id(r)] = x
 
     def eval_op(self, op: Operation, vals: list[Any]) -> list[Any]:
-        impl = self.table.get(op.name)
+        key = id(op)
+        if key in self._impl:
+            impl = self._impl[key]
+        else:
+            impl = self._impl[key] = native_impl(self.table, op)
         if impl is None:
-            key = id(op)
             if key not in self._decomp:
                 self._decomp[key] = decompose_op(self.module, op)
             return self.run(self._decomp[key], vals)
-        key = id(op)
         inst = self._inst.get(key)
         if inst is None:
             cls = get_opdef(op.name)

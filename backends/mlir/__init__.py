@@ -233,9 +233,9 @@ def _build(module: Module, dtype: str = "float32", device: str = "cpu") -> MlirE
     return MlirExecutable(module, dtype, device)
 
 
-def _lowers() -> set[str]:
+def _table():
     from .lowering import TABLE
-    return set(TABLE)
+    return TABLE
 
 
 def _available() -> str | None:
@@ -250,6 +250,6 @@ def _available() -> str | None:
 
 
 register_backend(Backend(name="mlir", description="linalg/tensor MLIR compiled and run by IREE (llvm-cpu)",
-                         build=_build, pipeline=["dce"], lowers=_lowers, aliases=("iree",),
+                         build=_build, pipeline=["dce"], table=_table, aliases=("iree",),
                          available=_available, functions=("forward", "prefill", "decode"), dtypes=("float32",),
                          load_artifact=load_executable))

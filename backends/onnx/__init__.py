@@ -129,9 +129,9 @@ def _build(module: Module, dtype: str = "float32", device: str = "cpu") -> OnnxE
     return OnnxExecutable(module, dtype, device)
 
 
-def _lowers() -> set[str]:
+def _table():
     from .lowering import TABLE
-    return set(TABLE)
+    return TABLE
 
 
 def _available() -> str | None:
@@ -143,5 +143,5 @@ def _available() -> str | None:
 
 
 register_backend(Backend(name="onnx", description="standard ONNX (opset 20) run by onnxruntime (CPU)",
-                         build=_build, pipeline=["dce"], lowers=_lowers, available=_available,
+                         build=_build, pipeline=["dce"], table=_table, available=_available,
                          functions=FUNCTIONS, dtypes=("float32", "float16"), load_artifact=load_executable))

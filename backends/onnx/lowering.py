@@ -259,7 +259,13 @@ def _glu(lw, inst, gate, up):
     return g.node("Mul", [act, g.node("Mul", [g.node("Tanh", [g.node("Div", [up, b2])]), b2])])
 
 
-@lowers("k3.grouped_matmul")
+def _quant_packed_in_graph(op) -> str | None:
+    """ONNX dequantises MXFP4 experts inside the graph; INT4 is not lowered."""
+    q = op.attrs.get("quant", "none")
+    return None if q in ("none", "mxfp4") else f"quant={q} is not lowered (mxfp4 and none are)"
+
+
+@lowers("k3.grouped_matmul", when=_quant_packed_in_graph)
 def _grouped_matmul(lw, inst, x, offsets, w, scales=None):
     """Rows sorted by expert: row r belongs to expert ``#{e: offsets[e+1] <= r}``; each row
     gathers its expert's matrix and contracts it. MXFP4 weights stay packed in the graph

@@ -83,9 +83,9 @@ def _build(module: Module, dtype: str = "float32", device: str = "cpu") -> Torch
     return TorchExecutable(module, dtype, device)
 
 
-def _lowers() -> set[str]:
+def _table() -> dict:
     from .ops import TABLE
-    return set(TABLE)
+    return TABLE
 
 
 def _pipeline() -> list[str]:
@@ -102,4 +102,4 @@ def _available() -> str | None:
 
 
 register_backend(Backend(name="torch", description="eager PyTorch (CPU/CUDA), autograd", build=_build,
-                         pipeline=_pipeline(), lowers=_lowers, available=_available))
+                         pipeline=_pipeline(), table=_table, available=_available))

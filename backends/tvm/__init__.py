@@ -205,9 +205,14 @@ def _build(module: Module, dtype: str = "float32", device: str = "cpu") -> TVMEx
     return TVMExecutable(module, dtype, device)
 
 
-def _lowers() -> set[str]:
+def _table():
     from .lower import TABLE
-    return set(TABLE)
+    return TABLE
+
+
+def _function_problem(module: Module, name: str) -> str | None:
+    from .lower import function_problem
+    return function_problem(module, name)
 
 
 def _pipeline() -> list[str]:
@@ -216,8 +221,8 @@ def _pipeline() -> list[str]:
 
 
 register_backend(Backend(name="tvm", description="Apache TVM Relax, compiled for llvm (this CPU)",
-                         build=_build, pipeline=_pipeline(), lowers=_lowers, aliases=("tvm-llvm",),
-                         available=_available, dtypes=("float32", "float64"), load_artifact=load_executable))
+                         build=_build, pipeline=_pipeline(), table=_table, aliases=("tvm-llvm",),
+                         function_support=_function_problem, available=_available, dtypes=("float32", "float64"), load_artifact=load_executable))
 
 from .cross import register_cross_targets
 

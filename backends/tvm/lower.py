@@ -26,7 +26,7 @@ from k3ir.opdef import get_opdef
 from k3ir.ops.state import state_tensor_type
 from k3ir.types import StateType, TensorType
 
-from ..lowering import LoweringTable
+from ..lowering import LoweringTable, native_impl
 from . import kernels as K
 
 R_ = relax.op
@@ -58,7 +58,7 @@ class RelaxLowering:
         d = str(d)
         if d.lstrip("-").isdigit():
             return int(d)
-        if not d.isidentifier():
+        if not expressible(d):
             raise K3BackendError(f"tvm: cannot express the dimension '{d}' of an argument")
         if d not in self.syms:
             self.syms[d] = tirx.Var(d, "int64")
@@ -127,7 +127,7 @@ class RelaxLowering:
 
     def lower_op(self, op: Operation, env: dict[int, Any]) -> None:
         vals = [env[id(v)] for v in op.operands]
-        impl = TABLE.get(op.name)
+        impl = native_impl(TABLE, op)
         if impl is None:
             sub = decompose_op(self.module, op)
             outs = self.lower_inline(sub, vals)
@@ -324,7 +324,36 @@ def _identity(lw, inst, x):
     return x
 
 
-@lowers("k3.interp_weights", "k3.rope_2d_table")
+def _static_table_dims(op: Operation) -> str | None:
+    """``k3.interp_weights`` / ``k3.rope_2d_table`` fold to constants: the dims they read must be static."""
+    shp = op.operands[0].type.shape
+    used = [op.attrs.get("axis", 0)] if op.name == "k3.interp_weights" else [1, 2]
+    dyn = [str(shp[a]) for a in used if a < len(shp) and not _static(shp[a])]
+    return f"needs static dims {used} of its input, got {', '.join(dyn)}" if dyn else None
+
+
+def _static(d) -> bool:
+    return isinstance(d, int) or str(d).lstrip("-").isdigit()
+
+
+def expressible(d) -> bool:
+    """Whether an IR dim is a Relax shape: an integer or a plain symbol (``B``), not an expression (``2*MH``)."""
+    return _static(d) or str(d).isidentifier()
+
+
+def function_problem(module: Module, name: str) -> str | None:
+    """Why ``RelaxLowering.lower_function`` cannot lower function ``name`` of ``module``, or None: an
+    argument dimension that is an expression (the vision tower's ``2*MH``) has no Relax shape variable."""
+    fn = module.functions[name]
+    for a in fn.args:
+        t = state_tensor_type(a.type, "B") if isinstance(a.type, StateType) else a.type
+        bad = [str(d) for d in getattr(t, "shape", ()) if not expressible(d)]
+        if bad:
+            return f"tvm cannot express the dimension '{bad[0]}' of argument %{a.name} ({a.type})"
+    return None
+
+
+@lowers("k3.interp_weights", "k3.rope_2d_table", when=_static_table_dims)
 def _shape_table(lw, inst, like):
     """Index tables that depend on static dims only: folded to constants at compile time."""
     shp = lw.shape(like)
