@@ -135,12 +135,17 @@ def cmd_serve(args) -> int:
         raise UsageError("--served-name must not be empty (leave it out to serve under the model's name)")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
-    for flag in ("max_request_bytes", "max_prompt_tokens", "max_output_tokens", "max_concurrent"):
+    for flag in ("max_request_bytes", "max_prompt_tokens", "max_output_tokens", "max_concurrent", "max_stop_strings",
+                 "max_stop_chars"):
         v = getattr(args, flag)
         if v < 1:                                    # 0 would start a server that refuses every request
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if not 0 < args.body_timeout < float("inf"):
+        raise UsageError(f"--body-timeout must be a finite number of seconds > 0, got {args.body_timeout}")
     limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_prompt_tokens=args.max_prompt_tokens,
-                          max_output_tokens=args.max_output_tokens, max_concurrent=args.max_concurrent)
+                          max_output_tokens=args.max_output_tokens, max_concurrent=args.max_concurrent,
+                          max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
+                          body_timeout_s=args.body_timeout)
     check_port(args.host, args.port)                 # before loading the model: uvicorn's bind error is a raw log
     module, tok, engine = _setup(args)
     app = create_app(engine, tok, args.served_name or module.name, limits)
@@ -162,10 +167,17 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--served-name", help="model id in the API (default: the model's name)")
-    p.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="largest request body in bytes, chunked too (default 1 MiB; more gets 413)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds from a request's headers until its whole body must have arrived (default 30; "
+                        "later gets 408 and the connection closed)")
     p.add_argument("--max-prompt-tokens", type=int, default=4096)
     p.add_argument("--max-output-tokens", type=int, default=1024)
-    p.add_argument("--max-concurrent", type=int, default=64)
+    p.add_argument("--max-concurrent", type=int, default=64, help="requests in flight (default 64; more get 429)")
+    p.add_argument("--max-stop-strings", type=int, default=16, help="stop strings per request (default 16)")
+    p.add_argument("--max-stop-chars", type=int, default=4096,
+                   help="characters in all stop strings of a request (default 4096)")
     p.add_argument("--log-level", default="info", type=str.lower, metavar="{" + ",".join(LOG_LEVELS) + "}",
                    help="uvicorn log level (default info)")
     _engine_args(p)

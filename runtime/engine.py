@@ -175,6 +175,18 @@ class Engine:
         """``make_request`` + ``enqueue``."""
         return self.enqueue(self.make_request(prompt, params, **kw))
 
+    def block_accounting(self) -> dict[str, int]:
+        """Pool references by holder: ``block_refs`` (sum of the pool's reference counts),
+        ``request_blocks`` (blocks in running requests' tables), ``leaked_blocks`` (their difference:
+        references no request holds), ``reserved`` (blocks set aside for admitted requests' future
+        tokens) and ``leaked_reserve`` (reserved minus what running requests still claim). Exact when
+        the engine is idle; while it steps in another thread the numbers may be mid-update."""
+        running = list(self.running)
+        refs = sum(self.pool.refcount)
+        held = sum(len(r.blocks) for r in running)
+        return {"block_refs": refs, "request_blocks": held, "leaked_blocks": refs - held,
+                "reserved": self.reserved, "leaked_reserve": self.reserved - sum(r.reserve for r in running)}
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

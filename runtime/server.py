@@ -1,10 +1,13 @@
 """OpenAI-compatible HTTP API over the serving engine (FastAPI + uvicorn, SSE streaming through
 sse-starlette): ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``. Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
-status for bad input (400 malformed or over a limit, 404 unknown model/route, 413 body too large,
-429 too many concurrent requests). A request field the server does not read is a 400 naming it
-(``unknown_parameter``; OpenAI fields it does not implement, ``UNSUPPORTED``, are accepted at their
-defaults, else ``unsupported_parameter``). Binds 127.0.0.1 by default."""
+status for bad input (400 malformed or over a limit, 404 unknown model/route, 408 body not received
+in time, 413 body too large, however it is sent, 429 too many concurrent requests), also for requests
+uvicorn itself refuses (``serve`` runs uvicorn's h11 protocol with a JSON 400). A request field the
+server does not read is a 400 naming it (``unknown_parameter``; OpenAI fields it does not implement,
+``UNSUPPORTED``, are accepted at their defaults, else ``unsupported_parameter``). A request whose client
+disconnects is aborted at once (its slot and pool blocks are freed at the engine's next step).
+Binds 127.0.0.1 by default."""
 from __future__ import annotations
 
 import asyncio
@@ -13,10 +16,12 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request as HTTPRequest
 
 from k3ir.errors import K3Error, K3RuntimeError
 
@@ -29,19 +34,29 @@ log = logging.getLogger("k3ir.server")
 
 @dataclass
 class ServerLimits:
-    """Per-request and global limits: body bytes, prompt tokens, output tokens (``max_tokens``),
-    requests in flight (queued + running; more get 429). Each must be an integer >= 1
-    (K3RuntimeError otherwise)."""
+    """Per-request and global limits: body bytes (413 over it, chunked bodies too), prompt tokens,
+    output tokens (``max_tokens``), requests in flight (queued + running; more get 429), ``stop``
+    strings per request and their total characters (400 naming ``stop`` over either), and
+    ``body_timeout_s``: seconds from a request's headers until its whole body must have arrived
+    (408 and the connection closed otherwise). Each must be an integer >= 1, the timeout a finite
+    number > 0 (K3RuntimeError otherwise)."""
     max_request_bytes: int = 1 << 20
     max_prompt_tokens: int = 4096
     max_output_tokens: int = 1024
     max_concurrent: int = 64
+    max_stop_strings: int = 16
+    max_stop_chars: int = 4096
+    body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for key in ("max_request_bytes", "max_prompt_tokens", "max_output_tokens", "max_concurrent"):
+        for key in ("max_request_bytes", "max_prompt_tokens", "max_output_tokens", "max_concurrent",
+                    "max_stop_strings", "max_stop_chars"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise K3RuntimeError(f"server limit {key} must be an integer >= 1, got {v!r}")
+        t = self.body_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise K3RuntimeError(f"server limit body_timeout_s must be a finite number of seconds > 0, got {t!r}")
 
 
 class APIError(Exception):
@@ -159,43 +174,67 @@ class _TextStream:
 
 
 # ---- the app ---------------------------------------------------------------------------------
-class _BodyLimit:
-    """ASGI middleware: 413 for bodies over ``limit`` bytes (by Content-Length or by counting)."""
+class _BodyGuard:
+    """ASGI middleware that reads a request's whole body before the app sees it: 413 when it holds
+    more than ``limit`` bytes (by Content-Length, or by counting a chunked body), 400 for a
+    Content-Length that is not a non-negative integer, 408 when it has not fully arrived ``timeout_s``
+    seconds after the headers; these answers close the connection. The app then gets the body as one
+    message, and later ``receive`` calls (disconnect detection) go to the server's."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, timeout_s: float):
+        self.app, self.limit, self.timeout_s = app, limit, timeout_s
 
-    async def _reject(self, send) -> None:
-        body = json.dumps(error_body(f"request body exceeds {self.limit} bytes", "invalid_request_error",
-                                     "request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    @staticmethod
+    async def _reject(send, status: int, message: str, code: str) -> None:
+        body = json.dumps(error_body(message, "invalid_request_error", code)).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        too_large = f"request body exceeds {self.limit} bytes"
         cl = dict(scope.get("headers") or []).get(b"content-length")
-        if cl is not None and cl.isdigit() and int(cl) > self.limit:
-            return await self._reject(send)
-        seen = 0
+        if cl is not None:
+            if not cl.strip().isdigit():
+                return await self._reject(send, 400, f"Content-Length must be a non-negative integer, got "
+                                                     f"{cl[:40].decode('latin-1')!r}", "invalid_content_length")
+            if len(cl.strip()) > 18 or int(cl) > self.limit:
+                return await self._reject(send, 413, too_large, "request_too_large")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        chunks, seen = [], 0
+        while True:
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return await self._reject(send, 408, f"request body not received within {self.timeout_s:g} s "
+                                                     f"({seen} bytes arrived)", "request_timeout")
+            if msg["type"] == "http.disconnect":          # the client left before its body arrived
+                return
+            chunk = msg.get("body", b"")
+            seen += len(chunk)
+            if seen > self.limit:
+                return await self._reject(send, 413, too_large, "request_too_large")
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
-        async def counted():
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge()
-            return msg
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await self._reject(send)
+        async def replay():
+            return pending.pop() if pending else await receive()
+        await self.app(scope, replay, send)
 
 
-class _TooLarge(Exception):
-    pass
+async def _abort_on_disconnect(http: HTTPRequest, abort: Callable[[], None]) -> None:
+    """Wait for the client of ``http`` to disconnect (its body already read), then call ``abort``."""
+    while True:
+        msg = await http.receive()
+        if msg["type"] == "http.disconnect":
+            abort()
+            return
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: ServerLimits | None = None):
@@ -208,6 +247,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
     from fastapi.responses import JSONResponse
     from jinja2 import TemplateError
     from sse_starlette.sse import EventSourceResponse
+    from starlette.background import BackgroundTask
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     limits = limits or ServerLimits()
@@ -266,6 +306,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error", f"http_{exc.status_code}"),
                             status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):        # a bug: still a JSON body, never plain text
+        log.error("request %s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body(f"internal server error ({type(exc).__name__})", "server_error",
+                                       "internal_error"), status_code=500)
+
     def params_of(body: _Common, n_prompt: int) -> SamplingParams:
         if body.model is not None and body.model != model_name:
             raise APIError(404, f"model '{body.model}' does not exist (serving '{model_name}')", "model_not_found", "model")
@@ -284,10 +330,23 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
             raise APIError(400, str(e), "invalid_request") from None
 
     def stops_of(body: _Common) -> list[str]:
-        return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        """The request's stop strings; APIError 400 naming ``stop`` over the limits or for text that is
+        not valid Unicode."""
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stops) > limits.max_stop_strings:
+            raise APIError(400, f"stop has {len(stops)} strings, the limit is {limits.max_stop_strings}",
+                           "invalid_request", "stop")
+        total = sum(len(x) for x in stops)
+        if total > limits.max_stop_chars:
+            raise APIError(400, f"stop strings hold {total} characters in all, the limit is {limits.max_stop_chars}",
+                           "invalid_request", "stop")
+        for i, x in enumerate(stops):
+            check_text(x, "stop" if isinstance(body.stop, str) else f"stop.{i}")
+        return stops
 
-    async def run(ids: list[int], body: _Common, chat: bool):
+    async def run(http: HTTPRequest, ids: list[int], body: _Common, chat: bool):
         sp = params_of(body, len(ids))
+        stops = stops_of(body)
         if in_flight["n"] >= limits.max_concurrent:
             raise APIError(429, f"too many concurrent requests (limit {limits.max_concurrent})", "rate_limit_exceeded",
                            kind="rate_limit_error")
@@ -302,19 +361,35 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
             raise APIError(400, str(e), "invalid_request", "prompt") from None
         in_flight["n"] += 1
         runner.submit(req)
+        released = []
+
+        def release() -> None:          # once per request: its in-flight slot, and the request if still running
+            if not released:
+                released.append(True)
+                in_flight["n"] -= 1
+                if not req.done:
+                    runner.abort(req)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        text = _TextStream(tokenizer, stops_of(body))
-        if body.stream:
-            return EventSourceResponse(stream(req, q, text, rid, chat), ping=15)
+        text = _TextStream(tokenizer, stops)
+        if body.stream:        # the background task releases a stream the client left before it began
+            return EventSourceResponse(stream(req, q, text, rid, chat, release), ping=15,
+                                       background=BackgroundTask(release))
+        gone = []
+
+        def on_disconnect() -> None:
+            gone.append(True)
+            release()
+        watcher = asyncio.ensure_future(_abort_on_disconnect(http, on_disconnect))
         try:
             while (tok := await q.get()) is not None:
                 text.push(tok)
                 if text.stopped:
                     runner.abort(req)
         finally:
-            in_flight["n"] -= 1
-            if not req.done:
-                runner.abort(req)
+            watcher.cancel()
+            release()
+        if gone:
+            raise APIError(499, "the client closed the connection before the answer was ready", "client_closed")
         if req.finish_reason == "error":
             raise APIError(500, f"generation failed: {req.error}", "engine_error", kind="server_error")
         text.finish()
@@ -327,7 +402,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": model_name, "choices": [choice], "usage": usage}
 
-    async def stream(req: Request, q: asyncio.Queue, text: _TextStream, rid: str, chat: bool):
+    async def stream(req: Request, q: asyncio.Queue, text: _TextStream, rid: str, chat: bool,
+                     release: Callable[[], None]):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: str | None, reason: str | None, first: bool = False) -> str:
@@ -357,12 +433,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
             yield {"data": chunk(delta, reason)}
             yield {"data": "[DONE]"}
         finally:
-            in_flight["n"] -= 1
-            if not req.done:
-                runner.abort(req)
+            release()
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, http: HTTPRequest):
         check_fields(body)
         if isinstance(body.prompt, str):
             check_text(body.prompt, "prompt")
@@ -371,10 +445,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
             ids = list(body.prompt)
         if not ids:
             raise APIError(400, "prompt is empty", "invalid_request", "prompt")
-        return await run(ids, body, chat=False)
+        return await run(http, ids, body, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest):
+    async def chat_completions(body: ChatRequest, http: HTTPRequest):
         check_fields(body)
         if body.max_completion_tokens is not None:
             if body.max_tokens is not None and body.max_tokens != body.max_completion_tokens:
@@ -387,7 +461,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
             ids = tokenizer.chat([m.model_dump() for m in body.messages])
         except (TemplateError, TypeError, KeyError, ValueError) as e:   # the checkpoint's template failed
             raise APIError(400, f"chat template failed: {e}", "invalid_request", "messages") from None
-        return await run(ids, body, chat=True)
+        return await run(http, ids, body, chat=True)
 
     @app.get("/v1/models")
     async def models():
@@ -400,15 +474,41 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
         return {"status": "ok", "model": model_name, "in_flight": in_flight["n"],
                 "running": len(engine.running), "waiting": len(engine.waiting),
                 "pool": {"blocks": p.num_blocks, "block_size": p.block_size, "free": p.num_free,
-                         "cached": p.num_cached, "referenced": p.num_referenced, **p.stats},
+                         "cached": p.num_cached, "referenced": p.num_referenced, **p.stats,
+                         **engine.block_accounting()},
                 "engine": dict(engine.stats)}
 
-    if limits.max_request_bytes:
-        app.add_middleware(_BodyLimit, limit=limits.max_request_bytes)
+    app.add_middleware(_BodyGuard, limit=limits.max_request_bytes, timeout_s=limits.body_timeout_s)
     return app
 
 
-def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run ``app`` with uvicorn until interrupted."""
+def json_error_protocol() -> type:
+    """uvicorn's h11 HTTP protocol with its 400 for requests it cannot parse (a negative or malformed
+    Content-Length, a broken request line or header) answered as an OpenAI-style JSON error instead of
+    plain text."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class JSONErrorH11Protocol(H11Protocol):
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps(error_body(f"malformed HTTP request ({msg.rstrip('.')}: a bad request line, header or "
+                                         "Content-Length)", "invalid_request_error", "invalid_http")).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+    return JSONErrorH11Protocol
+
+
+def make_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
+    """A ``uvicorn.Server`` for ``app`` on ``host:port`` with JSON 400s for unparsable requests
+    (``json_error_protocol``); ``.run()`` serves until interrupted."""
     import uvicorn
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, http=json_error_protocol()))
+
+
+def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Run ``app`` with uvicorn (``make_server``) until interrupted."""
+    make_server(app, host, port, log_level).run()
