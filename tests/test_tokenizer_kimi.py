@@ -303,10 +303,7 @@ def test_byte_tokenizer_ids_outside_the_vocabulary():
 def test_generate_reads_the_checkpoint_tokenizer(ckpt, capsys):
     """k3ir generate on a k3-tiny checkpoint directory with the Kimi tokenizer: the random model's
     reserved ids decode (before: tiktoken KeyError)."""
-    cfg = json.loads((Path(__file__).parents[1] / "frontend" / "configs" / "k3-tiny.json").read_text())
-    cfg["text_config"]["vocab_size"] = VOCAB
-    (ckpt / "config.json").write_text(json.dumps(cfg))
-    rc, out, err = run_cli(capsys, "generate", str(ckpt / "config.json"), "--prompt", "hello 你好", "--max-tokens", "24",
+    rc, out, err = run_cli(capsys, "generate", str(tiny_checkpoint(ckpt)), "--prompt", "hello 你好", "--max-tokens", "24",
                            "--block-size", "64", "--show-ids")
     assert rc == 0, one_line_error(err) if err else out
     new = [int(x) for x in out.split("token ids: [")[1].split("]")[0].split(",")]
@@ -314,3 +311,36 @@ def test_generate_reads_the_checkpoint_tokenizer(ckpt, capsys):
     t = load_tokenizer(str(ckpt), model())
     assert out.startswith("hello 你好" + t.decode(new))
 
+
+
+def tiny_checkpoint(ckpt: Path) -> Path:
+    """k3-tiny's config.json, its vocabulary widened to the tokenizer's 530 ids, next to the tokenizer."""
+    cfg = json.loads((Path(__file__).parents[1] / "frontend" / "configs" / "k3-tiny.json").read_text())
+    cfg["text_config"]["vocab_size"] = VOCAB
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    return ckpt / "config.json"
+
+
+def test_server_completion_with_reserved_ids(ckpt):
+    """/v1/completions on the same checkpoint: 200 and the greedy tokens' text (before: a 500 from
+    the tiktoken KeyError on the first reserved id)."""
+    pytest.importorskip("fastapi")
+    import numpy as np
+    from fastapi.testclient import TestClient
+    from k3ir.runtime import Session
+    from k3ir.runtime.engine import build_engine
+    from k3ir.runtime.server import ServerLimits, create_app
+
+    import k3ir
+    m = k3ir.load(str(tiny_checkpoint(ckpt)))
+    tok = load_tokenizer(str(ckpt / "config.json"), m)
+    prompt = tok.encode("hello 你好")
+    out = Session(k3ir.compile(m, target="torch", dtype="float32"), seed=0).generate(np.array([prompt]), 16)
+    out = out[0, len(prompt):].tolist()
+    out = out[:out.index(BASE + 1) + 1] if BASE + 1 in out else out
+    assert any(BASE <= i < VOCAB for i in out), out           # reserved or special ids among them
+    with TestClient(create_app(build_engine(m, block_size=64, num_blocks=16, max_batch=2), tok, "kimi-tiny",
+                               ServerLimits())) as c:
+        r = c.post("/v1/completions", json={"prompt": "hello 你好", "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == tok.decode(out)
