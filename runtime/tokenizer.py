@@ -286,7 +286,7 @@ def _added_tokens(config: dict[str, Any], cfg: str | None) -> dict[int, tuple[st
     out = {}
     for k, v in raw.items():
         text = _token_text(v)
-        if not str(k).isdigit() or not isinstance(text, str) or not text:
+        if not (str(k).isascii() and str(k).isdigit()) or not isinstance(text, str) or not text:
             raise K3ConfigError(f"entry {k!r}: expected a non-negative integer id and a token with 'content'",
                                 key="added_tokens_decoder", path=cfg)
         out[int(k)] = (text, bool(v.get("special", True)) if isinstance(v, dict) else True)

@@ -273,6 +273,14 @@ def test_bad_tiktoken_file(tmp_path, content, where):
         load_tokenizer(str(tmp_path), model())
 
 
+@pytest.mark.parametrize("entries", [{"-1": {"content": "[X]"}}, {"²": {"content": "[X]"}}, {"280": {"special": True}},
+                                     {"280": {"content": 7}}, ["[X]"]])
+def test_bad_added_tokens_decoder(ckpt, entries):
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(kimi_config(added_tokens_decoder=entries)))
+    with pytest.raises(K3ConfigError, match=r"tokenizer_config.json: key 'added_tokens_decoder': "):
+        load_tokenizer(str(ckpt), model())
+
+
 def test_tiktoken_file_missing_a_byte(tmp_path):
     pieces = [bytes([b]) for b in range(256) if b != 0x41] + [b"ab"]
     (tmp_path / "tiktoken.model").write_text("".join(f"{base64.b64encode(p).decode()} {r}\n"
