@@ -32,6 +32,7 @@ from k3ir.errors import K3CheckpointError
 from k3ir.ir import Module
 from k3ir.quant import int4_dequantize, int4_quantize, mxfp4_check_scales, mxfp4_dequantize, mxfp4_quantize
 
+from .checkpoint_checks import check_finite, check_half_dtypes, config_half_dtype, declared_half_dtype, one_half_dtype
 from .keymap import ST_DTYPES, Header, Part, Plan, is_routed_expert, resolve, write_key
 
 log = logging.getLogger("k3ir.checkpoint")
@@ -64,6 +65,8 @@ def read_header(path: str) -> tuple[dict[str, Header], dict]:
         hdr = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise K3CheckpointError(f"{name}: corrupt safetensors header ({e})") from None
+    except (RecursionError, ValueError) as e:      # nesting too deep, an integer of thousands of digits
+        raise K3CheckpointError(f"{name}: corrupt safetensors header ({type(e).__name__}: {str(e)[:120]})") from None
     if not isinstance(hdr, dict):
         raise K3CheckpointError(f"{name}: corrupt safetensors header (not a JSON object)")
     base = 8 + n
@@ -73,7 +76,7 @@ def read_header(path: str) -> tuple[dict[str, Header], dict]:
         if not isinstance(v, dict) or not {"dtype", "shape", "data_offsets"} <= set(v):
             raise K3CheckpointError(f"{name}: corrupt header entry for tensor '{key}'")
         dt, shape, offs = v["dtype"], v["shape"], v["data_offsets"]
-        if dt not in ST_DTYPES:
+        if not isinstance(dt, str) or dt not in ST_DTYPES:
             raise K3CheckpointError(f"{name}: tensor '{key}' has unknown dtype {dt!r} "
                                     f"(known: {', '.join(sorted(ST_DTYPES))})")
         if (not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)
@@ -97,7 +100,7 @@ def find_index(directory: str) -> str | None:
     p = os.path.join(directory, INDEX_NAME)
     if os.path.exists(p):
         return p
-    found = sorted(glob.glob(os.path.join(directory, "*.safetensors.index.json")))
+    found = sorted(glob.glob(os.path.join(glob.escape(directory), "*.safetensors.index.json")))
     if len(found) > 1:
         raise K3CheckpointError(f"{directory}: several index files ({', '.join(map(os.path.basename, found))})")
     return found[0] if found else None
@@ -106,14 +109,17 @@ def find_index(directory: str) -> str | None:
 def is_checkpoint_dir(path: str) -> bool:
     """True when ``path`` is a directory with safetensors weights (or an index)."""
     return os.path.isdir(path) and (find_index(path) is not None
-                                    or bool(glob.glob(os.path.join(path, "*.safetensors"))))
+                                    or bool(glob.glob(os.path.join(glob.escape(path), "*.safetensors"))))
 
 
 class Checkpoint:
-    """Headers of every tensor in a checkpoint directory and lazy, memory-mapped reads."""
+    """Headers of every tensor in a checkpoint directory and lazy, memory-mapped reads. ``check_finite``
+    (default on): every float tensor read is checked for NaN/Inf (K3CheckpointError naming the shard file
+    and the key); headers alone never are."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, check_finite: bool = True):
         self.directory = directory
+        self.check_finite = check_finite
         self.index_path = find_index(directory)
         self.headers: dict[str, Header] = {}
         self.files: dict[str, int] = {}           # path -> size on disk
@@ -121,7 +127,7 @@ class Checkpoint:
         if self.index_path:
             shards = self._read_index(self.index_path)
         else:
-            shards = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+            shards = sorted(glob.glob(os.path.join(glob.escape(directory), "*.safetensors")))
             if not shards:
                 raise K3CheckpointError(no_weights_message(directory))
             _check_shard_set(directory, shards)
@@ -185,7 +191,8 @@ class Checkpoint:
 
     def read(self, key: str, index: int | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
         """Tensor ``key`` as NumPy (bf16/fp8 upcast to float32), optionally ``[index]`` and then
-        rows ``[start:stop]`` of the leading axis, reading only that slice."""
+        rows ``[start:stop]`` of the leading axis, reading only that slice. With ``check_finite``,
+        K3CheckpointError naming the file and ``key`` when the values read hold NaN or Inf."""
         h = self.headers.get(key)
         if h is None:
             raise K3CheckpointError(f"{self.directory}: no tensor '{key}'")
@@ -203,7 +210,17 @@ class Checkpoint:
                 t = sl[sel]
         except _read_errors() as e:
             raise K3CheckpointError(f"{h.file}: cannot read tensor '{key}': {e}") from None
-        return _to_numpy(t)
+        a = _to_numpy(t)
+        return check_finite(a, h.file, key) if self.check_finite else a
+
+    def check_all_finite(self) -> int:
+        """Read every tensor (one at a time) and check its values for NaN/Inf (``k3ir inspect --check-finite``).
+        Returns the number of tensors read; K3CheckpointError naming the file and key of the first bad one."""
+        for key in sorted(self.headers, key=lambda k: (self.headers[k].file, self.headers[k].start)):
+            a = self.read(key)                      # read() has checked it already when check_finite is on
+            if not self.check_finite:
+                check_finite(a, self.headers[key].file, key)
+        return len(self.headers)
 
     # -- summary (headers only) -------------------------------------------------------------
     def summary(self) -> dict:
@@ -391,11 +408,16 @@ def no_weights_message(directory: str) -> str:
             f"({os.path.join(directory, 'config.json')})")
 
 
-def bind_checkpoint(module: Module, directory: str, strict: bool = True) -> Module:
+def bind_checkpoint(module: Module, directory: str, strict: bool = True, check_finite: bool = True) -> Module:
     """Resolve ``module``'s parameters against the checkpoint in ``directory`` (headers only) and
     set ``module.weights`` to a lazy :class:`CheckpointWeights`. With ``strict`` (default), keys
-    that belong to no parameter are an error; otherwise they are logged and kept in ``.unused``."""
-    ckpt = Checkpoint(directory)
+    that belong to no parameter are an error; otherwise they are logged and kept in ``.unused``.
+    The checkpoint's BF16/F16 tensors must share one dtype, the config's when it names one
+    (:func:`checkpoint_checks.check_half_dtypes`: a same-size dtype relabel); ``check_finite`` (default on):
+    weights are checked for NaN/Inf as they are read. Raises K3CheckpointError naming the file and key."""
+    ckpt = Checkpoint(directory, check_finite=check_finite)
+    cfg = getattr(module, "config", None)
+    check_half_dtypes(ckpt.headers, declared_half_dtype(getattr(cfg, "raw", None)), os.path.normpath(directory))
     plans, unused = resolve(module, ckpt.headers, where=os.path.normpath(directory))
     if unused and strict:
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
@@ -589,6 +611,7 @@ def save_checkpoint(module: Module, params: Mapping[str, Any], directory: str, *
         dt = ws["dtype"]
         put(pre + ".gate_up_proj", _tensor(np.concatenate([np.stack(ws["w1"]), np.stack(ws["w3"])], axis=1), dt))
         put(pre + ".down_proj", _tensor(np.stack(ws["w2"]), dt))
+    one_half_dtype(out)
     return _write_files(module, out, directory, max_shard_bytes, quantize, write_config, save_file)
 
 
@@ -626,6 +649,7 @@ def _write_files(module, out, directory, max_shard_bytes, quantize, write_config
         text = raw.get("text_config", raw)
         text.pop("quantization_config", None)
         raw.pop("quantization_config", None)
+        config_half_dtype(raw, out)
         if quantize:
             text["quantization_config"] = _quant_config(quantize)
         _write_json(os.path.join(directory, "config.json"), raw)
