@@ -163,6 +163,10 @@ def cmd_inspect(args) -> int:
         results, _, _ = apply_passes(m, args.target, quantize=args.quantize)
     r = report(m, context=args.context)
     ck = m.weights.summary() if hasattr(m.weights, "summary") else None   # checkpoint dir: headers only
+    if getattr(args, "check_finite", False):       # reads every tensor: NaN/Inf is a K3CheckpointError (exit 2)
+        if ck is None:
+            raise UsageError(f"{args.model}: --check-finite reads a checkpoint's tensors; this model has no weights")
+        ck["finite_tensors"] = m.weights.checkpoint.check_all_finite()
     extra = {"checkpoint": ck} if ck else {}
     if before is not None:
         extra.update(param_bytes_before_passes=before, target=args.target,
@@ -176,6 +180,8 @@ def cmd_inspect(args) -> int:
                         f"{human_bytes(before)} -> {human_bytes(r.param_bytes)}")
     if ck:
         print_checkpoint(ck)
+        if "finite_tensors" in ck:
+            console().print(f"values: all {ck['finite_tensors']:,} tensors finite (--check-finite read them all)")
     return 0
 
 
@@ -327,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--after-passes", action="store_true", help="report the module after --target's pass pipeline")
     s.add_argument("--target", default="triton", help="target whose pipeline --after-passes runs (default triton)")
     s.add_argument("--quantize", choices=("none", "mxfp4", "int4"), help="with --after-passes: expert quantisation")
+    s.add_argument("--check-finite", action="store_true",
+                   help="a checkpoint: also read every tensor and check for NaN/Inf (default: headers only)")
     s.set_defaults(func=cmd_inspect)
 
     s = sub.add_parser("print", help="print the text IR of a model or re-print a .k3 file")
