@@ -1,4 +1,6 @@
-"""``k3ir export``: write a model as ONNX, MLIR or a picture.
+"""``k3ir export``: write a model as ONNX, MLIR or a picture. A flag that does not apply to the
+format (``--weights``/``--quantize`` outside onnx, ``--iree-target`` outside mlir, ``--level`` outside
+dot/svg) is a usage error naming the flag and the format (exit 2), never silently ignored.
 
     k3ir export kimi-k3 --format onnx --weights inputs -o k3.onnx      # structure only
     k3ir export k3-tiny --format onnx -o tiny.onnx                      # weights in tiny.onnx.data
@@ -59,9 +61,13 @@ def cmd_export(args) -> int:
     if fmt not in FORMATS:
         raise UsageError(f"unknown export format '{fmt}' (want one of {', '.join(FORMATS)})")
     if args.weights and fmt != "onnx":
-        raise UsageError("--weights applies to --format onnx only")
+        raise UsageError(f"--weights applies to --format onnx only, not --format {fmt}")
     if args.iree_target and fmt != "mlir":
-        raise UsageError("--iree-target applies to --format mlir only")
+        raise UsageError(f"--iree-target applies to --format mlir only, not --format {fmt}")
+    if args.quantize is not None and fmt != "onnx":      # MLIR exports keep the experts as the module has them
+        raise UsageError(f"--quantize applies to --format onnx only, not --format {fmt}")
+    if args.level is not None and fmt not in ("dot", "svg"):
+        raise UsageError(f"--level applies to --format dot and svg only, not --format {fmt}")
     t0 = time.perf_counter()
     m = load_model(args)
     out = args.output
@@ -106,17 +112,16 @@ def cmd_export(args) -> int:
         return 0
     from . import pictures
     fn = args.function or "forward"
+    level = args.level or "layer"
     if fmt == "html":
-        if args.level != "layer":
-            raise UsageError("--format html shows layers with their ops inside; --level applies to dot/svg")
         text = pictures.to_html(m, fn)
     elif fmt == "dot":
-        text = pictures.to_dot(m, fn, args.level)
+        text = pictures.to_dot(m, fn, level)
     else:
-        text = pictures.to_svg(m, fn, args.level)
+        text = pictures.to_svg(m, fn, level)
     with _writing([out]), open(out, "w") as f:
         f.write(text)
-    con.print(f"wrote {out} ({fmt}, {args.level} level, @{fn}, {len(text):,} bytes)")
+    con.print(f"wrote {out} ({fmt}, {level} level, @{fn}, {len(text):,} bytes)")
     return 0
 
 
@@ -132,5 +137,5 @@ def register(sub) -> None:
                    help="mlir: also compile a deployable IREE module OUT.<target>.vmfb")
     p.add_argument("--quantize", choices=("none", "mxfp4"),
                    help="onnx: routed experts as packed MXFP4 (default: what the config says)")
-    p.add_argument("--level", choices=("layer", "op"), default="layer", help="pictures: layer (default) or op level")
+    p.add_argument("--level", choices=("layer", "op"), help="dot/svg: layer (default) or op level")
     p.set_defaults(func=cmd_export)
