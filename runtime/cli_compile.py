@@ -175,30 +175,40 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="random-init seed when the model has no weights")
     p.set_defaults(func=cmd_compile)
 
-    p = sub.add_parser("check", help="list the ops a target lowers natively / by decomposition, before compiling")
+    p = sub.add_parser("check", help="how a target runs each op (native / conditional / decomposition) and which "
+                                     "functions it can build, before compiling")
     model_arg(p)
     p.add_argument("--target", required=True, help="target name (see k3ir backends)")
     p.add_argument("--quantize", choices=("none", "mxfp4", "int4"), help="override the config's expert quantisation")
+    p.add_argument("--function", action="append", metavar="NAME",
+                   help="a function the target must run (repeatable; default forward, prefill, decode): exit 2 when "
+                        "one of these is unsupported")
     p.add_argument("--json", action="store_true", help="machine-readable report")
     p.set_defaults(func=cmd_check)
 
 
 def cmd_check(args) -> int:
-    """Run the target's pipeline, then classify every op (k3ir.backends.check); exit 2 when an
-    op has neither a native lowering nor a decomposition."""
+    """Run the target's pipeline, then classify every op and function (k3ir.backends.check). Exit 2
+    when a requested function (``--function``; default forward, prefill, decode) is unsupported: one
+    of its ops has neither a native lowering nor a decomposition, or the target cannot build it.
+    Other unsupported functions (e.g. the vision tower on tvm/onnx/mlir) are reported, exit 0."""
     from k3ir.backends import get_backend
     from k3ir.backends.check import check_module, render
     get_backend(args.target)                          # unknown target: K3BackendError, exit 2
     m = load_model(args)
+    if args.function:
+        bad = [f for f in args.function if f not in m.functions]
+        if bad:
+            raise UsageError(f"--function {bad[0]}: {m.name} has no such function (have: {', '.join(m.functions)})")
     apply_passes(m, args.target, quantize=args.quantize)
-    rep = check_module(m, args.target)
+    rep = check_module(m, args.target, requested=args.function)
     if args.json:
         print(json.dumps(rep.as_dict(), indent=2))
     else:
         render(rep, console())
-    if rep.errors:
+    if rep.failed:
         raise K3BackendError(f"target '{args.target}' cannot run {m.name}: "
-                             + "; ".join(f"{r.op}: {r.why}" for r in rep.errors))
+                             + "; ".join(f"@{f}: {why}" for f, why in rep.failed.items()))
     return 0
 
 

@@ -1,10 +1,13 @@
-"""``k3ir check``: ops a target lowers natively vs by decomposition, decided before compiling."""
+"""``k3ir check``: ops a target lowers natively, conditionally or by decomposition, and the functions it
+cannot build, decided before compiling and checked against what runs."""
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
-from k3ir.backends.check import DECOMPOSED, ERROR, NATIVE, check_module
+from conftest import one_line_error, rel_err, run_cli
+from k3ir.backends.check import CONDITIONAL, DECOMPOSED, ERROR, NATIVE, check_module
 from k3ir.runtime.cli import main
 
 import k3ir
@@ -23,7 +26,7 @@ def test_k3_on_tvm_llvm_has_no_unexplained_ops(capsys):
     native = get_backend("tvm").lowers()
     status = {r["op"]: r["status"] for r in rows}
     assert status["k3.fused_kda"] == NATIVE and status["k3.grouped_matmul"] == NATIVE   # MXFP4 experts
-    assert status["k3.layernorm"] == DECOMPOSED                  # vision tower ops fall back
+    assert status["k3.merge_media"] == DECOMPOSED               # the media merge of forward_media falls back
     for r in rows:
         assert r["status"] in (NATIVE, DECOMPOSED), r
         assert (r["status"] == NATIVE) == (r["op"] in native)
@@ -103,3 +106,132 @@ def test_via_counts_the_native_ops_each_row_expands_to():
     assert rms["via"] == {"k3.square": n_rms, "k3.reduce_mean": n_rms, "k3.constant": n_rms, "k3.add": n_rms,
                           "k3.rsqrt": n_rms, "k3.mul": 2 * n_rms}
     assert all(v >= 1 for r in rows.values() for v in r["via"].values())
+
+
+def test_conditional_op_is_reported_with_its_reason_and_refused_at_run_time():
+    """ONNX lowers ``k3.grouped_matmul`` for quant none/mxfp4 only: with INT4 experts ``check`` names the
+    condition (no decomposition: an error), and the exporter refuses the op the same way."""
+    pytest.importorskip("onnx")
+    from k3ir.backends import get_backend
+    from k3ir.backends.onnx.export import export_onnx
+    from k3ir.passes import run_pipeline
+    from k3ir.passes.pipelines import pipeline_for
+
+    from k3ir.errors import K3BackendError
+    m = run_pipeline(k3ir.load("k3-tiny"), pipeline_for("torch"), quantize="int4")
+    gmm = next(op for f in m.functions.values() for op in f.ops if op.name == "k3.grouped_matmul")
+    assert "quant=int4 is not lowered" in get_backend("onnx").supports(gmm)
+    rep = check_module(m, "onnx")
+    bad = {r.op: r.why for r in rep.errors}
+    assert "quant=int4 is not lowered" in bad["k3.grouped_matmul"] and "no decomposition" in bad["k3.grouped_matmul"]
+    assert set(rep.failed) == {"forward", "prefill", "decode"}
+    with pytest.raises(K3BackendError, match="quant=int4"):
+        export_onnx(m, None, function="forward", weights="inputs")
+    m2 = run_pipeline(k3ir.load("k3-tiny"), pipeline_for("torch"), quantize="mxfp4")
+    assert {r.status for r in check_module(m2, "onnx").rows if r.op == "k3.grouped_matmul"} == {NATIVE}
+
+
+def _counting_backend(name: str, counts: dict):
+    """A registered float64 backend: every op's reference, ``k3.linear`` native only for weights with at
+    most 64 output rows (else its decomposition); ``counts['k3.linear']`` counts the native calls."""
+    from k3ir.backends import Backend, register_backend
+    from k3ir.backends.lowering import LoweringTable
+    from k3ir.backends.reference import ReferenceExecutable, reference_table
+    table = LoweringTable(reference_table())
+
+    def narrow(op):
+        n = op.operands[1].type.shape[0]
+        return None if isinstance(n, int) and n <= 64 else f"weight rows {n} > 64"
+
+    ref_linear = table["k3.linear"]
+
+    @table.lowers("k3.linear", when=narrow)
+    def linear(inst, x, w):
+        counts["k3.linear"] = counts.get("k3.linear", 0) + 1
+        return ref_linear(inst, x, w)
+
+    class Exe(ReferenceExecutable):
+        def __init__(self, module, dtype, device):
+            super().__init__(module, dtype, device)
+            self.target = name
+            self.table = table
+    return register_backend(Backend(name=name, description="test: conditional k3.linear", pipeline=[],
+                                    build=lambda module, dtype="float64", device="cpu": Exe(module, dtype, device),
+                                    table=lambda: table, dtypes=("float64",)))
+
+
+def test_check_matches_what_runs_for_a_conditional_entry():
+    """A backend whose ``k3.linear`` is native only for narrow weights: ``check`` lists the wide instances
+    as conditional (with the reason, expanded to transpose + matmul), and a run calls the native
+    implementation exactly for the instances ``check`` calls native; the logits equal the reference's."""
+    from k3ir.runtime import Session
+    from k3ir.runtime.params import init_params
+    counts: dict = {}
+    _counting_backend("test-conditional-linear", counts)
+    m = k3ir.load("k3-tiny")
+    rep = check_module(m, "test-conditional-linear", requested=["forward"])
+    rows = [r for r in rep.rows if r.op == "k3.linear"]
+    cond = [r for r in rows if r.status == CONDITIONAL]
+    assert cond and all("> 64" in r.why and set(r.via) == {"k3.transpose", "k3.matmul"} for r in cond)
+    fwd = m.functions["forward"]
+    native_fwd = sum(op.name == "k3.linear" and op.operands[1].type.shape[0] <= 64 for op in fwd.ops)
+    wide_fwd = sum(op.name == "k3.linear" and op.operands[1].type.shape[0] > 64 for op in fwd.ops)
+    assert native_fwd > 0 and wide_fwd > 0
+    params = init_params(m, seed=1)
+    ids = np.array([[3, 17, 40]])
+    got = Session(k3ir.compile(m, target="test-conditional-linear"), params=params).forward(ids)
+    assert counts["k3.linear"] == native_fwd                      # the wide ones ran their decomposition
+    want = Session(k3ir.compile(m, target="reference"), params=params).forward(ids)
+    assert rel_err(np.asarray(got), np.asarray(want)) < 1e-12
+
+
+def test_tvm_check_reports_the_vision_entry_points_it_cannot_lower(capsys):
+    """k3-tiny's ``@encode_images`` takes ``[N, 2*MH, 2*MW, ...]``, which TVM cannot express: ``check``
+    reports it unsupported with that reason (exit 0: the text entry points run); asked for with
+    ``--function`` it exits 2 naming the function."""
+    pytest.importorskip("tvm")
+    rc, out, err = run_cli(capsys, "check", "k3-tiny", "--target", "tvm-llvm", "--json")
+    assert rc == 0, err
+    fns = {f["name"]: f for f in json.loads(out)["functions"]}
+    assert fns["encode_images"]["status"] == "unsupported" and "2*MH" in fns["encode_images"]["why"]
+    assert all(fns[f]["status"] == "supported" and fns[f]["requested"] for f in ("forward", "prefill", "decode"))
+    rc, out, err = run_cli(capsys, "check", "k3-tiny", "--target", "tvm-llvm")
+    assert rc == 0 and "function @encode_images unsupported" in out and "2*MH" in out
+    rc, out, err = run_cli(capsys, "check", "k3-tiny", "--target", "tvm-llvm", "--function", "encode_images")
+    assert rc == 2 and "@encode_images" in one_line_error(err) and "2*MH" in err
+
+
+@pytest.mark.parametrize("target", ["onnx", "mlir"])
+def test_vision_functions_the_target_does_not_build_are_unsupported(capsys, target):
+    rc, out, err = run_cli(capsys, "check", "k3-tiny", "--target", target, "--json")
+    assert rc == 0, err
+    fns = {f["name"]: f for f in json.loads(out)["functions"]}
+    for f in ("encode_images", "forward_media", "prefill_media"):
+        assert fns[f]["status"] == "unsupported" and "builds only forward, prefill, decode" in fns[f]["why"]
+    rc, out, err = run_cli(capsys, "check", "k3-tiny", "--target", target, "--function", "forward_media")
+    assert rc == 2 and "@forward_media" in one_line_error(err)
+
+
+def test_check_function_flag_errors(capsys):
+    rc, _, err = run_cli(capsys, "check", "k3-tiny", "--target", "torch", "--function", "no_such")
+    assert rc == 2 and "--function no_such" in one_line_error(err) and "encode_images" in err
+    rc, _, err = run_cli(capsys, "check", "k3-tiny", "--target", "torch", "--function", "encode_images",
+                         "--function", "forward")
+    assert rc == 0, err
+
+
+def test_every_builtin_backend_owns_a_table_and_answers_supports():
+    """reference, torch, triton, tvm, onnx, mlir: ``Backend.lowering_table()`` holds every op ``lowers()``
+    names and ``supports`` agrees with it (None for a plain entry, a reason for a missing op)."""
+    from k3ir.backends import get_backend
+    m = k3ir.load("k3-tiny")
+    ops = {op.name: op for f in m.functions.values() for op in f.ops if op.name != "k3.param"}
+    for name in ("reference", "torch", "triton", "tvm", "onnx", "mlir"):
+        be = get_backend(name)
+        if be.available() and name != "triton":
+            continue
+        table = be.lowering_table()
+        assert set(table) == set(be.lowers()) and table, name
+        for op in ops.values():
+            why = be.supports(op)
+            assert (why is None) == (op.name in table) or op.name in getattr(table, "conditions", {}), (name, op.name)
