@@ -192,20 +192,24 @@ def test_concurrency_limit_gives_429(tiny):
 
 
 def test_short_loopback_load_test():
-    """The suite's 5-second, 4-client version of bench/load_test.py (real uvicorn on 127.0.0.1)."""
+    """The suite's 5-second, 4-client version of bench/load_test.py (real uvicorn on 127.0.0.1): one
+    client of each role (well-behaved, disconnecting mid-request, hostile bodies, tiny temperatures)."""
     pytest.importorskip("httpx")
     path = Path(__file__).resolve().parents[1] / "bench" / "load_test.py"
     spec = importlib.util.spec_from_file_location("k3ir_load_test", path)
     lt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lt)
-    url, stop = lt.start_server("k3-tiny", block_size=64, max_batch=8)
+    url, stop = lt.start_server("k3-tiny", block_size=64, max_batch=8, body_timeout_s=1.0)
     try:
         rep = asyncio.run(lt.run_load(url, clients=4, duration=5.0, max_tokens=8))
     finally:
         stop()
-    assert rep["errors"] == 0, rep["error_samples"]
+    assert rep["roles"] == {"well": 1, "disconnect": 1, "hostile": 1, "tiny": 1}
+    assert lt.failures(rep) == [], rep
     assert rep["requests"] > 0 and set(rep["latency_s"]) >= {"p50", "p90", "p99"}
-    assert rep["server"]["pool"]["referenced"] == 0
+    assert rep["tiny_temperature"]["requests"] > 0 and rep["disconnecting"]["requests_dropped"] > 0
+    assert rep["hostile"]["status"].get("408") == 1 and rep["hostile"]["status"].get("400", 0) >= 5
+    assert rep["server_after"]["pool_referenced"] == rep["server_after"]["leaked_blocks"] == 0
 
 
 def test_lone_surrogate_prompt_is_a_400_naming_it(client):
