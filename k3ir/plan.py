@@ -67,6 +67,8 @@ LOGIT_BYTES = 4
 #: KCP partial states and MLA partial attention outputs travel in float32.
 STATE_BYTES = 4
 AXES = ("ep", "cp", "tp", "dp")
+#: the largest --gpus searched
+MAX_GPUS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -315,7 +317,8 @@ def plan_layout(f: ModelFacts, layout: Layout, gpu: GPU, seq: int, batch: int) -
 
 # ---- choosing layouts ------------------------------------------------------------------------
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def layout_problem(f: ModelFacts, layout: Layout, seq: int) -> str | None:
@@ -334,14 +337,18 @@ def layout_problem(f: ModelFacts, layout: Layout, seq: int) -> str | None:
     return None
 
 
-def candidate_layouts(f: ModelFacts, gpus: int, seq: int, fixed: dict[str, int] | None = None) -> list[Layout]:
-    """Every valid layout of exactly ``gpus`` GPUs whose axes match ``fixed`` (axis -> size)."""
+def candidate_layouts(f: ModelFacts, gpus: int, seq: int, fixed: dict[str, int] | None = None,
+                      max_tp: int | None = None) -> list[Layout]:
+    """Every valid layout of exactly ``gpus`` GPUs whose axes match ``fixed`` (axis -> size), with
+    ``tp <= max_tp`` when given."""
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     out = []
     for ep in _divisors(gpus):
         for cp in _divisors(gpus // ep):
             for tp in _divisors(gpus // (ep * cp)):
                 lay = Layout(ep, cp, tp, gpus // (ep * cp * tp))
+                if max_tp is not None and tp > max_tp:
+                    continue
                 if all(getattr(lay, k) == v for k, v in fixed.items()) and layout_problem(f, lay, seq) is None:
                     out.append(lay)
     return out
@@ -356,13 +363,17 @@ def rank_plans(plans: list[Plan]) -> list[Plan]:
 
 def plan(f: ModelFacts, gpus: int, gpu: str, seq: int = 4096, batch: int = 32,
          fixed: dict[str, int] | None = None, top: int = 3) -> list[Plan]:
-    """The best ``top`` layouts that fit (``rank_plans``). K3PlanError when the GPU kind is
+    """The best ``top`` layouts that fit (``rank_plans``) among the valid layouts matching ``fixed``
+    (axis -> size; the other axes are searched, tp only up to the GPUs of one node unless fixed).
+    K3PlanError when the GPU kind is
     unknown, the fixed axes name no valid layout, or nothing fits: the message says by how much
     (the closest layout's excess per GPU, and the weights against the total HBM)."""
     if gpu not in GPUS:
         raise K3PlanError(f"unknown GPU '{gpu}' (known: {', '.join(GPUS)})")
     if gpus < 1 or seq < 1 or batch < 1:
         raise K3PlanError(f"--gpus, --seq and --batch must be >= 1 (got {gpus}, {seq}, {batch})")
+    if gpus > MAX_GPUS:
+        raise K3PlanError(f"--gpus {gpus}: the planner searches layouts of at most {MAX_GPUS} GPUs")
     g = GPUS[gpu]
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     for k, v in fixed.items():
@@ -372,7 +383,9 @@ def plan(f: ModelFacts, gpus: int, gpu: str, seq: int = 4096, batch: int = 32,
     if gpus % prod:
         given = " x ".join(f"--{k} {v}" for k, v in fixed.items())
         raise K3PlanError(f"{given} = {prod} GPUs, which does not divide --gpus {gpus}")
-    cands = candidate_layouts(f, gpus, seq, fixed)
+    # searched layouts keep tensor parallelism inside one node (its per-block all-reduces are latency-bound,
+    # which the bandwidth roofline does not see); an explicit --tp may cross nodes
+    cands = candidate_layouts(f, gpus, seq, fixed, max_tp=None if "tp" in fixed else g.per_node)
     if not cands:
         why = layout_problem(f, Layout(**{a: fixed.get(a, 1) for a in AXES}), seq)
         raise K3PlanError(f"no valid layout of {gpus} GPUs with {', '.join(f'{k}={v}' for k, v in fixed.items())}"

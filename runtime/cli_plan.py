@@ -35,10 +35,6 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:,.2f} GB"
 
 
-def _mb(x: float) -> str:
-    return f"{x / 1e6:,.2f} MB"
-
-
 def print_plans(facts, plans, g, args) -> None:
     from rich.table import Table
     con = console()
@@ -47,25 +43,26 @@ def print_plans(facts, plans, g, args) -> None:
               f"{g.bf16_flops / 1e12:,.0f} TFLOP/s bf16); {args.batch} sequences x {args.seq:,} tokens")
     con.print(f"weights {human_bytes(facts.weight_bytes)}: routed experts ({facts.expert_format}) "
               f"{human_bytes(facts.expert_bytes)}, trunk {human_bytes(facts.weight_bytes - facts.expert_bytes)}")
-    t = Table(title="per GPU (best first)")
+    t = Table(title="per GPU, best first (sends: bytes per token its group processes)")
     t.add_column("", no_wrap=True)
     for i, p in enumerate(plans, start=1):
-        t.add_column(f"#{i} {p.layout}", justify="right")
+        t.add_column(f"#{i} " + " ".join(f"{a}{getattr(p.layout, a)}" for a in ("ep", "cp", "tp", "dp")),
+                     justify="right", no_wrap=True)
     rows: list[tuple[str, list[str]]] = []
     for k in plans[0].memory:
         rows.append((k.replace("_", " "), [_gb(p.memory[k]) for p in plans]))
     rows.append(("total / capacity", [f"{_gb(p.memory_total)} / {p.capacity / 1e9:,.0f}" for p in plans]))
     rows.append(("sequences per GPU", [str(p.sequences_per_gpu) for p in plans]))
     rows.append(("decode: bytes read / step", [_gb(p.decode_bytes_read) for p in plans]))
-    rows.append(("decode step ms: HBM / link / compute", [" / ".join(f"{v * 1e3:.2f}" for v in p.step_s.values())
+    rows.append(("decode step ms: HBM/link/compute", [" / ".join(f"{v * 1e3:.2f}" for v in p.step_s.values())
                                                           for p in plans]))
     rows.append(("decode tokens/s per sequence", [f"{p.tokens_per_s_per_sequence:,.1f}" for p in plans]))
     rows.append(("decode tokens/s aggregate", [f"{p.tokens_per_s:,.0f}" for p in plans]))
     for kind, attr in (("decode", "comm_decode"), ("prefill", "comm_prefill")):
         keys = sorted({k for p in plans for k in getattr(p, attr)})
         for k in keys:
-            rows.append((f"sent per {kind} token: {k}",
-                         [_mb(getattr(p, attr).get(k, 0.0)) for p in plans]))
+            rows.append((f"{kind} sends: {k}",
+                         [human_bytes(getattr(p, attr).get(k, 0.0)) for p in plans]))
     for name, vals in rows:
         t.add_row(name, *vals)
     con.print(t)
