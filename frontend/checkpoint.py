@@ -73,6 +73,8 @@ def read_header(path: str) -> tuple[dict[str, Header], dict]:
     meta = hdr.pop("__metadata__", None) or {}
     out: dict[str, Header] = {}
     for key, v in hdr.items():
+        if not key.isprintable():          # a newline or control character would break the one-line errors
+            raise K3CheckpointError(f"{name}: corrupt header: tensor key {key!r} holds non-printable characters")
         if not isinstance(v, dict) or not {"dtype", "shape", "data_offsets"} <= set(v):
             raise K3CheckpointError(f"{name}: corrupt header entry for tensor '{key}'")
         dt, shape, offs = v["dtype"], v["shape"], v["data_offsets"]
