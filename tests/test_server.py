@@ -264,6 +264,10 @@ def test_float_fields_take_json_integers_and_unknown_message_keys_are_refused(cl
     (("--log-level", "shout"), "--log-level must be one of critical, error, warning, info, debug, trace, got 'shout'"),
     (("--served-name", ""), "--served-name must not be empty"),
     (("--served-name", "  "), "--served-name must not be empty"),
+    (("--body-timeout", "0"), "--body-timeout must be a finite number of seconds > 0, got 0.0"),
+    (("--body-timeout", "nan"), "--body-timeout must be a finite number of seconds > 0, got nan"),
+    (("--max-stop-strings", "0"), "--max-stop-strings must be >= 1, got 0"),
+    (("--max-stop-chars", "-1"), "--max-stop-chars must be >= 1, got -1"),
 ])
 def test_serve_flags_refused_before_the_model_loads(capsys, monkeypatch, argv, msg):
     from conftest import one_line_error, run_cli
