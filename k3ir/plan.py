@@ -15,7 +15,7 @@ Units: bytes (decimal GB = 1e9 in messages), seconds, bytes/s, FLOP/s.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from .accounting import param_group, report
@@ -160,9 +160,10 @@ def model_facts(module: Module, context: int = 4096) -> ModelFacts:
         kda_layers=r.counts["kda"], mla_layers=r.counts["mla"], experts=int(c.num_experts), top_k=int(c.top_k),
         latent=int(c.latent_size or c.hidden_size), moe_intermediate=int(c.moe_intermediate_size),
         shared_experts=int(c.num_shared_experts or 0), dense_intermediate=int(c.intermediate_size),
-        vocab=int(c.vocab_size), kda_heads=int(c.kda_num_heads), kda_head_dim=int(c.kda_head_dim),
-        mla_heads=int(c.num_attention_heads), qk_head_dim=int(c.qk_nope_head_dim + c.qk_rope_head_dim),
-        v_head_dim=int(c.v_head_dim), kv_lora_rank=int(c.kv_lora_rank), mla_output_gate=bool(c.mla_use_output_gate),
+        vocab=int(c.vocab_size), kda_heads=int(c.kda_num_heads or 0), kda_head_dim=int(c.kda_head_dim or 0),
+        mla_heads=int(c.num_attention_heads or 0), qk_head_dim=int((c.qk_nope_head_dim or 0) + (c.qk_rope_head_dim or 0)),
+        v_head_dim=int(c.v_head_dim or 0), kv_lora_rank=int(c.kv_lora_rank or 0),
+        mla_output_gate=bool(c.mla_use_output_gate),
         attn_res_blocks=math.ceil(int(c.num_hidden_layers) / block) if block else 0, act_bytes=act,
         kda_state_bytes=kda_state, mla_bytes_per_token=mla_tok, flops_per_token=r.flops_per_token, context=context)
 
@@ -187,7 +188,6 @@ class Plan:
     step_s: dict[str, float]
     tokens_per_s_per_sequence: float
     tokens_per_s: float
-    notes: list[str] = field(default_factory=list)
 
     @property
     def memory_total(self) -> float:
@@ -214,12 +214,13 @@ def activation_bytes_per_token(f: ModelFacts, tp: int) -> float:
     """Live activations per prefill token on one GPU (inference, one layer at a time), in the
     activation dtype: the residual stream, the layer input, its norm and output and the AttnRes
     block sums ``(4 + blocks) d``, plus the largest layer intermediate: KDA ``q,k,v,g,o`` and
-    beta (``6 H D / tp``), MLA ``q,k`` (``2 H dqk``), ``v``, gate and output (``3 H dv``) over tp,
-    MoE send and receive buffers and the combined output (``3 k latent``) plus the expert's gate
-    and up (``2 k I / tp``) and the shared experts' (``2 s I / tp``), the dense FFN's ``2 I / tp``."""
+    beta (``6 H D / tp``), MLA ``q,k`` (``2 H dqk``), ``v``, the output gate if any and the output
+    (``(2 + gate) H dv``) over tp, MoE send and receive buffers and the combined output
+    (``3 k latent``) plus the expert's gate and up (``2 k I / tp``) and the shared experts'
+    (``2 s I / tp``), the dense FFN's ``2 I / tp``. Bytes per token."""
     resident = (4 + f.attn_res_blocks) * f.hidden
     kda = 6 * f.kda_heads * f.kda_head_dim / tp if f.kda_layers else 0
-    mla = f.mla_heads * (2 * f.qk_head_dim + 3 * f.v_head_dim) / tp if f.mla_layers else 0
+    mla = f.mla_heads * (2 * f.qk_head_dim + (2 + f.mla_output_gate) * f.v_head_dim) / tp if f.mla_layers else 0
     moe = (f.top_k * (3 * f.latent + 2 * f.moe_intermediate / tp) + 2 * f.shared_experts * f.moe_intermediate / tp
            if f.moe_layers else 0)
     dense = 2 * f.dense_intermediate / tp

@@ -45,6 +45,8 @@ def hand(counts, ep, cp, tp, dp, seq, batch, flops):
     seqs = math.ceil(batch / (ep * dp))
     seg = math.ceil(seq / cp)
     chunk = math.ceil(min(seq, 8192) / cp)
+    # live activations: residual, input, norm, output, AttnRes block sums + the largest intermediate of
+    # KDA (q,k,v,g,o,beta), MLA (q, k, v, output gate, output), MoE (send, receive, combined rows; gate+up), dense
     act_tok = 2 * ((4 + BLOCKS) * D + max(6 * H_KDA * D_KDA / tp, H_MLA * (2 * QK + 3 * V) / tp,
                                           K * (3 * LATENT + 2 * I_MOE / tp) + 2 * SHARED * I_MOE / tp,
                                           2 * I_DENSE / tp))
