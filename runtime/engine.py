@@ -140,7 +140,7 @@ class Engine:
         self.reserved = 0
         self._recent: list[Request] = []
         self.stats = {"steps": 0, "calls": 0, "rows": 0, "prefill_tokens": 0, "decode_tokens": 0,
-                      "finished": 0}
+                      "finished": 0, "aborted": 0, "failed": 0}     # aborted: cancelled (client gone, stop string)
         zero = session.empty_state(1)
         self._zero = {n: self._t(zero.values[n]) for n in self.pool.kda_names}
 
@@ -217,6 +217,8 @@ class Engine:
         req.status, req.finish_reason, req.error = "finished", reason, error
         req.finished_at = time.perf_counter()
         self.stats["finished"] += 1
+        if reason in ("abort", "error"):
+            self.stats["aborted" if reason == "abort" else "failed"] += 1
         self._emit(req, None)
 
     def _emit(self, req: Request, token: int | None) -> None:

@@ -259,5 +259,5 @@ def test_disconnected_client_frees_its_slot_and_blocks_at_once(live, stream):
     s.close()
     _wait(lambda: (h := _health(live))["in_flight"] == h["running"] == h["pool"]["referenced"] == 0, 1.5)
     h = _health(live)
-    assert h["waiting"] == 0 and h["engine"]["decode_tokens"] < 1000
+    assert h["waiting"] == 0 and h["engine"]["decode_tokens"] < 1000 and h["engine"]["aborted"] >= 1
     assert h["pool"]["leaked_blocks"] == 0 and h["pool"]["reserved"] == 0 and h["pool"]["leaked_reserve"] == 0
