@@ -190,11 +190,16 @@ def _train(args) -> int:
     import k3ir
 
     from .cli import load_model
-    from .train_checkpoint import load_checkpoint, read_meta, save_checkpoint
+    from .train_checkpoint import load_checkpoint, read_meta, save_checkpoint, select_resume_checkpoint
     from .train_data import ByteBatches, read_bytes
     from .trainer import Trainer
 
-    meta = read_meta(args.resume) if args.resume else None
+    ckpt = None             # the checkpoint --resume continues from (the newest intact one of a run)
+    if args.resume:
+        ckpt, notes = select_resume_checkpoint(args.resume)
+        for note in notes:
+            print(f"warning: {note}", file=sys.stderr, flush=True)
+    meta = read_meta(ckpt) if ckpt else None
     given_threads = args.threads
     run = dict(RUN_DEFAULTS, **((meta or {}).get("run") or {}))     # logging/checkpoint cadence, threads
     for k in RUN_DEFAULTS:
@@ -208,8 +213,8 @@ def _train(args) -> int:
         args.threads, why = default_threads()
         run["threads"] = args.threads
     torch.set_num_threads(args.threads)
-    out = Path(args.out) if args.out is not None else run_dir(args.resume) if args.resume else Path(".")
-    _refuse_other_run(out, args.resume)
+    out = Path(args.out) if args.out is not None else run_dir(ckpt) if ckpt else Path(".")
+    _refuse_other_run(out, ckpt)
     cfg = _config(args, meta)
     data_path = args.data if meta is None else (args.data or meta.get("data"))
     if meta is not None and args.data and meta.get("data") not in (None, args.data):
@@ -222,12 +227,12 @@ def _train(args) -> int:
     except OSError as e:
         raise K3RuntimeError(f"--out {out}: cannot create the directory ({e.strerror or e})") from None
     _lock_run(out)
-    _refuse_other_run(out, args.resume)    # again under the lock: a run may have started meanwhile
+    _refuse_other_run(out, ckpt)           # again under the lock: a run may have started meanwhile
     exe = k3ir.compile(module, target="torch", dtype="float32", device=args.device)
     data = ByteBatches(read_bytes(data_path), cfg.batch, cfg.seq, cfg.seed)
     tr = Trainer(exe, cfg)
-    if args.resume:
-        load_checkpoint(args.resume, tr)
+    if ckpt:
+        load_checkpoint(ckpt, tr)
         if tr.step >= cfg.steps:         # nothing to run: say so instead of a summary of no steps
             print(f"{args.resume}: the run is already complete ({tr.step}/{cfg.steps} steps); its summary is in "
                   f"{out / LOG_FILE} (a resumed run keeps its --steps)", flush=True)
@@ -288,7 +293,7 @@ def interrupted_text(done: int, steps: int, ckpt_every: int, saved: list) -> str
     return f"{head}; the last checkpoint is step {step}: continue with k3ir train --resume {where}"
 
 
-def _refuse_other_run(out: Path, resume: str | None) -> None:
+def _refuse_other_run(out: Path, resume: str | Path | None) -> None:
     """Raise K3RuntimeError when ``out`` already holds a training run (``checkpoints/latest`` or
     ``checkpoints/step-*``) that is not the one being resumed: a fresh run there would mix its
     checkpoints, ``latest`` and training.json with the old run's."""
@@ -307,7 +312,7 @@ def _refuse_other_run(out: Path, resume: str | None) -> None:
     raise K3RuntimeError(f"--out {out} already holds a training run ({what}); {hint}, or choose another --out")
 
 
-def run_dir(resume: str) -> Path:
+def run_dir(resume: str | Path) -> Path:
     """The run directory (the ``--out`` that wrote it) of the checkpoint ``resume`` names:
     ``<run>/checkpoints/step-N`` -> ``<run>``; a checkpoint outside a ``checkpoints/`` folder ->
     its own directory."""

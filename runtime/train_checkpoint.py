@@ -11,14 +11,21 @@ A checkpoint is a directory ``<out>/checkpoints/step-NNNNNN/`` holding
 - ``trainer.json``: step, TrainConfig, QB state (rule, load history), loss history, data
   source/seed (the data position is the step: batches depend only on (seed, step)).
 - ``config.json``: the model config, so ``k3ir.load(<checkpoint dir>)`` builds the model.
-Writes are atomic: each file goes to a temporary directory, is fsynced, and the directory is
+- ``train_state/manifest.json``: the byte size and SHA-256 of every other file, verified before a resume
+  (:func:`verify_checkpoint`); a checkpoint without one (written by an older k3ir) is only checked for its files.
+Writes are atomic: each file goes to a temporary directory ``.step-N.tmp-PID``, is fsynced, and the directory is
 renamed into place; then ``<out>/checkpoints/latest`` (the directory's name) is replaced by
-write-temp, fsync, rename. A crash leaves either the previous checkpoint or the new one.
+write-temp, fsync, rename. A crash leaves either the previous checkpoint or the new one, plus perhaps a
+temporary directory, which the next save removes. ``--resume RUN`` whose latest checkpoint is damaged falls
+back to the newest intact one (:func:`select_resume_checkpoint`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -32,7 +39,12 @@ OPTIM_FILE = "train_state/optimizer.safetensors"
 STATE_DIR = "train_state"
 META_FILE = "trainer.json"
 CONFIG_FILE = "config.json"
+MANIFEST_FILE = "train_state/manifest.json"
 LATEST = "latest"
+#: ``format`` of ``train_state/manifest.json``
+TRAIN_FORMAT = "k3ir-train-checkpoint"
+_STEP_DIR = re.compile(r"step-(\d+)$")
+_LEFTOVER = re.compile(r"\.step-\d+\.(tmp|old)-(\d+)$")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -122,16 +134,17 @@ def _load_model(module, directory: Path) -> dict[str, Any]:
 
 def save_checkpoint(out_dir: str | Path, trainer, extra: dict | None = None) -> Path:
     """Write ``trainer``'s state as ``<out_dir>/checkpoints/step-<step>`` atomically and point
-    ``latest`` at it. Returns the checkpoint directory. ``extra`` is stored in trainer.json."""
+    ``latest`` at it. Returns the checkpoint directory. ``extra`` is stored in trainer.json. Temporary
+    directories left by interrupted saves (``.step-N.tmp-PID``, ``.step-N.old-PID`` of this process or of one
+    that no longer runs) are removed first."""
     import torch
     from safetensors.torch import save as st_save
     root = Path(out_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(root)
     name = f"step-{trainer.step:06d}"
     final = root / name
     tmp = root / f".{name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     m = trainer.module
     files: dict[str, bytes] = {}
@@ -160,6 +173,7 @@ def save_checkpoint(out_dir: str | Path, trainer, extra: dict | None = None) -> 
     for fname, data in files.items():
         with open(tmp / fname, "wb") as f:
             f.write(data)
+    write_manifest(tmp)
     for f in sorted(tmp.rglob("*")):                   # everything on disk before the rename
         if f.is_file():
             with open(f, "rb+") as fh:
@@ -176,6 +190,134 @@ def save_checkpoint(out_dir: str | Path, trainer, extra: dict | None = None) -> 
     _fsync_dir(root)
     write_atomic(root / LATEST, (name + "\n").encode())
     return final
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError, OverflowError):
+        return True
+    return True
+
+
+def remove_leftovers(root: Path) -> list[str]:
+    """Remove the temporary directories of interrupted saves in the checkpoints directory ``root``
+    (``.step-N.tmp-PID`` / ``.step-N.old-PID`` whose PID is this process or no longer runs; a run directory has
+    one trainer at a time, its lock file). Returns their names."""
+    gone = []
+    for p in sorted(Path(root).iterdir()):
+        m = _LEFTOVER.match(p.name)
+        if m is None or not p.is_dir():
+            continue
+        pid = int(m.group(2))
+        if pid == os.getpid() or not _pid_alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p.name)
+    return gone
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(directory: Path) -> dict:
+    """Write ``train_state/manifest.json`` into checkpoint ``directory``: ``{"format", "files": {relative path:
+    {"bytes", "sha256"}}}`` for every file already there. Returns the manifest."""
+    directory = Path(directory)
+    files = {}
+    for f in sorted(directory.rglob("*")):
+        rel = f.relative_to(directory).as_posix()
+        if f.is_file() and rel != MANIFEST_FILE:
+            files[rel] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+    man = {"format": TRAIN_FORMAT, "files": files}
+    (directory / MANIFEST_FILE).write_text(json.dumps(man, indent=1))
+    return man
+
+
+def verify_checkpoint(directory: str | Path) -> str | None:
+    """Why the checkpoint in ``directory`` is damaged, or None when it is intact: ``trainer.json`` readable and
+    well-formed (:func:`check_meta`), every file ``train_state/manifest.json`` lists present with its byte size
+    and SHA-256, and the model and optimizer files present. A checkpoint without a manifest (older k3ir) is
+    checked for its files only."""
+    d = Path(directory)
+    try:
+        read_meta(d, resolve=False)
+    except K3CheckpointError as e:
+        return str(e)
+    man_path = d / MANIFEST_FILE
+    listed: dict = {}
+    if man_path.is_file():
+        try:
+            man = json.loads(man_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            return f"{man_path}: unreadable ({type(e).__name__}: {str(e)[:120]})"
+        listed = man.get("files") if isinstance(man, dict) and man.get("format") == TRAIN_FORMAT else None
+        if not isinstance(listed, dict) or not all(isinstance(v, dict) for v in listed.values()):
+            return f"{man_path}: not a {TRAIN_FORMAT} manifest"
+    for rel in (MODEL_FILE, OPTIM_FILE, META_FILE):
+        if not (d / rel).is_file() and rel not in listed:
+            return f"{d / rel}: missing"
+    for rel, want in listed.items():
+        f = d / rel
+        if ".." in Path(rel).parts or Path(rel).is_absolute():
+            return f"{man_path}: lists {rel!r}, a path outside the checkpoint"
+        if not f.is_file():
+            return f"{f}: missing"
+        size = f.stat().st_size
+        if size != want.get("bytes"):
+            return f"{f}: {size} bytes, the manifest records {want.get('bytes')} (truncated or replaced)"
+        if _sha256(f) != want.get("sha256"):
+            return f"{f}: SHA-256 differs from the manifest's (the data changed)"
+    return None
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """The ``step-N`` directories of checkpoints directory ``root``, newest (highest N) first."""
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, key=lambda t: -t[0])]
+
+
+def select_resume_checkpoint(path: str | Path) -> tuple[Path, list[str]]:
+    """(checkpoint directory to resume from, warnings) for ``--resume path``. A checkpoint directory is used
+    as given and must be intact. A run (or its ``checkpoints``) directory: its ``latest`` when intact, else the
+    newest intact ``step-N`` one, with a warning naming each damaged checkpoint skipped and one saying which is
+    used. Raises K3CheckpointError when none is intact (naming the damage of the newest) or nothing is there."""
+    p = Path(path)
+    if (p / META_FILE).is_file():
+        why = verify_checkpoint(p)
+        if why:
+            raise K3CheckpointError(f"{p}: damaged checkpoint: {why}")
+        return p, []
+    root = next((c for c in (p / "checkpoints", p) if (c / LATEST).is_file() or (c.is_dir() and _step_dirs(c))),
+                None)
+    if root is None:
+        return resolve_checkpoint(p), []          # raises, saying what was expected
+    notes: list[str] = []
+    latest = None
+    if (root / LATEST).is_file():
+        name = (root / LATEST).read_text(errors="replace").strip()
+        latest = root / name if name and "/" not in name and _STEP_DIR.match(name) else None
+        if latest is None or not latest.is_dir():
+            notes.append(f"{root / LATEST}: names {name[:60]!r}, which is not a checkpoint directory here")
+            latest = None
+    candidates = ([latest] if latest else []) + [c for c in _step_dirs(root) if c != latest]
+    first_why = None
+    for c in candidates:
+        why = verify_checkpoint(c)
+        if why is None:
+            if c != latest:
+                notes.append(f"resuming from {c}, the newest intact checkpoint"
+                             + (f", instead of the latest {latest.name}" if latest else ""))
+            return c, notes
+        first_why = first_why or why
+        notes.append(f"{c}: damaged checkpoint, skipped: {why}")
+    raise K3CheckpointError(f"{root}: no intact training checkpoint; newest: {first_why or 'none found'}")
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -216,18 +358,126 @@ def pointer_message(path: str | Path) -> str | None:
             f"checkpoint directory {ptr} (or --resume {Path(path).parent.parent} to train on)")
 
 
-def read_meta(path: str | Path) -> dict:
-    """trainer.json of the checkpoint at ``path`` (see ``resolve_checkpoint``)."""
-    d = resolve_checkpoint(path)
+def read_meta(path: str | Path, resolve: bool = True) -> dict:
+    """trainer.json of the checkpoint at ``path`` (see ``resolve_checkpoint``; ``resolve=False``: ``path`` is
+    the checkpoint directory), checked by :func:`check_meta`. Raises K3CheckpointError naming the file (and the
+    key) when it is missing, not JSON or malformed."""
+    d = resolve_checkpoint(path) if resolve else Path(path)
+    f = d / META_FILE
     try:
-        return json.loads((d / META_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise K3CheckpointError(f"{d / META_FILE}: unreadable ({e})") from None
+        text = f.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise K3CheckpointError(f"{f}: missing") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise K3CheckpointError(f"{f}: unreadable ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise K3CheckpointError(f"{f}: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg})") from None
+    except (ValueError, RecursionError) as e:
+        raise K3CheckpointError(f"{f}: invalid JSON ({type(e).__name__}: {str(e)[:120]})") from None
+    check_meta(meta, f)
+    return meta
+
+
+def _bad(f, key: str, want: str, got: Any) -> K3CheckpointError:
+    return K3CheckpointError(f"{f}: key '{key}': {want}, got {got!r:.80}")
+
+
+def _int(d: dict, key: str, f, where: str, lo: int | None = 0, required: bool = True, none: bool = False) -> None:
+    if key not in d:
+        if required:
+            raise K3CheckpointError(f"{f}: key '{where}{key}' is missing")
+        return
+    v = d[key]
+    if none and v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
+        raise _bad(f, where + key, "must be an integer" + (f" >= {lo}" if lo is not None else ""), v)
+
+
+def _num(d: dict, key: str, f, where: str, required: bool = True, finite: bool = True) -> None:
+    if key not in d:
+        if required:
+            raise K3CheckpointError(f"{f}: key '{where}{key}' is missing")
+        return
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (finite and not math.isfinite(v)):
+        raise _bad(f, where + key, "must be a finite number" if finite else "must be a number", v)
+
+
+#: TrainConfig fields trainer.json must hold (the others have defaults that older checkpoints relied on)
+_REQUIRED_CONFIG = ("steps", "batch", "seq", "lr", "qb", "seed")
+
+
+def check_meta(meta: Any, f) -> None:
+    """K3CheckpointError naming trainer.json ``f`` and the key unless ``meta`` has the shape ``save_checkpoint``
+    writes: ``step`` (int >= 0), ``config`` (TrainConfig fields with their types), ``qb`` (rule, sign_step,
+    history of {layer: load}), ``history`` (per step: step, loss, grad_norm, lr, balance, tokens, seconds),
+    ``run`` (log_every, ckpt_every, threads), ``data`` / ``model`` / ``model_arg`` (strings or null)."""
+    from .trainer import TrainConfig
+    if not isinstance(meta, dict):
+        raise K3CheckpointError(f"{f}: must be a JSON object, got {type(meta).__name__}")
+    _int(meta, "step", f, "")
+    cfg = meta.get("config")
+    if not isinstance(cfg, dict):
+        raise _bad(f, "config", "must be an object", cfg) if "config" in meta else \
+            K3CheckpointError(f"{f}: key 'config' is missing")
+    for name, fld in TrainConfig.__dataclass_fields__.items():
+        req = name in _REQUIRED_CONFIG
+        if fld.type == "int":
+            _int(cfg, name, f, "config.", lo=1 if name in ("steps", "batch", "seq") else 0, required=req)
+        elif fld.type == "float":
+            _num(cfg, name, f, "config.", required=req)
+        elif name in cfg and not isinstance(cfg[name], bool if fld.type == "bool" else str):
+            raise _bad(f, f"config.{name}", f"must be a {'boolean' if fld.type == 'bool' else 'string'}", cfg[name])
+        elif req and name not in cfg:
+            raise K3CheckpointError(f"{f}: key 'config.{name}' is missing")
+    qb = meta.get("qb", {})
+    if not isinstance(qb, dict):
+        raise _bad(f, "qb", "must be an object", qb)
+    if "rule" in qb and not isinstance(qb["rule"], str):
+        raise _bad(f, "qb.rule", "must be a string", qb["rule"])
+    _num(qb, "sign_step", f, "qb.", required=False)
+    _loads(qb.get("history", []), f, "qb.history")
+    hist = meta.get("history", [])
+    if not isinstance(hist, list):
+        raise _bad(f, "history", "must be a list", hist)
+    for i, h in enumerate(hist):
+        where = f"history[{i}]."
+        if not isinstance(h, dict):
+            raise _bad(f, f"history[{i}]", "must be an object", h)
+        _int(h, "step", f, where)
+        for k in ("loss", "grad_norm", "lr"):
+            _num(h, k, f, where, finite=False)          # a diverged step is recorded as it was
+        _int(h, "tokens", f, where, required=False)
+        _num(h, "seconds", f, where, required=False)
+        _loads([h.get("balance", {})], f, where + "balance")
+    run = meta.get("run", {})
+    if run is not None and not isinstance(run, dict):
+        raise _bad(f, "run", "must be an object", run)
+    for k in ("log_every", "ckpt_every", "threads"):
+        _int(run or {}, k, f, "run.", required=False, none=True)
+    for k in ("data", "model", "model_arg"):
+        if meta.get(k) is not None and not isinstance(meta[k], str):
+            raise _bad(f, k, "must be a string or null", meta[k])
+
+
+def _loads(items: Any, f, key: str) -> None:
+    """Check ``items``: a list of {MoE layer index (a string of digits): number}."""
+    if not isinstance(items, list):
+        raise _bad(f, key, "must be a list", items)
+    for i, h in enumerate(items):
+        if not isinstance(h, dict) or not all(isinstance(k, str) and k.isdigit() and len(k) < 10 for k in h):
+            raise _bad(f, key if key.endswith("balance") else f"{key}[{i}]", "must map layer indices to numbers", h)
+        for k in h:
+            _num(h, k, f, f"{key}[{i}]." if not key.endswith("balance") else f"{key}.", finite=False)
 
 
 def load_checkpoint(path: str | Path, trainer) -> dict:
     """Restore ``trainer`` (parameters, optimizer, QB state, step, history, torch RNG) from the
-    checkpoint at ``path``. Returns its trainer.json. Raises K3CheckpointError for a missing or
+    checkpoint at ``path``. Returns its trainer.json. Raises K3CheckpointError for a damaged checkpoint
+    (:func:`verify_checkpoint`: a file missing, truncated or changed, a malformed trainer.json) or a missing or
     mismatched tensor."""
     import torch
     from safetensors import SafetensorError
@@ -235,7 +485,10 @@ def load_checkpoint(path: str | Path, trainer) -> dict:
 
     from .trainer import StepStats
     d = resolve_checkpoint(path)
-    meta = read_meta(d)
+    why = verify_checkpoint(d)
+    if why:
+        raise K3CheckpointError(f"{d}: damaged checkpoint: {why}")
+    meta = read_meta(d, resolve=False)
     m = trainer.module
     try:
         params = _load_model(m, d)
