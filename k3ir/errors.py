@@ -44,3 +44,9 @@ class K3BackendError(K3Error):
 
 class K3RuntimeError(K3Error):
     """Bad input to a Session (shapes, token ids, state)."""
+
+
+class K3KernelInputError(K3RuntimeError):
+    """A kernel entry point or op implementation got an input that would corrupt memory or results (shape,
+    dtype, device, index range, duplicate slot, gate sign); the message names the argument, what it got and
+    what was expected."""

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import checks as C
 from . import interpreting
 from .gemv import _x_tile, gdc_launch_dependents, gdc_wait, pdl_kwargs
 from .gemv import config as gemv_config
@@ -318,7 +319,17 @@ def _bd(S: int, D: int) -> int:
 
 def moe_dispatch(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, num_experts: int):
     """``k3.moe_dispatch``: x ``[B,T,D]``, w f32 ``[B,T,k]``, idx int ``[B,T,k]`` (experts < num_experts).
-    Returns (x_sorted ``[B*T*k, D]``, offsets i64 ``[E+1]``, inv i64 ``[B,T,k]``, comb_w f32 ``[B*T*k]``)."""
+    Returns (x_sorted ``[B*T*k, D]``, offsets i64 ``[E+1]``, inv i64 ``[B,T,k]``, comb_w f32 ``[B*T*k]``).
+    Raises ``checks.KernelValueError`` (a K3KernelInputError) on wrong shapes, dtypes or devices and on an expert
+    id outside ``[0, num_experts)`` (it would write outside the expert histogram; checked when idx is on the
+    host, no device sync: device ids come from the router launch, which writes them in range)."""
+    fn, err = "moe_dispatch", C.KernelValueError
+    C.tensor(fn, "w", w, shape=(None, None, None), dtypes=C.FLOAT_DTYPES, cls=err)
+    C.tensor(fn, "x", x, shape=(w.shape[0], w.shape[1], None), dtypes=C.FLOAT_DTYPES, device=w.device, cls=err)
+    C.tensor(fn, "idx", idx, shape=tuple(w.shape), dtypes=C.INT_DTYPES, device=w.device, cls=err)
+    if num_experts < 1:
+        C.fail(fn, f"num_experts={num_experts} must be positive", err)
+    C.index_values(fn, "idx", idx, 0, num_experts, cls=err)
     B, T, k = w.shape
     D = x.shape[-1]
     N, E = B * T * k, num_experts

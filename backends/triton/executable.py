@@ -68,6 +68,9 @@ _SLOTS: dict = {}
 
 
 def _slots(B, device):
+    """The decode path's state slots ``arange(B)`` (int32, cached per batch size and device): distinct and in
+    range for any pool of at least B states, which ``layer.kda_decode`` checks from shapes alone, so the GPU
+    decode step needs no device sync to validate them."""
     key = (B, str(device))
     if key not in _SLOTS:
         _SLOTS[key] = torch.arange(B, device=device, dtype=torch.int32)

@@ -15,8 +15,7 @@ import itertools
 
 import torch
 
-from k3ir.errors import K3RuntimeError
-
+from . import checks as C
 from . import kda_fwd_kernels as kf
 from . import kda_kernels as kk
 from .kda_torch import kda_chunk_torch
@@ -137,43 +136,81 @@ def recur_block(nh: int, V: int, sms: int, rule: str = "nh128", table=RECUR_TABL
     return (best[1], best[2]) if best else (V, None)
 
 
-def _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate):
+GATES = ("raw", "precomputed")
+#: the K3 gate's bound the chunked kernels take: with ``|g| <= 5`` the decay factors of a 16-row sub-chunk stay
+#: within ``exp(+-80)`` (SPEC.md 3); a lower bound past -5 overflows fp32 there (NaN outputs)
+MIN_LOWER_BOUND = -5.0
+
+
+def _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate, lower_bound=None,
+           check_gates: bool = True):
+    """Host-side checks of ``kda_forward``'s arguments (module docstring of ``checks``); returns N, the number
+    of sequences. Shapes, dtypes, devices, ``gate``, ``lower_bound`` and ``cu_seqlens`` (which the launch reads
+    on the host anyway) always; with ``check_gates`` (not during CUDA-graph capture) one reduction and one sync
+    check the gate values: no NaN in g, A_log[:H] and dt_bias (a NaN gate would turn the outputs of the earlier
+    tokens of its chunk NaN too: the chunk matmuls multiply it by zero) and, for ``gate="precomputed"``,
+    ``g <= 0`` (SPEC.md 10: a positive log-decay grows the state without bound)."""
+    fn = "kda_forward"
+    if gate not in GATES:
+        C.fail(fn, f"gate={gate!r} is unknown, expected one of {', '.join(map(repr, GATES))}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        C.tensor(fn, name, t, dtypes=C.FLOAT_DTYPES, device=q.device if isinstance(q, torch.Tensor) else None)
     if q.dim() != 4 or q.shape != k.shape or g.shape != k.shape:
-        raise K3RuntimeError(f"kda_forward: q {tuple(q.shape)}, k {tuple(k.shape)} and g {tuple(g.shape)} must "
-                             "all be [B, T, H, K]")
+        C.fail(fn, f"q {list(q.shape)}, k {list(k.shape)} and g {list(g.shape)} must all be [B, T, H, K]")
     B, T, H, K = k.shape
     if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
-        raise K3RuntimeError(f"kda_forward: v {tuple(v.shape)} must be [B, T, H, V] with B, T, H of k {tuple(k.shape)}")
-    if tuple(beta.shape) != (B, T, H):
-        raise K3RuntimeError(f"kda_forward: beta {tuple(beta.shape)} must be [B, T, H] = {(B, T, H)}")
+        C.fail(fn, f"v {list(v.shape)} must be [B, T, H, V] with B, T, H of k {list(k.shape)}")
+    C.tensor(fn, "beta", beta, shape=(B, T, H))
     V = v.shape[-1]
     for name, n in (("K", K), ("V", V)):
         if n < 16 or n & (n - 1):
-            raise K3RuntimeError(f"kda_forward: head dim {name}={n} must be a power of two >= 16")
+            C.fail(fn, f"head dim {name}={n} must be a power of two >= 16")
     if gate != "precomputed":
-        if A_log is None or A_log.numel() < H:
-            raise K3RuntimeError(f"kda_forward: A_log needs at least H={H} entries (one per head)")
-        if dt_bias is None or dt_bias.numel() != H * K:
-            raise K3RuntimeError(f"kda_forward: dt_bias must hold H*K={H * K} values (per channel), got "
-                                 f"{None if dt_bias is None else dt_bias.numel()}")
+        if A_log is None or dt_bias is None:
+            C.fail(fn, f"gate={gate!r} needs A_log [H] and dt_bias [H*K] (got None)")
+        C.tensor(fn, "A_log", A_log, dtypes=C.FLOAT_DTYPES, device=q.device, min_numel=H)
+        C.tensor(fn, "dt_bias", dt_bias, dtypes=C.FLOAT_DTYPES, device=q.device, numel=H * K)
+    if lower_bound is not None and gate != "precomputed" and not MIN_LOWER_BOUND <= lower_bound < 0:
+        C.fail(fn, f"lower_bound={lower_bound} must lie in [{MIN_LOWER_BOUND}, 0) (the K3 gate; the chunked kernels "
+                   "keep decay factors within exp(+-80) for |g| <= 5)")
     N = B
     if cu_seqlens is not None:
         if B != 1:
-            raise K3RuntimeError(f"kda_forward: cu_seqlens needs batch 1 (flattened sequences), got B={B}")
+            C.fail(fn, f"cu_seqlens needs batch 1 (flattened sequences), got B={B}")
+        C.tensor(fn, "cu_seqlens", cu_seqlens, shape=(None,), dtypes=C.INT_DTYPES, min_numel=2)
         cu = cu_seqlens.tolist()
         if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in itertools.pairwise(cu)):
-            raise K3RuntimeError(f"kda_forward: cu_seqlens must rise from 0 to T={T}, got {cu}")
+            C.fail(fn, f"cu_seqlens must rise from 0 to T={T}, got {cu}")
         N = len(cu) - 1
-    if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
-        raise K3RuntimeError(f"kda_forward: initial_state {tuple(initial_state.shape)} must be [N, H, K, V] = "
-                             f"{(N, H, K, V)} (fp32, key rows)")
+    if initial_state is not None:
+        C.tensor(fn, "initial_state", initial_state, shape=(N, H, K, V), dtypes=C.FLOAT_DTYPES, device=q.device)
+    if check_gates and g.numel() and not C.capturing():
+        _check_gate_values(fn, g, A_log, dt_bias, H, gate)
     return N
+
+
+def _check_gate_values(fn, g, A_log, dt_bias, H, gate):
+    """One device reduction, one sync: NaN anywhere in the gate inputs, and (precomputed) a positive g."""
+    if gate == "precomputed":
+        bad = bool((~(g <= 0)).any())           # NaN or positive: one pass over g
+    else:
+        bad = bool(torch.isnan(g).any() | torch.isnan(A_log.reshape(-1)[:H]).any() | torch.isnan(dt_bias).any())
+    if not bad:
+        return
+    if bool(torch.isnan(g).any()) or gate != "precomputed":
+        where = (torch.isnan(g).nonzero()[:1].tolist() or [["A_log/dt_bias"]])[0]
+        C.fail(fn, f"the gate inputs hold NaN (first at g{where}, [b, t, h, k]): the chunked kernels would spread "
+                   "it to the earlier tokens of its chunk; expected finite gates")
+    else:
+        where = (g > 0).nonzero()[0].tolist()
+        C.fail(fn, f"gate='precomputed' needs log-decays g <= 0 (SPEC.md 10), got g{where} = "
+                   f"{float(g[tuple(where)])} [b, t, h, k]")
 
 
 def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, initial_state=None,
                         output_final_state=False, cu_seqlens=None, scale=None, gate: str = "raw",
                         stages: tuple[str, ...] = ("intra", "recur"), return_intermediates: bool = False,
-                        store_ai: bool = False, store_qk: bool | None = None):
+                        store_ai: bool = False, store_qk: bool | None = None, check_gates: bool = True):
     """The Triton launches, no autograd. Same contract as ``kda_forward``; ``stages`` picks launches
     for timing one kernel alone (the outputs are then meaningless): "intra" (all intra-chunk launches),
     "gcum" / "akk" / "inv" / "wu" (one launch of the split path), "recur". With ``return_intermediates``
@@ -187,8 +224,9 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
     the backward (``saved_for_backward``). ``store_qk`` (default: ``store_ai``; flat w/u launch,
     ``TUNING["wu_mode"] = "flat"`` with ``TUNING["gcum"]``, only): the w/u launch also writes ``qn`` (q
     L2-normalised times the scale) and ``kn`` (k L2-normalised), ``[B,T,H,K]`` in w's dtype, valid rows: the
-    backward's prelude outputs."""
-    N = _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate)
+    backward's prelude outputs. ``check_gates`` (default True): the one reduction and host sync of ``_check``
+    that rejects NaN gate inputs and positive precomputed log-decays (False: time the launches alone)."""
+    N = _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate, lower_bound, check_gates)
     B, T, H, K = k.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else float(scale)
@@ -200,8 +238,6 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
     elif lower_bound is None:
         GATE, lb = kk.GATE_SOFTPLUS, 0.0
     else:
-        if not lower_bound < 0:
-            raise K3RuntimeError(f"kda_forward: lower_bound must be negative, got {lower_bound}")
         GATE, lb = kk.GATE_LOWER_BOUND, float(lower_bound)
     if gate != "precomputed":
         A_log = A_log.reshape(-1).contiguous()
@@ -413,9 +449,15 @@ def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     (Kimi Linear), a negative value the K3 gate ``lower_bound * sigmoid(exp(A_log) (g + dt_bias))``.
     ``initial_state`` fp32 ``[N,H,K,V]`` (key rows); ``cu_seqlens`` int ``[N+1]`` with B = 1 for
     variable-length batches (states never cross sequences). ``gate="precomputed"`` takes g as the
-    log-decay, beta after the sigmoid and q, k as given (the ``k3.kda`` op).
+    log-decay (<= 0), beta after the sigmoid and q, k as given (the ``k3.kda`` op).
+    The unbounded log-decays (softplus, precomputed) are floored at ``kda_common.G_FLOOR`` = -20 per token
+    (``exp(-20) = 2e-9``, below fp32 resolution next to the state; without it a raw softplus input of 1e4 lost
+    1e-4 relative accuracy to fp32 cancellation of the in-chunk gate sums, and +inf gave NaN).
     Returns (o ``[B,T,H,V]`` in v's dtype: the recurrence output before the head norm and output
     gate, final state fp32 ``[N,H,K,V]`` or None). Differentiable in q, k, v, g, beta, A_log,
-    dt_bias and initial_state. Raises K3RuntimeError on bad shapes or a non-negative bound."""
+    dt_bias and initial_state. Raises K3KernelInputError (a K3RuntimeError) before any launch on bad shapes,
+    dtypes or devices, an unknown ``gate``, non-integer ``cu_seqlens``, ``lower_bound`` outside [-5, 0), a NaN
+    in the gate inputs (g, A_log, dt_bias), or a positive precomputed g (SPEC.md 10). The gate-value check is
+    one reduction over g and one host sync; it is skipped while a CUDA graph is being captured."""
     return _KDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, lower_bound, output_final_state,
                               cu_seqlens, scale, gate)

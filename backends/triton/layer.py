@@ -5,6 +5,7 @@ import torch
 
 from k3ir.errors import K3RuntimeError
 
+from . import checks as C
 from . import layer_kernels as lk
 from .gemv import pdl_kwargs
 
@@ -49,26 +50,61 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def kda_decode(q, k, v, z, beta, A_log, dt_bias, pool, slots, lower_bound=None, scale=None,
-               conv=None, norm=None, out=None, lowrank=None):
+               conv=None, norm=None, out=None, lowrank=None, check_slots: bool | None = None):
     """One KDA decode step (T = 1) in one launch, on state slots in a pool.
 
     q, k ``[B, H*K]``, v ``[B, H*V]`` (pre-conv inputs when ``conv`` is given, else post-conv;
     any row stride, unit column stride: column slices of one projection output need no copy);
-    z ``[B, H*K]`` raw decay pre-activation; beta ``[B, H]`` logits; A_log ``[H]``; dt_bias
-    ``[H*K]``; pool ``f32[P, H, K, V]`` (key rows), slots int ``[B]`` (distinct): row b reads and
-    writes ``pool[slots[b]]`` in place, every other slot stays bit-identical.
+    z ``[B, H*K]`` raw decay pre-activation; beta ``[B, H]`` logits; A_log ``[H]`` (at least H entries,
+    the first H used); dt_bias ``[H*K]`` (per channel); pool ``f32[P, H, K, V]`` (key rows), slots int32/int64
+    ``[B]``, distinct, in ``[0, P)``: row b reads and writes ``pool[slots[b]]`` in place, every other slot stays
+    bit-identical. ``lower_bound``: None (softplus gate) or negative (K3 gate).
     ``conv = (w_q, w_k, w_v, cs_q, cs_k, cs_v)``: conv weights ``[C,1,W]`` and conv-state pools
     ``[P, C, W-1]`` updated in place at the same slots. ``norm = (weight [V], gz [B, H*V], eps)``:
     head RMSNorm then sigmoid output gate fused. ``lowrank = (w_fb [H*K, R], ga [B, R], w_gb [H*V, R])`` (R a
     power of two, not with ``conv``/``norm``): z is the rank-R decay input ``[B, R]`` and the kernel computes the
     decay ``z w_fb^T`` itself; it then also returns the output gate ``ga w_gb^T`` ``[B, H*V]``: (o, gz).
-    Returns o ``[B, H*V]`` in v's dtype."""
+    Returns o ``[B, H*V]`` in v's dtype.
+
+    Raises K3KernelInputError before the launch on a wrong shape, dtype or device of any argument, a
+    non-negative ``lower_bound``, and slots out of ``[0, P)`` or repeated (an out-of-range slot writes outside
+    the pool; a repeated one races two rows on one state). The slot values are checked without a device sync
+    only: always when ``slots`` live on the host; on a device only with ``check_slots=True`` (one sync; never
+    during CUDA-graph capture). The GPU decode path passes slots its host-side bookkeeping owns
+    (``executable._slots``: ``arange(B)`` with ``B <= P`` checked there), so its hot path has no sync."""
+    fn = "kda_decode"
+    C.tensor(fn, "pool", pool, shape=(None, None, None, None), dtypes=(torch.float32,), contiguous=True)
+    P, H, K, V = pool.shape
+    dev = pool.device
+    C.tensor(fn, "q", q, dtypes=C.FLOAT_DTYPES, device=dev)
     B = q.shape[0]
-    _, H, K, V = pool.shape
-    if pool.dtype != torch.float32 or not pool.is_contiguous():
-        raise K3RuntimeError("kda_decode: the state pool must be contiguous fp32 [P, H, K, V]")
-    if tuple(k.shape) != (B, H * K) or tuple(v.shape) != (B, H * V) or tuple(beta.shape) != (B, H):
-        raise K3RuntimeError(f"kda_decode: want q, k [B, H*K], v [B, H*V], beta [B, H] for pool {tuple(pool.shape)}")
+    for name, t, shp in (("q", q, (B, H * K)), ("k", k, (B, H * K)), ("v", v, (B, H * V)), ("beta", beta, (B, H))):
+        C.tensor(fn, name, t, shape=shp, dtypes=C.FLOAT_DTYPES, device=dev)
+    if lowrank is None:
+        C.tensor(fn, "z", z, shape=(B, H * K), dtypes=C.FLOAT_DTYPES, device=dev)
+    C.tensor(fn, "A_log", A_log, dtypes=C.FLOAT_DTYPES, device=dev, min_numel=H)
+    C.tensor(fn, "dt_bias", dt_bias, dtypes=C.FLOAT_DTYPES, device=dev, numel=H * K)
+    if lower_bound is not None and not float(lower_bound) < 0:
+        C.fail(fn, f"lower_bound={lower_bound} must be negative (the K3 gate lower_bound * sigmoid(...)) or None "
+                   "(softplus gate)")
+    C.tensor(fn, "slots", slots, shape=(B,), dtypes=C.INT_DTYPES, device=dev)
+    if B > P:
+        C.fail(fn, f"{B} rows need {B} distinct slots but the pool {list(pool.shape)} holds {P}")
+    C.index_values(fn, "slots", slots, 0, P, unique=True, values=check_slots)
+    if out is not None:
+        C.tensor(fn, "out", out, shape=(B, H * V), device=dev, contiguous=True)
+    if conv is not None:
+        if len(conv) != 6:
+            C.fail(fn, f"conv must be (w_q, w_k, w_v, cs_q, cs_k, cs_v), got {len(conv)} items")
+        W = conv[0].shape[-1]
+        for name, w, ch in (("w_q", conv[0], H * K), ("w_k", conv[1], H * K), ("w_v", conv[2], H * V)):
+            C.tensor(fn, f"conv {name}", w, dtypes=C.FLOAT_DTYPES, device=dev, numel=ch * W)
+        for name, cs, ch in (("cs_q", conv[3], H * K), ("cs_k", conv[4], H * K), ("cs_v", conv[5], H * V)):
+            C.tensor(fn, f"conv {name}", cs, shape=(P, ch, W - 1), dtypes=C.FLOAT_DTYPES, device=dev,
+                     contiguous=True)
+    if norm is not None:
+        C.tensor(fn, "norm weight", norm[0], dtypes=C.FLOAT_DTYPES, device=dev, numel=V)
+        C.tensor(fn, "norm gz", norm[1], shape=(B, H * V), dtypes=C.FLOAT_DTYPES, device=dev)
     scale = K ** -0.5 if scale is None else scale
     o = torch.empty(B, H * V, dtype=v.dtype, device=v.device) if out is None else out
     has_conv, has_norm = conv is not None, norm is not None
@@ -88,8 +124,8 @@ def kda_decode(q, k, v, z, beta, A_log, dt_bias, pool, slots, lower_bound=None, 
         R = wfb.shape[1]
         if has_conv or has_norm or R & (R - 1) or tuple(wfb.shape) != (H * K, R) or tuple(wgb.shape) != (H * V, R) \
                 or tuple(z.shape) != (B, R) or tuple(ga.shape) != (B, R):
-            raise K3RuntimeError(f"kda_decode: low-rank decay/gate weights {tuple(wfb.shape)}, {tuple(wgb.shape)} do "
-                                 f"not fit pool {tuple(pool.shape)} and inputs {tuple(z.shape)}, {tuple(ga.shape)}")
+            C.fail(fn, f"low-rank decay/gate weights {tuple(wfb.shape)}, {tuple(wgb.shape)} do "
+                       f"not fit pool {tuple(pool.shape)} and inputs {tuple(z.shape)}, {tuple(ga.shape)}")
         z, ga = _rows(z), _rows(ga)
         gzo = torch.empty(B, H * V, dtype=v.dtype, device=v.device)
         lr = {"wfb": wfb.to(q.dtype).contiguous(), "ga": ga, "wgb": wgb.to(q.dtype).contiguous(), "gzo": gzo,

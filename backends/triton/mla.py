@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import checks as C
 from . import interpreting
 from .gemv import gdc_launch_dependents, gdc_wait, pdl_kwargs
 
@@ -233,8 +234,21 @@ def _p2(n: int) -> int:
 
 def mla_prefill(q, kn, kr, v, scale: float, lengths=None) -> torch.Tensor:
     """Causal MLA attention. q ``[B,T,H,n+r]``, kn ``[B,S,H,n]``, kr ``[B,S,r]``, v ``[B,S,H,v]``
-    (S >= T: the last T keys are the queries' own). Returns ``[B,T,H,v]`` in q's dtype."""
+    (S >= T: the last T keys are the queries' own); ``lengths`` int ``[B]`` (valid cache rows per batch row, in
+    ``[0, S]``) or None. Returns ``[B,T,H,v]`` in q's dtype. Raises K3KernelInputError on wrong shapes, dtypes or
+    devices and on lengths outside ``[0, S]`` (checked when on the host: no device sync)."""
+    fn = "mla_prefill"
+    C.tensor(fn, "q", q, shape=(None, None, None, None), dtypes=C.FLOAT_DTYPES)
     B, T, H, _ = q.shape
+    C.tensor(fn, "kn", kn, shape=(B, None, H, None), dtypes=C.FLOAT_DTYPES, device=q.device)
+    S, DN = kn.shape[1], kn.shape[3]
+    C.tensor(fn, "kr", kr, shape=(B, S, q.shape[3] - DN), dtypes=C.FLOAT_DTYPES, device=q.device)
+    C.tensor(fn, "v", v, shape=(B, S, H, None), dtypes=C.FLOAT_DTYPES, device=q.device)
+    if S < T:
+        C.fail(fn, f"the keys hold S={S} rows, fewer than the T={T} queries (S >= T: the last T keys are theirs)")
+    if lengths is not None:
+        C.tensor(fn, "lengths", lengths, shape=(B,), dtypes=C.INT_DTYPES, device=q.device)
+        C.index_values(fn, "lengths", lengths, 0, S + 1)
     S, DN, DR, DV = kn.shape[1], kn.shape[3], kr.shape[2], v.shape[3]
     o = torch.empty(B, T, H, DV, device=q.device, dtype=q.dtype)
     BM, BN, warps, stages = (16, 16, 4, 1) if interpreting() else PREFILL_CONFIG or (64, 64, 8 if DN + DR > 128 else 4,
@@ -245,6 +259,28 @@ def mla_prefill(q, kn, kr, v, scale: float, lengths=None) -> torch.Tensor:
         DN=DN, DR=DR, DV=DV, DNP=_p2(DN), DRP=_p2(DR), DVP=_p2(DV), HAS_LEN=lens is not None, BM=BM, BN=BN,
         num_warps=warps, num_stages=stages)
     return o
+
+
+def _check_decode(fn, qt, qr, cache, nlen, lengths, pos=None):
+    """Host-side checks of a decode launch: qt ``[B,H,R]``, qr ``[B,H,P]``, cache ``[B,Lcap,R+P]`` contiguous,
+    nlen / pos int with one element, lengths int ``[B]``, all on qt's device. Values (``nlen <= Lcap``,
+    ``pos < Lcap``, ``lengths <= Lcap``: the kernels read and write cache rows there) are checked only when on
+    the host (no device sync); the CUDA-graph decode keeps them on the device, set by its host-side bookkeeping
+    (``graphs.GraphDecode``: pos = L and nlen = L + 1 in a buffer of ``capacity(L) > L`` rows by construction)."""
+    C.tensor(fn, "qt", qt, shape=(None, None, None), dtypes=C.FLOAT_DTYPES)
+    B, H, R = qt.shape
+    C.tensor(fn, "qr", qr, shape=(B, H, None), dtypes=C.FLOAT_DTYPES, device=qt.device)
+    C.tensor(fn, "cache", cache, shape=(B, None, R + qr.shape[2]), dtypes=C.FLOAT_DTYPES, device=qt.device,
+             contiguous=True)
+    cap = cache.shape[1]
+    C.tensor(fn, "nlen", nlen, dtypes=C.INT_DTYPES, device=qt.device, min_numel=1)
+    C.index_values(fn, "nlen", nlen.reshape(-1)[:1], 0, cap + 1)
+    if pos is not None:
+        C.tensor(fn, "pos", pos, dtypes=C.INT_DTYPES, device=qt.device, min_numel=1)
+        C.index_values(fn, "pos", pos.reshape(-1)[:1], 0, cap)
+    if lengths is not None:
+        C.tensor(fn, "lengths", lengths, shape=(B,), dtypes=C.INT_DTYPES, device=qt.device)
+        C.index_values(fn, "lengths", lengths, 0, cap + 1)
 
 
 def mla_decode(qt, qr, cache, nlen, scale: float, lengths=None, splits: int | None = None) -> torch.Tensor:
@@ -264,7 +300,9 @@ def mla_decode(qt, qr, cache, nlen, scale: float, lengths=None, splits: int | No
 def mla_decode_parts(qt, qr, cache, nlen, scale: float, lengths=None, splits: int | None = None, olat=None):
     """The attention launch of ``mla_decode``: returns (part, ml, NS): NS = 1: part is the normalised latent
     ``[B, H, R]`` (fp32, ``olat`` if given); else ``[B, NS, H, R]`` unnormalised partial sums and
-    ml ``[B, NS, H, 2]`` their (max, sum), merged by ``mla_decode_combine_kernel`` / ``mla_decode_out_kernel``."""
+    ml ``[B, NS, H, 2]`` their (max, sum), merged by ``mla_decode_combine_kernel`` / ``mla_decode_out_kernel``.
+    Raises K3KernelInputError (``_check_decode``) before the launch."""
+    _check_decode("mla_decode", qt, qr, cache, nlen, lengths)
     B, H, R = qt.shape
     P = qr.shape[2]
     BH = 16
@@ -295,7 +333,19 @@ def mla_decode_absorbed(q, kv, w, cache, pos, nlen, heads: int, nope: int, v_dim
     cache ``[B, Lcap, R+rope]`` (contiguous) whose row ``pos[0]`` receives kv (in place) and whose first
     ``nlen[0]`` rows are then attended. ``kv_norm=(rope [B, 1, rope], w_norm [R], eps)``: kv is then the
     raw latent ``[B, 1, R]`` and its RMSNorm and the concat with ``rope`` happen in the first launch.
-    Returns o ``[B, 1, H, v]`` in q's dtype."""
+    Returns o ``[B, 1, H, v]`` in q's dtype. Raises K3KernelInputError on a wrong shape, dtype or device, and
+    on ``pos[0] >= Lcap`` (a write past the cache) or ``nlen[0] > Lcap`` (checked when on the host; see
+    ``_check_decode``)."""
+    fn = "mla_decode_absorbed"
+    C.tensor(fn, "q", q, shape=(None, 1, heads, None), dtypes=C.FLOAT_DTYPES)
+    C.tensor(fn, "cache", cache, shape=(q.shape[0], None, None), dtypes=C.FLOAT_DTYPES, device=q.device,
+             contiguous=True)
+    C.tensor(fn, "w", w, shape=(heads * (nope + v_dim), None), dtypes=C.FLOAT_DTYPES, device=q.device)
+    if cache.shape[2] != w.shape[1] + q.shape[-1] - nope:
+        C.fail(fn, f"cache rows hold {cache.shape[2]} values, expected R + rope = {w.shape[1]} + "
+                   f"{q.shape[-1] - nope}")
+    C.tensor(fn, "pos", pos, dtypes=C.INT_DTYPES, device=q.device, min_numel=1)
+    C.index_values(fn, "pos", pos.reshape(-1)[:1], 0, cache.shape[1])
     B = q.shape[0]
     H, N, VD = heads, nope, v_dim
     R = w.shape[1]

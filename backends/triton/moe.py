@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import checks as C
 from . import interpreting
 from .gemv import gdc_launch_dependents, gdc_wait, pdl_kwargs
 from .moe_asm import (  # noqa: F401 (@jit globals)
@@ -454,12 +455,20 @@ def _use_gluon(x, R: int, E: int, pk, N: int) -> bool:
             and N % 64 == 0)
 
 
-def _check(x, offsets, w, quant):
+def _check(x, offsets, w, quant, row_scale=None):
+    """Host-side checks before the launch (``checks``): shapes, offsets int32/int64 ``[E+1]`` on x's device and,
+    when readable without a sync (host tensors), rising from 0 to at most R (rows outside x would be read)."""
     if quant not in QUANT_IDS:
-        raise ValueError(f"unknown expert quantisation '{quant}' (known: {', '.join(QUANT_IDS)})")
+        raise C.KernelValueError(f"unknown expert quantisation '{quant}' (known: {', '.join(QUANT_IDS)})")
     if x.dim() != 2 or w.dim() != 3 or offsets.dim() != 1 or offsets.numel() != w.shape[0] + 1:
-        raise ValueError(f"grouped_matmul: x {tuple(x.shape)} must be [R,K], w {tuple(w.shape)} [E,N,*] and "
-                         f"offsets {tuple(offsets.shape)} [E+1]")
+        raise C.KernelValueError(f"grouped_matmul: x {tuple(x.shape)} must be [R,K], w {tuple(w.shape)} [E,N,*] and "
+                                 f"offsets {tuple(offsets.shape)} [E+1]")
+    fn, err = "grouped_matmul", C.KernelValueError
+    C.tensor(fn, "x", x, dtypes=C.FLOAT_DTYPES, cls=err)
+    C.tensor(fn, "offsets", offsets, dtypes=C.INT_DTYPES, device=x.device, cls=err)
+    if row_scale is not None:
+        C.tensor(fn, "row_scale", row_scale, dtypes=C.FLOAT_DTYPES, device=x.device, numel=x.shape[0], cls=err)
+    C.offsets_values(fn, "offsets", offsets, x.shape[0], cls=err)
 
 
 def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
@@ -479,8 +488,11 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
     fragment layout (``moe_layout.prepare``; the triton executable's prepare_params does it) are read in that
     layout: the Gluon kernel at few rows per expert (``TUNING``), else the Triton kernels (PTX decode; "exact":
     integer decode). Returns ``[R, N]`` in x's dtype. Raises ValueError on inconsistent shapes, an unknown
-    format, or fragment-layout weights written after their permutation."""
-    _check(x, offsets, w, quant)
+    format, or fragment-layout weights written after their permutation; ``checks.KernelValueError`` (also a
+    K3KernelInputError) on a wrong dtype or device of x, offsets, w, row_scale, and on offsets that do not rise
+    from 0 to at most R (checked when on the host: no device sync; device offsets come from the dispatch
+    launch, which writes them in range)."""
+    _check(x, offsets, w, quant, row_scale)
     x = x.contiguous()
     R, K = x.shape
     E, N = w.shape[0], w.shape[1]
@@ -577,7 +589,16 @@ def _launch(cfg: tuple, E: int, N: int, args: tuple, common: dict, device) -> No
 
 def moe_combine(y: torch.Tensor, comb_w: torch.Tensor | None, inv: torch.Tensor) -> torch.Tensor:
     """``out[b,t] = sum_j comb_w[inv[b,t,j]] y[inv[b,t,j]]`` (``k3.moe_combine``; ``comb_w=None`` when the
-    rows were already scaled). y ``[R, D]``, inv ``int[B, T, k]``. Returns ``[B, T, D]`` in y's dtype."""
+    rows were already scaled). y ``[R, D]``, inv ``int[B, T, k]`` (rows of y), comb_w ``[R]``. Returns
+    ``[B, T, D]`` in y's dtype. Raises ``checks.KernelValueError`` (a K3KernelInputError) on wrong shapes, dtypes
+    or devices and on an inv entry outside ``[0, R)`` (a read outside y; checked when inv is on the host, no
+    device sync: device inv comes from the dispatch launch)."""
+    fn, err = "moe_combine", C.KernelValueError
+    C.tensor(fn, "y", y, shape=(None, None), dtypes=C.FLOAT_DTYPES, cls=err)
+    C.tensor(fn, "inv", inv, shape=(None, None, None), dtypes=C.INT_DTYPES, device=y.device, cls=err)
+    if comb_w is not None:
+        C.tensor(fn, "comb_w", comb_w, dtypes=C.FLOAT_DTYPES, device=y.device, numel=y.shape[0], cls=err)
+    C.index_values(fn, "inv", inv, 0, y.shape[0], cls=err)
     B, T, k = inv.shape
     D = y.shape[1]
     out = torch.empty(B, T, D, device=y.device, dtype=y.dtype)
