@@ -59,6 +59,11 @@ def test_check_lists_native_and_decomposed_ops_for_the_plugin(plugin_dir):
     import json
     rows = {row["op"]: row for row in json.loads(r.stdout)["ops"]}
     assert rows["k3.linear"]["status"] == "native" and rows["k3.rmsnorm"]["status"] == "native"
+    # the plugin's condition: lm_head is native up to 16384 columns; this model's 32000 decompose
+    # (nn.py: cast(matmul(x, transpose(w)), f32))
+    head = rows["k3.lm_head"]
+    assert head["status"] == "conditional" and "32000 > 16384" in head["why"]
+    assert head["via"] == {"k3.transpose": head["count"], "k3.matmul": head["count"], "k3.cast": head["count"]}
     for op in ("k3.kda", "k3.mla", "k3.moe", "k3.short_conv", "k3.router"):      # not in the plugin's table
         assert rows[op]["status"] == "decomposition", op
         assert set(rows[op]["via"]) <= {n for n, x in rows.items() if x["status"] == "native"} | set(rows[op]["via"])
@@ -67,6 +72,7 @@ def test_check_lists_native_and_decomposed_ops_for_the_plugin(plugin_dir):
     for row in rows.values():                          # every expansion ends in ops the plugin lowers
         assert row["status"] != "error"
         assert set(row["via"]) <= native, row["op"]
+        assert (row["status"] in ("native", "conditional")) == (row["op"] in native)
 
 
 def test_session_runs_on_the_plugin(plugin_dir):
@@ -80,3 +86,45 @@ def test_session_runs_on_the_plugin(plugin_dir):
     want = prefill_decode(ref, ids, nxt)
     assert rel_err(got[0], want[0]) < 1e-4 and rel_err(got[1], want[1]) < 1e-4
     assert np.isfinite(got[1]).all()
+
+
+@pytest.mark.parametrize("vocab,native", [(300, True), (17000, False)])
+def test_plugin_condition_decides_what_runs(plugin_dir, monkeypatch, vocab, native):
+    """The plugin's conditional ``k3.lm_head`` runs natively exactly when ``k3ir check`` says so (vocabulary
+    <= 16384), else its decomposition; the logits match the float64 reference either way."""
+    import k3ir_plugin_example as plug
+    from k3ir.backends.check import check_module
+    calls = []
+    orig = plug.TABLE["k3.lm_head"]
+    monkeypatch.setitem(plug.TABLE, "k3.lm_head", lambda inst, x, w: calls.append(1) or orig(inst, x, w))
+    name, overrides = "kimi-linear-6p6b", dict(__import__("_tiny_models").KIMI_LINEAR_TINY, vocab_size=vocab)
+    m = k3ir.load(name, overrides)
+    status = {r.status for r in check_module(m, "numpy-example").rows if r.op == "k3.lm_head"}
+    assert status == {"native" if native else "conditional"}
+    params = init_params(m, seed=5)
+    ids = token_ids(vocab, 1, 4)
+    got = Session(k3ir.compile(m, target="numpy-example"), params=params).forward(ids)
+    want = Session(k3ir.compile(m, target="reference", dtype="float64"), params=params).forward(ids)
+    assert bool(calls) == native
+    assert rel_err(np.asarray(got), np.asarray(want)) < 1e-4
+
+
+def test_a_backend_declaring_only_lowers_still_works():
+    """The older plugin form ``Backend(..., lowers=lambda: set(TABLE))`` (a plain dict, no conditions):
+    its ops are native, the rest decompose, and ``check_module`` classifies them."""
+    from k3ir.backends import Backend, register_backend
+    from k3ir.backends.check import check_module
+    from k3ir.backends.reference import ReferenceExecutable
+    core = {n for n, c in k3ir.opdef.all_ops().items() if c.family == "core"}
+    be = register_backend(Backend(name="test-lowers-only", description="test", pipeline=[], lowers=lambda: core,
+                                  build=lambda module, dtype="float64", device="cpu": ReferenceExecutable(module, dtype,
+                                                                                                          device)))
+    m = load_tiny("k3-tiny")
+    ops = {op.name: op for op in m.functions["forward"].ops}
+    assert [be.supports(op) for name, op in ops.items() if name in core] == [None] * len(core & set(ops)) != []
+    assert "no lowering for k3.rmsnorm" in be.supports(ops["k3.rmsnorm"])
+    assert set(be.lowering_table()) == core
+    rep = check_module(m, "test-lowers-only", requested=["forward"])
+    status = {r.op: r.status for r in rep.rows}
+    assert status["k3.rmsnorm"] == "decomposition" and not rep.failed
+    assert all(s in ("native", "decomposition") for s in status.values())

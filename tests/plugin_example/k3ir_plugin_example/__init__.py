@@ -1,10 +1,13 @@
 """An out-of-tree k3ir backend: float32 NumPy on the CPU (the shape of a vendor backend).
 
-A backend is a lowering table (op name -> implementation), a pass pipeline and a ``build``
-function returning an ``Executable``. This one lowers the core ops and a few model ops
-natively (``TABLE``); every other model op falls back to its decomposition into core ops
-through k3ir's shared ``Interpreter``. It runs the module as the frontend builds it (only DCE:
-no fused ops), so ``k3ir check --target numpy-example`` lists KDA, MLA, MoE, ... as
+A backend is a lowering table (op name -> implementation, with optional per-op conditions), a
+pass pipeline and a ``build`` function returning an ``Executable``. This one lowers the core ops
+and a few model ops natively (``TABLE``, a ``k3ir.backends.lowering.LoweringTable``); every other
+model op falls back to its decomposition into core ops through k3ir's shared ``Interpreter``. One
+entry is conditional: ``k3.lm_head`` is native for vocabularies up to ``LM_HEAD_MAX_VOCAB`` and
+decomposes (transpose + matmul) above; the ``Interpreter`` and ``k3ir check`` read the same
+condition, so what ``check`` says is what runs. It runs the module as the frontend builds it (only
+DCE: no fused ops), so ``k3ir check --target numpy-example`` lists KDA, MLA, MoE, ... as
 decompositions. Registered by ``pyproject.toml``::
 
     [project.entry-points."k3ir.backends"]
@@ -17,6 +20,7 @@ from typing import Any
 import numpy as np
 from k3ir.backends import Backend, Executable
 from k3ir.backends.interpreter import Interpreter
+from k3ir.backends.lowering import LoweringTable
 
 from k3ir.opdef import all_ops
 
@@ -41,14 +45,30 @@ def _rmsnorm(inst, x, w):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + F32(inst.eps)) * w.astype(F32)
 
 
-TABLE = _core_table()
+#: the widest ``k3.lm_head`` this example computes natively (its logits row as one float32 block)
+LM_HEAD_MAX_VOCAB = 16384
+
+
+def _lm_head_fits(op) -> str | None:
+    """``k3.lm_head`` condition: the vocabulary (rows of the weight) at most ``LM_HEAD_MAX_VOCAB``."""
+    vocab = op.operands[1].type.shape[0]
+    if not isinstance(vocab, int) or vocab > LM_HEAD_MAX_VOCAB:
+        return f"vocabulary {vocab} > {LM_HEAD_MAX_VOCAB} columns"
+    return None
+
+
+TABLE = LoweringTable(_core_table())
 TABLE.update({
     "k3.embedding": lambda inst, ids, table: table[np.asarray(ids, dtype=np.int64)],
     "k3.linear": lambda inst, x, w: x.astype(F32) @ w.astype(F32).T,
-    "k3.lm_head": lambda inst, x, w: x.astype(F32) @ w.astype(F32).T,
     "k3.rmsnorm": _rmsnorm,
     "k3.swiglu": lambda inst, g, u: g / (F32(1) + np.exp(-g)) * u,
 })
+
+
+@TABLE.lowers("k3.lm_head", when=_lm_head_fits)
+def _lm_head(inst, x, w):
+    return x.astype(F32) @ w.astype(F32).T
 
 
 class NumpyExecutable(Executable):
@@ -70,4 +90,4 @@ def backend() -> Backend:
     """The entry point: k3ir calls this and registers the returned Backend."""
     return Backend(name="numpy-example", description="example plugin: float32 NumPy (out of tree)",
                    build=lambda module, dtype="float32", device="cpu": NumpyExecutable(module, dtype, device),
-                   pipeline=["dce"], lowers=lambda: set(TABLE), aliases=("np-example",))
+                   pipeline=["dce"], table=lambda: TABLE, aliases=("np-example",))
