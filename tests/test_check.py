@@ -235,3 +235,17 @@ def test_every_builtin_backend_owns_a_table_and_answers_supports():
         for op in ops.values():
             why = be.supports(op)
             assert (why is None) == (op.name in table) or op.name in getattr(table, "conditions", {}), (name, op.name)
+
+
+def test_triton_support_table_is_what_the_executable_runs():
+    """``backends/triton/support.py``: the torch table overridden by the Triton kernels and lowerings, the
+    names the triton backend lowers; no op refused statically."""
+    pytest.importorskip("triton")
+    from k3ir.backends import get_backend
+    from k3ir.backends.triton import support
+    from k3ir.backends.triton.executable import KERNELS
+    table = support.table()
+    assert set(table) == set(get_backend("triton").lowers())
+    assert all(table[n] is KERNELS[n] for n in KERNELS)
+    m = k3ir.load("k3-tiny")
+    assert all(support.supports(op) is None for f in m.functions.values() for op in f.ops if op.name != "k3.param")
