@@ -89,6 +89,8 @@ class ParamDecl:
     name: str
     type: TensorType
     attrs: dict[str, Any] = field(default_factory=dict)
+    #: where the declaration was written when parsed from text (None for built modules; never printed)
+    loc: Loc | None = field(default=None, compare=False, repr=False)
 
     @property
     def stack(self) -> str | None:
@@ -182,6 +184,8 @@ class Module:
         m.params = {k: ParamDecl(p.name, p.type, _copy_attrs(p.attrs)) for k, p in self.params.items()}
         for name, fn in self.functions.items():
             m.functions[name] = _clone_function(fn)
+        for name, decl in self.params.items():
+            m.params[name].loc = decl.loc
         m.weights = self.weights
         m.loc = self.loc
         m.config = self.config

@@ -1,4 +1,11 @@
-"""Parser for the text IR (see printer.py). Errors carry 1-based line and column."""
+"""Parser for the text IR (see printer.py). Errors carry 1-based line and column.
+
+The text may come from anywhere (a file a user was sent), so the parser bounds what it builds
+before building it: literal lists/dicts nest at most ``MAX_NESTING`` deep, an integer literal is
+a signed 64-bit value (its digits are counted before ``int()`` runs), a dimension expression has
+at most ``MAX_DIM_CHARS`` characters and ``MAX_DIM_PARENS`` levels of parentheses, and a string
+must be valid JSON without lone surrogates (it is printed back as UTF-8). Every violation is a
+K3ParseError at the offending token."""
 from __future__ import annotations
 
 import ast
@@ -25,6 +32,16 @@ _TOKEN = re.compile(r"""
 
 
 _DIM_PUNCT = frozenset("()+-*")
+
+#: deepest nesting of list / dict literals in an attribute value (the printed IR uses 2)
+MAX_NESTING = 64
+#: longest dimension expression (characters) and deepest parentheses in one
+MAX_DIM_CHARS = 255
+MAX_DIM_PARENS = 16
+#: integer literals are signed 64-bit (what every backend stores)
+INT_MIN, INT_MAX = -(2 ** 63), 2 ** 63 - 1
+_INT_DIGITS = len(str(INT_MAX))
+_INT_TEXT = re.compile(r"-?\d+")
 
 
 def _dim_expr_ok(s: str) -> bool:
@@ -70,6 +87,7 @@ class _Parser:
         self.toks = _tokenize(src, source)
         self.i = 0
         self.source = source
+        self.depth = 0                       # list / dict literals open around the current token
 
     # ---- token helpers --------------------------------------------------------------
     @property
@@ -105,20 +123,45 @@ class _Parser:
     def symbol(self) -> str:
         t = self.expect_kind("symbol", "a symbol (@name)")
         s = t.text[1:]
-        return json.loads(s) if s.startswith('"') else s
+        return self.string(t, 1) if s.startswith('"') else s
+
+    def string(self, t: _Tok, offset: int = 0) -> str:
+        """The JSON string at ``t.text[offset:]``; K3ParseError at the offending character for an invalid
+        escape or a raw control character, at the token for a lone surrogate (not printable as UTF-8)."""
+        s = t.text[offset:]
+        try:
+            v = json.loads(s)
+        except json.JSONDecodeError as e:
+            nl = s.rfind("\n", 0, e.pos)
+            line = t.line + s.count("\n", 0, e.pos)
+            col = t.col + offset + e.pos if nl < 0 else e.pos - nl
+            raise K3ParseError(f"invalid string literal: {e.msg}", line, col, self.source) from None
+        bad = next((c for c in v if "\ud800" <= c <= "\udfff"), None)
+        if bad is not None:
+            raise self.error(f"invalid string literal: lone surrogate \\u{ord(bad):04x} (strings are UTF-8)", t)
+        return v
+
+    def integer(self, t: _Tok) -> int:
+        """The value of an integer token, a signed 64-bit int (digits counted before converting)."""
+        digits = len(t.text.lstrip("-"))
+        v = int(t.text) if digits <= _INT_DIGITS else None
+        if v is None or not INT_MIN <= v <= INT_MAX:
+            what = t.text if digits <= 30 else f"of {digits} digits"
+            raise self.error(f"integer literal {what} is out of the 64-bit range", t)
+        return v
 
     # ---- literals ----------------------------------------------------------------------
     def literal(self) -> Any:
         t = self.tok
         if t.kind == "string":
             self.next()
-            return json.loads(t.text)
+            return self.string(t)
         if t.kind == "number":
             self.next()
             txt = t.text
             if txt in ("inf", "-inf", "nan") or any(c in txt for c in ".eE"):
                 return float(txt)
-            return int(txt)
+            return self.integer(t)
         if t.text == "-" and self.toks[self.i + 1].text == "inf":
             self.i += 2
             return float("-inf")
@@ -126,6 +169,7 @@ class _Parser:
             self.next()
             return {"true": True, "false": False, "null": None}[t.text]
         if t.text == "[":
+            self.enter()
             self.next()
             items = []
             if not self.accept("]"):
@@ -133,12 +177,23 @@ class _Parser:
                 while self.accept(","):
                     items.append(self.literal())
                 self.expect("]")
+            self.depth -= 1
             return items
         if t.text == "{":
-            return self.attrs()
+            self.enter()
+            out = self.attrs()
+            self.depth -= 1
+            return out
         raise self.error(f"expected a literal, got '{t.text or 'end of input'}'")
 
-    def attrs(self) -> dict[str, Any]:
+    def enter(self) -> None:
+        """One more list / dict literal opens at the current token (K3ParseError past MAX_NESTING)."""
+        self.depth += 1
+        if self.depth > MAX_NESTING:
+            raise self.error(f"list / dict literals nested more than {MAX_NESTING} deep")
+
+    def attrs(self, where: dict[str, _Tok] | None = None) -> dict[str, Any]:
+        """``{name=literal, ...}``; ``where``, when given, receives each value's first token."""
         self.expect("{")
         out: dict[str, Any] = {}
         if self.accept("}"):
@@ -148,6 +203,8 @@ class _Parser:
             if key.text in out:
                 raise self.error(f"attribute '{key.text}' given twice", key)
             self.expect("=")
+            if where is not None:
+                where[key.text] = self.tok
             out[key.text] = self.literal()
             if self.accept("}"):
                 return out
@@ -160,6 +217,7 @@ class _Parser:
         parts = []
         depth = 0
         first = self.tok
+        chars = 0
         while True:
             t = self.tok
             if t.text in (",", "]") and depth == 0:
@@ -168,11 +226,18 @@ class _Parser:
                 raise self.error("unclosed '(' in a dimension")
             if t.kind not in ("number", "ident") and t.text not in _DIM_PUNCT:
                 raise self.error(f"bad dimension token '{t.text or 'end of input'}'")
-            if t.kind == "number" and not re.fullmatch(r"-?\d+", t.text):
+            if t.kind == "number" and not _INT_TEXT.fullmatch(t.text):
                 raise self.error(f"bad dimension '{t.text}' (a dimension is a non-negative integer, a name or "
                                  "a + - * expression of them)")
+            if t.kind == "number":
+                self.integer(t)
+            chars += len(t.text)
+            if chars > MAX_DIM_CHARS:
+                raise self.error(f"dimension expression of more than {MAX_DIM_CHARS} characters", first)
             if t.text == "(":
                 depth += 1
+                if depth > MAX_DIM_PARENS:
+                    raise self.error(f"parentheses in a dimension nested more than {MAX_DIM_PARENS} deep")
             elif t.text == ")":
                 depth -= 1
                 if depth < 0:
@@ -189,14 +254,20 @@ class _Parser:
                              "a + - * expression of them)", first)
         return int(s) if re.fullmatch(r"\d+", s) else s
 
+    def state_param(self) -> int:
+        t = self.expect_kind("number", "an integer")
+        if not _INT_TEXT.fullmatch(t.text):
+            raise self.error(f"expected an integer, got '{t.text}'", t)
+        return self.integer(t)
+
     def type(self) -> Type:
         t = self.tok
         if t.kind == "state":
             self.next()
             self.expect("<")
-            params = [int(self.expect_kind("number", "an integer").text)]
+            params = [self.state_param()]
             while self.accept(","):
-                params.append(int(self.expect_kind("number", "an integer").text))
+                params.append(self.state_param())
             self.expect(">")
             try:
                 return StateType(t.text[1:], tuple(params))
@@ -224,7 +295,7 @@ class _Parser:
         self.expect("{")
         while not self.accept("}"):
             if self.tok.text == "param":
-                self.next()
+                kw = self.next()
                 name_tok = self.tok
                 name = self.symbol()
                 self.expect(":")
@@ -234,7 +305,7 @@ class _Parser:
                     raise self.error(f"parameter '{name}' declared twice", name_tok)
                 if not isinstance(ty, TensorType):
                     raise self.error("a parameter must have a tensor type", name_tok)
-                m.add_param(name, ty, **attrs)
+                m.add_param(name, ty, **attrs).loc = Loc(kw.line, kw.col, self.source)
             elif self.tok.text == "func":
                 fn = self.function(m)
                 m.add_function(fn)
@@ -335,14 +406,25 @@ class _Parser:
             while self.accept(","):
                 operands.append(self.use(env))
             self.expect(")")
-        attrs = self.attrs() if self.tok.text == "{" and self.tok.line == name_tok.line else {}
+        where: dict[str, _Tok] = {}
+        attrs = self.attrs(where) if self.tok.text == "{" and self.tok.line == name_tok.line else {}
         if name_tok.text == "k3.param":
             pname = attrs.get("name")
+            if pname is None:
+                raise self.error("k3.param has no name attribute (the parameter it reads)", start)
+            if not isinstance(pname, str):
+                raise self.error(f"k3.param's name must be a string, got {type(pname).__name__} "
+                                 f"{_short(pname)}", where["name"])
             if pname not in m.params:
                 raise self.error(f"k3.param reads undeclared parameter {pname!r}", start)
         for r in results:
             env[r.name] = r
         return Operation(name_tok.text, operands, results, attrs, loc=Loc(start.line, start.col, self.source))
+
+
+def _short(v: Any, n: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[:n] + "..."
 
 
 def parse_module(text: str, source: str | None = None) -> Module:

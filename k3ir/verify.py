@@ -18,6 +18,13 @@ from .types import TensorType
 #: passes that rewrite them: fuse_kda_chunks, fuse_attn_res).
 ANNOTATIONS: dict[str, type] = {"layer": int}
 
+#: Attributes a parameter declaration may carry (name -> type). ``stack``: the leading axis whose
+#: slices are separate checkpoint tensors (``{stack}`` in the name); the rest are set by
+#: ``quantize-experts`` (``quant``: the packed format, ``source``: the float parameter it packs,
+#: ``scale`` / ``role="scale"``: its scale tensor, ``source_dtype``: the float dtype it had).
+PARAM_ATTRS: dict[str, type] = {"stack": str, "quant": str, "source": str, "scale": str, "source_dtype": str,
+                                "role": str}
+
 
 def _where(fn: Function | None, op: Operation) -> str:
     layer = op.attrs.get("layer")
@@ -88,7 +95,9 @@ def verify_op(op: Operation, fn: Function | None = None, module: Module | None =
             decl = module.params.get(name)
             if decl is None:
                 raise K3VerifyError(f"{where}: reads undeclared parameter {name!r}")
-            if len(op.results) != 1 or op.results[0].type != decl.type:
+            if len(op.results) != 1:
+                raise K3VerifyError(f"{where}: k3.param has {len(op.results)} results, the op defines 1")
+            if op.results[0].type != decl.type:
                 raise K3VerifyError(f"{where}: parameter {name!r} is {decl.type}, "
                                     f"result typed {op.results[0].type}")
         return
@@ -104,7 +113,8 @@ def verify_op(op: Operation, fn: Function | None = None, module: Module | None =
         inst.verify()
     except K3VerifyError as e:
         raise K3VerifyError(f"{where}: {e}") from None
-    except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError) as e:   # odd values past the type check
+    except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError, AttributeError,
+            OverflowError) as e:   # odd values past the type check
         raise K3VerifyError(f"{where}: invalid attributes or operands: {e}") from None
     if len(types) != len(op.results):
         raise K3VerifyError(f"{where}: {len(op.results)} results, the op defines {len(types)}")
@@ -133,8 +143,39 @@ def verify_function(fn: Function, module: Module | None = None) -> None:
             raise K3VerifyError(f"@{fn.name}: returns undefined value %{v.name}")
 
 
+def verify_params(m: Module) -> None:
+    """Each parameter declaration's attributes are PARAM_ATTRS of their types; a ``stack`` axis is named in
+    the parameter's name (``{e}``) and is its first dimension, a fixed integer. Raises K3VerifyError
+    starting with ``file:line:col`` of the declaration when it was parsed from text."""
+    for name, decl in m.params.items():
+        loc = getattr(decl, "loc", None)
+        where = f"{loc}: " if loc is not None else ""
+        where += f"parameter {name!r}"
+        for k, v in decl.attrs.items():
+            want = PARAM_ATTRS.get(k)
+            if want is None:
+                raise K3VerifyError(f"{where}: unknown attribute '{k}' (known: {', '.join(sorted(PARAM_ATTRS))})")
+            if not isinstance(v, want):
+                raise K3VerifyError(f"{where}: attribute {k}={_short(v)} must be {want.__name__}, "
+                                    f"got {type(v).__name__}")
+        stack = decl.attrs.get("stack")
+        if stack is not None:
+            if "{" + stack + "}" not in name:
+                raise K3VerifyError(f"{where}: stack={stack!r} needs '{{{stack}}}' in the name")
+            first = decl.type.shape[0] if decl.type.rank else None
+            if not isinstance(first, int):
+                raise K3VerifyError(f"{where}: a stacked parameter needs a fixed first dimension, got "
+                                    f"{'no dimension' if first is None else first}")
+
+
+def _short(v: Any, n: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[:n] + "..."
+
+
 def verify_module(m: Module) -> None:
     """Raise K3VerifyError naming the function, op and layer of the first broken invariant."""
+    verify_params(m)
     for fn in m.functions.values():
         verify_function(fn, m)
     for fn in m.functions.values():

@@ -365,3 +365,84 @@ def test_cli_commands_take_a_k3_model(tmp_path, capsys, tiny_text):
     bad.write_text(_edit_kda(tiny_text, "scale=0.25", "scale=nan")[0])
     rc, out, err = _cli(capsys, "compile", bad, "--target", "torch")
     assert rc == 2 and "scale=nan must be finite" in err and err.count("\n") == 1
+
+
+# ---- hostile text: every malformed input is a K3ParseError / K3VerifyError at its line and column ------------
+DEEP = "[" * 5000 + "]" * 5000
+HOSTILE_TEXT = [   # (old in GOOD, new, line, col, words of the K3ParseError)
+    ('{name="w"}', "{name=[1]}", 4, 37, "k3.param's name must be a string, got list [1]"),
+    ('{name="w"}', "{name={a=1}}", 4, 37, "k3.param's name must be a string, got dict"),
+    ('{name="w"}', "{name=5}", 4, 37, "k3.param's name must be a string, got int 5"),
+    ("{layer=3}", "{layer=" + "9" * 5000 + "}", 5, 45, "integer literal of 5000 digits is out of the 64-bit range"),
+    ("{layer=3}", "{layer=9223372036854775808}", 5, 45, "out of the 64-bit range"),
+    ("param @w: f32[4,3]", "param @w: f32[" + "9" * 5000 + ",3]", 2, 17, "out of the 64-bit range"),
+    ("{layer=3}", "{layer=" + DEEP + "}", 5, 109, "nested more than 64 deep"),
+    ("{layer=3}", "{layer=" + "{a=" * 5000 + "1" + "}" * 5000 + "}", 5, 45 + 3 * 64, "nested more than 64 deep"),
+    ("f32[B,3]) ->", "f32[" + "(" * 3000 + "B" + ")" * 3000 + ",3]) ->", 3, 35, "nested more than 16 deep"),
+    ("f32[B,3]) ->", "f32[" + "+".join(["B"] * 200) + ",3]) ->", 3, 19, "more than 255 characters"),
+    ("{layer=3}", '{layer="\\q"}', 5, 46, "invalid string literal: Invalid \\escape"),
+    ("{layer=3}", '{layer="a\x01"}', 5, 47, "invalid string literal: Invalid control character"),
+    ("{layer=3}", '{layer="\\ud800"}', 5, 45, "lone surrogate"),
+    ("module @m", 'module @"\\q"', 1, 10, "invalid string literal"),
+    ("%x: f32[B,3]) ->", "%x: f32[B,3], %s: !conv_state<1.5,3>) ->", 3, 41, "expected an integer, got '1.5'"),
+    ("%x: f32[B,3]) ->", "%x: f32[B,3], %s: !conv_state<" + "9" * 5000 + ",3>) ->", 3, 41, "64-bit range"),
+]
+
+
+@pytest.mark.parametrize("old,new,line,col,words", HOSTILE_TEXT, ids=[h[4][:40] for h in HOSTILE_TEXT])
+def test_parser_rejects_hostile_text_with_location(old, new, line, col, words):
+    assert GOOD.count(old) == 1
+    with pytest.raises(K3ParseError) as e:
+        k3ir.parse_module(GOOD.replace(old, new), source="bad.k3")
+    assert (e.value.line, e.value.col) == (line, col), str(e.value)
+    assert str(e.value).startswith(f"bad.k3:{line}:{col}: ") and words in str(e.value), str(e.value)
+
+
+def test_parser_nesting_limit_is_exact():
+    """64 levels parse (the verifier then names the type); 65 are a K3ParseError."""
+    m = k3ir.parse_module(GOOD.replace("{layer=3}", "{layer=" + "[" * 64 + "]" * 64 + "}"))
+    with pytest.raises(K3VerifyError, match="must be int"):
+        k3ir.verify_module(m)
+    with pytest.raises(K3ParseError, match="nested more than 64 deep"):
+        k3ir.parse_module(GOOD.replace("{layer=3}", "{layer=" + "[" * 65 + "]" * 65 + "}"))
+    assert k3ir.parse_module(GOOD.replace("{layer=3}", "{layer=-9223372036854775808}")).functions["f"].ops[1] \
+        .attrs["layer"] == -2 ** 63
+
+
+@pytest.mark.parametrize("decl,words", [
+    ("{stack=5}", "parameter 'w': attribute stack=5 must be str, got int"),
+    ('{stack="e"}', "parameter 'w': stack='e' needs '{e}' in the name"),
+    ('{role=["scale"]}', "parameter 'w': attribute role=['scale'] must be str, got list"),
+    ("{nosuch=1}", "parameter 'w': unknown attribute 'nosuch'"),
+])
+def test_verifier_checks_parameter_declarations(decl, words):
+    m = k3ir.parse_module(GOOD.replace("param @w: f32[4,3]", f"param @w: f32[4,3] {decl}"), source="bad.k3")
+    with pytest.raises(K3VerifyError) as e:
+        k3ir.verify_module(m)
+    assert str(e.value).startswith("bad.k3:2:3: ") and words in str(e.value), str(e.value)
+
+
+def test_verifier_stacked_parameter_needs_a_static_leading_dim():
+    text = GOOD.replace("param @w: f32[4,3]", 'param @"w{e}": f32[E,3] {stack="e"}').replace('"w"', '"w{e}"')
+    text = text.replace("f32[4,3] = k3.param", "f32[E,3] = k3.param").replace("f32[B,4] = k3.linear", "f32[B,E] = "
+                                                                                 "k3.linear").replace("f32[B,4]", "f32[B,E]")
+    with pytest.raises(K3VerifyError, match=r"parameter 'w\{e\}': a stacked parameter needs a fixed first "
+                                            r"dimension, got E"):
+        k3ir.verify_module(k3ir.parse_module(text))
+
+
+@pytest.mark.parametrize("case", [0, 3, 6, 10, 14])
+def test_cli_print_and_compile_hostile_text_one_line(tmp_path, capsys, case):
+    old, new, line, col, words = HOSTILE_TEXT[case]
+    p = tmp_path / "bad.k3"
+    p.write_text(GOOD.replace(old, new))
+    for argv in (["print", p], ["compile", p, "--target", "torch", "--ir-only", "-o", tmp_path / "out"]):
+        rc, out, err = _cli(capsys, *argv)
+        assert rc == 2 and out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"k3ir: error: {p}:{line}:{col}: ") and words in err, err
+
+
+def test_verifier_param_op_without_result():
+    text = GOOD.replace('%0: f32[4,3] = k3.param() {name="w"}', 'k3.param() {name="w"}').replace("(%x, %0)", "(%x, %x)")
+    with pytest.raises(K3VerifyError, match=r"^bad.k3:4:5: @f: {2}= k3.param: k3.param has 0 results, the op defines 1"):
+        k3ir.verify_module(k3ir.parse_module(text, source="bad.k3"))
