@@ -392,8 +392,8 @@ def _int(d: dict, key: str, f, where: str, lo: int | None = 0, required: bool = 
     v = d[key]
     if none and v is None:
         return
-    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
-        raise _bad(f, where + key, "must be an integer" + (f" >= {lo}" if lo is not None else ""), v)
+    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo) or abs(v) >= 2**63:
+        raise _bad(f, where + key, "must be an integer" + (f" >= {lo}" if lo is not None else "") + " below 2**63", v)
 
 
 def _num(d: dict, key: str, f, where: str, required: bool = True, finite: bool = True) -> None:

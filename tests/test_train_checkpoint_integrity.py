@@ -7,9 +7,13 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 from conftest import one_line_error, run_cli
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from k3ir.runtime.train_checkpoint import (
     MANIFEST_FILE,
     read_meta,
@@ -19,7 +23,7 @@ from k3ir.runtime.train_checkpoint import (
 from k3ir.runtime.trainer import TrainConfig, Trainer
 
 import k3ir
-from k3ir.errors import K3CheckpointError
+from k3ir.errors import K3CheckpointError, K3Error
 
 ARGS = ["--steps", "4", "--ckpt-every", "2", "--batch", "2", "--seq", "16", "--warmup", "1", "--threads", "1",
         "--log-every", "1", "--no-plot"]
@@ -117,7 +121,7 @@ def test_no_intact_checkpoint_left(finished_run, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("edit, words", [
-    (lambda m: m.update(step="4"), "key 'step': must be an integer >= 0, got '4'"),
+    (lambda m: m.update(step="4"), "key 'step': must be an integer >= 0 below 2**63, got '4'"),
     (lambda m: m["config"].pop("steps"), "key 'config.steps' is missing"),
     (lambda m: m["config"].update(lr="fast"), "key 'config.lr': must be a finite number, got 'fast'"),
     (lambda m: m["config"].update(qb=3), "key 'config.qb': must be a string, got 3"),
@@ -127,7 +131,7 @@ def test_no_intact_checkpoint_left(finished_run, tmp_path, capsys):
     (lambda m: m["history"][0].pop("grad_norm"), "key 'history[0].grad_norm' is missing"),
     (lambda m: m["history"][0].update(balance={"x": 1}), "key 'history[0].balance': must map layer indices"),
     (lambda m: m.update(qb={"history": 5}), "key 'qb.history': must be a list, got 5"),
-    (lambda m: m["run"].update(threads=1.5), "key 'run.threads': must be an integer >= 0, got 1.5"),
+    (lambda m: m["run"].update(threads=1.5), "key 'run.threads': must be an integer >= 0 below 2**63, got 1.5"),
     (lambda m: m.update(data=7), "key 'data': must be a string or null, got 7"),
 ])
 def test_malformed_trainer_json_names_file_and_key(finished_run, tmp_path, edit, words):
@@ -165,3 +169,60 @@ def test_leftover_temporary_folders_removed_at_next_save(tmp_path):
     save_checkpoint(tmp_path, tr)
     assert not [p for p in gone if p.exists()] and kept.is_dir()
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["latest", "step-000000"]
+
+
+# ---- fuzzed trainer.json --------------------------------------------------------------------------------------
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6)
+
+
+def _consume(meta: dict) -> None:
+    """What a resume does with a trainer.json that read_meta accepted (load_checkpoint and the train CLI)."""
+    from k3ir.runtime.cli_train import RUN_DEFAULTS
+    from k3ir.runtime.qb import QuantileBalancer
+    from k3ir.runtime.trainer import StepStats
+    cfg = TrainConfig.from_dict(meta["config"])
+    QuantileBalancer(layers=[], rule=cfg.qb).load_state_dict(meta.get("qb", {}))
+    int(meta["step"])
+    [StepStats(h["step"], h["loss"], h["grad_norm"], h["lr"], {int(k): v for k, v in h.get("balance", {}).items()},
+               h.get("tokens", 0), h.get("seconds", 0.0)) for h in meta.get("history", [])]
+    dict(RUN_DEFAULTS, **(meta.get("run") or {}))
+
+
+@settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_trainer_json_fails_only_with_k3errors(finished_run, data):
+    """A value anywhere in a real trainer.json replaced (or deleted): read_meta accepts it and the resume code
+    uses it without error, or the failure is a K3Error naming the file."""
+    base = json.loads((finished_run[0] / "checkpoints" / "step-000002" / "trainer.json").read_text())
+    node, key = base, None
+    for _ in range(data.draw(st.integers(1, 3))):
+        if isinstance(node, dict) and node:
+            key = data.draw(st.sampled_from(sorted(node)))
+        elif isinstance(node, list) and node:
+            key = data.draw(st.integers(0, len(node) - 1))
+        else:
+            break
+        child = node[key]
+        if not isinstance(child, (dict, list)) or not child or data.draw(st.booleans()):
+            break
+        node, key = child, None
+    if key is not None and isinstance(node, dict) and data.draw(st.booleans()):
+        del node[key]
+    elif key is not None:
+        node[key] = data.draw(json_values)
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        (d / "trainer.json").write_text(json.dumps(base))
+        try:
+            meta = read_meta(d)
+        except K3CheckpointError as e:
+            assert str(e).startswith(f"{d / 'trainer.json'}: ") and "\n" not in str(e), str(e)
+            return
+    try:
+        _consume(meta)
+    except K3Error as e:                    # a QB rule that differs from the config's: the resume refuses it
+        assert "QB rule" in str(e), str(e)
