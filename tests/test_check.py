@@ -199,6 +199,11 @@ def test_tvm_check_reports_the_vision_entry_points_it_cannot_lower(capsys):
     assert rc == 0 and "function @encode_images unsupported" in out and "2*MH" in out
     rc, out, err = run_cli(capsys, "check", "k3-tiny", "--target", "tvm-llvm", "--function", "encode_images")
     assert rc == 2 and "@encode_images" in one_line_error(err) and "2*MH" in err
+    from k3ir.backends.tvm.lower import build_relax  # what check says is what the lowering does
+
+    from k3ir.errors import K3BackendError
+    with pytest.raises(K3BackendError, match=r"cannot express the dimension '2\*MH'"):
+        build_relax(k3ir.load("k3-tiny"), ["encode_images"])
 
 
 @pytest.mark.parametrize("target", ["onnx", "mlir"])
