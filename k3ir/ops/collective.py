@@ -1,0 +1,256 @@
+"""Collectives and the rank-dependent ops of a sharded (per-rank) module (``passes/shard.py``).
+
+A sharded module is the program ONE rank runs; ``module.attrs["mesh"]`` names the mesh
+``{ep, cp, tp, dp}`` (rank order as in ``k3ir.plan``: tp innermost, then cp, ep, dp). Every op
+here names the mesh axis it works over (``axis="ep"|"cp"|"tp"|"dp"``) and the size of its group
+(``group``: the ranks that share every other mesh coordinate).
+
+Reference semantics over an explicit rank axis. The float64 ``reference`` of an op with
+``rank_axis = True`` takes the operands of the ``group`` ranks of one group stacked on a leading
+axis ``[G, ...]`` (index = the rank's coordinate on ``axis``) and returns each rank's results
+stacked the same way ``[G, ...]``; ``backends/reference/ranks.py`` runs a sharded module for all
+ranks in one process with it. Type rules (``infer``) are per rank. A backend lowers these ops to
+its process group (``torch.distributed`` on a ``DeviceMesh``: ``all_reduce``, ``all_gather_into_tensor``,
+``reduce_scatter_tensor``, ``all_to_all_single``).
+
+Ops without ``rank_axis`` (``k3.ep_dispatch``, ``k3.ep_combine``) are ordinary per-rank ops.
+SPEC.md 5-6 (MoE, QB), 3 (KCP), 11 (tolerances: reductions reorder sums, 1e-5 in float32).
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+
+from ..opdef import Attr, Op, Operand, Result, op, require, tensor
+from ..types import TensorType, dim_mul
+from ._util import f64, norm_axis
+
+#: mesh axes, in the order ``k3ir.plan.Layout`` lists them
+MESH_AXES = ("ep", "cp", "tp", "dp")
+
+
+def _split_dim(d, group: int, what: str):
+    """``d / group`` for a static ``d`` divisible by ``group`` (K3VerifyError otherwise)."""
+    require(isinstance(d, int), f"{what}: dimension {d} must be static to split over {group} ranks")
+    require(d % group == 0, f"{what}: dimension {d} is not divisible by the group size {group}")
+    return d // group
+
+
+def _stacked(x, group: int, name: str) -> np.ndarray:
+    x = np.asarray(x)
+    require(x.ndim >= 1 and x.shape[0] == group,
+            f"{name}: the rank-axis reference wants operands stacked [G={group}, ...], got shape {list(x.shape)}")
+    return x
+
+
+class Collective(Op):
+    """Base of the rank-axis ops: ``axis`` (mesh axis) and ``group`` (ranks in one group)."""
+
+    rank_axis: ClassVar[bool] = True
+    axis = Attr(str, choices=MESH_AXES, doc="mesh axis the group spans")
+    group = Attr(int, doc="ranks in one group (the mesh size along axis)")
+
+    def verify(self) -> None:
+        require(self.group >= 1, f"{self.name}: group must be >= 1, got {self.group}")
+
+
+@op("k3.all_reduce", "collective")
+class AllReduce(Collective):
+    """Sum over the ranks of the group: x ``[...]`` (any dtype) -> ``[...]``, the same on every
+    rank. Rank axis: ``[G, ...] -> [G, ...]`` with every slice ``x.sum(0)``. Used after a
+    row-parallel linear (TP) and after tensor-split experts."""
+    x = Operand()
+    out = Result()
+
+    def infer(self, x):
+        return [tensor(x, "x")]
+
+    def reference(self, x):
+        x = _stacked(x, self.group, self.name)
+        s = f64(x).sum(axis=0)
+        return np.broadcast_to(s, x.shape).copy()
+
+
+@op("k3.all_gather", "collective")
+class AllGather(Collective):
+    """Concatenate the ranks' x along ``dim`` in rank order: ``[..., n, ...] -> [..., G*n, ...]``
+    on every rank (same dtype). Rank axis: ``[G, ..., n, ...] -> [G, ..., G*n, ...]``. Used for
+    vocab-parallel logits (TP) and KCP segment summaries (SPEC.md 3)."""
+    x = Operand()
+    out = Result()
+    dim = Attr(int, -1)
+
+    def infer(self, x):
+        x = tensor(x, "x")
+        d = norm_axis(self.dim, x.rank)
+        shape = list(x.shape)
+        shape[d] = dim_mul(self.group, shape[d])
+        return [x.with_shape(shape)]
+
+    def reference(self, x):
+        x = _stacked(x, self.group, self.name)
+        d = norm_axis(self.dim, x.ndim - 1)
+        full = np.concatenate(list(x), axis=d)
+        return np.stack([full] * self.group)
+
+
+@op("k3.reduce_scatter", "collective")
+class ReduceScatter(Collective):
+    """Sum over the ranks, then rank r keeps chunk r of ``dim``: ``[..., n, ...] -> [..., n/G, ...]``
+    (``n`` static and divisible by G; same dtype). Rank axis: ``[G, ..., n, ...] -> [G, ..., n/G, ...]``."""
+    x = Operand()
+    out = Result()
+    dim = Attr(int, 0)
+
+    def infer(self, x):
+        x = tensor(x, "x")
+        d = norm_axis(self.dim, x.rank)
+        shape = list(x.shape)
+        shape[d] = _split_dim(shape[d], self.group, self.name)
+        return [x.with_shape(shape)]
+
+    def reference(self, x):
+        x = _stacked(x, self.group, self.name)
+        d = norm_axis(self.dim, x.ndim - 1)
+        s = f64(x).sum(axis=0)
+        return np.stack(np.split(s, self.group, axis=d))
+
+
+@op("k3.all_to_all", "collective")
+class AllToAll(Collective):
+    """Exchange: each rank splits x into G equal chunks along ``dim`` and sends chunk j to rank j;
+    rank i's result is the chunks it received, concatenated along ``dim`` in source-rank order.
+    Per rank ``[..., n, ...] -> [..., n, ...]`` (``n`` static, divisible by G; same dtype).
+    Rank axis: ``out[i]`` chunk ``j`` = ``x[j]`` chunk ``i``. EP dispatch and return (SPEC.md 5)."""
+    x = Operand()
+    out = Result()
+    dim = Attr(int, 0)
+
+    def infer(self, x):
+        x = tensor(x, "x")
+        _split_dim(x.shape[norm_axis(self.dim, x.rank)], self.group, self.name)
+        return [x]
+
+    def reference(self, x):
+        x = _stacked(x, self.group, self.name)
+        d = norm_axis(self.dim, x.ndim - 1)
+        chunks = [np.split(xr, self.group, axis=d) for xr in x]        # chunks[src][dst]
+        return np.stack([np.concatenate([chunks[j][i] for j in range(self.group)], axis=d)
+                         for i in range(self.group)])
+
+
+@op("k3.sharded_embedding", "collective")
+class ShardedEmbedding(Collective):
+    """Vocab-parallel embedding lookup (one part of an all-reduced sum): ids ``i64[B,T]``, the
+    rank's rows ``w [V/G, d]`` (rank r holds vocab rows ``r*V/G .. (r+1)*V/G - 1``). Returns
+    ``[B,T,d]`` (w's dtype): row ``ids - r*V/G`` where the id falls in the rank's range, else 0;
+    the ``k3.all_reduce`` after it gives the full lookup. Rank axis: ids ``[G,B,T]``, w
+    ``[G,V/G,d]`` -> ``[G,B,T,d]``."""
+    ids = Operand()
+    w = Operand()
+    out = Result()
+
+    def infer(self, ids, w):
+        ids, w = tensor(ids, "ids"), tensor(w, "w")
+        require(ids.dtype in ("i64", "i32"), f"ids must be integer, got {ids}")
+        require(w.rank == 2, f"w must be [V/G, d], got {w}")
+        return [w.with_shape(ids.shape + (w.shape[1],))]
+
+    def reference(self, ids, w):
+        ids, w = _stacked(ids, self.group, self.name), f64(_stacked(w, self.group, self.name))
+        rows = w.shape[1]
+        out = []
+        for r in range(self.group):
+            local = np.asarray(ids[r], dtype=np.int64) - r * rows
+            hit = (local >= 0) & (local < rows)
+            out.append(np.where(hit[..., None], w[r][np.clip(local, 0, rows - 1)], 0.0))
+        return np.stack(out)
+
+
+# ---- expert parallelism: the per-rank halves around the all-to-all ------------------------
+@op("k3.ep_dispatch", "collective")
+class EPDispatch(Op):
+    """Pack this rank's routed token copies into a fixed-shape send buffer for expert parallelism.
+
+    x ``[B,T,D]`` (the rank's MoE input, the latent in K3), indices ``i64[B,T,k]`` (global expert
+    ids from ``k3.router``). Experts are partitioned in contiguous blocks: rank j owns experts
+    ``j*E/G .. (j+1)*E/G - 1``. Returns ``send [G, E/G, C, D]`` (x's dtype; ``send[j, e, c]`` is
+    the c-th of this rank's copies routed to global expert ``j*E/G + e``, in token-slot order,
+    zero rows after the last one) and ``slot i64[B,T,k]`` (flat row of each copy in ``send``, or
+    -1 when it overflowed). ``capacity`` C: rows per expert per source rank; 0 means ``B*T`` (a
+    token routes to an expert at most once, so nothing can overflow). With ``capacity`` > 0 a
+    copy past the C-th for one expert is dropped: its term is missing from ``k3.ep_combine``
+    (the other experts' weights are not renormalised). Quantile Balancing keeps the loads at the
+    target ``m k / n`` (SPEC.md 6), so ``capacity = ceil(f m k / n)`` with a margin f rarely drops.
+    Not a collective (no rank axis): the ``k3.all_to_all`` over ``ep`` after it sends block j to
+    rank j."""
+    rank_axis: ClassVar[bool] = False
+    x = Operand()
+    indices = Operand()
+    send = Result()
+    slot = Result()
+    num_experts = Attr(int)
+    group = Attr(int)
+    capacity = Attr(int, 0)
+
+    def infer(self, x, idx):
+        x, idx = tensor(x, "x"), tensor(idx, "indices")
+        require(x.rank == 3, f"x must be [B,T,D], got {x}")
+        require(idx.rank == 3 and idx.dtype in ("i64", "i32")
+                and [str(s) for s in idx.shape[:2]] == [str(s) for s in x.shape[:2]],
+                f"indices {idx} must be integer [B,T,k] matching x {x}")
+        cap = self.capacity if self.capacity > 0 else dim_mul(x.shape[0], x.shape[1])
+        local = self.num_experts // self.group
+        return [x.with_shape((self.group, local, cap, x.shape[2])), TensorType("i64", idx.shape)]
+
+    def verify(self) -> None:
+        require(self.group >= 1 and self.num_experts >= 1 and self.num_experts % self.group == 0,
+                f"num_experts={self.num_experts} must be a positive multiple of group={self.group}")
+        require(self.capacity >= 0, f"capacity must be >= 0, got {self.capacity}")
+
+    def reference(self, x, idx):
+        x = f64(x)
+        B, T, D = x.shape
+        flat = np.asarray(idx, dtype=np.int64).reshape(B * T, -1)
+        require(flat.size == 0 or (flat.min() >= 0 and flat.max() < self.num_experts), "expert index out of range")
+        cap = self.capacity if self.capacity > 0 else B * T
+        send = np.zeros((self.num_experts, cap, D))
+        slot = np.full(flat.shape, -1, dtype=np.int64)
+        fill = np.zeros(self.num_experts, dtype=np.int64)
+        xf = x.reshape(B * T, D)
+        for t in range(flat.shape[0]):
+            for j, e in enumerate(flat[t]):
+                if fill[e] < cap:
+                    send[e, fill[e]] = xf[t]
+                    slot[t, j] = e * cap + fill[e]
+                    fill[e] += 1
+        local = self.num_experts // self.group
+        return send.reshape(self.group, local, cap, D), slot.reshape(np.shape(idx))
+
+
+@op("k3.ep_combine", "collective")
+class EPCombine(Op):
+    """Weighted un-pack after the return all-to-all: y ``[G, E/G, C, D]`` (expert outputs of this
+    rank's copies, laid out as ``k3.ep_dispatch``'s send buffer), weights ``f32[B,T,k]`` (router
+    combine weights), slot ``i64[B,T,k]``. Returns ``out[b,t] = sum_j w[b,t,j] * y_flat[slot[b,t,j]]``
+    ``[B,T,D]`` in y's dtype (a copy with slot -1, dropped by capacity, adds nothing)."""
+    rank_axis: ClassVar[bool] = False
+    y = Operand()
+    weights = Operand()
+    slot = Operand()
+    out = Result()
+
+    def infer(self, y, w, slot):
+        y, w, slot = tensor(y, "y"), tensor(w, "weights"), tensor(slot, "slot")
+        require(y.rank == 4, f"y must be [G,E/G,C,D], got {y}")
+        require(slot.dtype in ("i64", "i32") and [str(s) for s in slot.shape] == [str(s) for s in w.shape]
+                and slot.rank == 3, f"slot {slot} must be integer [B,T,k] matching weights {w}")
+        return [y.with_shape((w.shape[0], w.shape[1], y.shape[3]))]
+
+    def reference(self, y, w, slot):
+        y, w = f64(y), f64(w)
+        yf = y.reshape(-1, y.shape[-1])
+        slot = np.asarray(slot, dtype=np.int64)
+        rows = yf[np.clip(slot, 0, None)] * (slot >= 0)[..., None]      # [B,T,k,D]
+        return np.einsum("btk,btkd->btd", w, rows)
