@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k3ir.errors import K3KernelInputError
+
 T = torch.Tensor
 
 
@@ -173,7 +175,11 @@ def kda_chunked(q, k, v, g, beta, scale: float, S=None, chunk: int = 64):
         U = torch.linalg.solve_triangular(eye + A, rhs_u, upper=False, unitriangular=True)
         Vn = U - W @ S
         P = scale * torch.einsum("bhik,bhjk,bhijk->bhij", Q, Kc, decay)
-        O = scale * (Q * torch.exp(G)) @ S + P @ Vn
+        # a non-finite row j of Vn (a NaN gate at token j) must reach only the rows i >= j, as in the
+        # recurrence: P's zeros above the diagonal would turn it into 0 * NaN = NaN in the earlier rows
+        bad = ~torch.isfinite(Vn)
+        O = scale * (Q * torch.exp(G)) @ S + P @ Vn.masked_fill(bad, 0.0)
+        O = O.masked_fill(torch.cumsum(bad, dim=2) > 0, float("nan"))
         GC = G[:, :, -1, :]
         rest = torch.flip(torch.cumsum(torch.flip(Gc, [2]), dim=2), [2])      # sum_{l>=i} g_l
         after = torch.cat([rest[:, :, 1:], torch.zeros_like(rest[:, :, :1])], dim=2)   # G_C - G_i
@@ -230,6 +236,12 @@ def kda_recurrent(q, k, v, g, beta, scale: float, S=None):
 
 
 def kda(inst, q, k, v, g, beta, s=None):
+    """``k3.kda``: the recurrence for T <= 2, else ``kda_chunked``. Raises K3KernelInputError on a positive
+    log-decay (SPEC.md 10: the state would grow without bound; NaN stays confined to its tokens)."""
+    if bool((g > 0).any()):
+        where = (g > 0).nonzero()[0].tolist()
+        raise K3KernelInputError(f"k3.kda: the log-decay g must be <= 0 (SPEC.md 10), got g{where} = "
+                                 f"{float(g[tuple(where)])} [b, t, h, k]")
     if q.shape[1] <= 2:
         return kda_recurrent(q, k, v, g, beta, inst.scale, s)
     return kda_chunked(q, k, v, g, beta, inst.scale, s, chunk=min(inst.chunk_size, 64))

@@ -110,14 +110,26 @@ def gate_pre_act(x, a_h, lb, GATE: tl.constexpr, FAST_LOG: tl.constexpr):
     return out
 
 
+#: floor of the unbounded log-decays (softplus, precomputed) in the chunked kernels: a token's decay
+#: ``exp(g) <= exp(-20) = 2.1e-9`` is below fp32 resolution (2^-24 = 6e-8) next to the state it scales, so the
+#: floor changes no fp32 result, while an unfloored ``g`` of -1e4 (raw softplus input 1e4) makes the in-chunk
+#: cumulative sums ``G`` so large that the differences ``G_i - G_j`` of the tokens after it lose ~1e-3 to fp32
+#: cancellation (and ``g = -inf`` gives ``-inf - -inf = NaN``). NaN stays NaN.
+G_FLOOR = tl.constexpr(-20.0)
+
+
 @triton.jit
 def gate_act(x, dtb, a_h, lb, GATE: tl.constexpr, FAST_LOG: tl.constexpr):
-    """``gate_pre_act`` of raw pre-activations ``x`` plus ``dtb`` (which broadcasts to ``x``; unused for GATE 2)."""
+    """``gate_pre_act`` of raw pre-activations ``x`` plus ``dtb`` (which broadcasts to ``x``; unused for GATE 2),
+    floored at ``G_FLOOR`` for the unbounded gates (GATE 1, 2; the K3 gate is bounded by ``lb``)."""
     if GATE == 2:
         pre = x
     else:
         pre = x + dtb
-    return gate_pre_act(pre, a_h, lb, GATE, FAST_LOG)
+    out = gate_pre_act(pre, a_h, lb, GATE, FAST_LOG)
+    if GATE != 0:
+        out = tl.where(out < G_FLOOR, G_FLOOR, out)
+    return out
 
 
 @triton.jit

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import K3KernelInputError
 from ..ir import Function
 from ..opdef import Attr, Op, Operand, Result, op, require, state, tensor
 from ..types import StateType, TensorType
@@ -150,6 +151,12 @@ class KDA(Op):
         require(self.chunk_size > 0 and self.chunk_size % 16 == 0, "chunk_size must be a positive multiple of 16")
 
     def reference(self, q, k, v, g, beta, s=None):
+        """Raises K3KernelInputError on a positive log-decay (SPEC.md 10: the state would grow without bound)."""
+        g = f64(g)
+        if np.any(g > 0):
+            where = [int(i) for i in np.argwhere(g > 0)[0]]
+            raise K3KernelInputError(f"k3.kda: the log-decay g must be <= 0 (SPEC.md 10), got g{where} = "
+                                     f"{g[tuple(where)]} [b, t, h, k]")
         return kda_recurrent(q, k, v, g, beta, self.scale, s)
 
     def decompose(self, b, q, k, v, g, beta, s=None):
