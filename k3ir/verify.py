@@ -21,9 +21,10 @@ ANNOTATIONS: dict[str, type] = {"layer": int}
 #: Attributes a parameter declaration may carry (name -> type). ``stack``: the leading axis whose
 #: slices are separate checkpoint tensors (``{stack}`` in the name); the rest are set by
 #: ``quantize-experts`` (``quant``: the packed format, ``source``: the float parameter it packs,
-#: ``scale`` / ``role="scale"``: its scale tensor, ``source_dtype``: the float dtype it had).
+#: ``scale`` / ``role="scale"``: its scale tensor, ``source_dtype``: the float dtype it had) and by
+#: ``shard`` (``shard={ep=0, tp=1}``: mesh axis -> the dim cut into equal blocks over it; the type is one rank's).
 PARAM_ATTRS: dict[str, type] = {"stack": str, "quant": str, "source": str, "scale": str, "source_dtype": str,
-                                "role": str}
+                                "role": str, "shard": dict}
 
 
 def _where(fn: Function | None, op: Operation) -> str:
@@ -158,6 +159,10 @@ def verify_params(m: Module) -> None:
             if not isinstance(v, want):
                 raise K3VerifyError(f"{where}: attribute {k}={_short(v)} must be {want.__name__}, "
                                     f"got {type(v).__name__}")
+        for axis, dim in decl.attrs.get("shard", {}).items():
+            if axis not in ("ep", "cp", "tp", "dp") or not isinstance(dim, int) or not 0 <= dim < decl.type.rank:
+                raise K3VerifyError(f"{where}: shard={_short(decl.attrs['shard'])} must map mesh axes (ep, cp, tp, "
+                                    f"dp) to dims 0..{decl.type.rank - 1}")
         stack = decl.attrs.get("stack")
         if stack is not None:
             if "{" + stack + "}" not in name:
@@ -207,11 +212,13 @@ def _check_model_attrs(m: Module) -> None:
     vocab, n_exp, top_k = (m.attrs.get(k) for k in ("vocab_size", "num_experts", "top_k"))
     if top_k is not None and n_exp is not None and top_k > n_exp:
         raise K3VerifyError(f"{where}module attribute top_k={top_k} exceeds num_experts={n_exp}")
+    mesh = m.attrs.get("mesh")
+    tp = mesh.get("tp", 1) if isinstance(mesh, dict) else 1     # a sharded module's lm_head holds vocab/tp rows
     for fn in m.functions.values():
         for op in fn.ops:
             if op.name in ("k3.embedding", "k3.lm_head") and vocab is not None and len(op.operands) > 1:
                 rows = _rows(op.operands[1].type)
-                if rows is not None and rows != vocab:
+                if rows is not None and rows * (tp if op.name == "k3.lm_head" else 1) != vocab:
                     raise K3VerifyError(f"{_where(fn, op)}: weight has {rows} rows but module attribute "
                                         f"vocab_size={vocab}")
             elif op.name == "k3.router" and len(op.operands) > 1:

@@ -23,7 +23,7 @@ PASSES: dict[str, type[Pass]] = {}
 
 #: modules defining the built-in passes (imported on first use)
 BUILTIN_PASSES = ("dce", "cse", "fuse_kda_chunks", "fuse_moe_dispatch", "quantize_experts", "absorb_mla",
-                  "fuse_attn_res")
+                  "fuse_attn_res", "shard")
 
 
 @dataclass

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from k3ir.errors import K3BackendError
 from k3ir.ir import Module
 from k3ir.opdef import all_ops
 
@@ -29,6 +30,9 @@ class ReferenceExecutable(Executable):
         return {k: np.asarray(v, dtype=np.float64) for k, v in arrays.items()}
 
     def run(self, function: str, args: list[Any], params: dict[str, Any]) -> list[Any]:
+        if "mesh" in self.module.attrs:      # one rank's program: its collectives need every rank's values
+            raise K3BackendError(f"module '{self.module.name}' is sharded (mesh {self.module.attrs['mesh']}): run all "
+                                 "ranks with k3ir.backends.reference.ranks.run_ranks / run_sharded")
         interp = Interpreter(self.module, self.table, params.__getitem__)
         args = [a if a is None else (np.asarray(a) if np.asarray(a).dtype.kind in "iub"
                                      else np.asarray(a, dtype=np.float64)) for a in args]

@@ -1,0 +1,268 @@
+"""shard: rewrite a module into the program ONE rank of an ``ep x cp x tp x dp`` mesh runs.
+
+``shard{ep=2}``, ``shard{tp=2}``, ``shard{ep=2,tp=2}``: the rank is symbolic (every rank runs the
+same program on its own parameter slices; the ops of ``k3ir/ops/collective.py`` that depend on
+the rank take it from their process group). ``module.attrs["mesh"]`` records the mesh; each split
+parameter keeps its checkpoint name, gets the per-rank type and ``shard={axis=dim, ...}`` (its
+``dim`` is cut into equal contiguous blocks over ``axis``, block r on the rank with coordinate r).
+Placement follows ``k3ir.plan`` (rank order tp innermost, then cp, ep, dp):
+
+- **Batch.** ep and dp coordinates serve their own sequences (data-parallel attention): each
+  rank's ``B`` is its share of the batch; states are split the same way. tp ranks share tokens.
+- **EP** (``ep > 1``): routed experts are split in contiguous blocks over ep (dim 0). Each
+  ``k3.moe`` becomes ``k3.ep_dispatch`` (a fixed ``[ep, E/ep, C, D]`` send buffer; ``capacity``
+  C rows per expert per source rank, 0 = ``B*T``, which never drops a token; with a smaller C
+  the copies past the C-th are dropped, see ``k3.ep_dispatch``) -> ``k3.all_to_all`` ->
+  the rank's experts as batched einsums -> ``k3.all_to_all`` back -> ``k3.ep_combine``. Router,
+  latent projections and shared experts stay on the rank (replicated or tp).
+- **TP** (``tp > 1``): attention heads (KDA q/k/v/conv/decay/beta/gate and their conv and
+  recurrent states; MLA ``q_b_proj``/``kv_b_proj``/gate per head, the latent cache replicated),
+  the dense FFN and the shared experts are column parallel into their last projection, which
+  is row parallel and followed by one ``k3.all_reduce`` over tp; routed experts are split on
+  their intermediate dim and all-reduced after the combine; the embedding is vocab parallel
+  (``k3.sharded_embedding`` + ``k3.all_reduce``) and ``lm_head`` column parallel
+  (``k3.all_gather`` of the logits). Low-rank projections (``f_a_proj``, ``g_a_proj``,
+  ``q_a_proj``, ``kv_a_proj_with_mqa``), their norms and ``o_norm`` are replicated.
+- **dp**: recorded only (inference is replicated; training sums gradients and QB histograms).
+- **cp** (KCP, SPEC.md 3): not rewritten yet; ``cp > 1`` is refused.
+
+Runs before the fuse / quantize passes (it rewrites ``k3.moe`` and the model ops); a module with
+fused KDA layers, a fused MoE dispatch or packed experts is refused. ``backends/reference/ranks.py``
+runs the result for all ranks in one process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from k3ir.accounting import param_group
+from k3ir.builder import Builder
+from k3ir.errors import K3Error
+from k3ir.ir import Function, Module, Operation, Value
+from k3ir.types import StateType, TensorType
+
+from .manager import Pass, PassResult, register_pass
+
+#: attention parameters split over tp on dim 0 (heads x head_dim rows, or per-head vectors)
+TP_COLUMN = ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_b_proj", "b_proj", "g_proj",
+             "g_b_proj", "dt_bias", "q_b_proj", "kv_b_proj")
+#: attention parameters split over tp on dim 1 (the heads x head_dim input of the output projection)
+TP_ROW = ("o_proj",)
+#: attention parameters replicated over tp (low-rank projections shared by all heads, their norms)
+TP_REPLICATED = ("f_a_proj", "g_a_proj", "o_norm", "q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa",
+                 "kv_a_layernorm")
+#: ops a shard pass cannot rewrite (created by the fuse / quantize passes, which run after it)
+AFTER_SHARD = ("k3.fused_kda", "k3.moe_dispatch", "k3.grouped_matmul", "k3.moe_combine")
+
+
+def _leaf(name: str) -> str:
+    parts = name.split(".")
+    return parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
+
+
+def param_shards(module: Module, ep: int, tp: int) -> dict[str, dict[str, int]]:
+    """Parameter name -> ``{axis: dim}`` for the parameters split over ep and/or tp (the others
+    are replicated). Raises K3Error for an attention parameter the rules do not know."""
+    out: dict[str, dict[str, int]] = {}
+    for name, decl in module.params.items():
+        group, leaf = param_group(name), _leaf(name)
+        spec: dict[str, int] = {}
+        if group == "routed_experts":
+            if ep > 1:
+                spec["ep"] = 0
+            if tp > 1:
+                spec["tp"] = 2 if leaf == "w2" else 1
+        elif tp > 1 and group in ("dense_ffn", "shared_experts"):
+            spec["tp"] = 1 if leaf == "down_proj" else 0
+        elif tp > 1 and group in ("embedding", "lm_head"):
+            spec["tp"] = 0
+        elif tp > 1 and group == "attention":
+            if leaf in TP_COLUMN:
+                spec["tp"] = 0
+            elif leaf in TP_ROW:
+                spec["tp"] = 1
+            elif leaf == "A_log":      # per head ([1,1,H,1] in K3): the head axis is the largest
+                spec["tp"] = max(range(decl.type.rank), key=lambda i: int(decl.type.shape[i]))
+            elif leaf not in TP_REPLICATED:
+                raise K3Error(f"shard: no tensor-parallel rule for attention parameter '{name}'")
+        if spec:
+            out[name] = spec
+    return out
+
+
+def _local_type(name: str, t: TensorType, spec: dict[str, int], sizes: dict[str, int]) -> TensorType:
+    shape = list(t.shape)
+    for axis, dim in spec.items():
+        n = sizes[axis]
+        d = shape[dim]
+        if not isinstance(d, int) or d % n:
+            raise K3Error(f"shard: parameter '{name}' dim {dim} ({d}) is not divisible by {axis}={n}")
+        shape[dim] = d // n
+    return t.with_shape(shape)
+
+
+def _state_type(t: StateType, tp: int, where: str) -> StateType:
+    """A state argument's per-rank type: KDA conv channels and recurrent heads split over tp."""
+    if tp == 1 or t.kind == "mla_cache":
+        return t
+    p = list(t.params)
+    if p[0] % tp:
+        raise K3Error(f"shard: {where}: {t} has {p[0]} {('channels', 'heads')[t.kind == 'kda_state']}, "
+                      f"not divisible by tp={tp}")
+    p[0] //= tp
+    return StateType(t.kind, tuple(p))
+
+
+@register_pass("shard")
+@dataclass
+class Shard(Pass):
+    """Options: mesh sizes ``ep``, ``cp``, ``tp``, ``dp`` (each >= 1; cp must be 1 for now) and
+    ``capacity`` (EP rows per expert per source rank; 0: ``B*T``, lossless)."""
+    ep: int = 1
+    cp: int = 1
+    tp: int = 1
+    dp: int = 1
+    capacity: int = 0
+
+    def check_options(self, given: dict) -> None:
+        for k in ("ep", "cp", "tp", "dp"):
+            if getattr(self, k) < 1:
+                raise K3Error(f"pass 'shard' option '{k}': must be >= 1, got {getattr(self, k)}")
+        if self.capacity < 0:
+            raise K3Error(f"pass 'shard' option 'capacity': must be >= 0 (0: B*T rows), got {self.capacity}")
+        if self.cp > 1:
+            raise K3Error("pass 'shard' option 'cp': KDA context parallelism (KCP) is not implemented by the shard "
+                          "pass yet; use cp=1")
+
+    def run(self, module: Module) -> PassResult:
+        self.check_options({})
+        if "mesh" in module.attrs:
+            raise K3Error(f"shard: module '{module.name}' is sharded already (mesh {module.attrs['mesh']})")
+        for fn in module.functions.values():
+            for o in fn.ops:
+                if o.name in AFTER_SHARD:
+                    raise K3Error(f"shard: @{fn.name} has {o.name} (layer {o.attrs.get('layer')}): run shard before "
+                                  "the fuse and quantize passes")
+        sizes = {"ep": self.ep, "cp": self.cp, "tp": self.tp, "dp": self.dp}
+        specs = param_shards(module, self.ep, self.tp)
+        for name, spec in specs.items():
+            decl = module.params[name]
+            if decl.type.dtype in ("mxfp4", "int4") or decl.attrs.get("role") == "scale":
+                raise K3Error(f"shard: parameter '{name}' is packed ({decl.type.dtype}): run shard before "
+                              "quantize-experts")
+            decl.type = _local_type(name, decl.type, spec, sizes)
+            decl.attrs["shard"] = dict(spec)
+        stats = {"all_reduce": 0, "all_gather": 0, "all_to_all": 0}
+        for name, fn in list(module.functions.items()):
+            module.functions[name] = _Rewrite(module, fn, specs, sizes, self.capacity, stats).run()
+        module.attrs["mesh"] = dict(sizes)
+        return PassResult(rewrites=sum(stats.values()) + len(specs),
+                          details={"split_params": len(specs), **stats})
+
+
+class _Rewrite:
+    """Rebuilds one function op by op with per-rank types, inserting the collectives."""
+
+    def __init__(self, module: Module, fn: Function, specs: dict[str, dict[str, int]], sizes: dict[str, int],
+                 capacity: int, stats: dict[str, int]):
+        self.module, self.fn, self.specs, self.sizes = module, fn, specs, sizes
+        self.capacity, self.stats = capacity, stats
+        self.new = Function(fn.name, attrs=dict(fn.attrs))
+        self.b = Builder(module, self.new)
+        self.vmap: dict[int, Value] = {}
+
+    def run(self) -> Function:
+        tp = self.sizes["tp"]
+        for a in self.fn.args:
+            t = _state_type(a.type, tp, f"@{self.fn.name} argument %{a.name}") if isinstance(a.type, StateType) \
+                else a.type
+            self.vmap[id(a)] = self.b.arg(a.name, t)
+        for o in self.fn.ops:
+            outs = self.op(o, [self.vmap[id(v)] for v in o.operands])
+            for r, nr in zip(o.results, outs):
+                self.vmap[id(r)] = nr
+        self.new.returns = [self.vmap[id(v)] for v in self.fn.returns]
+        return self.new
+
+    def _param_spec(self, v: Value) -> dict[str, int]:
+        p = v.producer
+        return self.specs.get(p.attrs["name"], {}) if p is not None and p.name == "k3.param" else {}
+
+    def _collective(self, name: str, x: Value, axis: str, hint: str, **attrs: Any) -> Value:
+        self.stats[name[3:]] += 1
+        return self.b.op(name, x, axis=axis, group=self.sizes[axis], _name=hint, **attrs)
+
+    def op(self, o: Operation, ins: list[Value]) -> list[Value]:
+        b, tp, ep = self.b, self.sizes["tp"], self.sizes["ep"]
+        if o.name == "k3.param":
+            name = o.attrs["name"]
+            v = Value(b.fresh(o.results[0].name), self.module.params[name].type)
+            self.new.ops.append(Operation("k3.param", [], [v], dict(o.attrs)))
+            b._params[name] = v
+            return [v]
+        hint = o.results[0].name
+        if o.name == "k3.moe" and ep > 1:
+            out = self._ep_moe(o, ins)
+            return [self._collective("k3.all_reduce", out, "tp", hint + "_tp") if tp > 1 else out]
+        if o.name == "k3.embedding" and "tp" in self._param_spec(o.operands[1]):
+            part = b.op("k3.sharded_embedding", ins[0], ins[1], axis="tp", group=tp, _name=hint + "_part")
+            return [self._collective("k3.all_reduce", part, "tp", hint)]
+        attrs = dict(o.attrs)
+        if o.name == "k3.reshape":
+            attrs["shape"] = _reshape_shape(o, ins[0])
+        elif o.name == "k3.mla":
+            attrs["heads"] = int(ins[0].type.shape[2])
+        nop = b.create(o.name, ins, attrs, names=[r.name for r in o.results])
+        outs = list(nop.results)
+        if tp > 1:
+            row_parallel = o.name == "k3.linear" and self._param_spec(o.operands[1]).get("tp") == 1
+            split_experts = o.name == "k3.moe" and "tp" in self._param_spec(o.operands[3])
+            if row_parallel or split_experts:        # partial sums of the block's output
+                outs[0] = self._collective("k3.all_reduce", outs[0], "tp", hint + "_tp")
+            elif o.name == "k3.lm_head" and "tp" in self._param_spec(o.operands[1]):
+                outs[0] = self._collective("k3.all_gather", outs[0], "tp", hint + "_tp", dim=-1)
+        return outs
+
+    def _ep_moe(self, o: Operation, ins: list[Value]) -> Value:
+        """The expert-parallel form of one ``k3.moe`` (see the module docstring)."""
+        b, ep = self.b, self.sizes["ep"]
+        z, wts, idx, w1, w3, w2 = ins
+        E = int(o.operands[3].type.shape[0])
+        if E % ep:
+            raise K3Error(f"shard: layer {o.attrs.get('layer')}: {E} experts are not divisible by ep={ep}")
+        layer = o.attrs.get("layer")
+        tag = f"l{layer}." if layer is not None else ""
+        la = {} if layer is None else {"layer": layer}
+        send, slot = b.op("k3.ep_dispatch", z, idx, num_experts=E, group=ep, capacity=self.capacity,
+                          _name=[tag + "ep_send", tag + "ep_slot"], **la)
+        recv = self._collective("k3.all_to_all", send, "ep", tag + "ep_recv", dim=0)
+        g = b.op("k3.einsum", recv, w1, equation="secd,eid->seci", _name=tag + "ep_gate")
+        u = b.op("k3.einsum", recv, w3, equation="secd,eid->seci", _name=tag + "ep_up")
+        if o.attrs.get("act", "situ") == "situ":
+            h = b.op("k3.situ_glu", g, u, b1=float(o.attrs.get("b1", 4.0)), b2=float(o.attrs.get("b2", 25.0)),
+                     _name=tag + "ep_act", **la)
+        else:
+            h = b.op("k3.swiglu", g, u, _name=tag + "ep_act", **la)
+        y = b.op("k3.einsum", h, w2, equation="seci,edi->secd", _name=tag + "ep_down")
+        back = self._collective("k3.all_to_all", y, "ep", tag + "ep_back", dim=0)
+        return b.op("k3.ep_combine", back, wts, slot, _name=o.results[0].name, **la)
+
+
+def _reshape_shape(o: Operation, new_in: Value) -> list:
+    """``k3.reshape``'s shape for an input whose last dim was split over tp: the first explicit
+    (positive) entry shrinks by the same factor ([0,0,H,D] -> [0,0,H/tp,D], [0,0,H*D] -> [0,0,H*D/tp])."""
+    shape = list(o.attrs["shape"])
+    old = o.operands[0].type
+    if not isinstance(old, TensorType) or new_in.type == old:
+        return shape
+    factor = 1
+    for a, c in zip(old.shape, new_in.type.shape):
+        if a != c:
+            if not (isinstance(a, int) and isinstance(c, int) and c and a % c == 0):
+                raise K3Error(f"shard: cannot reshape {new_in.type} (was {old}) to {shape}")
+            factor *= a // c
+    for i, d in enumerate(shape):
+        if isinstance(d, int) and d > 0 and d % factor == 0:
+            shape[i] = d // factor
+            return shape
+    raise K3Error(f"shard: reshape of {new_in.type} (was {old}) to {shape} has no entry divisible by {factor}")
