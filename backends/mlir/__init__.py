@@ -2,8 +2,8 @@
 ``lowering.py``), parse and verify it with the IREE compiler's MLIR bindings, compile it with IREE
 (``llvm-cpu`` for the host; ``rocm``, ``vulkan-spirv``, ``metal-spirv`` offline) and run it with
 the IREE runtime. Weights are trailing function arguments held as IREE device arrays.
-``save(dir)`` writes ``k3.vmfb`` + ``weights.safetensors``; ``load_executable(dir)`` reopens it
-without recompiling (``Session.load``)."""
+``save(dir)`` writes ``k3.vmfb`` + ``weights.safetensors``; ``load_executable`` (the backend's
+``load_artifact``) reopens it without recompiling (``Session.load``)."""
 from __future__ import annotations
 
 import logging

@@ -1,7 +1,7 @@
 """The ``onnx`` target: export each entry function to a standard ONNX model (``export.py``,
 lowering table in ``lowering.py``) and run it with onnxruntime on CPU. Prefill/decode states are
 graph inputs and outputs (``present.<state>``). ``save(dir)`` writes a reloadable artifact
-(one ``.onnx`` per function sharing ``weights.bin``); ``load_executable(dir)`` reads it back
+(one ``.onnx`` per function sharing ``weights.bin``); ``load_executable`` (``load_artifact``) reads it back
 without re-exporting (``Session.load``)."""
 from __future__ import annotations
 
