@@ -4,6 +4,8 @@ vs ``chunk_kda`` (K3 gate: safe_gate, lower_bound=-5; fla's default softplus gat
 memory (4.25 TB/s) and compute (679 TFLOP/s bf16) ceilings our kernel reaches. Prints a table
 last and writes JSON.
 
+    python bench/bench_kda.py --compare --out kda_forward.json   # forward vs fla, same process, 3 repeats
+    TRITON_INTERPRET=1 python bench/bench_kda.py --compare --tiny --out /tmp/kda.json   # CPU smoke test
     python bench/bench_kda.py --out bench_kda.json [--quick]
     python bench/bench_kda.py --sweep --no-fla --out kda_sweep.json [--budget 110]   # forward TUNING variants
     python bench/bench_kda.py --sweep --no-fla --budget 15 --variants default --shapes 1,32768,32,128  # ~20 s
@@ -109,33 +111,6 @@ def fwd_row(x, shape, gate, lb, ours_fn, chunk_kda):
         o2, s2 = fla()
         row.update(fla_ms=t_f, ratio=t_f / t_o, err_vs_fla_o=rel(o1, o2), err_vs_fla_state=rel(s1, s2))
     return row
-
-
-def sweep(x, shape, lb, ours_fn, chunk_kda):
-    """Launch variants of the K3 forward on one shape: time, per-kernel time, error vs fla."""
-    from k3ir.backends.triton import kda as KD
-    base = dict(KD.TUNING)
-    ref = _fla_fwd(chunk_kda, x, lb)() if chunk_kda is not None else None
-    out = []
-    for inv in (False, True):
-        for bv, rw, iw in ((32, 4, 8), (64, 4, 8), (64, 8, 8), (32, 8, 8), (32, 4, 4), (128, 8, 8)):
-            KD.TUNING.update(inv_dots=inv, bv=bv, recur_warps=rw, intra_warps=iw)
-            try:
-                row = {"kind": "variant", "shape": list(shape), "gate": "k3", "tuning": dict(KD.TUNING),
-                       "ours_ms": bench(_ours_fwd(ours_fn, x, lb), rep=100),
-                       "intra_ms": bench(_ours_fwd(ours_fn, x, lb, stages=("intra",)), rep=100),
-                       "recur_ms": bench(_ours_fwd(ours_fn, x, lb, stages=("recur",)), rep=100)}
-                if ref is not None:
-                    o1, _ = _ours_fwd(ours_fn, x, lb)()
-                    row["err_vs_fla_o"] = rel(o1, ref[0])
-            except Exception as e:  # noqa: BLE001 - a variant that fails to compile is recorded, not fatal
-                row = {"kind": "variant", "shape": list(shape), "gate": "k3", "tuning": dict(KD.TUNING),
-                       "error": repr(e)[:200]}
-            print(row, flush=True)
-            out.append(row)
-    KD.TUNING.clear()
-    KD.TUNING.update(base)
-    return out
 
 
 # ---- --sweep: forward variants of kda.TUNING, per launch, registers/spills, errors ----------------
@@ -623,6 +598,86 @@ def _gates_of(shape, gates):
     return tuple(gt for gt in gates if only is None or gt[0] == only)
 
 
+
+# ---- --compare: the forward against fla in the same process, interleaved repeats, measured ceilings -----------
+CMP_SHAPES = [(1, 32768, 32, 128), (8, 4096, 32, 128), (1, 8192, 96, 128), (1, 8192, 64, 128)]
+TINY_SHAPES = [(1, 130, 2, 32), (2, 64, 2, 32)]      # --tiny: the CPU interpreter (TRITON_INTERPRET=1)
+FLA_KW = {"use_gate_in_kernel": True, "use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
+
+
+def compare_rows(args):
+    """``--compare``: ours (``k3ir.backends.triton.kda_forward``, the shipped TUNING) against fla ``chunk_kda`` (K3
+    gate: ``safe_gate=True, lower_bound=-5``; softplus: fla's default gate; gate, q/k L2 norm and beta sigmoid in the
+    kernel; both with the final state) on the same bf16 inputs at ``CMP_SHAPES`` (``--tiny``: ``TINY_SHAPES`` in
+    float32 under the interpreter), ``--repeats`` interleaved ``do_bench`` medians each; the output (o) and final
+    state error of each against the other; the copy bandwidth and bf16 matmul rate measured first, and our time
+    against the bytes / FLOPs floors at those. Without fla its columns are empty (noted in the JSON). Writes
+    ``--out`` after every row; prints a table last."""
+    from benchlib import Report, fmt_ms, interleaved, print_table
+    from k3ir.backends.triton import kda_forward
+    rep = Report("kda_forward", args.out, sys.argv)
+    rep.ceilings()
+    chunk_kda = None
+    if not args.no_fla:
+        try:
+            from fla.ops.kda import chunk_kda
+        except Exception as e:  # noqa: BLE001 - fla missing or broken: our rows only
+            rep.data["meta"]["fla_note"] = f"fla not importable, its rows skipped: {e!r}"[:300]
+            print(rep.data["meta"]["fla_note"], flush=True)
+    import importlib.util
+    rep.data["meta"]["flash_kda_package"] = importlib.util.find_spec("flash_kda") is not None   # fla's CUTLASS path
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    for shape in args.shapes or (TINY_SHAPES if args.tiny else CMP_SHAPES):
+        x = inputs(*shape, dtype=dtype)
+        for gate, lb in (("k3", -5.0), ("softplus", None)):
+            row = {"kind": "fwd", "shape": list(shape), "gate": gate, "dtype": str(dtype)[6:]}
+            fns = {"ours": _ours_fwd(kda_forward, x, lb)}
+            t0 = time.time()
+            o1, s1 = fns["ours"]()
+            row["ours_first_call_s"] = time.time() - t0
+            if chunk_kda is not None:
+                kw = {"safe_gate": True, "lower_bound": lb} if lb is not None else {}
+
+                def fla(kw=kw, x=x):
+                    return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
+                                     dt_bias=x["dt_bias"], output_final_state=True, **FLA_KW, **kw)
+                t0 = time.time()
+                try:
+                    o2, s2 = fla()
+                    row["fla_first_call_s"] = time.time() - t0
+                    fns["fla"] = fla
+                    row.update(err_ours_vs_fla_o=rel(o1, o2), err_fla_vs_ours_o=rel(o2, o1),
+                               err_ours_vs_fla_state=rel(s1, s2), err_fla_vs_ours_state=rel(s2, s1),
+                               fla_finite=bool(torch.isfinite(o2).all()))
+                    del o2, s2
+                except Exception as e:  # noqa: BLE001 - recorded, ours still timed
+                    row["fla_error"] = repr(e)[:300]
+            row["ours_finite"] = bool(torch.isfinite(o1).all() and torch.isfinite(s1).all())
+            del o1, s1
+            t = interleaved(fns, args.repeats, rep_ms=200)
+            nbytes, flops = fwd_cost(*shape)
+            med = t["ours"]["median"] * 1e-3
+            row.update(ours_ms=t["ours"], fla_ms=t.get("fla"),
+                       ratio_fla_over_ours=t["fla"]["median"] / t["ours"]["median"] if "fla" in t else None,
+                       floor_ms=max(nbytes / rep.copy_Bps, flops / rep.bf16_flops) * 1e3,
+                       mem_frac=nbytes / rep.copy_Bps / med, flop_frac=flops / rep.bf16_flops / med)
+            rep.add(row)
+        del x
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    m = rep.data["meta"]
+    print(f"\n{m['gpu']}, torch {m['torch']}, triton {m['triton']}, fla {m.get('fla')}, commit {m['commit']}, "
+          f"{m['date']}; K3IR_* switches: {m['env_switches'] or 'none'}")
+    lines = []
+    for r in rep.data["rows"]:
+        ratio = r["ratio_fla_over_ours"]
+        lines.append([",".join(map(str, r["shape"])), r["gate"], fmt_ms(r["ours_ms"]), fmt_ms(r["fla_ms"]),
+                      None if ratio is None else f"{ratio:.3f}", f"{r['mem_frac']:.1%}", f"{r['flop_frac']:.1%}",
+                      _fmt(r, "err_ours_vs_fla_o", "{:.1e}"), _fmt(r, "err_fla_vs_ours_o", "{:.1e}")])
+    print_table(["B,T,H,D", "gate", "ours ms (min-max)", "fla ms (min-max)", "fla/ours", "mem %", "flop %",
+                 "o err ours vs fla", "o err fla vs ours"], lines)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_kda.json")
@@ -632,8 +687,6 @@ def main():
     ap.add_argument("--bwd-only", default=None, type=_shapes,
                     help="only forward+backward rows (both gates unless @gate) at these B,T,H,D[@gate][;...] shapes: "
                          "fla's first backward call per shape autotunes for ~1.5 min")
-    ap.add_argument("--launch-sweep", action="store_true",
-                    help="also time the old launch variants (inverse dots, value block, warps) at the first shape")
     ap.add_argument("--sweep", action="store_true", help="forward variants of kda.TUNING only (see VARIANTS)")
     ap.add_argument("--budget", type=float, default=110.0, help="--sweep: seconds before variants are skipped")
     ap.add_argument("--margin", type=float, default=8.0,
@@ -663,7 +716,16 @@ def main():
     ap.add_argument("--precompile", type=int, default=0,
                     help="--sweep: compile the sweep's configs first in up to N parallel processes (Triton cache)")
     ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)   # precompile's worker: B,H,D|gate|variant
+    ap.add_argument("--compare", action="store_true",
+                    help="forward vs fla in one process: ceilings, --repeats interleaved medians, errors both ways")
+    ap.add_argument("--repeats", type=int, default=3, help="--compare: timed repeats per candidate")
+    ap.add_argument("--tiny", action="store_true", help="--compare: tiny float32 shapes (CPU, TRITON_INTERPRET=1)")
     args = ap.parse_args()
+    if args.compare:
+        global DEV
+        DEV = "cuda" if torch.cuda.is_available() else "cpu"
+        compare_rows(args)
+        return
     if args.warm:
         warm(args.warm)
         return
@@ -715,9 +777,6 @@ def main():
             rows.append(fwd_row(x, shape, gate, lb, kda_forward_kernels, chunk_kda))
             print(rows[-1], flush=True)
             save()
-            if shape == FWD_SHAPES[0] and gate == "k3" and args.launch_sweep:
-                rows.extend(sweep(x, shape, lb, kda_forward_kernels, chunk_kda))
-                save()
         del x
         torch.cuda.empty_cache()
     if not args.no_bwd:

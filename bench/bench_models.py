@@ -5,6 +5,7 @@ transformers' KimiLinearForCausalLM (fla kernels when installed), a 4-layer full
 MXFP4 experts. Prints a table last and writes $OUT/bench_models.json (after every section).
 
     python bench/bench_models.py [--sections check,moe,kimi,k3] [--smoke]
+    python bench/bench_models.py --sections decode --out kimi_linear_decode.json   # decode B1, 3 runs, roofline
 
 ``--smoke`` runs tiny sizes (CPU interpreter too) to check the script itself. The MoE layer section
 lives in ``bench_moe_layer.py``, the shared helpers (``row``, ``bench``, ``rel``) in ``benchlib.py``."""
@@ -488,6 +489,82 @@ def section_k3(smoke):
     del sess, exe
 
 
+def section_decode(smoke, out="kimi_linear_decode.json", repeats=3):
+    """``--sections decode``: Kimi Linear 6.6B (``KL_SMALL`` with smoke) on the triton target at the shipped
+    defaults, random weights drawn on the device, bf16: a 512-token prompt (8 with smoke), then decode B1 as the
+    CUDA graph. One untimed run, then ``repeats`` runs, each from a fresh prefill of the same prompt: 2 warm steps,
+    then 128 timed steps (2 with smoke), tok/s over them, and the graph's replay time. Roofline: bytes per token
+    (active parameters in bf16, embeddings left out, + the recurrent and conv states read and written + the MLA cache
+    rows read) over the copy bandwidth measured at the start of the run. JSON (``benchlib.Report``) to ``out``;
+    table last."""
+    from benchlib import Report, fmt_ms, print_table, spread
+    from k3ir.runtime import Session
+
+    import k3ir
+    rep = Report("kimi_linear_decode", out, sys.argv)
+    rep.ceilings()
+    m = k3ir.load("kimi-linear-6p6b", KL_SMALL if smoke else None)
+    act = 0
+    for name, decl in m.params.items():
+        n = decl.type.numel()
+        if ".experts." in name:
+            n = n * m.config.top_k // m.config.num_experts
+        if "embed_tokens" not in name:
+            act += n
+    t0 = time.perf_counter()
+    sess = Session(k3ir.compile(m, target="triton", dtype=DTN, device=DEV), params=gpu_params(m))
+    prompt, steps = (8, 2) if smoke else (512, 128)
+    ids = np.random.default_rng(0).integers(3, int(m.attrs["vocab_size"]), (1, prompt))
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    info = {"prompt": prompt, "steps": steps, "batch": 1, "active_params": act, "dtype": DTN}
+    rates, replays = [], []
+    for run in range(repeats + 1):          # run 0: compile, capture, warm (not timed)
+        logits, st = sess.prefill(ids)
+        nxt = logits[:, -1].argmax(-1, keepdim=True).cpu().numpy()
+        for _ in range(2):
+            logits, st = sess.decode(nxt, st)
+        if run == 0:
+            state = 0
+            for n, v in st.values.items():
+                per_row = v[0].numel() * v.element_size()
+                state += per_row // v.shape[1] * (st.length + 1) if n.endswith("mla_cache") else 2 * per_row
+            info.update(setup_s=time.perf_counter() - t0, state_bytes=state, weight_bytes=2 * act)
+        sync()
+        t = time.perf_counter()
+        for _ in range(steps):
+            logits, st = sess.decode(nxt, st)
+        sync()
+        el = time.perf_counter() - t
+        gd = getattr(sess.exe, "_graph", None)
+        if run and gd is not None and gd.graph is not None and torch.cuda.is_available():
+            gd.graph.replay()
+            sync()
+            t = time.perf_counter()
+            for _ in range(20):
+                gd.graph.replay()
+            sync()
+            replays.append((time.perf_counter() - t) / 20 * 1e3)
+        if run:
+            rates.append(steps / el)
+        print(f"decode run {run}: {steps / el:.1f} tok/s ({time.perf_counter() - t0:.0f} s)", flush=True)
+    bpt = info["weight_bytes"] + info["state_bytes"]
+    roof = rep.copy_Bps / bpt
+    r = {**info, "tok_s": spread(rates), "graph_replay_ms": spread(replays) if replays else None,
+         "roofline_tok_s": roof, "roofline_frac": spread([x / roof for x in rates]),
+         "ms_per_token": spread([1e3 / x for x in rates])}
+    rep.add(r)
+    mt = rep.data["meta"]
+    print(f"\n{mt['gpu']}, torch {mt['torch']}, triton {mt['triton']}, commit {mt['commit']}, {mt['date']}; K3IR_* "
+          f"switches: {mt['env_switches'] or 'none'}; bytes/token {bpt / 1e9:.3f} GB (state {info['state_bytes'] / 1e6:.1f}"
+          f" MB) at {rep.copy_Bps / 1e12:.3f} TB/s")
+    tk, rf = r["tok_s"], r["roofline_frac"]
+    print_table(["case", "tok/s median (min-max)", "% of HBM roofline (min-max)", "roofline tok/s", "replay ms"],
+                [[f"Kimi Linear 6.6B decode B1 after {prompt}, {steps} steps x {repeats}",
+                  f"{tk['median']:.1f} ({tk['min']:.1f}-{tk['max']:.1f})",
+                  f"{rf['median']:.1%} ({rf['min']:.1%}-{rf['max']:.1%})", f"{roof:.0f}", fmt_ms(r["graph_replay_ms"])]])
+    return r
+
+
 def main():
     global DEV, DT, DTN
     ap = argparse.ArgumentParser()
@@ -497,6 +574,8 @@ def main():
     ap.add_argument("--no-hf", action="store_true", help="kimi: random weights, no transformers (no logit controls)")
     ap.add_argument("--warm-only", default="", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=0.0, help="seconds; the process exits (rows kept) after")
+    ap.add_argument("--out", default=os.path.join(OUT, "kimi_linear_decode.json"), help="decode: the JSON report")
+    ap.add_argument("--repeats", type=int, default=3, help="decode: timed runs")
     a = ap.parse_args()
     if a.budget > 0:
         import threading
@@ -515,6 +594,9 @@ def main():
         row("env", "device", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
             triton=__import__("triton").__version__)
     fns = {"check": section_check, "moe": section_moe, "kimi": section_kimi, "k3": section_k3}
+    if a.sections == "decode":      # the same-run report of its own (no bench_models.json rows)
+        section_decode(a.smoke, a.out, a.repeats)
+        return
     for s in a.sections.split(","):
         t0 = time.perf_counter()
         try:
