@@ -202,8 +202,8 @@ class _Rewrite:
             return [v]
         hint = o.results[0].name
         if o.name == "k3.moe" and ep > 1:
-            out = self._ep_moe(o, ins)
-            return [self._collective("k3.all_reduce", out, "tp", hint + "_tp") if tp > 1 else out]
+            out = self._ep_moe(o, ins, hint + "_part" if tp > 1 else hint)
+            return [self._collective("k3.all_reduce", out, "tp", hint) if tp > 1 else out]
         if o.name == "k3.embedding" and "tp" in self._param_spec(o.operands[1]):
             part = b.op("k3.sharded_embedding", ins[0], ins[1], axis="tp", group=tp, _name=hint + "_part")
             return [self._collective("k3.all_reduce", part, "tp", hint)]
@@ -212,18 +212,27 @@ class _Rewrite:
             attrs["shape"] = _reshape_shape(o, ins[0])
         elif o.name == "k3.mla":
             attrs["heads"] = int(ins[0].type.shape[2])
-        nop = b.create(o.name, ins, attrs, names=[r.name for r in o.results])
-        outs = list(nop.results)
-        if tp > 1:
-            row_parallel = o.name == "k3.linear" and self._param_spec(o.operands[1]).get("tp") == 1
-            split_experts = o.name == "k3.moe" and "tp" in self._param_spec(o.operands[3])
-            if row_parallel or split_experts:        # partial sums of the block's output
-                outs[0] = self._collective("k3.all_reduce", outs[0], "tp", hint + "_tp")
-            elif o.name == "k3.lm_head" and "tp" in self._param_spec(o.operands[1]):
-                outs[0] = self._collective("k3.all_gather", outs[0], "tp", hint + "_tp", dim=-1)
+        follow = self._follow(o) if tp > 1 else None
+        names = [r.name for r in o.results]
+        if follow is not None:          # the op's own result is one rank's part; the collective's keeps the name
+            names[0] += "_part"
+        outs = list(b.create(o.name, ins, attrs, names=names).results)
+        if follow is not None:
+            outs[0] = self._collective(follow[0], outs[0], "tp", hint, **follow[1])
         return outs
 
-    def _ep_moe(self, o: Operation, ins: list[Value]) -> Value:
+    def _follow(self, o: Operation) -> tuple[str, dict[str, Any]] | None:
+        """The tp collective that completes ``o``'s result: an all_reduce of the partial sums of a
+        row-parallel linear or of tensor-split experts, an all_gather of vocab-parallel logits."""
+        if o.name == "k3.linear" and self._param_spec(o.operands[1]).get("tp") == 1:
+            return "k3.all_reduce", {}
+        if o.name == "k3.moe" and "tp" in self._param_spec(o.operands[3]):
+            return "k3.all_reduce", {}
+        if o.name == "k3.lm_head" and "tp" in self._param_spec(o.operands[1]):
+            return "k3.all_gather", {"dim": -1}
+        return None
+
+    def _ep_moe(self, o: Operation, ins: list[Value], out_name: str) -> Value:
         """The expert-parallel form of one ``k3.moe`` (see the module docstring)."""
         b, ep = self.b, self.sizes["ep"]
         z, wts, idx, w1, w3, w2 = ins
@@ -245,7 +254,7 @@ class _Rewrite:
             h = b.op("k3.swiglu", g, u, _name=tag + "ep_act", **la)
         y = b.op("k3.einsum", h, w2, equation="seci,edi->secd", _name=tag + "ep_down")
         back = self._collective("k3.all_to_all", y, "ep", tag + "ep_back", dim=0)
-        return b.op("k3.ep_combine", back, wts, slot, _name=o.results[0].name, **la)
+        return b.op("k3.ep_combine", back, wts, slot, _name=out_name, **la)
 
 
 def _reshape_shape(o: Operation, new_in: Value) -> list:

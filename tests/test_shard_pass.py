@@ -95,6 +95,7 @@ def test_one_rank_program_verifies_prints_parses_and_shows_its_collectives(tmp_p
     assert names.count("k3.all_reduce") == 1 + 9 + (9 - moe_layers) + 2 * moe_layers
     assert "!kda_state<1,16,16>" in text and "!conv_state<16,3>" in text and "!mla_cache<32,8>" in text
     assert "k3.all_to_all(%l1.ep_send) {axis=\"ep\", dim=0, group=2}" in text
+    assert "%logits: f32[B,T,260] = k3.all_gather(%logits_part) {axis=\"tp\", dim=-1, group=2}" in text
 
 
 def test_compile_cli_dumps_the_rank_program(tmp_path):

@@ -33,6 +33,8 @@ CASES = {
     "quantize-experts": (K3_SMALL, ("forward",), "fuse-moe-dispatch", "quantize-experts{format=mxfp4}"),
     "absorb-mla": (KIMI_LINEAR_SMALL, ("decode",), None, "absorb-mla"),
     "fuse-attn-res": (K3_SMALL, ("forward",), None, "fuse-attn-res"),
+    "shard": (dict(K3_SMALL, **{"num_attention_heads": 2, "num_key_value_heads": 2, "linear_attn_config.num_heads": 2}),
+              ("prefill",), None, "shard{ep=2,tp=2}"),
     "cse": (None, None, None, "cse"),
     "dce": (None, None, None, "dce"),
 }
