@@ -24,7 +24,17 @@ Placement follows ``k3ir.plan`` (rank order tp innermost, then cp, ep, dp):
   (``k3.all_gather`` of the logits). Low-rank projections (``f_a_proj``, ``g_a_proj``,
   ``q_a_proj``, ``kv_a_proj_with_mqa``), their norms and ``o_norm`` are replicated.
 - **dp**: recorded only (inference is replicated; training sums gradients and QB histograms).
-- **cp** (KCP, SPEC.md 3): not rewritten yet; ``cp > 1`` is refused.
+- **cp** (KCP, SPEC.md 3): functions taking ``[B,T]`` tokens (forward, prefill) see one contiguous
+  segment of every sequence per cp rank (``T`` is the segment length; segments need not be
+  multiples of the KDA chunk). Each short conv takes its halo (``k3.conv_halo``: the last K-1
+  inputs before the segment); each KDA layer runs its segment from zero for ``S_loc``, forms
+  ``M`` (``k3.kda_transition``), all-gathers and scans for the incoming state (``k3.kcp_scan``,
+  fp32) and runs the segment again from it; MLA all-gathers q and the latent kv over cp, attends
+  over the whole sequence and keeps its segment's rows (``k3.cp_chunk``; the cache is complete on
+  every rank); final KDA / conv states come from the last segment's rank (``k3.cp_last``). Logits
+  stay split by segment. Decode steps are replicated over cp. The media functions
+  (``forward_media``, ``prefill_media``) are dropped (a warning says so); MLA with ``lengths``
+  (variable-length batches) is refused.
 
 Runs before the fuse / quantize passes (it rewrites ``k3.moe`` and the model ops); a module with
 fused KDA layers, a fused MoE dispatch or packed experts is refused. ``backends/reference/ranks.py``
@@ -32,6 +42,7 @@ runs the result for all ranks in one process.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +53,8 @@ from k3ir.ir import Function, Module, Operation, Value
 from k3ir.types import StateType, TensorType
 
 from .manager import Pass, PassResult, register_pass
+
+log = logging.getLogger("k3ir.passes")
 
 #: attention parameters split over tp on dim 0 (heads x head_dim rows, or per-head vectors)
 TP_COLUMN = ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_b_proj", "b_proj", "g_proj",
@@ -116,7 +129,7 @@ def _state_type(t: StateType, tp: int, where: str) -> StateType:
 @register_pass("shard")
 @dataclass
 class Shard(Pass):
-    """Options: mesh sizes ``ep``, ``cp``, ``tp``, ``dp`` (each >= 1; cp must be 1 for now) and
+    """Options: mesh sizes ``ep``, ``cp``, ``tp``, ``dp`` (each >= 1) and
     ``capacity`` (EP rows per expert per source rank; 0: ``B*T``, lossless)."""
     ep: int = 1
     cp: int = 1
@@ -130,9 +143,6 @@ class Shard(Pass):
                 raise K3Error(f"pass 'shard' option '{k}': must be >= 1, got {getattr(self, k)}")
         if self.capacity < 0:
             raise K3Error(f"pass 'shard' option 'capacity': must be >= 0 (0: B*T rows), got {self.capacity}")
-        if self.cp > 1:
-            raise K3Error("pass 'shard' option 'cp': KDA context parallelism (KCP) is not implemented by the shard "
-                          "pass yet; use cp=1")
 
     def run(self, module: Module) -> PassResult:
         self.check_options({})
@@ -144,6 +154,11 @@ class Shard(Pass):
                     raise K3Error(f"shard: @{fn.name} has {o.name} (layer {o.attrs.get('layer')}): run shard before "
                                   "the fuse and quantize passes")
         sizes = {"ep": self.ep, "cp": self.cp, "tp": self.tp, "dp": self.dp}
+        if self.cp > 1:
+            for name in [n for n, f in module.functions.items() if any(o.name == "k3.merge_media" for o in f.ops)]:
+                log.warning("shard: cp=%d drops @%s (media placement over sequence segments is not sharded yet)",
+                            self.cp, name)
+                del module.functions[name]
         specs = param_shards(module, self.ep, self.tp)
         for name, spec in specs.items():
             decl = module.params[name]
@@ -152,7 +167,8 @@ class Shard(Pass):
                               "quantize-experts")
             decl.type = _local_type(name, decl.type, spec, sizes)
             decl.attrs["shard"] = dict(spec)
-        stats = {"all_reduce": 0, "all_gather": 0, "all_to_all": 0}
+        stats = {"all_reduce": 0, "all_gather": 0, "all_to_all": 0, "kcp_scan": 0, "conv_halo": 0, "cp_last": 0,
+                 "cp_chunk": 0}
         for name, fn in list(module.functions.items()):
             module.functions[name] = _Rewrite(module, fn, specs, sizes, self.capacity, stats).run()
         module.attrs["mesh"] = dict(sizes)
@@ -170,6 +186,9 @@ class _Rewrite:
         self.new = Function(fn.name, attrs=dict(fn.attrs))
         self.b = Builder(module, self.new)
         self.vmap: dict[int, Value] = {}
+        #: the function's sequences are split over cp (an argument [B,T,...]); decode steps are replicated
+        self.cp_split = sizes["cp"] > 1 and any(isinstance(a.type, TensorType) and a.type.rank >= 2
+                                                and a.type.shape[1] == "T" for a in fn.args)
 
     def run(self) -> Function:
         tp = self.sizes["tp"]
@@ -188,9 +207,9 @@ class _Rewrite:
         p = v.producer
         return self.specs.get(p.attrs["name"], {}) if p is not None and p.name == "k3.param" else {}
 
-    def _collective(self, name: str, x: Value, axis: str, hint: str, **attrs: Any) -> Value:
+    def _collective(self, name: str, x: Value, axis: str, hint: str, *more: Value, **attrs: Any) -> Value:
         self.stats[name[3:]] += 1
-        return self.b.op(name, x, axis=axis, group=self.sizes[axis], _name=hint, **attrs)
+        return self.b.op(name, x, *more, axis=axis, group=self.sizes[axis], _name=hint, **attrs)
 
     def op(self, o: Operation, ins: list[Value]) -> list[Value]:
         b, tp, ep = self.b, self.sizes["tp"], self.sizes["ep"]
@@ -212,6 +231,8 @@ class _Rewrite:
             attrs["shape"] = _reshape_shape(o, ins[0])
         elif o.name == "k3.mla":
             attrs["heads"] = int(ins[0].type.shape[2])
+        if self.cp_split and o.name in ("k3.short_conv", "k3.kda", "k3.mla"):
+            return self._kcp(o, ins, attrs)
         follow = self._follow(o) if tp > 1 else None
         names = [r.name for r in o.results]
         if follow is not None:          # the op's own result is one rank's part; the collective's keeps the name
@@ -231,6 +252,34 @@ class _Rewrite:
         if o.name == "k3.lm_head" and "tp" in self._param_spec(o.operands[1]):
             return "k3.all_gather", {"dim": -1}
         return None
+
+    def _kcp(self, o: Operation, ins: list[Value], attrs: dict[str, Any]) -> list[Value]:
+        """The sequence-mixing ops over cp segments (SPEC.md 3, KCP): the short conv takes its halo
+        from the previous segments, KDA runs its segment from zero for ``(M, S_loc)``, scans for the
+        incoming state and runs again from it, MLA attends over the all-gathered sequence and keeps
+        its segment's rows; final states come from the last segment's rank."""
+        b = self.b
+        names = [r.name for r in o.results]
+        if o.name == "k3.short_conv":
+            x, w = ins[0], ins[1]
+            halo = self._collective("k3.conv_halo", x, "cp", names[0] + "_halo", *ins[2:],
+                                    width=int(w.type.shape[2]) - 1)
+            y, st = b.create(o.name, [x, w, halo], attrs, names=[names[0], names[1] + "_seg"]).results
+            return [y, self._collective("k3.cp_last", st, "cp", names[1])]
+        if o.name == "k3.kda":
+            q, k, v, g, beta = ins[:5]
+            _, s_loc = b.create(o.name, [q, k, v, g, beta], attrs, names=[names[0] + "_zero", names[1] + "_loc"]).results
+            M = b.op("k3.kda_transition", k, g, beta, _name=names[1] + "_M")
+            s_in = self._collective("k3.kcp_scan", M, "cp", names[1] + "_in", s_loc, *ins[5:])
+            out, fin = b.create(o.name, [q, k, v, g, beta, s_in], attrs, names=[names[0], names[1] + "_seg"]).results
+            return [out, self._collective("k3.cp_last", fin, "cp", names[1])]
+        if len(ins) > 4:
+            raise K3Error(f"shard: layer {o.attrs.get('layer')}: k3.mla with lengths (variable-length batches) is "
+                          "not context-parallel yet")
+        q = self._collective("k3.all_gather", ins[0], "cp", names[0] + "_q_all", dim=1)
+        kv = self._collective("k3.all_gather", ins[1], "cp", names[0] + "_kv_all", dim=1)
+        full, cache = b.create(o.name, [q, kv, *ins[2:]], attrs, names=[names[0] + "_all", names[1]]).results
+        return [self._collective("k3.cp_chunk", full, "cp", names[0], dim=1), cache]
 
     def _ep_moe(self, o: Operation, ins: list[Value], out_name: str) -> Value:
         """The expert-parallel form of one ``k3.moe`` (see the module docstring)."""

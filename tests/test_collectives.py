@@ -96,3 +96,42 @@ def test_ep_dispatch_type_rule():
     assert send == TensorType("bf16", (2, 4, "B*T", 32)) and slot == TensorType("i64", ("B", "T", 2))
     with pytest.raises(K3VerifyError, match="multiple of group"):
         inst("k3.ep_dispatch", num_experts=6, group=4).verify()
+
+
+def test_kda_transition_and_scan_compose_segments_to_the_recurrence():
+    """SPEC.md 3 (KCP): S_out = M S_in + S_loc per segment; the scan gives each segment's incoming
+    state, and running each segment from it reproduces the one-pass recurrence."""
+    from k3ir.ops.kda import kda_recurrent
+    rng = np.random.default_rng(5)
+    B, T, H, K, V = 1, 6, 2, 3, 4
+    k = rng.standard_normal((B, T, H, K))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    q, v = rng.standard_normal((B, T, H, K)), rng.standard_normal((B, T, H, V))
+    g, beta = -rng.random((B, T, H, K)), rng.random((B, T, H))
+    s0 = rng.standard_normal((B, H, K, V))
+    o_all, s_all = kda_recurrent(q, k, v, g, beta, 0.5, s0)
+    segs = [slice(0, 1), slice(1, 4), slice(4, 6)]                       # unequal segments
+    M = np.stack([inst("k3.kda_transition").reference(k[:, sl], g[:, sl], beta[:, sl]) for sl in segs])
+    s_loc = np.stack([kda_recurrent(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], 0.5)[1] for sl in segs])
+    s_in = inst("k3.kcp_scan", axis="cp", group=3).reference(M, s_loc, np.stack([s0] * 3))
+    for r, sl in enumerate(segs):
+        o, s_fin = kda_recurrent(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], 0.5, s_in[r])
+        assert np.allclose(o, o_all[:, sl], rtol=1e-12, atol=1e-12)
+    assert np.allclose(s_fin, s_all, rtol=1e-12, atol=1e-12)
+
+
+def test_conv_halo_is_the_tail_before_each_segment():
+    x = np.arange(6.0).reshape(3, 1, 2, 1)                               # 3 ranks, 2 tokens each, 1 channel
+    s0 = np.array([[[-2.0, -1.0]]])                                      # [B, C, width]: oldest first
+    out = inst("k3.conv_halo", axis="cp", group=3, width=2).reference(x, np.stack([s0] * 3))
+    assert out[:, 0, 0].tolist() == [[-2.0, -1.0], [0.0, 1.0], [2.0, 3.0]]
+    one = inst("k3.conv_halo", axis="cp", group=3, width=3).reference(np.arange(3.0).reshape(3, 1, 1, 1))
+    assert one[:, 0, 0].tolist() == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 1.0]]   # halo spans 2 ranks
+
+
+def test_cp_last_and_cp_chunk():
+    x = np.arange(8.0).reshape(2, 1, 4)
+    assert inst("k3.cp_last", axis="cp", group=2).reference(x)[:, 0].tolist() == [[4, 5, 6, 7]] * 2
+    assert inst("k3.cp_chunk", axis="cp", group=2, dim=1).reference(x)[:, 0].tolist() == [[0, 1], [6, 7]]
+    t = inst("k3.cp_chunk", axis="cp", group=2, dim=1).infer(TensorType("f32", ("B", "2*T", 3)))[0]
+    assert t == TensorType("f32", ("B", "T", 3))

@@ -23,7 +23,7 @@ from k3ir.errors import K3BackendError
 from k3ir.ir import Function, Module
 from k3ir.opdef import get_opdef
 from k3ir.plan import AXES, Layout
-from k3ir.types import StateType, Type
+from k3ir.types import StateType, TensorType, Type
 
 from ..interpreter import Interpreter
 from . import reference_table
@@ -152,6 +152,10 @@ def run_sharded(full: Module, sharded: Module, function: str, args: list[Any],
             if x.shape[0] % nd:
                 raise K3BackendError(f"argument %{fa.name}: batch {x.shape[0]} is not divisible by ep*dp={nd}")
             x = np.split(x, nd, axis=0)[d]
+            if layout.cp > 1 and _seq(sa.type):
+                if x.shape[1] % layout.cp:
+                    raise K3BackendError(f"argument %{fa.name}: length {x.shape[1]} is not divisible by cp={layout.cp}")
+                x = np.split(x, layout.cp, axis=1)[c["cp"]]
             t = _tp_dim(fa.type, sa.type)
             if t is not None:
                 x = np.split(x, layout.tp, axis=t)[c["tp"]]
@@ -162,19 +166,29 @@ def run_sharded(full: Module, sharded: Module, function: str, args: list[Any],
     return _gather(layout, ffn, sfn, outs)
 
 
+def _seq(t: Type) -> bool:
+    """A tensor ``[B, T, ...]`` whose sequence axis the cp ranks split (decode's ``[B, 1]`` is not)."""
+    return isinstance(t, TensorType) and t.rank >= 2 and t.shape[1] == "T"
+
+
 def _gather(layout: Layout, ffn: Function, sfn: Function, outs: list[list[Any]]) -> list[np.ndarray]:
-    """``full``'s results from the ranks': batch concatenated over the data ranks, tp-split states
-    concatenated over tp, otherwise the tp-rank-0 copy (tp ranks agree after their collectives)."""
+    """``full``'s results from the ranks': batch concatenated over the data ranks, sequence
+    tensors concatenated over cp, tp-split states concatenated over tp, otherwise the copy of tp
+    and cp coordinate 0 (those ranks agree after their collectives)."""
     result = []
     for i, (fv, sv) in enumerate(zip(ffn.returns, sfn.returns)):
         t = _tp_dim(fv.type, sv.type)
+        segments = range(layout.cp) if layout.cp > 1 and _seq(sv.type) else range(1)
         parts = []
         for dp_i in range(layout.dp):
             for ep_i in range(layout.ep):
-                base = (dp_i * layout.ep + ep_i) * layout.cp * layout.tp
-                if t is None:
-                    parts.append(np.asarray(outs[base][i]))
-                else:
-                    parts.append(np.concatenate([np.asarray(outs[base + k][i]) for k in range(layout.tp)], axis=t))
+                seg = []
+                for cp_i in segments:
+                    base = ((dp_i * layout.ep + ep_i) * layout.cp + cp_i) * layout.tp
+                    if t is None:
+                        seg.append(np.asarray(outs[base][i]))
+                    else:
+                        seg.append(np.concatenate([np.asarray(outs[base + k][i]) for k in range(layout.tp)], axis=t))
+                parts.append(np.concatenate(seg, axis=1) if len(seg) > 1 else seg[0])
         result.append(np.concatenate(parts, axis=0))
     return result

@@ -22,8 +22,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..opdef import Attr, Op, Operand, Result, op, require, tensor
-from ..types import TensorType, dim_mul
+from ..opdef import Attr, Op, Operand, Result, op, require, state, tensor
+from ..types import StateType, TensorType, dim_mul
 from ._util import f64, norm_axis
 
 #: mesh axes, in the order ``k3ir.plan.Layout`` lists them
@@ -254,3 +254,145 @@ class EPCombine(Op):
         slot = np.asarray(slot, dtype=np.int64)
         rows = yf[np.clip(slot, 0, None)] * (slot >= 0)[..., None]      # [B,T,k,D]
         return np.einsum("btk,btkd->btd", w, rows)
+
+
+# ---- KDA context parallelism (KCP, SPEC.md 3): contiguous sequence segments over cp ----------
+@op("k3.kda_transition", "collective")
+class KDATransition(Op):
+    """The segment's state transition ``M = A_T ... A_1`` with ``A_t = (I - beta_t k_t k_t^T)
+    Diag(exp(g_t))`` per head (SPEC.md 3, KCP): k, g ``[B,T,H,K]`` (L2-normalised keys, log-decay),
+    beta ``[B,T,H]``. Returns ``f32[B,H,K,K]``; with ``S_loc`` the segment's final state from zero,
+    ``S_out = M S_in + S_loc`` for any incoming state. A per-rank op (no rank axis)."""
+    rank_axis: ClassVar[bool] = False
+    k = Operand()
+    g = Operand()
+    beta = Operand()
+    out = Result()
+
+    def infer(self, k, g, beta):
+        k, g, beta = tensor(k, "k"), tensor(g, "g"), tensor(beta, "beta")
+        require(k.rank == 4 and [str(s) for s in g.shape] == [str(s) for s in k.shape], f"k {k} and g {g} must "
+                "be [B,T,H,K]")
+        require([str(s) for s in beta.shape] == [str(s) for s in k.shape[:3]], f"beta {beta} must be [B,T,H]")
+        return [TensorType("f32", (k.shape[0], k.shape[2], k.shape[3], k.shape[3]))]
+
+    def reference(self, k, g, beta):
+        k, g, beta = f64(k), f64(g), f64(beta)
+        B, T, H, K = k.shape
+        M = np.broadcast_to(np.eye(K), (B, H, K, K)).copy()
+        for t in range(T):
+            kt = k[:, t]                                                   # [B,H,K]
+            M = M * np.exp(g[:, t])[..., None]                             # Diag(exp g) applied to the rows
+            M = M - beta[:, t, :, None, None] * np.einsum("bhk,bhj,bhjl->bhkl", kt, kt, M)
+        return M
+
+
+@op("k3.kcp_scan", "collective")
+class KCPScan(Collective):
+    """The incoming KDA state of this rank's segment: all-gather every rank's ``(M, S_loc)`` over
+    ``axis`` (fp32) and scan ``S_in[0] = S0``, ``S_in[r] = M[r-1] S_in[r-1] + S_loc[r-1]``
+    (SPEC.md 3, KCP). M ``f32[B,H,K,K]`` (``k3.kda_transition``), S_loc ``!kda_state<H,K,V>`` (the
+    segment's final state from zero), optional S0 ``!kda_state<H,K,V>`` (the sequence's initial
+    state, rank 0's is used; absent: zero). Returns ``!kda_state<H,K,V>``. Rank axis: M
+    ``[G,B,H,K,K]``, states ``[G,B,H,K,V]`` -> ``[G,B,H,K,V]``."""
+    M = Operand()
+    s_loc = Operand()
+    s0 = Operand(optional=True)
+    out = Result()
+
+    def infer(self, M, s_loc, s0=None):
+        st = state(s_loc, "kda_state", "s_loc")
+        M = tensor(M, "M")
+        H, K = st.params[0], st.params[1]
+        require(M.rank == 4 and [str(s) for s in M.shape[1:]] == [str(H), str(K), str(K)],
+                f"M {M} must be [B,{H},{K},{K}] for {st}")
+        if s0 is not None:
+            require(s0 == st, f"s0 {s0} must match {st}")
+        return [st]
+
+    def reference(self, M, s_loc, s0=None):
+        M, s_loc = f64(_stacked(M, self.group, self.name)), f64(_stacked(s_loc, self.group, self.name))
+        S = np.zeros_like(s_loc[0]) if s0 is None else f64(_stacked(s0, self.group, self.name))[0]
+        out = []
+        for r in range(self.group):
+            out.append(S)
+            S = np.einsum("bhkj,bhjv->bhkv", M[r], S) + s_loc[r]
+        return np.stack(out)
+
+
+@op("k3.conv_halo", "collective")
+class ConvHalo(Collective):
+    """The short conv's incoming state for this rank's segment (KCP): the last ``width`` inputs
+    before the segment, i.e. the tail of ``concat(s0, x_0, ..., x_{r-1})`` along time (rank 0: s0).
+    x ``[B,T,C]`` (the conv's pre-activation input), optional s0 ``!conv_state<C,width>`` (absent:
+    zero). Returns ``!conv_state<C,width>`` (``[B,C,width]``, oldest first). Lowered as a ring step
+    (the previous rank's last ``width`` rows) when every segment has at least ``width`` tokens.
+    Rank axis: x ``[G,B,T,C]``, s0 ``[G,B,C,width]`` -> ``[G,B,C,width]``."""
+    x = Operand()
+    s0 = Operand(optional=True)
+    out = Result()
+    width = Attr(int)
+
+    def infer(self, x, s0=None):
+        x = tensor(x, "x")
+        require(x.rank == 3 and isinstance(x.shape[2], int), f"x must be [B,T,C] with a fixed C, got {x}")
+        st = StateType("conv_state", (int(x.shape[2]), self.width))
+        if s0 is not None:
+            require(s0 == st, f"s0 {s0} must be {st}")
+        return [st]
+
+    def verify(self) -> None:
+        super().verify()
+        require(self.width >= 1, f"width must be >= 1, got {self.width}")
+
+    def reference(self, x, s0=None):
+        x = f64(_stacked(x, self.group, self.name))
+        G, B, _, C = x.shape
+        hist = np.zeros((B, self.width, C)) if s0 is None else np.transpose(f64(s0)[0], (0, 2, 1))
+        out = []
+        for r in range(G):
+            out.append(np.transpose(hist[:, hist.shape[1] - self.width:], (0, 2, 1)))
+            hist = np.concatenate([hist, x[r]], axis=1)
+        return np.stack(out)
+
+
+@op("k3.cp_last", "collective")
+class CPLast(Collective):
+    """Every rank takes the last rank's value (a broadcast from rank G-1 of the group): the
+    sequence's final KDA / conv state after KCP lives on the rank holding the last segment.
+    Any tensor or state type, unchanged. Rank axis: ``[G, ...] -> [G, ...]``, every slice ``x[G-1]``."""
+    x = Operand()
+    out = Result()
+
+    def infer(self, x):
+        return [x]
+
+    def reference(self, x):
+        x = _stacked(x, self.group, self.name)
+        return np.stack([x[-1]] * self.group)
+
+
+@op("k3.cp_chunk", "collective")
+class CPChunk(Collective):
+    """This rank's block of ``dim`` (no communication): ``[..., G*n, ...] -> [..., n, ...]``, rank r
+    keeps rows ``r*n .. (r+1)*n - 1`` (MLA under KCP: every rank attends over the gathered
+    sequence and keeps its segment's queries' outputs). ``dim`` static and divisible by G, or
+    spelled ``G*X``. Rank axis: ``[G, ..., G*n, ...] -> [G, ..., n, ...]``."""
+    x = Operand()
+    out = Result()
+    dim = Attr(int, 1)
+
+    def infer(self, x):
+        x = tensor(x, "x")
+        d = norm_axis(self.dim, x.rank)
+        shape = list(x.shape)
+        s = shape[d]
+        prefix = f"{self.group}*"
+        shape[d] = s[len(prefix):] if isinstance(s, str) and s.startswith(prefix) else _split_dim(s, self.group,
+                                                                                                   self.name)
+        return [x.with_shape(shape)]
+
+    def reference(self, x):
+        x = _stacked(x, self.group, self.name)
+        d = norm_axis(self.dim, x.ndim - 1)
+        return np.stack([np.split(xr, self.group, axis=d)[r] for r, xr in enumerate(x)])
