@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -89,15 +89,69 @@ class CompletionRequest(CommonRequest):
     prompt: str | list[int]
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)     # an unknown key in a message is a 400
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)     # an unknown key is a 400 naming it
+
+
+#: OpenAI's rule for function names (letters, digits, ``_`` and ``-``, at most 64)
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str                      # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    """One call of an assistant message (``functions.NAME:IDX`` ids are the ones this server gives)."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None          # a JSON schema, passed to the template as given
+    strict: bool | None = None
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatMessage(_Strict):
+    """A message: ``content`` (a string; an assistant message with ``tool_calls`` may leave it out or
+    null), ``name``, an assistant's ``tool_calls``, a tool result's ``tool_call_id``. The OpenAI client's
+    own null fields of an assistant message it returned (``refusal``, ``annotations``, ``audio``,
+    ``function_call``) are accepted as null."""
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
 
 
 class ChatRequest(CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)    # OpenAI's newer name for max_tokens
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None          # accepted; every call the model writes is returned
 
 
 def check_fields(body: CommonRequest) -> None:
@@ -119,7 +173,10 @@ def check_fields(body: CommonRequest) -> None:
 
 def check_chat(body: ChatRequest) -> None:
     """``check_fields``, then ``max_completion_tokens`` folded into ``max_tokens`` (APIError 400 when
-    both are given and differ) and every message's text checked (``check_text``)."""
+    both are given and differ), every message's fields and text checked (``check_strings``; a message
+    without content, ``tool_calls`` off an assistant message, ``tool_call_id`` missing from a tool
+    message or on another one: 400 naming the field), tools and ``tool_choice`` checked (a function
+    declared twice, a call asked for without tools or naming a function not among them: 400)."""
     check_fields(body)
     if body.max_completion_tokens is not None:
         if body.max_tokens is not None and body.max_tokens != body.max_completion_tokens:
@@ -127,7 +184,43 @@ def check_chat(body: ChatRequest) -> None:
                                 f"{body.max_completion_tokens} disagree (give one)", "invalid_request", "max_tokens")
         body.max_tokens = body.max_completion_tokens
     for i, m in enumerate(body.messages):
-        check_text(m.content, f"messages.{i}.content")
+        where = f"messages.{i}"
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise APIError(400, f"{where}: a {m.role} message needs 'content' (a string)", "invalid_request",
+                           f"{where}.content")
+        if m.tool_calls is not None and m.role != "assistant":
+            raise APIError(400, f"{where}: only assistant messages carry 'tool_calls'", "invalid_request",
+                           f"{where}.tool_calls")
+        if (m.tool_call_id is not None) != (m.role == "tool"):
+            raise APIError(400, f"{where}: " + ("a tool message needs 'tool_call_id' (the id of the call it answers)"
+                                                if m.role == "tool" else "only tool messages carry 'tool_call_id'"),
+                           "invalid_request", f"{where}.tool_call_id")
+        check_strings(m.model_dump(exclude_none=True), where)
+    check_strings([t.model_dump(exclude_none=True) for t in body.tools or []], "tools")
+    names = [t.function.name for t in body.tools or []]
+    if len(set(names)) < len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise APIError(400, f"tools: the function '{dup}' is declared twice", "invalid_request", "tools")
+    choice = body.tool_choice
+    if choice not in (None, "none", "auto"):
+        if not names:
+            raise APIError(400, "tool_choice asks for a tool call but no tools are given", "invalid_request",
+                           "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(400, f"tool_choice names the function '{choice.function.name}', which is not among the "
+                                f"tools ({', '.join(names)})", "invalid_request", "tool_choice")
+
+
+def check_strings(value: Any, where: str) -> None:
+    """``check_text`` on every string in ``value`` (nested dicts and lists), naming its path from ``where``."""
+    if isinstance(value, str):
+        check_text(value, where)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_strings(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_strings(v, f"{where}.{i}")
 
 
 def sampling_params(body: CommonRequest, n_prompt: int, model_name: str, limits: ServerLimits,

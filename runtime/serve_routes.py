@@ -30,6 +30,7 @@ from .serve_requests import (
     stop_strings,
 )
 from .serve_stream import TextStream, abort_on_disconnect, finish_reason, sse_events
+from .serve_tools import MARKERS, ChatDeltas, ToolCallParser, forced_call
 from .tokenizer import Tokenizer
 
 
@@ -47,10 +48,14 @@ class ServingState:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-async def generate(state: ServingState, http: HTTPRequest, ids: list[int], body: CommonRequest, chat: bool):
+async def generate(state: ServingState, http: HTTPRequest, ids: list[int], body: CommonRequest,
+                   answer: ChatDeltas | None = None, visible: dict[int, str] | None = None):
     """Run one request for prompt ``ids``: an ``EventSourceResponse`` when ``body.stream``, else the
-    whole answer as a dict (``text_completion`` or ``chat.completion``). APIError 429 over
-    ``max_concurrent``, 499 when the client left first, 500 when generation failed, 400 for bad fields."""
+    whole answer as a dict (``chat.completion`` when ``answer`` turns the text into chat deltas, else
+    ``text_completion``); ``visible``: control ids whose text the answer shows (``TextStream``). APIError
+    429 over ``max_concurrent``, 499 when the client left first, 500 when generation failed, 400 for bad
+    fields."""
+    chat = answer is not None
     limits, runner = state.limits, state.runner
     sp = sampling_params(body, len(ids), state.model_name, limits, list(state.tokenizer.stop_ids))
     stops = stop_strings(body, limits)
@@ -77,9 +82,9 @@ async def generate(state: ServingState, http: HTTPRequest, ids: list[int], body:
             if not req.done:
                 runner.abort(req)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    text = TextStream(state.tokenizer, stops)
+    text = TextStream(state.tokenizer, stops, visible)
     if body.stream:        # the background task releases a stream the client left before it began
-        return EventSourceResponse(sse_events(runner, req, q, text, rid, chat, state.model_name, release), ping=15,
+        return EventSourceResponse(sse_events(runner, req, q, text, rid, answer, state.model_name, release), ping=15,
                                    background=BackgroundTask(release))
     gone = []
 
@@ -100,9 +105,12 @@ async def generate(state: ServingState, http: HTTPRequest, ids: list[int], body:
     if req.finish_reason == "error":
         raise APIError(500, f"generation failed: {req.error}", "engine_error", kind="server_error")
     text.finish()
-    reason = finish_reason(req, text)
+    if chat:
+        answer.push(text.text)
+        answer.finish()
+    reason = finish_reason(req, text, answer)
     usage = {"prompt_tokens": len(ids), "completion_tokens": len(req.output), "total_tokens": len(ids) + len(req.output)}
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text.text}, "finish_reason": reason} if chat
+    choice = ({"index": 0, "message": answer.message(), "finish_reason": reason} if chat
               else {"index": 0, "text": text.text, "logprobs": None, "finish_reason": reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": state.model_name, "choices": [choice], "usage": usage}
@@ -122,16 +130,23 @@ def add_routes(app: FastAPI, state: ServingState) -> None:
             ids = list(body.prompt)
         if not ids:
             raise APIError(400, "prompt is empty", "invalid_request", "prompt")
-        return await generate(state, http, ids, body, chat=False)
+        return await generate(state, http, ids, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HTTPRequest):
         check_chat(body)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        choice = body.tool_choice or "auto"
+        prefix, parser, opening = "", None, []
+        if tools and choice != "none":       # the answer is parsed for calls; "required"/named: one is started
+            prefix, parser, opening = ("", ToolCallParser(), []) if choice == "auto" else forced_call(choice)
         try:
-            ids = tokenizer.chat([m.model_dump() for m in body.messages])
+            ids = tokenizer.chat(messages, tools, assistant_prefix=prefix)
         except (TemplateError, TypeError, KeyError, ValueError) as e:   # the checkpoint's template failed
             raise APIError(400, f"chat template failed: {e}", "invalid_request", "messages") from None
-        return await generate(state, http, ids, body, chat=True)
+        visible = {i: m for m in MARKERS if (i := tokenizer.special_id(m)) is not None} if parser else None
+        return await generate(state, http, ids, body, ChatDeltas(parser, opening), visible)
 
     @app.get("/v1/models")
     async def models():

@@ -1,5 +1,5 @@
 """Text <-> token ids for serving: the checkpoint's tokenizer with its chat template
-(``tokenizer_config.json: chat_template``, rendered by a sandboxed jinja2), or bytes for the bundled
+(``chat_template.jinja`` or ``tokenizer_config.json: chat_template``, rendered by ``chat``), or bytes for the bundled
 tiny models (ids 0..255 are the bytes; ids >= 256 are the config's special tokens).
 
 Checkpoint tokenizers (``docs/checkpoints.md``): Kimi's tiktoken tokenizer (``tiktoken.model`` read
@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from k3ir.errors import K3ConfigError, K3RuntimeError
+
+from .chat import SIMPLE_TEMPLATE, chat_ids, read_chat_template
+from .chat import render_chat as render_template
 
 logger = logging.getLogger(__name__)
 
@@ -90,17 +93,29 @@ class Tokenizer:
             out.append(i)
         return out
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text of ``messages`` (``[{"role", "content"}]``) ending in the assistant turn."""
-        if self.chat_template:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token)
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    @property
+    def control_tokens(self) -> tuple[str, ...]:
+        """The texts ``encode`` reads as control (special) ids; () when it reads none."""
+        return ()
 
-    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.encode(self.render_chat(messages))
+    def special_id(self, text: str) -> int | None:
+        """The control id spelled ``text`` (e.g. ``"<|tool_call_begin|>"``), or None."""
+        return None
+
+    def encode_text(self, text: str) -> list[int]:
+        """``text`` encoded as plain text: control-token spellings in it give ordinary ids, never control ids."""
+        return self.encode(text)
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text of ``messages`` (OpenAI-style dicts) and ``tools`` ending in the assistant turn
+        (``chat.render_chat`` with the checkpoint's template, or ``chat.SIMPLE_TEMPLATE``)."""
+        return render_template(self.chat_template or SIMPLE_TEMPLATE, messages, tools, bos_token=self.bos_token,
+                           eos_token=self.eos_token)
+
+    def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+             assistant_prefix: str = "") -> list[int]:
+        """Prompt ids of ``messages`` and ``tools`` (``chat.chat_ids``: client text never gives control ids)."""
+        return chat_ids(self, messages, tools, assistant_prefix)
 
 
 class ByteTokenizer(Tokenizer):
@@ -137,6 +152,20 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(self.checked_ids(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def control_tokens(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self.tok.get_added_tokens_decoder().values())
+
+    def special_id(self, text: str) -> int | None:
+        return self.tok.token_to_id(text) if text in self.control_tokens else None
+
+    def encode_text(self, text: str) -> list[int]:
+        self.tok.encode_special_tokens = True       # added tokens split as text
+        try:
+            return self.tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self.tok.encode_special_tokens = False
 
 
 def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
@@ -264,6 +293,16 @@ class KimiTokenizer(Tokenizer):
                         else self.enc.encode(piece, disallowed_special=()))
         return ids
 
+    @property
+    def control_tokens(self) -> tuple[str, ...]:
+        return tuple(self.special_tokens)
+
+    def special_id(self, text: str) -> int | None:
+        return self.special_tokens.get(text)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.encode(text, allow_special=False)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         pieces, hidden = self._pieces, self._hidden
         ids = self.checked_ids(ids)
@@ -384,7 +423,10 @@ def load_tokenizer(model: str, module) -> Tokenizer:
             tok = KimiTokenizer(tiktoken_file, config, vocab, config_path=cfg_path)
         elif (d / "tokenizer.json").is_file():
             tok = HFTokenizer(d / "tokenizer.json", config, vocab)
+        if tok is None and 256 <= vocab <= 512:
+            tok = ByteTokenizer(module.attrs.get("bos_token_id"), module.attrs.get("eos_token_id"), vocab)
         if tok is not None:
+            tok.chat_template = read_chat_template(d, config, cfg_path)
             tok.stop_ids = list(dict.fromkeys([*tok.stop_ids, *_generation_stop_ids(d, tok.vocab_size)]))
             logger.info("tokenizer %s from %s: %d ids, bos %s, stop ids %s", tok.name, tok.source, tok.vocab_size,
                         tok.bos_id, tok.stop_ids)

@@ -142,7 +142,7 @@ def test_bad_requests_get_json_errors(client, body, status, code):
     ("/v1/completions", {"bogus": 1}, "unknown_parameter",
      ("unrecognized request field 'bogus' (this endpoint reads: max_tokens, model, n, prompt, seed, stop, stream, "
       "temperature, top_k, top_p, user)")),
-    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "unsupported_parameter", "'tools' is not supported"),
+    ("/v1/completions", {"tools": [{"type": "function"}]}, "unsupported_parameter", "'tools' is not supported"),
     ("/v1/chat/completions", {"max_tokenz": 3}, "unknown_parameter", "unrecognized request field 'max_tokenz'"),
 ])
 def test_unread_fields_are_a_400_naming_them(client, route, extra, code, msg):
