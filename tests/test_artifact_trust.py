@@ -11,6 +11,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from k3ir.backends import Backend
 from k3ir.backends.artifact import FORMAT_VERSION
 from k3ir.runtime import Session, init_params
@@ -155,3 +157,37 @@ def test_errors_are_k3errors(torch_artifact, tmp_path):
     d = _copy(torch_artifact[0], tmp_path / "art", files={"weights": 5})
     with pytest.raises(K3Error, match="key 'files' must map names to strings"):
         Session.load(str(d))
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=8)
+    | st.sampled_from(["runpy:run_path", "os:system", "torch", "tvm", "../weights.safetensors", "/etc/hostname",
+                       "__main__.py", "float64", "cuda:7"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6)
+
+
+@settings(deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(key=st.sampled_from(["format", "format_version", "target", "dtype", "device", "files", "sizes", "module",
+                            "loader", "extra"]), value=json_values, drop=st.booleans())
+def test_fuzzed_manifest_runs_nothing_and_fails_with_k3errors(torch_artifact, key, value, drop):
+    """Any manifest entry replaced or deleted: Session.load opens the artifact or raises a K3Error, and the
+    payload beside it never runs."""
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as tmp:
+        d = _copy(torch_artifact[0], Path(tmp) / "art")
+        marker = Path(tmp) / "marker"
+        (d / "__main__.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+        man = json.loads((d / "manifest.json").read_text())
+        if drop:
+            man.pop(key, None)
+        else:
+            man[key] = value
+        (d / "manifest.json").write_text(json.dumps(man))
+        try:
+            Session.load(str(d))
+        except K3Error as e:
+            assert "\n" not in str(e), str(e)
+        assert not marker.exists()
