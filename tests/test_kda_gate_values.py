@@ -45,13 +45,20 @@ def _kda_module():
     return m
 
 
-@pytest.mark.parametrize("target", ["reference", "torch"])
+@pytest.mark.parametrize("target", ["reference", "torch", "triton"])
 def test_kda_op_refuses_positive_log_decay(target):
     """g = +0.5 at one token grew the state by e^0.5 per token: NaN or 1e13-sized outputs, no error."""
     from k3ir.backends.reference import ReferenceExecutable
     from k3ir.backends.torch import TorchExecutable
     q, k, v, g, beta = _normalised_inputs()
     g[0, 7, 1, 3] = 0.5
+    if target == "triton":
+        pytest.importorskip("triton")
+        from k3ir.backends.triton.executable import TritonExecutable
+        exe = TritonExecutable(_kda_module(), "float32", "cuda" if torch.cuda.is_available() else "cpu")
+        with pytest.raises(K3KernelInputError, match=r"gate='precomputed' needs log-decays g <= 0 .*g\[0, 7, 1, 3\]"):
+            exe.run("f", [q, k, v, g, beta], {})
+        return
     exe = ReferenceExecutable(_kda_module(), "float64", "cpu") if target == "reference" else \
         TorchExecutable(_kda_module(), "float32", "cpu")
     with pytest.raises(K3KernelInputError, match=r"k3.kda: the log-decay g must be <= 0 .*g\[0, 7, 1, 3\] = 0.5"):
