@@ -10,10 +10,11 @@ Placement follows ``k3ir.plan`` (rank order tp innermost, then cp, ep, dp):
 - **Batch.** ep and dp coordinates serve their own sequences (data-parallel attention): each
   rank's ``B`` is its share of the batch; states are split the same way. tp ranks share tokens.
 - **EP** (``ep > 1``): routed experts are split in contiguous blocks over ep (dim 0). Each
-  ``k3.moe`` becomes ``k3.ep_dispatch`` (a fixed ``[ep, E/ep, C, D]`` send buffer; ``capacity``
+  ``k3.moe`` becomes ``k3.ep_dispatch`` (a fixed ``[E/ep, ep*C, D]`` send buffer; ``capacity``
   C rows per expert per source rank, 0 = ``B*T``, which never drops a token; with a smaller C
-  the copies past the C-th are dropped, see ``k3.ep_dispatch``) -> ``k3.all_to_all`` ->
-  the rank's experts as batched einsums -> ``k3.all_to_all`` back -> ``k3.ep_combine``. Router,
+  the copies past the C-th are dropped, see ``k3.ep_dispatch``) -> ``k3.all_to_all`` (dim 1) ->
+  the rank's experts as ``k3.grouped_matmul`` over fixed row blocks (``quantize-experts`` packs
+  them) -> ``k3.all_to_all`` back -> ``k3.ep_combine``. Router,
   latent projections and shared experts stay on the rank (replicated or tp).
 - **TP** (``tp > 1``): attention heads (KDA q/k/v/conv/decay/beta/gate and their conv and
   recurrent states; MLA ``q_b_proj``/``kv_b_proj``/gate per head, the latent cache replicated),
@@ -291,18 +292,22 @@ class _Rewrite:
         layer = o.attrs.get("layer")
         tag = f"l{layer}." if layer is not None else ""
         la = {} if layer is None else {"layer": layer}
-        send, slot = b.op("k3.ep_dispatch", z, idx, num_experts=E, group=ep, capacity=self.capacity,
-                          _name=[tag + "ep_send", tag + "ep_slot"], **la)
-        recv = self._collective("k3.all_to_all", send, "ep", tag + "ep_recv", dim=0)
-        g = b.op("k3.einsum", recv, w1, equation="secd,eid->seci", _name=tag + "ep_gate")
-        u = b.op("k3.einsum", recv, w3, equation="secd,eid->seci", _name=tag + "ep_up")
+        D = z.type.shape[2]
+        send, slot, offsets = b.op("k3.ep_dispatch", z, idx, num_experts=E, group=ep, capacity=self.capacity,
+                                   _name=[tag + "ep_send", tag + "ep_slot", tag + "ep_offsets"], **la)
+        recv = self._collective("k3.all_to_all", send, "ep", tag + "ep_recv", dim=1)
+        rows = b.op("k3.reshape", recv, shape=[-1, D], _name=tag + "ep_rows")
+        cap = {"capacity": ep * self.capacity} if self.capacity else {}
+        g = b.op("k3.grouped_matmul", rows, offsets, w1, _name=tag + "ep_gate", **cap)
+        u = b.op("k3.grouped_matmul", rows, offsets, w3, _name=tag + "ep_up", **cap)
         if o.attrs.get("act", "situ") == "situ":
             h = b.op("k3.situ_glu", g, u, b1=float(o.attrs.get("b1", 4.0)), b2=float(o.attrs.get("b2", 25.0)),
                      _name=tag + "ep_act", **la)
         else:
             h = b.op("k3.swiglu", g, u, _name=tag + "ep_act", **la)
-        y = b.op("k3.einsum", h, w2, equation="seci,edi->secd", _name=tag + "ep_down")
-        back = self._collective("k3.all_to_all", y, "ep", tag + "ep_back", dim=0)
+        y = b.op("k3.grouped_matmul", h, offsets, w2, _name=tag + "ep_down", **cap)
+        y = b.op("k3.reshape", y, shape=list(send.type.shape), _name=tag + "ep_out")
+        back = self._collective("k3.all_to_all", y, "ep", tag + "ep_back", dim=1)
         return b.op("k3.ep_combine", back, wts, slot, _name=out_name, **la)
 
 

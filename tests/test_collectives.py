@@ -68,14 +68,17 @@ def test_sharded_embedding_reads_only_the_rank_rows():
 def test_ep_dispatch_combine_roundtrip_equals_weighted_sum():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 3, 2))
-    idx = np.array([[[0, 3], [3, 1], [2, 0]]])                          # 4 experts, top-2
+    idx = np.array([[[0, 3], [3, 1], [2, 0]]])                          # 4 experts on 2 ranks, top-2
     w = rng.random((1, 3, 2))
     d = inst("k3.ep_dispatch", num_experts=4, group=2)
-    send, slot = d.reference(x, idx)
-    assert send.shape == (2, 2, 3, 2)                                    # [ranks, experts per rank, C=B*T, D]
-    assert slot.tolist() == [[[0, 9], [10, 3], [6, 1]]]                  # expert e, c-th copy -> e*C + c
-    assert (send[1, 1, 1] == x[0, 1]).all() and (send[0, 0, 2] == 0).all()
-    y = send * np.arange(1.0, 5.0).reshape(2, 2, 1, 1)                  # "expert e" multiplies by e+1
+    send, slot, offsets = d.reference(x, idx)
+    assert send.shape == (2, 6, 2)                                       # [experts per rank, G*C (C=B*T), D]
+    # expert e = j*2 + e_loc, c-th copy -> row e_loc*G*C + j*C + c
+    assert slot.tolist() == [[[0, 9], [10, 6], [3, 1]]]
+    assert offsets.tolist() == [0, 6, 12]
+    assert (send[1, 4] == x[0, 1]).all() and (send[0, 2] == 0).all()
+    expert = np.array([[0, 2], [1, 3]])                                  # global id of [e_loc, j]
+    y = send * (np.repeat(expert, 3, axis=1) + 1)[..., None]            # "expert e" multiplies by e+1
     out = inst("k3.ep_combine").reference(y, w, slot)
     want = np.einsum("tk,td->td", w[0] * (idx[0] + 1), x[0])
     assert np.allclose(out[0], want, rtol=1e-12, atol=0)
@@ -84,16 +87,18 @@ def test_ep_dispatch_combine_roundtrip_equals_weighted_sum():
 def test_ep_dispatch_capacity_drops_the_overflow():
     x = np.ones((1, 3, 1))
     idx = np.array([[[0], [0], [1]]])                                    # expert 0 gets two copies
-    send, slot = inst("k3.ep_dispatch", num_experts=2, group=2, capacity=1).reference(x, idx)
-    assert send.shape == (2, 1, 1, 1) and slot.tolist() == [[[0], [-1], [1]]]
+    send, slot, _ = inst("k3.ep_dispatch", num_experts=2, group=2, capacity=1).reference(x, idx)
+    assert send.shape == (1, 2, 1) and slot.tolist() == [[[0], [-1], [1]]]
     out = inst("k3.ep_combine").reference(send, np.ones((1, 3, 1)), slot)
     assert out[0, :, 0].tolist() == [1.0, 0.0, 1.0]
 
 
 def test_ep_dispatch_type_rule():
-    send, slot = inst("k3.ep_dispatch", num_experts=8, group=2).infer(TensorType("bf16", ("B", "T", 32)),
-                                                                      TensorType("i64", ("B", "T", 2)))
-    assert send == TensorType("bf16", (2, 4, "B*T", 32)) and slot == TensorType("i64", ("B", "T", 2))
+    send, slot, off = inst("k3.ep_dispatch", num_experts=8, group=2).infer(TensorType("bf16", ("B", "T", 32)),
+                                                                           TensorType("i64", ("B", "T", 2)))
+    assert send == TensorType("bf16", (4, "2*B*T", 32)) and slot == TensorType("i64", ("B", "T", 2))
+    assert off == TensorType("i64", (5,))
+    assert inst("k3.all_to_all", axis="ep", group=2, dim=1).infer(send)[0] == send
     with pytest.raises(K3VerifyError, match="multiple of group"):
         inst("k3.ep_dispatch", num_experts=6, group=4).verify()
 

@@ -117,8 +117,19 @@ def test_one_rank_program_verifies_prints_parses_and_shows_its_collectives(tmp_p
     # per layer: attention o_proj, FFN (dense down_proj, or routed experts + shared experts)
     assert names.count("k3.all_reduce") == 1 + 9 + (9 - moe_layers) + 2 * moe_layers
     assert "!kda_state<1,16,16>" in text and "!conv_state<16,3>" in text and "!mla_cache<32,8>" in text
-    assert "k3.all_to_all(%l1.ep_send) {axis=\"ep\", dim=0, group=2}" in text
+    assert "k3.all_to_all(%l1.ep_send) {axis=\"ep\", dim=1, group=2}" in text
     assert "%logits: f32[B,T,260] = k3.all_gather(%logits_part) {axis=\"tp\", dim=-1, group=2}" in text
+
+
+def test_expert_parallel_experts_are_grouped_matmuls_that_quantize_experts_packs():
+    m = sharded(load_tiny("k3-tiny"), "shard{ep=2}", pipeline_for("triton"))
+    run_pipeline(m, ["quantize-experts{format=mxfp4}"], verify_each=True)
+    gm = [o for o in m.functions["prefill"].ops if o.name == "k3.grouped_matmul"]
+    assert gm and {o.attrs["quant"] for o in gm if o.operands[2].type.shape[-1] % 32 == 0} == {"mxfp4"}
+    packed = m.params["language_model.model.layers.1.block_sparse_moe.experts.{e}.w1.weight_packed"]
+    assert packed.attrs["shard"] == {"ep": 0} and packed.type.shape[0] == 4
+    assert m.params["language_model.model.layers.1.block_sparse_moe.experts.{e}.w1.weight_scale"].attrs["shard"] \
+        == {"ep": 0}
 
 
 def test_compile_cli_dumps_the_rank_program(tmp_path):

@@ -31,8 +31,11 @@ MESH_AXES = ("ep", "cp", "tp", "dp")
 
 
 def _split_dim(d, group: int, what: str):
-    """``d / group`` for a static ``d`` divisible by ``group`` (K3VerifyError otherwise)."""
-    require(isinstance(d, int), f"{what}: dimension {d} must be static to split over {group} ranks")
+    """``d / group`` for a static ``d`` divisible by ``group`` or a symbolic ``d`` spelled ``G*X``
+    (K3VerifyError otherwise)."""
+    if isinstance(d, str) and d.startswith(f"{group}*"):
+        return d[len(str(group)) + 1:]
+    require(isinstance(d, int), f"{what}: dimension {d} must be static (or {group}*X) to split over {group} ranks")
     require(d % group == 0, f"{what}: dimension {d} is not divisible by the group size {group}")
     return d // group
 
@@ -175,21 +178,28 @@ class EPDispatch(Op):
 
     x ``[B,T,D]`` (the rank's MoE input, the latent in K3), indices ``i64[B,T,k]`` (global expert
     ids from ``k3.router``). Experts are partitioned in contiguous blocks: rank j owns experts
-    ``j*E/G .. (j+1)*E/G - 1``. Returns ``send [G, E/G, C, D]`` (x's dtype; ``send[j, e, c]`` is
-    the c-th of this rank's copies routed to global expert ``j*E/G + e``, in token-slot order,
-    zero rows after the last one) and ``slot i64[B,T,k]`` (flat row of each copy in ``send``, or
-    -1 when it overflowed). ``capacity`` C: rows per expert per source rank; 0 means ``B*T`` (a
-    token routes to an expert at most once, so nothing can overflow). With ``capacity`` > 0 a
-    copy past the C-th for one expert is dropped: its term is missing from ``k3.ep_combine``
-    (the other experts' weights are not renormalised). Quantile Balancing keeps the loads at the
-    target ``m k / n`` (SPEC.md 6), so ``capacity = ceil(f m k / n)`` with a margin f rarely drops.
-    Not a collective (no rank axis): the ``k3.all_to_all`` over ``ep`` after it sends block j to
-    rank j."""
+    ``j*E/G .. (j+1)*E/G - 1``. Returns
+
+    - ``send [E/G, G*C, D]`` (x's dtype): ``send[e, j*C + c]`` is the c-th of this rank's copies
+      routed to global expert ``j*E/G + e`` (token-slot order; zero rows after the last one), so
+      the ``k3.all_to_all`` over ``ep`` on dim 1 sends block j to rank j and the receiver holds
+      ``[E/G, G*C, D]`` grouped by its local expert, then by source rank;
+    - ``slot i64[B,T,k]``: the flat row (``e*G*C + j*C + c``) of each copy in ``send``, -1 when it
+      overflowed;
+    - ``offsets i64[E/G+1]``: ``e*G*C``, the row offsets of the local experts in the received
+      buffer flattened to ``[E/G*G*C, D]`` (the ``k3.grouped_matmul`` layout).
+
+    ``capacity`` C: rows per expert per source rank; 0 means ``B*T`` (a token routes to an expert
+    at most once, so nothing can overflow). With ``capacity`` > 0 a copy past the C-th for one
+    expert is dropped: its term is missing from ``k3.ep_combine`` (the other experts' weights are
+    not renormalised). Quantile Balancing keeps the loads at the target ``m k / n`` (SPEC.md 6),
+    so ``capacity = ceil(f m k / n)`` with a margin f rarely drops. Not a collective (no rank axis)."""
     rank_axis: ClassVar[bool] = False
     x = Operand()
     indices = Operand()
     send = Result()
     slot = Result()
+    offsets = Result()
     num_experts = Attr(int)
     group = Attr(int)
     capacity = Attr(int, 0)
@@ -202,7 +212,8 @@ class EPDispatch(Op):
                 f"indices {idx} must be integer [B,T,k] matching x {x}")
         cap = self.capacity if self.capacity > 0 else dim_mul(x.shape[0], x.shape[1])
         local = self.num_experts // self.group
-        return [x.with_shape((self.group, local, cap, x.shape[2])), TensorType("i64", idx.shape)]
+        return [x.with_shape((local, dim_mul(self.group, cap), x.shape[2])), TensorType("i64", idx.shape),
+                TensorType("i64", (local + 1,))]
 
     def verify(self) -> None:
         require(self.group >= 1 and self.num_experts >= 1 and self.num_experts % self.group == 0,
@@ -212,26 +223,27 @@ class EPDispatch(Op):
     def reference(self, x, idx):
         x = f64(x)
         B, T, D = x.shape
+        G, local = self.group, self.num_experts // self.group
         flat = np.asarray(idx, dtype=np.int64).reshape(B * T, -1)
         require(flat.size == 0 or (flat.min() >= 0 and flat.max() < self.num_experts), "expert index out of range")
         cap = self.capacity if self.capacity > 0 else B * T
-        send = np.zeros((self.num_experts, cap, D))
+        send = np.zeros((local, G * cap, D))
         slot = np.full(flat.shape, -1, dtype=np.int64)
         fill = np.zeros(self.num_experts, dtype=np.int64)
         xf = x.reshape(B * T, D)
         for t in range(flat.shape[0]):
             for j, e in enumerate(flat[t]):
                 if fill[e] < cap:
-                    send[e, fill[e]] = xf[t]
-                    slot[t, j] = e * cap + fill[e]
+                    row = (e // local) * cap + fill[e]
+                    send[e % local, row] = xf[t]
+                    slot[t, j] = (e % local) * G * cap + row
                     fill[e] += 1
-        local = self.num_experts // self.group
-        return send.reshape(self.group, local, cap, D), slot.reshape(np.shape(idx))
+        return send, slot.reshape(np.shape(idx)), np.arange(local + 1, dtype=np.int64) * G * cap
 
 
 @op("k3.ep_combine", "collective")
 class EPCombine(Op):
-    """Weighted un-pack after the return all-to-all: y ``[G, E/G, C, D]`` (expert outputs of this
+    """Weighted un-pack after the return all-to-all: y ``[E/G, G*C, D]`` (expert outputs of this
     rank's copies, laid out as ``k3.ep_dispatch``'s send buffer), weights ``f32[B,T,k]`` (router
     combine weights), slot ``i64[B,T,k]``. Returns ``out[b,t] = sum_j w[b,t,j] * y_flat[slot[b,t,j]]``
     ``[B,T,D]`` in y's dtype (a copy with slot -1, dropped by capacity, adds nothing)."""
@@ -243,10 +255,10 @@ class EPCombine(Op):
 
     def infer(self, y, w, slot):
         y, w, slot = tensor(y, "y"), tensor(w, "weights"), tensor(slot, "slot")
-        require(y.rank == 4, f"y must be [G,E/G,C,D], got {y}")
+        require(y.rank == 3, f"y must be [E/G,G*C,D], got {y}")
         require(slot.dtype in ("i64", "i32") and [str(s) for s in slot.shape] == [str(s) for s in w.shape]
                 and slot.rank == 3, f"slot {slot} must be integer [B,T,k] matching weights {w}")
-        return [y.with_shape((w.shape[0], w.shape[1], y.shape[3]))]
+        return [y.with_shape((w.shape[0], w.shape[1], y.shape[2]))]
 
     def reference(self, y, w, slot):
         y, w = f64(y), f64(w)
@@ -386,10 +398,7 @@ class CPChunk(Collective):
         x = tensor(x, "x")
         d = norm_axis(self.dim, x.rank)
         shape = list(x.shape)
-        s = shape[d]
-        prefix = f"{self.group}*"
-        shape[d] = s[len(prefix):] if isinstance(s, str) and s.startswith(prefix) else _split_dim(s, self.group,
-                                                                                                   self.name)
+        shape[d] = _split_dim(shape[d], self.group, self.name)
         return [x.with_shape(shape)]
 
     def reference(self, x):
