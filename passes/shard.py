@@ -30,9 +30,9 @@ Placement follows ``k3ir.plan`` (rank order tp innermost, then cp, ep, dp):
   multiples of the KDA chunk). Each short conv takes its halo (``k3.conv_halo``: the last K-1
   inputs before the segment); each KDA layer runs its segment from zero for ``S_loc``, forms
   ``M`` (``k3.kda_transition``), all-gathers and scans for the incoming state (``k3.kcp_scan``,
-  fp32) and runs the segment again from it; MLA all-gathers q and the latent kv over cp, attends
-  over the whole sequence and keeps its segment's rows (``k3.cp_chunk``; the cache is complete on
-  every rank); final KDA / conv states come from the last segment's rank (``k3.cp_last``). Logits
+  fp32) and runs the segment again from it; MLA all-gathers the latent kv over cp (the cache is
+  complete on every rank) and attends from its segment's queries over the cache entries before
+  its segment (``lengths`` from ``k3.cp_lengths``) plus its own tokens, causally; final KDA / conv states come from the last segment's rank (``k3.cp_last``). Logits
   stay split by segment. Decode steps are replicated over cp. The media functions
   (``forward_media``, ``prefill_media``) are dropped (a warning says so); MLA with ``lengths``
   (variable-length batches) is refused.
@@ -169,7 +169,7 @@ class Shard(Pass):
             decl.type = _local_type(name, decl.type, spec, sizes)
             decl.attrs["shard"] = dict(spec)
         stats = {"all_reduce": 0, "all_gather": 0, "all_to_all": 0, "kcp_scan": 0, "conv_halo": 0, "cp_last": 0,
-                 "cp_chunk": 0}
+                 "cp_lengths": 0}
         for name, fn in list(module.functions.items()):
             module.functions[name] = _Rewrite(module, fn, specs, sizes, self.capacity, stats).run()
         module.attrs["mesh"] = dict(sizes)
@@ -257,8 +257,8 @@ class _Rewrite:
     def _kcp(self, o: Operation, ins: list[Value], attrs: dict[str, Any]) -> list[Value]:
         """The sequence-mixing ops over cp segments (SPEC.md 3, KCP): the short conv takes its halo
         from the previous segments, KDA runs its segment from zero for ``(M, S_loc)``, scans for the
-        incoming state and runs again from it, MLA attends over the all-gathered sequence and keeps
-        its segment's rows; final states come from the last segment's rank."""
+        incoming state and runs again from it, MLA attends over the all-gathered latent cache up to
+        its segment; final states come from the last segment's rank."""
         b = self.b
         names = [r.name for r in o.results]
         if o.name == "k3.short_conv":
@@ -277,10 +277,17 @@ class _Rewrite:
         if len(ins) > 4:
             raise K3Error(f"shard: layer {o.attrs.get('layer')}: k3.mla with lengths (variable-length batches) is "
                           "not context-parallel yet")
-        q = self._collective("k3.all_gather", ins[0], "cp", names[0] + "_q_all", dim=1)
-        kv = self._collective("k3.all_gather", ins[1], "cp", names[0] + "_kv_all", dim=1)
-        full, cache = b.create(o.name, [q, kv, *ins[2:]], attrs, names=[names[0] + "_all", names[1]]).results
-        return [self._collective("k3.cp_chunk", full, "cp", names[0], dim=1), cache]
+        q, kv, w = ins[:3]
+        cache = ins[3] if len(ins) > 3 else None
+        R, P = int(w.type.shape[1]), int(kv.type.shape[2]) - int(w.type.shape[1])
+        kv_all = self._collective("k3.all_gather", kv, "cp", names[0] + "_kv_all", dim=1)
+        full = b.op("k3.cast", kv_all, dtype="f32")
+        if cache is not None:
+            full = b.op("k3.concat", b.op("k3.state_load", cache, batch=kv.type.shape[0]), full, axis=1)
+        cache_all = b.op("k3.state_store", full, kind="mla_cache", params=[R, P], _name=names[1])
+        lengths = self._collective("k3.cp_lengths", kv, "cp", names[0] + "_prefix", *([cache] if cache else []))
+        out, _ = b.create(o.name, [q, kv, w, cache_all, lengths], attrs, names=[names[0], names[1] + "_seg"]).results
+        return [out, cache_all]
 
     def _ep_moe(self, o: Operation, ins: list[Value], out_name: str) -> Value:
         """The expert-parallel form of one ``k3.moe`` (see the module docstring)."""

@@ -134,9 +134,9 @@ def test_conv_halo_is_the_tail_before_each_segment():
     assert one[:, 0, 0].tolist() == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 1.0]]   # halo spans 2 ranks
 
 
-def test_cp_last_and_cp_chunk():
+def test_cp_last_and_cp_lengths():
     x = np.arange(8.0).reshape(2, 1, 4)
     assert inst("k3.cp_last", axis="cp", group=2).reference(x)[:, 0].tolist() == [[4, 5, 6, 7]] * 2
-    assert inst("k3.cp_chunk", axis="cp", group=2, dim=1).reference(x)[:, 0].tolist() == [[0, 1], [6, 7]]
-    t = inst("k3.cp_chunk", axis="cp", group=2, dim=1).infer(TensorType("f32", ("B", "2*T", 3)))[0]
-    assert t == TensorType("f32", ("B", "T", 3))
+    kv, cache = np.zeros((3, 2, 4, 5)), np.zeros((3, 2, 7, 5))          # 3 ranks, B=2, T=4, L=7
+    assert inst("k3.cp_lengths", axis="cp", group=3).reference(kv, cache).tolist() == [[7, 7], [11, 11], [15, 15]]
+    assert inst("k3.cp_lengths", axis="cp", group=3).reference(kv)[:, 0].tolist() == [0, 4, 8]

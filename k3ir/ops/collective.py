@@ -384,24 +384,28 @@ class CPLast(Collective):
         return np.stack([x[-1]] * self.group)
 
 
-@op("k3.cp_chunk", "collective")
-class CPChunk(Collective):
-    """This rank's block of ``dim`` (no communication): ``[..., G*n, ...] -> [..., n, ...]``, rank r
-    keeps rows ``r*n .. (r+1)*n - 1`` (MLA under KCP: every rank attends over the gathered
-    sequence and keeps its segment's queries' outputs). ``dim`` static and divisible by G, or
-    spelled ``G*X``. Rank axis: ``[G, ..., G*n, ...] -> [G, ..., n, ...]``."""
-    x = Operand()
+@op("k3.cp_lengths", "collective")
+class CPLengths(Collective):
+    """The cache entries before this rank's segment, per sequence: ``L + r*T`` (``L`` the incoming
+    MLA cache length, 0 without one; ``T`` the segment length; r the rank's cp coordinate). Under
+    KCP every rank's ``k3.mla`` reads the cache extended by the all-gathered segments and attends
+    to its first ``L + r*T`` entries plus its own tokens (``lengths`` of ``k3.mla``), which is the
+    exact causal attention of its queries. kv ``[B,T,*]`` (the segment), optional cache
+    ``!mla_cache``. Returns ``i64[B]``. Rank axis: kv ``[G,B,T,*]``, cache ``[G,B,L,*]`` -> ``[G,B]``.
+    Lowered without communication (the rank's coordinate times T plus L)."""
+    kv = Operand()
+    cache = Operand(optional=True)
     out = Result()
-    dim = Attr(int, 1)
 
-    def infer(self, x):
-        x = tensor(x, "x")
-        d = norm_axis(self.dim, x.rank)
-        shape = list(x.shape)
-        shape[d] = _split_dim(shape[d], self.group, self.name)
-        return [x.with_shape(shape)]
+    def infer(self, kv, cache=None):
+        kv = tensor(kv, "kv")
+        require(kv.rank == 3, f"kv must be [B,T,*], got {kv}")
+        if cache is not None:
+            state(cache, "mla_cache", "cache")
+        return [TensorType("i64", (kv.shape[0],))]
 
-    def reference(self, x):
-        x = _stacked(x, self.group, self.name)
-        d = norm_axis(self.dim, x.ndim - 1)
-        return np.stack([np.split(xr, self.group, axis=d)[r] for r, xr in enumerate(x)])
+    def reference(self, kv, cache=None):
+        kv = _stacked(kv, self.group, self.name)
+        L = 0 if cache is None else np.asarray(_stacked(cache, self.group, self.name)).shape[2]
+        G, B, T = kv.shape[:3]
+        return np.stack([np.full(B, L + r * T, dtype=np.int64) for r in range(G)])
