@@ -85,11 +85,12 @@ def test_context_parallel_prefill_from_a_state_then_decode(key, spec, T):
 
 def test_sharded_then_fused_pipeline_and_data_parallel_batch():
     """shard first, then the full default pipeline (fused KDA, MoE dispatch, AttnRes); ep=2 x dp=2
-    splits a batch of 4 over four data-parallel ranks."""
+    splits a batch of 4 over four data-parallel ranks, ep=4 gives each rank 2 of the 8 experts,
+    ep=2 x cp=2 splits both the batch and the sequences."""
     m, params, s = unsharded("k3-tiny")
     ids = np.random.default_rng(2).integers(0, 256, size=(4, 6))
     want = s.forward(ids).double().numpy()
-    for spec in ("shard{ep=2,dp=2}", "shard{tp=2,dp=2}"):
+    for spec in ("shard{ep=2,dp=2}", "shard{tp=2,dp=2}", "shard{ep=4}", "shard{ep=2,cp=2}"):
         m2 = sharded(m, spec, pipeline_for("reference"))
         assert any(o.name == "k3.fused_kda" for o in m2.ops())
         (got,) = run_sharded(m, m2, "forward", [ids], params)
