@@ -140,3 +140,20 @@ def test_cp_last_and_cp_lengths():
     kv, cache = np.zeros((3, 2, 4, 5)), np.zeros((3, 2, 7, 5))          # 3 ranks, B=2, T=4, L=7
     assert inst("k3.cp_lengths", axis="cp", group=3).reference(kv, cache).tolist() == [[7, 7], [11, 11], [15, 15]]
     assert inst("k3.cp_lengths", axis="cp", group=3).reference(kv)[:, 0].tolist() == [0, 4, 8]
+
+
+@pytest.mark.parametrize("rule", ["quantile", "margin"])
+def test_dp_all_reduce_of_qb_histograms_gives_every_rank_the_global_update(rule):
+    """SPEC.md 6 with data parallelism: each dp rank histograms its own tokens, k3.all_reduce over
+    dp sums the histograms, and every rank's bias update equals the one-process update on the
+    concatenated batch (histogram counts add exactly)."""
+    from k3ir.runtime.qb import hist_ranges, local_histograms, qb_update_hist, qb_values
+    rng = np.random.default_rng(6)
+    scores, bias = rng.random((24, 8)), 0.01 * rng.standard_normal(8)
+    shards = [scores[:10], scores[10:]]                                  # unequal token counts per rank
+    lo, hi = hist_ranges(bias, rule)
+    hists = np.stack([local_histograms(qb_values(s, bias, 2, rule), lo, hi) for s in shards])
+    summed = inst("k3.all_reduce", axis="dp", group=2).reference(hists)
+    new = [qb_update_hist(s, bias, 2, rule, all_reduce=lambda _h, r=r: summed[r]) for r, s in enumerate(shards)]
+    assert np.array_equal(new[0], new[1])
+    assert np.allclose(new[0], qb_update_hist(scores, bias, 2, rule), rtol=0, atol=1e-12)
