@@ -16,6 +16,8 @@ from typing import Any
 
 from k3ir.errors import K3ConfigError
 
+from . import config_bounds as bounds
+
 BUNDLED_DIR = os.path.join(os.path.dirname(__file__), "configs")
 BUNDLED = {"kimi-k3": "kimi-k3.json", "k3-tiny": "k3-tiny.json", "kimi-linear-6p6b": "kimi-linear-6p6b.json"}
 
@@ -146,24 +148,36 @@ def resolve_config_path(name_or_path: str) -> str:
                         path=name_or_path)
 
 
-def read_config(name_or_path: str) -> tuple[dict, str]:
+def read_config(name_or_path: str) -> tuple[Any, str]:
+    """The parsed JSON of a config and its path. K3ConfigError naming the file for a file that cannot be
+    read, is larger than ``config_bounds.MAX_CONFIG_BYTES``, is not UTF-8 or not JSON (line and column),
+    nests deeper than ``MAX_JSON_DEPTH`` (line and column) or holds an integer outside 64 bits (its key)."""
     path = resolve_config_path(name_or_path)
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f), path
+        with open(path, "rb") as f:
+            data = f.read(bounds.MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise K3ConfigError(f"cannot read: {e.strerror or e}", path=path) from None
+    if len(data) > bounds.MAX_CONFIG_BYTES:
+        raise K3ConfigError(f"larger than {bounds.MAX_CONFIG_BYTES} bytes: not a model config", path=path)
+    text = bounds.decode_utf8(data, path)
+    try:
+        raw = bounds.loads(text, path)
     except json.JSONDecodeError as e:
         from k3ir.runtime.train_checkpoint import pointer_message  # `k3ir generate run/checkpoints/latest`
         raise K3ConfigError(pointer_message(path) or f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}",
                             path=path) from None
-    except OSError as e:
-        raise K3ConfigError(f"cannot read: {e.strerror}", path=path) from None
+    bounds.check_huge(raw, path)
+    return raw, path
 
 
 def parse_override_value(text: str) -> Any:
-    """``--set key=value``: JSON when it parses (numbers, true/false/null, lists), else a string."""
+    """``--set key=value``: JSON when it parses (numbers, true/false/null, lists), else a string (also JSON
+    nested deeper than ``config_bounds.MAX_JSON_DEPTH``, which no key accepts). An integer outside 64 bits
+    is a ``config_bounds.HugeInt`` (never converted), refused by ``load_config`` naming the key."""
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+        return bounds.loads(text, None)
+    except (json.JSONDecodeError, K3ConfigError):
         return text
 
 
@@ -189,6 +203,8 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
             node = node[p]
         node[parts[-1]] = value
     text = cfg["text_config"] if wrapped else cfg
+    if not isinstance(text, dict):
+        return cfg                                 # the validator names text_config
     keys = {k.split(".")[-1] for k in overrides}
     _sync_duplicates(text, keys)
     if "vocab_size" in keys:
@@ -200,16 +216,22 @@ def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
     lac = text.get("linear_attn_config")
     if "num_hidden_layers" in keys and isinstance(lac, dict) and "full_attn_layers" not in keys:
         n = text["num_hidden_layers"]
-        if isinstance(n, int):
+        if _layer_count(n):
             lac["full_attn_layers"] = [i for i in lac.get("full_attn_layers", []) if isinstance(i, int) and i <= n]
             lac["kda_layers"] = [i for i in range(1, n + 1) if i not in lac["full_attn_layers"]]
     elif "full_attn_layers" in keys and isinstance(lac, dict) and "kda_layers" not in keys:
         n = text.get("num_hidden_layers")
-        if isinstance(n, int) and isinstance(lac.get("full_attn_layers"), list):
+        if _layer_count(n) and isinstance(lac.get("full_attn_layers"), list):
             lac["kda_layers"] = [i for i in range(1, n + 1) if i not in lac["full_attn_layers"]]
-    if "num_hidden_layers" in keys and isinstance(text.get("num_hidden_layers"), int):
+    if "num_hidden_layers" in keys and _layer_count(text.get("num_hidden_layers")):
         _rederive_per_layer_lists(text, keys)
     return cfg
+
+
+def _layer_count(n: Any) -> bool:
+    """Whether ``n`` is a layer count the layer lists may be derived from (loops over it): an int in
+    ``1..UPPER_BOUNDS['num_hidden_layers']``; anything else is left for the validator to name."""
+    return isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= bounds.UPPER_BOUNDS["num_hidden_layers"]
 
 
 #: transformers' flat Kimi Linear keys -> the ``linear_attn_config`` key k3ir reads (and its default)
@@ -223,6 +245,8 @@ def _follow_vocab(old_raw: dict, cfg: dict, keys: set[str]) -> None:
     one that would go below 0 becomes null. A scaled-down test model thus keeps valid special tokens."""
     old_text = old_raw.get("text_config", old_raw)
     text = cfg.get("text_config", cfg)
+    if not isinstance(old_text, dict) or not isinstance(text, dict):
+        return
     old_v, new_v = old_text.get("vocab_size"), text.get("vocab_size")
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (old_v, new_v)):
         return
@@ -291,8 +315,6 @@ def _rederive_per_layer_lists(text: dict, keys: set[str]) -> None:
     complement); ``mlp_layer_types`` keeps its leading dense layers up to the new depth and
     ``first_k_dense_replace`` is capped at it. Keys overridden too are left as given."""
     n = text["num_hidden_layers"]
-    if n < 1:
-        return                                     # the validator names num_hidden_layers
     lac = text.get("linear_attn_config")
     lt = text.get("layer_types")
     if "layer_types" not in keys and isinstance(lt, list):
@@ -399,6 +421,14 @@ def _warn_unknown(raw: dict, path: str | None) -> None:
         log.warning("%s: ignoring %d unknown config key(s): %s", path or "config", len(extra), ", ".join(extra))
 
 
+def _short(v: Any, n: int = 80) -> str:
+    """``repr(v)`` cut to ``n`` characters (a hostile value may be megabytes long)."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 200:
+        return f"of {v.bit_length()} bits"
+    r = repr(v)
+    return r if len(r) <= n else r[:n] + "..."
+
+
 class _Reader:
     """Typed access to a config dict; errors name the dotted key and the file."""
 
@@ -431,14 +461,18 @@ class _Reader:
             if allow_none:
                 return None
             self.fail(k, "must not be null" + ("" if default is ... else " (omit it for the default)"))
+        if isinstance(v, int) and not isinstance(v, bool) and not bounds.INT_MIN <= v <= bounds.INT_MAX:
+            self.fail(k, f"integer {_short(v)} is out of the 64-bit range")
         if typ is float and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)
         if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-            self.fail(k, f"must be {typ.__name__}, got {type(v).__name__} {v!r}")
+            self.fail(k, f"must be {typ.__name__}, got {type(v).__name__} {_short(v)}")
         if typ is float and not math.isfinite(v):          # json.loads accepts NaN / Infinity
             self.fail(k, f"must be finite, got {v}")
         if choices is not None and v not in choices:
-            self.fail(k, f"must be one of {list(choices)}, got {v!r}")
+            self.fail(k, f"must be one of {list(choices)}, got {_short(v)}")
+        if typ is int and (bound := bounds.upper_bound(self.key(k))) is not None:
+            hi = bound if hi is None else min(hi, bound)
         if lo is not None and v < lo:
             self.fail(k, f"must be >= {lo}, got {v}")
         if hi is not None and v > hi:
@@ -584,6 +618,8 @@ def _check_token_ids(raw: dict, text: dict, prefix: str, path: str | None, vocab
             if v is None:
                 continue
             vals = v if k == "eos_token_id" and isinstance(v, list) else [v]
+            if not vals:
+                raise K3ConfigError("must not be an empty list (null means no token)", key=pre + k, path=path)
             for x in vals:
                 if not isinstance(x, int) or isinstance(x, bool):
                     raise K3ConfigError(f"must be an int token id, got {type(x).__name__} {x!r}",
@@ -607,8 +643,8 @@ def _linear_attn_config(text: dict, r: _Reader, n_layers: int) -> dict:
         return lac
     lac = r.get("linear_attn_config", dict)
     full = lac.get("full_attn_layers")
-    if lt is not None and isinstance(full, list) and sorted(full) != [i + 1 for i, t in enumerate(lt)
-                                                                      if t == "full_attention"]:
+    ints = isinstance(full, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in full)
+    if lt is not None and ints and sorted(full) != [i + 1 for i, t in enumerate(lt) if t == "full_attention"]:
         r.fail("layer_types", f"disagrees with linear_attn_config.full_attn_layers {full} (1-based)")
     return lac
 
@@ -643,8 +679,8 @@ def _quant(text: dict, r: _Reader) -> tuple[str | None, list[str]]:
             if isinstance(g, dict) and g.get("format"):
                 fmt = g["format"]
     known = {"mxfp4-pack-quantized": "mxfp4", "pack-quantized": "int4"}
-    if fmt not in known:
-        r.fail("quantization_config.format", f"unsupported format {fmt!r} (want one of {sorted(known)})")
+    if not isinstance(fmt, str) or fmt not in known:
+        r.fail("quantization_config.format", f"unsupported format {_short(fmt)} (want one of {sorted(known)})")
     ignore = qc.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
         r.fail("quantization_config.ignore", "must be a list of strings")
@@ -661,6 +697,8 @@ def load_config(name_or_path: str, overrides: dict[str, Any] | None = None) -> M
     if isinstance(raw, dict):
         _warn_unknown(raw, path)
         check_override_keys(raw, overrides, path)
+    for key, value in (overrides or {}).items():    # before apply_overrides loops or copies by them
+        bounds.check_override_value(key, value, _override_where(path, key))
     name = name_or_path if name_or_path in BUNDLED else None
     if name is None and os.path.isdir(name_or_path):
         name = os.path.basename(os.path.normpath(name_or_path))
@@ -688,6 +726,10 @@ def _build_checked(raw: Any, path: str | None, name: str | None) -> ModelConfig:
     cfg = build_config(raw, path, name)
     if cfg.vision is not None:
         from .vision import vision_spec
+        merge, hi = cfg.vision.get("merge_kernel_size"), bounds.UPPER_BOUNDS["vision_config.merge_kernel_size"]
+        if isinstance(merge, list) and any(isinstance(k, int) and k > hi for k in merge):
+            raise K3ConfigError(f"entries must be <= {hi}, got {_short(merge)}", key="vision_config.merge_kernel_size",
+                                path=path)
         vision_spec(cfg.vision, cfg.hidden_size, path)
     return cfg
 

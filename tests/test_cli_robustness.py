@@ -141,6 +141,31 @@ def test_set_errors_name_the_flag(capsys):
     assert line.startswith("k3ir: error: --set vision_config.vt_hidden_size=33: ")
 
 
+@pytest.mark.parametrize("item,words", [
+    ("num_hidden_layers=2147483648", "2147483648 exceeds the largest supported num_hidden_layers (1024"),
+    ("kv_lora_rank=1000000000000000000000000000000", "integer 1000000000000000000000000000000 is out of the 64-bit"),
+    ("kv_lora_rank=" + "9" * 5000, "integer 999999999999...(5000 digits) is out of the 64-bit range"),
+    ("num_hidden_layers=2**31", "'text_config.num_hidden_layers': must be int, got str '2**31'"),
+    ("kv_lora_rank=10**30", "'text_config.kv_lora_rank': must be int, got str '10**30'"),
+    ("hidden_size=" + "[" * 5000 + "]" * 5000, "'text_config.hidden_size': must be int, got str '[[[["),
+    ("vision_config.vt_num_hidden_layers=2147483648", "exceeds the largest supported vt_num_hidden_layers (1024"),
+], ids=["layers-2**31", "kv_lora_rank-10**30", "5000-digits", "expr-layers", "expr-rank", "deep", "vision-layers"])
+def test_set_out_of_range_fails_fast(capsys, item, words):
+    import time
+    t0 = time.perf_counter()
+    line = run_err(capsys, "inspect", "k3-tiny", "--set", item)
+    assert time.perf_counter() - t0 < 10
+    assert line.startswith(f"k3ir: error: --set {item[:40]}") and words in line, line[:300]
+
+
+def test_config_file_too_large(capsys, tmp_path):
+    from k3ir.frontend.config_bounds import MAX_CONFIG_BYTES
+    p = tmp_path / "config.json"
+    p.write_bytes(b" " * (MAX_CONFIG_BYTES + 1))
+    line = run_err(capsys, "inspect", str(p))
+    assert line == f"k3ir: error: {p}: larger than {MAX_CONFIG_BYTES} bytes: not a model config"
+
+
 def test_null_hidden_act_rejected(capsys):
     line = run_err(capsys, "inspect", "k3-tiny", "--set", "hidden_act=null")
     assert "--set hidden_act=null" in line and "'text_config.hidden_act'" in line and "null" in line

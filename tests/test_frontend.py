@@ -280,3 +280,137 @@ def test_k3_tiny_structure():
     want.append((None, len([j for j in range(n) if j % B == 0]) + 1))
     assert got == want
     assert want[-1][1] == 4                              # blocks at 0, 4, 8 + the last partial sum
+
+
+# ---- hostile configs: every failure is a K3ConfigError naming the file and the key (or line and column) ----------
+def _tiny_raw() -> dict:
+    from k3ir.frontend.config import resolve_config_path
+    with open(resolve_config_path("k3-tiny")) as f:
+        return json.load(f)
+
+
+def _load_text(tmp_path, text: str | bytes) -> K3ConfigError:
+    p = tmp_path / "config.json"
+    p.write_bytes(text.encode("utf-8") if isinstance(text, str) else text)
+    with pytest.raises(K3ConfigError) as e:
+        k3ir.load(str(p))
+    assert str(e.value).startswith(f"{p}: "), str(e.value)
+    return e.value
+
+
+def test_config_not_utf8_names_line_and_column(tmp_path):
+    text = json.dumps(_tiny_raw(), indent=2).encode()
+    i = text.index(b'"hidden_size"')                 # on line 3 of the indented file, after 4 spaces
+    bad = text[:i + 3] + b"\xff" + text[i + 3:]
+    line = text.count(b"\n", 0, i) + 1
+    e = _load_text(tmp_path, bad)
+    assert f"not valid UTF-8 at line {line}, column 8 (byte 0xff" in str(e), str(e)
+
+
+@pytest.mark.parametrize("n", [33, 5000])
+def test_config_nesting_depth(tmp_path, n):
+    raw = _tiny_raw()
+    text = json.dumps(raw).replace('"hidden_size": 64', '"hidden_size": ' + "[" * n + "]" * n)
+    col = text.index('"hidden_size"') + len('"hidden_size": ') + 1 + 30   # the 31st '[' is level 33 (the file's object and text_config are 1 and 2)
+    e = _load_text(tmp_path, text)
+    assert f"JSON nested more than 32 deep at line 1, column {col}" in str(e), str(e)
+
+
+def test_config_nesting_at_the_limit_reaches_the_key(tmp_path):
+    text = json.dumps(_tiny_raw()).replace('"hidden_size": 64', '"hidden_size": ' + "[" * 30 + "]" * 30)
+    e = _load_text(tmp_path, text)        # 30 + the two objects around it = 32 levels: parsed, then typed
+    assert "key 'text_config.hidden_size': must be int, got list" in str(e), str(e)
+
+
+@pytest.mark.parametrize("digits", [20, 31, 5000])
+def test_config_huge_integer_names_the_key(tmp_path, digits):
+    text = json.dumps(_tiny_raw()).replace('"kv_lora_rank": 32', '"kv_lora_rank": ' + "1" + "0" * (digits - 1))
+    e = _load_text(tmp_path, text)
+    assert "key 'text_config.kv_lora_rank': integer " in str(e) and "is out of the 64-bit range" in str(e), str(e)
+    assert e.key == "text_config.kv_lora_rank"
+
+
+def test_config_huge_integer_for_a_float_key(tmp_path):
+    raw = _tiny_raw()
+    raw["text_config"]["routed_scaling_factor"] = 10 ** 400       # float(10**400) overflows
+    with pytest.raises(K3ConfigError, match="text_config.routed_scaling_factor"):
+        k3ir.frontend.build_config(raw, "c.json")
+
+
+@pytest.mark.parametrize("key,value,bound", [
+    ("num_hidden_layers", 2 ** 31, 1024), ("hidden_size", 65537, 65536), ("vocab_size", 2 ** 22 + 1, 2 ** 22),
+    ("num_experts", 10 ** 6, 16384), ("kv_lora_rank", 10 ** 12, 65536),
+    ("linear_attn_config.head_dim", 4097, 4096), ("vision_config.vt_num_hidden_layers", 2 ** 31, 1024),
+])
+def test_config_file_upper_bounds(tmp_path, key, value, bound):
+    raw = _tiny_raw()
+    node = raw if key.startswith("vision_config") else raw["text_config"]
+    *head, last = key.split(".")
+    for h in head:
+        node = node[h]
+    node[last] = value
+    e = _load_text(tmp_path, json.dumps(raw))
+    assert f"must be <= {bound}, got {value}" in str(e), str(e)
+    assert e.key.removeprefix("text_config.") == key
+
+
+def test_config_upper_bounds_hold_kimi_k3_twice():
+    """Every bound is at least twice Kimi K3's value (a larger K3-family model still loads)."""
+    from k3ir.frontend.config import resolve_config_path
+    from k3ir.frontend.config_bounds import UPPER_BOUNDS
+    with open(resolve_config_path("kimi-k3")) as f:
+        raw = json.load(f)
+    seen = 0
+    for key, hi in UPPER_BOUNDS.items():
+        node, parts = raw if key.startswith("vision_config") else raw["text_config"], key.split(".")
+        for p in parts:
+            node = node.get(p) if isinstance(node, dict) else None
+        for v in node if isinstance(node, list) else [node]:
+            if isinstance(v, int):
+                assert hi >= 2 * v, (key, v, hi)
+                seen += 1
+    assert seen >= 30
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("num_hidden_layers", 2 ** 31, "2147483648 exceeds the largest supported num_hidden_layers (1024"),
+    ("kv_lora_rank", 10 ** 30, "integer 1000000000000000000000000000000 is out of the 64-bit range"),
+    ("linear_attn_config.num_heads", 10 ** 5000, "integer of 16610 bits is out of the 64-bit range"),
+], ids=["layers-2**31", "kv_lora_rank-10**30", "num_heads-10**5000"])
+def test_override_bounds_fail_fast(key, value, words):
+    import time
+    t0 = time.perf_counter()
+    with pytest.raises(K3ConfigError) as e:
+        k3ir.load("k3-tiny", overrides={key: value})
+    assert time.perf_counter() - t0 < 5
+    assert e.value.override == key and words in str(e.value) and "k3-tiny.json, override" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("text,want", [
+    ("1" + "0" * 5000, "HugeInt"), ("[" * 5000 + "]" * 5000, "str"), ("2**31", "str"), ("12", "int"),
+], ids=["5000-digits", "5000-deep", "expression", "int"])
+def test_parse_override_value_never_raises(text, want):
+    from k3ir.frontend import parse_override_value
+    assert type(parse_override_value(text)).__name__ == want
+
+
+def test_layer_types_with_non_integer_full_attn_layers(tmp_path):
+    """transformers' layer_types next to a full_attn_layers entry that is not an int: the entry is named."""
+    cfg = kimi_linear_tiny()
+    cfg["layer_types"] = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    cfg["linear_attn_config"]["full_attn_layers"] = [2, [4]]
+    with pytest.raises(K3ConfigError, match=r"linear_attn_config.full_attn_layers': entry 1 must be an integer, "
+                                            r"got \[4\]"):
+        k3ir.load(write_config(tmp_path, cfg))
+
+
+@pytest.mark.parametrize("overrides,key,words", [
+    ({"text_config": [1, 0]}, "text_config", "must be an object"),
+    ({"text_config": [1, 0], "vocab_size": 300}, "vocab_size", "'text_config' is not an object"),
+    ({"quantization_config": {"format": [0, 1, 2]}}, "quantization_config.format", "unsupported format [0, 1, 2]"),
+    ({"eos_token_id": []}, "eos_token_id", "must not be an empty list"),
+], ids=["text_config-list", "text_config-list-vocab", "quant-format-list", "eos-empty"])
+def test_override_wrong_shapes_name_the_key(overrides, key, words):
+    with pytest.raises(K3ConfigError) as e:
+        k3ir.load("k3-tiny", overrides=overrides)
+    assert e.value.key.endswith(key) and words in str(e.value), str(e.value)
