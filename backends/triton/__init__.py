@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from .. import Backend, register_backend
+from . import support
 
 __all__ = ["gated_rmsnorm", "kda_decode", "kda_forward", "short_conv"]
 
@@ -50,12 +51,6 @@ def _build(module, dtype: str = "bfloat16", device: str = "cuda"):
     return TritonExecutable(module, dtype, device)
 
 
-def _lowers() -> set[str]:
-    from ..torch.ops import TABLE
-    from .executable import KERNELS
-    return set(TABLE) | set(KERNELS)
-
-
 def _pipeline() -> list[str]:
     try:
         from k3ir.passes.pipelines import pipeline_for
@@ -65,4 +60,5 @@ def _pipeline() -> list[str]:
 
 
 register_backend(Backend(name="triton", description="Triton kernels for Hopper GPUs (fused KDA fwd/bwd, decode)",
-                         build=_build, pipeline=_pipeline(), lowers=_lowers, available=_available))
+                         build=_build, pipeline=_pipeline(), table=support.table, support=support.supports,
+                         available=_available))
