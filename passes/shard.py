@@ -33,9 +33,10 @@ Placement follows ``k3ir.plan`` (rank order tp innermost, then cp, ep, dp):
   fp32) and runs the segment again from it; MLA all-gathers the latent kv over cp (the cache is
   complete on every rank) and attends from its segment's queries over the cache entries before
   its segment (``lengths`` from ``k3.cp_lengths``) plus its own tokens, causally; final KDA / conv states come from the last segment's rank (``k3.cp_last``). Logits
-  stay split by segment. Decode steps are replicated over cp. The media functions
-  (``forward_media``, ``prefill_media``) are dropped (a warning says so); MLA with ``lengths``
-  (variable-length batches) is refused.
+  stay split by segment. Decode steps are replicated over cp. In ``@prefill_varlen`` (right-padded
+  MLA caches) the segments are inserted after each row's valid entries for attention
+  (``k3.cache_insert``) and the returned caches keep the unsharded padded layout. The media
+  functions (``forward_media``, ``prefill_media``) are dropped (a warning says so).
 
 Runs before the fuse / quantize passes (it rewrites ``k3.moe`` and the model ops); a module with
 fused KDA layers, a fused MoE dispatch or packed experts is refused. ``backends/reference/ranks.py``
@@ -274,19 +275,19 @@ class _Rewrite:
             s_in = self._collective("k3.kcp_scan", M, "cp", names[1] + "_in", s_loc, *ins[5:])
             out, fin = b.create(o.name, [q, k, v, g, beta, s_in], attrs, names=[names[0], names[1] + "_seg"]).results
             return [out, self._collective("k3.cp_last", fin, "cp", names[1])]
-        if len(ins) > 4:
-            raise K3Error(f"shard: layer {o.attrs.get('layer')}: k3.mla with lengths (variable-length batches) is "
-                          "not context-parallel yet")
         q, kv, w = ins[:3]
         cache = ins[3] if len(ins) > 3 else None
         R, P = int(w.type.shape[1]), int(kv.type.shape[2]) - int(w.type.shape[1])
-        kv_all = self._collective("k3.all_gather", kv, "cp", names[0] + "_kv_all", dim=1)
-        full = b.op("k3.cast", kv_all, dtype="f32")
+        kv_all = b.op("k3.cast", self._collective("k3.all_gather", kv, "cp", names[0] + "_kv_all", dim=1), dtype="f32")
+        full = kv_all
         if cache is not None:
-            full = b.op("k3.concat", b.op("k3.state_load", cache, batch=kv.type.shape[0]), full, axis=1)
+            full = b.op("k3.concat", b.op("k3.state_load", cache, batch=kv.type.shape[0]), kv_all, axis=1)
         cache_all = b.op("k3.state_store", full, kind="mla_cache", params=[R, P], _name=names[1])
-        lengths = self._collective("k3.cp_lengths", kv, "cp", names[0] + "_prefix", *([cache] if cache else []))
-        out, _ = b.create(o.name, [q, kv, w, cache_all, lengths], attrs, names=[names[0], names[1] + "_seg"]).results
+        view = cache_all
+        if len(ins) > 4:       # variable-length rows: the segments go right after each row's valid entries
+            view = b.op("k3.cache_insert", cache, kv_all, ins[4], _name=names[1] + "_view")
+        lengths = self._collective("k3.cp_lengths", kv, "cp", names[0] + "_prefix", *ins[3:5])
+        out, _ = b.create(o.name, [q, kv, w, view, lengths], attrs, names=[names[0], names[1] + "_seg"]).results
         return [out, cache_all]
 
     def _ep_moe(self, o: Operation, ins: list[Value], out_name: str) -> Value:

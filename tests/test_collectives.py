@@ -157,3 +157,12 @@ def test_dp_all_reduce_of_qb_histograms_gives_every_rank_the_global_update(rule)
     new = [qb_update_hist(s, bias, 2, rule, all_reduce=lambda _h, r=r: summed[r]) for r, s in enumerate(shards)]
     assert np.array_equal(new[0], new[1])
     assert np.allclose(new[0], qb_update_hist(scores, bias, 2, rule), rtol=0, atol=1e-12)
+
+
+def test_cache_insert_places_rows_after_each_valid_prefix():
+    cache = np.array([[[1.0], [2.0], [9.0]], [[3.0], [4.0], [5.0]]])    # B=2, L=3; row 0 valid [:2], row 1 [:3]
+    x = np.array([[[7.0]], [[8.0]]])
+    out = inst("k3.cache_insert").reference(cache, x, np.array([2, 3]))
+    assert out[..., 0].tolist() == [[1.0, 2.0, 7.0, 0.0], [3.0, 4.0, 5.0, 8.0]]
+    with pytest.raises(K3VerifyError, match="not in 0..3"):
+        inst("k3.cache_insert").reference(cache, x, np.array([4, 0]))

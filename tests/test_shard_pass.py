@@ -83,6 +83,28 @@ def test_context_parallel_prefill_from_a_state_then_decode(key, spec, T):
         assert rel(got, st3.values[name]) < 1e-10, name
 
 
+@pytest.mark.parametrize("spec", ["shard{cp=2}", "shard{cp=2,tp=2}"])
+def test_context_parallel_varlen_prefill(spec):
+    """@prefill_varlen under KCP: rows whose MLA caches hold 2 and 5 valid entries (garbage in the
+    padding) continue by 6 tokens in 2 segments; outputs and returned (padded) states equal the
+    unsharded reference."""
+    from k3ir.frontend.model import add_varlen_function
+    m, params, _ = unsharded("kimi-linear-tiny")
+    m = add_varlen_function(m.clone())
+    fn = m.functions["prefill_varlen"]
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, 256, size=(2, 6))
+    args = [ids, np.array([2, 5])]
+    for a in fn.args[2:]:
+        p = a.type.params
+        shape = (2, 5, p[0] + p[1]) if a.type.kind == "mla_cache" else (2, *p)
+        args.append(0.3 * rng.standard_normal(shape))
+    want = k3ir.compile(m, target="reference").run("prefill_varlen", args, params)
+    got = run_sharded(m, sharded(m, spec), "prefill_varlen", args, params)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert rel(g, w) < 1e-10, (i, fn.returns[i].name)
+
+
 def test_sharded_then_fused_pipeline_and_data_parallel_batch():
     """shard first, then the full default pipeline (fused KDA, MoE dispatch, AttnRes); ep=2 x dp=2
     splits a batch of 4 over four data-parallel ranks, ep=4 gives each rank 2 of the 8 experts,

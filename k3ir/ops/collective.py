@@ -387,25 +387,66 @@ class CPLast(Collective):
 @op("k3.cp_lengths", "collective")
 class CPLengths(Collective):
     """The cache entries before this rank's segment, per sequence: ``L + r*T`` (``L`` the incoming
-    MLA cache length, 0 without one; ``T`` the segment length; r the rank's cp coordinate). Under
-    KCP every rank's ``k3.mla`` reads the cache extended by the all-gathered segments and attends
-    to its first ``L + r*T`` entries plus its own tokens (``lengths`` of ``k3.mla``), which is the
-    exact causal attention of its queries. kv ``[B,T,*]`` (the segment), optional cache
-    ``!mla_cache``. Returns ``i64[B]``. Rank axis: kv ``[G,B,T,*]``, cache ``[G,B,L,*]`` -> ``[G,B]``.
-    Lowered without communication (the rank's coordinate times T plus L)."""
+    MLA cache length, 0 without one, or ``cache_lengths[b]`` for a right-padded variable-length
+    batch; ``T`` the segment length; r the rank's cp coordinate). Under KCP every rank's
+    ``k3.mla`` reads the cache extended by the all-gathered segments and attends to its first
+    ``L + r*T`` entries plus its own tokens (``lengths`` of ``k3.mla``), which is the exact causal
+    attention of its queries. kv ``[B,T,*]`` (the segment), optional cache ``!mla_cache`` and
+    ``cache_lengths i64[B]``. Returns ``i64[B]``. Rank axis: kv ``[G,B,T,*]``, cache
+    ``[G,B,L,*]``, cache_lengths ``[G,B]`` -> ``[G,B]``. Lowered without communication."""
     kv = Operand()
     cache = Operand(optional=True)
+    cache_lengths = Operand(optional=True)
     out = Result()
 
-    def infer(self, kv, cache=None):
+    def infer(self, kv, cache=None, cache_lengths=None):
         kv = tensor(kv, "kv")
         require(kv.rank == 3, f"kv must be [B,T,*], got {kv}")
         if cache is not None:
             state(cache, "mla_cache", "cache")
+        if cache_lengths is not None:
+            require(cache is not None and tensor(cache_lengths, "cache_lengths").rank == 1
+                    and cache_lengths.dtype in ("i64", "i32"), f"cache_lengths must be i64[B] with a cache, got "
+                    f"{cache_lengths}")
         return [TensorType("i64", (kv.shape[0],))]
 
-    def reference(self, kv, cache=None):
+    def reference(self, kv, cache=None, cache_lengths=None):
         kv = _stacked(kv, self.group, self.name)
-        L = 0 if cache is None else np.asarray(_stacked(cache, self.group, self.name)).shape[2]
         G, B, T = kv.shape[:3]
-        return np.stack([np.full(B, L + r * T, dtype=np.int64) for r in range(G)])
+        if cache_lengths is not None:
+            base = np.asarray(_stacked(cache_lengths, self.group, self.name), dtype=np.int64)[0]
+        else:
+            base = np.full(B, 0 if cache is None else np.asarray(_stacked(cache, self.group, self.name)).shape[2])
+        return np.stack([(base + r * T).astype(np.int64) for r in range(G)])
+
+
+@op("k3.cache_insert", "collective")
+class CacheInsert(Op):
+    """Insert rows after each sequence's valid cache entries: cache ``!mla_cache<R,P>`` (``[B,L,R+P]``,
+    row b valid in ``[:lengths[b]]``, right-padded), x ``[B,S,R+P]``, lengths ``i64[B]``. Returns
+    ``!mla_cache<R,P>`` ``[B,L+S,R+P]`` with row b = ``cache[b,:lengths[b]]``, ``x[b]``, zeros: the
+    attention view of a variable-length batch whose new entries (the all-gathered KCP segments)
+    follow each row's own prefix. A per-rank op (no rank axis)."""
+    rank_axis: ClassVar[bool] = False
+    cache = Operand()
+    x = Operand()
+    lengths = Operand()
+    out = Result()
+
+    def infer(self, cache, x, lengths):
+        st = state(cache, "mla_cache", "cache")
+        x = tensor(x, "x")
+        require(x.rank == 3 and x.shape[2] == st.params[0] + st.params[1], f"x {x} must be [B,S,{sum(st.params)}]")
+        require(tensor(lengths, "lengths").rank == 1 and lengths.dtype in ("i64", "i32"),
+                f"lengths must be i64[B], got {lengths}")
+        return [st]
+
+    def reference(self, cache, x, lengths):
+        c, x = f64(cache), f64(x)
+        B, L, W = c.shape
+        out = np.zeros((B, L + x.shape[1], W))
+        for b_, n in enumerate(np.asarray(lengths, dtype=np.int64)):
+            require(0 <= n <= L, f"cache length {n} not in 0..{L}")
+            out[b_, :n] = c[b_, :n]
+            out[b_, n:n + x.shape[1]] = x[b_]
+        return out
