@@ -156,23 +156,34 @@ class Shard(Pass):
                     raise K3Error(f"shard: @{fn.name} has {o.name} (layer {o.attrs.get('layer')}): run shard before "
                                   "the fuse and quantize passes")
         sizes = {"ep": self.ep, "cp": self.cp, "tp": self.tp, "dp": self.dp}
-        if self.cp > 1:
-            for name in [n for n, f in module.functions.items() if any(o.name == "k3.merge_media" for o in f.ops)]:
-                log.warning("shard: cp=%d drops @%s (media placement over sequence segments is not sharded yet)",
-                            self.cp, name)
-                del module.functions[name]
+        dropped = [n for n, f in module.functions.items()
+                   if self.cp > 1 and any(o.name == "k3.merge_media" for o in f.ops)]
         specs = param_shards(module, self.ep, self.tp)
+        local = {}
         for name, spec in specs.items():
             decl = module.params[name]
             if decl.type.dtype in ("mxfp4", "int4") or decl.attrs.get("role") == "scale":
                 raise K3Error(f"shard: parameter '{name}' is packed ({decl.type.dtype}): run shard before "
                               "quantize-experts")
-            decl.type = _local_type(name, decl.type, spec, sizes)
-            decl.attrs["shard"] = dict(spec)
+            local[name] = _local_type(name, decl.type, spec, sizes)
         stats = {"all_reduce": 0, "all_gather": 0, "all_to_all": 0, "kcp_scan": 0, "conv_halo": 0, "cp_last": 0,
                  "cp_lengths": 0}
-        for name, fn in list(module.functions.items()):
-            module.functions[name] = _Rewrite(module, fn, specs, sizes, self.capacity, stats).run()
+        full = {name: module.params[name].type for name in specs}
+        for name, t in local.items():
+            module.params[name].type = t
+        try:          # the functions are rebuilt aside: a K3Error leaves the module as it was
+            functions = {name: _Rewrite(module, fn, specs, sizes, self.capacity, stats).run()
+                         for name, fn in module.functions.items() if name not in dropped}
+        except K3Error:
+            for name, t in full.items():
+                module.params[name].type = t
+            raise
+        for name in specs:
+            module.params[name].attrs["shard"] = dict(specs[name])
+        for name in dropped:
+            log.warning("shard: cp=%d drops @%s (media placement over sequence segments is not sharded yet)",
+                        self.cp, name)
+        module.functions = functions
         module.attrs["mesh"] = dict(sizes)
         return PassResult(rewrites=sum(stats.values()) + len(specs),
                           details={"split_params": len(specs), **stats})
@@ -321,7 +332,8 @@ class _Rewrite:
 
 def _reshape_shape(o: Operation, new_in: Value) -> list:
     """``k3.reshape``'s shape for an input whose last dim was split over tp: the first explicit
-    (positive) entry shrinks by the same factor ([0,0,H,D] -> [0,0,H/tp,D], [0,0,H*D] -> [0,0,H*D/tp])."""
+    (positive) entry, the head count, shrinks by the same factor ([0,0,H,D] -> [0,0,H/tp,D],
+    [0,0,H*D] -> [0,0,H*D/tp]); K3Error when it is not divisible (heads cannot be split)."""
     shape = list(o.attrs["shape"])
     old = o.operands[0].type
     if not isinstance(old, TensorType) or new_in.type == old:
@@ -333,7 +345,10 @@ def _reshape_shape(o: Operation, new_in: Value) -> list:
                 raise K3Error(f"shard: cannot reshape {new_in.type} (was {old}) to {shape}")
             factor *= a // c
     for i, d in enumerate(shape):
-        if isinstance(d, int) and d > 0 and d % factor == 0:
+        if isinstance(d, int) and d > 0:
+            if d % factor:
+                break
             shape[i] = d // factor
             return shape
-    raise K3Error(f"shard: reshape of {new_in.type} (was {old}) to {shape} has no entry divisible by {factor}")
+    raise K3Error(f"shard: %{o.results[0].name} = k3.reshape of {new_in.type} (was {old}) to {shape}: the "
+                  f"head count does not split {factor} ways")

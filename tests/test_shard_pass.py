@@ -184,6 +184,14 @@ def test_bad_mesh_is_a_k3error(spec, match):
         run_pipeline(load_tiny("k3-tiny"), [spec])
 
 
+def test_heads_that_do_not_split_are_an_error_and_leave_the_module_unchanged():
+    m = k3ir.load("k3-tiny", {"num_attention_heads": 3, "num_key_value_heads": 3})   # MLA rows split, heads not
+    before = k3ir.print_module(m)
+    with pytest.raises(K3Error, match=r"%l3\.\d+ = k3.reshape .* head count does not split 2 ways"):
+        run_pipeline(m, ["shard{tp=2}"])
+    assert k3ir.print_module(m) == before
+
+
 def test_shard_refuses_fused_and_already_sharded_modules():
     m = load_tiny("k3-tiny")
     run_pipeline(m, ["fuse-moe-dispatch"])
