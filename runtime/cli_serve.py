@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import socket
 import sys
 
@@ -32,6 +33,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
 
 
+#: the environment variable ``k3ir serve`` reads its API key from when ``--api-key`` is not given
+API_KEY_ENV = "K3IR_API_KEY"
 #: uvicorn's log levels
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 _SIZE_FLAGS = {"block_size": "--block-size", "num_blocks": "--num-blocks", "max_batch": "--max-batch"}
@@ -140,15 +143,21 @@ def cmd_serve(args) -> int:
         v = getattr(args, flag)
         if v < 1:                                    # 0 would start a server that refuses every request
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
-    if not 0 < args.body_timeout < float("inf"):
-        raise UsageError(f"--body-timeout must be a finite number of seconds > 0, got {args.body_timeout}")
+    for flag in ("body_timeout", "drain_timeout"):
+        v = getattr(args, flag)
+        if not 0 < v < float("inf"):
+            raise UsageError(f"--{flag.replace('_', '-')} must be a finite number of seconds > 0, got {v}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)   # read once, here
+    if api_key is not None and not api_key.strip():
+        source = "--api-key" if args.api_key is not None else API_KEY_ENV
+        raise UsageError(f"{source} must not be empty (leave it out to serve without an API key)")
     limits = ServerLimits(max_request_bytes=args.max_request_bytes, max_prompt_tokens=args.max_prompt_tokens,
                           max_output_tokens=args.max_output_tokens, max_concurrent=args.max_concurrent,
                           max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
-                          body_timeout_s=args.body_timeout)
+                          body_timeout_s=args.body_timeout, drain_timeout_s=args.drain_timeout)
     check_port(args.host, args.port)                 # before loading the model: uvicorn's bind error is a raw log
     module, tok, engine = _setup(args)
-    app = create_app(engine, tok, args.served_name or module.name, limits)
+    app = create_app(engine, tok, args.served_name or module.name, limits, api_key=api_key)
     serve(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -172,6 +181,13 @@ def register(sub) -> None:
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds from a request's headers until its whole body must have arrived (default 30; "
                         "later gets 408 and the connection closed)")
+    p.add_argument("--api-key", default=None,
+                   help=f"bearer token every request but GET /health must send (Authorization: Bearer KEY; else 401); "
+                        f"default: the environment variable {API_KEY_ENV}, read once at start (it keeps the key out "
+                        "of the process list); neither: no key")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM or Ctrl-C, seconds that requests in flight get to finish before they are "
+                        "cancelled; no new connections are taken meanwhile (default 30)")
     p.add_argument("--max-prompt-tokens", type=int, default=4096)
     p.add_argument("--max-output-tokens", type=int, default=1024)
     p.add_argument("--max-concurrent", type=int, default=64, help="requests in flight (default 64; more get 429)")

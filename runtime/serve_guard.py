@@ -1,9 +1,10 @@
-"""ASGI middleware that reads each request's whole body, within a size limit and a time limit,
-before the app sees it."""
+"""ASGI middleware in front of the app: the API key check, and reading each request's whole body within a
+size limit and a time limit before the app sees it."""
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 
 from .serve_errors import error_body
 
@@ -60,3 +61,27 @@ class BodyGuard:
         async def replay():
             return pending.pop() if pending else await receive()
         await self.app(scope, replay, send)
+
+
+class BearerAuth:
+    """ASGI middleware that admits an HTTP request only with the header ``Authorization: Bearer KEY``
+    (compared in constant time); paths in ``open_paths`` (``/health``) need none. Others get a 401 JSON
+    error (``invalid_api_key``) with ``WWW-Authenticate: Bearer`` before their body is read."""
+
+    def __init__(self, app, api_key: str, open_paths: tuple[str, ...] = ("/health",)):
+        self.app, self.key, self.open_paths = app, api_key.encode(), open_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") in self.open_paths:
+            return await self.app(scope, receive, send)
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        why = "no API key was sent" if not auth else "the API key is not valid"
+        body = json.dumps(error_body(f"{why}: send the header 'Authorization: Bearer KEY' with the key the "
+                                     "server was started with", "invalid_request_error", "invalid_api_key")).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})

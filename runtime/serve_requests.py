@@ -23,8 +23,9 @@ class ServerLimits:
     output tokens (``max_tokens``), requests in flight (queued + running; more get 429), ``stop``
     strings per request and their total characters (400 naming ``stop`` over either), and
     ``body_timeout_s``: seconds from a request's headers until its whole body must have arrived
-    (408 and the connection closed otherwise). Each must be an integer >= 1, the timeout a finite
-    number > 0 (K3RuntimeError otherwise)."""
+    (408 and the connection closed otherwise); ``drain_timeout_s``: seconds that requests in flight
+    get to finish after the server is told to stop (SIGTERM); those still running then are cancelled.
+    Each count must be an integer >= 1, each time a finite number > 0 (K3RuntimeError otherwise)."""
     max_request_bytes: int = 1 << 20
     max_prompt_tokens: int = 4096
     max_output_tokens: int = 1024
@@ -32,6 +33,7 @@ class ServerLimits:
     max_stop_strings: int = 16
     max_stop_chars: int = 4096
     body_timeout_s: float = 30.0
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for key in ("max_request_bytes", "max_prompt_tokens", "max_output_tokens", "max_concurrent",
@@ -39,9 +41,10 @@ class ServerLimits:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise K3RuntimeError(f"server limit {key} must be an integer >= 1, got {v!r}")
-        t = self.body_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
-            raise K3RuntimeError(f"server limit body_timeout_s must be a finite number of seconds > 0, got {t!r}")
+        for key in ("body_timeout_s", "drain_timeout_s"):
+            t = getattr(self, key)
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+                raise K3RuntimeError(f"server limit {key} must be a finite number of seconds > 0, got {t!r}")
 
 
 #: OpenAI request fields this server does not implement, with the values it accepts for them (their

@@ -4,10 +4,12 @@ count of requests in flight)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 
+import anyio
 from fastapi import FastAPI
 from jinja2 import TemplateError
 from sse_starlette.sse import EventSourceResponse
@@ -29,16 +31,18 @@ from .serve_requests import (
     sampling_params,
     stop_strings,
 )
-from .serve_stream import TextStream, abort_on_disconnect, finish_reason, sse_events
+from .serve_stream import SHUTDOWN_MESSAGE, TextStream, abort_on_disconnect, finish_reason, sse_events
 from .serve_tools import MARKERS, ChatDeltas, ToolCallParser, forced_call
 from .tokenizer import Tokenizer
+
+log = logging.getLogger("k3ir.server")
 
 
 @dataclass
 class ServingState:
     """What the routes share: the engine and the thread that runs it, the tokenizer, the served model
-    name, the limits, ``in_flight`` (requests admitted and not yet released) and ``created`` (Unix
-    seconds, for ``/v1/models``)."""
+    name, the limits, ``in_flight`` (requests admitted and not yet released; ``requests`` holds them),
+    ``created`` (Unix seconds, for ``/v1/models``) and ``draining`` (set by ``drain``)."""
     engine: Engine
     runner: EngineThread
     tokenizer: Tokenizer
@@ -46,6 +50,27 @@ class ServingState:
     limits: ServerLimits
     in_flight: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
+    requests: set[Request] = field(default_factory=set)
+    draining: bool = False
+
+    def drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Begin a graceful stop (on ``loop``'s thread): requests in flight keep running for
+        ``limits.drain_timeout_s`` seconds, then those left are cancelled and answered 503
+        ``server_shutdown`` (streams: an error event). Safe to call from a signal handler."""
+        def start() -> None:
+            if not self.draining:
+                self.draining = True
+                log.info("draining: %d request(s) in flight get %g s", len(self.requests),
+                         self.limits.drain_timeout_s)
+                loop.call_later(self.limits.drain_timeout_s, self.cancel_all)
+        loop.call_soon_threadsafe(start)
+
+    def cancel_all(self) -> None:
+        """Abort every request in flight (the engine finishes each with ``abort`` at its next step)."""
+        if self.requests:
+            log.warning("drain timeout: cancelling %d request(s)", len(self.requests))
+        for req in list(self.requests):
+            self.runner.abort(req)
 
 
 async def generate(state: ServingState, http: HTTPRequest, ids: list[int], body: CommonRequest,
@@ -72,6 +97,7 @@ async def generate(state: ServingState, http: HTTPRequest, ids: list[int], body:
     except K3Error as e:
         raise APIError(400, str(e), "invalid_request", "prompt") from None
     state.in_flight += 1
+    state.requests.add(req)
     runner.submit(req)
     released = []
 
@@ -79,13 +105,16 @@ async def generate(state: ServingState, http: HTTPRequest, ids: list[int], body:
         if not released:
             released.append(True)
             state.in_flight -= 1
+            state.requests.discard(req)
             if not req.done:
                 runner.abort(req)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     text = TextStream(state.tokenizer, stops, visible)
     if body.stream:        # the background task releases a stream the client left before it began
-        return EventSourceResponse(sse_events(runner, req, q, text, rid, answer, state.model_name, release), ping=15,
-                                   background=BackgroundTask(release))
+        # on shutdown, sse-starlette lets the stream run past the drain timeout (then it cancels it)
+        return EventSourceResponse(sse_events(runner, req, q, text, rid, answer, state.model_name, release,
+                                              lambda: state.draining), ping=15, background=BackgroundTask(release),
+                                   shutdown_event=anyio.Event(), shutdown_grace_period=limits.drain_timeout_s + 2)
     gone = []
 
     def on_disconnect() -> None:
@@ -102,6 +131,8 @@ async def generate(state: ServingState, http: HTTPRequest, ids: list[int], body:
         release()
     if gone:
         raise APIError(499, "the client closed the connection before the answer was ready", "client_closed")
+    if req.finish_reason == "abort" and state.draining:
+        raise APIError(503, SHUTDOWN_MESSAGE, "server_shutdown", kind="server_error")
     if req.finish_reason == "error":
         raise APIError(500, f"generation failed: {req.error}", "engine_error", kind="server_error")
     text.finish()

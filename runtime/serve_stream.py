@@ -62,6 +62,10 @@ async def abort_on_disconnect(http: HTTPRequest, abort: Callable[[], None]) -> N
             return
 
 
+#: the answer to a request cancelled because the server stopped before it finished
+SHUTDOWN_MESSAGE = "the server is shutting down: the request was cancelled after the drain timeout"
+
+
 def finish_reason(req: Request, text: TextStream, answer: ChatDeltas | None = None) -> str:
     """OpenAI's ``finish_reason`` of a finished request: ``length`` (``max_tokens`` reached), else
     ``tool_calls`` when the answer holds calls, else ``stop`` (stop token or string)."""
@@ -72,11 +76,12 @@ def finish_reason(req: Request, text: TextStream, answer: ChatDeltas | None = No
 
 async def sse_events(runner: EngineThread, req: Request, q: asyncio.Queue, text: TextStream, rid: str,
                      answer: ChatDeltas | None, model_name: str,
-                     release: Callable[[], None]) -> AsyncIterator[dict[str, str]]:
+                     release: Callable[[], None],
+                     draining: Callable[[], bool] = lambda: False) -> AsyncIterator[dict[str, str]]:
     """The server-sent events of a streamed answer: ``{"data": json}`` chunks (chat, ``answer`` given:
     ``delta``, the first one ``{"role": "assistant"}``, then content and ``tool_calls`` deltas;
     completions: ``text``), the last with its ``finish_reason``, then ``[DONE]``; an error object
-    instead when generation fails. Tokens come from ``q`` (None: the request finished); ``release`` runs
+    instead when generation fails or the server's drain cancelled it (``draining()``). Tokens come from ``q`` (None: the request finished); ``release`` runs
     when the stream ends, however it ends."""
     chat = answer is not None
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -103,6 +108,9 @@ async def sse_events(runner: EngineThread, req: Request, q: asyncio.Queue, text:
                 runner.abort(req)
         if req.finish_reason == "error":
             yield {"data": json.dumps(error_body(f"generation failed: {req.error}", "server_error", "engine_error"))}
+            return
+        if req.finish_reason == "abort" and draining():
+            yield {"data": json.dumps(error_body(SHUTDOWN_MESSAGE, "server_error", "server_shutdown"))}
             return
         last = deltas(text.finish()) + (answer.finish() if chat else [])
         for d in last[:-1]:

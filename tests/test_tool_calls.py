@@ -43,6 +43,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}},
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+TWO_LAYERS = {"num_hidden_layers": 2}    # k3-tiny cut to 2 layers: ~5x faster steps, same tokenizer
 EOS = 257                                   # k3-tiny's end-of-sequence id (a stop id of its byte tokenizer)
 
 
@@ -185,7 +186,7 @@ def client():
     from k3ir.runtime.tokenizer import load_tokenizer
     original = engine.Engine._sample
     install_scripted_sampler()
-    tiny = k3ir.load("k3-tiny")
+    tiny = k3ir.load("k3-tiny", overrides=TWO_LAYERS)
     eng = engine.build_engine(tiny, block_size=64, num_blocks=32, max_batch=4)
     try:
         with TestClient(create_app(eng, load_tokenizer("k3-tiny", tiny), "k3-tiny",
@@ -280,7 +281,7 @@ def served():
     port = _free_port()
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_tool_calls as t; t.install_scripted_sampler(); "
             "from k3ir.runtime.cli import main; sys.exit(main(sys.argv[2:]))")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).parent), "serve", "k3-tiny", "--port",
+    proc = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).parent), "serve", "k3-tiny", "--set", "num_hidden_layers=2", "--port",
                              str(port), "--block-size", "64", "--num-blocks", "32", "--max-batch", "2", "--threads", "1",
                              "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
