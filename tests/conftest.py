@@ -1,8 +1,21 @@
-"""Shared fixtures. GPU tests are marked ``gpu`` and skip without CUDA."""
+"""Shared fixtures. GPU tests are marked ``gpu`` and skip without CUDA.
+
+Hypothesis profiles: ``suite`` (loaded by default: a few dozen examples per fuzz test, no deadline, so each
+runs in seconds) and ``fuzz-long`` (thousands of examples; ``--hypothesis-profile=fuzz-long``, as
+scripts/fuzz_readers.sh runs it). A test's own ``@settings`` override the profile."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
+
+#: fuzz inputs are large texts built from small draws; the examples are slow-ish (a parse each), not stuck
+_FUZZ_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
+settings.register_profile("suite", deadline=None, max_examples=25, suppress_health_check=_FUZZ_HEALTH,
+                          print_blob=True)
+settings.register_profile("fuzz-long", deadline=None, max_examples=3000, suppress_health_check=_FUZZ_HEALTH,
+                          print_blob=True)
+settings.load_profile("suite")
 
 
 def rel_err(got, want) -> float:
