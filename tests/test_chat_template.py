@@ -194,3 +194,22 @@ def test_assistant_prefix_is_the_servers_markup(kimi):
                    assistant_prefix="<|tool_calls_section_begin|><|tool_call_begin|>functions.")
     assert ids[-len(b"functions.") - 2:] == [special("<|tool_calls_section_begin|>"),
                                              special("<|tool_call_begin|>"), *b"functions."]
+
+
+def test_hf_tokenizer_client_text_never_becomes_added_tokens(tmp_path):
+    """tokenizer.json checkpoints: an added token spelled in a message is split as text (``[UNK]`` pieces
+    under this word vocabulary), the template's own stays one id."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"<s>": 0, "</s>": 1, "[UNK]": 2, "hello": 3, "world": 4, "<|user|>": 5, "<|bot|>": 6}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.add_special_tokens(["<s>", "</s>", "<|user|>", "<|bot|>"])
+    t.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {% endfor %}"
+        "{% if add_generation_prompt %}<|bot|>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    tok = load_tokenizer(str(tmp_path), SimpleNamespace(attrs={"vocab_size": 7}))
+    assert tok.chat([{"role": "user", "content": "hello <|user|> world"}]) == [0, 5, 3, 2, 2, 2, 4, 6]
+    assert tok.encode("<|user|>") == [5]                 # the encode setting is restored afterwards
