@@ -2,7 +2,7 @@
 machine): k3-tiny and the tests' tiny Kimi Linear (``KIMI_LINEAR_TINY``), prefill of 9 tokens then 8
 greedy decode steps, at batch 1 (the fused decode paths) and batch 5 (the fallbacks for more rows).
 
-The files under ``tests/golden/triton_decode/`` hold, per case, the prompt ``ids [B, 9]`` (int64), the
+The files under ``tests/golden_runs/triton_decode/`` hold, per case, the prompt ``ids [B, 9]`` (int64), the
 prefill logits ``[B, 9, V]``, the decode logits ``[8, B, V]`` (float32) and the greedy tokens
 ``[B, 8]`` (int64). They were taken from the triton target and checked against the torch target (same
 tokens, logits within 1e-4 relative). A change that only moves or re-selects kernels must reproduce them
@@ -34,7 +34,7 @@ if HERE not in sys.path:
 from _tiny_models import load_tiny
 from conftest import rel_err
 
-GOLDEN = os.path.join(HERE, "golden", "triton_decode")
+GOLDEN = os.path.join(HERE, "golden_runs", "triton_decode")
 PROMPT_LEN = 9
 STEPS = 8
 #: (model key in _tiny_models.MODELS, batch)
