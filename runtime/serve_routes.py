@@ -4,6 +4,7 @@ count of requests in flight)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 import uuid
@@ -36,6 +37,9 @@ from .serve_tools import MARKERS, ChatDeltas, ToolCallParser, forced_call
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("k3ir.server")
+#: whether this sse-starlette lets a stream finish after the server's exit signal (``shutdown_event``,
+#: ``shutdown_grace_period``); older ones end every stream at once
+_SSE_DRAINS = "shutdown_grace_period" in inspect.signature(EventSourceResponse.__init__).parameters
 
 
 @dataclass
@@ -111,10 +115,12 @@ async def generate(state: ServingState, http: HTTPRequest, ids: list[int], body:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     text = TextStream(state.tokenizer, stops, visible)
     if body.stream:        # the background task releases a stream the client left before it began
-        # on shutdown, sse-starlette lets the stream run past the drain timeout (then it cancels it)
+        # on shutdown, sse-starlette (3.x) lets the stream run past the drain timeout, then cancels it
+        drain = ({"shutdown_event": anyio.Event(), "shutdown_grace_period": limits.drain_timeout_s + 2}
+                 if _SSE_DRAINS else {})
         return EventSourceResponse(sse_events(runner, req, q, text, rid, answer, state.model_name, release,
                                               lambda: state.draining), ping=15, background=BackgroundTask(release),
-                                   shutdown_event=anyio.Event(), shutdown_grace_period=limits.drain_timeout_s + 2)
+                                   **drain)
     gone = []
 
     def on_disconnect() -> None:
