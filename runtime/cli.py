@@ -17,8 +17,10 @@ COMMAND_MODULES: list[str] = [
     "k3ir.runtime.cli_compile",      # compile, check (passes, backends)
     "k3ir.runtime.cli_export",       # export (onnx, mlir, dot/svg/html)
     "k3ir.runtime.cli_train",        # train
-    "k3ir.runtime.cli_serve",        # generate, serve
+    "k3ir.runtime.cli_generate",     # generate
+    "k3ir.runtime.cli_serve",        # serve
     "k3ir.runtime.cli_plan",         # plan (multi-GPU layouts: memory, communication, decode roofline)
+    "k3ir.runtime.cli_ops",          # ops (each op's definition, reference, decomposition, lowerings, tests)
 ]
 
 
@@ -52,7 +54,8 @@ def check_prompt(text: str, flag: str = "--prompt") -> str:
 
 def model_arg(p: argparse.ArgumentParser, default: str = "kimi-k3") -> None:
     p.add_argument("model", nargs="?", default=default, metavar="MODEL",
-                   help=f"config.json path, checkpoint directory, bundled name or .k3 IR file (default: {default})")
+                   help=f"config.json path, checkpoint directory (or a k3ir train run), bundled name, .k3 IR file or - "
+                        f"(text IR on standard input) (default: {default})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value (dotted keys reach linear_attn_config); repeatable")
 
@@ -93,27 +96,76 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+#: MODEL that reads text IR from standard input (``k3ir print - < a.k3``)
+STDIN = "-"
+
+
 def is_ir_file(model: str) -> bool:
-    """MODEL names a text-IR file (``*.k3``, as ``k3ir print`` writes)."""
-    return str(model).lower().endswith(".k3")
+    """MODEL names a text-IR file (``*.k3``, as ``k3ir print`` writes) or standard input (``-``)."""
+    return str(model) == STDIN or str(model).lower().endswith(".k3")
+
+
+def read_stdin_ir() -> Any:
+    """The Module parsed from text IR on standard input (source ``<stdin>``). Raises K3ParseError with
+    ``<stdin>:line:col`` for bytes that are not UTF-8 or text that is not valid IR."""
+    import k3ir
+    from k3ir.errors import K3ParseError
+    data = sys.stdin.buffer.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = len(data[data.rfind(b"\n", 0, e.start) + 1:e.start].decode("utf-8")) + 1
+        raise K3ParseError(f"invalid UTF-8 (byte 0x{data[e.start]:02x}): {e.reason}", line, col, "<stdin>") from None
+    return k3ir.parse_module(text, source="<stdin>")
+
+
+def run_checkpoint(model: str) -> str:
+    """``model`` itself, or for a training run directory (``k3ir train``'s ``--out``: ``RUN`` holding
+    ``checkpoints/latest``, or ``RUN/checkpoints``) the checkpoint its ``latest`` names,
+    ``RUN/checkpoints/step-N``; a note on stderr says which. Raises K3CheckpointError when ``latest``
+    names no checkpoint."""
+    from pathlib import Path
+
+    from .train_checkpoint import LATEST, resolve_checkpoint
+    p = Path(model)
+    if not p.is_dir() or (p / "config.json").exists() or not any((c / LATEST).is_file() for c in (p, p / "checkpoints")):
+        return model
+    ck = resolve_checkpoint(p)
+    print(f"k3ir: note: {model} is a training run; using its latest checkpoint {ck}", file=sys.stderr, flush=True)
+    return str(ck)
+
+
+def random_weights_note(module: Any, model: str, seed: int) -> str | None:
+    """One line saying that ``module`` has no trained weights (a bundled name or a config without
+    safetensors: ``generate`` and ``serve`` run the random init of ``seed``, so the text is noise) and how
+    to run real weights; None when a checkpoint's weights are bound."""
+    if getattr(module, "weights", None) is not None:
+        return None
+    return (f"k3ir: warning: {model} has no trained weights: this is the random init (seed {seed}), so the text is "
+            "noise; for real text pass a checkpoint directory as MODEL: a k3ir train run (RUN or "
+            "RUN/checkpoints/step-N) or a downloaded one (config.json + *.safetensors + tokenizer)")
 
 
 def load_model(args) -> Any:
-    """The Module for ``args.model``: a ``.k3`` text-IR file (parsed and verified: K3Error for
-    an unreadable file, K3ParseError / K3VerifyError with ``file:line:col``; ``--set`` is a
-    UsageError there) or a config path / checkpoint directory / bundled name (``--set`` applies)."""
+    """The Module for ``args.model``: a ``.k3`` text-IR file or ``-`` (text IR on standard input; parsed
+    and verified: K3Error for an unreadable file, K3ParseError / K3VerifyError with ``file:line:col``;
+    ``--set`` is a UsageError there), a training run directory (its latest checkpoint, see
+    ``run_checkpoint``) or a config path / checkpoint directory / bundled name (``--set`` applies)."""
     import k3ir
     if is_ir_file(args.model):
+        what = "standard input (-)" if args.model == STDIN else args.model
         if getattr(args, "overrides", None):
-            raise UsageError(f"--set does not apply to a .k3 MODEL ({args.model} is already built IR); "
+            raise UsageError(f"--set does not apply to a .k3 MODEL ({what} is already built IR); "
                              "edit the file or pass a config")
-        m = k3ir.parse_file(args.model)
+        m = read_stdin_ir() if args.model == STDIN else k3ir.parse_file(args.model)
         k3ir.verify_module(m)
         cmd = getattr(args, "command", None)
         if cmd in ("generate", "serve") and "prefill_varlen" not in m.functions:
-            raise UsageError(f"{cmd} needs a config or checkpoint MODEL: {args.model} is a .k3 IR file without "
+            raise UsageError(f"{cmd} needs a config or checkpoint MODEL: {what} is a .k3 IR file without "
                              "@prefill_varlen, which only a model config can build")
         return m
+    args.model = run_checkpoint(args.model)
     return k3ir.load(args.model, overrides=parse_overrides(args.overrides))
 
 

@@ -1,15 +1,13 @@
-"""``k3ir generate MODEL --prompt ...`` and ``k3ir serve MODEL [--host 127.0.0.1] [--port N]``."""
+"""``k3ir serve MODEL [--host 127.0.0.1] [--port N]``, and the engine setup ``k3ir generate`` shares
+(``cli_generate``)."""
 from __future__ import annotations
 
 import argparse
 import errno
 import os
 import socket
-import sys
 
-from k3ir.errors import K3RuntimeError
-
-from .cli import UsageError, check_prompt, check_seed, device_type, load_model, model_arg, quiet_stdout
+from .cli import UsageError, check_seed, device_type, load_model, model_arg
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -60,52 +58,6 @@ def _setup(args):
     engine = build_engine(module, target=args.target, dtype=args.dtype, device=args.device, seed=args.init_seed,
                           block_size=args.block_size, num_blocks=args.num_blocks, max_batch=args.max_batch)
     return module, tok, engine
-
-
-def cmd_generate(args) -> int:
-    from .sampler import SamplingParams
-    from .tokenizer import IncrementalDecoder
-    if args.prompt is None:
-        raise UsageError("generate needs --prompt TEXT")
-    check_prompt(args.prompt)                        # before the model loads
-    _, tok, engine = _setup(args)
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        seed=args.seed, stop_token_ids=list(tok.stop_ids))
-    ids = tok.encode(args.prompt)
-    dec = IncrementalDecoder(tok)
-
-    broken = []                                      # set when the reader of stdout went away (EPIPE)
-
-    def on_event(req, token):
-        if token is None or broken:
-            return
-        try:
-            sys.stdout.write(dec.push(token))
-            sys.stdout.flush()
-        except BrokenPipeError:                      # `k3ir generate ... | head`: stop quietly, as print/inspect do
-            broken.append(True)
-            req.cancelled = True                     # the engine aborts it before the next step
-            quiet_stdout()
-    req = engine.add_request(ids, sp, on_event=on_event)
-    sys.stdout.write(args.prompt)
-    try:
-        engine.run([req])
-    except KeyboardInterrupt:                        # "k3ir: interrupted" goes to stderr on a line of its own
-        try:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-        except OSError:
-            pass
-        raise
-    if broken:
-        return 0
-    sys.stdout.write(dec.flush() + "\n")
-    if args.show_ids:
-        sys.stdout.write(f"token ids: {req.output}\nfinish: {req.finish_reason}\n")
-    if req.finish_reason == "error":
-        sys.stdout.flush()
-        raise K3RuntimeError(f"generation failed: {req.error}")
-    return 0
 
 
 def check_port(host: str, port: int) -> None:
@@ -163,14 +115,6 @@ def cmd_serve(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("generate", help="generate text from a prompt (continuous-batching engine)")
-    model_arg(p, default="k3-tiny")
-    p.add_argument("--prompt", help="prompt text (through the model's tokenizer; bytes for tiny models)")
-    _sampling_args(p)
-    _engine_args(p)
-    p.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
-    p.set_defaults(func=cmd_generate)
-
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     model_arg(p, default="k3-tiny")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")

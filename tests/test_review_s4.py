@@ -39,7 +39,7 @@ def test_generate_stops_at_the_first_broken_pipe(capsys, caplog, monkeypatch):
     rc = main(["generate", "k3-tiny", "--prompt", "x", "--max-tokens", "40", "--threads", "1"])
     monkeypatch.undo()
     err = capsys.readouterr().err
-    assert rc == 0 and err == ""
+    assert rc == 0 and [ln for ln in err.splitlines() if "no trained weights" not in ln] == []
     assert fake.failed == 1, fake.failed        # no write after the first EPIPE: generation stopped there
     assert not [r for r in caplog.records if "callback failed" in r.getMessage()]
 
@@ -251,7 +251,7 @@ def test_generate_interrupt_ends_the_text_line(capsys, monkeypatch):
         raise KeyboardInterrupt
     monkeypatch.setattr(Engine, "run", interrupted)
     rc, out, err = run_cli(capsys, "generate", "k3-tiny", "--prompt", "Kimi ", "--max-tokens", "4")
-    assert rc == 130 and err == "k3ir: interrupted"
+    assert rc == 130 and err.splitlines()[-1] == "k3ir: interrupted" and len(err.splitlines()) == 2   # + the note
     assert out == "Kimi \n"                      # the message starts a line of its own on a terminal
 
 
