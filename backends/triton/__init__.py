@@ -60,5 +60,5 @@ def _pipeline() -> list[str]:
 
 
 register_backend(Backend(name="triton", description="Triton kernels for Hopper GPUs (fused KDA fwd/bwd, decode)",
-                         build=_build, pipeline=_pipeline(), table=support.table, support=support.supports,
+                         build=_build, pipeline=_pipeline(), table=support.table,
                          available=_available))

@@ -1,23 +1,35 @@
-"""The triton target's lowering table for ``Backend.table`` / ``k3ir check``: the torch table, overridden by
-the Triton kernels (``executable.KERNELS``) and the MoE/MLA/linear lowerings (``lowering.table``), the same
-merge ``TritonExecutable`` runs with. No op is refused statically: where a kernel's run-time condition
-fails (float64, more than 256 router experts, a grad-enabled input, row counts), the op's torch
-implementation runs, which is native to this target as well."""
+"""The triton target's lowering table for ``Backend.table`` / ``k3ir check`` / ``k3ir ops``: the torch table,
+overridden by the Triton kernels (``executable.KERNELS``) and the MoE/MLA/linear lowerings (``lowering.table``),
+the same merge ``TritonExecutable`` runs with. The merge is a ``LoweringTable``: an entry keeps the ``when``
+condition of the table it comes from (a later table's entry replaces an earlier one with its own condition, or
+none). Where a kernel's run-time condition fails (float64, more than 256 router experts, a grad-enabled input,
+row counts), the op's torch implementation runs, which is native to this target as well."""
 from __future__ import annotations
 
 from typing import Any
 
+from ..lowering import LoweringTable, table_supports
 
-def table() -> dict[str, Any]:
-    """op name -> implementation (``k3.mla`` as its factory ``lowering.make_mla``: the executable binds it)."""
+
+def table() -> LoweringTable:
+    """op name -> implementation (``k3.mla`` as its factory ``lowering.make_mla``: the executable binds it), with
+    the conditions of the merged tables."""
     from ..torch.ops import TABLE
     from . import lowering
     from .executable import KERNELS
     own = lowering.table(None)
     own["k3.mla"] = lowering.make_mla
-    return {**TABLE, **KERNELS, **own}
+    out = LoweringTable()
+    for part in (TABLE, KERNELS, own):
+        conditions = getattr(part, "conditions", {})
+        for name, impl in part.items():
+            out[name] = impl
+            out.conditions.pop(name, None)
+            if name in conditions:
+                out.conditions[name] = conditions[name]
+    return out
 
 
 def supports(op: Any) -> str | None:
-    """None for every op of ``table()`` (see the module docstring), else why not."""
-    return None if op.name in table() else f"no lowering for {op.name}"
+    """None when ``table()`` lowers ``op`` (and the entry's condition, if any, holds), else why not."""
+    return table_supports(table(), op)
