@@ -95,7 +95,8 @@ def _parse_int(text: str) -> int | HugeInt:
     return v if INT_MIN <= v <= INT_MAX else HugeInt(text)
 
 
-_NESTING = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+#: a JSON string (an unterminated one runs to the end of the text, so that the scan stays linear) or a bracket
+_NESTING = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')
 
 
 def _line_col(text: str, pos: int) -> tuple[int, int]:

@@ -414,3 +414,12 @@ def test_override_wrong_shapes_name_the_key(overrides, key, words):
     with pytest.raises(K3ConfigError) as e:
         k3ir.load("k3-tiny", overrides=overrides)
     assert e.value.key.endswith(key) and words in str(e.value), str(e.value)
+
+
+def test_config_depth_scan_is_linear(tmp_path):
+    """An unterminated string of 10^6 escaped quotes: the nesting pre-scan does not restart at each quote
+    (quadratic) but reports the invalid JSON at once."""
+    import time
+    t0 = time.perf_counter()
+    e = _load_text(tmp_path, '{"a": "' + '\\"' * 10 ** 6)
+    assert time.perf_counter() - t0 < 5 and "invalid JSON at line 1" in str(e), str(e)[:300]
