@@ -16,6 +16,9 @@ Design (simplest correct one; see bench/SERVING.md):
 - Requests join between steps (admission reserves the blocks their prompt + ``max_tokens`` can
   need, so a running request never runs out) and leave when they hit a stop token or
   ``max_tokens``; their blocks are released (cached prefixes stay, LRU-evictable).
+- With a host tier (``host_cache_bytes`` > 0) evicted cached blocks move to host memory, and a
+  finished request leaves its tails there (the partial last block's rows and the KDA states at the
+  prompt's end and at the sequence's end), so the next turn of a chat resumes where it stopped.
 """
 from __future__ import annotations
 
@@ -42,10 +45,11 @@ _ids = itertools.count()
 
 
 def engine_size_problem(block_size: Any = 512, num_blocks: Any = None, max_batch: Any = 32,
-                        max_prefill_tokens: Any = 4096, names: dict[str, str] | None = None) -> str | None:
+                        max_prefill_tokens: Any = 4096, names: dict[str, str] | None = None,
+                        host_cache_bytes: Any = 0) -> str | None:
     """Why these ``Engine`` sizes cannot work (None when they can): ``block_size`` a positive
     multiple of the KDA chunk (64), ``num_blocks`` (None = default) / ``max_batch`` /
-    ``max_prefill_tokens`` integers >= 1. ``names`` renames the arguments in the message
+    ``max_prefill_tokens`` integers >= 1, ``host_cache_bytes`` an integer >= 0. ``names`` renames the arguments in the message
     (the CLI passes its flags)."""
     from .pool import KDA_CHUNK
     names = names or {}
@@ -61,6 +65,8 @@ def engine_size_problem(block_size: Any = 512, num_blocks: Any = None, max_batch
             continue
         if bad_int(v) or v < 1:
             return f"{names.get(key, key)} must be an integer >= 1, got {v!r}"
+    if bad_int(host_cache_bytes) or host_cache_bytes < 0:
+        return f"{names.get('host_cache_bytes', 'host_cache_bytes')} must be an integer >= 0, got {host_cache_bytes!r}"
     return None
 
 
@@ -91,6 +97,7 @@ class Request:
     hashes: list[bytes] = field(default_factory=list)
     reserve: int = 0
     kda: dict[str, Any] | None = None
+    prompt_kda: dict[str, Any] | None = None
     generator: Any = None
 
     @property
@@ -107,14 +114,18 @@ class Engine:
     ``block_size`` tokens per pool block (multiple of 64; default 512); ``num_blocks`` pool size
     (default: enough for ``max_batch`` requests of 2048 tokens); ``max_batch`` running requests;
     ``max_prefill_tokens`` prompt tokens per step (at least one segment always runs);
-    ``stop_token_ids`` end every request (default: the model's ``eos_token_id``).
-    Single-threaded: call ``add_request``/``step`` from one thread (``EngineThread`` does).
+    ``stop_token_ids`` end every request (default: the model's ``eos_token_id``);
+    ``host_cache_bytes``: byte budget of the prefix cache's host tier (0: none; see ``StatePool``).
+    ``observers``: callables ``(request, token | None)`` called like each request's ``on_event``
+    (metrics). Single-threaded: call ``add_request``/``step`` from one thread (``EngineThread`` does).
     Raises K3RuntimeError for bad sizes (``engine_size_problem``) or a session without states."""
 
     def __init__(self, session, block_size: int = 512, num_blocks: int | None = None, max_batch: int = 32,
-                 max_prefill_tokens: int = 4096, stop_token_ids: Sequence[int] | None = None):
+                 max_prefill_tokens: int = 4096, stop_token_ids: Sequence[int] | None = None,
+                 host_cache_bytes: int = 0):
         import torch
-        why = engine_size_problem(block_size, num_blocks, max_batch, max_prefill_tokens)
+        why = engine_size_problem(block_size, num_blocks, max_batch, max_prefill_tokens,
+                                  host_cache_bytes=host_cache_bytes)
         if why:
             raise K3RuntimeError(why)
         self.session = session
@@ -129,7 +140,8 @@ class Engine:
         if num_blocks is None:
             num_blocks = max_batch * max(1, -(-2048 // block_size)) + 8
         self.pool = StatePool(self.specs, num_blocks, block_size, self.device, self.dtype,
-                              salt=str(session.module.name).encode())
+                              salt=str(session.module.name).encode(), host_bytes=host_cache_bytes)
+        self.observers: list[Callable[[Request, int | None], None]] = []
         self.bs = block_size
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         eos = session.module.attrs.get("eos_token_id")
@@ -211,9 +223,11 @@ class Engine:
             self.running.remove(req)
         elif req.status == "waiting":
             self.waiting.remove(req)
+        if self.pool.host_bytes and req.blocks and reason != "error":
+            self._keep_tails(req)
         self.pool.release(req.blocks)
         self.reserved -= req.reserve
-        req.blocks, req.reserve, req.kda = [], 0, None
+        req.blocks, req.reserve, req.kda, req.prompt_kda = [], 0, None, None
         req.status, req.finish_reason, req.error = "finished", reason, error
         req.finished_at = time.perf_counter()
         self.stats["finished"] += 1
@@ -221,27 +235,39 @@ class Engine:
             self.stats["aborted" if reason == "abort" else "failed"] += 1
         self._emit(req, None)
 
+    def _keep_tails(self, req: Request) -> None:
+        """Leave ``req``'s tails in the pool's host tier: the state at its prompt's end and at its
+        sequence's end (tokens fed so far), each where it falls inside a block."""
+        ends = [(len(req.prompt), req.prompt_kda), (req.length, req.kda)]
+        for end, kda in ends[:1] if req.length == len(req.prompt) else ends:
+            k, n = divmod(end, self.bs)
+            if kda is None or n == 0 or end > req.length or k >= len(req.blocks):
+                continue
+            self.pool.keep_tail(req.hashes[:k], [req.fed_token(p) for p in range(k * self.bs, end)],
+                                req.blocks[k], kda)
+
     def _emit(self, req: Request, token: int | None) -> None:
-        if req.on_event is not None:
-            try:
-                req.on_event(req, token)
-            except Exception:                       # a broken listener must not stop the engine
-                log.exception("request %s: event callback failed", req.id)
+        for fn in [*self.observers, req.on_event]:
+            if fn is not None:
+                try:
+                    fn(req, token)
+                except Exception:                       # a broken listener must not stop the engine
+                    log.exception("request %s: event callback failed", req.id)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
             need = -(-(len(req.prompt) + req.params.max_tokens) // self.bs)
-            matched, hashes = self.pool.match(req.prompt, len(req.prompt) - 1)
-            fresh = need - len(matched)
+            hit = self.pool.lookup(req.prompt, len(req.prompt) - 1, keep_available=self.reserved)
+            fresh = need - len(hit.blocks)
             if self.pool.available() - self.reserved < fresh:
-                self.pool.release(matched)
+                self.pool.release(hit.blocks)
                 break
             self.waiting.popleft()
-            req.blocks, req.hashes, req.reserve = matched, hashes, fresh
+            req.blocks, req.hashes, req.reserve = hit.blocks, hit.hashes, fresh
             self.reserved += fresh
-            req.length = req.cached_tokens = len(matched) * self.bs
-            req.kda = self.pool.read_snapshot(matched[-1]) if matched else {n: z.clone() for n, z in self._zero.items()}
+            req.length = req.cached_tokens = hit.length
+            req.kda = hit.kda if hit.kda is not None else {n: z.clone() for n, z in self._zero.items()}
             req.generator = make_generator(req.params.seed)
             req.status = "running"
             self.running.append(req)
@@ -338,6 +364,8 @@ class Engine:
             self.pool.write_latents(name, blk, off, torch.as_tensor(new[name])[b, L:L + T])
         req.kda = {n: self._t(new[n])[b:b + 1] for n in self.pool.kda_names}
         req.length += T
+        if prefill and req.length >= len(req.prompt) and self.pool.host_bytes:
+            req.prompt_kda = {n: t.clone() for n, t in req.kda.items()}
         if req.length % self.bs == 0:
             self._publish(req, blk)
         if req.length >= len(req.prompt):
@@ -438,7 +466,8 @@ def build_engine(module, target: str = "torch", dtype: str | None = None, device
     import k3ir
 
     from .session import Session
-    sizes = {k: engine_kw[k] for k in ("block_size", "num_blocks", "max_batch", "max_prefill_tokens") if k in engine_kw}
+    sizes = {k: engine_kw[k] for k in ("block_size", "num_blocks", "max_batch", "max_prefill_tokens", "host_cache_bytes")
+             if k in engine_kw}
     why = engine_size_problem(**sizes)          # before the (slow) compile
     if why:
         raise K3RuntimeError(why)
