@@ -1,9 +1,10 @@
 """``k3ir train``: next-token training of a K3-family model on byte-level text with Quantile
 Balancing, a progress bar, atomic checkpoints, resume and a loss/balance plot.
 
-    k3ir train                                   # k3-tiny, bundled text, 300 steps, out: .
+    k3ir train                                   # k3-tiny, bundled text, 300 steps, into runs/k3-tiny-<time>/
     k3ir train k3-tiny --steps 300 --qb sign --out runs/sign
     k3ir train --resume runs/sign                # continue from its latest checkpoint, writing into runs/sign
+    k3ir train --resume runs/sign --steps 500    # extend a run: the 200 added steps at lr * min_lr_ratio
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ DEFAULTS = {"steps": 300, "batch": 8, "seq": 128, "lr": 3e-3, "warmup": 20, "wei
             "qb": "quantile", "seed": 0, "router_lr_scale": 1.0}
 PLOT_FILE = "training.png"
 LOG_FILE = "training.json"
+#: where a fresh run without --out goes: RUNS_DIR/<model>-<YYYYmmdd-HHMMSS> under the current directory
+RUNS_DIR = "runs"
 
 
 def register(sub) -> None:
@@ -34,13 +37,16 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="train a model on byte-level text (QB balancing, checkpoints, plot)",
                        description="Train MODEL (default k3-tiny) on byte-level tokens of --data (default: the "
                                    "bundled public-domain text). Prints loss=<value> at each logged step, writes "
-                                   "checkpoints and a loss/balance plot into --out. A resumed run (--resume) keeps "
-                                   "its hyper-parameters and, without --out, writes into its own run directory.")
+                                   "checkpoints, training.json and a loss/balance plot into the run directory: --out, else "
+                                   "runs/<model>-<date>-<time>/. A resumed run (--resume) keeps its hyper-parameters "
+                                   "(--steps may extend it) and, without --out, writes into its own run directory.")
     model_arg(p, default="k3-tiny")
     p.add_argument("--data", help="UTF-8/any text file to train on (default: bundled public-domain text)")
-    p.add_argument("--steps", type=int, help=f"optimizer steps (default {DEFAULTS['steps']})")
-    p.add_argument("--out", help="output directory for checkpoints/, the plot and the log (default: the run "
-                                 "directory of --resume, else .)")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {DEFAULTS['steps']}); with --resume, more "
+                                             "than the run's steps extends it (the learning rate of the added steps "
+                                             "is the schedule's final one, lr * 0.1)")
+    p.add_argument("--out", help="run directory for checkpoints/, the plot and the log (default: the run directory "
+                                 f"of --resume, else a new {RUNS_DIR}/<model>-<YYYYmmdd-HHMMSS>)")
     p.add_argument("--qb", choices=("quantile", "margin", "sign", "none"),
                    help="MoE balancing rule: quantile | margin (QB, SPEC 6), sign (DeepSeek-V3), none "
                         "(default quantile)")
@@ -104,8 +110,14 @@ def _config(args, meta: dict | None):
     from .trainer import TrainConfig
     if meta is not None:
         cfg = TrainConfig.from_dict(meta["config"])
+        if args.steps is not None and args.steps > cfg.steps:      # extend: the schedule keeps its planned end
+            cfg.schedule_steps = cfg.schedule_steps or cfg.steps
+            cfg.steps = args.steps
         for flag, fld in FLAGS.items():
             v = getattr(args, flag)
+            if flag == "steps" and v is not None and v < cfg.steps:
+                raise K3RuntimeError(f"--steps {v} is below the checkpoint's steps={cfg.steps}; a resumed run can be "
+                                     f"extended (--steps above {cfg.steps}), not shortened")
             if v is not None and v != getattr(cfg, fld):
                 raise K3RuntimeError(f"--{flag.replace('_', '-')} {v} differs from the checkpoint's {fld}="
                                      f"{getattr(cfg, fld)}; a resumed run keeps its hyper-parameters")
@@ -213,8 +225,9 @@ def _train(args) -> int:
         args.threads, why = default_threads()
         run["threads"] = args.threads
     torch.set_num_threads(args.threads)
-    out = Path(args.out) if args.out is not None else run_dir(ckpt) if ckpt else Path(".")
-    _refuse_other_run(out, ckpt)
+    out = Path(args.out) if args.out is not None else run_dir(ckpt) if ckpt else None
+    if out is not None:
+        _refuse_other_run(out, ckpt)
     cfg = _config(args, meta)
     data_path = args.data if meta is None else (args.data or meta.get("data"))
     if meta is not None and args.data and meta.get("data") not in (None, args.data):
@@ -222,6 +235,8 @@ def _train(args) -> int:
     if args.log_every < 1 or args.ckpt_every < 0:
         raise K3RuntimeError("--log-every must be >= 1 and --ckpt-every >= 0")
     module = load_model(args)
+    if out is None:
+        out = new_run_dir(Path(RUNS_DIR), module.name)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -235,13 +250,17 @@ def _train(args) -> int:
         load_checkpoint(ckpt, tr)
         if tr.step >= cfg.steps:         # nothing to run: say so instead of a summary of no steps
             print(f"{args.resume}: the run is already complete ({tr.step}/{cfg.steps} steps); its summary is in "
-                  f"{out / LOG_FILE} (a resumed run keeps its --steps)", flush=True)
+                  f"{out / LOG_FILE} (--steps N above {cfg.steps} extends it)", flush=True)
             return 0
     extra = {"data": data_path, "model_arg": args.model, "run": run}
     nlayers = len(tr.layers)
     n_all = sum(p.numel() for p in tr.params.values())
     n_vis = sum(p.numel() for n, p in tr.params.items() if n.startswith(VISION_PREFIXES))
     split = f" ({n_all - n_vis:,} language model + {n_vis:,} vision tower/projector)" if n_vis else ""
+    print(f"run directory: {out} (checkpoints/, {LOG_FILE}, {PLOT_FILE})", flush=True)
+    if cfg.schedule_steps and cfg.steps > cfg.schedule_steps:
+        print(f"extended run: steps {cfg.schedule_steps + 1}-{cfg.steps} at the schedule's final learning rate "
+              f"{cfg.lr * cfg.min_lr_ratio:.2e} (lr x min_lr_ratio)", flush=True)
     print(f"training {module.name}: {n_all:,} parameters{split}, "
           f"{nlayers} MoE layers, qb={cfg.qb}, batch {cfg.batch} x seq {cfg.seq}, steps {tr.step}->{cfg.steps}, "
           f"torch threads {torch.get_num_threads()} ({why})", flush=True)
@@ -267,6 +286,8 @@ def _train(args) -> int:
     ev = tr.eval_loss(data.eval_batch())
     summary = _summary(tr, ev, time.perf_counter() - t_start)
     (out / LOG_FILE).write_text(json.dumps(summary, indent=1))
+    print(f"wrote {out / LOG_FILE} and {out / 'checkpoints'} (latest: step-{tr.step:06d}; k3ir generate {out} "
+          "runs it)", flush=True)
     n10, n20 = min(len(tr.history), 10), min(len(tr.history), 20)
     mean10 = f"mean of last {n10} steps: {summary['final_loss_10']:.4f}; " if n10 > 1 else ""
     over20 = f"mean of last {n20} steps" if n20 > 1 else "last step"
@@ -280,6 +301,20 @@ def _train(args) -> int:
         path = write_plot(tr, out / PLOT_FILE, title=f"{module.name} qb={cfg.qb}")
         print(f"plot: {path}", flush=True)
     return 0
+
+
+def new_run_dir(root: Path, model: str) -> Path:
+    """A run directory for a fresh run without ``--out``: ``root/<model>-<YYYYmmdd-HHMMSS>`` (local time;
+    ``-2``, ``-3``... appended when that exists), the model name reduced to letters, digits, ``.``, ``_``
+    and ``-``. Not created here."""
+    import re
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("._") or "model"
+    base = root / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out
 
 
 def interrupted_text(done: int, steps: int, ckpt_every: int, saved: list) -> str:

@@ -30,7 +30,9 @@ from .qb import QuantileBalancer, moe_layers, router_spec
 @dataclass
 class TrainConfig:
     """Hyper-parameters. ``lr`` peaks after ``warmup`` linear steps, then follows a cosine to
-    ``lr * min_lr_ratio`` at ``steps``. ``weight_decay`` applies to matrices only (not norms,
+    ``lr * min_lr_ratio`` at ``schedule_steps`` (0, the default: at ``steps``) and stays there for any later
+    step: a finished run extended to more ``steps`` keeps the schedule it was planned with, so its first steps
+    are unchanged and the added ones run at ``lr * min_lr_ratio``. ``weight_decay`` applies to matrices only (not norms,
     biases, AttnRes pseudo-queries, ``A_log``/``dt_bias``). ``clip``: max global grad norm
     (0 = off). ``qb``: quantile | margin | sign | none. ``router_lr_scale`` multiplies the
     learning rate of the router weights (no weight decay on them). ``checkpointing``: recompute each layer
@@ -52,6 +54,7 @@ class TrainConfig:
     checkpointing: bool = False
     autocast: str = "auto"
     seed: int = 0
+    schedule_steps: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,12 +85,15 @@ class StepStats:
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
     """Learning rate for 0-based ``step``: linear warmup to ``lr`` over ``warmup`` steps, then
-    cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
+    cosine decay to ``lr * min_lr_ratio`` at ``schedule_steps`` (or ``steps`` when 0), constant after it."""
     if cfg.warmup > 0 and step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    span = max(1, cfg.steps - cfg.warmup)
-    frac = min(1.0, (step - cfg.warmup) / span)
+    horizon = cfg.schedule_steps or cfg.steps
     lo = cfg.lr * cfg.min_lr_ratio
+    if step >= horizon:
+        return lo
+    span = max(1, horizon - cfg.warmup)
+    frac = min(1.0, (step - cfg.warmup) / span)
     return lo + 0.5 * (cfg.lr - lo) * (1.0 + math.cos(math.pi * frac))
 
 

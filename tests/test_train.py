@@ -355,3 +355,57 @@ def test_train_parameter_line_splits_off_the_vision_tower(capsys, tmp_path):
     n_all, lm, vis = (int(x.replace(",", "")) for x in
                       (line.split(": ")[1].split()[0], line.split("(")[1].split()[0], line.split("+ ")[1].split()[0]))
     assert lm == total and vis > 0 and n_all == lm + vis, line
+
+
+# ---- run directory and extending a finished run ------------------------------------------------------------
+def test_lr_schedule_keeps_its_planned_end_when_extended():
+    planned = TrainConfig(steps=10, lr=1e-3, warmup=2, min_lr_ratio=0.1)
+    extended = TrainConfig(steps=16, lr=1e-3, warmup=2, min_lr_ratio=0.1, schedule_steps=10)
+    assert [lr_at(extended, s) for s in range(10)] == [lr_at(planned, s) for s in range(10)]     # bit for bit
+    assert [lr_at(extended, s) for s in range(10, 16)] == [1e-3 * 0.1] * 6                       # the final rate
+
+
+def test_fresh_run_without_out_writes_into_a_new_run_directory(capsys, tmp_path, monkeypatch):
+    import re
+
+    from conftest import run_cli
+    monkeypatch.chdir(tmp_path)
+    argv = ("train", "k3-tiny", "--steps", "1", "--batch", "1", "--seq", "8", "--threads", "1", "--no-plot")
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 0, err
+    assert os.listdir(tmp_path) == ["runs"]                                   # nothing in the current directory
+    (run,) = os.listdir(tmp_path / "runs")
+    assert re.fullmatch(r"k3-tiny-\d{8}-\d{6}", run), run
+    assert f"run directory: {Path('runs') / run} " in out
+    assert (tmp_path / "runs" / run / "checkpoints" / "step-000001" / "model.safetensors").is_file()
+    assert (tmp_path / "runs" / run / "training.json").is_file()
+    rc, out, err = run_cli(capsys, *argv)                                    # a second run: its own directory
+    assert rc == 0 and len(os.listdir(tmp_path / "runs")) == 2, err
+
+
+def test_finished_run_extends_bit_exactly(capsys, tmp_path, exe):
+    """``--resume RUN --steps 6`` after a finished 4-step run: the first 4 losses stay the original's bit for bit,
+    the run reaches step 6, the added steps run at lr * min_lr_ratio, and all 6 equal one uninterrupted in-process
+    run planned the same way (TrainConfig(steps=6, schedule_steps=4))."""
+    from conftest import run_cli
+    run = tmp_path / "run"
+    common = ("--batch", "2", "--seq", "8", "--warmup", "1", "--threads", "1", "--no-plot")
+    rc, _, err = run_cli(capsys, "train", "k3-tiny", "--steps", "4", *common, "--out", str(run))
+    assert rc == 0, err
+    first = json.loads((run / "training.json").read_text())["loss"]
+    rc, out, err = run_cli(capsys, "train", "--resume", str(run), "--steps", "6", "--threads", "1", "--no-plot")
+    assert rc == 0, err
+    assert "extended run: steps 5-6 at the schedule's final learning rate 3.00e-04" in out
+    meta = json.loads((run / "checkpoints" / "step-000006" / "trainer.json").read_text())
+    assert meta["step"] == 6 and meta["config"]["steps"] == 6 and meta["config"]["schedule_steps"] == 4
+    losses = [h["loss"] for h in meta["history"]]
+    assert len(losses) == 6 and losses[:4] == first
+    assert [h["lr"] for h in meta["history"][4:]] == [3e-3 * 0.1] * 2
+    cfg = TrainConfig(steps=6, schedule_steps=4, batch=2, seq=8, warmup=1)
+    tr = Trainer(exe, cfg)
+    data = ByteBatches(read_bytes(), cfg.batch, cfg.seq, seed=0)
+    assert [tr.train_step(data.batch_at(i)).loss for i in range(6)] == losses
+    rc, _, err = run_cli(capsys, "train", "--resume", str(run), "--steps", "5")
+    assert rc == 2 and "--steps 5 is below the checkpoint's steps=6" in err, err
+    rc, _, err = run_cli(capsys, "train", "--resume", str(run), "--steps", "8", "--lr", "0.01")
+    assert rc == 2 and "--lr 0.01 differs from the checkpoint's lr=0.003" in err, err
