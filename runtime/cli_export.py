@@ -3,6 +3,7 @@ format (``--weights``/``--quantize`` outside onnx, ``--iree-target`` outside mli
 dot/svg) is a usage error naming the flag and the format (exit 2), never silently ignored.
 
     k3ir export kimi-k3 --format onnx --weights inputs -o k3.onnx      # structure only
+    k3ir export k3-tiny --format onnx --opset 20 -o tiny20.onnx          # Scan lowering, older runtimes
     k3ir export k3-tiny --format onnx -o tiny.onnx                      # weights in tiny.onnx.data
     k3ir export k3-tiny --format mlir -o tiny.mlir --iree-target vulkan-spirv   # + tiny.vulkan-spirv.vmfb
     k3ir export kimi-k3 --format html -o k3.html                        # collapsible layer view
@@ -66,6 +67,9 @@ def cmd_export(args) -> int:
         raise UsageError(f"--iree-target applies to --format mlir only, not --format {fmt}")
     if args.quantize is not None and fmt != "onnx":      # MLIR exports keep the experts as the module has them
         raise UsageError(f"--quantize applies to --format onnx only, not --format {fmt}")
+    opset = getattr(args, "opset", None)
+    if opset is not None and fmt != "onnx":
+        raise UsageError(f"--opset applies to --format onnx only, not --format {fmt}")
     if args.level is not None and fmt not in ("dot", "svg"):
         raise UsageError(f"--level applies to --format dot and svg only, not --format {fmt}")
     t0 = time.perf_counter()
@@ -85,8 +89,9 @@ def cmd_export(args) -> int:
         _check_writable(outs)
         with _writing(outs):
             info = export_onnx(m, out, function=args.function or "prefill", weights=weights,
-                               params=None if weights == "inputs" else _params(m))
-        con.print(f"wrote {out}: {info['nodes']:,} nodes, {info['inputs']} inputs, {info['initializers']} initializers"
+                               params=None if weights == "inputs" else _params(m), opset=opset)
+        con.print(f"wrote {out}: opset {info['opset']}, {info['nodes']:,} nodes, {info['inputs']} inputs, "
+                  f"{info['initializers']} initializers"
                   + (f", data in {info['external_data']}" if info["external_data"] else "")
                   + f" ({time.perf_counter() - t0:.2f} s)")
         con.print(f"lowered natively: {', '.join(sorted(info['native']))}")
@@ -133,6 +138,9 @@ def register(sub) -> None:
     p.add_argument("--function", help="entry function (onnx: prefill; mlir: prefill+decode; pictures: forward)")
     p.add_argument("--weights", choices=("inputs", "external", "embedded"),
                    help="onnx: weights as graph inputs (structure only), in OUT.data (default) or embedded")
+    p.add_argument("--opset", type=int, choices=(27, 20),
+                   help="onnx: 27 (default where the installed onnxruntime runs it: LinearAttention, "
+                        "CausalConvWithState) or 20 (KDA as a Scan, for older runtimes)")
     p.add_argument("--iree-target", choices=("llvm-cpu", "rocm", "vulkan-spirv", "metal-spirv"),
                    help="mlir: also compile a deployable IREE module OUT.<target>.vmfb")
     p.add_argument("--quantize", choices=("none", "mxfp4"),

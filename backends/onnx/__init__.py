@@ -1,5 +1,6 @@
 """The ``onnx`` target: export each entry function to a standard ONNX model (``export.py``,
-lowering table in ``lowering.py``) and run it with onnxruntime on CPU. Prefill/decode states are
+lowering table in ``lowering.py``; opset 27 by default, ``OnnxExecutable.opset = 20`` for the
+``Scan`` lowering of older runtimes) and run it with onnxruntime on CPU. Prefill/decode states are
 graph inputs and outputs (``present.<state>``). ``save(dir)`` writes a reloadable artifact
 (one ``.onnx`` per function sharing ``weights.bin``); ``load_executable`` (``load_artifact``) reads it back
 without re-exporting (``Session.load``)."""
@@ -37,10 +38,11 @@ def _to_numpy(a, dtype=None):
 class OnnxExecutable(Executable):
     """Runs ``forward``/``prefill``/``decode`` as onnxruntime sessions (CPU provider, float32).
     Models are exported lazily per function once the weights are known (``prepare_params``), or
-    read from an artifact directory (``weights_inside``: the weights are in the files)."""
+    read from an artifact directory (``weights_inside``: the weights are in the files).
+    ``opset``: 27 or 20 (None: ``export.default_opset()``); settable until the first run."""
 
     def __init__(self, module: Module, dtype: str = "float32", device: str = "cpu",
-                 model_paths: dict[str, str] | None = None):
+                 model_paths: dict[str, str] | None = None, opset: int | None = None):
         if dtype not in ("float32", "float16"):
             raise K3BackendError(f"target 'onnx' runs float32 or float16, not '{dtype}'")
         if device != "cpu":
@@ -51,6 +53,8 @@ class OnnxExecutable(Executable):
         self._arrays: dict[str, np.ndarray] | None = None
         self._sessions: dict[str, Any] = {}
         self.threads = 0
+        from .export import check_opset
+        self.opset = check_opset(opset)
 
     def prepare_params(self, arrays: dict[str, Any]) -> dict[str, Any]:
         if self.weights_inside and not arrays:
@@ -64,7 +68,8 @@ class OnnxExecutable(Executable):
     def model(self, function: str):
         """The ``onnx.ModelProto`` of ``@function`` with the prepared weights embedded."""
         from .export import OnnxExporter
-        return OnnxExporter(self.module, self.dtype, weights="embedded", params=self._arrays).export_function(function)
+        return OnnxExporter(self.module, self.dtype, weights="embedded", params=self._arrays,
+                            opset=self.opset).export_function(function)
 
     def session(self, function: str):
         if function not in self._sessions:
@@ -106,7 +111,7 @@ class OnnxExecutable(Executable):
         if params is None:
             raise K3BackendError("onnx executable: no weights to save (pass params or call prepare_params)")
         os.makedirs(directory, exist_ok=True)
-        x = OnnxExporter(self.module, self.dtype, weights="external", params=params)
+        x = OnnxExporter(self.module, self.dtype, weights="external", params=params, opset=self.opset)
         files = {}
         with open(os.path.join(directory, "weights.bin"), "wb") as f:
             for fn in FUNCTIONS:
@@ -142,6 +147,6 @@ def _available() -> str | None:
     return None
 
 
-register_backend(Backend(name="onnx", description="standard ONNX (opset 20) run by onnxruntime (CPU)",
+register_backend(Backend(name="onnx", description="standard ONNX (opset 27, or 20) run by onnxruntime (CPU)",
                          build=_build, pipeline=["dce"], table=_table, available=_available,
                          functions=FUNCTIONS, dtypes=("float32", "float16"), load_artifact=load_executable))

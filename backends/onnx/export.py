@@ -1,10 +1,14 @@
-"""IR function -> ONNX graph (standard ``ai.onnx`` ops only, opset 20, dynamic batch/sequence).
+"""IR function -> ONNX graph (standard ``ai.onnx`` ops only, opset 27 or 20, dynamic batch/sequence).
 
 Ops are lowered through ``TABLE`` (op name -> emitter, in ``lowering.py``); an op without an
 entry is replaced by its decomposition into core ops (``decompose_op``), recursively, exactly
 like the interpreter does, so ``lowering_report`` can say which ops were lowered natively and
-which fell back. ``k3.scan`` (the KDA recurrence) becomes an ONNX ``Scan`` over the time axis
-whose body is the scan's body function.
+which fell back.
+
+Opsets (``opset=``, default ``default_opset()``): 27 lowers KDA to ``LinearAttention``
+(``gated_delta``), the short conv to ``CausalConvWithState``, RMSNorm to ``RMSNormalization`` and
+MLA prefill to ``Attention``; 20 (older runtimes) decomposes them, the KDA recurrence becoming an
+ONNX ``Scan`` over the time axis whose body is the scan's body function.
 
 Weights (``weights=``): ``"embedded"`` (initializers with data), ``"external"`` (initializers
 whose data lives in one side file, streamed one tensor at a time) or ``"inputs"`` (parameters
@@ -28,7 +32,9 @@ from ..lowering import lower_or_decompose
 
 log = logging.getLogger("k3ir.onnx")
 
-OPSET = 20
+OPSETS = (27, 20)
+#: the first onnxruntime release that runs opset 27 (LinearAttention, CausalConvWithState) on CPU
+ORT_FOR_OPSET27 = (1, 32)
 WEIGHT_MODES = ("embedded", "external", "inputs")
 
 
@@ -38,6 +44,29 @@ def _onnx():
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise K3BackendError("ONNX export needs the 'onnx' package (pip install 'k3ir[onnx]')") from e
     return onnx
+
+
+def default_opset() -> int:
+    """27, unless an installed onnxruntime is older than ``ORT_FOR_OPSET27`` (then 20)."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return 27
+    parts = []
+    for p in onnxruntime.__version__.split(".")[:2]:
+        digits = "".join(ch for ch in p if ch.isdigit())
+        parts.append(int(digits or 0))
+    return 27 if tuple(parts) >= ORT_FOR_OPSET27 else 20
+
+
+def check_opset(opset: int | None) -> int:
+    """The opset to export: ``opset`` (one of ``OPSETS``) or ``default_opset()`` for None.
+    Raises K3BackendError for another value."""
+    if opset is None:
+        return default_opset()
+    if opset not in OPSETS:
+        raise K3BackendError(f"ONNX export supports opset {' or '.join(map(str, OPSETS))}, not {opset}")
+    return int(opset)
 
 
 def elem_type(ir_dtype: str, compute: str = "float32") -> int:
@@ -160,21 +189,25 @@ class OnnxExporter:
 
     ``dtype``: compute dtype of float tensors (``float32`` | ``float16``); ``weights``: one of
     ``WEIGHT_MODES``; ``params``: name -> array for ``embedded``/``external`` (None there means a
-    deterministic random init, ``runtime.params.init_params``). Raises K3BackendError."""
+    deterministic random init, ``runtime.params.init_params``); ``opset``: 27 or 20 (None:
+    ``default_opset()``), which picks the lowering table (``lowering.table_for_opset``).
+    Raises K3BackendError."""
 
     def __init__(self, module: Module, dtype: str = "float32", weights: str = "embedded",
-                 params: dict[str, Any] | None = None, table: dict[str, Emitter] | None = None):
+                 params: dict[str, Any] | None = None, table: dict[str, Emitter] | None = None,
+                 opset: int | None = None):
         if weights not in WEIGHT_MODES:
             raise K3BackendError(f"unknown weights mode '{weights}' (want one of {', '.join(WEIGHT_MODES)})")
         if dtype not in ("float32", "float16"):
             raise K3BackendError(f"ONNX export supports dtype float32 or float16, not '{dtype}'")
-        from .lowering import TABLE
+        from .lowering import table_for_opset
+        self.opset = check_opset(opset)
         self.module = module
         self.dtype = dtype
         self.np_float = dtype
         self.weights = weights
         self.params = params
-        self.table = TABLE if table is None else table
+        self.table = table_for_opset(self.opset) if table is None else table
         self._n = 0
         self._decomp: dict[int, Function] = {}
         self.native: dict[str, int] = {}
@@ -302,10 +335,10 @@ class OnnxExporter:
         for name, src, v in zip(out_names, outs, fn.returns):
             g.nodes.append(onnx.helper.make_node("Identity", [src], [name]))
             g.outputs.append(self.value_info(name, v.type))
-        model = onnx.helper.make_model(g.make(), opset_imports=[onnx.helper.make_opsetid("", OPSET)],
+        model = onnx.helper.make_model(g.make(), opset_imports=[onnx.helper.make_opsetid("", self.opset)],
                                        producer_name="k3ir", producer_version="0.1.0")
         model.ir_version = 10
-        meta = {"k3ir.function": function, "k3ir.module": self.module.name,
+        meta = {"k3ir.function": function, "k3ir.opset": str(self.opset), "k3ir.module": self.module.name,
                 "k3ir.native_ops": ",".join(sorted(self.native)),
                 "k3ir.decomposed_ops": ",".join(sorted(self.fallback))}
         for k, v in meta.items():
@@ -314,20 +347,22 @@ class OnnxExporter:
         return model
 
 
-def lowering_report(module: Module, function: str = "prefill") -> dict[str, dict[str, int]]:
+def lowering_report(module: Module, function: str = "prefill", opset: int | None = None) -> dict[str, dict[str, int]]:
     """Which ops of ``@function`` the ONNX exporter lowers natively and which fall back to their
     decomposition: ``{"native": {op: count}, "decomposed": {op: count}}`` (structure only)."""
-    x = OnnxExporter(module, weights="inputs")
+    x = OnnxExporter(module, weights="inputs", opset=opset)
     x.export_function(function)
     return {"native": dict(x.native), "decomposed": dict(x.fallback)}
 
 
 def export_onnx(module: Module, path: str, function: str = "prefill", weights: str = "external",
-                dtype: str = "float32", params: dict[str, Any] | None = None) -> dict[str, Any]:
+                dtype: str = "float32", params: dict[str, Any] | None = None,
+                opset: int | None = None) -> dict[str, Any]:
     """Write ``@function`` of ``module`` to ``path`` (``.onnx``). ``weights="external"`` writes the
-    data to ``<path>.data`` next to it. Returns a summary (nodes, inputs, native/decomposed ops)."""
+    data to ``<path>.data`` next to it; ``opset`` 27 or 20 (None: ``default_opset()``). Returns a
+    summary (nodes, inputs, native/decomposed ops, opset)."""
     onnx = _onnx()
-    x = OnnxExporter(module, dtype=dtype, weights=weights, params=params)
+    x = OnnxExporter(module, dtype=dtype, weights=weights, params=params, opset=opset)
     ext = path + ".data" if weights == "external" else None
     model = x.export_function(function, external_path=ext)
     if weights == "embedded" and model.ByteSize() > 2_000_000_000:
@@ -335,4 +370,4 @@ def export_onnx(module: Module, path: str, function: str = "prefill", weights: s
     onnx.save_model(model, path)
     return {"path": path, "nodes": len(model.graph.node), "inputs": len(model.graph.input),
             "initializers": len(model.graph.initializer), "native": x.native, "decomposed": x.fallback,
-            "external_data": ext, "params": list(x._used_params)}
+            "external_data": ext, "params": list(x._used_params), "opset": x.opset}

@@ -2,7 +2,10 @@
 
 Every core op has an entry (decompositions bottom out here); model ops listed here are lowered
 natively (embedding, linear, lm_head, moe as a per-token expert gather); the rest fall back to
-their decomposition. Only standard ``ai.onnx`` ops are used (opset 20).
+their decomposition. Only standard ``ai.onnx`` ops are used. ``TABLE`` is the opset-27 table
+(KDA as ``LinearAttention``, the short conv as ``CausalConvWithState``, RMSNorm as
+``RMSNormalization``, MLA as ``Attention``); ``table_for_opset(20)`` leaves those ops to their
+decompositions (the KDA recurrence as a ``Scan``).
 """
 from __future__ import annotations
 
@@ -304,3 +307,132 @@ def _grouped_matmul(lw, inst, x, offsets, w, scales=None):
 
 def is_state(t) -> bool:
     return isinstance(t, StateType)
+
+
+# ---- opset 27: standard sequence-model ops ------------------------------------------------------
+#: ops whose entries need opset >= 23 (RMSNormalization, Attention) or 27 (LinearAttention, CausalConvWithState)
+OPSET27_OPS = ("k3.rmsnorm", "k3.gated_rmsnorm", "k3.short_conv", "k3.kda", "k3.mla")
+
+
+def table_for_opset(opset: int) -> LoweringTable:
+    """The lowering table for ``opset``: ``TABLE`` for 27, ``TABLE`` without ``OPSET27_OPS`` for 20."""
+    if opset >= 27:
+        return TABLE
+    t = TABLE.copy()
+    for name in OPSET27_OPS:
+        t.pop(name, None)
+        t.conditions.pop(name, None)
+    return t
+
+
+@lowers("k3.rmsnorm")
+def _rmsnorm(lw, inst, x, w):
+    """``RMSNormalization`` (opset 23) over the last axis, statistics in float32."""
+    w = lw.cast_to(w, lw.etype(1), lw.etype(0))
+    return lw.g.node("RMSNormalization", [x, w], axis=-1, epsilon=float(inst.eps), stash_type=1)
+
+
+@lowers("k3.gated_rmsnorm")
+def _gated_rmsnorm(lw, inst, x, gate, w):
+    """Per-head ``RMSNormalization`` of ``[B,T,H,D]`` times ``sigmoid(gate)``."""
+    g = lw.g
+    y = g.node("RMSNormalization", [x, lw.cast_to(w, lw.etype(2), lw.etype(0))], axis=-1,
+               epsilon=float(inst.eps), stash_type=1)
+    return g.node("Mul", [y, g.node("Sigmoid", [lw.cast_to(gate, lw.etype(1), lw.etype(0))])])
+
+
+@lowers("k3.short_conv")
+def _short_conv(lw, inst, x, w, s=None):
+    """``CausalConvWithState`` over ``[B,C,T]`` (x transposed from ``[B,T,C]``); the conv state
+    ``[B,C,K-1]`` is its ``past_state``/``present_state`` (absent: zero history)."""
+    g = lw.g
+    xt = g.node("Transpose", [x], perm=[0, 2, 1])
+    ins = [xt, lw.cast_to(w, lw.etype(1), lw.etype(0)), ""]
+    if s is not None:
+        ins.append(s)
+    y, st = g.node("CausalConvWithState", ins, n_out=2, activation=inst.activation)
+    return g.node("Transpose", [y], perm=[0, 2, 1]), st
+
+
+@lowers("k3.kda")
+def _kda(lw, inst, q, k, v, gate, beta, s=None):
+    """``LinearAttention`` with ``update_rule="gated_delta"``: q, k, the log-decay g ``[B,T,H,K]``
+    packed to ``[B,T,H*K]`` (per-key decay), v to ``[B,T,H*V]``, beta ``[B,T,H]``; the KDA state
+    ``[B,H,K,V]`` is ``past_state``/``present_state``. The gate, the L2 norms of q and k and
+    their scaling are ops before this node; ``scale`` is always set (the op's default 0.0 would
+    mean ``1/sqrt(K)``)."""
+    g = lw.g
+    H = int(lw.op.operands[1].type.shape[2])
+    V = int(lw.op.operands[2].type.shape[3])
+    ft = lw.x.elem("f32")
+    flat = g.ints([0, 0, -1])
+    qf, kf, gf = (g.node("Reshape", [lw.cast_to(a, lw.etype(i), ft), flat]) for i, a in ((0, q), (1, k), (3, gate)))
+    vf = g.node("Reshape", [lw.cast_to(v, lw.etype(2), ft), flat])
+    ins = [qf, kf, vf, "" if s is None else s, gf, lw.cast_to(beta, lw.etype(4), ft)]
+    o, st = g.node("LinearAttention", ins, n_out=2, update_rule="gated_delta", q_num_heads=H, kv_num_heads=H,
+                   scale=float(inst.scale), chunk_size=int(inst.chunk_size))
+    o = g.node("Reshape", [o, g.ints([0, 0, H, V])])
+    return lw.cast_to(o, ft, lw.etype(0, result=True)), st
+
+
+def _attention_mask(lw, q_len_of: str, k_len_of: str, lengths=None) -> str:
+    """bool keep-mask ``[Tq, S]`` (``[B,1,Tq,S]`` with ``lengths``): key j is seen by query i when
+    ``j <= i + S - Tq`` (the new tokens follow the cache) and, with ``lengths``, j is a valid cache
+    entry of its row or one of the new tokens. ``q_len_of``/``k_len_of``: tensors whose axis 1 is
+    Tq / S."""
+    g = lw.g
+    tq = g.node("Shape", [q_len_of], start=1, end=2)
+    tk = g.node("Shape", [k_len_of], start=1, end=2)
+    zero, one = g.const(0, "int64"), g.const(1, "int64")
+    tq0 = g.node("Squeeze", [tq, g.ints([0])])
+    tk0 = g.node("Squeeze", [tk, g.ints([0])])
+    rq = g.node("Unsqueeze", [g.node("Range", [zero, tq0, one]), g.ints([1])])       # [Tq, 1]
+    rk = g.node("Unsqueeze", [g.node("Range", [zero, tk0, one]), g.ints([0])])       # [1, S]
+    cached = g.node("Sub", [tk0, tq0])
+    keep = g.node("LessOrEqual", [rk, g.node("Add", [rq, cached])])
+    if lengths is not None:
+        ln = g.node("Unsqueeze", [lw.cast_to(lengths, lw.etype(4), _P().INT64), g.ints([1])])    # [B, 1]
+        valid = g.node("Or", [g.node("Less", [rk, ln]), g.node("GreaterOrEqual", [rk, cached])])  # [B, S]
+        keep = g.node("And", [keep, g.node("Unsqueeze", [valid, g.ints([1, 2])])])               # [B,1,Tq,S]
+    return keep
+
+
+@lowers("k3.mla")
+def _mla(lw, inst, q, kv, w, c=None, lengths=None):
+    """MLA through the standard ``Attention`` op with the explicit causal (and padding) mask and
+    ``scale`` set. Unabsorbed (prefill): per-head keys ``[k_nope | k_rope]`` (nope+rope wide, the
+    NoPE score) and values from the latent; absorbed (decode): one shared key/value head (MQA),
+    queries ``[W_uk^T q_nope | q_rope]`` against the latent cache, ``W_uv`` applied after."""
+    g = lw.g
+    H, n, r, vd = inst.heads, inst.nope, inst.rope, inst.v_dim
+    R = int(lw.op.operands[2].type.shape[1])
+    ft = lw.x.elem("f32")
+    if c is None:
+        shape = g.node("Concat", [g.node("Shape", [q], start=0, end=1), g.ints([0, R + r])], axis=0)
+        c = g.node("ConstantOfShape", [shape], value=_onnx().helper.make_tensor("zero", ft, [1], [0.0]))
+    full = g.node("Concat", [c, lw.cast_to(kv, lw.etype(1), ft)], axis=1)                 # [B,S,R+P]
+    ckv = g.node("Slice", [full, g.ints([0]), g.ints([R]), g.ints([2])])
+    kr = g.node("Slice", [full, g.ints([R]), g.ints([R + r]), g.ints([2])])
+    wh = g.node("Reshape", [lw.cast_to(w, lw.etype(2), ft), g.ints([H, n + vd, R])])
+    w_uk = g.node("Slice", [wh, g.ints([0]), g.ints([n]), g.ints([1])])
+    w_uv = g.node("Slice", [wh, g.ints([n]), g.ints([n + vd]), g.ints([1])])
+    qf = lw.cast_to(q, lw.etype(0), ft)
+    mask = _attention_mask(lw, qf, full, lengths)
+    if inst.absorbed:
+        qn = g.node("Slice", [qf, g.ints([0]), g.ints([n]), g.ints([3])])
+        qr = g.node("Slice", [qf, g.ints([n]), g.ints([n + r]), g.ints([3])])
+        qt = g.node("Einsum", [qn, w_uk], equation="bthn,hnr->bthr")
+        Q = g.node("Transpose", [g.node("Concat", [qt, qr], axis=-1)], perm=[0, 2, 1, 3])   # [B,H,T,R+P]
+        Kh = g.node("Unsqueeze", [full, g.ints([1])])                                       # [B,1,S,R+P]
+        Vh = g.node("Unsqueeze", [ckv, g.ints([1])])                                        # [B,1,S,R]
+        o_lat = g.node("Attention", [Q, Kh, Vh, mask], scale=float(inst.scale))            # [B,H,T,R]
+        o = g.node("Einsum", [o_lat, w_uv], equation="bhtr,hvr->bthv")
+    else:
+        kn = g.node("Einsum", [ckv, w_uk], equation="bsr,hnr->bhsn")                         # [B,H,S,n]
+        krh = g.node("Expand", [g.node("Unsqueeze", [kr, g.ints([1])]), g.ints([1, H, 1, 1])])  # [B,H,S,P]
+        Kh = g.node("Concat", [kn, krh], axis=-1)
+        Vh = g.node("Einsum", [ckv, w_uv], equation="bsr,hvr->bhsv")
+        Q = g.node("Transpose", [qf], perm=[0, 2, 1, 3])
+        o = g.node("Transpose", [g.node("Attention", [Q, Kh, Vh, mask], scale=float(inst.scale))],
+                   perm=[0, 2, 1, 3])
+    return lw.cast_to(o, ft, lw.etype(0, result=True)), full

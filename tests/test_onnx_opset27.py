@@ -1,0 +1,196 @@
+"""ONNX opset 27 (KDA as ``LinearAttention``, the short conv as ``CausalConvWithState``, RMSNorm as
+``RMSNormalization``, MLA through ``Attention``) and opset 20 (the ``Scan`` lowering) against the
+float64 reference: single ops, then whole tiny models (prefill, 16 decode steps, greedy tokens)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+from _tiny_models import load_tiny, token_ids
+from conftest import rel_err
+from k3ir.backends.onnx.export import OnnxExporter, check_opset, default_opset
+from k3ir.runtime import Session
+from k3ir.runtime.params import init_params
+
+import k3ir
+from k3ir.builder import Builder
+from k3ir.ir import Function, Module
+from k3ir.opdef import instantiate
+from k3ir.ops.kda import kda_recurrent
+from k3ir.ops.mla import mla_ref
+from k3ir.types import StateType, TensorType
+
+MXFP4 = ["fuse-moe-dispatch", "quantize-experts{format=mxfp4}", "dce"]
+
+
+def _one_op(opname: str, args: list[tuple[str, object]], attrs: dict) -> Module:
+    """A module whose ``@f`` applies ``opname`` to its arguments (name, IR type) and returns its results."""
+    m = Module("t")
+    fn = Function("f")
+    b = Builder(m, fn)
+    out = b.op(opname, *[b.arg(n, t) for n, t in args], **attrs)
+    b.ret(*(out if isinstance(out, tuple) else (out,)))
+    m.add_function(fn)
+    k3ir.verify_module(m)
+    return m
+
+
+def _run(m: Module, feeds: dict, opset: int = 27):
+    model = OnnxExporter(m, weights="inputs", opset=opset).export_function("f")
+    onnx.checker.check_model(model, full_check=True)
+    s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return model, s.run(None, {k: np.asarray(v, np.float32) if np.asarray(v).dtype.kind == "f" else v
+                               for k, v in feeds.items()})
+
+
+def test_linear_attention_scale_is_set_explicitly():
+    """scale 0.5 with d_k 16, where LinearAttention's default (1/sqrt(d_k) = 0.25) differs: the node
+    carries 0.5 and the output and state match the float64 recurrence from a nonzero state."""
+    rng = np.random.default_rng(0)
+    B, T, H, K, V = 2, 7, 2, 16, 8
+    q, k = (a / np.linalg.norm(a, axis=-1, keepdims=True) for a in rng.standard_normal((2, B, T, H, K)))
+    v = rng.standard_normal((B, T, H, V))
+    g = -np.abs(rng.standard_normal((B, T, H, K))) * 0.3
+    beta = 1 / (1 + np.exp(-rng.standard_normal((B, T, H))))
+    s0 = rng.standard_normal((B, H, K, V)) * 0.5
+    f32 = lambda *shape: TensorType("f32", shape)
+    m = _one_op("k3.kda", [("q", f32(B, T, H, K)), ("k", f32(B, T, H, K)), ("v", f32(B, T, H, V)),
+                           ("g", f32(B, T, H, K)), ("beta", f32(B, T, H)), ("s", StateType("kda_state", (H, K, V)))],
+                {"scale": 0.5})
+    model, (o, s1) = _run(m, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "s": s0})
+    (node,) = [n for n in model.graph.node if n.op_type == "LinearAttention"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["scale"] == 0.5 and attrs["update_rule"] == b"gated_delta"
+    want_o, want_s = kda_recurrent(q, k, v, g, beta, 0.5, s0)
+    assert rel_err(o, want_o) < 1e-5 and rel_err(s1, want_s) < 1e-5
+    assert rel_err(o, kda_recurrent(q, k, v, g, beta, 0.25, s0)[0]) > 0.1      # the conventions differ here
+
+
+def test_causal_conv_with_state_carries_history():
+    """k3.short_conv (SiLU) from a nonzero conv state ``[B,C,K-1]``: output and new state equal the reference."""
+    rng = np.random.default_rng(1)
+    B, T, C, W = 2, 3, 6, 4                        # T < K-1: part of the new state is old history
+    x, w, s0 = rng.standard_normal((B, T, C)), rng.standard_normal((C, 1, W)), rng.standard_normal((B, C, W - 1))
+    m = _one_op("k3.short_conv", [("x", TensorType("f32", (B, T, C))), ("w", TensorType("f32", (C, 1, W))),
+                                  ("s", StateType("conv_state", (C, W - 1)))], {})
+    model, (y, s1) = _run(m, {"x": x, "w": w, "s": s0})
+    assert "CausalConvWithState" in {n.op_type for n in model.graph.node}
+    want_y, want_s = instantiate(m.functions["f"].ops[0]).reference(x, w, s0)
+    assert rel_err(y, want_y) < 1e-5 and rel_err(s1, want_s) < 1e-6
+
+
+@pytest.mark.parametrize("absorbed", [False, True])
+def test_mla_through_attention_with_cache_and_lengths(absorbed):
+    """k3.mla as ONNX Attention after a right-padded cache (row 0 holds 2 valid entries of 5):
+    the causal offset and the padding mask match the float64 reference."""
+    rng = np.random.default_rng(2)
+    B, T, L, H, n, r, vd, R = 2, 3, 5, 2, 8, 4, 6, 10
+    q, kv = rng.standard_normal((B, T, H, n + r)), rng.standard_normal((B, T, R + r))
+    w, cache = rng.standard_normal((H * (n + vd), R)) * 0.3, rng.standard_normal((B, L, R + r))
+    lengths = np.array([2, 5], np.int64)
+    attrs = {"heads": H, "nope": n, "rope": r, "v_dim": vd, "scale": 0.3, "absorbed": absorbed}
+    m = _one_op("k3.mla", [("q", TensorType("f32", (B, T, H, n + r))), ("kv", TensorType("f32", (B, T, R + r))),
+                           ("w", TensorType("f32", (H * (n + vd), R))), ("c", StateType("mla_cache", (R, r))),
+                           ("lengths", TensorType("i64", (B,)))], attrs)
+    model, (o, full) = _run(m, {"q": q, "kv": kv, "w": w, "c": cache, "lengths": lengths})
+    assert "Attention" in {n.op_type for n in model.graph.node}
+    want_o, want_full = mla_ref(q, kv, w, cache, lengths=lengths, **attrs)
+    assert rel_err(o, want_o) < 1e-5 and rel_err(full, want_full) < 1e-7
+
+
+def test_default_opset_and_bad_opset():
+    assert default_opset() == 27                    # onnxruntime >= 1.32 is installed (the onnx extra's pin)
+    assert check_opset(20) == 20
+    with pytest.raises(k3ir.K3BackendError, match="opset 27 or 20, not 21"):
+        check_opset(21)
+
+
+def test_opset27_graph_uses_standard_sequence_ops_and_opset20_scans():
+    m = load_tiny("kimi-linear-tiny")
+    n_kda = len(m.attrs["kda_layers"])
+    for fn in ("prefill", "decode"):
+        ops27 = Counter(n.op_type for n in OnnxExporter(m, weights="inputs").export_function(fn).graph.node)
+        assert ops27["LinearAttention"] == n_kda and ops27["CausalConvWithState"] == 3 * n_kda
+        assert ops27["Attention"] == 1 and ops27["RMSNormalization"] > 0 and ops27["Scan"] == 0
+        ops20 = Counter(n.op_type for n in OnnxExporter(m, weights="inputs", opset=20).export_function(fn).graph.node)
+        assert ops20["Scan"] == n_kda and not {"LinearAttention", "CausalConvWithState", "Attention"} & set(ops20)
+
+
+def test_full_k3_export_cli_holds_69_linear_attention_nodes(tmp_path, capsys):
+    from k3ir.runtime.cli import main
+    out = tmp_path / "k3.onnx"
+    assert main(["export", "kimi-k3", "--format", "onnx", "--weights", "inputs", "-o", str(out)]) == 0
+    assert "opset 27" in capsys.readouterr().out
+    onnx.checker.check_model(str(out))
+    model = onnx.load(str(out))
+    assert model.opset_import[0].version == 27
+    assert sum(n.op_type == "LinearAttention" for n in model.graph.node) == 69
+
+
+def test_opset_flag_outside_onnx_is_a_usage_error(tmp_path, capsys):
+    from k3ir.runtime.cli import main
+    assert main(["export", "k3-tiny", "--format", "dot", "--opset", "20", "-o", str(tmp_path / "g.dot")]) == 2
+    assert "--opset applies to --format onnx only" in capsys.readouterr().err
+
+
+_SESSIONS: dict = {}
+
+
+def _sessions(key: str, opset: int):
+    """(module, float64 reference, torch, onnx) Sessions on the same random weights (seed 3)."""
+    if (key, opset) not in _SESSIONS:
+        name, passes = (key[:-len("-mxfp4")], MXFP4) if key.endswith("-mxfp4") else (key, None)
+        m = load_tiny(name)
+        exe = k3ir.compile(m, target="onnx", passes=passes)
+        exe.opset = opset
+        params = init_params(exe.module, seed=3)
+        ref = Session(k3ir.compile(m, target="reference", dtype="float64", passes=passes), params=params)
+        torch = Session(k3ir.compile(m, target="torch", passes=passes), params=params)
+        _SESSIONS[key, opset] = (m, ref, torch, Session(exe, params=params))
+    return _SESSIONS[key, opset]
+
+
+def _greedy(sess, ids, steps: int):
+    """Prefill ``ids`` then ``steps`` greedy decode steps: (list of float64 logits, tokens ``[B, steps]``)."""
+    logits, state = sess.prefill(ids)
+    out, toks = [logits.double().numpy()], []
+    for _ in range(steps):
+        nxt = out[-1][:, -1].argmax(-1).reshape(-1, 1).astype(np.int64)
+        toks.append(nxt)
+        logits, state = sess.decode(nxt, state)
+        out.append(logits.double().numpy())
+    return out, np.concatenate(toks, axis=1) if toks else np.zeros((ids.shape[0], 0), np.int64)
+
+
+def _check_model(key: str, opset: int, T: int, steps: int):
+    m, ref, torch, sess = _sessions(key, opset)
+    ids = token_ids(m.attrs["vocab_size"], 2, T)
+    got, got_toks = _greedy(sess, ids, steps)
+    _, torch_toks = _greedy(torch, ids, steps)
+    assert np.array_equal(got_toks, torch_toks), f"{key} opset {opset} T={T}: greedy tokens differ from torch"
+    logits, state = ref.prefill(ids)
+    want = [logits.double().numpy()]
+    for i in range(steps):
+        logits, state = ref.decode(got_toks[:, i:i + 1], state)
+        want.append(logits.double().numpy())
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel_err(a, b) < 1e-4, f"{key} opset {opset} T={T} step {i}: rel err {rel_err(a, b):.2e}"
+
+
+@pytest.mark.parametrize("key,opset", [("k3-tiny", 27), ("k3-tiny-mxfp4", 27), ("kimi-linear-tiny", 27),
+                                       ("k3-tiny", 20)])
+def test_prefill_then_16_decode_steps_match_reference(key, opset):
+    _check_model(key, opset, 17, 16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opset", [27, 20])
+@pytest.mark.parametrize("key", ["k3-tiny", "k3-tiny-mxfp4", "kimi-linear-tiny"])
+def test_prefill_lengths_grid_matches_reference(key, opset):
+    for T in (1, 17, 65, 130):
+        _check_model(key, opset, T, 16 if T == 130 else 0)
