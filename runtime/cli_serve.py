@@ -56,7 +56,8 @@ def _setup(args):
     module = load_model(args)
     tok = load_tokenizer(args.model, module)
     engine = build_engine(module, target=args.target, dtype=args.dtype, device=args.device, seed=args.init_seed,
-                          block_size=args.block_size, num_blocks=args.num_blocks, max_batch=args.max_batch)
+                          block_size=args.block_size, num_blocks=args.num_blocks, max_batch=args.max_batch,
+                          host_cache_bytes=int(getattr(args, "host_cache_mib", 0) * 2**20))
     return module, tok, engine
 
 
@@ -95,6 +96,8 @@ def cmd_serve(args) -> int:
         v = getattr(args, flag)
         if v < 1:                                    # 0 would start a server that refuses every request
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if not 0 <= args.host_cache_mib < float("inf"):
+        raise UsageError(f"--host-cache-mib must be a finite number >= 0, got {args.host_cache_mib}")
     for flag in ("body_timeout", "drain_timeout"):
         v = getattr(args, flag)
         if not 0 < v < float("inf"):
@@ -132,6 +135,9 @@ def register(sub) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM or Ctrl-C, seconds that requests in flight get to finish before they are "
                         "cancelled; no new connections are taken meanwhile (default 30)")
+    p.add_argument("--host-cache-mib", type=float, default=1024.0,
+                   help="host-memory tier of the prefix cache in MiB: cached blocks evicted from the pool and the "
+                        "tails of finished requests wait there for a hit (default 1024; 0: none)")
     p.add_argument("--max-prompt-tokens", type=int, default=4096)
     p.add_argument("--max-output-tokens", type=int, default=1024)
     p.add_argument("--max-concurrent", type=int, default=64, help="requests in flight (default 64; more get 429)")

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP API over the serving engine (FastAPI + uvicorn, SSE streaming through
 sse-starlette): ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``. Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
+``GET /health``, ``GET /metrics`` (Prometheus text format, ``runtime.metrics``). Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
 status for bad input (400 malformed or over a limit, 404 unknown model/route, 408 body not received
 in time, 413 body too large, however it is sent, 429 too many concurrent requests), also for requests
 uvicorn itself refuses (``serve`` runs uvicorn's h11 protocol with a JSON 400). A request field the
@@ -22,10 +22,12 @@ import signal
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.responses import Response
 
 from k3ir.errors import K3RuntimeError
 
 from .engine import Engine, EngineThread
+from .metrics import EngineMetrics
 from .serve_errors import APIError, add_error_handlers, error_body, json_error_protocol
 from .serve_guard import BearerAuth, BodyGuard
 from .serve_requests import (
@@ -81,6 +83,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
     app.state.engine, app.state.limits, app.state.runner, app.state.serving = engine, limits, state.runner, state
     add_error_handlers(app)
     add_routes(app, state)
+    metrics = app.state.metrics = EngineMetrics(engine).attach()
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
     app.add_middleware(BodyGuard, limit=limits.max_request_bytes, timeout_s=limits.body_timeout_s)
     if api_key is not None:                 # added last: the outermost, so a body is read only once admitted
         app.add_middleware(BearerAuth, api_key=api_key)
