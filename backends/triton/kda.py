@@ -450,8 +450,8 @@ def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     ``initial_state`` fp32 ``[N,H,K,V]`` (key rows); ``cu_seqlens`` int ``[N+1]`` with B = 1 for
     variable-length batches (states never cross sequences). ``gate="precomputed"`` takes g as the
     log-decay (<= 0), beta after the sigmoid and q, k as given (the ``k3.kda`` op).
-    The unbounded log-decays (softplus, precomputed) are floored at ``kda_common.G_FLOOR`` = -20 per token
-    (``exp(-20) = 2e-9``, below fp32 resolution next to the state; without it a raw softplus input of 1e4 lost
+    The unbounded log-decays (softplus, precomputed) are floored at ``kda_common.G_FLOOR`` = -40 per token
+    (``exp(-40) = 4e-18``, far below fp32 resolution next to the state; without it a raw softplus input of 1e4 lost
     1e-4 relative accuracy to fp32 cancellation of the in-chunk gate sums, and +inf gave NaN).
     Returns (o ``[B,T,H,V]`` in v's dtype: the recurrence output before the head norm and output
     gate, final state fp32 ``[N,H,K,V]`` or None). Differentiable in q, k, v, g, beta, A_log,

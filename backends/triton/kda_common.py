@@ -111,11 +111,13 @@ def gate_pre_act(x, a_h, lb, GATE: tl.constexpr, FAST_LOG: tl.constexpr):
 
 
 #: floor of the unbounded log-decays (softplus, precomputed) in the chunked kernels: a token's decay
-#: ``exp(g) <= exp(-20) = 2.1e-9`` is below fp32 resolution (2^-24 = 6e-8) next to the state it scales, so the
-#: floor changes no fp32 result, while an unfloored ``g`` of -1e4 (raw softplus input 1e4) makes the in-chunk
-#: cumulative sums ``G`` so large that the differences ``G_i - G_j`` of the tokens after it lose ~1e-3 to fp32
-#: cancellation (and ``g = -inf`` gives ``-inf - -inf = NaN``). NaN stays NaN.
-G_FLOOR = tl.constexpr(-20.0)
+#: ``exp(g) <= exp(-40) = 4e-18`` is far below fp32 resolution (2^-24 = 6e-8) next to the state it scales, even
+#: where the rest of a fast-decaying state is itself scaled by exp(-8) (a floor of -20 moved the initial-state
+#: gradient by 3e-5 relative there), so the floor changes no fp32 result, while an unfloored ``g`` of -1e4 (raw
+#: softplus input 1e4) makes the in-chunk cumulative sums ``G`` so large that the differences ``G_i - G_j`` of
+#: the tokens after it lose ~1e-4 to fp32 cancellation (and ``g = -inf`` gives ``-inf - -inf = NaN``). NaN
+#: stays NaN.
+G_FLOOR = tl.constexpr(-40.0)
 
 
 @triton.jit
