@@ -382,14 +382,16 @@ class _Parser:
     def operation(self, env: dict[str, Value], m: Module) -> Operation:
         start = self.tok
         results: list[Value] = []
+        names: set[str] = set()
         if self.tok.kind == "value":
             while True:
                 vt = self.expect_kind("value", "a result (%name)")
                 self.expect(":")
                 v = Value(vt.text[1:], self.type())
-                if v.name in env or any(r.name == v.name for r in results):
+                if v.name in env or v.name in names:
                     raise self.error(f"value '%{v.name}' defined twice", vt)
                 results.append(v)
+                names.add(v.name)
                 if not self.accept(","):
                     break
             self.expect("=")

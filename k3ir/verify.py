@@ -29,7 +29,8 @@ PARAM_ATTRS: dict[str, type] = {"stack": str, "quant": str, "source": str, "scal
 
 def _where(fn: Function | None, op: Operation) -> str:
     layer = op.attrs.get("layer")
-    res = ", ".join("%" + r.name for r in op.results)
+    res = ", ".join("%" + r.name for r in op.results[:4]) + (f", ... ({len(op.results)} results)"
+                                                             if len(op.results) > 4 else "")
     head = f"@{fn.name}: {res} = {op.name}" if fn is not None else op.name
     loc = f"{op.loc}: " if getattr(op, "loc", None) is not None else ""
     return loc + head + (f" (layer {layer})" if layer is not None else "")
@@ -252,6 +253,7 @@ def _check_layer_attrs(m: Module) -> None:
     cover every layer. Raises K3VerifyError naming the attribute and the layer (after
     ``file:line:col`` of the module's attributes when the module was parsed from a file)."""
     lists = {key: list(v) for key in LAYER_KINDS if isinstance(v := m.attrs.get(key), (list, tuple))}
+    listed = {key: {i for i in v if isinstance(i, int)} for key, v in lists.items()}     # membership in O(1)
     n_layers = m.attrs.get("num_hidden_layers")
     n_layers = n_layers if isinstance(n_layers, int) and not isinstance(n_layers, bool) and n_layers > 0 else None
     for fn in m.functions.values():
@@ -262,7 +264,7 @@ def _check_layer_attrs(m: Module) -> None:
                 raise K3VerifyError(f"{_where(fn, op)}: layer={layer} is out of range 0..{n_layers - 1} "
                                     f"(module attribute num_hidden_layers={n_layers})")
             for key, names in LAYER_KINDS.items():
-                if layer is not None and key in lists and op.name in names and layer not in lists[key]:
+                if layer is not None and key in lists and op.name in names and layer not in listed[key]:
                     raise K3VerifyError(f"{_where(fn, op)}: layer {layer} is {_KIND_WORDS[key]} layer "
                                         f"in the body but module attribute {key}={lists[key]} does not list it")
     loc = getattr(m, "loc", None)
@@ -275,19 +277,22 @@ def _check_layer_attrs(m: Module) -> None:
             continue
         if not isinstance(v, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
             raise K3VerifyError(f"{where}module attribute {key}={v!r} must be a list of layer indices (0-based)")
+        seen: set[int] = set()
         for i in v:
             if n is not None and not 0 <= i < n:
-                raise K3VerifyError(f"{where}module attribute {key}={list(v)}: layer {i} is out of range "
+                raise K3VerifyError(f"{where}module attribute {key}={_short(list(v))}: layer {i} is out of range "
                                     f"0..{n - 1} (num_hidden_layers={n})")
-            if list(v).count(i) > 1:
-                raise K3VerifyError(f"{where}module attribute {key}={list(v)}: layer {i} is listed twice")
+            if i in seen:
+                raise K3VerifyError(f"{where}module attribute {key}={_short(list(v))}: layer {i} is listed twice")
+            seen.add(i)
     if len(lists) == 2:
         kda, mla = lists["kda_layers"], lists["mla_layers"]
         both = sorted(set(kda) & set(mla))
         if both:
-            raise K3VerifyError(f"{where}module attributes kda_layers={kda} and mla_layers={mla} "
+            raise K3VerifyError(f"{where}module attributes kda_layers={_short(kda)} and mla_layers={_short(mla)} "
                                 f"both list layer {both[0]}")
-        missing = [i for i in range(n or 0) if i not in kda and i not in mla]
-        if missing:
-            raise K3VerifyError(f"{where}module attributes kda_layers={kda} and mla_layers={mla} leave out "
-                                f"layer {missing[0]} (num_hidden_layers={n})")
+        covered = set(kda) | set(mla)          # distinct, in 0..n-1: the first gap is found within len+1 steps
+        missing = next((i for i in range(n or 0) if i not in covered), None)
+        if missing is not None:
+            raise K3VerifyError(f"{where}module attributes kda_layers={_short(kda)} and mla_layers={_short(mla)} "
+                                f"leave out layer {missing} (num_hidden_layers={n})")

@@ -446,3 +446,28 @@ def test_verifier_param_op_without_result():
     text = GOOD.replace('%0: f32[4,3] = k3.param() {name="w"}', 'k3.param() {name="w"}').replace("(%x, %0)", "(%x, %x)")
     with pytest.raises(K3VerifyError, match=r"^bad.k3:4:5: @f: {2}= k3.param: k3.param has 0 results, the op defines 1"):
         k3ir.verify_module(k3ir.parse_module(text, source="bad.k3"))
+
+
+def test_verifier_layer_lists_linear_time():
+    """Module layer lists are checked with sets: a 2**62-layer module names the first uncovered layer at
+    once, and 20,000-entry lists do not take quadratic time."""
+    import time
+    huge = GOOD.replace("module @m {", "module @m {kda_layers=[0], mla_layers=[1], num_hidden_layers=4611686018427387904} {")
+    t0 = time.perf_counter()
+    with pytest.raises(K3VerifyError, match=r"leave out layer 2 \(num_hidden_layers=4611686018427387904\)"):
+        k3ir.verify_module(k3ir.parse_module(huge))
+    long = GOOD.replace("module @m {", "module @m {kda_layers=[" + ", ".join(map(str, range(20000))) +
+                        "], mla_layers=[20000, 0], num_hidden_layers=20001} {")
+    with pytest.raises(K3VerifyError, match="both list layer 0"):
+        k3ir.verify_module(k3ir.parse_module(long))
+    assert time.perf_counter() - t0 < 5
+
+
+def test_verifier_error_names_at_most_four_results():
+    """An op with 3,000 results: the error names four and the count (not a 30 kB line)."""
+    results = ", ".join(f"%a{i}: f32[1]" for i in range(3000))
+    text = f"module @m {{\n  func @f() -> () {{\n    {results} = k3.add()\n    return\n  }}\n}}\n"
+    with pytest.raises(K3VerifyError) as e:
+        k3ir.verify_module(k3ir.parse_module(text, source="r.k3"))
+    assert str(e.value).startswith("r.k3:3:5: @f: %a0, %a1, %a2, %a3, ... (3000 results) = k3.add: "), str(e.value)
+    assert len(str(e.value)) < 200
