@@ -1,7 +1,8 @@
-"""Backends: a registry of targets. A backend has a name, a pass pipeline and a lowering table
-(op name -> implementation, with per-op conditions: ``lowering.LoweringTable``); ops missing from
-the table, or refused by its ``supports`` hook, fall back to their decomposition. Out-of-tree
-backends register through the entry-point group ``k3ir.backends``."""
+"""Backends: a registry of targets. A backend has a name, a target description (what its code relies
+on), a pass pipeline in named phases and a lowering table (op name -> implementation, with per-op
+conditions: ``lowering.LoweringTable``); ops missing from the table, or refused by its ``supports``
+hook, fall back to their decomposition. Out-of-tree backends register through the entry-point group
+``k3ir.backends``."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -19,10 +20,45 @@ _LOADED = False
 BUILTIN = ("reference", "torch", "triton", "tvm", "onnx", "mlir")
 
 
+@dataclass(frozen=True)
+class TargetDescription:
+    """What a backend's generated code relies on, for ``k3ir check`` and ``k3ir backends`` (not a switch:
+    switches live in the backend's config). ``kind``: the device or format family (``cuda``, ``llvm``,
+    ``onnx``, ...); ``toolchain``: what compiles or runs the code; ``arch``: the oldest architecture it targets
+    (e.g. ``sm_90``); ``features``: device features the kernels use, each ``name: what for``; ``limits``:
+    ``(name, value)`` pairs the kernels are sized for (bytes, counts; the unit in the name)."""
+    kind: str
+    toolchain: str = ""
+    arch: str = ""
+    features: tuple[str, ...] = ()
+    limits: tuple[tuple[str, int], ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "toolchain": self.toolchain, "arch": self.arch, "features": list(self.features),
+                "limits": dict(self.limits)}
+
+    def summary(self) -> str:
+        """One line: ``kind arch, toolchain; relies on: features; limits``."""
+        head = " ".join(x for x in (self.kind, self.arch) if x)
+        parts = [head + (f" ({self.toolchain})" if self.toolchain else "")]
+        if self.features:
+            parts.append("relies on: " + ", ".join(f.split(":")[0] for f in self.features))
+        if self.limits:
+            parts.append(", ".join(f"{k}={v:,}" for k, v in self.limits))
+        return "; ".join(parts)
+
+
 @dataclass
 class Backend:
     """A target: ``build(module, dtype, device) -> Executable`` plus its pass pipeline and its
     lowering table.
+
+    ``phases``: the pipeline as named phases, ``[(phase, [pass specs])]`` (``passes.pipelines``; e.g.
+    ``[("fuse", ["fuse-kda-chunks"]), ("cleanup", ["dce"])]``); a backend may list passes of its own
+    (registered with ``k3ir.passes.register_pass``). ``pipeline``: the same passes as one flat list; give
+    either (a flat ``pipeline`` alone is grouped into the phases of ``passes.pipelines.PHASES``, unknown
+    passes into a phase ``passes``). ``target_description``: what the generated code relies on
+    (:class:`TargetDescription`), None when nothing beyond the host.
 
     ``table``: ``() -> Mapping`` op name -> implementation (called lazily: a table may import the
     backend's heavy dependency); a ``lowering.LoweringTable`` carries per-op conditions. ``support``:
@@ -48,8 +84,20 @@ class Backend:
     table: Callable[[], Mapping[str, Any]] | None = None
     support: Callable[[Operation], str | None] | None = None
     function_support: Callable[[Module, str], str | None] | None = None
+    phases: list[tuple[str, list[str]]] | None = None
+    target_description: TargetDescription | None = None
 
     def __post_init__(self) -> None:
+        from k3ir.passes.pipelines import check_phases, flatten, group_phases
+        if self.phases is None:
+            self.pipeline = list(self.pipeline)
+            self.phases = group_phases(self.pipeline)
+        else:
+            self.phases = check_phases(self.phases, f"backend '{self.name}'")
+            if self.pipeline and list(self.pipeline) != flatten(self.phases):
+                raise K3BackendError(f"backend '{self.name}': pipeline {self.pipeline} and phases "
+                                     f"{flatten(self.phases)} differ (give one of them)")
+            self.pipeline = flatten(self.phases)
         if self.lowers is None:
             table = self.table
             self.lowers = (lambda: set(table())) if table is not None else (lambda: set())
@@ -246,5 +294,5 @@ def compile_module(module: Module, target: str = "torch", dtype: str | None = No
         raise K3BackendError(f"compile: unknown option(s) {', '.join(unknown)} (known: target, dtype, device, "
                              "passes, verify_each, quantize, dump_dir, results)")
     from k3ir.passes import run_pipeline
-    m = run_pipeline(module.clone(), backend.pipeline if passes is None else passes, verify_each=verify_each, **options)
+    m = run_pipeline(module.clone(), backend.phases if passes is None else passes, verify_each=verify_each, **options)
     return backend.build(m, dtype=dtype, device=device)

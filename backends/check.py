@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from k3ir.errors import K3Error
 from k3ir.ir import Module, Operation
@@ -56,13 +57,18 @@ class CheckReport:
     """``rows``: one per (op, status, reason). ``functions``: every function of the module -> None
     (supported) or why the target cannot run it. ``requested``: the functions the check requires;
     ``failed`` lists those unsupported. ``skipped``: functions the target does not build (their ops
-    are not classified)."""
+    are not classified). ``phases``: the target's pipeline, ``[(phase, [pass specs])]`` (``Backend.phases``);
+    ``passes``: the passes that ran before the check, ``{"phase", "pass", "rewrites"}`` each (filled by ``k3ir
+    check``); ``target_description``: the backend's ``TargetDescription``, or None."""
     target: str
     module: str
     rows: list[OpRow]
     skipped: list[str] = field(default_factory=list)
     functions: dict[str, str | None] = field(default_factory=dict)
     requested: list[str] = field(default_factory=list)
+    phases: list[tuple[str, list[str]]] = field(default_factory=list)
+    passes: list[dict] = field(default_factory=list)
+    target_description: Any = None
 
     @property
     def errors(self) -> list[OpRow]:
@@ -87,7 +93,10 @@ class CheckReport:
                          "functions": sorted(r.functions), "via": dict(r.via), "why": r.why} for r in self.rows],
                 "functions": [{"name": f, "status": "unsupported" if why else "supported", "why": why or "",
                                "requested": f in self.requested} for f, why in self.functions.items()],
-                "skipped_functions": list(self.skipped)}
+                "skipped_functions": list(self.skipped),
+                "phases": [{"name": n, "passes": [str(p) for p in specs]} for n, specs in self.phases],
+                "passes": list(self.passes),
+                "target_description": self.target_description.as_dict() if self.target_description else None}
 
 
 Supports = Callable[[Operation], "str | None"]
@@ -176,9 +185,11 @@ def check_module(module: Module, target: str, native: set[str] | None = None,
     naming them, for requested functions the module lacks); problems of the module are reported in the
     rows and ``report.functions``, not raised."""
     from k3ir.errors import K3BackendError
+
+    from . import get_backend
     problem: Callable[[Module, str], str | None] | None = None
+    be = None
     if native is None:                 # the registered backend decides all of it
-        from . import get_backend
         be = get_backend(target)
         native = set(be.lowers())
         supports = be.supports if supports is None else supports
@@ -217,8 +228,15 @@ def check_module(module: Module, target: str, native: set[str] | None = None,
             if status == ERROR and why_fn[fname] is None:
                 why_fn[fname] = f"{op.name}: {why}"
     order = {ERROR: 0, CONDITIONAL: 1, DECOMPOSED: 2, NATIVE: 3}
+    if be is None:
+        try:
+            be = get_backend(target)
+        except K3BackendError:         # an explicit ``native`` for an unregistered target name
+            be = None
     return CheckReport(target, module.name, sorted(rows.values(), key=lambda r: (order[r.status], r.family, r.op)),
-                       skipped=skipped, functions=why_fn, requested=requested)
+                       skipped=skipped, functions=why_fn, requested=requested,
+                       phases=list(be.phases) if be is not None else [],
+                       target_description=be.target_description if be is not None else None)
 
 
 def render(report: CheckReport, console=None) -> None:
@@ -227,6 +245,13 @@ def render(report: CheckReport, console=None) -> None:
     if console is None:
         from rich.console import Console
         console = Console(highlight=False, width=120)
+    if report.target_description is not None:
+        console.print(f"target '{report.target}': {report.target_description.summary()}", soft_wrap=True)
+    ran: dict[str, list[str]] = {}
+    for p in report.passes:
+        ran.setdefault(p["phase"] or "-", []).append(f"{p['pass']} ({p['rewrites']} rewrites)")
+    for phase, passes in (ran.items() if ran else ((n, list(map(str, s))) for n, s in report.phases)):
+        console.print(f"phase {phase}: {', '.join(passes) or '-'}", soft_wrap=True)
     t = Table(title=f"{report.module}: ops for target '{report.target}' (decided before compiling)")
     for c in ("op", "family", "count", "lowering", "details"):
         t.add_column(c, justify="right" if c == "count" else "left")

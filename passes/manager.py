@@ -1,7 +1,9 @@
 """Pass manager: a pass is a small dataclass with a name, options as fields and
 ``run(module) -> PassResult``. Pipelines are lists of pass specs (``name`` or
-``name{key=value,...}``); ``run_pipeline`` runs them in place, verifying after each pass when
-asked and dumping the module as numbered ``.k3`` files (``00-input.k3``, ``01-<pass>.k3``, ...).
+``name{key=value,...}``), flat or grouped in named phases (``[(phase, [specs]), ...]``,
+``passes.pipelines``); ``run_pipeline`` runs them in place, verifying after each pass when asked
+and dumping the module as numbered ``.k3`` files (``00-input.k3``, then ``01-<phase>.<pass>.k3``,
+... for a phased pipeline, ``01-<pass>.k3`` for a flat one).
 """
 from __future__ import annotations
 
@@ -30,11 +32,12 @@ BUILTIN_PASSES = ("dce", "cse", "fuse_kda_chunks", "fuse_moe_dispatch", "quantiz
 class PassResult:
     """What a pass did: ``rewrites`` (ops created/removed/changed), ``details`` (pass-specific
     numbers, e.g. bytes before/after quantisation) and, filled in by ``run_pipeline``, the pass
-    name and its wall time in seconds."""
+    name, its phase ("" in a flat pass list) and its wall time in seconds."""
     rewrites: int = 0
     details: dict[str, Any] = field(default_factory=dict)
     name: str = ""
     seconds: float = 0.0
+    phase: str = ""
 
     @property
     def changed(self) -> bool:
@@ -154,66 +157,85 @@ def make_pass(spec: str | Pass) -> Pass:
     return p
 
 
-def _apply_quantize(passes: list[Pass], quantize: str | None) -> list[Pass]:
+def _apply_quantize(passes: list[tuple[str, Pass]], quantize: str | None) -> list[tuple[str, Pass]]:
     """``quantize`` overrides what the config says: ``none`` drops quantize-experts; ``mxfp4``/``int4``
-    forces it (inserted after fuse-moe-dispatch when the pipeline lacks it)."""
+    forces it (inserted after fuse-moe-dispatch, in phase ``quantize``, when the pipeline lacks it).
+    ``passes``: (phase, pass) pairs."""
     if quantize is None:
         return passes
     if quantize not in ("none", "mxfp4", "int4"):
         raise K3Error(f"--quantize must be none, mxfp4 or int4, got {quantize!r}")
     out = []
     seen = False
-    for p in passes:
+    for phase, p in passes:
         if p.name == "quantize-experts":
             seen = True
             if quantize == "none":
                 continue
             p = dataclasses.replace(p, format=quantize)
-        out.append(p)
+        out.append((phase, p))
     if not seen and quantize != "none":
-        names = [p.name for p in out]
+        names = [p.name for _, p in out]
         if "fuse-moe-dispatch" not in names:
             raise K3Error("quantizing experts needs fuse-moe-dispatch in the pipeline (grouped_matmul takes "
                           "the packed weights)")
-        out.insert(names.index("fuse-moe-dispatch") + 1, make_pass(f"quantize-experts{{format={quantize}}}"))
+        phase = "quantize" if out[names.index("fuse-moe-dispatch")][0] else ""
+        out.insert(names.index("fuse-moe-dispatch") + 1, (phase, make_pass(f"quantize-experts{{format={quantize}}}")))
     return out
 
 
-def run_pipeline(module: Module, passes: list[str | Pass] | str, verify_each: bool = False,
+def _phased(passes: list[Any]) -> list[tuple[str, str | Pass]]:
+    """(phase, spec) pairs of a pass list whose items are specs, Pass instances or ``(phase, [specs])`` pairs
+    (phase "" for the bare items). Raises K3Error for an empty spec."""
+    out: list[tuple[str, str | Pass]] = []
+    for item in passes:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and not isinstance(item[1], str):
+            out.extend((item[0], spec) for spec in item[1])
+        else:
+            out.append(("", item))
+    for i, (phase, p) in enumerate(out):
+        if isinstance(p, str) and not p.strip():
+            where = f" (phase '{phase}')" if phase else ""
+            raise K3Error(f"pass list item {i + 1}{where} is empty (a doubled or trailing comma?)")
+    return out
+
+
+def run_pipeline(module: Module, passes: list[Any] | str, verify_each: bool = False,
                  dump_dir: str | None = None, quantize: str | None = None,
                  results: list[PassResult] | None = None, **_: Any) -> Module:
-    """Run ``passes`` (names, ``name{opt=v}`` specs, Pass instances, or one comma-separated
-    string) on ``module`` in place and return it.
+    """Run ``passes`` on ``module`` in place and return it. ``passes``: names, ``name{opt=v}`` specs, Pass
+    instances or one comma-separated string, or a phased pipeline ``[(phase, [specs]), ...]``
+    (``Backend.phases``, ``passes.pipelines.phases_for``).
 
     ``verify_each``: run the verifier after every pass (K3VerifyError names the pass).
-    ``dump_dir``: write ``00-input.k3`` and ``NN-<pass>.k3`` after each pass.
+    ``dump_dir``: write ``00-input.k3`` and, after each pass, ``NN-<phase>.<pass>.k3`` (``NN-<pass>.k3`` for a
+    pass outside a phase).
     ``quantize``: ``none|mxfp4|int4`` overrides the config's expert quantisation.
-    ``results``: a list that receives each pass's PassResult (with name and seconds).
+    ``results``: a list that receives each pass's PassResult (with name, phase and seconds).
     Raises K3Error for unknown passes or options."""
     if isinstance(passes, str):
         passes = split_specs(passes, keep_empty=True)
-    for i, p in enumerate(passes):
-        if isinstance(p, str) and not p.strip():
-            raise K3Error(f"pass list item {i + 1} is empty (a doubled or trailing comma?)")
-    plist = _apply_quantize([make_pass(p) for p in passes], quantize)
+    plist = _apply_quantize([(ph, make_pass(p)) for ph, p in _phased(list(passes))], quantize)
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
         _dump(module, os.path.join(dump_dir, "00-input.k3"))
-    for i, p in enumerate(plist, start=1):
+    for i, (phase, p) in enumerate(plist, start=1):
         t0 = time.perf_counter()
         res = p.run(module) or PassResult()
         res.name = p.spec()
+        res.phase = phase
         if verify_each:
             try:
                 verify_module(module)
             except K3Error as e:
                 raise type(e)(f"after pass '{p.name}': {e}") from None
         res.seconds = time.perf_counter() - t0
-        log.info("pass %s: %d rewrites in %.3f s %s", res.name, res.rewrites, res.seconds, res.details or "")
+        log.info("pass %s%s: %d rewrites in %.3f s %s", f"{phase}/" if phase else "", res.name, res.rewrites,
+                 res.seconds, res.details or "")
         if results is not None:
             results.append(res)
         if dump_dir:
-            _dump(module, os.path.join(dump_dir, f"{i:02d}-{p.name}.k3"))
+            _dump(module, os.path.join(dump_dir, f"{i:02d}-{phase + '.' if phase else ''}{p.name}.k3"))
     return module
 
 

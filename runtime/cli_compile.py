@@ -9,6 +9,7 @@ naming what is missing and what was written) unless ``--no-build``/``--ir-only``
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -22,21 +23,19 @@ FUSED_OPS = ("k3.fused_kda", "k3.moe_dispatch", "k3.grouped_matmul", "k3.moe_com
              "k3.kda", "k3.moe", "k3.attn_res", "k3.mla")
 
 
-def target_pipeline(target: str) -> tuple[list[str], object | None, str | None]:
-    """(pass list, backend or None, why it cannot build here or None) for ``target``: the
-    backend's own pipeline when it declares one, else ``passes.pipelines.pipeline_for``."""
+def target_pipeline(target: str) -> tuple[list, object | None, str | None]:
+    """(pipeline as ``[(phase, [pass specs])]``, backend or None, why it cannot build here or None) for
+    ``target``: the backend's own phases when it declares any, else ``passes.pipelines.phases_for``."""
     from k3ir.backends import get_backend
-    from k3ir.passes.pipelines import pipeline_for
+    from k3ir.passes.pipelines import PIPELINES, phases_for
     try:
         backend = get_backend(target)
     except K3BackendError as e:
-        from k3ir.passes.pipelines import PIPELINES
         if target.split("-")[0] not in PIPELINES:
             raise
-        return pipeline_for(target), None, str(e)
-    from k3ir.passes.pipelines import PIPELINES
+        return phases_for(target), None, str(e)
     known = backend.name in PIPELINES or backend.name.split("-")[0] in PIPELINES
-    pipe = list(backend.pipeline) or (pipeline_for(backend.name) if known else [])
+    pipe = list(backend.phases) or (phases_for(backend.name) if known else [])
     return pipe, backend, backend.available()
 
 
@@ -108,10 +107,10 @@ def cmd_compile(args) -> int:
     bytes_after = report(m).param_bytes
     from rich.table import Table
     t = Table(title=f"{m.name}: passes for target '{args.target}'")
-    for c in ("#", "pass", "rewrites", "seconds", "details"):
+    for c in ("#", "phase", "pass", "rewrites", "seconds", "details"):
         t.add_column(c, justify="right" if c in ("#", "rewrites", "seconds") else "left")
     for i, r in enumerate(results, 1):
-        t.add_row(str(i), r.name, str(r.rewrites), f"{r.seconds:.3f}",
+        t.add_row(str(i), r.phase or "-", r.name, str(r.rewrites), f"{r.seconds:.3f}",
                   ", ".join(f"{k}={human_bytes(v) if k.startswith('bytes') else v}" for k, v in r.details.items()))
     con.print(t)
     counts = {fn: Counter(op.name for op in f.ops if op.name in FUSED_OPS) for fn, f in m.functions.items()}
@@ -127,7 +126,7 @@ def cmd_compile(args) -> int:
             f.write(print_module(m))
         with open(os.path.join(args.output, "passes.json"), "w") as f:
             json.dump({"target": args.target, "bytes_before": bytes_before, "bytes_after": bytes_after,
-                       "passes": [{"name": r.name, "rewrites": r.rewrites, "seconds": r.seconds,
+                       "passes": [{"name": r.name, "phase": r.phase, "rewrites": r.rewrites, "seconds": r.seconds,
                                    "details": r.details} for r in results],
                        "ops": {fn: dict(c) for fn, c in counts.items()}}, f, indent=2)
         con.print(f"wrote {os.path.join(args.output, 'module.k3')} and passes.json")
@@ -141,26 +140,72 @@ def cmd_compile(args) -> int:
                                  "for just that")
         con.print(f"note: target '{args.target}' cannot build here ({why}); ran its pipeline only")
     else:
-        t2 = time.perf_counter()
-        exe = backend.build(m, dtype=dtype, device=args.device)
-        con.print(f"built {exe!r} in {time.perf_counter() - t2:.2f} s")
-        if args.output and hasattr(exe, "save"):
-            from k3ir.runtime.params import bound_params, init_params
-            params = bound_params(m)
-            if params is None:
-                params = init_params(m, args.seed)
-            exe.save(args.output, params)
-            con.print(f"wrote the {exe.target} artifact to {args.output} (load it with Session.load)")
+        _build(con, backend, m, dtype, args)
     return 0
 
 
+def _build_times(exe) -> str:
+    """`` (@prefill+decode 41.2 s, @forward 30.0 s)`` from a lazily compiling executable's ``build_seconds``."""
+    times = getattr(exe, "build_seconds", None) or {}
+    return f" ({', '.join(f'@{g} {t:.1f} s' for g, t in times.items())})" if times else ""
+
+
+def _build(con, backend, m, dtype: str, args) -> None:
+    """Build ``m`` for ``backend`` and, with ``-o``, write the artifact, printing the real time of each. Targets
+    that compile lazily (tvm, mlir: ``build_all``) compile every entry function here, or while the artifact is
+    written; a spinner on a terminal's stderr shows a step that runs longer than a second."""
+    from k3ir.progress import progress
+    t0 = time.perf_counter()
+    exe = backend.build(m, dtype=dtype, device=args.device)
+    build_all = getattr(exe, "build_all", None)
+    writes = bool(args.output) and hasattr(exe, "save")
+    if build_all is not None and not writes:
+        build_all()
+        con.print(f"built {exe!r} in {time.perf_counter() - t0:.2f} s{_build_times(exe)}")
+    elif build_all is not None:
+        con.print(f"prepared {exe!r}; its entry functions compile while the artifact is written")
+    else:
+        con.print(f"built {exe!r} in {time.perf_counter() - t0:.2f} s")
+    if writes:
+        from k3ir.runtime.params import bound_params, init_params
+        params = bound_params(m)
+        if params is None:
+            params = init_params(m, args.seed)
+        with progress(f"{exe.target}: writing the artifact to {args.output}") as timing:
+            exe.save(args.output, params)
+        con.print(f"wrote the {exe.target} artifact to {args.output} in {timing.seconds:.2f} s"
+                  f"{_build_times(exe)} (load it with Session.load)")
+
+
+def phases_help() -> str:
+    """Each registered target's pipeline by phase, as ``k3ir compile --target T`` runs it (``target_pipeline``)."""
+    from k3ir.backends import list_backends
+    from k3ir.passes.pipelines import describe
+    lines = ["pipelines by phase (what --target T runs; k3ir check --target T shows it too):"]
+    for b in list_backends():
+        lines.append(f"  {b.name:<11} {describe(target_pipeline(b.name)[0])}")
+    return "\n".join(lines)
+
+
+_PHASES_EPILOG = "<pipelines by phase>"
+
+
+class _PhasesHelp(argparse.RawDescriptionHelpFormatter):
+    """Help formatter filling the epilog with ``phases_help()`` when help is shown (not on every parse)."""
+
+    def add_text(self, text):
+        super().add_text(phases_help() if text == _PHASES_EPILOG else text)
+
+
 def register(sub) -> None:
-    p = sub.add_parser("compile", help="run a target's pass pipeline (dump IR per pass) and build it")
+    p = sub.add_parser("compile", help="run a target's pass pipeline (dump IR per pass) and build it",
+                       epilog=_PHASES_EPILOG, formatter_class=_PhasesHelp)
     model_arg(p)
     p.add_argument("--target", default="triton", help="target name (default triton)")
     p.add_argument("--passes", help="comma-separated pass list, options as name{key=value,...}")
     p.add_argument("--quantize", choices=("none", "mxfp4", "int4"), help="override the config's expert quantisation")
-    p.add_argument("--dump-ir", metavar="DIR", help="write 00-input.k3 and NN-<pass>.k3 after each pass")
+    p.add_argument("--dump-ir", metavar="DIR", help="write 00-input.k3, then NN-<phase>.<pass>.k3 after each pass "
+                                                    "(NN-<pass>.k3 for a --passes list)")
     p.add_argument("--verify-each", action="store_true", help="run the verifier after every pass")
     p.add_argument("-o", "--output", metavar="DIR",
                    help="write the final module.k3 and passes.json, then the built artifact (Session.load(DIR)); "
@@ -200,8 +245,9 @@ def cmd_check(args) -> int:
         bad = [f for f in args.function if f not in m.functions]
         if bad:
             raise UsageError(f"--function {bad[0]}: {m.name} has no such function (have: {', '.join(m.functions)})")
-    apply_passes(m, args.target, quantize=args.quantize)
+    results, _, _ = apply_passes(m, args.target, quantize=args.quantize)
     rep = check_module(m, args.target, requested=args.function)
+    rep.passes = [{"phase": r.phase, "pass": r.name, "rewrites": r.rewrites} for r in results]
     if args.json:
         print(json.dumps(rep.as_dict(), indent=2))
     else:

@@ -229,8 +229,8 @@ def render_matrix(backends: list[str], rows: dict, con) -> None:
     from rich.table import Table
     groups = _merge_columns(backends, rows)
     t = Table(title="ops by backend (native / cond = conditional / decomp = decomposed / - = neither)")
-    t.add_column("op")
-    t.add_column("family")
+    t.add_column("op", no_wrap=True, min_width=max(map(len, rows), default=2))
+    t.add_column("family", no_wrap=True)
     for g in groups:
         t.add_column(g[0] if len(g) == 1 else f"{g[0]} (= {', '.join(g[1:])})")
     for name, (family, st) in rows.items():

@@ -254,3 +254,43 @@ def test_triton_support_table_is_what_the_executable_runs():
     assert all(table[n] is KERNELS[n] for n in KERNELS)
     m = k3ir.load("k3-tiny")
     assert all(support.supports(op) is None for f in m.functions.values() for op in f.ops if op.name != "k3.param")
+
+
+def test_backend_pipeline_in_named_phases():
+    """``Backend.phases`` is the pipeline by phase; a flat ``pipeline`` is grouped into the catalogue's phases
+    (unknown passes into ``passes``); malformed phases are errors naming the backend."""
+    from k3ir.backends import Backend
+
+    from k3ir.errors import K3BackendError, K3Error
+    b = Backend(name="x", description="", build=None, phases=[("fuse", ["fuse-kda-chunks"]), ("cleanup", ["dce"])])
+    assert b.pipeline == ["fuse-kda-chunks", "dce"]
+    flat = Backend(name="y", description="", build=None, pipeline=["fuse-attn-res", "my-pass{k=1}", "cse", "dce"])
+    assert flat.phases == [("fuse", ["fuse-attn-res"]), ("passes", ["my-pass{k=1}"]), ("cleanup", ["cse", "dce"])]
+    for bad, msg in (([("a b", ["dce"])], "not a word"), ([("c", ["dce"]), ("c", [])], "declared twice"),
+                     ([("c", "dce")], "pair"), ("dce", "list of")):
+        with pytest.raises(K3Error, match=msg) as e:
+            Backend(name="z", description="", build=None, phases=bad)
+        assert "backend 'z'" in str(e.value)
+    with pytest.raises(K3BackendError, match="differ"):
+        Backend(name="z", description="", build=None, pipeline=["cse"], phases=[("cleanup", ["dce"])])
+
+
+def test_check_shows_phases_that_ran_and_the_target_description(capsys):
+    """``k3ir check --target triton``: the device features the kernels rely on, the pipeline by phase with each
+    pass's rewrites (fuse-kda-chunks fuses every k3.kda of the text functions it checks)."""
+    pytest.importorskip("triton")
+    rc, out, err = run_cli(capsys, "check", "k3-tiny", "--target", "triton", "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    desc = rep["target_description"]
+    assert desc["kind"] == "cuda" and desc["limits"] == {"shared_memory_per_block_bytes": 232448}
+    assert any(f.startswith("programmatic dependent launch") for f in desc["features"])
+    assert any(f.startswith("wgmma") for f in desc["features"])
+    assert [p["name"] for p in rep["phases"]] == ["fuse", "quantize", "specialize", "cleanup"]
+    m = k3ir.load("k3-tiny")
+    kda = sum(1 for f in m.functions.values() for op in f.ops if op.name == "k3.kda")
+    ran = {p["pass"]: p for p in rep["passes"]}
+    assert ran["fuse-kda-chunks"]["phase"] == "fuse" and ran["fuse-kda-chunks"]["rewrites"] == kda > 0
+    rc, out, err = run_cli(capsys, "check", "k3-tiny", "--target", "triton")
+    assert rc == 0, err
+    assert "relies on: programmatic dependent launch, wgmma" in out and "phase fuse: fuse-kda-chunks (" in out

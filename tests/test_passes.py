@@ -45,7 +45,11 @@ def test_pipelines_per_target():
     assert pipeline_for("tvm-cuda") == PIPELINES["tvm"]
     assert pipeline_for("triton", phases=["fuse"]) == ["fuse-kda-chunks", "fuse-moe-dispatch", "fuse-attn-res"]
     from k3ir.backends import get_backend
+    from k3ir.passes.pipelines import phases_for
     assert get_backend("torch").pipeline == PIPELINES["torch"]
+    assert get_backend("torch").phases == phases_for("torch") == [
+        ("fuse", ["fuse-kda-chunks", "fuse-moe-dispatch", "fuse-attn-res"]), ("quantize", ["quantize-experts"]),
+        ("specialize", ["absorb-mla"]), ("cleanup", ["cse", "dce"])]
     with pytest.raises(K3Error):
         pipeline_for("nonsense")
 
@@ -66,6 +70,21 @@ def test_quantize_override_and_dumps(tmp_path):
     assert {op.attrs["quant"] for op in m2.ops("k3.grouped_matmul")} == {"none"}
     with pytest.raises(K3Error, match="needs fuse-moe-dispatch"):
         run_pipeline(k3ir.load("k3-tiny"), ["dce"], quantize="mxfp4")
+
+
+def test_phased_pipeline_dumps_by_phase_and_pass(tmp_path):
+    """A pipeline of named phases: each dump names its phase and pass; a forced quantisation lands in phase quantize."""
+    m = k3ir.load("k3-tiny")
+    res: list[PassResult] = []
+    run_pipeline(m, [("fuse", ["fuse-moe-dispatch"]), ("cleanup", ["dce"])], quantize="int4",
+                 dump_dir=str(tmp_path), results=res)
+    assert sorted(os.listdir(tmp_path)) == ["00-input.k3", "01-fuse.fuse-moe-dispatch.k3",
+                                            "02-quantize.quantize-experts.k3", "03-cleanup.dce.k3"]
+    assert [(r.phase, r.name) for r in res] == [("fuse", "fuse-moe-dispatch"), ("quantize", "quantize-experts{format=int4}"),
+                                                ("cleanup", "dce")]
+    assert "k3.grouped_matmul" in (tmp_path / "01-fuse.fuse-moe-dispatch.k3").read_text()
+    with pytest.raises(K3Error, match="phase 'fuse'"):
+        run_pipeline(k3ir.load("k3-tiny"), [("fuse", ["dce", " "])])
 
 
 # ---- golden ------------------------------------------------------------------------------------
@@ -126,8 +145,9 @@ def test_cli_compile_dump_and_print(tmp_path, capsys):
     assert main(["compile", "k3-tiny", "--target", "torch", "--dump-ir", str(dump), "--verify-each",
                  "--quantize", "mxfp4", "-o", str(out), "--dtype", "float32"]) == 0
     files = sorted(os.listdir(dump))
-    assert files[0] == "00-input.k3" and files[1] == "01-fuse-kda-chunks.k3" and len(files) == 1 + len(
+    assert files[0] == "00-input.k3" and files[1] == "01-fuse.fuse-kda-chunks.k3" and len(files) == 1 + len(
         PIPELINES["torch"])
+    assert files[-1] == f"{len(PIPELINES['torch']):02d}-cleanup.dce.k3"          # named by phase and pass
     capsys.readouterr()
     for f in files:
         assert main(["print", str(dump / f)]) == 0

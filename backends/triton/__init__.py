@@ -60,5 +60,5 @@ def _pipeline() -> list[str]:
 
 
 register_backend(Backend(name="triton", description="Triton kernels for Hopper GPUs (fused KDA fwd/bwd, decode)",
-                         build=_build, pipeline=_pipeline(), table=support.table,
+                         build=_build, pipeline=_pipeline(), table=support.table, target_description=support.TARGET,
                          available=_available))

@@ -8,7 +8,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import TargetDescription
 from ..lowering import LoweringTable, table_supports
+
+#: what the triton target's kernels rely on (``k3ir check --target triton`` shows it)
+TARGET = TargetDescription(
+    kind="cuda", arch="sm_90 (Hopper: H100, H200)",
+    toolchain="Triton >= 3.4, PTX through ptxas; TRITON_INTERPRET=1 runs the same kernels on the CPU, tiny sizes",
+    features=(
+        ("programmatic dependent launch: decode kernels start while the previous kernel finishes (griddepcontrol, "
+         "compute capability >= 9.0; gemv.pdl_kwargs)"),
+        ("wgmma: Hopper MMA v3 tensor-core dots in the chunked KDA forward and backward (kda_bwd compiles some "
+         "launches without it)"),
+        "CUDA graphs: decode replayed as one captured graph per batch size (graphs.py)",
+    ),
+    limits=(("shared_memory_per_block_bytes", 232448),),   # the H200's opt-in maximum; smem_fit drops stages above it
+)
 
 
 def table() -> LoweringTable:

@@ -89,7 +89,7 @@ def cross_report() -> dict[str, str]:
 
 
 def register_cross_targets() -> None:
-    from .. import Backend, register_backend
+    from .. import Backend, TargetDescription, register_backend
 
     def build(module, dtype: str = "float32", device: str = "cpu"):
         raise K3BackendError("TVM cross targets build device code only: use k3ir.backends.tvm.cross.emit_source")
@@ -111,4 +111,6 @@ def register_cross_targets() -> None:
                     f"(k3ir.backends.tvm.cross.emit_source('{kind}'))")
         from k3ir.passes.pipelines import pipeline_for
         register_backend(Backend(name=f"tvm-{kind}", description=f"Apache TVM Relax for {kind} (build only)",
-                                 build=build, pipeline=pipeline_for("tvm"), lowers=lowers, available=available))
+                                 build=build, pipeline=pipeline_for("tvm"), lowers=lowers, available=available,
+                                 target_description=TargetDescription(kind=kind, toolchain="Apache TVM Relax/TIR with "
+                                                                      "dlight schedules (device code only)")))
