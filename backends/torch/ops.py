@@ -254,6 +254,9 @@ def gated_rmsnorm(inst, x, gate, w):
 
 
 def mla(inst, q, kv, w, c=None, lengths=None):
+    from .mla_tiled import TILED_ABOVE, mla_tiled
+    if kv.shape[1] + (0 if c is None else c.shape[1]) > TILED_ABOVE:     # long: no [T, L+T] score matrix
+        return mla_tiled(inst, q, kv, w, c, lengths)
     H, n, vd = inst.heads, inst.nope, inst.v_dim
     R = w.shape[1]
     new = _f32(kv)
