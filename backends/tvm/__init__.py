@@ -25,7 +25,7 @@ import numpy as np
 from k3ir.errors import K3BackendError
 from k3ir.ir import Module
 
-from .. import Backend, Executable, register_backend
+from .. import Backend, Executable, TargetDescription, register_backend
 
 _COMPILED: dict[str, tuple[Any, dict[str, list[str]]]] = {}   # key -> (VMExecutable, {function: params})
 #: entry functions compiled into one Relax module (they share most kernels: half the build time)
@@ -222,7 +222,8 @@ def _pipeline() -> list[str]:
 
 register_backend(Backend(name="tvm", description="Apache TVM Relax, compiled for llvm (this CPU)",
                          build=_build, pipeline=_pipeline(), table=_table, aliases=("tvm-llvm",),
-                         function_support=_function_problem, available=_available, dtypes=("float32", "float64"), load_artifact=load_executable))
+                         function_support=_function_problem, available=_available, dtypes=("float32", "float64"), load_artifact=load_executable,
+                         target_description=TargetDescription(kind="llvm", toolchain="Apache TVM Relax/TIR (tvm.compile), LLVM codegen for this CPU")))
 
 from .cross import register_cross_targets
 
