@@ -513,3 +513,19 @@ def test_k3_tiny_forward_through_triton_target_matches_torch():
     ids = np.random.default_rng(0).integers(0, m.attrs["vocab_size"], size=(1, 20))
     a, b = Session(ex_t).forward(ids), Session(ex_r).forward(ids)
     assert rel_err(ex_t.to_numpy(a), ex_r.to_numpy(b)) < (1e-4 if not GPU else 3e-3)
+
+
+def test_k3_tiny_gate_bound_past_the_kernels_runs_on_torch_kernels():
+    """A config's K3 gate bound of -8 overflows the chunked kernels' exp(+-80) factors (NaN outputs before);
+    kda_forward refuses it and the triton target's k3.fused_kda prefill takes the torch implementation, so the
+    model still equals the torch target."""
+    from k3ir.runtime.session import Session
+
+    import k3ir
+    m = k3ir.load("k3-tiny", overrides={"linear_attn_config.gate_lower_bound": -8.0})
+    ex_t = k3ir.compile(m, target="triton", dtype="float32", device=DEV)
+    ex_r = k3ir.compile(m, target="torch", dtype="float32", device=DEV)
+    ids = np.random.default_rng(1).integers(0, m.attrs["vocab_size"], size=(1, 20))
+    a, b = Session(ex_t).forward(ids), Session(ex_r).forward(ids)
+    assert np.isfinite(ex_t.to_numpy(a)).all()
+    assert rel_err(ex_t.to_numpy(a), ex_r.to_numpy(b)) < (1e-4 if not GPU else 3e-3)

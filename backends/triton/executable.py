@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..torch import TorchExecutable
 from . import layer
-from .kda import kda_forward
+from .kda import MIN_LOWER_BOUND, kda_forward
 
 
 def _torch_impl(name):
@@ -93,11 +93,12 @@ def fused_kda(inst, *args):
         x = x.materialize()
         args = (x, *args[1:])
         xr, nrm = x, None
-    if x.dtype == torch.float64 or inst.qk_eps != 1e-6:   # the kernels fix the L2 eps at SPEC's 1e-6
+    lb = inst.lower_bound if inst.gate == "lower_bound" else None
+    # the kernels fix the L2 eps at SPEC's 1e-6; the chunked kernels take K3 gate bounds down to -5 (kda.py)
+    if x.dtype == torch.float64 or inst.qk_eps != 1e-6 or (not decode and lb is not None and lb < MIN_LOWER_BOUND):
         return _torch_impl("k3.fused_kda")(inst, *args)
     H, D = inst.heads, inst.head_dim
     B, Tn = x.shape[:2]
-    lb = inst.lower_bound if inst.gate == "lower_bound" else None
     if decode:
         # decode: the six projections of x in one GEMV (weights concatenated once; the layer's input
         # RMSNorm in its prologue), the two low-rank up-projections in one more, then the decode kernel
