@@ -15,6 +15,8 @@ import contextlib
 import os
 import time
 
+from k3ir.progress import progress
+
 from .cli import UsageError, console, load_model, model_arg
 
 FORMATS = ("onnx", "mlir", "dot", "svg", "html")
@@ -87,7 +89,7 @@ def cmd_export(args) -> int:
         weights = args.weights or "external"
         outs = [out] + ([out + ".data"] if weights == "external" else [])
         _check_writable(outs)
-        with _writing(outs):
+        with _writing(outs), progress(f"onnx: exporting @{args.function or 'prefill'} of {m.name} to {out}"):
             info = export_onnx(m, out, function=args.function or "prefill", weights=weights,
                                params=None if weights == "inputs" else _params(m), opset=opset)
         con.print(f"wrote {out}: opset {info['opset']}, {info['nodes']:,} nodes, {info['inputs']} inputs, "
@@ -100,14 +102,15 @@ def cmd_export(args) -> int:
     if fmt == "mlir":
         from k3ir.backends.mlir import compile_mlir, emit_mlir
         fns = [args.function] if args.function else ["prefill", "decode"]
-        text, order = emit_mlir(m, fns)
+        with progress(f"mlir: emitting and verifying {', '.join('@' + x for x in fns)} of {m.name}") as emitted:
+            text, order = emit_mlir(m, fns)
         vm = os.path.splitext(out)[0] + f".{args.iree_target}.vmfb" if args.iree_target else None
         if vm:
             _check_writable([vm])
         with _writing([out]), open(out, "w") as f:
             f.write(text)
         con.print(f"wrote {out}: {len(text.splitlines()):,} lines, functions {', '.join('@' + x for x in fns)}; "
-                  f"weights are trailing arguments ({len(order[fns[0]])} for @{fns[0]})")
+                  f"weights are trailing arguments ({len(order[fns[0]])} for @{fns[0]}) ({emitted.seconds:.2f} s)")
         if args.iree_target:
             t1 = time.perf_counter()
             data = compile_mlir(text, args.iree_target)
@@ -118,15 +121,17 @@ def cmd_export(args) -> int:
     from . import pictures
     fn = args.function or "forward"
     level = args.level or "layer"
-    if fmt == "html":
-        text = pictures.to_html(m, fn)
-    elif fmt == "dot":
-        text = pictures.to_dot(m, fn, level)
-    else:
-        text = pictures.to_svg(m, fn, level)
+    with progress(f"{fmt}: drawing @{fn} of {m.name}") as drawn:
+        if fmt == "html":
+            text = pictures.to_html(m, fn)
+        elif fmt == "dot":
+            text = pictures.to_dot(m, fn, level)
+        else:
+            text = pictures.to_svg(m, fn, level)
     with _writing([out]), open(out, "w") as f:
         f.write(text)
-    con.print(f"wrote {out} ({fmt}, {level} level, @{fn}, {len(text):,} bytes)")
+    shown = "layer and op levels" if fmt == "html" else f"{level} level"
+    con.print(f"wrote {out} ({fmt}, {shown}, @{fn}, {len(text):,} bytes, {drawn.seconds:.2f} s)")
     return 0
 
 

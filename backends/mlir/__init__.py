@@ -88,8 +88,10 @@ def compile_mlir(text: str, iree_target: str = "llvm-cpu") -> bytes:
     if os.path.isfile(path):                  # same MLIR, target, flags and IREE: reuse the module
         with open(path, "rb") as f:
             return f.read()
+    from k3ir.progress import progress
     try:
-        data = ic.compile_str(text, target_backends=[backend], extra_args=flags)
+        with progress(f"IREE: compiling {len(text.splitlines()):,} lines of MLIR for {iree_target}"):
+            data = ic.compile_str(text, target_backends=[backend], extra_args=flags)
     except ic.CompilerToolError as e:
         msg = [ln for ln in str(e).strip().splitlines() if "error" in ln.lower()] or str(e).strip().splitlines()
         raise K3BackendError(f"IREE could not compile for {iree_target}: {msg[0] if msg else e}") from None
@@ -121,6 +123,9 @@ class MlirExecutable(Executable):
         self._arrays: dict[str, np.ndarray] | None = None
         self._device_params: dict[str, Any] = {}
         self.weights_inside = False
+        #: seconds emitting + IREE-compiling each function group took ("prefill+decode" -> s; a module found in
+        #: the IREE cache takes well under a second)
+        self.build_seconds: dict[str, float] = {}
 
     def _group(self, function: str) -> tuple[str, ...]:
         for g in GROUPS:
@@ -129,11 +134,23 @@ class MlirExecutable(Executable):
         return (function,)
 
     def compile_group(self, group: tuple[str, ...]) -> bytes:
+        """The llvm-cpu ``.vmfb`` of ``group`` (emitted and compiled on first use; time in ``build_seconds``)."""
         if group not in self.vmfb:
-            text, order = emit_mlir(self.module, group)
-            self.param_order.update(order)
-            self.vmfb[group] = compile_mlir(text, "llvm-cpu")
+            from k3ir.progress import progress
+            with progress(f"mlir: emitting and compiling @{' @'.join(group)} with IREE (llvm-cpu)") as timing:
+                text, order = emit_mlir(self.module, group)
+                self.param_order.update(order)
+                self.vmfb[group] = compile_mlir(text, "llvm-cpu")
+            self.build_seconds["+".join(group)] = timing.seconds
         return self.vmfb[group]
+
+    def build_all(self) -> dict[str, float]:
+        """Compile every entry function now (otherwise on first use); returns ``build_seconds``."""
+        for g in GROUPS:
+            group = tuple(f for f in g if f in self.module.functions)
+            if group:
+                self.compile_group(group)
+        return dict(self.build_seconds)
 
     def _load_group(self, group: tuple[str, ...]) -> None:
         rt = _iree_runtime()

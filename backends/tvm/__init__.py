@@ -71,6 +71,9 @@ class TVMExecutable(Executable):
         self._loaded: dict[str, tuple[Any, dict[str, list[str]]]] = {}   # group key -> (library, names)
         self._arrays: dict[str, np.ndarray] | None = None
         self.weights_inside = False
+        #: seconds the lowering + LLVM build of each function group took in this executable ("prefill+decode"
+        #: -> s); near 0 for a group compiled before in this process or loaded from an artifact
+        self.build_seconds: dict[str, float] = {}
 
     def _group(self, function: str) -> list[str]:
         for g in GROUPS:
@@ -90,22 +93,35 @@ class TVMExecutable(Executable):
             return self._vms[function]
         if function not in self.module.functions:
             raise K3BackendError(f"module has no function '@{function}'")
-        import tvm
-        from tvm import relax
+        from k3ir.progress import progress
         group = self._group(function)
-        key = self._key(group)
-        if key not in _COMPILED and key in self._loaded:
-            _COMPILED[key] = self._loaded[key]
-        if key not in _COMPILED:
-            from .lower import build_relax
-            mod, params = build_relax(self.module, group, self.dtype)
-            target = tvm.target.Target({"kind": "llvm", "opt-level": opt_level()})
-            _COMPILED[key] = (tvm.compile(mod, target=target), params)
-        ex, names = _COMPILED[key]
-        vm = relax.VirtualMachine(ex, tvm.cpu())
+        label = "+".join(group)
+        with progress(f"tvm: lowering and building @{label.replace('+', ' @')} for llvm "
+                      f"(opt-level {opt_level()})") as timing:       # the tvm import included (seconds when cold)
+            import tvm
+            from tvm import relax
+            key = self._key(group)
+            if key not in _COMPILED and key in self._loaded:
+                _COMPILED[key] = self._loaded[key]
+            if key not in _COMPILED:
+                from .lower import build_relax
+                mod, params = build_relax(self.module, group, self.dtype)
+                target = tvm.target.Target({"kind": "llvm", "opt-level": opt_level()})
+                _COMPILED[key] = (tvm.compile(mod, target=target), params)
+            ex, names = _COMPILED[key]
+            vm = relax.VirtualMachine(ex, tvm.cpu())
+        self.build_seconds[label] = timing.seconds
         for f in group:
             self._vms[f] = (vm[f], names[f])
         return self._vms[function]
+
+    def build_all(self) -> dict[str, float]:
+        """Compile every entry function now (they compile lazily on first use otherwise); returns
+        ``build_seconds``: function group ("prefill+decode", "forward") -> seconds this build took."""
+        for fn in ("forward", "prefill", "decode"):
+            if fn in self.module.functions:
+                self.compile(fn)
+        return dict(self.build_seconds)
 
     def prepare_params(self, arrays: dict[str, Any]) -> dict[str, Any]:
         import tvm
