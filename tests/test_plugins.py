@@ -1,6 +1,7 @@
 """Backend plugins: the example out-of-tree package in tests/plugin_example is pip-installed
 into a temporary directory and found through the ``k3ir.backends`` entry point: ``k3ir
-backends`` lists it, ``k3ir check`` classifies ops for it, and a Session runs on it."""
+backends`` lists it, ``k3ir check`` classifies ops for it and shows its own pipeline (a fusion
+pass of the plugin producing an op the plugin declares), and a Session runs on it."""
 from __future__ import annotations
 
 import importlib
@@ -39,6 +40,30 @@ def plugin_dir(tmp_path_factory):
     assert "numpy-example" in load_plugins()
     yield str(target)
     sys.path.remove(str(target))
+    from k3ir.passes import PASSES
+
+    from k3ir import backends, opdef  # the plugin's op, pass and target leave the registries
+    opdef._OPS.pop(FUSED, None)
+    PASSES.pop(PASS, None)
+    backends._BACKENDS.pop("numpy-example", None)
+    backends._ALIASES.pop("np-example", None)
+
+
+#: the plugin's fused op and the pass producing it (tests/plugin_example/k3ir_plugin_example/fusion.py)
+FUSED, PASS = "numpy_example.rmsnorm_linear", "numpy-example.fuse-rmsnorm-linear"
+
+
+def norms_feeding_one_linear(m) -> int:
+    """How many ``k3.rmsnorm`` results of ``m`` are read by exactly one op, a ``k3.linear``, and not returned."""
+    n = 0
+    for fn in m.functions.values():
+        users = fn.users()
+        returned = {id(v) for v in fn.returns}
+        for op in fn.ops:
+            if op.name == "k3.rmsnorm" and id(op.results[0]) not in returned:
+                u = users.get(id(op.results[0]), [])
+                n += len(u) == 1 and u[0].name == "k3.linear"
+    return n
 
 
 def _cli(args, plugin_dir):
@@ -69,6 +94,12 @@ def test_check_lists_native_and_decomposed_ops_for_the_plugin(plugin_dir):
         assert set(rows[op]["via"]) <= {n for n, x in rows.items() if x["status"] == "native"} | set(rows[op]["via"])
     from k3ir.backends import get_backend
     native = get_backend("numpy-example").lowers()
+    # the plugin's own pipeline: its fusion pass in phase fuse, then DCE
+    rep = json.loads(r.stdout)
+    assert rep["phases"] == [{"name": "fuse", "passes": [PASS]}, {"name": "cleanup", "passes": ["dce"]}]
+    fused = norms_feeding_one_linear(k3ir.load("kimi-linear-6p6b"))      # none in Kimi Linear; k3-tiny: below
+    assert rep["passes"][0] == {"phase": "fuse", "pass": PASS, "rewrites": fused}
+    assert rows.get(FUSED, {"count": 0})["count"] == fused
     for row in rows.values():                          # every expansion ends in ops the plugin lowers
         assert row["status"] != "error"
         assert set(row["via"]) <= native, row["op"]
@@ -86,6 +117,47 @@ def test_session_runs_on_the_plugin(plugin_dir):
     want = prefill_decode(ref, ids, nxt)
     assert rel_err(got[0], want[0]) < 1e-4 and rel_err(got[1], want[1]) < 1e-4
     assert np.isfinite(got[1]).all()
+
+
+def test_plugin_fusion_is_shown_by_check_and_ops(plugin_dir):
+    """``k3ir check --target numpy-example`` lists the plugin's phases with the fusion's rewrites;
+    ``k3ir ops`` finds the plugin's op in the plugin's file, native on the plugin, a decomposition elsewhere."""
+    r = _cli(["check", "k3-tiny", "--target", "numpy-example"], plugin_dir)
+    assert r.returncode == 0, r.stderr
+    n = norms_feeding_one_linear(k3ir.load("k3-tiny"))
+    assert f"phase fuse: {PASS} ({n} rewrites)" in r.stdout and FUSED in r.stdout
+    r = _cli(["ops", FUSED, "--json"], plugin_dir)
+    assert r.returncode == 0, r.stderr
+    import json
+    info = json.loads(r.stdout)
+    path, line = info["defined"].rsplit(":", 1)
+    assert path.endswith("k3ir_plugin_example/fusion.py") and info["family"] == "fused"
+    with open(path) as f:
+        assert f.read().splitlines()[int(line) - 1].startswith("@op(FUSED")
+    by = {e["backend"]: e for e in info["backends"]}
+    assert by["numpy-example"]["status"] == "native" and "fusion.py" in by["numpy-example"]["implementation"]
+    assert by["torch"]["status"] == "decomposed" and by["reference"]["status"] == "native"
+
+
+def test_plugin_fusion_keeps_the_logits(plugin_dir):
+    """The fused op's float64 reference equals the unfused graph; its decomposition (torch, which lacks the op)
+    and the plugin's native float32 kernel match it within SPEC.md 11 float32 tolerances."""
+    from k3ir.passes import run_pipeline
+    m = load_tiny("k3-tiny")
+    params = init_params(m, seed=2)
+    fused = run_pipeline(m.clone(), [("fuse", [PASS]), ("cleanup", ["dce"])], verify_each=True)
+    assert len(list(fused.ops(FUSED))) == norms_feeding_one_linear(m) > 0
+    assert not any(op.name == FUSED for op in m.ops())
+    ids = token_ids(m.attrs["vocab_size"], 2, 7)
+    want = Session(k3ir.compile(m, target="reference"), params=params).forward(ids).double().numpy()
+    ref = Session(k3ir.compile(fused, target="reference"), params=params).forward(ids).double().numpy()
+    assert rel_err(ref, want) < 1e-12
+    dec = Session(k3ir.compile(fused, target="torch", passes=[]), params=params).forward(ids).double().numpy()
+    assert rel_err(dec, want) < 1e-5
+    exe = k3ir.compile(m, target="numpy-example")
+    assert len(list(exe.module.ops(FUSED))) == len(list(fused.ops(FUSED)))     # the plugin's pipeline fused them
+    nat = Session(exe, params=params).forward(ids).double().numpy()
+    assert rel_err(nat, want) < 1e-4
 
 
 @pytest.mark.parametrize("vocab,native", [(300, True), (17000, False)])

@@ -6,9 +6,14 @@ and a few model ops natively (``TABLE``, a ``k3ir.backends.lowering.LoweringTabl
 model op falls back to its decomposition into core ops through k3ir's shared ``Interpreter``. One
 entry is conditional: ``k3.lm_head`` is native for vocabularies up to ``LM_HEAD_MAX_VOCAB`` and
 decomposes (transpose + matmul) above; the ``Interpreter`` and ``k3ir check`` read the same
-condition, so what ``check`` says is what runs. It runs the module as the frontend builds it (only
-DCE: no fused ops), so ``k3ir check --target numpy-example`` lists KDA, MLA, MoE, ... as
-decompositions. Registered by ``pyproject.toml``::
+condition, so what ``check`` says is what runs.
+
+Its pipeline (``Backend.phases``) has a fusion of its own: phase ``fuse`` runs the plugin's pass
+``numpy-example.fuse-rmsnorm-linear`` (``fusion.py``), which turns an RMSNorm read by one linear layer
+into the plugin-declared op ``numpy_example.rmsnorm_linear`` (reference + decomposition, so every other
+backend runs it too), lowered natively here; phase ``cleanup`` runs DCE. k3ir's own fusions do not run,
+so ``k3ir check --target numpy-example`` lists KDA, MLA, MoE, ... as decompositions. Registered by
+``pyproject.toml``::
 
     [project.entry-points."k3ir.backends"]
     numpy-example = "k3ir_plugin_example:backend"
@@ -23,6 +28,8 @@ from k3ir.backends.interpreter import Interpreter
 from k3ir.backends.lowering import LoweringTable
 
 from k3ir.opdef import all_ops
+
+from .fusion import FUSED, PASS, rmsnorm_linear
 
 F32 = np.float32
 
@@ -63,6 +70,7 @@ TABLE.update({
     "k3.linear": lambda inst, x, w: x.astype(F32) @ w.astype(F32).T,
     "k3.rmsnorm": _rmsnorm,
     "k3.swiglu": lambda inst, g, u: g / (F32(1) + np.exp(-g)) * u,
+    FUSED: rmsnorm_linear,
 })
 
 
@@ -90,4 +98,4 @@ def backend() -> Backend:
     """The entry point: k3ir calls this and registers the returned Backend."""
     return Backend(name="numpy-example", description="example plugin: float32 NumPy (out of tree)",
                    build=lambda module, dtype="float32", device="cpu": NumpyExecutable(module, dtype, device),
-                   pipeline=["dce"], table=lambda: TABLE, aliases=("np-example",))
+                   phases=[("fuse", [PASS]), ("cleanup", ["dce"])], table=lambda: TABLE, aliases=("np-example",))
