@@ -91,6 +91,7 @@ def _eager_capture(self, params, run_eager):
     self.captures += 1
 
 
+@pytest.mark.slow
 def test_graph_decode_stages_ids_position_and_length_in_one_copy(monkeypatch):
     """GraphDecode over 4 steps whose ids change every step (host numpy ids, then ids as a tensor): each step is
     one staged copy of [ids, pos, nlen] into the io buffer (ring of 2: it wraps), the MLA kernels read pos/nlen

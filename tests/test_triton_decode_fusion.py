@@ -56,6 +56,7 @@ def _count_launches(work):
     return seen
 
 
+@pytest.mark.slow
 def test_kimi_linear_decode_fusions_match_reference_and_save_launches(monkeypatch):
     torch.set_num_threads(1)
     from k3ir.backends.triton import executable as exe_mod

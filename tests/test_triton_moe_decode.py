@@ -105,6 +105,7 @@ def test_routed_glu_switch_and_limits(monkeypatch):
     assert not moe_decode.routed_supported(fb, w1, w3, "silu")
 
 
+@pytest.mark.slow
 def test_whole_model_decode_with_the_routed_glu_matches_reference_and_drops_dispatch(monkeypatch):
     """A tiny Kimi Linear (3 MoE layers with a shared expert) on the triton target, float32: decode steps with
     TUNING["routed_glu"] on (no dispatch_kernel launch: the grouped GLU routes; with routed_xn on or off) against the
