@@ -46,10 +46,17 @@ class Session:
     module (a loaded checkpoint) or, if none, a deterministic random init from ``seed``.
     Token ids are ``LongTensor[B, T]``, integer arrays or nested lists; logits come back as torch
     tensors ``[B, T, vocab]`` (float32, float64 on the reference target). ``generate`` with
-    ``max_new_tokens=0`` returns the ids unchanged. K3RuntimeError for a non-integer ``seed``."""
+    ``max_new_tokens=0`` returns the ids unchanged. ``prefill_chunk``: ``prefill`` feeds longer inputs in
+    segments of this many tokens (a positive multiple of the KDA chunk 64), the state carried between them,
+    so activations stay bounded by one segment. K3RuntimeError for a non-integer ``seed`` or a bad
+    ``prefill_chunk``."""
 
-    def __init__(self, executable, params: dict[str, Any] | None = None, seed: int = 0):
-        check_seed(seed)           # also when bound or given weights leave it unused: a bad seed is a caller bug
+    def __init__(self, executable, params: dict[str, Any] | None = None, seed: int = 0, prefill_chunk: int = 2048):
+        check_seed(seed)
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) \
+                or prefill_chunk <= 0 or prefill_chunk % 64:
+            raise K3RuntimeError(f"prefill_chunk must be a positive multiple of the KDA chunk 64, got {prefill_chunk!r}")
+        self.prefill_chunk = int(prefill_chunk)           # also when bound or given weights leave it unused: a bad seed is a caller bug
         if not (hasattr(executable, "module") and callable(getattr(executable, "run", None))):
             hint = (": use Session(k3ir.compile(k3ir.load(...))) or Session.load(DIR)"
                     if isinstance(executable, str) else "")
@@ -171,12 +178,20 @@ class Session:
         return self._out(logits)
 
     def prefill(self, input_ids, state: State | None = None, images=None):
-        """Consume ``input_ids [B, T]`` from ``state`` (None: empty). Returns (logits, new state).
-        ``images`` as in ``forward``."""
+        """Consume ``input_ids [B, T]`` from ``state`` (None: empty), in segments of ``prefill_chunk``
+        tokens when longer (without ``images``). Returns (logits ``[B, T, V]``, new state). ``images`` as in
+        ``forward``."""
         ids = self._ids(input_ids)
         if images is not None:
             return self._step("prefill_media", ids, state, extra=[self.image_features(images)])
-        return self._step("prefill", ids, state)
+        if ids.shape[1] <= self.prefill_chunk:
+            return self._step("prefill", ids, state)
+        pieces = []                 # segments on the KDA chunk grid of a one-shot prefill: same results
+        for s0 in range(0, ids.shape[1], self.prefill_chunk):
+            logits, state = self._step("prefill", ids[:, s0:s0 + self.prefill_chunk], state)
+            pieces.append(logits)
+        import torch
+        return torch.cat(pieces, dim=1), state
 
     def image_features(self, images):
         """Projected image features ``[M, hidden]`` (backend array) for ``images`` (see ``forward``):
