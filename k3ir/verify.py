@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from typing import Any
 
 from .errors import K3VerifyError
@@ -189,6 +190,7 @@ def verify_module(m: Module) -> None:
             body = op.attrs.get("body")
             if body is not None and body not in m.functions:
                 raise K3VerifyError(f"{_where(fn, op)}: body function @{body} is not defined")
+    _check_module_attr_types(m)
     _check_layer_attrs(m)
     _check_model_attrs(m)
 
@@ -196,6 +198,60 @@ def verify_module(m: Module) -> None:
 def _module_where(m: Module) -> str:
     loc = getattr(m, "loc", None)
     return f"{loc}: " if loc is not None else ""
+
+
+#: most layers a module may declare (``num_hidden_layers``; accounting and passes loop over them). The config
+#: reader allows up to 1,024 (frontend/config_bounds.py); text IR gets more room.
+MAX_MODULE_LAYERS = 65536
+_STR_ATTRS = ("model_type", "dtype", "key_prefix", "expert_quant", "kda_gate")
+
+
+def _check_module_attr_types(m: Module) -> None:
+    """Module attributes the runtime reads have their types (others are free-form): ``num_hidden_layers`` an
+    int in 1..MAX_MODULE_LAYERS, ``hidden_size`` a positive int, ``bos_token_id`` / ``pad_token_id`` an int
+    >= 0 or null, ``eos_token_id`` one or a non-empty list of them (all below ``vocab_size``),
+    ``attn_res_block_size`` an int >= 0 or null, _STR_ATTRS strings, ``quant_ignore`` a list of strings
+    (``re:`` patterns must compile), ``vision`` an object, ``mesh`` an object of positive ints. Raises
+    K3VerifyError naming the attribute (after the module's ``file:line:col`` when parsed from text)."""
+    where, a = _module_where(m), m.attrs
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def fail(key: str, want: str) -> None:
+        raise K3VerifyError(f"{where}module attribute {key}={_short(a[key])} must be {want}")
+    if "num_hidden_layers" in a and not (is_int(n := a["num_hidden_layers"]) and 1 <= n <= MAX_MODULE_LAYERS):
+        fail("num_hidden_layers", f"an int in 1..{MAX_MODULE_LAYERS}")
+    if "hidden_size" in a and not (is_int(a["hidden_size"]) and a["hidden_size"] > 0):
+        fail("hidden_size", "a positive int")
+    if "attn_res_block_size" in a and not (a["attn_res_block_size"] is None or is_int(a["attn_res_block_size"])
+                                           and a["attn_res_block_size"] >= 0):
+        fail("attn_res_block_size", "an int >= 0 or null")
+    vocab = a.get("vocab_size") if is_int(a.get("vocab_size")) else None
+    for key in ("bos_token_id", "pad_token_id", "eos_token_id"):
+        v = a.get(key)
+        ids = v if key == "eos_token_id" and isinstance(v, list) and v else [v]
+        if v is not None and not all(is_int(i) and 0 <= i < (vocab or 2 ** 63) for i in ids):
+            fail(key, f"a token id in 0..{vocab - 1 if vocab else 'vocab_size-1'}"
+                      + (" (or a non-empty list of them)" if key == "eos_token_id" else "") + " or null")
+    for key in _STR_ATTRS:
+        if key in a and not isinstance(a[key], str):
+            fail(key, "a string")
+    qi = a.get("quant_ignore")
+    if qi is not None:
+        if not isinstance(qi, list) or not all(isinstance(p, str) for p in qi):
+            fail("quant_ignore", "a list of strings")
+        for p in qi:
+            try:
+                re.compile(p[3:]) if p.startswith("re:") else None
+            except re.error as e:
+                raise K3VerifyError(f"{where}module attribute quant_ignore: pattern {_short(p)} does not compile: "
+                                    f"{e}") from None
+    if "vision" in a and not isinstance(a["vision"], dict):
+        fail("vision", "an object")
+    mesh = a.get("mesh")
+    if mesh is not None and not (isinstance(mesh, dict) and all(is_int(v) and v > 0 for v in mesh.values())):
+        fail("mesh", "an object of positive ints (mesh axis -> size)")
 
 
 def _check_model_attrs(m: Module) -> None:

@@ -449,13 +449,16 @@ def test_verifier_param_op_without_result():
 
 
 def test_verifier_layer_lists_linear_time():
-    """Module layer lists are checked with sets: a 2**62-layer module names the first uncovered layer at
-    once, and 20,000-entry lists do not take quadratic time."""
+    """Module layer lists are checked with sets: a 2**62-layer module is refused at once (it looped over every
+    layer), the first uncovered layer is named without listing them all, and 20,000-entry lists do not take
+    quadratic time."""
     import time
     huge = GOOD.replace("module @m {", "module @m {kda_layers=[0], mla_layers=[1], num_hidden_layers=4611686018427387904} {")
     t0 = time.perf_counter()
-    with pytest.raises(K3VerifyError, match=r"leave out layer 2 \(num_hidden_layers=4611686018427387904\)"):
+    with pytest.raises(K3VerifyError, match=r"num_hidden_layers=4611686018427387904 must be an int in 1..65536"):
         k3ir.verify_module(k3ir.parse_module(huge))
+    with pytest.raises(K3VerifyError, match=r"leave out layer 2 \(num_hidden_layers=65536\)"):
+        k3ir.verify_module(k3ir.parse_module(huge.replace("4611686018427387904", "65536")))
     long = GOOD.replace("module @m {", "module @m {kda_layers=[" + ", ".join(map(str, range(20000))) +
                         "], mla_layers=[20000, 0], num_hidden_layers=20001} {")
     with pytest.raises(K3VerifyError, match="both list layer 0"):
@@ -471,3 +474,25 @@ def test_verifier_error_names_at_most_four_results():
         k3ir.verify_module(k3ir.parse_module(text, source="r.k3"))
     assert str(e.value).startswith("r.k3:3:5: @f: %a0, %a1, %a2, %a3, ... (3000 results) = k3.add: "), str(e.value)
     assert len(str(e.value)) < 200
+
+
+@pytest.mark.parametrize("attrs,words", [
+    ("num_hidden_layers=\"x\"", "num_hidden_layers='x' must be an int in 1..65536"),
+    ("num_hidden_layers=0", "num_hidden_layers=0 must be an int in 1..65536"),
+    ("hidden_size=[64]", "hidden_size=[64] must be a positive int"),
+    ("eos_token_id=[]", "eos_token_id=[] must be a token id in 0..vocab_size-1 (or a non-empty list of them) or null"),
+    ("vocab_size=10, bos_token_id=10", "bos_token_id=10 must be a token id in 0..9 or null"),
+    ("quant_ignore=5", "quant_ignore=5 must be a list of strings"),
+    ("quant_ignore=[\"re:(\"]", "quant_ignore: pattern 're:(' does not compile"),
+    ("dtype=16", "dtype=16 must be a string"),
+    ("vision=[2, 2]", "vision=[2, 2] must be an object"),
+    ("mesh={tp=\"x\"}", "mesh={'tp': 'x'} must be an object of positive ints"),
+    ("attn_res_block_size=-1", "attn_res_block_size=-1 must be an int >= 0 or null"),
+], ids=lambda v: v if len(v) < 30 else v[:30])
+def test_verifier_module_attribute_types(attrs, words):
+    """Module attributes that accounting, passes and the runtime read (a num_hidden_layers string made
+    `k3ir inspect` raise ValueError; quant_ignore=5 a TypeError in quantize-experts)."""
+    text = GOOD.replace("module @m {", f"module @m {{{attrs}}} {{")
+    with pytest.raises(K3VerifyError) as e:
+        k3ir.verify_module(k3ir.parse_module(text, source="a.k3"))
+    assert str(e.value).startswith("a.k3:1:11: module attribute ") and words in str(e.value), str(e.value)
