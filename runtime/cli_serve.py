@@ -94,7 +94,7 @@ def cmd_serve(args) -> int:
     for flag in ("max_request_bytes", "max_prompt_tokens", "max_output_tokens", "max_concurrent", "max_stop_strings",
                  "max_stop_chars"):
         v = getattr(args, flag)
-        if v < 1:                                    # 0 would start a server that refuses every request
+        if v is not None and v < 1:                  # 0 would start a server that refuses every request
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
     if not 0 <= args.host_cache_mib < float("inf"):
         raise UsageError(f"--host-cache-mib must be a finite number >= 0, got {args.host_cache_mib}")
@@ -138,7 +138,9 @@ def register(sub) -> None:
     p.add_argument("--host-cache-mib", type=float, default=1024.0,
                    help="host-memory tier of the prefix cache in MiB: cached blocks evicted from the pool and the "
                         "tails of finished requests wait there for a hit (default 1024; 0: none)")
-    p.add_argument("--max-prompt-tokens", type=int, default=4096)
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt in tokens (default: the model's max_position_embeddings bounded by the "
+                        "pool's capacity, --num-blocks x --block-size less one)")
     p.add_argument("--max-output-tokens", type=int, default=1024)
     p.add_argument("--max-concurrent", type=int, default=64, help="requests in flight (default 64; more get 429)")
     p.add_argument("--max-stop-strings", type=int, default=16, help="stop strings per request (default 16)")

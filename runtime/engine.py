@@ -70,6 +70,17 @@ def engine_size_problem(block_size: Any = 512, num_blocks: Any = None, max_batch
     return None
 
 
+def max_positions(module) -> int | None:
+    """``max_position_embeddings`` of ``module``'s config (top level or ``text_config``) when a positive
+    integer, else None."""
+    raw = getattr(getattr(module, "config", None), "raw", None) or {}
+    for d in (raw, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}):
+        v = d.get("max_position_embeddings")
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request. ``prompt`` token ids; ``output`` grows as tokens are sampled;
@@ -186,6 +197,14 @@ class Engine:
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, **kw) -> Request:
         """``make_request`` + ``enqueue``."""
         return self.enqueue(self.make_request(prompt, params, **kw))
+
+    def prompt_limit(self) -> int:
+        """The longest prompt served by default: the model's ``max_position_embeddings`` (its config or
+        ``text_config``) bounded by the pool's capacity less one token (one must be generated), the capacity
+        alone when the config has none."""
+        cap = max(1, self.pool.num_blocks * self.bs - 1)
+        mpe = max_positions(self.session.module)
+        return min(cap, mpe) if mpe else cap
 
     def block_accounting(self) -> dict[str, int]:
         """Pool references by holder: ``block_refs`` (sum of the pool's reference counts),

@@ -25,9 +25,11 @@ class ServerLimits:
     ``body_timeout_s``: seconds from a request's headers until its whole body must have arrived
     (408 and the connection closed otherwise); ``drain_timeout_s``: seconds that requests in flight
     get to finish after the server is told to stop (SIGTERM); those still running then are cancelled.
-    Each count must be an integer >= 1, each time a finite number > 0 (K3RuntimeError otherwise)."""
+    Each count must be an integer >= 1, each time a finite number > 0 (K3RuntimeError otherwise).
+    ``max_prompt_tokens`` None: ``create_app`` takes the engine's ``prompt_limit()`` (the model's
+    ``max_position_embeddings`` bounded by the pool's capacity)."""
     max_request_bytes: int = 1 << 20
-    max_prompt_tokens: int = 4096
+    max_prompt_tokens: int | None = None
     max_output_tokens: int = 1024
     max_concurrent: int = 64
     max_stop_strings: int = 16
@@ -39,6 +41,8 @@ class ServerLimits:
         for key in ("max_request_bytes", "max_prompt_tokens", "max_output_tokens", "max_concurrent",
                     "max_stop_strings", "max_stop_chars"):
             v = getattr(self, key)
+            if v is None and key == "max_prompt_tokens":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise K3RuntimeError(f"server limit {key} must be an integer >= 1, got {v!r}")
         for key in ("body_timeout_s", "drain_timeout_s"):

@@ -18,6 +18,7 @@ The parts: ``serve_requests`` (request models, limits, validation), ``serve_erro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 from contextlib import asynccontextmanager
 
@@ -68,6 +69,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: Se
     if api_key is not None and not api_key.strip():
         raise K3RuntimeError("the API key must not be empty (leave it out to serve without one)")
     limits = limits or ServerLimits()
+    if limits.max_prompt_tokens is None:
+        limits = dataclasses.replace(limits, max_prompt_tokens=engine.prompt_limit())
     state = ServingState(engine=engine, runner=EngineThread(engine), tokenizer=tokenizer, model_name=model_name,
                          limits=limits)
 

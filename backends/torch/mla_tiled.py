@@ -17,11 +17,12 @@ KEY_TILE = 512
 TILED_ABOVE = 2048
 
 
-def mla_tiled(inst, q, kv, w, c=None, lengths=None, tile: int = KEY_TILE):
+def mla_tiled(inst, q, kv, w, c=None, lengths=None, tile: int | None = None):
     """``k3.mla`` (attributes ``heads``, ``nope``, ``rope``, ``v_dim``, ``scale``, ``absorbed`` of ``inst``)
-    over key tiles of ``tile`` keys. ``q [B, T, H, nope+rope]``, ``kv [B, T, R+rope]``, ``w [H*(nope+v_dim), R]``,
-    ``c [B, L, R+rope]`` or None, ``lengths i64[B]`` (valid cache rows per batch row) or None."""
+    over key tiles of ``tile`` keys (None: ``KEY_TILE``). ``q [B, T, H, nope+rope]``, ``kv [B, T, R+rope]``,
+    ``w [H*(nope+v_dim), R]``, ``c [B, L, R+rope]`` or None, ``lengths i64[B]`` (valid cache rows per batch row) or None."""
     from .ops import _f32
+    tile = tile or KEY_TILE
     H, n, vd = inst.heads, inst.nope, inst.v_dim
     R = w.shape[1]
     acc_t = torch.float64 if q.dtype == torch.float64 else torch.float32
