@@ -351,6 +351,8 @@ def cmd_run(args) -> int:
         pass
     tiny = k3ir.load(args.tiny)
     exe = k3ir.compile(tiny, target=args.target, device=args.device)    # the target's default dtype (float32; reference float64)
+    if hasattr(exe, "build_all"):                # tvm, mlir compile lazily: build now, so the time below is the build's
+        exe.build_all()
     sess = Session(exe, seed=args.seed)
     _step(con, "2. compiled", f" {args.tiny} for target '{exe.target}' "
               f"({len(tiny.params)} tensors, {report(tiny).params_total:,} parameters, random init seed "
