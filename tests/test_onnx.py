@@ -126,4 +126,13 @@ def test_mxfp4_experts_stay_packed_with_in_graph_dequantisation():
     model = x.export_function("prefill")
     packed = [i for i in model.graph.input if i.name.endswith("weight_packed")]
     assert packed and all(i.type.tensor_type.elem_type == onnx.TensorProto.UINT8 for i in packed)
-    assert x.native.get("k3.grouped_matmul") and "BitShift" in {n.op_type for n in model.graph.node}
+    assert x.native.get("k3.grouped_matmul") and "BitShift" in {n.op_type for n in all_nodes(model.graph)}
+
+
+def all_nodes(graph):
+    """The nodes of ``graph`` and, recursively, of its subgraphs (Loop/Scan bodies)."""
+    for n in graph.node:
+        yield n
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from all_nodes(a.g)

@@ -138,6 +138,32 @@ def test_opset_flag_outside_onnx_is_a_usage_error(tmp_path, capsys):
     assert "--opset applies to --format onnx only" in capsys.readouterr().err
 
 
+def _expert_weight_gathers(graph, weights: set, iteration: str | None = None):
+    """(Gather node, per-expert?) for each Gather of an expert weight in ``graph`` and its bodies:
+    per-expert when its index is the Loop's expert id (a Gather of the expert list by the iteration)."""
+    made = {o: n for n in graph.node for o in n.output}
+    for n in graph.node:
+        if n.op_type == "Gather" and n.input[0] in weights:
+            src = made.get(n.input[1])
+            yield n, src is not None and src.op_type == "Gather" and src.input[1] == iteration
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _expert_weight_gathers(a.g, weights, a.g.input[0].name if n.op_type == "Loop" else None)
+
+
+@pytest.mark.parametrize("key", ["kimi-linear-tiny", "k3-tiny-mxfp4"])
+def test_moe_takes_whole_expert_matrices_per_expert_never_per_token(key):
+    """The routed experts (k3.moe, and k3.grouped_matmul with MXFP4 experts) run as a Loop over
+    experts: every gather of an expert weight picks one expert's matrix by the loop's expert id."""
+    m = _sessions(key, 27)[3].module
+    weights = {p for p in m.params if ".experts." in p}
+    for fn in ("prefill", "decode"):
+        model = OnnxExporter(m, weights="inputs").export_function(fn)
+        found = list(_expert_weight_gathers(model.graph, weights))
+        assert found and all(per_expert for _, per_expert in found), fn
+        assert not any(i in weights for n in model.graph.node for i in n.input)   # outside the loops: untouched
+
+
 _SESSIONS: dict = {}
 
 
