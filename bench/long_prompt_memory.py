@@ -3,7 +3,7 @@ loads k3-tiny (random init), compiles it for torch float32 and prefills T random
 ``Session.prefill`` (segments of ``--chunk`` tokens, state carried) or through the serving engine
 (``--via engine``: pool blocks of ``--block`` tokens, one request with ``max_tokens`` 1). Each child reports
 its peak resident set (``ru_maxrss``) and the prefill's seconds; the parent prints a table last and writes
-``bench/results/long_prompt_memory/<date>-<commit>.json``. Linearity rule (bench/SERVING.md):
+``bench/results/long_prompt_memory/<date>-<commit>.json`` (``-engine`` before ``.json`` for the engine path). Linearity rule (bench/SERVING.md):
 ``peak(64k) - peak(32k) <= 1.1 x (peak(32k) - peak(16k))``.
 
     python bench/long_prompt_memory.py                       # T = 1k .. 64k, Session.prefill, 1 thread
@@ -90,7 +90,8 @@ def main() -> int:
               "via": a.via, "chunk": a.chunk, "block": a.block, "threads": a.threads, "rows": rows, "rule": rule}
     out_dir = os.path.join(HERE, "results", "long_prompt_memory")
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{datetime.date.today().isoformat()}-{commit}.json")
+    suffix = "" if a.via == "session" else f"-{a.via}"
+    path = os.path.join(out_dir, f"{datetime.date.today().isoformat()}-{commit}{suffix}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")
