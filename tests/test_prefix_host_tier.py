@@ -142,10 +142,11 @@ def test_host_budget_is_lru_and_never_exceeded():
         StatePool(specs, 2, block_size=BS, host_bytes=-1)
 
 
+@pytest.mark.slow
 def test_thousand_random_requests_both_tiers_accounted(tiny):
     """1,000 random requests on a 34-block device pool with a 12-block host tier: stems shared by every
     10th request and continuations of finished requests (multi-turn) hit both tiers; afterwards every
-    device block is free or cached and the host tier's books add up."""
+    device block is free or cached and the host tier's books add up. ~40-60 s on a shared 2-core CPU."""
     rng = np.random.default_rng(11)
     eng = _engine(tiny, num_blocks=34, host_blocks=12, max_batch=32)
     stems = [rng.integers(0, 256, 150).tolist() for _ in range(3)]
