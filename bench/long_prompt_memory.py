@@ -84,7 +84,11 @@ def main() -> int:
     rule = None
     if all(peak.get(t) for t in (16384, 32768, 65536)):
         lhs, rhs = peak[65536] - peak[32768], 1.1 * (peak[32768] - peak[16384])
-        rule = {"peak64k_minus_32k_mib": lhs, "limit_mib": rhs, "linear": lhs <= rhs}
+        # as written the rule compares a 32k-token step with a 16k-token one (linear growth gives a ratio
+        # of 2); per token it asks that the second step grow no faster than 1.1 x the first
+        rule = {"peak64k_minus_32k_mib": lhs, "limit_mib": rhs, "linear": lhs <= rhs,
+                "per_token_kib": [(peak[32768] - peak[16384]) * 1024 / 16384, lhs * 1024 / 32768],
+                "linear_per_token": lhs / 32768 <= 1.1 * (peak[32768] - peak[16384]) / 16384}
     commit = git_commit()
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
               "via": a.via, "chunk": a.chunk, "block": a.block, "threads": a.threads, "rows": rows, "rule": rule}
@@ -97,7 +101,8 @@ def main() -> int:
     print(f"wrote {path}")
     if rule:
         print(f"linearity: peak(64k)-peak(32k) = {rule['peak64k_minus_32k_mib']:.1f} MiB <= "
-              f"1.1 x (peak(32k)-peak(16k)) = {rule['limit_mib']:.1f} MiB: {rule['linear']}")
+              f"1.1 x (peak(32k)-peak(16k)) = {rule['limit_mib']:.1f} MiB: {rule['linear']}; per token "
+              f"{rule['per_token_kib'][0]:.2f} then {rule['per_token_kib'][1]:.2f} KiB: {rule['linear_per_token']}")
     print_table(["T", "peak RSS (MiB)", "before prefill (MiB)", "prefill (s)", "ok"],
                 [[r["T"], f"{r['peak_rss_mib']:.1f}" if "peak_rss_mib" in r else None,
                   f"{r['before_prefill_mib']:.1f}" if "before_prefill_mib" in r else None,
