@@ -608,13 +608,17 @@ FLA_KW = {"use_gate_in_kernel": True, "use_qk_l2norm_in_kernel": True, "use_beta
 def compare_rows(args):
     """``--compare``: ours (``k3ir.backends.triton.kda_forward``, the shipped TUNING) against fla ``chunk_kda`` (K3
     gate: ``safe_gate=True, lower_bound=-5``; softplus: fla's default gate; gate, q/k L2 norm and beta sigmoid in the
-    kernel; both with the final state) on the same bf16 inputs at ``CMP_SHAPES`` (``--tiny``: ``TINY_SHAPES`` in
+    kernel; both with the final state; as a diagnostic also ``kda_forward_kernels(..., check_gates=False)``, ours
+    without the host-side NaN scan of g and its sync) on the same bf16 inputs at ``CMP_SHAPES`` (``--tiny``: ``TINY_SHAPES`` in
     float32 under the interpreter), ``--repeats`` interleaved ``do_bench`` medians each; the output (o) and final
     state error of each against the other; the copy bandwidth and bf16 matmul rate measured first, and our time
     against the bytes / FLOPs floors at those. Without fla its columns are empty (noted in the JSON). Writes
     ``--out`` after every row; prints a table last."""
+    import inspect
+
     from benchlib import Report, fmt_ms, interleaved, print_table
     from k3ir.backends.triton import kda_forward
+    from k3ir.backends.triton.kda import kda_forward_kernels
     rep = Report("kda_forward", args.out, sys.argv)
     rep.ceilings()
     chunk_kda = None
@@ -632,6 +636,9 @@ def compare_rows(args):
         for gate, lb in (("k3", -5.0), ("softplus", None)):
             row = {"kind": "fwd", "shape": list(shape), "gate": gate, "dtype": str(dtype)[6:]}
             fns = {"ours": _ours_fwd(kda_forward, x, lb)}
+            if "check_gates" in inspect.signature(kda_forward_kernels).parameters:   # diagnostic: the same
+                fns["ours_no_gate_check"] = _ours_fwd(kda_forward_kernels, x, lb, check_gates=False)  # without the
+                #                                           host-side NaN scan of g and its sync (not the headline)
             t0 = time.time()
             o1, s1 = fns["ours"]()
             row["ours_first_call_s"] = time.time() - t0
@@ -657,7 +664,7 @@ def compare_rows(args):
             t = interleaved(fns, args.repeats, rep_ms=200)
             nbytes, flops = fwd_cost(*shape)
             med = t["ours"]["median"] * 1e-3
-            row.update(ours_ms=t["ours"], fla_ms=t.get("fla"),
+            row.update(ours_ms=t["ours"], fla_ms=t.get("fla"), ours_no_gate_check_ms=t.get("ours_no_gate_check"),
                        ratio_fla_over_ours=t["fla"]["median"] / t["ours"]["median"] if "fla" in t else None,
                        floor_ms=max(nbytes / rep.copy_Bps, flops / rep.bf16_flops) * 1e3,
                        mem_frac=nbytes / rep.copy_Bps / med, flop_frac=flops / rep.bf16_flops / med)
