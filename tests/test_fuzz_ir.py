@@ -8,6 +8,7 @@ Examples per test come from the hypothesis profile (tests/conftest.py: ``suite``
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import re
 
@@ -23,8 +24,9 @@ from k3ir.errors import K3Error
 KEEP = ("forward", "decode", "encode_images")
 
 
-@pytest.fixture(scope="module")
-def tiny() -> str:
+@functools.cache
+def tiny_text() -> str:
+    """The printed module (a plain function, not a fixture: hypothesis would print it with every failure)."""
     m = k3ir.load("k3-tiny", overrides={"num_hidden_layers": 4})
     for name in [f for f in m.functions if f not in KEEP]:
         del m.functions[name]
@@ -105,17 +107,19 @@ _ATTR_VALUE = re.compile(r"(?<=[{ ])[a-z_]+=([^,{}\[\]]+|\[[^\[\]]*\])(?=[,}])")
 
 
 @given(edits=EDITS)
-def test_byte_mutations(tiny, workdir, edits):
+def test_byte_mutations(workdir, edits):
     """Byte flips, overwrites, deletions, duplications and insertions (invalid UTF-8 included)."""
+    tiny = tiny_text()
     p = workdir / "bytes.k3"
     p.write_bytes(edit_bytes(tiny.encode("utf-8"), edits))
     read_verify_print(str(p))
 
 
 @given(kind=st.sampled_from(HOSTILE_KINDS), n=SIZES, where=st.integers(0, 2 ** 20), replace=st.integers(0, 12))
-def test_hostile_tokens(tiny, workdir, kind, n, where, replace):
+def test_hostile_tokens(workdir, kind, n, where, replace):
     """Huge integers, deep lists / dicts / parentheses, long dimension sums, bad escapes, control characters,
     lone surrogates, float state parameters... inserted anywhere, replacing 0..12 characters."""
+    tiny = tiny_text()
     i = where % (len(tiny) + 1)
     p = workdir / "hostile.k3"
     p.write_text(tiny[:i] + hostile_token(kind, n) + tiny[i + replace:], encoding="utf-8", errors="surrogatepass")
@@ -123,9 +127,10 @@ def test_hostile_tokens(tiny, workdir, kind, n, where, replace):
 
 
 @given(pick=st.integers(0, 2 ** 20), value=LITERALS)
-def test_attribute_values_swapped(tiny, workdir, pick, value):
+def test_attribute_values_swapped(workdir, pick, value):
     """One attribute value (of an op, a parameter or the module) replaced by another literal of any type:
     the verifier names a wrong type; a non-string ``k3.param`` name is a parse error."""
+    tiny = tiny_text()
     spots = list(_ATTR_VALUE.finditer(tiny))
     m = spots[pick % len(spots)]
     p = workdir / "attrs.k3"
@@ -134,20 +139,22 @@ def test_attribute_values_swapped(tiny, workdir, pick, value):
 
 
 @given(pick=st.integers(0, 2 ** 20), value=LITERALS.filter(lambda v: not v.startswith('"')))
-def test_param_names_not_strings(tiny, workdir, pick, value):
+def test_param_names_not_strings(workdir, pick, value):
     """``k3.param() {name=...}`` with a name that is not a string: a K3ParseError at the value."""
+    tiny = tiny_text()
     spots = list(re.finditer(r'k3\.param\(\) \{name=("[^"]*")', tiny))
     m = spots[pick % len(spots)]
     p = workdir / "names.k3"
     p.write_text(tiny[:m.start(1)] + value + tiny[m.end(1):])
     e = read_verify_print(str(p))
-    assert e is not None and "k3.param" in str(e), value
+    assert e is not None and ("k3.param" in str(e) or "64-bit range" in str(e)), value
 
 
 @given(lines=st.lists(st.tuples(st.sampled_from(["delete", "duplicate", "swap"]), st.integers(0, 2 ** 20),
                                 st.integers(0, 2 ** 20)), min_size=1, max_size=3))
-def test_line_edits(tiny, workdir, lines):
+def test_line_edits(workdir, lines):
     """Whole lines deleted, duplicated or swapped (values used before definition, twice defined, missing '}')."""
+    tiny = tiny_text()
     ls = tiny.split("\n")
     for kind, a, b in lines:
         i, j = a % len(ls), b % len(ls)
@@ -163,8 +170,9 @@ def test_line_edits(tiny, workdir, lines):
 
 
 @given(kind=st.sampled_from(HOSTILE_KINDS), n=SIZES, where=st.integers(0, 2 ** 20))
-def test_cli_print_one_line(tiny, workdir, kind, n, where):
+def test_cli_print_one_line(workdir, kind, n, where):
     """``k3ir print FILE`` of a mutated file: exit 0, or exit 2 with one ``k3ir: error: FILE:line:col: ...`` line."""
+    tiny = tiny_text()
     from k3ir.runtime.cli import main
     i = where % (len(tiny) + 1)
     p = workdir / "cli.k3"
