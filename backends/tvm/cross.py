@@ -94,9 +94,10 @@ def register_cross_targets() -> None:
     def build(module, dtype: str = "float32", device: str = "cpu"):
         raise K3BackendError("TVM cross targets build device code only: use k3ir.backends.tvm.cross.emit_source")
 
-    def lowers() -> set[str]:
+    def table():
+        """The tvm target's table and conditions: the cross targets run the same Relax lowering."""
         from .lower import TABLE
-        return set(TABLE)
+        return TABLE
 
     missing = {"rocm": "needs a ROCm install to link AMDGPU code", "vulkan": "SPIR-V codegen not in the PyPI TVM"}
     for kind in CROSS_KINDS:
@@ -111,6 +112,6 @@ def register_cross_targets() -> None:
                     f"(k3ir.backends.tvm.cross.emit_source('{kind}'))")
         from k3ir.passes.pipelines import pipeline_for
         register_backend(Backend(name=f"tvm-{kind}", description=f"Apache TVM Relax for {kind} (build only)",
-                                 build=build, pipeline=pipeline_for("tvm"), lowers=lowers, available=available,
+                                 build=build, pipeline=pipeline_for("tvm"), table=table, available=available,
                                  target_description=TargetDescription(kind=kind, toolchain="Apache TVM Relax/TIR with "
                                                                       "dlight schedules (device code only)")))
