@@ -94,7 +94,8 @@ class CheckReport:
                 "functions": [{"name": f, "status": "unsupported" if why else "supported", "why": why or "",
                                "requested": f in self.requested} for f, why in self.functions.items()],
                 "skipped_functions": list(self.skipped),
-                "phases": [{"name": n, "passes": [str(p) for p in specs]} for n, specs in self.phases],
+                "phases": [{"name": n, "passes": [p.spec() if hasattr(p, "spec") else str(p) for p in specs]}
+                           for n, specs in self.phases],
                 "passes": list(self.passes),
                 "target_description": self.target_description.as_dict() if self.target_description else None}
 

@@ -320,3 +320,16 @@ def test_check_claims_what_the_torch_target_dispatches():
     Session(exe, seed=0).forward(np.random.default_rng(0).integers(0, 256, (1, 5)))
     claimed = {r.op for r in rep.rows if r.status == NATIVE} | {o for r in rep.rows if r.status != NATIVE for o in r.via}
     assert set(seen) == claimed and "k3.fused_kda" in seen
+
+
+def test_compile_help_lists_each_targets_phases(capsys):
+    """``k3ir compile --help`` ends with every registered target's pipeline by phase, as compile runs it."""
+    from k3ir.backends import get_backend
+    from k3ir.passes.pipelines import describe
+    with pytest.raises(SystemExit) as e:
+        main(["compile", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    lines = {ln.split()[0]: ln.split(None, 1)[1] for ln in out.split("pipelines by phase")[1].splitlines()[1:] if ln}
+    assert lines["triton"].startswith("fuse: fuse-kda-chunks, fuse-moe-dispatch, fuse-attn-res; quantize:")
+    assert lines["onnx"] == describe(get_backend("onnx").phases) == "cleanup: dce"

@@ -154,6 +154,8 @@ def test_cli_compile_dump_and_print(tmp_path, capsys):
         assert capsys.readouterr().out == (dump / f).read_text()
     info = json.loads((out / "passes.json").read_text())
     assert info["ops"]["decode"]["k3.fused_kda"] == 6 and info["bytes_after"] < info["bytes_before"]
+    assert [(p["phase"], p["name"]) for p in info["passes"]][:2] == [("fuse", "fuse-kda-chunks"),
+                                                                    ("fuse", "fuse-moe-dispatch")]
     assert main(["compile", "k3-tiny", "--passes", "fuse-kda-chunks{chunk_size=32},dce", "--no-build"]) == 0
     assert main(["compile", "k3-tiny", "--passes", "bogus"]) == 2
     assert "unknown pass 'bogus'" in capsys.readouterr().err
