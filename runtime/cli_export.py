@@ -72,6 +72,10 @@ def cmd_export(args) -> int:
     opset = getattr(args, "opset", None)
     if opset is not None and fmt != "onnx":
         raise UsageError(f"--opset applies to --format onnx only, not --format {fmt}")
+    ort_kernels = getattr(args, "ort_kernels", False)
+    if ort_kernels and (fmt != "onnx" or opset == 20):
+        raise UsageError(f"--ort-kernels applies to --format onnx at opset 27 only, not --format {fmt}"
+                         + (" --opset 20" if opset == 20 else ""))
     if args.level is not None and fmt not in ("dot", "svg"):
         raise UsageError(f"--level applies to --format dot and svg only, not --format {fmt}")
     t0 = time.perf_counter()
@@ -91,7 +95,8 @@ def cmd_export(args) -> int:
         _check_writable(outs)
         with _writing(outs), progress(f"onnx: exporting @{args.function or 'prefill'} of {m.name} to {out}"):
             info = export_onnx(m, out, function=args.function or "prefill", weights=weights,
-                               params=None if weights == "inputs" else _params(m), opset=opset)
+                               params=None if weights == "inputs" else _params(m), opset=opset,
+                               ort_kernels=ort_kernels)
         con.print(f"wrote {out}: opset {info['opset']}, {info['nodes']:,} nodes, {info['inputs']} inputs, "
                   f"{info['initializers']} initializers"
                   + (f", data in {info['external_data']}" if info["external_data"] else "")
@@ -146,6 +151,9 @@ def register(sub) -> None:
     p.add_argument("--opset", type=int, choices=(27, 20),
                    help="onnx: 27 (default where the installed onnxruntime runs it: LinearAttention, "
                         "CausalConvWithState) or 20 (KDA as a Scan, for older runtimes)")
+    p.add_argument("--ort-kernels", action="store_true",
+                   help="onnx: LinearAttention and CausalConvWithState in onnxruntime's com.microsoft domain "
+                        "(its native CPU kernels; the file then needs onnxruntime)")
     p.add_argument("--iree-target", choices=("llvm-cpu", "rocm", "vulkan-spirv", "metal-spirv"),
                    help="mlir: also compile a deployable IREE module OUT.<target>.vmfb")
     p.add_argument("--quantize", choices=("none", "mxfp4"),

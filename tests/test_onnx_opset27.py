@@ -167,18 +167,19 @@ def test_moe_takes_whole_expert_matrices_per_expert_never_per_token(key):
 _SESSIONS: dict = {}
 
 
-def _sessions(key: str, opset: int):
-    """(module, float64 reference, torch, onnx) Sessions on the same random weights (seed 3)."""
-    if (key, opset) not in _SESSIONS:
+def _sessions(key: str, opset: int, ort_kernels: bool = True):
+    """(module, float64 reference, torch, onnx) Sessions on the same random weights (seed 3);
+    ``ort_kernels``: the onnx target's com.microsoft LinearAttention/CausalConvWithState, else the standard ops."""
+    if (key, opset, ort_kernels) not in _SESSIONS:
         name, passes = (key[:-len("-mxfp4")], MXFP4) if key.endswith("-mxfp4") else (key, None)
         m = load_tiny(name)
         exe = k3ir.compile(m, target="onnx", passes=passes)
-        exe.opset = opset
+        exe.opset, exe.ort_kernels = opset, ort_kernels
         params = init_params(exe.module, seed=3)
         ref = Session(k3ir.compile(m, target="reference", dtype="float64", passes=passes), params=params)
         torch = Session(k3ir.compile(m, target="torch", passes=passes), params=params)
-        _SESSIONS[key, opset] = (m, ref, torch, Session(exe, params=params))
-    return _SESSIONS[key, opset]
+        _SESSIONS[key, opset, ort_kernels] = (m, ref, torch, Session(exe, params=params))
+    return _SESSIONS[key, opset, ort_kernels]
 
 
 def _greedy(sess, ids, steps: int):
@@ -193,8 +194,8 @@ def _greedy(sess, ids, steps: int):
     return out, np.concatenate(toks, axis=1) if toks else np.zeros((ids.shape[0], 0), np.int64)
 
 
-def _check_model(key: str, opset: int, T: int, steps: int):
-    m, ref, torch, sess = _sessions(key, opset)
+def _check_model(key: str, opset: int, T: int, steps: int, ort_kernels: bool = True):
+    m, ref, torch, sess = _sessions(key, opset, ort_kernels)
     ids = token_ids(m.attrs["vocab_size"], 2, T)
     got, got_toks = _greedy(sess, ids, steps)
     _, torch_toks = _greedy(torch, ids, steps)
@@ -208,15 +209,27 @@ def _check_model(key: str, opset: int, T: int, steps: int):
         assert rel_err(a, b) < 1e-4, f"{key} opset {opset} T={T} step {i}: rel err {rel_err(a, b):.2e}"
 
 
-@pytest.mark.parametrize("key,opset", [("k3-tiny", 27), ("k3-tiny-mxfp4", 27), ("kimi-linear-tiny", 27),
-                                       ("k3-tiny", 20)])
-def test_prefill_then_16_decode_steps_match_reference(key, opset):
-    _check_model(key, opset, 17, 16)
+@pytest.mark.parametrize("key,opset,ort_kernels", [("k3-tiny", 27, True), ("k3-tiny-mxfp4", 27, True),
+                                                   ("kimi-linear-tiny", 27, True), ("kimi-linear-tiny", 27, False),
+                                                   ("k3-tiny", 20, False)])
+def test_prefill_then_16_decode_steps_match_reference(key, opset, ort_kernels):
+    _check_model(key, opset, 17, 16, ort_kernels)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("opset", [27, 20])
+@pytest.mark.parametrize("opset,ort_kernels", [(27, True), (27, False), (20, False)])
 @pytest.mark.parametrize("key", ["k3-tiny", "k3-tiny-mxfp4", "kimi-linear-tiny"])
-def test_prefill_lengths_grid_matches_reference(key, opset):
+def test_prefill_lengths_grid_matches_reference(key, opset, ort_kernels):
     for T in (1, 17, 65, 130):
-        _check_model(key, opset, T, 16 if T == 130 else 0)
+        _check_model(key, opset, T, 16 if T == 130 else 0, ort_kernels)
+
+
+def test_ort_kernels_put_the_sequence_ops_in_the_com_microsoft_domain(tmp_path, capsys):
+    from k3ir.runtime.cli import main
+    m = load_tiny("kimi-linear-tiny")
+    model = OnnxExporter(m, weights="inputs", ort_kernels=True).export_function("decode")
+    dom = {n.op_type: n.domain for n in model.graph.node if n.op_type in ("LinearAttention", "CausalConvWithState")}
+    assert dom == {"LinearAttention": "com.microsoft", "CausalConvWithState": "com.microsoft"}
+    assert {(o.domain, o.version) for o in model.opset_import} == {("", 27), ("com.microsoft", 1)}
+    assert main(["export", "k3-tiny", "--opset", "20", "--ort-kernels", "-o", str(tmp_path / "t.onnx")]) == 2
+    assert "--ort-kernels applies to --format onnx at opset 27 only" in capsys.readouterr().err

@@ -39,7 +39,9 @@ class OnnxExecutable(Executable):
     """Runs ``forward``/``prefill``/``decode`` as onnxruntime sessions (CPU provider, float32).
     Models are exported lazily per function once the weights are known (``prepare_params``), or
     read from an artifact directory (``weights_inside``: the weights are in the files).
-    ``opset``: 27 or 20 (None: ``export.default_opset()``); settable until the first run."""
+    ``opset``: 27 or 20 (None: ``export.default_opset()``); ``ort_kernels`` (default True): opset 27's
+    ``LinearAttention``/``CausalConvWithState`` in onnxruntime's ``com.microsoft`` domain, run by its
+    native kernels (``OnnxExporter``); False keeps the standard ops. Both settable until the first run."""
 
     def __init__(self, module: Module, dtype: str = "float32", device: str = "cpu",
                  model_paths: dict[str, str] | None = None, opset: int | None = None):
@@ -55,6 +57,7 @@ class OnnxExecutable(Executable):
         self.threads = 0
         from .export import check_opset
         self.opset = check_opset(opset)
+        self.ort_kernels = True
 
     def prepare_params(self, arrays: dict[str, Any]) -> dict[str, Any]:
         if self.weights_inside and not arrays:
@@ -69,7 +72,7 @@ class OnnxExecutable(Executable):
         """The ``onnx.ModelProto`` of ``@function`` with the prepared weights embedded."""
         from .export import OnnxExporter
         return OnnxExporter(self.module, self.dtype, weights="embedded", params=self._arrays,
-                            opset=self.opset).export_function(function)
+                            opset=self.opset, ort_kernels=self.ort_kernels).export_function(function)
 
     def session(self, function: str):
         if function not in self._sessions:
@@ -111,7 +114,8 @@ class OnnxExecutable(Executable):
         if params is None:
             raise K3BackendError("onnx executable: no weights to save (pass params or call prepare_params)")
         os.makedirs(directory, exist_ok=True)
-        x = OnnxExporter(self.module, self.dtype, weights="external", params=params, opset=self.opset)
+        x = OnnxExporter(self.module, self.dtype, weights="external", params=params, opset=self.opset,
+                         ort_kernels=self.ort_kernels)
         files = {}
         with open(os.path.join(directory, "weights.bin"), "wb") as f:
             for fn in FUNCTIONS:

@@ -190,18 +190,23 @@ class OnnxExporter:
     ``dtype``: compute dtype of float tensors (``float32`` | ``float16``); ``weights``: one of
     ``WEIGHT_MODES``; ``params``: name -> array for ``embedded``/``external`` (None there means a
     deterministic random init, ``runtime.params.init_params``); ``opset``: 27 or 20 (None:
-    ``default_opset()``), which picks the lowering table (``lowering.table_for_opset``).
-    Raises K3BackendError."""
+    ``default_opset()``), which picks the lowering table (``lowering.table_for_opset``);
+    ``ort_kernels``: opset 27's ``LinearAttention`` and ``CausalConvWithState`` in onnxruntime's
+    ``com.microsoft`` domain (same inputs, outputs and attributes), which onnxruntime 1.32 runs with
+    native CPU kernels, where it runs the standard ops through their function bodies (a ``Scan``
+    over tokens); the file then needs onnxruntime. Raises K3BackendError."""
 
     def __init__(self, module: Module, dtype: str = "float32", weights: str = "embedded",
                  params: dict[str, Any] | None = None, table: dict[str, Emitter] | None = None,
-                 opset: int | None = None):
+                 opset: int | None = None, ort_kernels: bool = False):
         if weights not in WEIGHT_MODES:
             raise K3BackendError(f"unknown weights mode '{weights}' (want one of {', '.join(WEIGHT_MODES)})")
         if dtype not in ("float32", "float16"):
             raise K3BackendError(f"ONNX export supports dtype float32 or float16, not '{dtype}'")
         from .lowering import table_for_opset
         self.opset = check_opset(opset)
+        self.ort_kernels = bool(ort_kernels)
+        self.domains: set[str] = set()          # non-default operator domains the graph uses
         self.module = module
         self.dtype = dtype
         self.np_float = dtype
@@ -309,6 +314,7 @@ class OnnxExporter:
         self._param_names: dict[str, str] = {}
         self._used_params: list[str] = []
         self.native, self.fallback = {}, {}
+        self.domains = set()
         self.main = g = Graph(self, f"{self.module.name}.{function}")
         opened = None
         if self.weights == "external":
@@ -335,7 +341,8 @@ class OnnxExporter:
         for name, src, v in zip(out_names, outs, fn.returns):
             g.nodes.append(onnx.helper.make_node("Identity", [src], [name]))
             g.outputs.append(self.value_info(name, v.type))
-        model = onnx.helper.make_model(g.make(), opset_imports=[onnx.helper.make_opsetid("", self.opset)],
+        opsets = [onnx.helper.make_opsetid("", self.opset)] + [onnx.helper.make_opsetid(d, 1) for d in sorted(self.domains)]
+        model = onnx.helper.make_model(g.make(), opset_imports=opsets,
                                        producer_name="k3ir", producer_version="0.1.0")
         model.ir_version = 10
         meta = {"k3ir.function": function, "k3ir.opset": str(self.opset), "k3ir.module": self.module.name,
@@ -357,12 +364,12 @@ def lowering_report(module: Module, function: str = "prefill", opset: int | None
 
 def export_onnx(module: Module, path: str, function: str = "prefill", weights: str = "external",
                 dtype: str = "float32", params: dict[str, Any] | None = None,
-                opset: int | None = None) -> dict[str, Any]:
+                opset: int | None = None, ort_kernels: bool = False) -> dict[str, Any]:
     """Write ``@function`` of ``module`` to ``path`` (``.onnx``). ``weights="external"`` writes the
-    data to ``<path>.data`` next to it; ``opset`` 27 or 20 (None: ``default_opset()``). Returns a
-    summary (nodes, inputs, native/decomposed ops, opset)."""
+    data to ``<path>.data`` next to it; ``opset`` 27 or 20 (None: ``default_opset()``);
+    ``ort_kernels`` as in ``OnnxExporter``. Returns a summary (nodes, inputs, native/decomposed ops, opset)."""
     onnx = _onnx()
-    x = OnnxExporter(module, dtype=dtype, weights=weights, params=params, opset=opset)
+    x = OnnxExporter(module, dtype=dtype, weights=weights, params=params, opset=opset, ort_kernels=ort_kernels)
     ext = path + ".data" if weights == "external" else None
     model = x.export_function(function, external_path=ext)
     if weights == "embedded" and model.ByteSize() > 2_000_000_000:

@@ -381,6 +381,14 @@ def table_for_opset(opset: int) -> LoweringTable:
     return t
 
 
+def _domain(lw) -> dict:
+    """``{"domain": "com.microsoft"}`` when the exporter targets onnxruntime's own kernels, else ``{}``."""
+    if not lw.x.ort_kernels:
+        return {}
+    lw.x.domains.add("com.microsoft")
+    return {"domain": "com.microsoft"}
+
+
 @lowers("k3.rmsnorm")
 def _rmsnorm(lw, inst, x, w):
     """``RMSNormalization`` (opset 23) over the last axis, statistics in float32."""
@@ -406,7 +414,7 @@ def _short_conv(lw, inst, x, w, s=None):
     ins = [xt, lw.cast_to(w, lw.etype(1), lw.etype(0)), ""]
     if s is not None:
         ins.append(s)
-    y, st = g.node("CausalConvWithState", ins, n_out=2, activation=inst.activation)
+    y, st = g.node("CausalConvWithState", ins, n_out=2, activation=inst.activation, **_domain(lw))
     return g.node("Transpose", [y], perm=[0, 2, 1]), st
 
 
@@ -426,7 +434,7 @@ def _kda(lw, inst, q, k, v, gate, beta, s=None):
     vf = g.node("Reshape", [lw.cast_to(v, lw.etype(2), ft), flat])
     ins = [qf, kf, vf, "" if s is None else s, gf, lw.cast_to(beta, lw.etype(4), ft)]
     o, st = g.node("LinearAttention", ins, n_out=2, update_rule="gated_delta", q_num_heads=H, kv_num_heads=H,
-                   scale=float(inst.scale), chunk_size=int(inst.chunk_size))
+                   scale=float(inst.scale), chunk_size=int(inst.chunk_size), **_domain(lw))
     o = g.node("Reshape", [o, g.ints([0, 0, H, V])])
     return lw.cast_to(o, ft, lw.etype(0, result=True)), st
 
