@@ -280,7 +280,8 @@ def compile_module(module: Module, target: str = "torch", dtype: str | None = No
     """Verify ``module`` (K3VerifyError with ``file:line:col`` for a parsed module: an invalid module
     never compiles), check ``dtype`` against the target's dtypes (:func:`resolve_dtype`; None = the
     target's default: float32, float64 for ``reference``), run the
-    target's pipeline (or ``passes``) on a copy of it, then build. Raises K3BackendError."""
+    target's pipeline (or ``passes``) on a copy of it, then build. ``mesh`` (option, torch and triton): the
+    DeviceMesh a sharded module runs on (docs/distributed.md). Raises K3BackendError."""
     from k3ir.verify import verify_module
     verify_module(module)
     backend = get_backend(target)
@@ -289,10 +290,15 @@ def compile_module(module: Module, target: str = "torch", dtype: str | None = No
     if why:
         raise K3BackendError(f"target '{target}' cannot run here: {why}")
     _check_device(device)
-    unknown = sorted(set(options) - {"quantize", "dump_dir", "results"})
+    unknown = sorted(set(options) - {"quantize", "dump_dir", "results", "mesh"})
     if unknown:
         raise K3BackendError(f"compile: unknown option(s) {', '.join(unknown)} (known: target, dtype, device, "
-                             "passes, verify_each, quantize, dump_dir, results)")
+                             "passes, verify_each, quantize, dump_dir, results, mesh)")
+    mesh = options.pop("mesh", None)          # the DeviceMesh a sharded module runs on (docs/distributed.md)
+    if mesh is not None:
+        import inspect
+        if "mesh" not in inspect.signature(backend.build).parameters:
+            raise K3BackendError(f"target '{backend.name}' does not run sharded modules on a mesh (use torch or triton)")
     from k3ir.passes import run_pipeline
     m = run_pipeline(module.clone(), backend.phases if passes is None else passes, verify_each=verify_each, **options)
-    return backend.build(m, dtype=dtype, device=device)
+    return backend.build(m, dtype=dtype, device=device, **({"mesh": mesh} if mesh is not None else {}))

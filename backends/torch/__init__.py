@@ -20,13 +20,20 @@ def _torch():
 class TorchExecutable(Executable):
     """Runs the module op by op with PyTorch kernels. IR ``bf16`` tensors compute in the
     compile dtype; IR ``f32`` tensors (gates, router, state, logits) stay fp32 (fp64 when the
-    compile dtype is float64)."""
+    compile dtype is float64). A sharded module (``passes/shard.py``) needs ``mesh``, the DeviceMesh of
+    ``k3ir.runtime.distributed.init_mesh`` (its collectives run on it, ``collectives.py``); K3BackendError
+    without one, with one whose sizes differ from the module's, or with one for an unsharded module."""
 
-    def __init__(self, module: Module, dtype: str, device: str):
+    def __init__(self, module: Module, dtype: str, device: str, mesh: Any = None):
         super().__init__(module, "torch", dtype, device)
         torch = _torch()
         from .ops import TABLE
         self.table = TABLE
+        self.mesh = mesh
+        if mesh is not None or "mesh" in module.attrs:
+            from .collectives import bind, check_mesh
+            check_mesh(module, mesh)
+            self.table = {**TABLE, **bind(mesh)}
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise K3BackendError(f"device '{device}' requested but no CUDA GPU is available")
         self.tdev = torch.device(device)
@@ -79,8 +86,8 @@ class TorchExecutable(Executable):
         return x.detach().to("cpu", _torch().float64 if x.is_floating_point() else x.dtype).numpy()
 
 
-def _build(module: Module, dtype: str = "float32", device: str = "cpu") -> TorchExecutable:
-    return TorchExecutable(module, dtype, device)
+def _build(module: Module, dtype: str = "float32", device: str = "cpu", mesh: Any = None) -> TorchExecutable:
+    return TorchExecutable(module, dtype, device, mesh)
 
 
 def _table() -> dict:

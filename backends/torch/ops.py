@@ -345,3 +345,7 @@ TABLE.update(VISION)
 from .fused import FUSED  # the fused ops made by the passes (k3ir/ops/fused.py)
 
 TABLE.update(FUSED)
+
+from .collectives import TABLE as COLLECTIVES  # sharded modules (passes/shard.py); bound to a mesh by the executable
+
+TABLE.update(COLLECTIVES)

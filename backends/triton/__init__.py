@@ -46,9 +46,9 @@ def _available() -> str | None:
     return None
 
 
-def _build(module, dtype: str = "bfloat16", device: str = "cuda"):
+def _build(module, dtype: str = "bfloat16", device: str = "cuda", mesh=None):
     from .executable import TritonExecutable
-    return TritonExecutable(module, dtype, device)
+    return TritonExecutable(module, dtype, device, mesh)
 
 
 def _pipeline() -> list[str]:

@@ -224,8 +224,8 @@ class TritonExecutable(TorchExecutable):
     kernels. On CUDA the ``decode`` function runs as a captured CUDA graph (graphs.py; set
     ``cuda_graphs = False`` to run it eagerly)."""
 
-    def __init__(self, module, dtype: str, device: str):
-        super().__init__(module, dtype, device)
+    def __init__(self, module, dtype: str, device: str, mesh=None):
+        super().__init__(module, dtype, device, mesh)
         from . import lowering
         self.target = "triton"
         self.table = {**self.table, **KERNELS, **lowering.table(self)}
