@@ -333,3 +333,15 @@ def test_compile_help_lists_each_targets_phases(capsys):
     lines = {ln.split()[0]: ln.split(None, 1)[1] for ln in out.split("pipelines by phase")[1].splitlines()[1:] if ln}
     assert lines["triton"].startswith("fuse: fuse-kda-chunks, fuse-moe-dispatch, fuse-attn-res; quantize:")
     assert lines["onnx"] == describe(get_backend("onnx").phases) == "cleanup: dce"
+
+
+def test_tvm_cross_targets_check_with_the_tvm_conditions():
+    """The TVM cross targets lower with the tvm table and its conditions: the vision tower's dynamic ``2*MH``
+    position table refuses ``k3.interp_weights`` there as on tvm itself."""
+    pytest.importorskip("tvm")
+    from k3ir.passes import run_pipeline
+    from k3ir.passes.pipelines import pipeline_for
+    m = run_pipeline(k3ir.load("k3-tiny"), pipeline_for("tvm"))
+    rep = check_module(m, "tvm-cuda")
+    assert "k3.interp_weights" in rep.functions["encode_images"] and "static dims" in rep.functions["encode_images"]
+    assert not rep.failed
