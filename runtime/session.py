@@ -186,12 +186,13 @@ class Session:
             return self._step("prefill_media", ids, state, extra=[self.image_features(images)])
         if ids.shape[1] <= self.prefill_chunk:
             return self._step("prefill", ids, state)
-        pieces = []                 # segments on the KDA chunk grid of a one-shot prefill: same results
+        out = None                  # segments on the KDA chunk grid of a one-shot prefill: same results
         for s0 in range(0, ids.shape[1], self.prefill_chunk):
             logits, state = self._step("prefill", ids[:, s0:s0 + self.prefill_chunk], state)
-            pieces.append(logits)
-        import torch
-        return torch.cat(pieces, dim=1), state
+            if out is None:         # filled in place: no second copy of the [B, T, V] logits
+                out = logits.new_empty((ids.shape[0], ids.shape[1], logits.shape[-1]))
+            out[:, s0:s0 + logits.shape[1]] = logits
+        return out, state
 
     def image_features(self, images):
         """Projected image features ``[M, hidden]`` (backend array) for ``images`` (see ``forward``):
