@@ -60,7 +60,10 @@ def _writing(paths: list[str]):
 
 def cmd_export(args) -> int:
     con = console()
-    fmt = args.format or os.path.splitext(args.output)[1].lstrip(".").lower()
+    describe = getattr(args, "describe", False)
+    if args.output is None and not describe:
+        raise UsageError("export needs -o/--output (or --describe to print the ONNX interface)")
+    fmt = args.format or ("onnx" if args.output is None else os.path.splitext(args.output)[1].lstrip(".").lower())
     if fmt not in FORMATS:
         raise UsageError(f"unknown export format '{fmt}' (want one of {', '.join(FORMATS)})")
     if args.weights and fmt != "onnx":
@@ -78,16 +81,25 @@ def cmd_export(args) -> int:
                          + (" --opset 20" if opset == 20 else ""))
     if args.level is not None and fmt not in ("dot", "svg"):
         raise UsageError(f"--level applies to --format dot and svg only, not --format {fmt}")
+    if describe and fmt != "onnx":
+        raise UsageError(f"--describe applies to --format onnx only, not --format {fmt}")
     t0 = time.perf_counter()
     m = load_model(args)
     out = args.output
-    _check_writable([out])
+    if not describe:
+        _check_writable([out])
     quant = args.quantize or m.attrs.get("expert_quant", "none")
     if quant not in ("none", "mxfp4"):
         raise UsageError(f"export keeps mxfp4 experts packed; '{quant}' experts are not supported (use --quantize none)")
     if quant == "mxfp4" and fmt == "onnx":        # packed experts, dequantised inside the graph
         from k3ir.passes import run_pipeline
         run_pipeline(m, ["fuse-moe-dispatch", "quantize-experts{format=mxfp4}", "dce"])
+    if describe:
+        from k3ir.backends.onnx.export import describe_io
+        rows = describe_io(m, args.function or "prefill", opset=opset, ort_kernels=ort_kernels)
+        for kind, name, dt, shape in rows:
+            con.print(f"{kind:<6} {name:<32} {dt:<8} [{', '.join(map(str, shape))}]")
+        return 0
     if fmt == "onnx":
         from k3ir.backends.onnx.export import export_onnx
         weights = args.weights or "external"
@@ -144,7 +156,7 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="write ONNX, MLIR or a graph picture (dot/svg/html)")
     model_arg(p)
     p.add_argument("--format", choices=FORMATS, help="output format (default: from the -o extension)")
-    p.add_argument("-o", "--output", required=True, metavar="OUT", help="output file")
+    p.add_argument("-o", "--output", metavar="OUT", help="output file (required unless --describe)")
     p.add_argument("--function", help="entry function (onnx: prefill; mlir: prefill+decode; pictures: forward)")
     p.add_argument("--weights", choices=("inputs", "external", "embedded"),
                    help="onnx: weights as graph inputs (structure only), in OUT.data (default) or embedded")
@@ -154,6 +166,9 @@ def register(sub) -> None:
     p.add_argument("--ort-kernels", action="store_true",
                    help="onnx: LinearAttention and CausalConvWithState in onnxruntime's com.microsoft domain "
                         "(its native CPU kernels; the file then needs onnxruntime)")
+    p.add_argument("--describe", action="store_true",
+                   help="onnx: print the graph's inputs and outputs (names, types, shapes; weights left out), "
+                        "write nothing")
     p.add_argument("--iree-target", choices=("llvm-cpu", "rocm", "vulkan-spirv", "metal-spirv"),
                    help="mlir: also compile a deployable IREE module OUT.<target>.vmfb")
     p.add_argument("--quantize", choices=("none", "mxfp4"),

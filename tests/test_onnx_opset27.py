@@ -233,3 +233,24 @@ def test_ort_kernels_put_the_sequence_ops_in_the_com_microsoft_domain(tmp_path, 
     assert {(o.domain, o.version) for o in model.opset_import} == {("", 27), ("com.microsoft", 1)}
     assert main(["export", "k3-tiny", "--opset", "20", "--ort-kernels", "-o", str(tmp_path / "t.onnx")]) == 2
     assert "--ort-kernels applies to --format onnx at opset 27 only" in capsys.readouterr().err
+
+
+def test_describe_prints_the_state_interface_without_weights(tmp_path, capsys):
+    """``k3ir export --describe``: token ids, then per KDA layer three conv states ``[B,C,K-1]`` and
+    the KDA state ``[B,H,d_k,d_v]``, per MLA layer the latent cache ``[B,L,R+P]``; outputs logits
+    and ``present.*``; no weights; nothing written."""
+    from k3ir.runtime.cli import main
+    assert main(["export", "kimi-linear-6p6b", "--describe", "--function", "decode"]) == 0
+    lines = [ln.split() for ln in capsys.readouterr().out.splitlines()]
+    ins = {n: (dt, shape) for kind, n, dt, *shape in lines if kind == "input"}
+    outs = [n for kind, n, *_ in lines if kind == "output"]
+    full = k3ir.load("kimi-linear-6p6b")
+    assert ins["input_ids"] == ("int64", ["[B,", "1]"])
+    assert ins["l0_kda_state"] == ("float32", ["[B,", "16,", "128,", "128]"])
+    assert ins["l0_conv_q"] == ("float32", ["[B,", "2048,", "3]"])
+    assert ins["l3_mla_cache"] == ("float32", ["[B,", "L,", "576]"])
+    assert len(ins) == 1 + 4 * len(full.attrs["kda_layers"]) + (full.attrs["num_hidden_layers"] - len(full.attrs["kda_layers"]))
+    assert outs == ["logits"] + [f"present.{n}" for n in ins if n != "input_ids"]
+    assert not list(tmp_path.iterdir())
+    assert main(["export", "k3-tiny", "--format", "mlir", "--describe", "-o", str(tmp_path / "x.mlir")]) == 2
+    assert "--describe applies to --format onnx only" in capsys.readouterr().err

@@ -378,3 +378,24 @@ def export_onnx(module: Module, path: str, function: str = "prefill", weights: s
     return {"path": path, "nodes": len(model.graph.node), "inputs": len(model.graph.input),
             "initializers": len(model.graph.initializer), "native": x.native, "decomposed": x.fallback,
             "external_data": ext, "params": list(x._used_params), "opset": x.opset}
+
+
+def describe_io(module: Module, function: str = "prefill", opset: int | None = None,
+                ort_kernels: bool = False) -> list[tuple[str, str, str, list]]:
+    """The interface of the exported ``@function``: ``(direction, name, element type, shape)`` for
+    every graph input (``"input"``: token ids then one per state, zero-filled for a fresh
+    sequence) and output (``"output"``: ``logits`` then ``present.<state>``), weights left out.
+    Shapes use the IR's symbolic dims (``B`` batch, ``T`` new tokens, ``L`` cached tokens).
+    Raises K3BackendError for a missing function."""
+    onnx = _onnx()
+    model = OnnxExporter(module, weights="inputs", opset=opset, ort_kernels=ort_kernels).export_function(function)
+    weights = set(module.params)
+    rows = []
+    for kind, values in (("input", model.graph.input), ("output", model.graph.output)):
+        for v in values:
+            if v.name in weights:
+                continue
+            t = v.type.tensor_type
+            shape = [d.dim_param or d.dim_value for d in t.shape.dim]
+            rows.append((kind, v.name, onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name, shape))
+    return rows
