@@ -1,7 +1,8 @@
 """HF-style config.json -> validated ModelConfig (SPEC.md section 1).
 
 Accepts the ``kimi_k3`` wrapper (``text_config`` + ``vision_config``) and a plain
-``kimi_linear`` config. Every error names the file and the key (``K3ConfigError``).
+``kimi_linear`` config. Every error names the file and the key (``K3ConfigError``). Sizes, integer
+ranges and JSON nesting are bounded before anything loops or allocates (``config_bounds.py``).
 """
 from __future__ import annotations
 
@@ -692,7 +693,8 @@ def load_config(name_or_path: str, overrides: dict[str, Any] | None = None) -> M
     Keys of the FILE that k3ir does not know are logged (warning) and ignored; an override naming
     an unknown key, or one that makes the config invalid, raises K3ConfigError attributed to the
     override (message ``<file>, override 'key': ...``, ``.override`` = the key; the CLI shows
-    ``--set key=value: ...``)."""
+    ``--set key=value: ...``). Override values are checked against ``config_bounds`` (64-bit integers,
+    UPPER_BOUNDS) before they are applied."""
     raw, path = read_config(name_or_path)
     if isinstance(raw, dict):
         _warn_unknown(raw, path)
