@@ -254,3 +254,21 @@ def test_describe_prints_the_state_interface_without_weights(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
     assert main(["export", "k3-tiny", "--format", "mlir", "--describe", "-o", str(tmp_path / "x.mlir")]) == 2
     assert "--describe applies to --format onnx only" in capsys.readouterr().err
+
+
+def test_docs_onnx_decode_script_gives_torchs_greedy_tokens(tmp_path):
+    """docs/onnx_decode.py (bare onnxruntime: zero states, prefill, decode) on exported prefill and
+    decode files produces the torch session's greedy tokens."""
+    import runpy
+    from pathlib import Path
+
+    from k3ir.backends.onnx.export import export_onnx
+    m, _, torch, _ = _sessions("kimi-linear-tiny", 27)
+    params = init_params(m, seed=3)
+    for fn in ("prefill", "decode"):
+        export_onnx(m, str(tmp_path / f"{fn}.onnx"), function=fn, weights="external", params=params)
+    script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "docs" / "onnx_decode.py"))
+    prompt = [5, 17, 42, 9]
+    got = script["generate"](str(tmp_path / "prefill.onnx"), str(tmp_path / "decode.onnx"), prompt, steps=6)
+    _, want = _greedy(torch, np.asarray([prompt], np.int64), 6)
+    assert got == want[0].tolist()

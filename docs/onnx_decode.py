@@ -1,0 +1,45 @@
+"""Run an exported K3-family model with bare onnxruntime: prefill from zero state, then greedy decode.
+
+    k3ir export k3-tiny --format onnx --function prefill -o prefill.onnx     # + prefill.onnx.data
+    k3ir export k3-tiny --format onnx --function decode -o decode.onnx       # + decode.onnx.data
+    python docs/onnx_decode.py prefill.onnx decode.onnx 5 17 42
+
+Inputs are ``input_ids`` (int64 ``[B,T]``) then one tensor per state; outputs are ``logits``
+(``[B,T,V]``) then ``present.<state>`` in the same order (``k3ir export --describe`` lists them).
+A fresh sequence feeds zero states, with 0 for a dynamic length such as the MLA cache's ``L``.
+Only numpy and onnxruntime are needed here.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import onnxruntime as ort
+
+
+def zero_states(sess: ort.InferenceSession, batch: int) -> dict[str, np.ndarray]:
+    """Zero-filled states for every input after ``input_ids`` (batch dim ``B``, other dynamic dims 0)."""
+    out = {}
+    for spec in sess.get_inputs()[1:]:
+        shape = [batch if d == "B" else (d if isinstance(d, int) else 0) for d in spec.shape]
+        out[spec.name] = np.zeros(shape, np.float16 if "float16" in spec.type else np.float32)
+    return out
+
+
+def generate(prefill_path: str, decode_path: str, prompt: list[int], steps: int = 8) -> list[int]:
+    """Greedy tokens after ``prompt`` (batch of one)."""
+    prefill = ort.InferenceSession(prefill_path, providers=["CPUExecutionProvider"])
+    decode = ort.InferenceSession(decode_path, providers=["CPUExecutionProvider"])
+    names = [s.name for s in prefill.get_inputs()[1:]]
+    feeds = {"input_ids": np.asarray([prompt], np.int64), **zero_states(prefill, 1)}
+    logits, *states = prefill.run(None, feeds)
+    tokens = []
+    for _ in range(steps):
+        tokens.append(int(logits[0, -1].argmax()))
+        feeds = {"input_ids": np.asarray([[tokens[-1]]], np.int64), **dict(zip(names, states))}
+        logits, *states = decode.run(None, feeds)
+    return tokens
+
+
+if __name__ == "__main__":
+    print(generate(sys.argv[1], sys.argv[2], [int(t) for t in sys.argv[3:]] or [1, 2, 3]))
