@@ -157,7 +157,7 @@ def _unchanged(tr, before):
 
 
 def test_nan_loss_names_the_logged_step_without_a_warning(exe):
-    """S5-15: the CLI logs steps from 1; the error names the step that failed, raises no torch
+    """The CLI logs steps from 1; the error names the step that failed, raises no torch
     UserWarning (float() of a tensor with grad) and applies nothing."""
     import warnings
     torch.manual_seed(0)
