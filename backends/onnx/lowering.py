@@ -255,8 +255,8 @@ def _loop(lw, trip: str, init: list[str], body_fn, name: str) -> list[str]:
 def _moe(lw, inst, x, wts, idx, w1, w3, w2):
     """Routed experts as a ``Loop`` over the experts the batch selected (``Unique`` of the indices):
     each iteration gathers its tokens' rows, runs the expert's GLU on them with three ``Gemm``s
-    (the expert's matrices taken whole, never per token) and adds the weighted result into the
-    output rows (``ScatterND`` add); no dense all-expert compute."""
+    (the expert's matrices taken whole, never per token) and adds the weighted result into those
+    output rows (``ScatterND``); no dense all-expert compute."""
     g = lw.g
     ft = lw.x.elem("f32")
     D = int(lw.op.operands[0].type.shape[-1])
@@ -281,7 +281,9 @@ def _moe(lw, inst, x, wts, idx, w1, w3, w2):
         h = _glu(sub, inst, b.node("Gemm", [xs, wgt[0]], transB=1), b.node("Gemm", [xs, wgt[1]], transB=1))
         y = b.node("Mul", [b.node("Gemm", [h, wgt[2]], transB=1),
                            b.node("Unsqueeze", [b.node("Gather", [we, rows], axis=0), b.ints([1])])])
-        return [b.node("ScatterND", [carried[0], b.node("Unsqueeze", [rows, b.ints([1])]), y], reduction="add")]
+        acc = carried[0]                # a token meets expert e once: read, add, write back its rows
+        y = b.node("Add", [b.node("Gather", [acc, rows], axis=0), y])
+        return [b.node("ScatterND", [acc, b.node("Unsqueeze", [rows, b.ints([1])]), y])]
 
     (y,) = _loop(lw, trip, [zeros], body, "moe_experts")
     return lw.cast_to(g.node("Reshape", [y, shp]), ft, lw.etype(0, result=True))
