@@ -52,6 +52,48 @@ def _worker(key: str, spec: str, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def _collective_cases():
+    """(op name, attrs, per-rank operands [G=2 stacked float64 / int arrays]) for each lowered collective."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 2, 4, 6))
+    return [
+        ("k3.all_reduce", {"axis": "ep", "group": 2}, [x]),
+        ("k3.all_gather", {"axis": "ep", "group": 2, "dim": 1}, [x]),
+        ("k3.reduce_scatter", {"axis": "ep", "group": 2, "dim": 1}, [x]),
+        ("k3.all_to_all", {"axis": "ep", "group": 2, "dim": 2}, [x]),
+        ("k3.sharded_embedding", {"axis": "ep", "group": 2},
+         [np.stack([np.array([[0, 3, 5, 7]])] * 2), rng.standard_normal((2, 4, 3))]),
+        ("k3.kcp_scan", {"axis": "ep", "group": 2},
+         [0.3 * rng.standard_normal((2, 1, 2, 3, 3)), rng.standard_normal((2, 1, 2, 3, 4)),
+          np.stack([rng.standard_normal((1, 2, 3, 4))] * 2)]),
+        ("k3.conv_halo", {"axis": "ep", "group": 2, "width": 3},            # 2-token segments: the halo spans both
+         [rng.standard_normal((2, 1, 2, 5)), np.stack([rng.standard_normal((1, 5, 3))] * 2)]),
+        ("k3.cp_last", {"axis": "ep", "group": 2}, [x]),
+        ("k3.cp_lengths", {"axis": "ep", "group": 2},
+         [x, np.zeros((2, 2, 7, 6)), np.stack([np.array([3, 5])] * 2)]),
+    ]
+
+
+def _collectives_worker(out: str) -> None:
+    """One rank of an ep=2 mesh: each case's lowering on this rank's operands; saves the results."""
+    import torch
+    torch.set_num_threads(1)
+    from k3ir.backends.torch.collectives import bind
+    from k3ir.runtime.distributed import init_mesh, mesh_coords
+
+    from k3ir.opdef import get_opdef
+    mesh = init_mesh(ep=2)
+    r = mesh_coords(mesh)["ep"]
+    table = bind(mesh)
+    res = {}
+    for i, (name, attrs, operands) in enumerate(_collective_cases()):
+        inst = get_opdef(name)(attrs, None)
+        mine = [torch.as_tensor(a[r]) for a in operands]
+        res[str(i)] = table[name](inst, *mine).double().numpy()
+    np.savez(out, **res)
+    torch.distributed.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
@@ -124,6 +166,45 @@ def test_two_gloo_ranks_give_the_single_process_logits(tmp_path, key, spec):
     assert np.array_equal(ranks[0]["prefill"], ranks[1]["prefill"])       # every rank holds the whole batch
 
 
+def test_each_collective_on_gloo_equals_its_rank_axis_reference(tmp_path):
+    """Every torch.distributed lowering against the float64 rank-axis reference of k3ir/ops/collective.py."""
+    from k3ir.opdef import get_opdef
+    ranks = _launch(tmp_path, "collectives", "-")
+    for i, (name, attrs, operands) in enumerate(_collective_cases()):
+        want = get_opdef(name)(attrs, None).reference(*operands)
+        for r in range(2):
+            got = ranks[r][str(i)]
+            assert got.shape == want[r].shape, (name, r)
+            assert rel(got, want[r]) < 1e-12 or np.array_equal(got, want[r]), (name, r)
+
+
+@pytest.mark.parametrize("capacity", [0, 2])
+def test_per_rank_ops_equal_their_float64_references(capacity):
+    """The torch forms of k3.ep_dispatch (with copies dropped past a capacity of 2), k3.ep_combine,
+    k3.kda_transition and k3.cache_insert against the ops' float64 references."""
+    import torch
+    from k3ir.backends.torch.collectives import LOCAL
+
+    from k3ir.opdef import get_opdef
+    rng = np.random.default_rng(9)
+    x, idx = rng.standard_normal((2, 3, 4)), rng.integers(0, 4, size=(2, 3, 2))
+    idx[..., 1] = (idx[..., 0] + 1 + rng.integers(0, 3, size=(2, 3))) % 4            # distinct experts per token
+    k = rng.standard_normal((2, 5, 2, 3))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    cases = [
+        ("k3.ep_dispatch", {"num_experts": 4, "group": 2, "capacity": capacity}, [x, idx]),
+        ("k3.ep_combine", {}, [rng.standard_normal((2, 12, 4)), rng.random((2, 3, 2)),
+                              np.array([[[0, 5], [13, -1], [23, 7]], [[2, 3], [-1, -1], [11, 12]]])]),
+        ("k3.kda_transition", {}, [k, -rng.random((2, 5, 2, 3)), rng.random((2, 5, 2))]),
+        ("k3.cache_insert", {}, [rng.standard_normal((2, 4, 5)), rng.standard_normal((2, 3, 5)), np.array([1, 4])]),
+    ]
+    for name, attrs, operands in cases:
+        want = get_opdef(name)(attrs, None).reference(*operands)
+        got = LOCAL[name](get_opdef(name)(attrs, None), *[torch.as_tensor(a) for a in operands])
+        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert g.shape == w.shape and rel(g.double().numpy(), w) < 1e-12, name
+
+
 def test_torch_and_triton_refuse_a_sharded_module_without_a_mesh():
     from _tiny_models import load_tiny
     from k3ir.passes import run_pipeline
@@ -144,4 +225,7 @@ def test_torch_and_triton_refuse_a_sharded_module_without_a_mesh():
 
 
 if __name__ == "__main__":
-    _worker(*sys.argv[1:4])
+    if sys.argv[1] == "collectives":
+        _collectives_worker(sys.argv[3])
+    else:
+        _worker(*sys.argv[1:4])
