@@ -52,6 +52,36 @@ def _worker(key: str, spec: str, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def _long_ids(vocab: int) -> np.ndarray:
+    return np.random.default_rng(12).integers(0, min(vocab, 256), size=(B, 135))
+
+
+def _long_run(session, ids: np.ndarray) -> dict:
+    """Prefill 130 tokens, prefill 4 more from that state, decode 1: the logits of all three calls."""
+    a, st = session.prefill(ids[:, :130])
+    b, st = session.prefill(ids[:, 130:134], st)
+    c, _ = session.decode(ids[:, 134:], st)
+    return {"logits": np.concatenate([x.double().numpy() for x in (a, b, c)], axis=1)}
+
+
+def _long_worker(key: str, spec: str, out: str) -> None:
+    """One cp rank: a 130-token prompt cut into calls of cp * 64 tokens (128 + 2: segments of 64 and 1
+    token), then a 4-token prefill from its state and a decode step."""
+    import torch
+    torch.set_num_threads(1)
+    from _tiny_models import load_tiny
+    from k3ir.runtime.distributed import DistributedSession, init_mesh, shard
+    from k3ir.runtime.params import init_params
+
+    import k3ir
+    mesh = init_mesh(**{k: int(v) for k, v in (p.split("=") for p in spec.split(","))})
+    m = load_tiny(key)
+    params = init_params(m, seed=3)
+    exe = k3ir.compile(shard(m, mesh), target="torch", dtype="float32", mesh=mesh)
+    np.savez(out, **_long_run(DistributedSession(exe, params, prefill_chunk=64), _long_ids(int(m.attrs["vocab_size"]))))
+    torch.distributed.destroy_process_group()
+
+
 def _collective_cases():
     """(op name, attrs, per-rank operands [G=2 stacked float64 / int arrays]) for each lowered collective."""
     rng = np.random.default_rng(5)
@@ -166,6 +196,22 @@ def test_two_gloo_ranks_give_the_single_process_logits(tmp_path, key, spec):
     assert np.array_equal(ranks[0]["prefill"], ranks[1]["prefill"])       # every rank holds the whole batch
 
 
+def test_context_parallel_long_prompt_in_calls_then_a_prefill_from_state(tmp_path):
+    """KCP with DistributedSession cutting a 130-token prompt into calls of cp * prefill_chunk = 128 tokens
+    (the last call: 1-token segments), then a 4-token prefill continuing from the sharded state."""
+    from _tiny_models import load_tiny
+    from k3ir.runtime import Session
+    from k3ir.runtime.params import init_params
+
+    import k3ir
+    m = load_tiny("k3-tiny")
+    want = _long_run(Session(k3ir.compile(m, target="torch", dtype="float32"), params=init_params(m, seed=3)),
+                     _long_ids(int(m.attrs["vocab_size"])))["logits"]
+    ranks = _launch(tmp_path, "long:k3-tiny", "cp=2")
+    for r, got in enumerate(ranks):
+        assert got["logits"].shape == want.shape and rel(got["logits"], want) < 1e-5, r
+
+
 def test_each_collective_on_gloo_equals_its_rank_axis_reference(tmp_path):
     """Every torch.distributed lowering against the float64 rank-axis reference of k3ir/ops/collective.py."""
     from k3ir.opdef import get_opdef
@@ -227,5 +273,7 @@ def test_torch_and_triton_refuse_a_sharded_module_without_a_mesh():
 if __name__ == "__main__":
     if sys.argv[1] == "collectives":
         _collectives_worker(sys.argv[3])
+    elif sys.argv[1].startswith("long:"):
+        _long_worker(sys.argv[1][5:], *sys.argv[2:4])
     else:
         _worker(*sys.argv[1:4])
