@@ -1,0 +1,57 @@
+"""Helpers shared by several test files: a tiny bfloat16 kimi_linear model, the printed k3-tiny IR and small
+text edits of it. conftest.py holds the rest (``run_cli``, ``one_line_error``, ``tiny_config_file``, ``rel_err``)."""
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+
+#: a kimi_linear config.json small enough for checkpoint tests: 3 layers (KDA, MLA, KDA), 4 experts, vocab 64,
+#: stored dtype bfloat16
+TINY_BF16_CFG = {
+    "model_type": "kimi_linear", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 3, "rms_norm_eps": 1e-5,
+    "dtype": "bfloat16", "hidden_act": "silu", "intermediate_size": 48, "first_k_dense_replace": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": None, "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "mla_use_nope": True,
+    "linear_attn_config": {"full_attn_layers": [2], "kda_layers": [1, 3], "num_heads": 2, "head_dim": 8,
+                           "short_conv_kernel_size": 4},
+    "num_experts": 4, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 32,
+    "routed_scaling_factor": 2.446, "eos_token_id": 1,
+}
+
+
+def tiny_bf16_model(tmp_path) -> tuple:
+    """(Module, params): TINY_BF16_CFG written to ``tmp_path/cfg.json`` and loaded (its parameters typed bf16),
+    with float32 random parameters (seed 7) as a dict name -> np.ndarray."""
+    from k3ir.runtime.params import init_params
+
+    import k3ir
+    p = tmp_path / "cfg.json"
+    p.write_text(json.dumps(TINY_BF16_CFG))
+    m = k3ir.load(str(p))
+    return m, {k: v.astype(np.float32) for k, v in init_params(m, seed=7).items()}
+
+
+@functools.cache
+def tiny_k3_text() -> str:
+    """The bundled k3-tiny model printed as text IR (9 layers: KDA 0-2, 4-6, MLA 3, 7, 8; vocab 260)."""
+    import k3ir
+    return k3ir.print_module(k3ir.load("k3-tiny"))
+
+
+def write_file(tmp_path, name: str, text: str) -> str:
+    """Path (str) of ``tmp_path/name`` holding ``text``."""
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def replace_first(text: str, old: str, new: str) -> tuple[str, int, int]:
+    """``text`` with the first ``old`` replaced: (new text, 1-based line of ``old``, 1-based column of the first
+    non-blank character of that line, where the verifier reports an op)."""
+    i = text.index(old)
+    line = text.count("\n", 0, i) + 1
+    start = text.rfind("\n", 0, i) + 1
+    col = len(text[start:i]) - len(text[start:i].lstrip()) + 1
+    return text[:i] + new + text[i + len(old):], line, col

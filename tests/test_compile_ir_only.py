@@ -1,0 +1,67 @@
+"""``k3ir compile`` for a target that cannot build on this machine: with ``-o`` it is an error that says what
+was written (the IR) and how to ask for IR only (``--ir-only`` / ``--no-build``); without ``-o`` the pipeline
+runs with a note."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import one_line_error, run_cli
+from k3ir.backends import get_backend
+from k3ir.runtime.cli import main
+
+import k3ir
+
+TVM_MISSING = "apache-tvm is not installed (pip install 'k3ir[tvm]')"     # what backends/tvm says without tvm
+
+
+def test_compile_output_for_unbuildable_target_is_an_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(get_backend("tvm"), "available", lambda: TVM_MISSING)
+    out = tmp_path / "art"
+    rc, _, err = run_cli(capsys, "compile", "k3-tiny", "--target", "tvm", "-o", str(out))
+    assert rc == 2
+    line = one_line_error(err)
+    for needle in ("target 'tvm' cannot build here", "pip install 'k3ir[tvm]'", str(out), "module.k3",
+                   "passes.json", "--ir-only"):
+        assert needle in line, (needle, line)
+    assert sorted(os.listdir(out)) == ["module.k3", "passes.json"]           # what the message says was written
+    assert json.loads((out / "passes.json").read_text())["target"] == "tvm"
+
+
+@pytest.mark.parametrize("flag", ["--ir-only", "--no-build"])
+def test_compile_ir_only_is_the_explicit_way(capsys, tmp_path, monkeypatch, flag):
+    monkeypatch.setattr(get_backend("tvm"), "available", lambda: TVM_MISSING)
+    out = tmp_path / "ir"
+    rc, stdout, err = run_cli(capsys, "compile", "k3-tiny", "--target", "tvm", "-o", str(out), flag)
+    assert rc == 0 and err == ""
+    assert sorted(os.listdir(out)) == ["module.k3", "passes.json"]
+    assert "build skipped" in stdout
+    m = k3ir.parse_file(str(out / "module.k3"))                             # the IR is usable on its own
+    k3ir.verify_module(m)
+
+
+def test_compile_without_output_keeps_the_note(capsys, monkeypatch):
+    monkeypatch.setattr(get_backend("tvm"), "available", lambda: TVM_MISSING)
+    rc, stdout, _ = run_cli(capsys, "compile", "k3-tiny", "--target", "tvm")
+    stdout = " ".join(stdout.split())                   # rich wraps long lines
+    assert rc == 0 and "cannot build here" in stdout and "ran its pipeline only" in stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_compile_triton_output_without_gpu_names_the_gpu(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")            # a plain CPU box, without the Triton interpreter
+    if get_backend("triton").available() is None:
+        pytest.skip("triton usable here")
+    rc, _, err = run_cli(capsys, "compile", "k3-tiny", "--target", "triton", "-o", str(tmp_path / "t"))
+    assert rc == 2
+    line = one_line_error(err)
+    assert "no CUDA GPU" in line or "Triton is not installed" in line, line
+
+
+def test_compile_help_documents_ir_only(capsys):
+    with pytest.raises(SystemExit):
+        main(["compile", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--ir-only" in text and "exit 2" in text
