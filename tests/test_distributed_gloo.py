@@ -261,6 +261,7 @@ def test_torch_and_triton_refuse_a_sharded_module_without_a_mesh():
     m2 = run_pipeline(m.clone(), ["shard{ep=2}"])
     with pytest.raises(K3BackendError, match=r"is sharded \(ep=2 cp=1 tp=1 dp=1\): compile it with mesh="):
         k3ir.compile(m2, target="torch")
+    pytest.importorskip("triton")
     from k3ir.backends.triton.executable import TritonExecutable
     with pytest.raises(K3BackendError, match="is sharded"):
         TritonExecutable(m2, "float32", "cpu")
