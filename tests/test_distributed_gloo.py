@@ -251,6 +251,58 @@ def test_per_rank_ops_equal_their_float64_references(capacity):
             assert g.shape == w.shape and rel(g.double().numpy(), w) < 1e-12, name
 
 
+def test_shard_params_cuts_the_blocks_the_reference_ranks_use():
+    """shard_params (torch tensors in, views out) against backends/reference/ranks.rank_params for every
+    rank of ep=2 x tp=2: rank (ep=1) holds experts 4..7, tp blocks of the attention and FFN weights."""
+    import torch
+    from _tiny_models import load_tiny
+    from k3ir.backends.reference.ranks import coords, rank_params
+    from k3ir.passes import run_pipeline
+    from k3ir.runtime.distributed import shard_params
+    from k3ir.runtime.params import init_params
+
+    from k3ir.plan import Layout
+
+    m = load_tiny("k3-tiny")
+    params = init_params(m, seed=3)
+    m2 = run_pipeline(m.clone(), ["shard{ep=2,tp=2}"])
+    tensors = {k: torch.as_tensor(v) for k, v in params.items()}
+    for r in range(4):
+        c = coords(Layout(ep=2, tp=2), r)
+        got, want = shard_params(m2, tensors, c), rank_params(m2, params, r)
+        assert set(got) == set(want)
+        for name in want:
+            assert np.array_equal(got[name].numpy(), want[name]), (r, name)
+    w1 = "language_model.model.layers.1.block_sparse_moe.experts.{e}.w1.weight"
+    got = shard_params(m2, tensors, {"ep": 1, "tp": 0, "cp": 0, "dp": 0})[w1]
+    assert np.array_equal(got.numpy(), params[w1][4:8, :16])
+
+
+def test_bad_meshes_and_inputs_are_k3errors(monkeypatch):
+    from _tiny_models import load_tiny
+    from k3ir.passes import run_pipeline
+    from k3ir.runtime.distributed import DistributedSession, init_mesh, shard_params
+    from k3ir.runtime.params import init_params
+
+    import k3ir
+    from k3ir.errors import K3RuntimeError
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(K3RuntimeError, match=r"ep\*cp\*tp\*dp = 2 ranks, but the process group has 1"):
+        init_mesh(ep=2)
+    with pytest.raises(K3RuntimeError, match="tp must be an integer >= 1"):
+        init_mesh(tp=0)
+    m = load_tiny("k3-tiny")
+    params = init_params(m, seed=3)
+    with pytest.raises(K3RuntimeError, match="is not sharded"):
+        shard_params(m, params, {})
+    m2 = run_pipeline(m.clone(), ["shard{tp=2}"])
+    params.pop("language_model.lm_head.weight")
+    with pytest.raises(K3RuntimeError, match="parameter 'language_model.lm_head.weight' is missing"):
+        shard_params(m2, params, {"tp": 1})
+    with pytest.raises(K3RuntimeError, match="compiled with mesh="):
+        DistributedSession(k3ir.compile(m, target="torch"), params)
+
+
 def test_torch_and_triton_refuse_a_sharded_module_without_a_mesh():
     from _tiny_models import load_tiny
     from k3ir.passes import run_pipeline
