@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from conftest import rel_err
+from k3ir.backends.triton.config import triton_config
 from k3ir.runtime import Session
 
 import k3ir
@@ -56,12 +57,19 @@ def _count_launches(work):
     return seen
 
 
+@pytest.fixture
+def decode_tuning():
+    """Overrides of ``TritonConfig.decode`` for the test, undone after it."""
+    from _triton_config import section_overrides
+    with section_overrides("decode") as over:
+        yield over
+
+
 @pytest.mark.slow
-def test_kimi_linear_decode_fusions_match_reference_and_save_launches(monkeypatch):
+def test_kimi_linear_decode_fusions_match_reference_and_save_launches(decode_tuning):
     torch.set_num_threads(1)
-    from k3ir.backends.triton import executable as exe_mod
     # the counts below are with the low-rank pair inside kda_decode (its default is off since the H200 A/B)
-    monkeypatch.setitem(exe_mod.TUNING, "lowrank_in_decode", True)
+    decode_tuning["lowrank_in_decode"] = True
     m = k3ir.load("kimi-linear-6p6b", KL)
     exe = k3ir.compile(m, target="triton", dtype="float32", device="cpu")
     acts = collections.Counter(a[0] if a[0] != "combine" else "combine_" + str(a[1:]) for a in exe.plans["decode"].values())
@@ -84,7 +92,7 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches(monkeypatc
     fused = collections.Counter()
     launch = gemv_mod._launch
 
-    def spy(*a, **kw):       # the gemv fusions of executable.DECODE_SPLIT: conv epilogue, gated-norm prologue
+    def spy(*a, **kw):       # the gemv fusions of TritonConfig.decode.split: conv epilogue, gated-norm prologue
         fused.update(k for k in ("conv", "gnorm") if kw.get(k) is not None)
         return launch(*a, **kw)
     gemv_mod._launch = spy
@@ -114,40 +122,29 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches(monkeypatc
     mla = next(i for i, k in enumerate(gd.kinds) if k == "mla_cache")
     assert outs[mla] is static[mla] and float(static[mla][:, L + 1:].abs().max()) == 0.0   # row L written in place
     # rmsnorm launches: the final norm only (MoE norms in the router front, MLA's latent norm in its prologue);
-    # the MoE front by default (dispatch.TUNING front_split): router partial logits + shared
+    # the MoE front by default (decode.front_split): router partial logits + shared
     # gate/up in one launch, then the dispatch; gemv: KDA 3 x (projections, out: the low-rank pair in kda_decode),
     # MLA (q+kv_a, out), dense (glu, down), 3 x shared down
     assert launches["rmsnorm_kernel"] == 1
-    from k3ir.backends.triton import dispatch
-    # dispatch.TUNING["routed_glu"] (K3IR_MOE_ROUTED_GLU=1): the grouped GLU launch routes, no dispatch_kernel
-    routed = dispatch.TUNING["routed_glu"]
+    # decode.routed_glu (K3IR_MOE_ROUTED_GLU=1): the grouped GLU launch routes, no dispatch_kernel
+    routed = decode_tuning["routed_glu"]
     assert launches["router_glu_kernel"] == 3 and launches["dispatch_kernel"] == (0 if routed else 3)
     assert launches["routed_glu_kernel"] == (3 if routed else 0)
     assert launches["router_partial_kernel"] == 0 and launches["gemv_kernel"] == 3 * 2 + 2 + 2 + 3
     assert launches["combine_kernel"] == 0
     assert launches["mla_absorb_q_kernel"] == 1 and launches["mla_decode_out_kernel"] == 1
-    # executable.DECODE_SPLIT: the KDA short conv in the projection gemv, the gated head norm in the o_proj gemv
+    # decode.split: the KDA short conv in the projection gemv, the gated head norm in the o_proj gemv
     assert launches["kda_decode_kernel"] == 3 and launches["gated_rmsnorm_kernel"] == 0
-    from k3ir.backends.triton import executable
-    executable.DECODE_SPLIT = False          # the one-launch path (conv and norm inside kda_decode) still matches
-    try:
+    with triton_config(decode={"split": False}):    # the one-launch path (conv and norm inside kda_decode) matches
         got, _ = tri.decode(nxt[::-1].copy(), s_tri)
-    finally:
-        executable.DECODE_SPLIT = True
     assert rel_err(got.double().numpy(), want) < 1e-4
-    dispatch.TUNING["front_split"] = False   # router_partial + dispatch + shared gate/up gemv (three launches)
-    try:
+    with triton_config(decode={"front_split": False}):   # router_partial + dispatch + shared gate/up gemv (3 launches)
         launches = _count_launches(lambda: out.update(r=tri.decode(nxt[::-1].copy(), s_tri)))
-    finally:
-        dispatch.TUNING["front_split"] = True
     assert launches["router_glu_kernel"] == 0 and launches["router_partial_kernel"] == 3
     assert launches["dispatch_kernel"] == 3 and launches["gemv_kernel"] == 3 * 2 + 2 + 2 + 3 * 2
     assert rel_err(out["r"][0].double().numpy(), want) < 1e-4
-    executable.TUNING["lowrank_in_decode"] = False     # the low-rank pair in a gemv2 launch
-    try:
+    with triton_config(decode={"lowrank_in_decode": False}):     # the low-rank pair in a gemv2 launch
         launches = _count_launches(lambda: out.update(r=tri.decode(nxt[::-1].copy(), s_tri)))
-    finally:
-        executable.TUNING["lowrank_in_decode"] = True
     assert launches["gemv_kernel"] == 3 * 3 + 2 + 2 + 3
     assert rel_err(out["r"][0].double().numpy(), want) < 1e-4
 
@@ -248,7 +245,7 @@ def test_moe_front_two_launches_matches_float64_and_route_dispatch(B, k, E, D, N
 
 @pytest.mark.parametrize("lb", [-5.0, None])
 def test_kda_decode_with_the_low_rank_up_projections_matches_float64(lb):
-    """layer.kda_decode(lowrank=...) (executable.TUNING lowrank_in_decode): the decay ``fa w_fb^T`` and the
+    """layer.kda_decode(lowrank=...) (TritonConfig.decode.lowrank_in_decode): the decay ``fa w_fb^T`` and the
     output gate ``ga w_gb^T`` computed inside the decode kernel (rank 64 in two steps, V split in blocks)
     against float64 up-projections, gate, recurrent step and the pool update at the rows' slots."""
     from k3ir.backends.triton.layer import kda_decode

@@ -135,12 +135,10 @@ def test_varlen_isolates_states():
 
 @pytest.fixture
 def tuning():
-    """``kda.TUNING`` restored after the test."""
-    from k3ir.backends.triton import kda as kd
-    saved = dict(kd.TUNING)
-    yield kd.TUNING
-    kd.TUNING.clear()
-    kd.TUNING.update(saved)
+    """Overrides of ``TritonConfig.kda`` for the test, undone after it."""
+    from _triton_config import section_overrides
+    with section_overrides("kda") as over:
+        yield over
 
 
 def _mixed_strong(x, K):
@@ -169,7 +167,7 @@ def _mixed_strong(x, K):
 @pytest.mark.parametrize("case", ["k3", "softplus", "mixed"])
 def test_forward_variants_k_slices(variant, case, tuning):
     """K = 32 in 16-column slices (several slices per program), T = 70 (neither a multiple of 16 nor 64),
-    every TUNING variant and gate path (mixed: exact and dense diagonal slices in one block)."""
+    every TritonConfig.kda variant and gate path (mixed: exact and dense diagonal slices in one block)."""
     tuning.update(variant)
     K = 32
     x = make(1, 70, 2, K, lb=-5.0 if case == "k3" else None, seed=21)
@@ -183,7 +181,7 @@ def test_forward_variants_k_slices(variant, case, tuning):
 
 def _mid_spans(x, K):
     """Softplus gates with 16-row decay spans of ~80-117 per channel: past the plain reference's exp(80), inside
-    the clamped reference's threshold (``TUNING["sp_clamp"]``, clamp_thr 120)."""
+    the clamped reference's threshold (``kda.sp_clamp``, clamp_thr 120)."""
     x["A_log"] = torch.zeros_like(x["A_log"])
     x["dt_bias"] = x["dt_bias"] * 0.3 + 6.0
     return x
@@ -249,7 +247,7 @@ def test_forward_intermediates(lb):
     assert rel_err(it["gC"][0], np.exp(gl[0].sum(0))) < tol
     assert rel_err(it["rk"], 1 / np.sqrt((f["k"] ** 2).sum(-1) + 1e-6)) < tol
     Gl = np.cumsum(gl[0], 0)              # T = 50: one chunk, so G is the cumsum over all rows
-    assert rel_err(it["G"][0], Gl) < tol                     # kda_gcum_kernel (TUNING["gcum"], default)
+    assert rel_err(it["G"][0], Gl) < tol                     # kda_gcum_kernel (kda.gcum, default)
 
 
 def test_recur_block_rule():

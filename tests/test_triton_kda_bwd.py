@@ -92,16 +92,14 @@ def test_gradients_all_inputs(T, lb):
 
 @pytest.fixture
 def bwd_tuning():
-    """``kda_bwd.TUNING`` restored after the test."""
-    from k3ir.backends.triton import kda_bwd as KB
-    saved = dict(KB.TUNING)
-    yield KB.TUNING
-    KB.TUNING.clear()
-    KB.TUNING.update(saved)
+    """Overrides of ``TritonConfig.kda_bwd`` for the test, undone after it."""
+    from _triton_config import section_overrides
+    with section_overrides("kda_bwd") as over:
+        yield over
 
 
 def test_gradients_k3_dense_diagonal(bwd_tuning):
-    """The K3 gate through the centred dense diagonal tiles (TUNING k3_exact "", the fast path; the default takes
+    """The K3 gate through the centred dense diagonal tiles (kda_bwd.k3_exact "", the fast path; the default takes
     the exact element-wise diagonals since the 01:52 H200 failure of the dense path, covered by the other tests):
     D=128 in K slices, two full chunks plus a tail, saturating gates (per-token decays up to the bound, sub-chunk
     spans near 80, factors near exp(+-40))."""
@@ -137,25 +135,23 @@ def test_autograd_varlen_through_kda_forward():
     _check(make(1, 40, 2, 16, N=3, seed=15), cu=[0, 17, 17, 40], seed=16, via=_autograd)
 
 
-def test_torch_recompute_still_selectable(monkeypatch):
+def test_torch_recompute_still_selectable(bwd_tuning):
     x = make(1, 20, 2, 16, seed=11)
     w, ws = _weights(x, None, 12)
     a = _autograd(x, w, ws)
-    monkeypatch.setenv("K3IR_KDA_BWD", "torch")
+    bwd_tuning["mode"] = "torch"
     b = _autograd(x, w, ws)
     for n in GRAD_NAMES:
         assert rel_err(a[n], b[n]) < (1e-4 if GPU else 1e-5), n
 
 
-# ---- the backward reusing the forward's intermediates (kda.TUNING["bwd_reuse"], default on) -------------------
+# ---- the backward reusing the forward's intermediates (TritonConfig.kda.bwd_reuse, default on) -------------------
 @pytest.fixture
 def fwd_tuning():
-    """``kda.TUNING`` restored after the test."""
-    from k3ir.backends.triton import kda as KF
-    saved = dict(KF.TUNING)
-    yield KF.TUNING
-    KF.TUNING.clear()
-    KF.TUNING.update(saved)
+    """Overrides of ``TritonConfig.kda`` for the test, undone after it."""
+    from _triton_config import section_overrides
+    with section_overrides("kda") as over:
+        yield over
 
 
 class _Counter:
@@ -238,7 +234,7 @@ def test_saved_intermediates_match_prep(monkeypatch, lb, cu, T):
 
 
 def test_reuse_falls_back_without_the_inverse(fwd_tuning):
-    """With the inverse inside the akk launch (``TUNING["inv"] = "akk"``: no unscaled Ai) the forward saves
+    """With the inverse inside the akk launch (``kda.inv = "akk"``: no unscaled Ai) the forward saves
     nothing extra and the backward recomputes: gradients still right."""
     fwd_tuning["inv"] = "akk"
     x = make(1, 40, 2, 16, lb=-5.0, seed=71)

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from conftest import rel_err
 from k3ir.backends.triton import moe, norm
+from k3ir.backends.triton.config import get_triton_config, triton_config
 
 from k3ir import quant as Q
 from k3ir.opdef import get_opdef
@@ -178,7 +179,7 @@ def test_decode_config_and_row_grid_choice():
     128/128+64 config with the 160-row first pass; both fit shared memory unchanged."""
     if moe.interpreting():
         pytest.skip("the interpreter uses tiny tiles")
-    assert moe.plan(8, 64, 1024, 2048, "none", True, 2) == moe.DECODE_BF16
+    assert moe.plan(8, 64, 1024, 2048, "none", True, 2) == get_triton_config().moe.decode_bf16
     assert moe.plan(8192 * 16, 896, 3072, 3584, "none", True, 2) == moe.PREFILL_BF16
 
 
@@ -429,22 +430,20 @@ def test_use_gluon_row_window(monkeypatch):
 
     from k3ir.backends.triton import moe
     monkeypatch.setattr(moe, "interpreting", lambda: False)
-    monkeypatch.setattr(moe, "TUNING", {**moe.TUNING})
-    moe.TUNING["gluon_min_rows"] = 32
     x = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
     pk = object()
-    assert [moe._use_gluon(x, R, 896, pk, 3072) for R in (1, 16, 31, 32, 4096, 896 * 16, 896 * 16 + 1)] == \
-        [False, False, False, True, True, True, False]
-    assert not moe._use_gluon(x, 64, 896, None, 3072) and not moe._use_gluon(x, 64, 896, pk, 3072 + 16)
-    moe.TUNING.pop("gluon_min_rows")                  # the default: 1
-    assert moe._use_gluon(x, 1, 896, pk, 3072) and moe._use_gluon(x, 16, 896, pk, 3072)
-    moe.TUNING["mxfp4_kernel"] = "triton"
-    assert not moe._use_gluon(x, 64, 896, pk, 3072)
+    with triton_config(moe={"gluon_min_rows": 32}):
+        assert [moe._use_gluon(x, R, 896, pk, 3072) for R in (1, 16, 31, 32, 4096, 896 * 16, 896 * 16 + 1)] == \
+            [False, False, False, True, True, True, False]
+        assert not moe._use_gluon(x, 64, 896, None, 3072) and not moe._use_gluon(x, 64, 896, pk, 3072 + 16)
+    assert moe._use_gluon(x, 1, 896, pk, 3072) and moe._use_gluon(x, 16, 896, pk, 3072)     # the default: 1
+    with triton_config(moe={"mxfp4_kernel": "triton"}):
+        assert not moe._use_gluon(x, 64, 896, pk, 3072)
 
 
-@pytest.mark.parametrize("config", [moe.DECODE_BF16[:4] + (32, 4, 1), ("t", 32, 16, 0, 32, 4, 1)])
+@pytest.mark.parametrize("config", [get_triton_config().moe.decode_bf16[:4] + (32, 4, 1), ("t", 32, 16, 0, 32, 4, 1)])
 def test_decode_tiles_one_row_per_active_expert(config):
-    """The decode-size bf16 config's 64-row weight tiles (``moe.DECODE_BF16``, BK narrowed for the interpreter)
+    """The decode-size bf16 config's 64-row weight tiles (``TritonConfig.moe.decode_bf16``, BK narrowed for the interpreter)
     and the previous 32-row tiles: batch 1, top-8 of 16 experts (one row each, 8 empty experts), N = 96 (a
     half-masked last tile), the GLU launch and the down launch with combine weights, against float64."""
     rng = np.random.default_rng(11)

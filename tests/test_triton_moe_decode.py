@@ -1,4 +1,4 @@
-"""The decode MoE GLU launch that routes itself (moe_decode.routed_glu_kernel, dispatch.TUNING["routed_glu"]):
+"""The decode MoE GLU launch that routes itself (moe_decode.routed_glu_kernel, TritonConfig.decode.routed_glu):
 routing bit-identical to dispatch_kernel's ROUTE (expert ids, weights, scores, offsets, inv, combine weights), the
 GLU rows the same bits as dispatch + grouped_matmul, and against float64 (TRITON_INTERPRET=1 on a CPU machine)."""
 from __future__ import annotations
@@ -14,6 +14,16 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from conftest import rel_err
+from k3ir.backends.triton.config import triton_config
+
+
+@pytest.fixture
+def decode_tuning():
+    """Overrides of ``TritonConfig.decode`` for the test, undone after it."""
+    from _triton_config import section_overrides
+    with section_overrides("decode") as over:
+        yield over
+
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 #: float32 GEMMs run as TF32 on the GPU: looser tolerances there (as tests/test_triton_moe.py)
@@ -36,7 +46,7 @@ def _layer(B, k, E, D, NS, I, seed):
 @pytest.mark.parametrize("use_xn", [False, True])
 @pytest.mark.parametrize("B,k,E,D,I,act", [(1, 8, 64, 96, 32, "silu"), (3, 2, 8, 40, 24, "situ"),
                                            (4, 4, 16, 64, 16, "silu")])
-def test_routed_glu_equals_dispatch_then_grouped_glu(B, k, E, D, I, act, use_xn, monkeypatch):
+def test_routed_glu_equals_dispatch_then_grouped_glu(B, k, E, D, I, act, use_xn, decode_tuning):
     """Same front (router_glu_kernel) routed twice: by dispatch_kernel (+ grouped_matmul on its sorted copy) and by
     routed_glu_kernel. Router outputs, offsets, inv, combine weights must be equal bit for bit, and the GLU rows too
     when the routed GLU norms the raw rows (xn False); with router_glu_kernel's normalised rows (xn True, one-pass
@@ -45,7 +55,7 @@ def test_routed_glu_equals_dispatch_then_grouped_glu(B, k, E, D, I, act, use_xn,
     from k3ir.backends.triton import moe, moe_decode
 
     from k3ir.ops.moe import router_ref
-    monkeypatch.setitem(disp.TUNING, "routed_glu", True)
+    decode_tuning["routed_glu"] = True
     x, nw, wr, bias, s1, s3, w1, w3 = _layer(B, k, E, D, 12, I, seed=B * 7 + k)
     args = (x, wr, bias, k, E, True, 2.5, 1e-20, (nw, 1e-5), s1, s3)
     f_old, y_old = disp.router_glu_front(*args)
@@ -83,43 +93,38 @@ def test_routed_glu_equals_dispatch_then_grouped_glu(B, k, E, D, I, act, use_xn,
             assert cw2[row] == rout2[0][b, 0, j]
 
 
-def test_routed_glu_switch_and_limits(monkeypatch):
-    """Off with TUNING["routed_glu"] False, more than MAX_ROWS tokens, packed or float64 weights, no GLU."""
+def test_routed_glu_switch_and_limits(decode_tuning):
+    """Off with decode.routed_glu False, more than MAX_ROWS tokens, packed or float64 weights, no GLU."""
     from k3ir.backends.triton import dispatch as disp
     from k3ir.backends.triton import moe_decode
-    monkeypatch.setitem(disp.TUNING, "routed_glu", True)
+    decode_tuning["routed_glu"] = True
     x, nw, wr, bias, s1, s3, w1, w3 = _layer(1, 2, 8, 32, 8, 16, seed=1)
     f, _ = disp.router_glu_front(x, wr, bias, 2, 8, True, 1.0, 1e-20, (nw, 1e-5), s1, s3)
     assert moe_decode.routed_supported(f, w1, w3, "silu")
     assert not moe_decode.routed_supported(f, w1, w3, "none")
     assert not moe_decode.routed_supported(f, w1.double(), w3.double(), "silu")
     assert not moe_decode.routed_supported(f, w1[..., :16].to(torch.uint8), w3[..., :16].to(torch.uint8), "silu")
-    saved = disp.TUNING["routed_glu"]
-    disp.TUNING["routed_glu"] = False
-    try:
+    with triton_config(decode={"routed_glu": False}):
         assert not moe_decode.routed_supported(f, w1, w3, "silu")
-    finally:
-        disp.TUNING["routed_glu"] = saved
     xb = torch.randn(moe_decode.MAX_ROWS + 1, 1, 32, device=DEV)
     fb, _ = disp.router_glu_front(xb, wr, bias, 2, 8, True, 1.0, 1e-20, (nw, 1e-5), s1, s3)
     assert not moe_decode.routed_supported(fb, w1, w3, "silu")
 
 
 @pytest.mark.slow
-def test_whole_model_decode_with_the_routed_glu_matches_reference_and_drops_dispatch(monkeypatch):
+def test_whole_model_decode_with_the_routed_glu_matches_reference_and_drops_dispatch(decode_tuning):
     """A tiny Kimi Linear (3 MoE layers with a shared expert) on the triton target, float32: decode steps with
-    TUNING["routed_glu"] on (no dispatch_kernel launch: the grouped GLU routes; with routed_xn on or off) against the
+    decode.routed_glu on (no dispatch_kernel launch: the grouped GLU routes; with routed_xn on or off) against the
     float64 reference backend, bit for bit against the same steps with it off (dispatch_kernel + grouped GLU) when
     the routed GLU norms the raw rows itself; also the step as a CUDA graph runs it (static buffers, graph_ctx),
     emulated eagerly."""
-    from k3ir.backends.triton import dispatch
     from k3ir.backends.triton.graphs import GraphDecode
     from k3ir.runtime import Session
     from test_triton_decode_fusion import KL, _count_launches
 
     import k3ir
     torch.set_num_threads(1)
-    monkeypatch.setitem(dispatch.TUNING, "front_split", True)
+    decode_tuning["front_split"] = True
     m = k3ir.load("kimi-linear-6p6b", KL)
     exe = k3ir.compile(m, target="triton", dtype="float32", device=DEV)
     assert sum(a[0] == "routed" and len(a) == 2 for a in exe.plans["decode"].values()) == 3
@@ -132,8 +137,8 @@ def test_whole_model_decode_with_the_routed_glu_matches_reference_and_drops_disp
     want, _ = ref.decode(nxt, s_ref)
     got, launches = {}, {}
     for on, xn in ((True, False), (True, True), (False, False)):
-        monkeypatch.setitem(dispatch.TUNING, "routed_glu", on)
-        monkeypatch.setitem(dispatch.TUNING, "routed_xn", xn)
+        decode_tuning["routed_glu"] = on
+        decode_tuning["routed_xn"] = xn
         res = {}
         launches[on, xn] = _count_launches(lambda res=res: res.update(r=tri.decode(nxt, s_tri)))
         got[on, xn] = res["r"][0]
@@ -146,8 +151,8 @@ def test_whole_model_decode_with_the_routed_glu_matches_reference_and_drops_disp
         assert launches[key]["rmsnorm_kernel"] == launches[False, False]["rmsnorm_kernel"]
     assert launches[False, False]["routed_glu_kernel"] == 0 and launches[False, False]["dispatch_kernel"] == 3
     assert launches[False, False]["grouped_gemm_t_kernel"] == 6
-    monkeypatch.setitem(dispatch.TUNING, "routed_glu", True)
-    monkeypatch.setitem(dispatch.TUNING, "routed_xn", True)
+    decode_tuning["routed_glu"] = True
+    decode_tuning["routed_xn"] = True
     gd = GraphDecode(exe)                      # as a CUDA graph captures it: static inputs, lengths on the device
     targs = [torch.as_tensor(nxt, device=DEV)] + [s_tri.values[n].clone() for n in s_tri.names]
     L = s_tri.length
@@ -162,8 +167,8 @@ def test_whole_model_decode_with_the_routed_glu_matches_reference_and_drops_disp
 
 
 @pytest.mark.parametrize("B,k,E", [(1, 8, 64), (2, 4, 16), (1, 3, 10)])
-def test_rank_topk_picks_as_route_topk(B, k, E, monkeypatch):
-    """dispatch.TUNING["rank_topk"] (expert ranks instead of k argmax rounds) on the same fronts: the same expert ids,
+def test_rank_topk_picks_as_route_topk(B, k, E, decode_tuning):
+    """TritonConfig.decode.rank_topk (expert ranks instead of k argmax rounds) on the same fronts: the same expert ids,
     offsets and inv, weights to fp32 rounding, GLU rows within fp32 rounding; scores with exact ties (equal router
     rows and a zero bias: lower expert first) included; the routed GLU and dispatch_front agree bit for bit."""
     from k3ir.backends.triton import dispatch as disp
@@ -174,7 +179,7 @@ def test_rank_topk_picks_as_route_topk(B, k, E, monkeypatch):
     args = (x, wr, bias, k, E, True, 2.5, 1e-20, (nw, 1e-5), s1, s3)
     res = {}
     for rank in (False, True):
-        monkeypatch.setitem(disp.TUNING, "rank_topk", rank)
+        decode_tuning["rank_topk"] = rank
         f, _ = disp.router_glu_front(*args)
         assert f.consts()["RANK"] == rank
         res[rank] = disp.dispatch_front(f)

@@ -226,15 +226,12 @@ def test_triton_kernels_read_the_fragment_layout(config, act, smax):
     assert ts[0][0].dtype == torch.uint8 and ts[0][0].shape == (E, N, K // 2)
     assert moe_layout.lookup(*ts[0]).two == (smax > 128)
     xt = torch.from_numpy(x).to(DEV).to(torch.bfloat16 if GPU else torch.float32)
-    old = moe.TUNING["mxfp4_kernel"]
-    moe.TUNING["mxfp4_kernel"] = "triton"
-    try:
+    from k3ir.backends.triton.config import triton_config
+    with triton_config(moe={"mxfp4_kernel": "triton"}):
         got = moe.grouped_matmul(xt, torch.from_numpy(off).to(DEV), *ts[0], "mxfp4",
                                  w3=ts[1][0] if act != "none" else None,
                                  scales3=ts[1][1] if act != "none" else None, act=act, config=config,
                                  row_scale=torch.from_numpy(rs).to(DEV) if act == "none" else None)
-    finally:
-        moe.TUNING["mxfp4_kernel"] = old
     got = got.double().cpu().numpy()
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert err < (2e-2 if GPU else 1e-5), err

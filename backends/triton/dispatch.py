@@ -14,15 +14,13 @@ tile, so no atomics and nothing depends on the run (CUDA-graph capturable, deter
   (router logits split over experts and the model width, many programs) and ``dispatch_kernel``
   with ``ROUTE``, which sums the partial logits, applies the sigmoid, picks the top-k (ties: lower
   expert first), renormalises and dispatches: the router's own outputs are written too.
-* ``route_glu_dispatch`` (``TUNING["front_split"]``, the default): decode front of a MoE layer with a shared expert
+* ``route_glu_dispatch`` (``TritonConfig.decode.front_split``, the default): decode front of a MoE layer with a shared expert
   in two launches, ``router_glu_kernel`` (router partial logits + the shared expert's gate/up), then
-  ``dispatch_kernel``; with ``TUNING["routed_glu"]`` only the first (``router_glu_front``): the routed experts'
+  ``dispatch_kernel``; with ``TritonConfig.decode.routed_glu`` only the first (``router_glu_front``): the routed experts'
   GLU launch routes (moe_decode.py). (A one-launch front with a last-block-done top-k tail, ``moe_front_kernel``,
   was measured slower on the H200 (16.25 us vs 12.82 for three launches) and removed.)
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -30,10 +28,12 @@ import triton.language as tl
 
 from . import checks as C
 from . import interpreting
+from .config import get_triton_config
 from .gemv import _x_tile, gdc_launch_dependents, gdc_wait, pdl_kwargs
 from .gemv import config as gemv_config
 from .layer_kernels import route_topk
 
+#: ``TritonConfig.decode`` (config.py) fields of the MoE decode front:
 #: ``front_split``: the router partial logits and the shared expert's gate/up gemv in one launch
 #: (``router_glu_kernel``), then ``dispatch_kernel`` (ROUTE): two launches instead of three, the same router
 #: arithmetic as ``route_dispatch`` (``K3IR_MOE_FRONT_SPLIT=0``: three launches).
@@ -53,10 +53,6 @@ from .layer_kernels import route_topk
 #: picks) up to RANK_TILE (``K3IR_MOE_RANK_TOPK=1``). Off: H200 A/B of 2026-11-30 09:10 (Kimi Linear 6.6B B1, routed
 #: GLU on) replay 1.297 ms vs 1.293 with route_topk, although offline SASS of routed_glu_kernel at one token has 153
 #: bar.sync in route_topk's straight-line prologue and 5 with the ranks (plus ~340 L1-hit loads, ~1k instructions).
-TUNING: dict = {"front_split": os.environ.get("K3IR_MOE_FRONT_SPLIT", "1") != "0",
-                "routed_glu": os.environ.get("K3IR_MOE_ROUTED_GLU", "1") != "0",
-                "rank_topk": os.environ.get("K3IR_MOE_RANK_TOPK", "0") == "1",
-                "routed_xn": os.environ.get("K3IR_MOE_ROUTED_XN", "1") != "0"}
 #: largest ``[RB, EP, EP]`` rank tile of ``rank_topk`` (RB rows, EP padded experts): larger ones keep route_topk
 #: (offline sm_90: 64 experts x 4 rows took 254-255 registers and spilled in fp32 dispatch_kernel; 2 rows 126-228)
 RANK_TILE = 8192
@@ -504,7 +500,7 @@ def split_supported(rows: int, num_experts: int, top_k: int, x: torch.Tensor, w1
     K = x.shape[-1]
     ok = all(w.dim() == 2 and w.shape[1] == K and w.dtype.is_floating_point and w.dtype != torch.float64
              for w in (w1, w3, wr))
-    return (TUNING["front_split"] and ok and tuple(w1.shape) == tuple(w3.shape) and 0 < rows <= 16
+    return (get_triton_config().decode.front_split and ok and tuple(w1.shape) == tuple(w3.shape) and 0 < rows <= 16
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and route_supported(rows, num_experts, top_k))
 
 
@@ -533,7 +529,7 @@ class Front:
         R, NSPLIT = self.part.shape[1], self.part.shape[0]
         RB, EP = _p2(R), _p2(self.E, 16)
         return {"RB": RB, "KSLOT": self.k, "KP": _p2(self.k, 2), "EP": EP, "RENORM": bool(self.renorm), "NORM": True,
-                "NSU": NSPLIT if RB * EP <= 1024 else 1, "RANK": TUNING["rank_topk"] and RB * EP * EP <= RANK_TILE}
+                "NSU": NSPLIT if RB * EP <= 1024 else 1, "RANK": get_triton_config().decode.rank_topk and RB * EP * EP <= RANK_TILE}
 
 
 def router_glu_front(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k: int, num_experts: int,

@@ -6,14 +6,13 @@ with a precomputed gate), ``k3.short_conv`` and ``k3.gated_rmsnorm``. float64 mo
 torch implementations (the kernels compute in bf16/fp32)."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..torch import TorchExecutable
 from . import layer
+from .config import get_triton_config, triton_config
 from .kda import MIN_LOWER_BOUND, kda_forward
 
 
@@ -104,10 +103,11 @@ def fused_kda(inst, *args):
         # RMSNorm in its prologue), the two low-rank up-projections in one more, then the decode kernel
         sizes = [w.shape[0] for w in ws]
         cat = cat_weights(ws, x.dtype)
-        split = (DECODE_SPLIT and fused_in and not inst.full_rank_gate and gate_w[1].dim() == 2
+        dcfg = get_triton_config().decode
+        split = (dcfg.split and fused_in and not inst.full_rank_gate and gate_w[1].dim() == 2
                  and gate_w[1].dtype != torch.float64 and gate_w[1].shape[1] == ws[5].shape[0] == w_fb.shape[1]
                  and all(c.shape[-1] == c_q.shape[-1] for c in (c_k, c_v)))
-        own = (lambda t: t.float().contiguous()) if GRAPH_STEP["in_place"] else (lambda t: t.float().contiguous().clone())
+        own = (lambda t: t.float().contiguous()) if dcfg.graph_in_place else (lambda t: t.float().contiguous().clone())
         pool = own(st[3])          # a CUDA-graph decode (graphs.py) updates its static buffers in place
         cpools = [own(s) for s in st[:3]]
         if split:
@@ -143,23 +143,17 @@ def fused_kda(inst, *args):
     return (o.reshape(B, Tn, H * D), *new, s_out)
 
 
-#: set by the CUDA-graph decode (graphs.py): states are static buffers updated in place
-GRAPH_STEP = {"in_place": False}
-
-#: decode step of a KDA layer with the short conv in the projection gemv's epilogue and the gated head norm in
+# ``TritonConfig.decode.split``: decode step of a KDA layer with the short conv in the projection gemv's epilogue and the gated head norm in
 #: the o_proj gemv's prologue (lowering.GateNormed), so ``kda_decode`` splits V over programs (False: the one
-#: fused launch with conv and norm inside, BV = V; ``K3IR_DECODE_SPLIT=0`` for A/B runs)
-DECODE_SPLIT = os.environ.get("K3IR_DECODE_SPLIT", "1") != "0"
-
-#: ``lowrank_in_decode``: with DECODE_SPLIT, the KDA decay and output-gate low-rank up-projections run inside
+# fused launch with conv and norm inside, BV = V; ``K3IR_DECODE_SPLIT=0`` for A/B runs)
+# ``TritonConfig.decode.lowrank_in_decode``: with ``split``, the KDA decay and output-gate low-rank up-projections run inside
 #: ``kda_decode`` (layer.kda_decode ``lowrank=``) instead of a gemv2 launch (``K3IR_KDA_LOWRANK=1``). Off by
-#: default: one launch fewer per KDA layer, but the H200 A/Bs of 2026-11-30 had the Kimi Linear 6.6B B1 replay
-#: 8-11 us faster without it (1.354 vs 1.365 ms at 06:32, 1.207 vs 1.215 at 07:22).
-TUNING: dict = {"lowrank_in_decode": os.environ.get("K3IR_KDA_LOWRANK", "0") == "1"}
+# default: one launch fewer per KDA layer, but the H200 A/Bs of 2026-11-30 had the Kimi Linear 6.6B B1 replay
+# 8-11 us faster without it (1.354 vs 1.365 ms at 06:32, 1.207 vs 1.215 at 07:22).
 
 
 def _decode_split(inst, xr, nrm, cat, sizes, convs, cpools, pool, w_fb, gate_w, A_log, dt_bias, o_norm, lb):
-    """The decode branch of ``fused_kda`` with DECODE_SPLIT: projections + conv + SiLU (conv states shifted
+    """The decode branch of ``fused_kda`` with ``TritonConfig.decode.split``: projections + conv + SiLU (conv states shifted
     in place) in one gemv, the low-rank up-projections in one, the recurrent step over V blocks, and the
     output returned as a deferred gated norm when the plan allows it (``inst.defer_gated``, set by
     lowering.PlanInterpreter for the plan's ``kda_out`` action)."""
@@ -172,7 +166,7 @@ def _decode_split(inst, xr, nrm, cat, sizes, convs, cpools, pool, w_fb, gate_w, 
     y = gemv(xr[:, 0], cat, norm=nrm, conv=(cw, cpools, slots, sizes[:3]))
     q, k, v, fa, bl, ga = torch.split(y, sizes, dim=-1)
     R = w_fb.shape[1]
-    if TUNING["lowrank_in_decode"] and R & (R - 1) == 0 and R <= 256 and w_fb.dim() == 2:
+    if get_triton_config().decode.lowrank_in_decode and R & (R - 1) == 0 and R <= 256 and w_fb.dim() == 2:
         # the decay and output-gate up-projections inside kda_decode (no gemv2 launch)
         o, gz = layer.kda_decode(q, k, v, fa, bl, A_log, dt_bias, pool, slots, lower_bound=lb, scale=inst.scale,
                                  lowrank=(w_fb, ga, gate_w[1]))
@@ -234,9 +228,10 @@ class TritonExecutable(TorchExecutable):
             self.table.update({n: interpreter_guard(n, self.table[n]) for n in GATE_OPS})
         self.graph_ctx = None
         self.plans = {name: lowering.plan(f) for name, f in module.functions.items()}
-        # K3IR_CUDA_GRAPHS=0 runs decode eagerly (to bisect graph capture vs kernels; bench/MOE_NOTES.md)
+        # TritonConfig.decode.cuda_graphs False (K3IR_CUDA_GRAPHS=0) runs decode eagerly (to bisect graph capture vs
+        # kernels; bench/MOE_NOTES.md); read when the executable is built
         self.cuda_graphs = (self.tdev.type == "cuda" and "decode" in module.functions
-                            and os.environ.get("K3IR_CUDA_GRAPHS", "1") != "0")
+                            and get_triton_config().decode.cuda_graphs)
         self._graph = None
 
     def prepare_params(self, arrays):
@@ -252,12 +247,11 @@ class TritonExecutable(TorchExecutable):
 
     def _run_eager(self, function, targs, params):
         from .lowering import PlanInterpreter
-        GRAPH_STEP["in_place"] = self.graph_ctx is not None
-        try:
-            interp = PlanInterpreter(self.module, self.table, params.__getitem__, post=self._post, plans=self.plans)
+        interp = PlanInterpreter(self.module, self.table, params.__getitem__, post=self._post, plans=self.plans)
+        if self.graph_ctx is None:
             return interp.run(function, targs)
-        finally:
-            GRAPH_STEP["in_place"] = False
+        with triton_config(decode={"graph_in_place": True}):     # a CUDA-graph capture: states updated in place
+            return interp.run(function, targs)
 
     def run(self, function, args, params):
         from k3ir.types import TensorType

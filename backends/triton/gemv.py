@@ -16,7 +16,7 @@ Fusions (each saves a launch of ~2-5 us in a decode step):
   expert rows ``sum_j y_sorted[inv[m, j]]`` added too (all summed in fp32, rounded once).
 * ``gemv2``: two independent products with the same K and rows in one launch (the KDA decay and
   output-gate low-rank up-projections).
-* Programmatic dependent launch (``PDL``, on by default on Hopper and newer, ``K3IR_PDL=0`` turns it
+* Programmatic dependent launch (``TritonConfig.decode.pdl``, on by default on Hopper and newer, ``K3IR_PDL=0`` turns it
   off): the kernel may start while the previous one finishes; it streams its first weight tile, then
   waits (``griddepcontrol.wait``) before it reads anything another kernel wrote. Every kernel of the
   decode step that takes part (gemv, the MoE front, the decode grouped GEMM, kda_decode, the MLA
@@ -25,7 +25,6 @@ Fusions (each saves a launch of ~2-5 us in a decode step):
 """
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -36,16 +35,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from k3ir.errors import K3RuntimeError
 
 from . import interpreting
+from .config import get_triton_config
 
 MAX_ROWS = 4
 
-#: programmatic dependent launch of the decode kernels (Hopper and newer; ``K3IR_PDL=0`` turns it off). H200
-#: 2026-11-30 09:41, Kimi Linear 6.6B decode B1 (routed GLU on): 873 tok/s, replay 1.126 ms with it, 1.181 without.
-PDL = os.environ.get("K3IR_PDL", "1") != "0"
-
-#: launch-config override ``(BN, BK, warps)`` (bench/gpu_diag.py ``gemv`` sweep; ``K3IR_GEMV=BN,BK,W``)
-CONFIG: tuple | None = tuple(int(v) for v in os.environ["K3IR_GEMV"].split(",")) if os.environ.get("K3IR_GEMV") \
-    else None
+# ``TritonConfig.decode.pdl``: programmatic dependent launch of the decode kernels (Hopper and newer; ``K3IR_PDL=0``
+# turns it off). H200 2026-11-30 09:41, Kimi Linear 6.6B decode B1 (routed GLU on): 873 tok/s, replay 1.126 ms with
+# it, 1.181 without. ``TritonConfig.decode.gemv``: launch-config override ``(BN, BK, warps)`` (bench/gpu_diag.py
+# ``gemv`` sweep; ``K3IR_GEMV=BN,BK,W``).
 
 try:        # Triton >= 3.4 (the GPU machine has 3.6); referenced only when the PDL constexpr is on
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -237,8 +234,9 @@ def config(M: int, N: int, K: int, glu: bool) -> tuple[int, int, int]:
     BM = max(1, triton.next_power_of_2(M))
     if interpreting():
         return 16, 32, 4
-    if CONFIG is not None:
-        BN, BK, warps = CONFIG
+    over = get_triton_config().decode.gemv
+    if over is not None:
+        BN, BK, warps = over
         return BN, max(16, min(BK, triton.next_power_of_2(K)) // BM), warps
     BK = max(64, min(triton.next_power_of_2(K), 2048 // BM))
     BN = max(2, min(16, 4096 // (BK * BM))) if glu else max(4, min(16, 8192 // (BK * BM)))
@@ -263,9 +261,9 @@ def cat_weights(ws, dtype) -> torch.Tensor:
 
 def pdl_kwargs(t: torch.Tensor) -> dict:
     """Launch kwargs of a kernel with a ``PDL`` constexpr: programmatic dependent launch when ``PDL`` is on
-    (the default; K3IR_PDL=0 or bench/gpu_diag.py turn it off) and ``t`` lives on a GPU of compute capability 9.0
+    (``TritonConfig.decode.pdl``, default on; K3IR_PDL=0 turns it off) and ``t`` lives on a GPU of compute capability 9.0
     or newer."""
-    return {"PDL": True, "launch_pdl": True} if PDL and t.is_cuda and _sm90(t.device) else {}
+    return {"PDL": True, "launch_pdl": True} if get_triton_config().decode.pdl and t.is_cuda and _sm90(t.device) else {}
 
 
 _CAP: dict = {}

@@ -1,12 +1,12 @@
 """``kda_forward``: the fused chunked KDA (SPEC.md 3) on Triton kernels, with autograd.
 
 The forward runs four Triton launches by default (``kda_fwd_kernels``: gate cumsum, A/P/inverse, then w/u; then
-the recurrence in ``kda_kernels``; ``TUNING["intra"] = "fused"``: the older one-launch intra kernel);
-the backward runs the chunked Triton kernels of ``kda_bwd`` (``K3IR_KDA_BWD=torch``: autograd through the
-differentiable PyTorch form ``kda_torch``). By default (``TUNING["bwd_reuse"]``) the forward keeps w, u, qg, kg,
+the recurrence in ``kda_kernels``; ``kda.intra = "fused"``: the older one-launch intra kernel);
+the backward runs the chunked Triton kernels of ``kda_bwd`` (``kda_bwd.mode = "torch"``, ``K3IR_KDA_BWD``: autograd through the
+differentiable PyTorch form ``kda_torch``). By default (``kda.bwd_reuse``) the forward keeps w, u, qg, kg,
 P, (I+Akk)^-1, G and the normalised q, k for the backward, which then skips its prep and prelude launches: +2.25 kB
 of activation memory per token-head at K = V = 128 in bf16 (w, u, qg, kg, qn, kn 6*K*2 B; P, Ai 2*64*2 B; G K*4 B);
-``TUNING["bwd_reuse"] = False`` keeps only the inputs and recomputes them.
+``kda.bwd_reuse = False`` keeps only the inputs and recomputes them.
 """
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ import torch
 from . import checks as C
 from . import kda_fwd_kernels as kf
 from . import kda_kernels as kk
+from .config import RECUR_TABLE, TRITON, get_triton_config
 from .kda_torch import kda_chunk_torch
 from .smem_fit import fit_stages
 
 BT, BC = 64, 16
 #: dtype overrides of the intermediates ({'w': ..., 'qk': ..., 'A': ...}); default: q's dtype, as fla
 INTERMEDIATE_DTYPES: dict = {}
-#: launch choices (``bench/bench_kda.py --sweep`` sweeps them). ``intra``: "split" (``kda_akk_kernel`` then
+#: ``TritonConfig.kda`` (config.py), the launch choices (``bench/bench_kda.py --sweep`` sweeps them). ``intra``: "split" (``kda_akk_kernel`` then
 #: ``kda_wu_kernel``, kda_fwd_kernels.py) or "fused" (the one-launch ``kda_intra_kernel``); ``bk``/``warps``/
 #: ``stages``: K-slice width, warps and pipeline stages of the A/P/inverse launch; ``order``: its loop order,
 #: "strip" (per 16-row strip the whole K loop: few live registers, k/G slices re-read per strip) or "k" (one
@@ -54,15 +55,6 @@ INTERMEDIATE_DTYPES: dict = {}
 #: ``bwd_reuse``: ``kda_forward``'s autograd keeps w, u, qg, kg, P, (I+Akk)^-1, G, qn and kn for the backward,
 #: which skips its prep and prelude launches (``_KDAFunction``: +2.25 kB per token-head of activation memory);
 #: False: recompute.
-TUNING: dict = {"bwd_reuse": True, "intra": "split", "gcum": True, "gcum_bk": 32, "gcum_warps": 4, "order": "strip", "bk": 32,
-                "warps": 4, "stages": 1, "inv": "split", "inv_warps": 1, "maxnreg": 128, "exact_maxnreg": 128,
-                "exact_bk": 16, "wu_bk": 32, "wu_bv": 32, "wu_warps": 8, "wu_stages": 2, "xb": "fp32", "inv_dots": True,
-                "inv_prec": "tf32", "bv": None, "recur_warps": 4, "recur_stages": 3, "intra_warps": 8,
-                "gcum_mode": "rows", "gcum_rows_bk": 128, "gcum_rows_rb": 16, "gcum_rows_warps": 1, "fast_log": True,
-                "wu_prefetch": False, "wu_mode": "flat", "wu_flat_warps": 4, "diag_main": False,
-                "sp_clamp": True, "clamp_thr": 120.0, "clamp_bk": 32, "clamp_maxnreg": 128, "clamp_warps": None,
-                "bv_rule": "waves", "recur_table": ((32, 3, 1, 1.0), (64, 3, 1, 1.22))}
-RECUR_TABLE = TUNING["recur_table"]
 #: ``bv_rule``: the recurrence's value block (and stages) when ``bv`` is None (``recur_block``): "nh128" (BV 64 when
 #: N*H >= 128, else 32; ``recur_stages``) or "waves": the ``recur_table`` entry ``(BV, stages, CTAs per SM, step
 #: cost)`` with the fewest waves x step cost (default table: the 3-stage configs at 1 CTA/SM, H200 steps 1.49 us at
@@ -78,18 +70,12 @@ RECUR_TABLE = TUNING["recur_table"]
 #: added exactly in a branch of the same launch (``kda_fwd_kernels._fix_strip``: dots off the diagonal, element-wise on
 #: it). Needs ``gcum`` and ``order`` "strip"; the precomputed gate keeps the exact path.
 #: ``recur_stages`` 3 (same sweep): recurrence 1.06 -> 0.75 ms at B1 T32768 H32 (0.67 -> 0.47 at B8 T4096).
-#: ``NEXT``: candidate defaults waiting for a GPU sweep; empty when there are none. The
-#: last ones (``sp_clamp``, ``recur_stages`` 3: variant ``s4``) passed on 2026-11-30 06:23 (H200: K3 B1 T32768 H32
-#: 3.773 -> 3.469 ms vs fla 3.73, softplus 4.569 -> 3.741 vs 4.08; o within 1.7e-3 of the old default; the float64
-#: accuracy cases ok) and are in ``TUNING``.
-NEXT: dict = {}
 
 
 def _bwd_mode() -> str:
-    """``K3IR_KDA_BWD``: ``triton`` (default, the chunked kernels of ``kda_bwd``) or ``torch`` (autograd
-    through the ``kda_torch`` recompute, for bisecting)."""
-    import os
-    return os.environ.get("K3IR_KDA_BWD", "triton").strip().lower()
+    """``TritonConfig.kda_bwd.mode`` (``K3IR_KDA_BWD``): ``triton`` (default, the chunked kernels of ``kda_bwd``)
+    or ``torch`` (autograd through the ``kda_torch`` recompute, for bisecting)."""
+    return get_triton_config().kda_bwd.mode
 
 
 def _interpret() -> bool:
@@ -112,7 +98,7 @@ def _sm_count(dev: torch.device) -> int:
 
 def recur_block(nh: int, V: int, sms: int, rule: str = "nh128", table=RECUR_TABLE) -> tuple[int, int | None]:
     """Value-block width BV and pipeline stages of ``kda_recur_kernel`` (grid ``V // BV`` x ``nh`` programs,
-    nh = sequences * heads); stages None = ``TUNING["recur_stages"]``.
+    nh = sequences * heads); stages None = ``kda.recur_stages``.
 
     ``rule`` "nh128": BV 64 when ``nh >= 128``, else 32. "waves": each program is a serial chain of chunk steps
     (latency-bound), so a config's time is ``ceil(programs / (sms * ctas))`` waves times its step cost; ``table``
@@ -121,7 +107,7 @@ def recur_block(nh: int, V: int, sms: int, rule: str = "nh128", table=RECUR_TABL
     (BV 64); N*H = 32: 1 vs 1.22 (BV 32); N*H = 64: 2 vs 1.22 (BV 64); N*H >= 128 as "nh128". V < 64 (or no
     table entry dividing V): BV = V. Raises ValueError on an unknown rule."""
     if rule not in ("nh128", "waves"):
-        raise ValueError(f"kda TUNING['bv_rule'] must be 'nh128' or 'waves', got {rule!r}")
+        raise ValueError(f"TritonConfig.kda.bv_rule must be 'nh128' or 'waves', got {rule!r}")
     if V < 64:
         return V, None
     if rule == "nh128":
@@ -218,11 +204,11 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
     ``w, u, qg, kg`` ``[B,T,H,K|V]`` (q's dtype), ``Aqk`` (P, ``[B,T,H,64]``), ``gC`` (``exp(G_C)``, fp32
     ``[chunks,H,K]``, chunks in sequence order) and, split path only, ``Xb`` (``(I+A)^-1 diag(beta)``
     per chunk, ``[B,T,H,64]``, lower blocks valid), ``rq`` (``scale / |q|``) and ``rk`` (``1 / |k|``)
-    fp32 ``[B,T,H]``, and with ``TUNING["gcum"]`` ``G`` (in-chunk cumulative log-decay, fp32 ``[B,T,H,K]``).
-    ``store_ai`` (split path with ``TUNING["inv"] = "split"`` only): the inverse launch also writes ``Ai`` =
+    fp32 ``[B,T,H]``, and with ``kda.gcum`` ``G`` (in-chunk cumulative log-decay, fp32 ``[B,T,H,K]``).
+    ``store_ai`` (split path with ``kda.inv = "split"`` only): the inverse launch also writes ``Ai`` =
     ``(I+Akk)^-1`` unscaled (q's dtype, ``[B,T,H,64]``, zeros above the diagonal) into the intermediates, for
     the backward (``saved_for_backward``). ``store_qk`` (default: ``store_ai``; flat w/u launch,
-    ``TUNING["wu_mode"] = "flat"`` with ``TUNING["gcum"]``, only): the w/u launch also writes ``qn`` (q
+    ``kda.wu_mode = "flat"`` with ``kda.gcum``, only): the w/u launch also writes ``qn`` (q
     L2-normalised times the scale) and ``kn`` (k L2-normalised), ``[B,T,H,K]`` in w's dtype, valid rows: the
     backward's prelude outputs. ``check_gates`` (default True): the one reduction and host sync of ``_check``
     that rejects NaN gate inputs and positive precomputed log-decays (False: time the launches alone)."""
@@ -273,60 +259,61 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     common = {"GATE": GATE, "IS_VARLEN": cu_seqlens is not None}
-    if NC > 0 and TUNING["intra"] == "split":
+    tu = get_triton_config().kda
+    if NC > 0 and tu.intra == "split":
         exact = GATE != kk.GATE_LOWER_BOUND
-        inter["Xb"] = Xb = torch.empty(B, T, H, BT, dtype=torch.float32 if TUNING["xb"] == "fp32" else idt,
+        inter["Xb"] = Xb = torch.empty(B, T, H, BT, dtype=torch.float32 if tu.xb == "fp32" else idt,
                                        device=dev)
         inter["rq"] = rq = torch.empty(B, T, H, dtype=torch.float32, device=dev)
         inter["rk"] = rk = torch.empty_like(rq)
         Ascr = Xb if Xb.dtype == torch.float32 else torch.empty(B, T, H, BT, dtype=torch.float32, device=dev)
-        gpre = bool(TUNING["gcum"])
+        gpre = bool(tu.gcum)
         Gbuf = torch.empty(B, T, H, K, dtype=torch.float32, device=dev) if exact or gpre else rq
         if gpre:
             inter["G"] = Gbuf
-        bk = min(TUNING["exact_bk"] if exact and TUNING.get("exact_bk") else TUNING["bk"], K)
-        clamp = (GATE == kk.GATE_SOFTPLUS and bool(TUNING.get("sp_clamp")) and gpre
-                 and TUNING["order"] == "strip")
+        bk = min(tu.exact_bk if exact and tu.exact_bk else tu.bk, K)
+        clamp = (GATE == kk.GATE_SOFTPLUS and bool(tu.sp_clamp) and gpre
+                 and tu.order == "strip")
         if clamp:
-            bk = min(TUNING["clamp_bk"], K)
-        if gpre and ("intra" in stages or "gcum" in stages) and TUNING["gcum_mode"] == "rows":
-            gbk = min(TUNING["gcum_rows_bk"], K)
+            bk = min(tu.clamp_bk, K)
+        if gpre and ("intra" in stages or "gcum" in stages) and tu.gcum_mode == "rows":
+            gbk = min(tu.gcum_rows_bk, K)
             kk.kda_gcum_rows_kernel[(NC, H, K // gbk)](
                 g, A_log, dt_bias, Gbuf, gC, cu_dev, chunk_indices, T, lb, H=H, K=K, BT=BT, BK=gbk, GATE=GATE,
-                IS_VARLEN=cu_seqlens is not None, FAST_LOG=bool(TUNING["fast_log"]) and not _interpret(),
-                RB=TUNING["gcum_rows_rb"], num_warps=TUNING["gcum_rows_warps"])
+                IS_VARLEN=cu_seqlens is not None, FAST_LOG=bool(tu.fast_log) and not _interpret(),
+                RB=tu.gcum_rows_rb, num_warps=tu.gcum_rows_warps)
         elif gpre and ("intra" in stages or "gcum" in stages):
-            gbk = min(TUNING["gcum_bk"], K)
+            gbk = min(tu.gcum_bk, K)
             kf.kda_gcum_kernel[(NC, H, K // gbk)](
                 g, A_log, dt_bias, Gbuf, gC, cu_dev, chunk_indices, T, lb, H=H, K=K, BT=BT, BK=gbk, GATE=GATE,
-                IS_VARLEN=cu_seqlens is not None, num_warps=TUNING["gcum_warps"])
-        inv_split = TUNING.get("inv") == "split"
-        cap = None if _interpret() else TUNING["exact_maxnreg"] if exact else TUNING.get("maxnreg")
-        thr = float(TUNING.get("clamp_thr", 120.0))
+                IS_VARLEN=cu_seqlens is not None, num_warps=tu.gcum_warps)
+        inv_split = tu.inv == "split"
+        cap = None if _interpret() else tu.exact_maxnreg if exact else tu.maxnreg
+        thr = float(tu.clamp_thr)
         if clamp:
-            cap = None if _interpret() else TUNING.get("clamp_maxnreg")
+            cap = None if _interpret() else tu.clamp_maxnreg
         if "intra" in stages or "akk" in stages:
             kf.kda_akk_kernel[(NC, H)](
                 q, k, g, beta, A_log, dt_bias, Xb, Ascr, Aqk, rq, rk, Gbuf, cu_dev, chunk_indices, T, scale, lb,
                 H=H, K=K, BT=BT, BC=BC, BK=bk, L2NORM=gate != "precomputed", BETA_SIGMOID=gate != "precomputed",
-                EXACT=(3 if clamp else 2 if exact and TUNING["diag_main"] else exact), PREC=prec,
-                INV_DOTS=TUNING["inv_dots"], STRIP_OUTER=TUNING["order"] == "strip",
-                IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"], GPRE=gpre, INV_SPLIT=inv_split,
+                EXACT=(3 if clamp else 2 if exact and tu.diag_main else exact), PREC=prec,
+                INV_DOTS=tu.inv_dots, STRIP_OUTER=tu.order == "strip",
+                IP="ieee" if q.dtype == torch.float32 else tu.inv_prec, GPRE=gpre, INV_SPLIT=inv_split,
                 THR=thr,
-                num_warps=(TUNING.get("clamp_warps") or TUNING["warps"]) if clamp else TUNING["warps"],
-                num_stages=TUNING["stages"], **({"maxnreg": cap} if cap else {}), **common)
+                num_warps=(tu.clamp_warps or tu.warps) if clamp else tu.warps,
+                num_stages=tu.stages, **({"maxnreg": cap} if cap else {}), **common)
         Ai = None
         if inv_split and store_ai:
             inter["Ai"] = Ai = torch.empty(B, T, H, BT, dtype=dts.get("A", idt), device=dev)
         if inv_split and ("intra" in stages or "inv" in stages):
             kf.kda_inv_kernel[(NC, H)](
                 beta, Ascr, Xb, Ai, cu_dev, chunk_indices, T, H=H, BT=BT, BC=BC, IS_VARLEN=cu_seqlens is not None,
-                BETA_SIGMOID=gate != "precomputed", INV_DOTS=TUNING["inv_dots"],
-                IP="ieee" if q.dtype == torch.float32 else TUNING["inv_prec"], STORE_AI=Ai is not None,
-                num_warps=TUNING["inv_warps"])
-        wu_flat = gpre and TUNING["wu_mode"] == "flat"
+                BETA_SIGMOID=gate != "precomputed", INV_DOTS=tu.inv_dots,
+                IP="ieee" if q.dtype == torch.float32 else tu.inv_prec, STORE_AI=Ai is not None,
+                num_warps=tu.inv_warps)
+        wu_flat = gpre and tu.wu_mode == "flat"
         if wu_flat and ("intra" in stages or "wu" in stages):
-            wbk, wbv = min(TUNING["wu_bk"], K), min(TUNING["wu_bv"], V)
+            wbk, wbv = min(tu.wu_bk, K), min(tu.wu_bv, V)
             sqk = store_ai if store_qk is None else bool(store_qk)
             if sqk:
                 inter["qn"] = torch.empty(B, T, H, K, dtype=dts.get("w", idt), device=dev)
@@ -334,39 +321,39 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
             kk.kda_wu_flat_kernel[(K // wbk + V // wbv, NC, H)](
                 q, k, v, Xb, rq, rk, w, u, qg, kg, Gbuf, cu_dev, chunk_indices, T, inter.get("qn", w),
                 inter.get("kn", w), H=H, K=K, V=V, BT=BT, BK=wbk, BV=wbv, IS_VARLEN=cu_seqlens is not None, PREC=prec,
-                DOT_F32=_interpret(), STORE_QK=sqk, num_warps=TUNING["wu_flat_warps"])
+                DOT_F32=_interpret(), STORE_QK=sqk, num_warps=tu.wu_flat_warps)
         elif "intra" in stages or "wu" in stages:
             kf.kda_wu_kernel[(NC, H)](
                 q, k, v, g, A_log, dt_bias, Xb, rq, rk, w, u, qg, kg, gC, Gbuf, cu_dev, chunk_indices, T, lb,
-                H=H, K=K, V=V, BT=BT, BK=min(TUNING["wu_bk"], K), BV=min(TUNING["wu_bv"], V), PREC=prec,
-                DOT_F32=_interpret(), GPRE=gpre, PREFETCH=bool(TUNING["wu_prefetch"]), num_warps=TUNING["wu_warps"],
-                num_stages=TUNING["wu_stages"], **common)
+                H=H, K=K, V=V, BT=BT, BK=min(tu.wu_bk, K), BV=min(tu.wu_bv, V), PREC=prec,
+                DOT_F32=_interpret(), GPRE=gpre, PREFETCH=bool(tu.wu_prefetch), num_warps=tu.wu_warps,
+                num_stages=tu.wu_stages, **common)
     elif NC > 0 and "intra" in stages:
         kk.kda_intra_kernel[(NC, H)](
             q, k, v, g, beta, A_log, dt_bias, w, u, qg, kg, Aqk, gC, cu_dev, chunk_indices, T, scale, lb,
             H=H, K=K, V=V, BT=BT, BC=BC, L2NORM=gate != "precomputed",
             BETA_SIGMOID=gate != "precomputed", EXACT=GATE != kk.GATE_LOWER_BOUND,
-            PREC=prec, INV_DOTS=TUNING["inv_dots"], num_warps=4 if K <= 64 else TUNING["intra_warps"], **common)
-    rule = TUNING.get("bv_rule", "nh128") if idt != torch.float32 else "nh128"    # "waves" is timed for bf16
-    BV, rstages = (TUNING["bv"], None) if TUNING["bv"] else recur_block(
-        N * H, V, _sm_count(dev), rule, TUNING.get("recur_table") or RECUR_TABLE)
+            PREC=prec, INV_DOTS=tu.inv_dots, num_warps=4 if K <= 64 else tu.intra_warps, **common)
+    rule = tu.bv_rule if idt != torch.float32 else "nh128"    # "waves" is timed for bf16
+    BV, rstages = (tu.bv, None) if tu.bv else recur_block(
+        N * H, V, _sm_count(dev), rule, tu.recur_table or RECUR_TABLE)
     BV = min(BV, V)
-    rstages = rstages or TUNING["recur_stages"]
+    rstages = rstages or tu.recur_stages
     if "recur" not in stages:
         return (o, ht, inter) if return_intermediates else (o, ht)
-    fit_stages(("kda_recur", idt, w.dtype, K, V, BV, TUNING["recur_warps"]), rstages,
+    fit_stages(("kda_recur", idt, w.dtype, K, V, BV, tu.recur_warps), rstages,
                lambda ns: kk.kda_recur_kernel[(V // BV, N * H)](
                    w, u, qg, kg, Aqk, gC, o, h0, ht, cu_dev, chunk_offsets, T,
                    H=H, K=K, V=V, BT=BT, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
                    IS_VARLEN=cu_seqlens is not None, PREC="ieee" if idt == torch.float32 else "tf32",
-                   DOT_F32=_interpret(), num_warps=TUNING["recur_warps"], num_stages=ns), floor=min(2, rstages))
+                   DOT_F32=_interpret(), num_warps=tu.recur_warps, num_stages=ns), floor=min(2, rstages))
     return (o, ht, inter) if return_intermediates else (o, ht)
 
 
 def saved_for_backward(inter: dict) -> dict | None:
     """The intermediates of ``kda_forward_kernels(..., return_intermediates=True, store_ai=True)`` that
     ``kda_bwd.kda_backward(saved=...)`` reuses instead of its prep launch: ``w, u, qg, kg, P`` (= ``Aqk``),
-    ``Ai`` and ``G`` (when ``TUNING["gcum"]``), ``qn`` and ``kn`` (flat w/u launch; with them and G the backward
+    ``Ai`` and ``G`` (when ``kda.gcum``), ``qn`` and ``kn`` (flat w/u launch; with them and G the backward
     also skips its prelude); None when the forward path did not produce them all (the fused
     intra kernel, the inverse inside the akk launch, T = 0): the backward then recomputes them.
 
@@ -374,7 +361,7 @@ def saved_for_backward(inter: dict) -> dict | None:
     scale and the diagonal (zeros above); qg = q_n scale exp(G); kg = k_n exp(G_last - G) with the last valid
     row's G in a partial chunk; w = Ai (beta exp(G) k_n); u = Ai (beta v); G the in-chunk cumsum in fp32
     (padding rows unwritten in both: every backward read masks them); all token-indexed, so varlen chunk
-    layouts agree. The forward's inverse uses ``TUNING["inv_prec"]`` dots (tf32 on bf16 inputs) where the prep
+    layouts agree. The forward's inverse uses ``kda.inv_prec`` dots (tf32 on bf16 inputs) where the prep
     launch used fp32 ones: the backward sees the same Ai as the forward's output."""
     keys = {"w": "w", "u": "u", "qg": "qg", "kg": "kg", "P": "Aqk", "Ai": "Ai"}
     if any(inter.get(v) is None for v in keys.values()):
@@ -387,18 +374,19 @@ def saved_for_backward(inter: dict) -> dict | None:
 
 
 class _KDAFunction(torch.autograd.Function):
-    """Autograd of ``kda_forward``. With ``TUNING["bwd_reuse"]`` (default True) and a gradient needed, the
+    """Autograd of ``kda_forward``. With ``kda.bwd_reuse`` (default True) and a gradient needed, the
     forward keeps its intermediates for the backward (``saved_for_backward``), which then skips its prep launch
     (and its prelude with the flat w/u launch). Extra activation memory held from forward to backward, per token
     and head (bf16 inputs, K = V = 128): w, u, qg, kg, qn, kn 6 * 128 * 2 = 1536 B, P and Ai 2 * 64 * 2 = 256 B,
     G 128 * 4 = 512 B: 2.25 kB (2.4 GB at
-    B1 T32768 H32; q/k/v/g themselves are 1 kB). ``TUNING["bwd_reuse"] = False`` restores the recompute (only
+    B1 T32768 H32; q/k/v/g themselves are 1 kB). ``kda.bwd_reuse = False`` restores the recompute (only
     the inputs saved)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, lower_bound, output_final_state,
                 cu_seqlens, scale, gate):
-        reuse = bool(TUNING.get("bwd_reuse", True)) and any(ctx.needs_input_grad) and _bwd_mode() != "torch"
+        ctx.config = get_triton_config()      # the backward runs under the forward's config (autograd thread)
+        reuse = bool(ctx.config.kda.bwd_reuse) and any(ctx.needs_input_grad) and _bwd_mode() != "torch"
         res = kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state,
                                   output_final_state, cu_seqlens, scale, gate, return_intermediates=reuse,
                                   store_ai=reuse)
@@ -413,7 +401,13 @@ class _KDAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *extra = ctx.saved_tensors
-        if _bwd_mode() != "torch":     # the chunked Triton backward (kda_bwd); K3IR_KDA_BWD=torch: recompute
+        with TRITON.use(ctx.config):
+            return _KDAFunction._backward(ctx, do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                                          extra)
+
+    @staticmethod
+    def _backward(ctx, do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, extra):
+        if _bwd_mode() != "torch":     # the chunked Triton backward (kda_bwd); kda_bwd.mode "torch": recompute
             from .kda_bwd import kda_backward
             res = kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, ctx.lower_bound,
                                ctx.scale, cu_seqlens, ctx.gate, saved=dict(zip(ctx.saved_keys, extra)) or None)

@@ -4,8 +4,8 @@ dt_bias and the initial state, for both gates, variable-length batches and ``gat
 
 Seven launches: prelude, prep (Akk, P, (I+Akk)^-1, w, u, qg, kg), fwd_h (states per chunk and v'),
 bwd_dh (reverse state-gradient recurrence), bwd_wy, bwd_intra, chain. Six when the forward's intermediates are
-passed (``saved``; ``kda_forward``'s autograd does so by default, ``kda.TUNING["bwd_reuse"]``): no prep; five when
-they include the forward's G and normalised q, k (flat w/u launch): no prelude either. ``TUNING`` holds the launch
+passed (``saved``; ``kda_forward``'s autograd does so by default, ``TritonConfig.kda.bwd_reuse``): no prep; five when
+they include the forward's G and normalised q, k (flat w/u launch): no prelude either. ``TritonConfig.kda_bwd`` holds the launch
 choices (the bench sweeps them); ``DTYPES`` the storage dtypes of intermediates (default: q's
 dtype, as fla; fp32 for G, the 64x64 gradients and the dq/dk/dG partial sums).
 """
@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import torch
 
 from . import kda_bwd_intra as ki
 from . import kda_bwd_kernels as kb
+from .config import get_triton_config
 from .smem_fit import fit_stages
 
 BT, BC = 64, 16
 #: storage dtype overrides: 'h' (states per chunk), 'dh', 'vn' (v'), 'dvn', 'w' (w, u, qg, kg, q/k
 #: normalised), 'A' (P and the inverse)
 DTYPES: dict = {}
-#: launch choices: K slice of prep/wy/intra, value blocks of the recurrences and of wy, warps; ``mma_v2``:
+#: ``TritonConfig.kda_bwd`` (config.py), the launch choices: K slice of prep/wy/intra, value blocks of the
+#: recurrences and of wy, warps; ``mma_v2``:
 #: launches (names as in ``timings``) compiled without Hopper wgmma (comma list; ``DISABLE_MMA_V3`` set while
 #: they compile). ``bwd_wy``
 #: by default: its ten wgmma dots with shared operands are the pattern of Triton's Hopper illegal-address
@@ -40,14 +43,6 @@ DTYPES: dict = {}
 #: dots (bf16/fp16 inputs): with "tf32" the K3 dt_bias gradient was 1.2e-2 off (fla's tolerance 8e-3; H200, 04:16):
 #: its factors reach exp(+-40) and dG sums terms that cancel; "ieee" (fp32 FMA) and "tf32x3" (default) both give
 #: 4.3e-3 there (04:31); "ieee" made bwd_intra 4.76 -> 6.27 ms.
-#: ``NEXT``: candidate defaults waiting for a GPU check (``bench/bench_kda_bwd.py --jobs acc_next,time_next``);
-#: empty when there are none. The last ones (value block 64 in bwd_wy, 3-stage recurrences, chain on 4 warps: the
-#: H200 sweep of 2026-11-30 04:59) passed on 2026-11-30 05:56 (gradients 2.5e-3 .. 4.3e-3 for K3, softplus and
-#: varlen; K3 B1 T32768 H32 fwd+bwd 17.69 -> 15.93 ms) and are in ``TUNING``.
-NEXT: dict = {}
-TUNING: dict = {"bk_prep": 32, "bk_wy": 32, "bk_intra": 32, "bv_rec": 32, "bv_wy": 64,
-                "w_prelude": 8, "w_prep": 4, "w_rec": 4, "w_wy": 4, "w_intra": 4, "w_chain": 4,
-                "stages_rec": 3, "stages_wy": 1, "mma_v2": "bwd_wy", "k3_exact": "", "intra_diag_prec": "tf32x3"}
 
 
 def _alloc(shape, dtype, device):
@@ -55,22 +50,29 @@ def _alloc(shape, dtype, device):
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
+_MMA_V3_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _no_wgmma(on: bool):
-    """Compile the launches inside without Hopper wgmma (MMAv2 only): ``DISABLE_MMA_V3=1`` is read at
-    compile time and is part of Triton's disk cache key; the in-process cache keeps what was compiled."""
+    """Compile the launches inside without Hopper wgmma (MMAv2 only; ``kda_bwd.mma_v2`` names them). Triton reads
+    ``DISABLE_MMA_V3`` at compile time from the process environment only (C++ getenv; no ``triton.knobs`` entry
+    or compile option), and it is part of Triton's disk cache key; the in-process cache keeps what was compiled,
+    so the variable matters at a launch's first call only. It is set for the block, under a lock (one such block
+    at a time), and restored to its previous value (or removed) on exit, exception included."""
     if not on:
         yield
         return
-    old = os.environ.get("DISABLE_MMA_V3")
-    os.environ["DISABLE_MMA_V3"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("DISABLE_MMA_V3", None)
-        else:
-            os.environ["DISABLE_MMA_V3"] = old
+    with _MMA_V3_LOCK:
+        old = os.environ.get("DISABLE_MMA_V3")
+        os.environ["DISABLE_MMA_V3"] = "1"
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("DISABLE_MMA_V3", None)
+            else:
+                os.environ["DISABLE_MMA_V3"] = old
 
 
 def _interpret() -> bool:
@@ -109,7 +111,7 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
     qn, kn, Ai, P, w, u, qg, kg, h, vn, dh, dvn, dAq, dAk, dq/dk/dG partial sums) for bisecting per launch.
 
     ``saved``: the forward's intermediates (``kda.saved_for_backward``; ``kda_forward``'s autograd passes them
-    when ``kda.TUNING["bwd_reuse"]``): ``w, qg, kg`` ``[B,T,H,K]``, ``u`` ``[B,T,H,V]``, ``P`` (the forward's
+    when ``TritonConfig.kda.bwd_reuse``): ``w, qg, kg`` ``[B,T,H,K]``, ``u`` ``[B,T,H,V]``, ``P`` (the forward's
     ``Aqk``: q scale and diagonal included) and ``Ai`` (``(I+Akk)^-1`` unscaled, all blocks, zeros above the
     diagonal) ``[B,T,H,64]``, optionally ``G`` (fp32 in-chunk cumsum ``[B,T,H,K]``, valid rows); same
     definitions as the prep launch computes (module docstring of ``kda_bwd_kernels``). With all of
@@ -127,7 +129,8 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
         GATE, lb = kb.GATE_SOFTPLUS, 0.0
     else:
         GATE, lb = kb.GATE_LOWER_BOUND, float(lower_bound)
-    ex = {x.strip() for x in str(TUNING.get("k3_exact") or "").split(",")}
+    tu = get_triton_config().kda_bwd
+    ex = {x.strip() for x in str(tu.k3_exact or "").split(",")}
     EXP = GATE != kb.GATE_LOWER_BOUND or "prep" in ex          # exact diagonal tiles in prep
     EXI = GATE != kb.GATE_LOWER_BOUND or "bwd_intra" in ex     # ... and in bwd_intra
     shift = -lb * BC / 2
@@ -148,7 +151,6 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
         return (zeros(q), zeros(k), zeros(v), zeros(g), zeros(beta), None if pre else zeros(A_log),
                 None if pre else zeros(dt_bias), dh0)
     prec = "ieee" if idt == torch.float32 else "tf32"
-    tu = TUNING
     e = lambda *s, d: _alloc(s, d, dev)
     sv = saved if saved is not None and all(saved.get(n) is not None for n in SAVED_KEYS) else None
     want = {"w": dt("w"), "u": dt("w"), "qg": dt("w"), "kg": dt("w"), "P": dt("A"), "Ai": dt("A"), "G": f32,
@@ -174,7 +176,7 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
     dq, dk, dG = e(B, T, H, K, d=f32), e(B, T, H, K, d=f32), e(B, T, H, K, d=f32)
     dAq, dAk = e(B, T, H, BT, d=f32), e(B, T, H, BT, d=f32)
     dv = e(*v.shape, d=v.dtype)
-    bk_i = min(tu["bk_intra"], K)
+    bk_i = min(tu.bk_intra, K)
     NK = K // bk_i
     db = e(1 + NK, B * T, H, d=f32)
     dh0 = e(N, H, K, V, d=f32) if initial_state is not None else None
@@ -182,48 +184,48 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
     dA_part, ddt_part = e(NC, H, d=f32), e(NC, H, K, d=f32)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     dht_ = dht.float().contiguous() if dht is not None else None
-    bv_rec = min(tu["bv_rec"], V)
-    # dense K3 diagonal tiles: never 16-wide tf32 K slices (wrong on the H200, see TUNING)
-    bk_prep = min(tu["bk_prep"] if EXP or prec != "tf32" else max(32, tu["bk_prep"]), K)
-    bv_wy = min(tu["bv_wy"], V)
+    bv_rec = min(tu.bv_rec, V)
+    # dense K3 diagonal tiles: never 16-wide tf32 K slices (wrong on the H200, see TritonConfig.kda_bwd.bk_prep)
+    bk_prep = min(tu.bk_prep if EXP or prec != "tf32" else max(32, tu.bk_prep), K)
+    bv_wy = min(tu.bv_wy, V)
 
     launches = [
         ("prelude", lambda: kb.kda_bwd_prelude_kernel[(NC, H)](
             q, k, g, beta, A_log_, dtb_, qn, kn, G, bn, cu, ci, T, scale, lb,
             H=H, K=K, BT=BT, GATE=GATE, L2NORM=not pre, BETA_SIGMOID=not pre, IS_VARLEN=VAR, STORE_G=store_g,
-            num_warps=tu["w_prelude"])),
+            num_warps=tu.w_prelude)),
         ("prep", lambda: kb.kda_bwd_prep_kernel[(NC, H)](
             qn, kn, G, bn, v, Ai, P, w, u, qg, kg, cu, ci, T, shift,
-            H=H, K=K, V=V, BT=BT, BC=BC, BK=bk_prep, BV=min(tu["bk_prep"], V), IS_VARLEN=VAR,
-            EXACT=EXP, PREC=prec, num_warps=tu["w_prep"])),
-        ("fwd_h", lambda: fit_stages(("fwd_h", w.dtype, prec, K, V, bv_rec, tu["w_rec"]), tu["stages_rec"],
+            H=H, K=K, V=V, BT=BT, BC=BC, BK=bk_prep, BV=min(tu.bk_prep, V), IS_VARLEN=VAR,
+            EXACT=EXP, PREC=prec, num_warps=tu.w_prep)),
+        ("fwd_h", lambda: fit_stages(("fwd_h", w.dtype, prec, K, V, bv_rec, tu.w_rec), tu.stages_rec,
             lambda ns: kb.kda_bwd_fwd_h_kernel[(V // bv_rec, N * H)](
                 w, u, kg, G, h, vn, h0, cu, co, T, H=H, K=K, V=V, BT=BT, BV=bv_rec, USE_H0=h0 is not None,
-                IS_VARLEN=VAR, PREC=prec, num_warps=tu["w_rec"], num_stages=ns), floor=min(2, tu["stages_rec"]))),
-        ("bwd_dh", lambda: fit_stages(("bwd_dh", w.dtype, prec, K, V, bv_rec, tu["w_rec"]), tu["stages_rec"],
+                IS_VARLEN=VAR, PREC=prec, num_warps=tu.w_rec, num_stages=ns), floor=min(2, tu.stages_rec))),
+        ("bwd_dh", lambda: fit_stages(("bwd_dh", w.dtype, prec, K, V, bv_rec, tu.w_rec), tu.stages_rec,
             lambda ns: kb.kda_bwd_dh_kernel[(V // bv_rec, N * H)](
                 qg, kg, w, P, G, do, dh, dvn, dht_, dh0, cu, co, T, H=H, K=K, V=V, BT=BT, BV=bv_rec,
                 USE_DHT=dht_ is not None, STORE_DH0=dh0 is not None, IS_VARLEN=VAR, PREC=prec,
-                num_warps=tu["w_rec"], num_stages=ns), floor=min(2, tu["stages_rec"]))),
+                num_warps=tu.w_rec, num_stages=ns), floor=min(2, tu.stages_rec))),
         ("bwd_wy", lambda: kb.kda_bwd_wy_kernel[(NC, H)](
             qn, kn, G, bn, v, vn, Ai, h, dh, do, dvn, dq, dk, dG, dv, db, dAq, dAk, cu, ci, T,
-            H=H, K=K, V=V, BT=BT, BK=min(tu["bk_wy"], K), BV=bv_wy, IS_VARLEN=VAR, PREC=prec,
-            num_warps=tu["w_wy"], num_stages=tu["stages_wy"])),
+            H=H, K=K, V=V, BT=BT, BK=min(tu.bk_wy, K), BV=bv_wy, IS_VARLEN=VAR, PREC=prec,
+            num_warps=tu.w_wy, num_stages=tu.stages_wy)),
         ("bwd_intra", lambda: ki.kda_bwd_intra_kernel[(NC * (BT // BC), NK, H)](
             qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu, ci, T, B * T, shift,
             H=H, K=K, BT=BT, BC=BC, BK=bk_i, IS_VARLEN=VAR, EXACT=EXI, PREC=prec,
-            DPREC=prec if prec == "ieee" else tu["intra_diag_prec"],
-            num_warps=tu["w_intra"])),
+            DPREC=prec if prec == "ieee" else tu.intra_diag_prec,
+            num_warps=tu.w_intra)),
         ("chain", lambda: ki.kda_bwd_chain_kernel[(NC, H)](
             q, k, g, A_log_, dtb_, dq, dk, dG, dq_o, dk_o, dg_o, dA_part, ddt_part, cu, ci, T, scale, lb,
-            H=H, K=K, BT=BT, GATE=GATE, L2NORM=not pre, IS_VARLEN=VAR, num_warps=tu["w_chain"])),
+            H=H, K=K, BT=BT, GATE=GATE, L2NORM=not pre, IS_VARLEN=VAR, num_warps=tu.w_chain)),
     ]
     if sv is not None:          # w, u, qg, kg, P, Ai from the forward
         launches = [x for x in launches if x[0] != "prep"]
     if no_prelude:              # qn, kn, G from the forward too: only beta's sigmoid left of the prelude
         bfn = (lambda: bn.copy_(beta)) if pre else (lambda: torch.sigmoid(beta.float(), out=bn))
         launches = [("bn", bfn)] + [x for x in launches if x[0] != "prelude"]
-    v2 = {x.strip() for x in str(tu.get("mma_v2", "")).split(",")}
+    v2 = {x.strip() for x in str(tu.mma_v2 or "").split(",")}
     for name, fn in launches:
         if timings is None:
             with _no_wgmma(name in v2):

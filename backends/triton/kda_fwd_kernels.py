@@ -5,7 +5,7 @@
 * ``kda_gcum_kernel`` (one program per chunk, head and 32-column K slice): the gate (SPEC.md 3.4) and
   its cumulative sum inside the chunk, written once as fp32 ``G`` (``Gbuf``) and ``exp(G_C)``; the two
   launches below read ``G`` instead of recomputing the gate and its cumsum per strip and per slice
-  (``GPRE``; ``TUNING["gcum"] = False`` keeps the recomputing path).
+  (``GPRE``; ``TritonConfig.kda.gcum = False`` keeps the recomputing path).
 * ``kda_akk_kernel`` (one program per chunk and head): loops over ``BK``-column slices of K and
   accumulates, per slice, the 16x16 blocks of the strictly lower ``A`` and the causal ``P`` from
   raw (not yet normalised) q and k: the L2 norms are per-row scalars, so they scale the finished
@@ -127,11 +127,11 @@ def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv,
         qI, kI, gt = _slice(q, k, g, row0, I * BC, nv, i_h, offs, a_h, dtb, lb, H, K, BC, GATE)
         GI = GsI[None, :] + tl.cumsum(gt, 0)
     blk = tl.arange(0, BT) // BC
-    if EXACT == 3:      # TUNING sp_clamp (softplus: G falls): per channel the reference min(Gs, Ge + 80) keeps
+    if EXACT == 3:      # TritonConfig.kda.sp_clamp (softplus: G falls): per channel the reference min(Gs, Ge + 80) keeps
         ref = tl.minimum(GsI, GeI + 80.0)   # the column factors within exp(80) and the row factors within
         good = (GsI - GeI) <= THR           # exp(span - 80); channels whose span passes THR are left out of the
         keep = (blk <= I) & (tl.arange(0, BT) < nv)     # row operands (their whole strip: _fix_strip)
-    elif EXACT == 2:      # TUNING diag_main: the diagonal block rides in the strip's dot when its factors stay
+    elif EXACT == 2:      # TritonConfig.kda.diag_main: the diagonal block rides in the strip's dot when its factors stay
         if GATE == 1:   # within exp(80) on this slice (softplus: G falls, the span is Gs - Ge)
             smain = tl.max(GsI - GeI, 0)
         else:
@@ -512,7 +512,7 @@ def kda_inv_kernel(beta, Ascr, Xb, Ai, cu_seqlens, chunk_indices, T,
                    H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr,
                    BETA_SIGMOID: tl.constexpr, INV_DOTS: tl.constexpr, IP: tl.constexpr, STORE_AI: tl.constexpr):
     """``Xb = (I + A)^-1 diag(beta)`` per chunk and head from ``kda_akk_kernel``'s fp32 ``A`` scratch, in a
-    launch of its own with few warps (``TUNING["inv"] = "split"``): the 40 small fp32 dots need no CTA-wide
+    launch of its own with few warps (``TritonConfig.kda.inv = "split"``): the 40 small fp32 dots need no CTA-wide
     barriers at one warp. ``STORE_AI``: also the unscaled inverse to ``Ai`` (for the backward; else ``Ai`` is
     None)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)

@@ -242,7 +242,7 @@ def kda_gcum_rows_kernel(g, A_log, dt_bias, Gbuf, gC, cu_seqlens, chunk_indices,
                          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
                          IS_VARLEN: tl.constexpr, FAST_LOG: tl.constexpr, RB: tl.constexpr):
     """``kda_fwd_kernels.kda_gcum_kernel`` with the cumsum along rows kept inside each thread
-    (``TUNING["gcum_mode"] = "rows"``): one program per chunk, head and ``BK`` columns walks the chunk's rows
+    (``TritonConfig.kda.gcum_mode = "rows"``): one program per chunk, head and ``BK`` columns walks the chunk's rows
     (unrolled: every load can issue at once) with a running sum in registers, so there is no cross-lane or
     cross-warp scan (the tile kernel spends ~70 instructions per element on the scan and the libdevice log)."""
     i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -279,7 +279,7 @@ def _wu_ld(q, k, Gbuf, roff, m, rGC, i_h, c0, H: tl.constexpr, K: tl.constexpr, 
 def wu_prefetch(q, k, v, Gbuf, X, b_rq, b_rk, w, u, qg, kg, roff, m, rGC, i_h,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 PREC: tl.constexpr):
-    """The body of ``kda_fwd_kernels.kda_wu_kernel`` with ``TUNING["wu_prefetch"]`` (needs the precomputed G):
+    """The body of ``kda_fwd_kernels.kda_wu_kernel`` with ``TritonConfig.kda.wu_prefetch`` (needs the precomputed G):
     K and V loops unrolled, the loads of slice ``i + 1`` issued before the stores of slice ``i`` (the compiler
     cannot move a load above a store that may alias it). The scf.for version pipelines k and G only: its q and
     last-G-row loads are two exposed round trips per K slice (offline SASS), ~8 per program."""
@@ -313,7 +313,7 @@ def kda_wu_flat_kernel(q, k, v, Xb, rq, rk, w, u, qg, kg, Gbuf, cu_seqlens, chun
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                        BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
                        STORE_QK: tl.constexpr = False):
-    """The w/u launch with one program per (K or V slice, chunk, head) (``TUNING["wu_mode"] = "flat"``, needs
+    """The w/u launch with one program per (K or V slice, chunk, head) (``TritonConfig.kda.wu_mode = "flat"``, needs
     the precomputed G): no loop, every load of a program issued at once, many small CTAs per SM (the looped
     kernel keeps ~12-16 kB in flight per CTA at 2-3 CTAs/SM: 57% of the bandwidth). Slices are the fastest grid
     axis, so the programs of one chunk read its ``Xb`` while it is in L2. ``STORE_QK``: the K-slice programs also

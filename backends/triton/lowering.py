@@ -18,6 +18,7 @@ from . import interpreting, moe_decode
 from . import mla as mla_k
 from . import moe as moe_k
 from . import norm as norm_k
+from .config import get_triton_config
 
 
 class Lazy:
@@ -349,7 +350,7 @@ def plan(fn) -> dict[int, tuple]:
                 and nrm is not None and nrm.name == "k3.rmsnorm" and len(uses.get(id(nrm.results[0]), [])) == 1):
             out[id(op)] = ("kvcat",)
     # a KDA layer whose output feeds only ops (no function return): at decode its gated head norm may be
-    # deferred into the consumer's gemv prologue (GateNormed; executable.fused_kda with DECODE_SPLIT)
+    # deferred into the consumer's gemv prologue (GateNormed; executable.fused_kda with decode.split)
     for op in fn.ops:
         if op.name == "k3.fused_kda" and id(op) not in out:
             us = uses.get(id(op.results[0]), [])
@@ -566,8 +567,8 @@ class PlanInterpreter(Interpreter):
     def _route(self, op, d, env, observe, glu=()):
         """Router + dispatch of a decode-size batch in two launches (``dispatch.route_dispatch``), or with the
         shared expert's gate/up ``glu = (swiglu, gate linear, up linear, their weight names)`` in the same two
-        (``route_glu_dispatch``, when the RMSNorm is deferred and ``dispatch.TUNING["front_split"]``), or, with
-        ``TUNING["routed_glu"]`` and a plan ``("routed", glu)``, only the first of them (``router_glu_front``: the
+        (``route_glu_dispatch``, when the RMSNorm is deferred and ``TritonConfig.decode.front_split``), or, with
+        ``decode.routed_glu`` and a plan ``("routed", glu)``, only the first of them (``router_glu_front``: the
         routed experts' GLU launch routes, moe_decode.routed_glu); other sizes, float64 and routers without a fitting
         tile run the two ops as usual."""
         xl = env[id(op.operands[0])]
@@ -587,15 +588,16 @@ class PlanInterpreter(Interpreter):
             args = (x, w, bias, k, E, bool(a.get("renormalize", True)), float(a.get("routed_scaling_factor", 1.0)),
                     float(a.get("eps", 1e-20)), (xl.w, xl.eps), w1, w3)
             if disp_k.split_supported(rows, E, k, x, w1, w3, w) and _no_grad(w1, w3):
-                if (disp_k.TUNING["routed_glu"] and self.observe is None and len(self._plan.get(id(d), ())) == 2
+                dcfg = get_triton_config().decode
+                if (dcfg.routed_glu and self.observe is None and len(self._plan.get(id(d), ())) == 2
                         and rows <= moe_decode.MAX_ROWS):
                     # the routing is left to the GLU launch (moe_decode.routed_glu; dispatch_front if it can't)
-                    front, y = disp_k.router_glu_front(*args, write_xn=disp_k.TUNING["routed_xn"])
+                    front, y = disp_k.router_glu_front(*args, write_xn=dcfg.routed_xn)
                     xl.value = front.xn       # (None: materialized by rmsnorm if anything else reads it)
                     rout, dout = (front.wout, front.iout, front.sout), (Routed(front), front.offsets, front.inv,
                                                                          front.cw)
                 else:
-                    rout, dout, y, xl.value = disp_k.route_glu_dispatch(*args)    # two launches (TUNING front_split)
+                    rout, dout, y, xl.value = disp_k.route_glu_dispatch(*args)    # two launches (decode.front_split)
             else:
                 y = None
             if y is not None:

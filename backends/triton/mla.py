@@ -13,14 +13,13 @@ step can be captured in a CUDA graph over a preallocated cache buffer.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from . import checks as C
 from . import interpreting
+from .config import get_triton_config
 from .gemv import gdc_launch_dependents, gdc_wait, pdl_kwargs
 
 
@@ -222,10 +221,9 @@ def mla_decode_out_kernel(part, ml, w, o, H, N: tl.constexpr, VD: tl.constexpr, 
     tl.store(o + bh * VD + v, tl.sum(wt * lat[None, :], 1).to(o.dtype.element_ty), mask=mv)
 
 
-#: prefill launch override ``(BM, BN, warps, stages)`` (``K3IR_MLA_PREFILL=128,64,8,2``; offline sm_90, Triton 3.6,
-#: Kimi Linear dims: (64, 64, 8, 2) 154 regs / 106 kB smem, (128, 64, 8, 2) 204 regs / 131 kB, no spill)
-PREFILL_CONFIG = tuple(int(v) for v in os.environ["K3IR_MLA_PREFILL"].split(",")) \
-    if os.environ.get("K3IR_MLA_PREFILL") else None
+# ``TritonConfig.mla.prefill``: prefill launch override ``(BM, BN, warps, stages)`` (``K3IR_MLA_PREFILL=128,64,8,2``;
+# offline sm_90, Triton 3.6, Kimi Linear dims: (64, 64, 8, 2) 154 regs / 106 kB smem, (128, 64, 8, 2) 204 regs /
+# 131 kB, no spill)
 
 
 def _p2(n: int) -> int:
@@ -251,7 +249,7 @@ def mla_prefill(q, kn, kr, v, scale: float, lengths=None) -> torch.Tensor:
         C.index_values(fn, "lengths", lengths, 0, S + 1)
     S, DN, DR, DV = kn.shape[1], kn.shape[3], kr.shape[2], v.shape[3]
     o = torch.empty(B, T, H, DV, device=q.device, dtype=q.dtype)
-    BM, BN, warps, stages = (16, 16, 4, 1) if interpreting() else PREFILL_CONFIG or (64, 64, 8 if DN + DR > 128 else 4,
+    BM, BN, warps, stages = (16, 16, 4, 1) if interpreting() else get_triton_config().mla.prefill or (64, 64, 8 if DN + DR > 128 else 4,
                                                                                        2)
     lens = lengths.contiguous() if lengths is not None else None
     mla_prefill_kernel[(triton.cdiv(T, BM), B * H)](

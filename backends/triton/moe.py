@@ -20,7 +20,6 @@ epilogue; ``moe_combine`` then sums each token's ``k`` rows (one program per tok
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import triton
@@ -28,6 +27,7 @@ import triton.language as tl
 
 from . import checks as C
 from . import interpreting
+from .config import get_triton_config
 from .gemv import gdc_launch_dependents, gdc_wait, pdl_kwargs
 from .moe_asm import (  # noqa: F401 (@jit globals)
     _ASM_OK,
@@ -46,7 +46,7 @@ from .moe_layout import _w_tile_frag, lookup
 QUANT_IDS = {"none": 0, "mxfp4": 1, "int4": 2}
 _log = logging.getLogger(__name__)
 ACT_IDS = {"none": 0, "situ": 1, "silu": 2, "swiglu": 2}
-# MXFP4 expert weights prepared into the fragment layout (moe_layout; done by the executable's prepare_params,
+# ``TritonConfig.moe`` (config.py). MXFP4 expert weights prepared into the fragment layout (moe_layout; done by the executable's prepare_params,
 # or moe_layout.prepare) exist once on the device and both kernels read them: "mxfp4_kernel": "gluon" (default:
 # moe_gluon, mma_v2 on the fragment words, for CUDA, bf16, rows per expert <= "gluon_max_rows" on average; K3
 # layer at 256 tokens 4.48 ms vs 14.04 ms for the Triton kernel, H200 2026-11-30 04:15) or "triton" (the Triton
@@ -58,8 +58,6 @@ ACT_IDS = {"none": 0, "situ": 1, "silu": 2, "swiglu": 2}
 # the "gluon_small" config (a 3-slot cp.async ring: more bytes in flight when ~R experts are active). K3 layer,
 # H200 2026-11-30 07:22, T=1 (16 rows): Gluon ST3 0.120 ms, Gluon default 0.329, Triton 0.282; T=4 (64 rows):
 # Gluon default 0.318, ST3 0.376, Triton 0.493. Fewer rows than "gluon_min_rows" take the Triton kernels.
-TUNING = {"mxfp4_kernel": "gluon", "gluon_max_rows": 16, "frag_decode": "ptx", "gluon_min_rows": 1,
-          "gluon_small_rows": 32, "gluon_small": {"ST": 3}}
 
 
 @triton.jit
@@ -348,7 +346,7 @@ def _config(R: int, E: int, N: int, K: int, quant: str, glu: bool):
         if quant == "mxfp4":    # 222 / 240 registers, no spill (offline sm_90 ptxas, Triton 3.6)
             return ("t", 64, 16, 16, 128, 4, 4) if glu else ("t", 128, 16, 16, 128, 4, 4)
         if rows_per_expert <= 2 and not packed:
-            return DECODE_BF16
+            return get_triton_config().moe.decode_bf16
         return ("t", 64, 16, 16, 128, 4, 4)
     if rows_per_expert <= 64:
         return ("t", 64, 64, 32, 128 if packed else 64, 4, 3)
@@ -359,9 +357,7 @@ def _config(R: int, E: int, N: int, K: int, quant: str, glu: bool):
 
 #: decode-size bf16 grouped GEMM (<= 2 rows per expert): 64-row weight tiles (H200 A/B of 2026-11-30 07:22, Kimi
 #: Linear 6.6B B1 graph replay 1.215 -> 1.200 ms against 32-row tiles; 16-row tiles 1.292).
-#: ``K3IR_MOE_DECODE_BF16=BW,BT,TAIL,BK,warps,stages`` overrides it (GPU A/Bs).
-DECODE_BF16 = ("t", *(int(v) for v in os.environ["K3IR_MOE_DECODE_BF16"].split(","))) \
-    if os.environ.get("K3IR_MOE_DECODE_BF16") else ("t", 64, 16, 0, 128, 4, 4)
+#: ``TritonConfig.moe.decode_bf16`` (``K3IR_MOE_DECODE_BF16=BW,BT,TAIL,BK,warps,stages`` sets its default).
 PREFILL_BF16 = ("t", 128, 128, 64, 64, 8, 4, 32)
 
 
@@ -445,13 +441,14 @@ def plan(R: int, E: int, N: int, K: int, quant: str, glu: bool, xbytes: int, con
 
 
 def _use_gluon(x, R: int, E: int, pk, N: int) -> bool:
-    """``TUNING["mxfp4_kernel"] == "gluon"`` and the case is one the Gluon kernel serves (weights in the fragment
+    """``TritonConfig.moe.mxfp4_kernel == "gluon"`` and the case is one the Gluon kernel serves (weights in the fragment
     layout ``pk``, CUDA, bf16, few rows per expert, N a multiple of 64). No memory query: there is no copy.
-    ``TUNING["gluon_min_rows"]`` (default 1): fewer rows R take the Triton kernel; below ``gluon_small_rows`` the
-    Gluon kernel runs its ``gluon_small`` config (see TUNING: at 16 rows the default Gluon config, loading one K
+    ``moe.gluon_min_rows`` (default 1): fewer rows R take the Triton kernel; below ``gluon_small_rows`` the
+    Gluon kernel runs its ``gluon_small`` config (see TritonConfig.moe: at 16 rows the default Gluon config, loading one K
     step ahead, has too few bytes in flight; the cp.async ring fixes that)."""
-    return (pk is not None and TUNING["mxfp4_kernel"] == "gluon" and not interpreting() and x.is_cuda
-            and x.dtype == torch.bfloat16 and TUNING.get("gluon_min_rows", 1) <= R <= TUNING["gluon_max_rows"] * E
+    cfg = get_triton_config().moe
+    return (pk is not None and cfg.mxfp4_kernel == "gluon" and not interpreting() and x.is_cuda
+            and x.dtype == torch.bfloat16 and cfg.gluon_min_rows <= R <= cfg.gluon_max_rows * E
             and N % 64 == 0)
 
 
@@ -486,7 +483,7 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
     bf16x2 multiplies, exact for scale bytes 0..254), "asm1" (one multiply; only correct while all scale
     bytes are <= 128), "exact" (fp32 decode; always under the interpreter). MXFP4 weights prepared into the
     fragment layout (``moe_layout.prepare``; the triton executable's prepare_params does it) are read in that
-    layout: the Gluon kernel at few rows per expert (``TUNING``), else the Triton kernels (PTX decode; "exact":
+    layout: the Gluon kernel at few rows per expert (``TritonConfig.moe``), else the Triton kernels (PTX decode; "exact":
     integer decode). Returns ``[R, N]`` in x's dtype. Raises ValueError on inconsistent shapes, an unknown
     format, or fragment-layout weights written after their permutation; ``checks.KernelValueError`` (also a
     K3KernelInputError) on a wrong dtype or device of x, offsets, w, row_scale, and on offsets that do not rise
@@ -509,7 +506,8 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
             raise ValueError("grouped_matmul: both GLU weights must be in the same MXFP4 layout (moe_layout.prepare)")
         if mxfp4_decode is None and _use_gluon(x, R, E, pk, N):
             from . import moe_gluon as mg
-            small = TUNING.get("gluon_small") if R < TUNING.get("gluon_small_rows", 0) else None
+            mcfg = get_triton_config().moe
+            small = mcfg.gluon_small if R < mcfg.gluon_small_rows else None
             return mg.grouped_matmul(x, offsets, pk, pw3=pk3 if glu else None, act=act, b1=b1, b2=b2,
                                      row_scale=row_scale, config=small)
     y = torch.empty(R, N, device=x.device, dtype=x.dtype)
@@ -528,7 +526,7 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
         scales = scales.float()
         scales3 = scales3.float()
     if pk is not None:                     # fragment layout: words / sc1 / sc2 (moe_layout)
-        qid = 7 if interpreting() or mxfp4_decode == "exact" or TUNING["frag_decode"] == "exact" else 8
+        qid = 7 if interpreting() or mxfp4_decode == "exact" or get_triton_config().moe.frag_decode == "exact" else 8
         w, scales, t1, w3, scales3, t3 = pk.words, pk.sc1, pk.sc2, pk3.words, pk3.sc1, pk3.sc2
     elif quant == "mxfp4":
         dec = mxfp4_decode or ("exact" if interpreting() else "auto")

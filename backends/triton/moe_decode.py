@@ -1,4 +1,4 @@
-"""Decode MoE: the routed experts' gate/up launch that also routes (``dispatch.TUNING["routed_glu"]``, issue 6).
+"""Decode MoE: the routed experts' gate/up launch that also routes (``TritonConfig.decode.routed_glu``).
 
 At a decode batch (``routed_supported``: at most ``MAX_ROWS`` tokens) a MoE layer's step was five launches:
 ``router_glu_kernel`` (router partial logits + the shared expert's gate/up), ``dispatch_kernel`` (top-k, the
@@ -112,11 +112,11 @@ def config(f: Front, N: int) -> tuple:
 
 
 def routed_supported(f: Front, w1: torch.Tensor, w3: torch.Tensor, act: str) -> bool:
-    """Whether ``routed_glu`` takes this front and these expert weights: ``dispatch.TUNING["routed_glu"]``, at most
+    """Whether ``routed_glu`` takes this front and these expert weights: ``TritonConfig.decode.routed_glu``, at most
     MAX_ROWS tokens, float (unquantised) ``[E, N, D]`` weights of one shape, a GLU activation, x not float64."""
-    from .dispatch import TUNING
+    from .config import get_triton_config
     R, D = f.x.shape
-    return (TUNING["routed_glu"] and 0 < R <= MAX_ROWS and act in ACT_IDS and act != "none"
+    return (get_triton_config().decode.routed_glu and 0 < R <= MAX_ROWS and act in ACT_IDS and act != "none"
             and f.x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and all(w.dim() == 3 and w.shape[0] == f.E and w.shape[2] == D and w.dtype.is_floating_point
                     and w.dtype != torch.float64 for w in (w1, w3))

@@ -1,4 +1,4 @@
-"""MXFP4 grouped GEMM for small row counts as a Gluon kernel (issue 6; ``moe.TUNING["mxfp4_kernel"] = "gluon"``).
+"""MXFP4 grouped GEMM for small row counts as a Gluon kernel (``TritonConfig.moe.mxfp4_kernel = "gluon"``).
 
 Why: at 256 tokens the K3 MoE layer (E 896, top-16, D 3584, I 3072) streams 15.7 GB of MXFP4 weights for
 ~4.6 token rows per expert, so the time is the decode's instructions per weight element (bench/MOE_NOTES.md,
