@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from conftest import run_cli
 from k3ir.runtime import Session
+from k3ir.runtime.cli import main
 
 import k3ir
 from k3ir.errors import K3RuntimeError
@@ -69,3 +71,36 @@ def test_ir_artifact_sizes_and_old_manifest(capsys, tmp_path):
     (d / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(K3RuntimeError, match=r"weights.safetensors: \d+ bytes, the manifest records \d+"):
         Session.load(str(d))
+
+
+@pytest.fixture(scope="module")
+def torch_artifact(tmp_path_factory):
+    out = tmp_path_factory.mktemp("art") / "tiny"
+    assert main(["compile", "k3-tiny", "--target", "torch", "-o", str(out)]) == 0
+    return out
+
+
+def _damaged(src, dst, damage):
+    shutil.copytree(src, dst)
+    damage(dst)
+    return str(dst)
+
+
+def test_damaged_artifact_raises_k3error(torch_artifact, tmp_path):
+    assert Session.load(str(torch_artifact)).vocab > 0          # the intact one opens
+    bad1 = _damaged(torch_artifact, tmp_path / "bad1", lambda d: (d / "manifest.json").write_text("{\n"))
+    with pytest.raises(K3RuntimeError) as ei:
+        Session.load(bad1)
+    assert str(ei.value).startswith(os.path.join(bad1, "manifest.json") + ": invalid JSON at line 2, column 1")
+    assert "damaged" in str(ei.value)
+
+    bad2 = _damaged(torch_artifact, tmp_path / "bad2", lambda d: (d / "weights.safetensors").unlink())
+    with pytest.raises(K3RuntimeError) as ei:
+        Session.load(bad2)
+    assert str(ei.value).startswith(os.path.join(bad2, "weights.safetensors") + ": missing from the artifact")
+
+    bad3 = _damaged(torch_artifact, tmp_path / "bad3", lambda d: (d / "weights.safetensors").write_bytes(b"\x08"))
+    with pytest.raises(K3RuntimeError) as ei:
+        Session.load(bad3)
+    assert str(ei.value).startswith(os.path.join(bad3, "weights.safetensors") + ": 1 bytes, the manifest records ")
+    assert "damaged" in str(ei.value)                           # the recorded size catches it before the reader

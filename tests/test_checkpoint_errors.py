@@ -1,6 +1,6 @@
-"""Checkpoint read errors name the checkpoint directory and the file at fault (a truncated shard or header, a
-broken or inconsistent index, a missing shard, a directory without weights), as a K3CheckpointError and as one
-CLI line at exit 2; complete shards without their index still load."""
+"""Checkpoint errors name the checkpoint directory and the file at fault (a truncated shard or header, a
+broken or inconsistent index, a missing shard, a directory without weights, a directory ``k3ir.save`` cannot
+create), as a K3CheckpointError and as one CLI line at exit 2; complete shards without their index still load."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import one_line_error, run_cli
 from helpers import tiny_bf16_model
+from k3ir.runtime.params import init_params
 
 import k3ir
 from k3ir.errors import K3CheckpointError
@@ -100,3 +101,15 @@ def test_directory_without_safetensors_is_a_checkpoint_error(tmp_path, capsys):
         assert rc == 2 and f"{d}: no weights" in one_line_error(err)
     m = k3ir.load(str(d / "config.json"))                                 # explicit: random init, as asked
     assert m.weights is None and len(m.params) == len(k3ir.load("k3-tiny").params)
+
+
+def test_save_to_uncreatable_directory_is_a_checkpoint_error(tmp_path):
+    m = k3ir.load("k3-tiny")
+    params = init_params(m, seed=0)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for where in ("/proc/nope", str(blocker / "sub")):
+        with pytest.raises(K3CheckpointError) as ei:
+            k3ir.save(m, params, where)
+        msg = str(ei.value)
+        assert msg.startswith(f"{where}: cannot create the directory (") and msg.endswith(")"), msg

@@ -1,6 +1,6 @@
-"""``k3ir compile`` for a target that cannot build on this machine: with ``-o`` it is an error that says what
-was written (the IR) and how to ask for IR only (``--ir-only`` / ``--no-build``); without ``-o`` the pipeline
-runs with a note."""
+"""``k3ir compile`` without a build: for a target that cannot build on this machine ``-o`` is an error that says
+what was written (the IR) and how to ask for IR only (``--ir-only`` / ``--no-build``); without ``-o`` the
+pipeline runs with a note, and ``--ir-only`` without ``-o`` says nothing was written."""
 from __future__ import annotations
 
 import json
@@ -65,3 +65,12 @@ def test_compile_help_documents_ir_only(capsys):
         main(["compile", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--ir-only" in text and "exit 2" in text
+
+
+def test_ir_only_without_output_says_nothing_was_written(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run_cli(capsys, "compile", "k3-tiny", "--target", "torch", "--ir-only")
+    out = " ".join(out.split())                  # rich wraps long lines
+    assert rc == 0 and err == ""
+    assert "no -o given, so nothing was written (-o DIR writes the IR: module.k3 and passes.json)" in out
+    assert os.listdir(tmp_path) == []
