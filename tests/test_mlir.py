@@ -62,10 +62,11 @@ def _small_module() -> Module:
 
 
 @pytest.mark.parametrize("target", ["rocm", "vulkan-spirv", "metal-spirv"])
-def test_offline_iree_targets_build(target, tmp_path, monkeypatch):
-    monkeypatch.setenv("K3IR_CACHE", str(tmp_path))
+def test_offline_iree_targets_build(target, tmp_path):
+    from k3ir.backends.mlir.config import mlir_config
     text, _ = emit_mlir(_small_module(), ["forward"])
-    vmfb = compile_mlir(text, target)
+    with mlir_config(cache=str(tmp_path)):
+        vmfb = compile_mlir(text, target)
     assert vmfb[:2] == b"PK" and b"IREE" in vmfb[:256]               # an IREE VM flatbuffer archive
 
 

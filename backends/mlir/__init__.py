@@ -74,7 +74,7 @@ def verify_mlir(text: str) -> None:
 
 def compile_mlir(text: str, iree_target: str = "llvm-cpu") -> bytes:
     """IREE ``.vmfb`` bytes for MLIR ``text``; ``iree_target`` is a key of ``IREE_TARGETS``.
-    Compiled modules are cached under ``$K3IR_CACHE/iree`` (default ``~/.cache/k3ir``), keyed by
+    Compiled modules are cached under ``MlirConfig.cache``/iree (``K3IR_CACHE``, default ``~/.cache/k3ir``), keyed by
     the text, target, flags and IREE version. Raises K3BackendError."""
     ic = _iree_compiler()
     if iree_target not in IREE_TARGETS:
@@ -83,7 +83,8 @@ def compile_mlir(text: str, iree_target: str = "llvm-cpu") -> bytes:
     import hashlib
     from importlib.metadata import version
     key = hashlib.sha256("\0".join([text, backend, *flags, version("iree-base-compiler")]).encode()).hexdigest()
-    cache = os.environ.get("K3IR_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "k3ir"))
+    from .config import get_mlir_config
+    cache = get_mlir_config().cache_dir()
     path = os.path.join(cache, "iree", f"{key}.vmfb")
     if os.path.isfile(path):                  # same MLIR, target, flags and IREE: reuse the module
         with open(path, "rb") as f:

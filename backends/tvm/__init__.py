@@ -33,13 +33,10 @@ GROUPS = (("prefill", "decode"),)
 
 
 def opt_level() -> int:
-    """LLVM optimisation level: ``K3IR_TVM_OPT_LEVEL`` (0-3, default 3). Level 0 builds about 3x
-    faster with the same numerics (no fast-math at any level); the test suite uses it."""
-    import os
-    try:
-        return min(3, max(0, int(os.environ.get("K3IR_TVM_OPT_LEVEL", "3"))))
-    except ValueError:
-        return 3
+    """LLVM optimisation level: ``TvmConfig.opt_level`` (``K3IR_TVM_OPT_LEVEL``, 0-3, default 3). Level 0 builds
+    about 3x faster with the same numerics (no fast-math at any level); the test suite uses it."""
+    from .config import get_tvm_config
+    return get_tvm_config().opt_level
 
 
 def _available() -> str | None:

@@ -1,0 +1,38 @@
+"""The tvm target's switches: ``TvmConfig``. A field with an environment variable takes its default from it, read
+once at the first ``get_tvm_config()`` (never at import); ``with tvm_config(opt_level=0): ...`` overrides it for a
+block (nested scopes, restored on exit, this thread / asyncio task only)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import ScopedConfig, setting
+
+
+def _opt_level(text: str) -> int:
+    """``K3IR_TVM_OPT_LEVEL``: an integer, clamped to 0..3; raises ValueError on anything else."""
+    return min(3, max(0, int(text)))
+
+
+@dataclass(frozen=True)
+class TvmConfig:
+    """Switches of the tvm target (``backends/tvm``)."""
+    opt_level: int = setting(3, "LLVM optimisation level 0..3 of the Relax/TIR build; 0 builds about 3x faster with "
+                             "the same numerics (no fast-math at any level; the test suite uses 0); part of the "
+                             "in-process build cache key and written to exported artifacts' manifests",
+                             env="K3IR_TVM_OPT_LEVEL", parse=_opt_level)
+
+
+TVM = ScopedConfig(TvmConfig, "k3ir_tvm_config")
+
+
+def get_tvm_config() -> TvmConfig:
+    """The TvmConfig in effect here (innermost ``tvm_config`` scope, else the environment defaults, read once).
+    Raises K3ConfigError when ``K3IR_TVM_OPT_LEVEL`` is not an integer."""
+    return TVM.get()
+
+
+def tvm_config(**changes: Any):
+    """Context manager: ``get_tvm_config()`` returns the current config with ``changes`` inside the block; nests;
+    restores on exit. Raises K3ConfigError on an unknown field."""
+    return TVM.override(**changes)
