@@ -40,6 +40,21 @@ def test_vision_eps_checked_at_load(capsys, tmp_path):
     assert eps[-1] == 3e-5 and eps.count(3e-5) == 1         # the projector's pre-norm, the last layernorm
 
 
+def test_config_rejects_nan_eps_at_load(capsys, tmp_path):
+    for value, what in ((float("nan"), "must be finite, got nan"), (float("inf"), "must be finite, got inf"),
+                        (0.0, "must be > 0, got 0.0"), (-1e-6, "must be > 0, got -1e-06")):
+        path = tiny_config_file(tmp_path, "text_config", "rms_norm_eps", value)
+        rc, _, err = run_cli(capsys, "inspect", path)
+        assert rc == 2, (value, err)
+        line = one_line_error(err)
+        assert "c_bad.json" in line and "'text_config.rms_norm_eps'" in line and what in line, line
+    path = tiny_config_file(tmp_path, "text_config", "activation_situ_beta", float("-inf"))
+    with pytest.raises(K3ConfigError, match="activation_situ_beta.*must be finite"):
+        k3ir.frontend.load_config(path)
+    path = tiny_config_file(tmp_path, "text_config", "rms_norm_eps", 1e-5)   # a finite positive eps still loads
+    assert k3ir.frontend.load_config(path).rms_norm_eps == 1e-5
+
+
 # ---- special token ids are range-checked at load ------------------------------------------------------------
 @pytest.mark.parametrize("section,key,value,msg", [
     ("text_config", "bos_token_id", -1, "must be in 0..259, got -1"),

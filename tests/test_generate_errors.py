@@ -1,5 +1,5 @@
 """``k3ir generate`` options checked before any work (``--threads``, ``--block-size``, ``--max-tokens``, and
-``k3ir run --max-new-tokens``), and ends of generation that are not the model's: a reader that goes away
+``k3ir run --max-new-tokens``; a bundled name, which has no tokenizer), and ends of generation that are not the model's: a reader that goes away
 (``generate | head``: no traceback, generation stops at the first broken pipe) and Ctrl-C (exit 130, the text
 line ended)."""
 from __future__ import annotations
@@ -7,10 +7,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import pytest
 import torch
 from conftest import one_line_error, run_cli
 from k3ir.runtime.cli import main
+
+from k3ir.errors import K3ConfigError
 
 
 def test_generate_takes_threads(capsys):
@@ -90,3 +94,15 @@ def test_run_max_new_tokens_zero_is_an_error_like_generate(capsys):
     assert rc == 2 and one_line_error(err) == "k3ir: error: --max-new-tokens must be >= 1, got 0"
     rc, _, err = run_cli(capsys, "generate", "k3-tiny", "--prompt", "x", "--max-tokens", "0")
     assert rc == 2 and "must be an integer >= 1, got 0" in one_line_error(err)
+
+
+def test_generate_bundled_name_without_tokenizer(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "generate", "kimi-k3", "--prompt", "x", "--max-tokens", "2")
+    assert rc == 2, err
+    line = one_line_error(err)
+    assert "'kimi-k3': it is a bundled config without a tokenizer" in line, line
+    assert "checkpoint directory" in line and "tokenizer.json" in line and "put tokenizer.json" not in line, line
+    from k3ir.runtime.tokenizer import load_tokenizer
+    (tmp_path / "config.json").write_text("{}")          # a directory: the hint names it
+    with pytest.raises(K3ConfigError, match=f"put tokenizer.json or tiktoken.model in {tmp_path}"):
+        load_tokenizer(str(tmp_path), SimpleNamespace(attrs={"vocab_size": 1000}))

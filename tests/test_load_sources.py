@@ -1,10 +1,12 @@
 """What ``k3ir.load`` takes besides a config or a checkpoint: a ``.k3`` text IR file (str or Path; verified on
-load; overrides refused since it has no config)."""
+load; overrides refused since it has no config); a training run's ``checkpoints/latest`` pointer passed as MODEL
+is an error naming the checkpoint directory to pass."""
 from __future__ import annotations
 
 import re
 
 import pytest
+from conftest import one_line_error, run_cli
 from helpers import replace_first, tiny_k3_text
 
 import k3ir
@@ -24,3 +26,18 @@ def test_load_parses_k3_file(tmp_path):
     p.write_text(bad)
     with pytest.raises(K3VerifyError, match=rf"^{re.escape(str(p))}:{line}:{col}: .*eps must be > 0, got -5.0$"):
         k3ir.load(str(p))
+
+
+def test_checkpoint_pointer_as_model(capsys, tmp_path):
+    ck = tmp_path / "run" / "checkpoints"
+    (ck / "step-000080").mkdir(parents=True)
+    (ck / "latest").write_text("step-000080\n")            # what train_checkpoint.save_checkpoint writes
+    rc, _, err = run_cli(capsys, "generate", str(ck / "latest"), "--prompt", "The ", "--max-tokens", "4")
+    assert rc == 2, err
+    line = one_line_error(err)
+    assert f"{ck / 'latest'}: is a training run's checkpoint pointer (it names step-000080)" in line, line
+    assert f"pass the checkpoint directory {ck / 'step-000080'}" in line and "invalid JSON" not in line, line
+    other = tmp_path / "latest"                              # a stray file called latest: still plain JSON error
+    other.write_text("not json\n")
+    with pytest.raises(K3ConfigError, match="invalid JSON at line 1"):
+        k3ir.load(str(other))

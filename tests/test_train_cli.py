@@ -1,9 +1,11 @@
 """``k3ir train`` options and output: the thread default follows the machine's load, ``--threads`` and
-``--warmup`` are checked, and the closing summary says how many steps its means cover."""
+``--warmup`` are checked, ``--out`` refuses a directory holding another run or in use by another trainer, and the
+closing summary says how many steps its means cover."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -60,3 +62,40 @@ def test_negative_warmup_is_rejected(capsys, tmp_path):
     rc, _, err = run_cli(capsys, "train", "k3-tiny", "--steps", "2", "--batch", "1", "--seq", "8", "--warmup", "-5",
                          "--out", str(tmp_path / "t"))
     assert rc == 2 and "--warmup must be >= 0, got -5" in err
+
+
+# ---- --out into a directory holding another run, or in use -------------------------------------------------
+def test_train_refuses_an_out_dir_holding_another_run(capsys, tmp_path):
+    run = tmp_path / "run"
+    common = ["train", "k3-tiny", "--threads", "1", "--batch", "1", "--seq", "16", "--no-plot", "--log-every", "1"]
+    rc, out, err = run_cli(capsys, *common, "--steps", "2", "--out", str(run))
+    assert rc == 0 and (run / "checkpoints" / "step-000002").is_dir(), err
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    rc, out, err = run_cli(capsys, *common, "--steps", "3", "--out", str(run))          # a new run into it
+    assert rc == 2, err
+    line = one_line_error(err)
+    assert f"--out {run} already holds a training run (k3-tiny at step 2/2)" in line, line
+    assert f"pass --resume {run} to continue it" in line and "step 1/" not in out, (line, out)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before      # nothing written
+    other = tmp_path / "other" / "checkpoints" / "step-000002"                     # resuming another run into it
+    shutil.copytree(run / "checkpoints" / "step-000002", other)                   # an intact checkpoint elsewhere
+    rc, _, err = run_cli(capsys, *common, "--out", str(run), "--resume", str(other))
+    assert rc == 2 and f"--resume {other} belongs to another run" in one_line_error(err), err
+    rc, out, err = run_cli(capsys, "train", "k3-tiny", "--resume", str(run), "--no-plot")   # its own run: allowed
+    assert rc == 0 and "already complete (2/2 steps)" in out, (out, err)
+
+
+def test_train_refuses_an_out_dir_in_use(capsys, tmp_path):
+    fcntl = pytest.importorskip("fcntl")
+    from k3ir.runtime.cli_train import LOCK_FILE
+    run = tmp_path / "live"
+    run.mkdir()
+    with open(run / LOCK_FILE, "w") as held:                 # another trainer holds the run directory
+        held.write("4242\n")
+        held.flush()
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        rc, out, err = run_cli(capsys, "train", "k3-tiny", "--threads", "1", "--steps", "1", "--batch", "1",
+                               "--seq", "16", "--no-plot", "--out", str(run))
+    assert rc == 2, err
+    assert f"--out {run} is in use by another k3ir train (pid 4242)" in one_line_error(err), err
+    assert not (run / "checkpoints").exists() and "step 1/" not in out
