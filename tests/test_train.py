@@ -177,7 +177,7 @@ def test_nan_loss_names_the_logged_step_without_a_warning(exe):
 
 @pytest.mark.parametrize("clip", [1.0, 0.0])
 def test_non_finite_gradient_is_not_applied(exe, clip):
-    """S5-15: a finite loss whose gradient overflows (here: a hook makes one gradient NaN) stops
+    """A finite loss whose gradient overflows (here: a hook makes one gradient NaN) stops
     training before the optimizer or QB touch any parameter."""
     torch.manual_seed(0)
     cfg = TrainConfig(steps=4, batch=2, seq=16, warmup=0, lr=1e-3, clip=clip, qb="quantile")
@@ -311,7 +311,7 @@ def test_resume_keeps_the_run_settings(tmp_path):
              "train --resume {out}")),
 ])
 def test_ctrl_c_says_what_is_left_and_removes_the_lock(capsys, monkeypatch, tmp_path, ckpt_every, stop_at, says):
-    """S5-14: Ctrl-C (KeyboardInterrupt) during step ``stop_at``: one line saying which checkpoint
+    """Ctrl-C (KeyboardInterrupt) during step ``stop_at``: one line saying which checkpoint
     (if any) exists, rc 130, and no lock file left behind."""
     from conftest import run_cli
     from k3ir.runtime import cli_train, trainer
@@ -342,7 +342,7 @@ def test_clean_exit_removes_the_lock(capsys, tmp_path):
 
 
 def test_train_parameter_line_splits_off_the_vision_tower(capsys, tmp_path):
-    """S5-16: train's parameter count includes the vision tower; the line says so, and its language-model
+    """Train's parameter count includes the vision tower; the line says so, and its language-model
     part equals what ``inspect`` reports."""
     from conftest import run_cli
 
