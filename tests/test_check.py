@@ -90,7 +90,7 @@ def test_check_every_function_by_default_and_explicit_functions():
 
 
 def test_via_counts_the_native_ops_each_row_expands_to():
-    """S5-13: ``via`` holds real counts (summed over the row's instances), hand-counted from the
+    """``via`` holds real counts (summed over the row's instances), hand-counted from the
     decompositions: linear = transpose + matmul; rmsnorm = square, reduce_mean, constant (eps),
     add, rsqrt and two muls."""
     from k3ir.passes import run_pipeline
