@@ -79,7 +79,7 @@ def test_train_float_flags_finite(capsys, tmp_path, flag, value):
                                        (("serve", "k3-tiny", "--port", "0"), "--init-seed"), (("run",), "--seed")])
 @pytest.mark.parametrize("seed", ["-1", str(2 ** 63)])
 def test_seed_range_agrees_across_commands(capsys, tmp_path, argv, flag, seed):
-    # S5-7: generate, serve, train and run accept the server's seed range 0..2**63-1, else one line, rc 2
+    # Generate, serve, train and run accept the server's seed range 0..2**63-1, else one line, rc 2
     out = ("--out", str(tmp_path / "rs")) if argv[0] == "train" else ()
     line = run_err(capsys, *argv, *out, f"{flag}={seed}")
     assert f"{flag} must be >= 0 and < 2**63, got {seed}" in line
