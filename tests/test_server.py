@@ -213,7 +213,7 @@ def test_short_loopback_load_test():
 
 
 def test_lone_surrogate_prompt_is_a_400_naming_it(client):
-    # S5-1: JSON can spell a lone surrogate; no tokenizer can encode it
+    # JSON can spell a lone surrogate; no tokenizer can encode it
     r = client.post("/v1/completions", content=b'{"prompt": "ab\\ud800", "max_tokens": 2}',
                     headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
@@ -242,7 +242,7 @@ def test_generate_refuses_a_prompt_that_is_not_utf8(capsys):
     ({"top_p": float("inf")}, "top_p", "finite number"),
 ])
 def test_wrong_json_types_are_not_coerced(client, extra, param, msg):
-    # S5-2: pydantic strict mode: a wrong type is a 400 naming the field, never a silent conversion
+    # Pydantic strict mode: a wrong type is a 400 naming the field, never a silent conversion
     body = json.dumps({"prompt": "a", "max_tokens": 2, **extra}).encode()     # json writes NaN/Infinity
     r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
@@ -299,7 +299,7 @@ def test_serve_log_level_is_case_insensitive_and_listed_in_help(capsys, monkeypa
     (b'{"prompt": "a", "stop": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply"),
 ])
 def test_unparsable_bodies_say_why(tiny, body, msg):
-    # S5-16: FastAPI's bare "There was an error parsing the body" names neither the problem nor the position
+    # FastAPI's bare "There was an error parsing the body" names neither the problem nor the position
     eng = build_engine(tiny, block_size=64, num_blocks=8, max_batch=2)
     app = create_app(eng, load_tokenizer("k3-tiny", tiny), "k3-tiny", ServerLimits(max_request_bytes=1 << 20))
     with TestClient(app) as c:
