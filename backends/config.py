@@ -99,10 +99,11 @@ def replace(config: C, changes: Mapping[str, Any], where: str = "") -> C:
     """``config`` with ``changes`` applied: a key names a field; for a section field the value may be a mapping
     of that section's fields (merged) or a whole section object. Raises K3ConfigError on an unknown field."""
     names = {f.name: f for f in dataclasses.fields(config)}
+    where = where or type(config).__name__
     out: dict[str, Any] = {}
     for key, value in changes.items():
         if key not in names:
-            raise K3ConfigError(f"{type(config).__name__}{where}: no field {key!r} (fields: {', '.join(names)})")
+            raise K3ConfigError(f"{where}: no field {key!r} (fields: {', '.join(names)})")
         cur = getattr(config, key)
         if dataclasses.is_dataclass(cur) and isinstance(value, Mapping):
             value = replace(cur, value, f"{where}.{key}")
