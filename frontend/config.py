@@ -42,6 +42,14 @@ VISION_KEYS = frozenset({"vt_hidden_size", "vt_num_attention_heads", "vt_num_hid
                          "merge_kernel_size", "mm_hidden_size", "text_hidden_size", "mm_projector_type",
                          "projector_hidden_act", "pos_emb_type", "merge_type", "patch_size", "init_pos_emb_height",
                          "init_pos_emb_width", "init_pos_emb_time", "projector_ln_eps"})
+#: Kimi-family checkpoint formats that k3ir recognises but does not build yet (docs/checkpoints.md):
+#: model_type -> what sets it apart from the formats k3ir reads.
+UNSERVED_FAMILY = {
+    "kimi_k2": "Kimi K2: DeepSeek-V3 layout with RoPE MLA, FP8 block-scaled experts",
+    "deepseek_v3": "Kimi K2 / DeepSeek-V3 layout: RoPE MLA, FP8 block-scaled or INT4 experts",
+    "kimi_k25": "Kimi K2.5: DeepSeek-V3 text model with RoPE MLA, INT4 experts, and a vision tower",
+}
+SUPPORTED_FORMATS = "model_type 'kimi_k3' (with text_config) and 'kimi_linear'"
 WRAPPER_KEYS = frozenset({"model_type", "text_config", "vision_config", "media_placeholder_token_id"})
 #: keys HF configs carry that k3ir deliberately ignores (no warning for these)
 HF_EXTRAS = frozenset({
@@ -494,6 +502,11 @@ def build_config(raw: dict, path: str | None = None, name: str | None = None,
     if not isinstance(raw, dict):
         raise K3ConfigError("config must be a JSON object", path=path)
     mt = raw.get("model_type")
+    inner = raw["text_config"].get("model_type") if isinstance(raw.get("text_config"), dict) else None
+    for key, value in (("model_type", mt), ("text_config.model_type", inner)):
+        if isinstance(value, str) and value in UNSERVED_FAMILY:
+            raise K3ConfigError(f"model_type {value!r} ({UNSERVED_FAMILY[value]}) is not supported yet; k3ir reads "
+                                f"{SUPPORTED_FORMATS} (docs/checkpoints.md lists the formats)", key=key, path=path)
     if "text_config" in raw:
         if not isinstance(raw["text_config"], dict):
             raise K3ConfigError("must be an object", key="text_config", path=path)
