@@ -9,7 +9,7 @@ recurrence MMAv2-only:
   fla's unless ``--no-fla``) against an fp32 reference (our torch recompute on fp32 inputs); rel err per input
   (fla's tolerance 8e-3). Run with ``CUDA_LAUNCH_BLOCKING=1`` so a fault names its launch. ``acc_k3`` also
   compares with an independent float64 token recurrence (``ours_vs_ref64``, ``ref_vs_ref64``) and runs the K3 dense
-  diagonal path (``ours_dense``, TUNING k3_exact ""; ``ours_prepx`` / ``ours_intrax``: exact in prep / bwd_intra
+  diagonal path (``ours_dense``, kda_bwd.k3_exact ""; ``ours_prepx`` / ``ours_intrax``: exact in prep / bwd_intra
   only) with every launch's buffers against float64 (``inter_dense``:
   G bn qn kn = prelude, Ai P w u qg kg = prep, h vn = fwd_h, dh dvn = bwd_dh, dAq dAk = bwd_wy); ``acc_k3d`` the
   dense path alone.
@@ -18,14 +18,14 @@ recurrence MMAv2-only:
   timed too unless ``--no-fla`` (then its recorded numbers: 17.25 / 22.06 ms at B1 T32768 H32).
   Registers / spills / shared memory of every compiled backward kernel.
 - ``acc_var``: variable lengths (an empty and a 1-token sequence) with initial state and final-state gradient.
-- The autograd rows (``ours``, time ``ours_fb_ms``) run with ``kda.TUNING["bwd_reuse"]`` (default on: the backward
+- The autograd rows (``ours``, time ``ours_fb_ms``) run with ``TritonConfig.kda.bwd_reuse`` (default on: the backward
   takes w, u, qg, kg, P, (I+Akk)^-1, G from the forward and skips prep; the ``prepx`` variant then changes
   nothing); ``recompute`` rows / ``ours_fb_recompute_ms`` / ``kernels_recompute_ms`` the old path (bwd_reuse
   False); ``inter_reuse``: the per-launch float64 check with the forward's buffers (acc_k3, acc_sp).
 - ``probe_wy_wgmma`` / ``probe_dh_v2``: the WY launch compiled with Hopper wgmma (the default compiles it
-  MMAv2-only, see ``kda_bwd.TUNING['mma_v2']``) and the dh recurrence MMAv2-only: accuracy as ``acc_k3``.
-- ``sweep``: backward launch variants (``kda_bwd.TUNING``) at B1 T32768 H32 K3, ms per launch.
-- ``acc_next`` / ``time_next``: ``acc_k3`` / ``time_k3`` with ``kda_bwd.NEXT`` (candidate defaults) applied.
+  MMAv2-only, see ``TritonConfig.kda_bwd.mma_v2``) and the dh recurrence MMAv2-only: accuracy as ``acc_k3``.
+- ``sweep``: backward launch variants (``TritonConfig.kda_bwd``) at B1 T32768 H32 K3, ms per launch.
+- ``acc_next`` / ``time_next``: ``acc_k3`` / ``time_k3`` with ``NEXT`` (candidate defaults, below) applied.
 Prints the tables last and writes JSON (``--out``, default ``$OUT/bench_kda_bwd.json``) after every job.
 
     PYTHONPATH=<fla wheel dir> python bench/bench_kda_bwd.py [--budget 110] [--no-fla] [--jobs a,b]
@@ -48,6 +48,10 @@ FLA_MS = {("1,32768,32,128", "k3"): 17.25, ("1,32768,32,128", "softplus"): 22.06
 T0 = time.time()
 #: ``K3IR_BENCH_SMOKE=1``: run the child code on the CPU under TRITON_INTERPRET at toy sizes (checks the script)
 SMOKE = os.environ.get("K3IR_BENCH_SMOKE") == "1"
+#: ``NEXT``: candidate ``TritonConfig.kda_bwd`` defaults waiting for a GPU check (``--jobs acc_next,time_next``);
+#: empty when there are none. The last ones (value block 64 in bwd_wy, 3-stage recurrences, chain on 4 warps: the
+#: H200 sweep of 2026-11-30 04:59) passed on 2026-11-30 05:56 and are the defaults.
+NEXT: dict = {}
 DEV = "cpu" if SMOKE else "cuda"
 ACC_SHAPE = (1, 128, 2, 16) if SMOKE else (1, 2048, 32, 128)
 JOBS = {   # name: (kind, kwargs, extra env, seconds it needs at least)
@@ -67,7 +71,7 @@ JOBS = {   # name: (kind, kwargs, extra env, seconds it needs at least)
     "acc_var": ("acc", {"lb": -5.0, "cu": [0, 1, 64, 64, 65, 300, 1000, 2048],
                         "variants": [("recompute", {"bwd_reuse": False}, {}, False)]}, {"CUDA_LAUNCH_BLOCKING": "1"}, 20),
     "sweep": ("sweep", {}, {}, 15),
-    # kda_bwd.NEXT (the 04:59 sweep's per-launch winners together): accuracy, then time
+    # NEXT (candidate defaults; the 04:59 sweep's per-launch winners together): accuracy, then time
     "acc_next": ("acc", {"lb": -5.0, "tune": "NEXT"}, {"CUDA_LAUNCH_BLOCKING": "1"}, 20),
     "time_next": ("time", {"shape": [1, 32768, 32, 128], "lb": -5.0, "tune": "NEXT"}, {}, 12),
     "acc_sp_next": ("acc", {"lb": None, "tune": "NEXT"}, {"CUDA_LAUNCH_BLOCKING": "1"}, 15),
@@ -274,11 +278,9 @@ def check_intermediates(x, lb, do, heads=2, reuse=False):
 
 def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), ref64=False, inter_reuse=False):
     import torch
-    from k3ir.backends.triton import kda as KF
-    from k3ir.backends.triton import kda_bwd as KB
     from k3ir.backends.triton import kda_forward
     from k3ir.backends.triton.kda_torch import kda_chunk_torch
-    KB.TUNING.update(_tuning(tune))
+    _scope(_tuning(tune)).__enter__()                 # for the whole job (its own process)
     N = None if cu is None else len(cu) - 1
     if SMOKE and cu is not None:
         cu = [0, 1, 64, 64, ACC_SHAPE[1]]
@@ -292,7 +294,7 @@ def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), re
     run()
     ref = grads(lv)
     row = {"section": "accuracy", "job": name, "gate": "k3" if lb is not None else "softplus", "varlen": cu,
-           "tune": tune or {}, "bwd_reuse": bool(KF.TUNING.get("bwd_reuse"))}
+           "tune": tune or {}, "bwd_reuse": bool(get_triton_config().kda.bwd_reuse)}
     run, lv = fwd_bwd(kda_forward, x, lb, do, dht, cu_t)
     run()
     sync()
@@ -318,9 +320,9 @@ def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), re
         except Exception as e:  # noqa: BLE001
             row["inter_error"] = repr(e)[:300]
     for vname, over, env, vinter in variants:      # the same inputs and reference through other backward paths
-        saved, saved_f, old = dict(KB.TUNING), dict(KF.TUNING), {k: os.environ.get(k) for k in env}
-        KB.TUNING.update({k: v for k, v in over.items() if k not in KF.TUNING})
-        KF.TUNING.update({k: v for k, v in over.items() if k in KF.TUNING})      # bwd_reuse: the forward's
+        old = {k: os.environ.get(k) for k in env}
+        scope = _scope(over)            # bwd_reuse: the forward's (TritonConfig.kda), the rest kda_bwd's
+        scope.__enter__()
         os.environ.update(env)
         try:
             run, lv = fwd_bwd(kda_forward, x, lb, do, dht, cu_t)
@@ -333,10 +335,7 @@ def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), re
         except Exception as e:  # noqa: BLE001
             row["error_" + vname] = repr(e)[:300]
         finally:
-            KB.TUNING.clear()
-            KB.TUNING.update(saved)
-            KF.TUNING.clear()
-            KF.TUNING.update(saved_f)
+            scope.__exit__(None, None, None)
             for k_, v_ in old.items():
                 if v_ is None:
                     os.environ.pop(k_, None)
@@ -354,38 +353,50 @@ def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), re
 
 
 def _tuning(tune):
-    """``tune`` as a dict of kda_bwd.TUNING overrides ("NEXT": kda_bwd.NEXT)."""
-    from k3ir.backends.triton import kda_bwd as KB
-    return dict(KB.NEXT) if tune == "NEXT" else (tune or {})
+    """``tune`` as a dict of TritonConfig.kda_bwd overrides ("NEXT": ``NEXT``)."""
+    return dict(NEXT) if tune == "NEXT" else (tune or {})
+
+
+def _scope(over):
+    """A ``triton_config`` scope with ``over``: ``TritonConfig.kda`` fields (``bwd_reuse``: the forward keeps its
+    intermediates) and the rest ``TritonConfig.kda_bwd`` fields. Raises K3ConfigError on an unknown key."""
+    import dataclasses
+
+    from k3ir.backends.triton.config import KdaConfig, triton_config
+    fwd = {f.name for f in dataclasses.fields(KdaConfig)}
+    return triton_config(kda={k: v for k, v in over.items() if k in fwd},
+                         kda_bwd={k: v for k, v in over.items() if k not in fwd})
+
+
+def get_triton_config():
+    from k3ir.backends.triton.config import get_triton_config as get
+    return get()
 
 
 def job_time(name, shape, lb, fla=None, tune=None):
     import torch
-    from k3ir.backends.triton import kda_bwd as KB
     from k3ir.backends.triton import kda_forward
-    KB.TUNING.update(_tuning(tune))
+    from k3ir.backends.triton.config import triton_config
+    _scope(_tuning(tune)).__enter__()                 # for the whole job (its own process)
     x = inputs(*shape, seed=0)
     do = torch.randn_like(x["v"])
     gate = "k3" if lb is not None else "softplus"
     row = {"section": "time", "job": name, "shape": shape, "gate": gate}
-    from k3ir.backends.triton import kda as KF
     run, lv = fwd_bwd(kda_forward, x, lb, do)
     run()
     sync()
-    reuse = bool(KF.TUNING.get("bwd_reuse"))
+    reuse = bool(get_triton_config().kda.bwd_reuse)
     row["kernels_ms"] = per_launch(x, lb, do, reuse=reuse)     # synchronising: a fault names its launch
     row["ours_fb_ms"] = bench(run)
     g_ours = grads(lv)
     if reuse:       # the recompute for comparison: prep launched, only the inputs saved
         try:
             row["kernels_recompute_ms"] = per_launch(x, lb, do)
-            KF.TUNING["bwd_reuse"] = False
-            row["ours_fb_recompute_ms"] = bench(run)
+            with triton_config(kda={"bwd_reuse": False}):
+                row["ours_fb_recompute_ms"] = bench(run)
             row["rel_reuse_vs_recompute"] = {n: rel(g_ours[n], t.grad) for n, t in lv.items()}
         except Exception as e:  # noqa: BLE001
             row["recompute_error"] = repr(e)[:200]
-        finally:
-            KF.TUNING["bwd_reuse"] = True
     with torch.no_grad():
         row["ours_fwd_ms"] = bench(lambda: kda_forward(*(x[n] for n in NAMES), lower_bound=lb))
     row["ours_bwd_ms"] = row["ours_fb_ms"] - row["ours_fwd_ms"]
@@ -410,9 +421,7 @@ def job_time(name, shape, lb, fla=None, tune=None):
 
 def job_sweep(name, budget_s):
     import torch
-    from k3ir.backends.triton import kda_bwd as KB
     t_end = time.time() + budget_s
-    base = dict(KB.TUNING)
     variants = [("default", {}), ("wy wgmma", {"mma_v2": ""}), ("intra diag tf32x3", {"intra_diag_prec": "tf32x3"}),
                 ("intra diag tf32", {"intra_diag_prec": "tf32"}), ("intra exact", {"k3_exact": "bwd_intra"}),
                 ("prep w8", {"w_prep": 8}), ("wy w8", {"w_wy": 8}),
@@ -426,12 +435,11 @@ def job_sweep(name, budget_s):
     for vname, over in variants:
         if time.time() > t_end - 4:
             break
-        KB.TUNING.clear()
-        KB.TUNING.update(base, **over)
         row = {"section": "sweep", "variant": vname, "over": over}
         try:
-            per_launch(x, -5.0, do, n=1)
-            row["kernels_ms"] = per_launch(x, -5.0, do)
+            with _scope(over):
+                per_launch(x, -5.0, do, n=1)
+                row["kernels_ms"] = per_launch(x, -5.0, do)
             row["total_ms"] = sum(row["kernels_ms"].values())
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:200]
@@ -446,9 +454,8 @@ def child(spec):
     name, budget_s, use_fla, out = spec["name"], spec["budget"], spec["fla"], spec["out"]
     kind, kw, _, _ = JOBS[name]
     if spec.get("tune"):                                # the parent's fallback after a failed job
-        from k3ir.backends.triton import kda_bwd as KB
-        KB.TUNING.update(spec["tune"])
-        print("TUNING", KB.TUNING, flush=True)
+        _scope(spec["tune"]).__enter__()            # for the whole child process
+        print("TritonConfig.kda_bwd", get_triton_config().kda_bwd, flush=True)
     fla = None
     if use_fla and kind != "sweep":
         try:

@@ -17,7 +17,7 @@ the wall time and the same two tables. ``gemv``: the decode gemv at each Kimi Li
 launch configs (us per launch in a CUDA graph, TB/s, best config). ``decode`` also checks one graph
 step's logits against the eager step, times the replay with each decode switch flipped alone (routed GLU, top-k
 by ranks, two-launch front, KDA low-rank up-projections in kda_decode, decode GEMM tiles; ``K3IR_DIAG_AB=0``
-skips) and with programmatic dependent launch flipped (gemv.PDL, on by default; ``K3IR_DIAG_PDL=0`` skips).
+skips) and with programmatic dependent launch flipped (TritonConfig.decode.pdl, on by default; ``K3IR_DIAG_PDL=0`` skips).
 ``front``: the two-launch MoE front against the three-launch path (agreement over many calls, us per call). ``compiles``: distinct Triton specialisations (cold-cache compiles)
 of the prefill shapes and decode B1/B32 (``TRITON_INTERPRET=1 ... --sections compiles --small --prefill 1x64,2x32``).
 """
@@ -399,55 +399,48 @@ def section_decode(model, batch, small, prompt=64):
             torch.cuda.synchronize()
         _tables(prof, f"graph replay B{batch}", n=30)
     _graph_vs_eager(sess, exe, st, nxt)
-    from k3ir.backends.triton import dispatch, executable, gemv
-    # A/B of the decode switches (each flipped alone, a fresh capture): K3IR_DIAG_AB=0 skips them
-    for name, mod, key in (("MoE routing in the grouped GLU launch (dispatch.TUNING routed_glu)", dispatch.TUNING,
-                            "routed_glu"),
-                           ("MoE top-k as expert ranks (dispatch.TUNING rank_topk)", dispatch.TUNING, "rank_topk"),
-                           ("routed GLU reads the front's normed rows (dispatch.TUNING routed_xn)", dispatch.TUNING,
-                            "routed_xn"),
-                           ("MoE front in two launches (dispatch.TUNING front_split)", dispatch.TUNING, "front_split"),
-                           ("KDA low-rank up-proj in kda_decode (executable.TUNING lowrank_in_decode)",
-                            executable.TUNING, "lowrank_in_decode")):
+    from k3ir.backends.triton.config import get_triton_config, triton_config
+    # A/B of the decode switches (TritonConfig.decode, each flipped alone, a fresh capture): K3IR_DIAG_AB=0 skips them
+    for name, key in (("MoE routing in the grouped GLU launch (decode.routed_glu)", "routed_glu"),
+                      ("MoE top-k as expert ranks (decode.rank_topk)", "rank_topk"),
+                      ("routed GLU reads the front's normed rows (decode.routed_xn)", "routed_xn"),
+                      ("MoE front in two launches (decode.front_split)", "front_split"),
+                      ("KDA low-rank up-proj in kda_decode (decode.lowrank_in_decode)", "lowrank_in_decode")):
         if os.environ.get("K3IR_DIAG_AB", "1") != "1":
             continue
-        default = bool(mod.get(key))
-        mod[key] = not default
+        default = bool(getattr(get_triton_config().decode, key))
         label = f"{name} {'off' if default else 'on'}"
         try:
-            ms, st = _recapture_replay_ms(sess, exe, st, nxt)
+            with triton_config(decode={key: not default}):
+                ms, st = _recapture_replay_ms(sess, exe, st, nxt)
             print(f"graph replay alone, {label}: {ms:.3f} ms", flush=True)
         except Exception as e:      # noqa: BLE001 - a diagnostic: report and go on
             print(f"A/B {label}: {type(e).__name__}: {e}", flush=True)
         finally:
-            mod[key] = default
             exe._graph = None
-    from k3ir.backends.triton import moe
-    # A/B of the small-row bf16 grouped GEMM config (moe.DECODE_BF16: ("t", BW, BT, TAIL, BK, warps, stages))
-    base = moe.DECODE_BF16
+    # A/B of the small-row bf16 grouped GEMM config (moe.decode_bf16: ("t", BW, BT, TAIL, BK, warps, stages))
+    base = get_triton_config().moe.decode_bf16
     for cfg in (("t", 32, 16, 0, 128, 4, 4), ("t", 64, 16, 0, 64, 4, 6), ("t", 128, 16, 0, 128, 4, 4)):
         if os.environ.get("K3IR_DIAG_AB", "1") != "1":
             break
-        moe.DECODE_BF16 = cfg
         try:
-            ms, st = _recapture_replay_ms(sess, exe, st, nxt)
-            print(f"graph replay alone, moe.DECODE_BF16 {cfg} (default {base}): {ms:.3f} ms", flush=True)
+            with triton_config(moe={"decode_bf16": cfg}):
+                ms, st = _recapture_replay_ms(sess, exe, st, nxt)
+            print(f"graph replay alone, moe.decode_bf16 {cfg} (default {base}): {ms:.3f} ms", flush=True)
         except Exception as e:      # noqa: BLE001 - a diagnostic: report and go on
-            print(f"A/B DECODE_BF16 {cfg}: {type(e).__name__}: {e}", flush=True)
+            print(f"A/B decode_bf16 {cfg}: {type(e).__name__}: {e}", flush=True)
         finally:
-            moe.DECODE_BF16 = base
             exe._graph = None
     if os.environ.get("K3IR_DIAG_PDL", "1") == "1":
-        # programmatic dependent launch of the decode kernels (gemv.PDL) flipped: a fresh capture, same checks
-        pdl = gemv.PDL
-        gemv.PDL = not pdl
+        # programmatic dependent launch of the decode kernels (decode.pdl) flipped: a fresh capture, same checks
+        pdl = get_triton_config().decode.pdl
         try:
-            ms, st = _recapture_replay_ms(sess, exe, st, nxt)
-            print(f"graph replay alone, programmatic dependent launch {'off' if pdl else 'on'}: {ms:.3f} ms",
-                  flush=True)
-            _graph_vs_eager(sess, exe, st, nxt, "PDL flipped: ")
+            with triton_config(decode={"pdl": not pdl}):
+                ms, st = _recapture_replay_ms(sess, exe, st, nxt)
+                print(f"graph replay alone, programmatic dependent launch {'off' if pdl else 'on'}: {ms:.3f} ms",
+                      flush=True)
+                _graph_vs_eager(sess, exe, st, nxt, "PDL flipped: ")
         finally:
-            gemv.PDL = pdl
             exe._graph = None
 
 
@@ -553,6 +546,7 @@ def section_gemv(reps=50):
     gemv.config): microseconds per launch inside a CUDA graph of ``reps`` launches (weights cycled over
     4 copies, 4x the L2, so every launch reads HBM), TB/s, and the best config per shape."""
     from k3ir.backends.triton import gemv
+    from k3ir.backends.triton.config import triton_config
     dev, bf = "cuda", torch.bfloat16
     rows, best = [], {}
     for label, N, K, glu, nrm, nres, per in GEMV_SHAPES:
@@ -564,10 +558,10 @@ def section_gemv(reps=50):
         nw = torch.ones(K, device=dev, dtype=bf)
         res = tuple(torch.randn(1, N, device=dev, dtype=bf) for _ in range(nres))
         ref = None
-        pdl = gemv.PDL
         for cfg in GEMV_CONFIGS + ["PDL"]:
-            gemv.CONFIG = None if cfg == "PDL" else cfg
-            gemv.PDL = cfg == "PDL"      # the default config as a chain of programmatic dependent launches
+            # the default config as a chain of programmatic dependent launches ("PDL"), else cfg without
+            scope = triton_config(decode={"gemv": None if cfg == "PDL" else cfg, "pdl": cfg == "PDL"})
+            scope.__enter__()       # left in the finally below
             try:
                 def call(i, x=x, ws=ws, w3s=w3s, res=res, nrm=(nw, 1e-5) if nrm else None):
                     return gemv.gemv(x, ws[i % len(ws)], w3s[i % len(ws)], res=res, norm=nrm)
@@ -596,8 +590,7 @@ def section_gemv(reps=50):
                 rows.append((label, str(cfg), float("nan"), float("nan"), float("nan"), per))
                 print(f"{label} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             finally:
-                gemv.CONFIG = None
-                gemv.PDL = pdl
+                scope.__exit__(None, None, None)
         ws = w3s = None
         torch.cuda.empty_cache()
     print(f"\n{'gemv shape':<28} {'config (BN,BK,W)':<18} {'us':>7} {'TB/s':>6} {'rel err':>8}")

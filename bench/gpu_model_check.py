@@ -173,8 +173,9 @@ def main() -> int:
     for r in rows:
         res = r.get("error") or ("info" if "ok" not in r else "ok" if r["ok"] else "MISS")
         print(f"{r['case']:<34} {r['step']:<9} {r.get('rel', float('nan')):>10.2e} {r.get('tol', 0):>7.0e}  {res}")
-    print(f"checks: {len(rows)} rows, {bad} bad, {time.time() - T0:.0f} s; CUDA graphs env "
-          f"{os.environ.get('K3IR_CUDA_GRAPHS', '1')}", flush=True)
+    from k3ir.backends.triton.config import get_triton_config
+    print(f"checks: {len(rows)} rows, {bad} bad, {time.time() - T0:.0f} s; CUDA graphs "
+          f"{get_triton_config().decode.cuda_graphs}", flush=True)
     if speed is not None:
         try:
             speed.wait(timeout=None)

@@ -78,10 +78,11 @@ LAUNCH = {"kda_bwd_prelude_kernel": "prelude", "kda_bwd_prep_kernel": "prep", "k
 
 
 def compile_launch(fn, args, kw, sass_dir=None):
-    """Compile one recorded launch (with ``DISABLE_MMA_V3`` when ``kda_bwd.TUNING['mma_v2']`` names it):
+    """Compile one recorded launch (with ``DISABLE_MMA_V3`` when ``TritonConfig.kda_bwd.mma_v2`` names it):
     (registers, spill bytes, shared bytes, warps)."""
     from k3ir.backends.triton import kda_bwd
-    v2 = {x.strip() for x in str(kda_bwd.TUNING.get("mma_v2", "")).split(",")}
+    from k3ir.backends.triton.config import get_triton_config
+    v2 = {x.strip() for x in str(get_triton_config().kda_bwd.mma_v2 or "").split(",")}
     with kda_bwd._no_wgmma(LAUNCH.get(fn.__name__) in v2):
         return _compile_launch(fn, args, kw, sass_dir)
 
@@ -133,15 +134,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gate", default="both", choices=["k3", "softplus", "both"])
     ap.add_argument("--varlen", action="store_true")
-    ap.add_argument("--tune", nargs="*", default=[], help="kda_bwd.TUNING overrides KEY=VAL")
+    ap.add_argument("--tune", nargs="*", default=[], help="TritonConfig.kda_bwd overrides KEY=VAL")
     ap.add_argument("--sass", default=None, help="folder for SASS / TTGIR dumps")
     ap.add_argument("--only", default=None, help="comma-separated kernel name substrings")
     a = ap.parse_args()
-    from k3ir.backends.triton import kda_bwd
+    from k3ir.backends.triton.config import get_triton_config, triton_config
+    over = {}
     for kv in a.tune:
         key, val = kv.split("=")
-        kda_bwd.TUNING[key] = int(val) if val.lstrip("-").isdigit() else val
-    print(f"triton {triton.__version__}; TUNING {kda_bwd.TUNING}")
+        over[key] = int(val) if val.lstrip("-").isdigit() else val
+    scope = triton_config(kda_bwd=over)
+    scope.__enter__()             # for the whole run
+    print(f"triton {triton.__version__}; TritonConfig.kda_bwd {get_triton_config().kda_bwd}")
     print(f"{'gate':9} {'kernel':26} {'grid':>18} {'warps':>5} {'regs':>5} {'spill B':>8} {'smem B':>7}")
     for gate, lb in (("k3", -5.0), ("softplus", None)):
         if a.gate not in ("both", gate):

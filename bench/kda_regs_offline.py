@@ -163,7 +163,7 @@ def main():
         kind, cfg = sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
         r = KINDS[kind](**cfg)
         warps = cfg.get("warps", {"gcum": 4, "inv": 1, "gcum_rows": 1}.get(kind, 8))
-        bk = cfg.get("bk", 32)   # the TUNING defaults
+        bk = cfg.get("bk", 32)   # the TritonConfig.kda defaults
         mix = sass_mix(SASS["text"], max(1, 128 // bk))
         print(kind, cfg, "regs/spill/smem", r, "per warp", mix, "per program", mix["total"] * warps)
         return
@@ -177,7 +177,7 @@ def main():
     rows += [("gcum_rows", c) for c in ({"gate": 0}, {"gate": 1}, {"gate": 1, "fast_log": True}, {"gate": 0, "h": 96})]
     rows += [("inv", {}), ("inv", {"store_ai": True}), ("inv", {"h": 96})]
     rows += [("inv", {"ip": "ieee", "warps": w}) for w in (1, 4)]
-    sp = {"gate": 1, "bk": 32, "maxnreg": 128}          # the softplus defaults (TUNING exact_bk, exact_maxnreg)
+    sp = {"gate": 1, "bk": 32, "maxnreg": 128}          # the softplus defaults (TritonConfig.kda exact_bk, exact_maxnreg)
     rows += [("akk", dict(c, gate=0)) for c in ({}, {"h": 96}, {"gpre": False}, {"inv_split": False}, {"warps": 4},
                                                 {"warps": 4, "h": 96}, {"warps": 4, "bk": 16}, {"warps": 2})]
     rows += [("akk", dict(sp, **c)) for c in ({}, {"h": 96}, {"bk": 16}, {"inv_split": False, "bk": 16},

@@ -1,5 +1,5 @@
 """Offline sm_90 compile of the decode MoE kernels changed for issue 6 (no GPU): ``moe_decode.routed_glu_kernel``
-(the grouped GLU that routes itself, dispatch.TUNING routed_glu) for Kimi Linear 6.6B shapes (E 64, top-8, D 2048,
+(the grouped GLU that routes itself, TritonConfig.decode.routed_glu) for Kimi Linear 6.6B shapes (E 64, top-8, D 2048,
 I 1024) at 1..4 tokens, bf16 and float32 (``xn``: reading router_glu_kernel's normalised rows, routed_xn), the
 router_glu_kernel with those rows stored, the ROWGRID ``grouped_gemm_t_kernel`` decode configs (GLU and down) and
 ``dispatch_kernel`` with ROUTE (its routing now in the shared ``dispatch.route_rows``). Registers, spill bytes and

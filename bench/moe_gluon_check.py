@@ -17,7 +17,7 @@ Sections, each in its own process with its own timeout (a CUDA fault or a hang l
          grow; words share the original storage), then for T = 1, 256, 4, 16, 64, 8192: each kernel forced
          (Gluon up to 16 rows per expert; ``default_kernel``: what ``moe._use_gluon`` picks), GLU and down outputs vs dequantise-then-matmul (bf16 weights, fp32 math; the down
          reference takes the kernel's own h), and the layer times; last, a control at T = 256: the Triton kernel
-         with ``moe.TUNING["frag_decode"] = "exact"`` (integer decode of the same layout, accuracy only).
+         with ``TritonConfig.moe.frag_decode = "exact"`` (integer decode of the same layout, accuracy only).
 Rows print as ``[row] {json}``; the table prints last; JSON in $OUT/moe_gluon_check.json.
 
     python3 bench/moe_gluon_check.py [--budget 56] [--sections warm,k3] [--no-old]
@@ -25,6 +25,7 @@ Rows print as ``[row] {json}``; the table prints last; JSON in $OUT/moe_gluon_ch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -161,14 +162,19 @@ def _empty_frag(dev):
     return out
 
 
+#: the ``triton_config`` scopes ``_moe_set`` entered (kept open for the rest of the run: later ones win)
+_SCOPES = contextlib.ExitStack()
+
+
+def _moe_set(**fields):
+    """``TritonConfig.moe`` fields for everything that follows (one more open ``triton_config`` scope)."""
+    from k3ir.backends.triton.config import triton_config
+    _SCOPES.enter_context(triton_config(moe=fields))
+
+
 def _force(kern):
-    """moe.TUNING so that ``kern`` ("gluon"/"triton") serves every row count it can."""
-    from k3ir.backends.triton import moe
-    moe.TUNING["mxfp4_kernel"] = kern
-    if kern == "gluon":
-        moe.TUNING["gluon_min_rows"] = 0
-    else:
-        moe.TUNING.pop("gluon_min_rows", None)        # moe._use_gluon's default
+    """TritonConfig.moe so that ``kern`` ("gluon"/"triton") serves every row count it can."""
+    _moe_set(mxfp4_kernel=kern, gluon_min_rows=0 if kern == "gluon" else 1)     # 1: the default
 
 
 def sec_warm(i):
@@ -191,7 +197,7 @@ def sec_warm(i):
     for T, dec in {0: ((SIZES[1], "ptx"), (1, "ptx"), (4, "ptx")),
                    1: ((SIZES[1], "ptx"), (1, "ptx"), (4, "ptx"), (SIZES[1], "exact")),
                    2: ((SIZES[2], "ptx"),), 3: ((SIZES[2], "ptx"),)}[i]:
-        moe.TUNING["frag_decode"] = dec           # "exact": the control's integer decode (k3 section, last)
+        _moe_set(frag_decode=dec)           # "exact": the control's integer decode (k3 section, last)
         _, inv, off = _route(T, dev)
         R = T * TOPK
         xs = x[:T].repeat_interleave(TOPK, 0)
@@ -261,17 +267,18 @@ def sec_k3(old=True):
         except Exception as ex:
             emit(f"k3 T={T}", error=repr(ex)[-1500:])
     try:            # control, last (skipped if the budget ends first): the integer decode of the same layout
-        moe.TUNING["frag_decode"] = "exact"
+        _moe_set(frag_decode="exact")
         _k3_case(SIZES[1], ws, ss, dev, kerns=("triton",), timed=False, tag=" frag_decode=exact")
     except Exception as ex:
         emit("k3 exact control", error=repr(ex)[-1500:])
     finally:
-        moe.TUNING["frag_decode"] = "ptx"
+        _moe_set(frag_decode="ptx")
 
 
 def _k3_case(T, ws, ss, dev, kerns=None, timed=True, tag=""):
     import torch
     from k3ir.backends.triton import moe
+    from k3ir.backends.triton.config import get_triton_config
     order, inv, off = _route(T, dev)
     x = torch.randn(T, D, device=dev, dtype=getattr(torch, DT))
     xs = x[order // TOPK].contiguous()
@@ -283,7 +290,7 @@ def _k3_case(T, ws, ss, dev, kerns=None, timed=True, tag=""):
     h_ref = _situ(g_ref, _ref_gemm(1, xs, off, dev))
     del g_ref
     h_ref_s = time.perf_counter() - t0
-    kerns = kerns or (("gluon", "triton") if T * TOPK <= moe.TUNING["gluon_max_rows"] * E else ("triton",))
+    kerns = kerns or (("gluon", "triton") if T * TOPK <= get_triton_config().moe.gluon_max_rows * E else ("triton",))
     default = "gluon" if DEV == "cuda" and moe._use_gluon(xs, T * TOPK, E, object(), I) else "triton"
     for kern in kerns:
         _force(kern)
@@ -312,8 +319,7 @@ def _k3_case(T, ws, ss, dev, kerns=None, timed=True, tag=""):
         except Exception as ex:
             emit(f"k3 T={T} {kern}", error=repr(ex)[-1500:])
         finally:
-            moe.TUNING["mxfp4_kernel"] = "gluon"
-            moe.TUNING.pop("gluon_min_rows", None)
+            _moe_set(mxfp4_kernel="gluon", gluon_min_rows=1)
     if timed and DEV == "cuda" and T in VARIANT_T:
         _gluon_variants(T, ws, ss, xs, off, cw, inv, h_ref)
 
