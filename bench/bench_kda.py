@@ -7,7 +7,7 @@ last and writes JSON.
     python bench/bench_kda.py --compare --out kda_forward.json   # forward vs fla, same process, 3 repeats
     TRITON_INTERPRET=1 python bench/bench_kda.py --compare --tiny --out /tmp/kda.json   # CPU smoke test
     python bench/bench_kda.py --out bench_kda.json [--quick]
-    python bench/bench_kda.py --sweep --no-fla --out kda_sweep.json [--budget 110]   # forward TUNING variants
+    python bench/bench_kda.py --sweep --no-fla --out kda_sweep.json [--budget 110]   # forward TritonConfig.kda variants
     python bench/bench_kda.py --sweep --no-fla --budget 15 --variants default --shapes 1,32768,32,128  # ~20 s
     python bench/bench_kda.py --sweep --no-fla --fla-missing --all-shapes --variants sp_clamp,s4 --acc  # session 4
     python bench/bench_kda.py --sweep --no-fla --all-shapes --budget 38 --margin 3 --precompile 12 --shapes \
@@ -113,14 +113,14 @@ def fwd_row(x, shape, gate, lb, ours_fn, chunk_kda):
     return row
 
 
-# ---- --sweep: forward variants of kda.TUNING, per launch, registers/spills, errors ----------------
+# ---- --sweep: forward variants of TritonConfig.kda, per launch, registers/spills, errors ----------------
 SWEEP_SHAPES = [(1, 32768, 32, 128)]                 # default + every variant, both gates
 SWEEP_EXTRA = [(8, 4096, 32, 128), (1, 8192, 96, 128)]  # default only
 #: fla chunk_kda forward measured on the H200 (2026-11-30, Triton 3.6): used with --no-fla
 FLA_KNOWN_MS = {((1, 32768, 32, 128), "k3"): 3.73, ((1, 32768, 32, 128), "softplus"): 4.08,
                 ((8, 4096, 32, 128), "k3"): 3.67, ((8, 4096, 32, 128), "softplus"): 4.05,
                 ((1, 8192, 96, 128), "k3"): 2.620, ((1, 8192, 96, 128), "softplus"): 2.921}   # s4run4 06:41
-#: (name, TUNING overrides, only this gate or None); the first is the default. See kda.TUNING for the keys.
+#: (name, TritonConfig.kda overrides, only this gate or None); the first is the default. See docs/config.md.
 VARIANTS = [
     ("default", {}, None),       # inverse split on 1 warp, tf32 dots; softplus akk BK 32 under the 128 cap
     ("next", {"gcum_mode": "rows", "fast_log": True, "wu_mode": "flat", "diag_main": True}, None),  # all together
@@ -210,17 +210,15 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
     """Phase 1: the default at every sweep shape and gate (fla timed unless --no-fla, else the known
     numbers); phase 2: every variant at SWEEP_SHAPES (both gates per variant), while ``--budget`` seconds last
     (a variant is started only if ~8 s of budget are left: compiling akk costs most of that)."""
-    from k3ir.backends.triton import kda as KD
-    base = dict(KD.TUNING)
+    from k3ir.backends.triton.config import get_triton_config, triton_config
     t0 = time.time()
     seen = set()
     gates = (("k3", -5.0), ("softplus", None))
     refs = {}
 
     def one(x, shape, gate, lb, name, over, ref_o, fla_o):
-        KD.TUNING.clear()
-        KD.TUNING.update(base)
-        KD.TUNING.update(over)
+        scope = triton_config(kda=over)
+        scope.__enter__()
         row = {"kind": "variant", "variant": name, "shape": list(shape), "gate": gate, "tuning": over}
         try:
             t = time.time()
@@ -229,11 +227,12 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
             row["first_call_s"] = time.time() - t
             row["regs"] = _regs(seen)
             row["ours_ms"] = bench(_ours_fwd(kda_forward_kernels, x, lb), rep=args.rep)
-            if KD.TUNING["intra"] == "fused":
+            tun = get_triton_config().kda
+            if tun.intra == "fused":
                 launches = ("intra", "recur")
             else:
-                launches = ((("gcum",) if KD.TUNING["gcum"] else ()) + ("akk",)
-                            + (("inv",) if KD.TUNING["inv"] == "split" else ()) + ("wu", "recur"))
+                launches = ((("gcum",) if tun.gcum else ()) + ("akk",)
+                            + (("inv",) if tun.inv == "split" else ()) + ("wu", "recur"))
             nb = stage_bytes(*shape)
             if name != "default" and args.variant_launches:
                 keep = args.variant_launches.split(",")
@@ -257,8 +256,7 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
             del o
         except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, not fatal
             row["error"] = repr(e)[:300]
-        KD.TUNING.clear()
-        KD.TUNING.update(base)
+        scope.__exit__(None, None, None)
         print(row, flush=True)
         rows.append(row)
         save()
@@ -360,13 +358,13 @@ def precompile(specs, jobs, timeout):
 
 
 def warm(spec):
-    """``--warm B,H,D|gate|variant``: one forward at T = 128 with that variant's TUNING (fills Triton's cache)."""
-    from k3ir.backends.triton import kda as KD
+    """``--warm B,H,D|gate|variant``: one forward at T = 128 with that variant's TritonConfig.kda (fills Triton's cache)."""
+    from k3ir.backends.triton.config import triton_config
     from k3ir.backends.triton.kda import kda_forward_kernels
     dims, gate, name = spec.split("|")
     B, H, D = (int(n) for n in dims.split(","))
-    KD.TUNING.update({n: o for n, o, _ in VARIANTS}[name])
-    _ours_fwd(kda_forward_kernels, inputs(B, 128, H, D), -5.0 if gate == "k3" else None)()
+    with triton_config(kda={n: o for n, o, _ in VARIANTS}[name]):
+        _ours_fwd(kda_forward_kernels, inputs(B, 128, H, D), -5.0 if gate == "k3" else None)()
     if DEV == "cuda":
         torch.cuda.synchronize()
 
@@ -407,8 +405,7 @@ def _ref64(x, lb, cu):
 def acc_rows(args, rows, save, kda_forward_kernels):
     """``--acc``: the default and the ``--variants`` against a float64 reference (bf16 inputs; fla's tolerance
     5e-3 on o and the final state), finiteness included, for ``ACC_CASES``; ``--acc-budget`` seconds."""
-    from k3ir.backends.triton import kda as KD
-    base = dict(KD.TUNING)
+    from k3ir.backends.triton.config import triton_config
     names = ["default"] + [n for n in (args.acc_variants or args.variants or "").split(",") if n and n != "default"]
     var = {n: (o, only) for n, o, only in VARIANTS}
     t0 = time.time()
@@ -427,9 +424,8 @@ def acc_rows(args, rows, save, kda_forward_kernels):
             over, only = var.get(name, ({}, None))
             if only is not None and only != gate:
                 continue
-            KD.TUNING.clear()
-            KD.TUNING.update(base)
-            KD.TUNING.update(over)
+            scope = triton_config(kda=over)
+            scope.__enter__()
             row = {"kind": "acc", "case": case, "variant": name, "gate": gate}
             try:
                 o, st = kda_forward_kernels(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
@@ -442,8 +438,7 @@ def acc_rows(args, rows, save, kda_forward_kernels):
                 row["ok"] = row["finite"] and row["err_o"] < 5e-3 and row["err_state"] < 5e-3
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:300]
-            KD.TUNING.clear()
-            KD.TUNING.update(base)
+            scope.__exit__(None, None, None)
             print(row, flush=True)
             rows.append(row)
             save()
@@ -606,7 +601,7 @@ FLA_KW = {"use_gate_in_kernel": True, "use_qk_l2norm_in_kernel": True, "use_beta
 
 
 def compare_rows(args):
-    """``--compare``: ours (``k3ir.backends.triton.kda_forward``, the shipped TUNING) against fla ``chunk_kda`` (K3
+    """``--compare``: ours (``k3ir.backends.triton.kda_forward``, the shipped TritonConfig) against fla ``chunk_kda`` (K3
     gate: ``safe_gate=True, lower_bound=-5``; softplus: fla's default gate; gate, q/k L2 norm and beta sigmoid in the
     kernel; both with the final state; as a diagnostic also ``kda_forward_kernels(..., check_gates=False)``, ours
     without the host-side NaN scan of g and its sync) on the same bf16 inputs at ``CMP_SHAPES`` (``--tiny``: ``TINY_SHAPES`` in
@@ -694,7 +689,7 @@ def main():
     ap.add_argument("--bwd-only", default=None, type=_shapes,
                     help="only forward+backward rows (both gates unless @gate) at these B,T,H,D[@gate][;...] shapes: "
                          "fla's first backward call per shape autotunes for ~1.5 min")
-    ap.add_argument("--sweep", action="store_true", help="forward variants of kda.TUNING only (see VARIANTS)")
+    ap.add_argument("--sweep", action="store_true", help="forward variants of TritonConfig.kda only (see VARIANTS)")
     ap.add_argument("--budget", type=float, default=110.0, help="--sweep: seconds before variants are skipped")
     ap.add_argument("--margin", type=float, default=8.0,
                     help="--sweep: a variant row starts only while this many seconds of --budget are left (8: an "
