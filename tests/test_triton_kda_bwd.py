@@ -145,6 +145,27 @@ def test_torch_recompute_still_selectable(bwd_tuning):
         assert rel_err(a[n], b[n]) < (1e-4 if GPU else 1e-5), n
 
 
+def test_backward_runs_under_the_forward_config(monkeypatch):
+    """The backward takes the TritonConfig of its forward (autograd may run it on another thread): a forward inside
+    ``triton_config(kda_bwd={"mode": "torch"})`` with ``backward()`` outside it never launches the Triton
+    backward (``kda_bwd.kda_backward``), and the reverse launches it once."""
+    from k3ir.backends.triton import kda_bwd as KB
+    from k3ir.backends.triton.config import triton_config
+    calls = []
+    real = KB.kda_backward
+    monkeypatch.setattr(KB, "kda_backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = make(1, 20, 2, 16, seed=12)
+    w, _ = _weights(x, None, 13)
+    leaves = [x[n].clone().requires_grad_() if x[n] is not None else None for n in GRAD_NAMES]
+    for mode, want in (("torch", 0), ("triton", 1)):
+        calls.clear()
+        with triton_config(kda_bwd={"mode": mode}):
+            o, _ = kda_forward(*leaves[:7], lower_bound=x["lb"], initial_state=leaves[7])
+        with triton_config(kda_bwd={"mode": "torch" if mode == "triton" else "triton"}):
+            (o * w.to(o.dtype)).sum().backward()
+        assert len(calls) == want, mode
+
+
 # ---- the backward reusing the forward's intermediates (TritonConfig.kda.bwd_reuse, default on) -------------------
 @pytest.fixture
 def fwd_tuning():

@@ -11,7 +11,8 @@ A field with an environment variable takes its default from it, read once at the
         ...
 
 Scopes nest, restore the previous config on exit (exception included) and apply to this thread / asyncio task
-only. Only compile-time selections (which kernel, which launch configuration) live here; kernel code does not
+only (``kda_forward``'s autograd runs its backward under its forward's config: PyTorch may run it on another
+thread). ``decode.cuda_graphs`` is read when the executable is built. Only compile-time selections (which kernel, which launch configuration) live here; kernel code does not
 read the config."""
 from __future__ import annotations
 
