@@ -3,14 +3,17 @@
 Accepts the ``kimi_k3`` wrapper (``text_config`` + ``vision_config``) and a plain
 ``kimi_linear`` config. Every error names the file and the key (``K3ConfigError``). Sizes, integer
 ranges and JSON nesting are bounded before anything loops or allocates (``config_bounds.py``).
+
+This module finds and reads the file (``resolve_config_path``, ``read_config``), validates it into
+``ModelConfig`` (``build_config``) and ties the steps together (``load_config``). The jobs around it:
+``config_reader.py`` (typed reads of one level, ``_Reader``), ``config_keys.py`` (which HF keys are
+read, ignored, duplicated or refused), ``config_overrides.py`` (the ``--set`` policy). Their public
+names are importable from here.
 """
 from __future__ import annotations
 
-import copy
 import difflib
 import json
-import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,50 +21,41 @@ from typing import Any
 from k3ir.errors import K3ConfigError
 
 from . import config_bounds as bounds
+from .config_keys import (
+    HF_EXTRAS,
+    LAC_KEYS,
+    LAC_MIRRORS,
+    SUPPORTED_FORMATS,
+    TEXT_KEYS,
+    TOKEN_ID_KEYS,
+    UNSERVED_FAMILY,
+    VISION_KEYS,
+    WRAPPER_KEYS,
+    _check_ignored_keys,
+    _warn_unknown,
+    check_family_format,
+)
+from .config_overrides import (
+    _override_for,
+    _override_where,
+    apply_overrides,
+    check_override_keys,
+    override_path,
+    parse_override_value,
+)
+from .config_reader import NULL_MEANS_DEFAULT, _Reader, _short
+from .vision import vision_spec
+
+__all__ = [
+    "BUNDLED", "BUNDLED_DIR", "HF_EXTRAS", "LAC_KEYS", "LAC_MIRRORS", "NULL_MEANS_DEFAULT", "SUPPORTED_FORMATS",
+    "TEXT_KEYS", "TOKEN_ID_KEYS", "UNSERVED_FAMILY", "VISION_KEYS", "WRAPPER_KEYS", "ModelConfig", "apply_overrides",
+    "build_config", "check_family_format", "check_override_keys", "load_config", "override_path",
+    "parse_override_value", "read_config", "resolve_config_path",
+]
 
 BUNDLED_DIR = os.path.join(os.path.dirname(__file__), "configs")
 BUNDLED = {"kimi-k3": "kimi-k3.json", "k3-tiny": "k3-tiny.json", "kimi-linear-6p6b": "kimi-linear-6p6b.json"}
 
-log = logging.getLogger("k3ir.config")
-
-#: keys the reader may read, per level (an override may set one of these or a key the file has)
-TEXT_KEYS = frozenset({
-    "vocab_size", "hidden_size", "num_hidden_layers", "rms_norm_eps", "tie_word_embeddings", "dtype", "torch_dtype",
-    "bos_token_id", "eos_token_id", "pad_token_id", "hidden_act", "activation_situ_beta",
-    "activation_situ_linear_beta", "intermediate_size", "first_k_dense_replace", "mlp_layer_types",
-    "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "mla_use_nope", "mla_use_output_gate", "linear_attn_config", "layer_types",
-    "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_token",
-    "num_shared_experts", "moe_intermediate_size", "routed_expert_hidden_size", "latent_moe_use_norm",
-    "moe_router_activation_func", "num_expert_group", "routed_scaling_factor", "moe_renormalize",
-    "attn_res_block_size", "quantization_config"})
-LAC_KEYS = frozenset({"full_attn_layers", "kda_layers", "num_heads", "head_dim", "short_conv_kernel_size",
-                      "gate_lower_bound", "use_full_rank_gate"})
-#: ``vision_config`` keys ``frontend/vision.py: vision_spec`` reads
-VISION_KEYS = frozenset({"vt_hidden_size", "vt_num_attention_heads", "vt_num_hidden_layers", "vt_intermediate_size",
-                         "merge_kernel_size", "mm_hidden_size", "text_hidden_size", "mm_projector_type",
-                         "projector_hidden_act", "pos_emb_type", "merge_type", "patch_size", "init_pos_emb_height",
-                         "init_pos_emb_width", "init_pos_emb_time", "projector_ln_eps"})
-#: Kimi-family checkpoint formats that k3ir recognises but does not build yet (docs/checkpoints.md):
-#: model_type -> what sets it apart from the formats k3ir reads.
-UNSERVED_FAMILY = {
-    "kimi_k2": "Kimi K2: DeepSeek-V3 layout with RoPE MLA, FP8 block-scaled experts",
-    "deepseek_v3": "Kimi K2 / DeepSeek-V3 layout: RoPE MLA, FP8 block-scaled or INT4 experts",
-    "kimi_k25": "Kimi K2.5: DeepSeek-V3 text model with RoPE MLA, INT4 experts, and a vision tower",
-}
-SUPPORTED_FORMATS = "model_type 'kimi_k3' (with text_config) and 'kimi_linear'"
-WRAPPER_KEYS = frozenset({"model_type", "text_config", "vision_config", "media_placeholder_token_id"})
-#: keys HF configs carry that k3ir deliberately ignores (no warning for these)
-HF_EXTRAS = frozenset({
-    "architectures", "model_type", "auto_map", "transformers_version", "_name_or_path", "use_cache",
-    "initializer_range", "max_position_embeddings", "model_max_length", "attention_bias", "attention_dropout",
-    "head_dim", "qk_head_dim", "id2label", "label2id", "pretraining_tp", "output_router_logits",
-    "output_attentions", "output_hidden_states", "return_dict", "problem_type", "is_encoder_decoder",
-    "chunk_size_feed_forward", "moe_layer_freq", "topk_method", "use_grouped_topk", "topk_group",
-    "num_nextn_predict_layers", "rope_theta", "rope_scaling", "rope_parameters", "tokenizer_class",
-    "ignore_keys_at_rope_validation"})
-#: keys whose explicit null means "use the default" (transformers writes ``dtype: null``)
-NULL_MEANS_DEFAULT = frozenset({"dtype", "torch_dtype"})
 
 _DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "bf16": "bf16", "f32": "f32", "f16": "f16"}
 
@@ -180,333 +174,14 @@ def read_config(name_or_path: str) -> tuple[Any, str]:
     return raw, path
 
 
-def parse_override_value(text: str) -> Any:
-    """``--set key=value``: JSON when it parses (numbers, true/false/null, lists), else a string (also JSON
-    nested deeper than ``config_bounds.MAX_JSON_DEPTH``, which no key accepts). An integer outside 64 bits
-    is a ``config_bounds.HugeInt`` (never converted), refused by ``load_config`` naming the key."""
-    try:
-        return bounds.loads(text, None)
-    except (json.JSONDecodeError, K3ConfigError):
-        return text
-
-
-def apply_overrides(raw: dict, overrides: dict[str, Any] | None) -> dict:
-    """Set dotted keys. For a ``kimi_k3`` wrapper, keys not starting with ``text_config.``/
-    ``vision_config.`` (or naming a top-level key) go to ``text_config``; dotted keys reach
-    ``linear_attn_config``. Overriding ``num_hidden_layers`` alone re-derives the layer lists
-    (MLA layers beyond the new depth dropped; KDA = the complement; ``layer_types`` /
-    ``mlp_layer_types`` / ``first_k_dense_replace`` follow); overriding ``hidden_size``
-    alone also sets ``vision_config.text_hidden_size`` (the projector's output width)."""
-    if not overrides:
-        return raw
-    cfg = copy.deepcopy(raw)
-    wrapped = "text_config" in cfg
-    for key, value in overrides.items():
-        parts = override_path(cfg, key)
-        node = cfg
-        for p in parts[:-1]:
-            if p not in node or not isinstance(node[p], dict):
-                if p in node:
-                    raise K3ConfigError(f"cannot set '{key}': '{p}' is not an object", key=key)
-                node[p] = {}
-            node = node[p]
-        node[parts[-1]] = value
-    text = cfg["text_config"] if wrapped else cfg
-    if not isinstance(text, dict):
-        return cfg                                 # the validator names text_config
-    keys = {k.split(".")[-1] for k in overrides}
-    _sync_duplicates(text, keys)
-    if "vocab_size" in keys:
-        _follow_vocab(raw, cfg, keys)
-    vision = cfg.get("vision_config") if wrapped else None
-    if ("hidden_size" in keys and isinstance(vision, dict) and "text_hidden_size" in vision
-            and not any(k.endswith("text_hidden_size") for k in overrides)):
-        vision["text_hidden_size"] = text.get("hidden_size")      # the projector follows the text width
-    lac = text.get("linear_attn_config")
-    if "num_hidden_layers" in keys and isinstance(lac, dict) and "full_attn_layers" not in keys:
-        n = text["num_hidden_layers"]
-        if _layer_count(n):
-            lac["full_attn_layers"] = [i for i in lac.get("full_attn_layers", []) if isinstance(i, int) and i <= n]
-            lac["kda_layers"] = [i for i in range(1, n + 1) if i not in lac["full_attn_layers"]]
-    elif "full_attn_layers" in keys and isinstance(lac, dict) and "kda_layers" not in keys:
-        n = text.get("num_hidden_layers")
-        if _layer_count(n) and isinstance(lac.get("full_attn_layers"), list):
-            lac["kda_layers"] = [i for i in range(1, n + 1) if i not in lac["full_attn_layers"]]
-    if "num_hidden_layers" in keys and _layer_count(text.get("num_hidden_layers")):
-        _rederive_per_layer_lists(text, keys)
-    return cfg
-
-
-def _layer_count(n: Any) -> bool:
-    """Whether ``n`` is a layer count the layer lists may be derived from (loops over it): an int in
-    ``1..UPPER_BOUNDS['num_hidden_layers']``; anything else is left for the validator to name."""
-    return isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= bounds.UPPER_BOUNDS["num_hidden_layers"]
-
-
-#: transformers' flat Kimi Linear keys -> the ``linear_attn_config`` key k3ir reads (and its default)
-LAC_MIRRORS = {"linear_num_heads": ("num_heads", None), "linear_head_dim": ("head_dim", None),
-               "linear_conv_kernel_dim": ("short_conv_kernel_size", 4)}
-
-
-def _follow_vocab(old_raw: dict, cfg: dict, keys: set[str]) -> None:
-    """After ``vocab_size`` changed by an override: special token ids that are not overridden themselves and fall
-    outside the new vocabulary keep their distance from its end (Kimi K3's bos 163584 of 163840 -> 256 of 512);
-    one that would go below 0 becomes null. A scaled-down test model thus keeps valid special tokens."""
-    old_text = old_raw.get("text_config", old_raw)
-    text = cfg.get("text_config", cfg)
-    if not isinstance(old_text, dict) or not isinstance(text, dict):
-        return
-    old_v, new_v = old_text.get("vocab_size"), text.get("vocab_size")
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (old_v, new_v)):
-        return
-
-    def move(x):
-        if not isinstance(x, int) or isinstance(x, bool) or 0 <= x < new_v:
-            return x
-        y = new_v - (old_v - x)
-        return y if 0 <= y < new_v else None
-    for d in ([text, cfg] if cfg is not text else [text]):
-        for k in TOKEN_ID_KEYS:
-            if k in keys or d.get(k) is None:
-                continue
-            v = d[k]
-            d[k] = [move(x) for x in v] if isinstance(v, list) else move(v)
-            if isinstance(d[k], list):
-                d[k] = [x for x in d[k] if x is not None] or None
-
-
-def _sync_duplicates(text: dict, keys: set[str]) -> None:
-    """After overrides: a key that duplicates another in the file follows it when only one of the two was set
-    (``linear_num_heads`` <-> ``linear_attn_config.num_heads`` ..., ``qk_head_dim`` = nope + rope), so that
-    ``--set`` of either changes the model and the loader's agreement check passes."""
-    lac = text.get("linear_attn_config")
-    if isinstance(lac, dict):
-        whole = "linear_attn_config" in keys                   # the dict overridden as a whole
-        for flat, (inner, default) in LAC_MIRRORS.items():
-            if flat in keys and inner not in keys and not whole:
-                lac[inner] = text.get(flat)
-            elif (inner in keys or whole) and flat not in keys and flat in text:
-                text[flat] = lac.get(inner, default)
-    if "qk_head_dim" in text and "qk_head_dim" not in keys and keys & {"qk_nope_head_dim", "qk_rope_head_dim"}:
-        nope, rope = text.get("qk_nope_head_dim"), text.get("qk_rope_head_dim", 0)
-        if isinstance(nope, int) and isinstance(rope, int):
-            text["qk_head_dim"] = nope + rope
-
-
-def _check_ignored_keys(text: dict, lac: dict, r: _Reader) -> None:
-    """Keys k3ir does not read (HF_EXTRAS, duplicates of keys it reads) must not say another architecture than
-    the one k3ir builds: K3ConfigError naming the key otherwise."""
-    if isinstance(text.get("linear_attn_config"), dict):
-        for flat, (inner, default) in LAC_MIRRORS.items():
-            v, want = text.get(flat), lac.get(inner, default)
-            if v is not None and want is not None and v != want:
-                r.fail(flat, f"{v!r} disagrees with linear_attn_config.{inner} = {want!r} (k3ir reads "
-                             f"linear_attn_config; set both or drop {flat})")
-    qk = text.get("qk_head_dim")
-    nope, rope = text.get("qk_nope_head_dim"), text.get("qk_rope_head_dim", 0)
-    if qk is not None and isinstance(nope, int) and isinstance(rope, int) and qk != nope + rope:
-        r.fail("qk_head_dim", f"{qk!r} disagrees with qk_nope_head_dim + qk_rope_head_dim = {nope} + {rope} = "
-                              f"{nope + rope}")
-    freq = text.get("moe_layer_freq")
-    if freq is not None and freq != 1:
-        r.fail("moe_layer_freq", f"only 1 is supported (every layer from first_k_dense_replace on is MoE), "
-                                 f"got {freq!r}")
-    tm = text.get("topk_method")
-    if tm is not None and tm != "noaux_tc":
-        r.fail("topk_method", f"only 'noaux_tc' is supported (sigmoid scores, top-k of scores + "
-                              f"e_score_correction_bias), got {tm!r}")
-
-
-def _rederive_per_layer_lists(text: dict, keys: set[str]) -> None:
-    """After ``num_hidden_layers`` alone changed: the per-layer lists transformers' Kimi Linear
-    config writes follow the new depth, as ``linear_attn_config`` does. ``layer_types`` comes
-    from ``full_attn_layers`` (or is cut / padded with ``linear_attention``: KDA is the
-    complement); ``mlp_layer_types`` keeps its leading dense layers up to the new depth and
-    ``first_k_dense_replace`` is capped at it. Keys overridden too are left as given."""
-    n = text["num_hidden_layers"]
-    lac = text.get("linear_attn_config")
-    lt = text.get("layer_types")
-    if "layer_types" not in keys and isinstance(lt, list):
-        full = lac.get("full_attn_layers") if isinstance(lac, dict) else None
-        if isinstance(full, list):
-            text["layer_types"] = ["full_attention" if i + 1 in full else "linear_attention" for i in range(n)]
-        else:
-            text["layer_types"] = (lt + ["linear_attention"] * n)[:n]
-    fk = text.get("first_k_dense_replace")
-    if "first_k_dense_replace" not in keys and isinstance(fk, int) and not isinstance(fk, bool) and fk > n:
-        text["first_k_dense_replace"] = n
-    mt = text.get("mlp_layer_types")
-    if "mlp_layer_types" not in keys and isinstance(mt, list):
-        k = next((i for i, t in enumerate(mt) if t != "dense"), len(mt))
-        k = min(k, n)
-        text["mlp_layer_types"] = ["dense"] * k + ["sparse"] * (n - k)
-
-
-def override_path(raw: dict, key: str) -> list[str]:
-    """The path an override ``key`` sets in ``raw`` (see ``apply_overrides``)."""
-    parts = key.split(".")
-    if "text_config" in raw and parts[0] not in ("text_config", "vision_config") and parts[0] not in raw:
-        parts = ["text_config"] + parts
-    return parts
-
-
-def _known(raw: dict, parts: list[str]) -> bool:
-    """Whether an override may set ``parts``: the file has it, or k3ir reads it."""
-    node: Any = raw
-    for p in parts:
-        if not isinstance(node, dict) or p not in node:
-            break
-        node = node[p]
-    else:
-        return True
-    wrapped = "text_config" in raw
-    rel = parts[1:] if wrapped and parts[0] == "text_config" else parts
-    if wrapped and parts[0] == "vision_config":
-        return len(parts) == 2 and parts[1] in VISION_KEYS
-    if wrapped and len(parts) == 1:
-        return parts[0] in WRAPPER_KEYS
-    if not rel:
-        return False
-    if rel[0] == "linear_attn_config":
-        return len(rel) == 2 and rel[1] in LAC_KEYS
-    if rel[0] == "quantization_config":          # compressed-tensors' own schema
-        return True
-    return len(rel) == 1 and rel[0] in TEXT_KEYS
-
-
-def check_override_keys(raw: dict, overrides: dict[str, Any] | None, path: str | None = None) -> None:
-    """K3ConfigError (``.override`` = the key) for an override naming a key that is neither in
-    ``raw`` nor read by k3ir (a typo would otherwise be ignored silently)."""
-    for key in overrides or {}:
-        parts = override_path(raw, key)
-        if all(parts) and parts[-1] in HF_EXTRAS - {"model_type"} and _ignored_key(raw, parts):
-            msg = f"'{key}' is a key k3ir ignores (it would not change the model)"
-            err = K3ConfigError(msg, path=_override_where(path, key))
-            err.override, err.bare = key, msg
-            raise err
-        if not all(parts) or not _known(raw, parts):
-            last = parts[-1]
-            pool = VISION_KEYS if "vision_config" in parts[:1] else LAC_KEYS if "linear_attn_config" in parts \
-                else TEXT_KEYS | WRAPPER_KEYS
-            near = difflib.get_close_matches(last, sorted(pool), n=1)
-            hint = f"; did you mean '{near[0]}'?" if near else ""
-            err = K3ConfigError(f"'{key}' is not a known key (not in the config and not read by k3ir){hint}",
-                                path=_override_where(path, key))
-            err.override, err.bare = key, f"'{key}' is not a known key (not in the config and not read by k3ir){hint}"
-            raise err
-
-
-def _ignored_key(raw: dict, parts: list[str]) -> bool:
-    """Whether ``parts`` is a key of the wrapper, the text config or ``vision_config`` that k3ir does not read
-    (HF_EXTRAS are skipped at these levels); keys inside ``linear_attn_config`` etc. are never 'ignored'."""
-    wrapped = "text_config" in raw
-    if wrapped and len(parts) == 1:
-        return parts[0] not in WRAPPER_KEYS
-    if wrapped and parts[0] == "vision_config":
-        return len(parts) == 2 and parts[1] not in VISION_KEYS
-    rel = parts[1:] if wrapped and parts[0] == "text_config" else parts
-    return len(rel) == 1 and rel[0] not in TEXT_KEYS
-
-
-def _override_where(path: str | None, key: str) -> str:
-    return f"{path}, override '{key}'" if path else f"override '{key}'"
-
-
-def _warn_unknown(raw: dict, path: str | None) -> None:
-    """Log (warning) keys of a config FILE that k3ir neither reads nor knows to ignore."""
-    wrapped = "text_config" in raw
-    text = raw.get("text_config") if wrapped else raw
-    extra = [k for k in raw if k not in WRAPPER_KEYS | HF_EXTRAS] if wrapped else []
-    if isinstance(text, dict):
-        pre = "text_config." if wrapped else ""
-        extra += [pre + k for k in text if k not in TEXT_KEYS | HF_EXTRAS]
-        lac = text.get("linear_attn_config")
-        if isinstance(lac, dict):
-            extra += [f"{pre}linear_attn_config.{k}" for k in lac if k not in LAC_KEYS]
-    vc = raw.get("vision_config") if wrapped else None
-    if isinstance(vc, dict):
-        extra += [f"vision_config.{k}" for k in vc if k not in VISION_KEYS | HF_EXTRAS]
-    if extra:
-        log.warning("%s: ignoring %d unknown config key(s): %s", path or "config", len(extra), ", ".join(extra))
-
-
-def _short(v: Any, n: int = 80) -> str:
-    """``repr(v)`` cut to ``n`` characters (a hostile value may be megabytes long)."""
-    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 200:
-        return f"of {v.bit_length()} bits"
-    r = repr(v)
-    return r if len(r) <= n else r[:n] + "..."
-
-
-class _Reader:
-    """Typed access to a config dict; errors name the dotted key and the file."""
-
-    def __init__(self, d: dict, prefix: str, path: str | None, reads: set[str] | None = None):
-        self.d, self.prefix, self.path = d, prefix, path
-        self.reads = reads if reads is not None else set()     # dotted keys read (tests check them)
-
-    def peek(self, k: str) -> Any:
-        """``d.get(k)``, recorded as read (keys whose null is legal: token ids, layer lists)."""
-        self.reads.add(self.key(k))
-        return self.d.get(k)
-
-    def key(self, k: str) -> str:
-        return f"{self.prefix}{k}"
-
-    def fail(self, k: str, msg: str):
-        raise K3ConfigError(msg, key=self.key(k), path=self.path)
-
-    def get(self, k: str, typ, default: Any = ..., *, lo=None, hi=None, allow_none=False, choices=None):
-        """The value of ``k`` checked against ``typ``/``lo``/``hi``/``choices``; ``default`` when
-        absent (``...``: required). An explicit null is an error unless ``allow_none`` (or the key
-        is in NULL_MEANS_DEFAULT): the default may mean something else than "none"."""
-        self.reads.add(self.key(k))
-        if k not in self.d or (self.d[k] is None and k in NULL_MEANS_DEFAULT and default is not ...):
-            if default is ...:
-                self.fail(k, "is required")
-            return default
-        v = self.d[k]
-        if v is None:
-            if allow_none:
-                return None
-            self.fail(k, "must not be null" + ("" if default is ... else " (omit it for the default)"))
-        if isinstance(v, int) and not isinstance(v, bool) and not bounds.INT_MIN <= v <= bounds.INT_MAX:
-            self.fail(k, f"integer {_short(v)} is out of the 64-bit range")
-        if typ is float and isinstance(v, int) and not isinstance(v, bool):
-            v = float(v)
-        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-            self.fail(k, f"must be {typ.__name__}, got {type(v).__name__} {_short(v)}")
-        if typ is float and not math.isfinite(v):          # json.loads accepts NaN / Infinity
-            self.fail(k, f"must be finite, got {v}")
-        if choices is not None and v not in choices:
-            self.fail(k, f"must be one of {list(choices)}, got {_short(v)}")
-        if typ is int and (bound := bounds.upper_bound(self.key(k))) is not None:
-            hi = bound if hi is None else min(hi, bound)
-        if lo is not None and v < lo:
-            self.fail(k, f"must be >= {lo}, got {v}")
-        if hi is not None and v > hi:
-            self.fail(k, f"must be <= {hi}, got {v}")
-        return v
-
-    def eps(self, k: str, default: float) -> float:
-        """A normalisation epsilon: a finite float > 0 (``rsqrt(mean(x^2) + 0)`` of a zero row is inf)."""
-        if (eps := self.get(k, float, default)) <= 0:
-            self.fail(k, f"must be > 0, got {eps}")
-        return eps
-
-
 def build_config(raw: dict, path: str | None = None, name: str | None = None,
                  reads: set[str] | None = None) -> ModelConfig:
     """Validate ``raw`` (a config dict) into a ModelConfig; K3ConfigError names ``path`` and the
     key. ``reads``, when given, collects the dotted keys the reader looked at."""
     if not isinstance(raw, dict):
         raise K3ConfigError("config must be a JSON object", path=path)
+    check_family_format(raw, path)
     mt = raw.get("model_type")
-    inner = raw["text_config"].get("model_type") if isinstance(raw.get("text_config"), dict) else None
-    for key, value in (("model_type", mt), ("text_config.model_type", inner)):
-        if isinstance(value, str) and value in UNSERVED_FAMILY:
-            raise K3ConfigError(f"model_type {value!r} ({UNSERVED_FAMILY[value]}) is not supported yet; k3ir reads "
-                                f"{SUPPORTED_FORMATS} (docs/checkpoints.md lists the formats)", key=key, path=path)
     if "text_config" in raw:
         if not isinstance(raw["text_config"], dict):
             raise K3ConfigError("must be an object", key="text_config", path=path)
@@ -617,9 +292,6 @@ def build_config(raw: dict, path: str | None = None, name: str | None = None,
         attn_res_block_size=block, expert_quant=quant, quant_ignore=ignore,
         media_placeholder_token_id=raw.get("media_placeholder_token_id"),
         vision=vision, raw=raw, path=path)
-
-
-TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id")
 
 
 def _check_token_ids(raw: dict, text: dict, prefix: str, path: str | None, vocab: int) -> None:
@@ -740,7 +412,6 @@ def _build_checked(raw: Any, path: str | None, name: str | None) -> ModelConfig:
     """build_config plus the vision_config check (``vision_spec``), so that both fail here."""
     cfg = build_config(raw, path, name)
     if cfg.vision is not None:
-        from .vision import vision_spec
         merge, hi = cfg.vision.get("merge_kernel_size"), bounds.UPPER_BOUNDS["vision_config.merge_kernel_size"]
         if isinstance(merge, list) and any(isinstance(k, int) and k > hi for k in merge):
             raise K3ConfigError(f"entries must be <= {hi}, got {_short(merge)}", key="vision_config.merge_kernel_size",
@@ -755,23 +426,3 @@ def _valid(raw: Any) -> bool:
     except K3ConfigError:
         return False
     return True
-
-
-#: keys apply_overrides derives from others (the override to blame when they are invalid)
-_DERIVED = {"text_hidden_size": ("hidden_size",), "kda_layers": ("num_hidden_layers", "full_attn_layers"),
-            "layer_types": ("num_hidden_layers",), "mlp_layer_types": ("num_hidden_layers",),
-            "first_k_dense_replace": ("num_hidden_layers",)}
-
-
-def _override_for(raw: Any, overrides: dict[str, Any] | None, key: str | None) -> str | None:
-    """The override key responsible for an error on dotted ``key`` (None: the file's own)."""
-    if not overrides or not key or not isinstance(raw, dict):
-        return None
-    for k in overrides:
-        if ".".join(override_path(raw, k)) == key or k == key:
-            return k
-    last = key.split(".")[-1]
-    for k in overrides:
-        if k.split(".")[-1] in _DERIVED.get(last, ()):
-            return k
-    return None

@@ -21,7 +21,7 @@ from k3ir.errors import K3ConfigError, K3RuntimeError
 from k3ir.ir import Function, Module, Value
 from k3ir.types import TensorType
 
-from .config import _Reader
+from .config_reader import _Reader
 
 #: the peer's image processor defaults (transformers ``Kimi_K25ImageProcessor``)
 IMAGE_MEAN = (0.5, 0.5, 0.5)
