@@ -72,7 +72,7 @@ class VisionSpec:
 
 def vision_spec(vc: dict, text_hidden: int, path: str | None = None) -> VisionSpec:
     """Validate ``vision_config`` (MoonViT names) -> VisionSpec; K3ConfigError names the key
-    (``vision_config.<key>``) and ``path``. Values are read as the text config's are (config.py
+    (``vision_config.<key>``) and ``path``. Values are read as the text config's are (config_reader.py
     ``_Reader``: types, ranges, finite floats, epsilons > 0)."""
     r = _Reader(vc, "vision_config.", path)
     hidden = r.get("vt_hidden_size", int, lo=1)
