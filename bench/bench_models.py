@@ -349,7 +349,7 @@ def section_kimi(smoke, hf_speed=False, no_hf=False, warm_only=""):
         if no_hf:
             raise RuntimeError("--no-hf")
         sys.modules.pop("fla", None)
-        from k3ir.backends.triton.peer import params_from_transformers
+        from k3ir.frontend.hf_state_dict import params_from_transformers
         hf, cfg = _hf_model(ov, DT)
         params = params_from_transformers(m, hf)
         try:
@@ -454,7 +454,7 @@ def section_kimi(smoke, hf_speed=False, no_hf=False, warm_only=""):
         gc.collect()
         torch.cuda.empty_cache()
     # float32 control: 4 layers at full width (KDA x3 + MLA; dense + 3 MoE), and the same in bf16
-    from k3ir.backends.triton.peer import params_from_transformers
+    from k3ir.frontend.hf_state_dict import params_from_transformers
     ov4 = KL_SMALL if smoke else KL4
     m4 = k3ir.load("kimi-linear-6p6b", ov4)
     for dt, dtn in dict.fromkeys(((torch.float32, "float32"), (DT, DTN))):

@@ -29,7 +29,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sections", default="4l,full")
     a = ap.parse_args()
-    from k3ir.backends.triton.peer import params_from_transformers
+    from k3ir.frontend.hf_state_dict import params_from_transformers
 
     import k3ir
     gpu = torch.cuda.is_available()

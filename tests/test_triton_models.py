@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from conftest import rel_err
+from k3ir.frontend.hf_state_dict import params_from_transformers
 from k3ir.runtime import Session
 
 import k3ir
@@ -65,7 +66,6 @@ def _hf_tiny():
 
 
 def test_kimi_linear_tiny_matches_transformers(tmp_path):
-    from k3ir.backends.triton.peer import params_from_transformers
     model, cfg = _hf_tiny()
     cfg.save_pretrained(tmp_path)
     module = k3ir.load(str(tmp_path / "config.json"))     # a config without weights (a directory must hold them)
