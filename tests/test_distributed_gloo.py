@@ -49,7 +49,7 @@ def _worker(key: str, spec: str, out: str) -> None:
         lg, st = s.decode(nxt[t], st)
         steps.append(lg.double().numpy())
     np.savez(out, prefill=logits.double().numpy(), decode=np.stack(steps))
-    torch.distributed.destroy_process_group()
+    _finish()
 
 
 def _long_ids(vocab: int) -> np.ndarray:
@@ -79,7 +79,7 @@ def _long_worker(key: str, spec: str, out: str) -> None:
     params = init_params(m, seed=3)
     exe = k3ir.compile(shard(m, mesh), target="torch", dtype="float32", mesh=mesh)
     np.savez(out, **_long_run(DistributedSession(exe, params, prefill_chunk=64), _long_ids(int(m.attrs["vocab_size"]))))
-    torch.distributed.destroy_process_group()
+    _finish()
 
 
 def _collective_cases():
@@ -121,7 +121,16 @@ def _collectives_worker(out: str) -> None:
         mine = [torch.as_tensor(a[r]) for a in operands]
         res[str(i)] = table[name](inst, *mine).double().numpy()
     np.savez(out, **res)
-    torch.distributed.destroy_process_group()
+    _finish()
+
+
+def _finish() -> None:
+    """Leave the process group together: a barrier, then destroy it (gloo torn down while the peer still
+    runs its last collective, or at interpreter exit, sometimes aborts with 'terminate called without an
+    active exception'; the worker then leaves with os._exit, its results saved)."""
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -330,3 +339,6 @@ if __name__ == "__main__":
         _long_worker(sys.argv[1][5:], *sys.argv[2:4])
     else:
         _worker(*sys.argv[1:4])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

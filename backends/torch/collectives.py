@@ -10,8 +10,9 @@ process group of one mesh axis. ``bind(mesh)`` returns the table entries with th
 How each op runs (gloo on CPU and NCCL on GPUs both provide these c10d calls):
 
 - ``k3.all_reduce``: ``dist.all_reduce`` (sum) on a copy (inputs are never written);
-- ``k3.all_gather``: ``dist.all_gather_into_tensor`` with ``dim`` moved first, moved back after;
-- ``k3.reduce_scatter``: ``dist.reduce_scatter_tensor`` (sum) with ``dim`` moved first;
+- ``k3.all_gather``: ``dist.all_gather_into_tensor`` (``all_gather_single`` where torch has it) with ``dim``
+  moved first, moved back after;
+- ``k3.reduce_scatter``: ``dist.reduce_scatter_tensor`` (``reduce_scatter_single``) (sum) with ``dim`` moved first;
 - ``k3.all_to_all``: ``dist.all_to_all_single`` with equal splits of ``dim`` (moved first);
 - ``k3.sharded_embedding``: the rank's vocab rows (offset ``coord * V/G``) and a mask, no communication;
 - ``k3.kcp_scan``: all-gather ``(M, S_loc)`` in fp32 (fp64 under a float64 compile), then the
@@ -96,11 +97,17 @@ class _Groups:
         return self.group[inst.axis]
 
 
+#: newer torch (2.13) names them ``all_gather_single`` / ``reduce_scatter_single`` (the ``*_tensor`` names warn);
+#: torch 2.11 (the GPU image) has only the older names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _gather0(x: T, group: Any, n: int) -> T:
     """``[G * x.shape[0], ...]``: the group's x concatenated in rank order on dim 0."""
     x = x.contiguous()
     out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather(out, x, group=group)
     return out
 
 
@@ -122,7 +129,7 @@ def reduce_scatter(g: _Groups, inst, x: T) -> T:
     d = inst.dim % x.dim()
     xm = x.movedim(d, 0).contiguous()
     out = xm.new_empty((xm.shape[0] // inst.group,) + tuple(xm.shape[1:]))
-    dist.reduce_scatter_tensor(out, xm, op=dist.ReduceOp.SUM, group=pg)
+    _reduce_scatter(out, xm, op=dist.ReduceOp.SUM, group=pg)
     return out.movedim(0, d)
 
 
