@@ -44,6 +44,7 @@ from .config_overrides import (
     parse_override_value,
 )
 from .config_reader import NULL_MEANS_DEFAULT, _Reader, _short
+from .run_pointer import pointer_message
 from .vision import vision_spec
 
 __all__ = [
@@ -167,7 +168,6 @@ def read_config(name_or_path: str) -> tuple[Any, str]:
     try:
         raw = bounds.loads(text, path)
     except json.JSONDecodeError as e:
-        from k3ir.runtime.train_checkpoint import pointer_message  # `k3ir generate run/checkpoints/latest`
         raise K3ConfigError(pointer_message(path) or f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}",
                             path=path) from None
     bounds.check_huge(raw, path)

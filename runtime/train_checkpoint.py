@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from k3ir.frontend.run_pointer import LATEST
 
 from k3ir.errors import K3CheckpointError
 
@@ -40,7 +41,6 @@ STATE_DIR = "train_state"
 META_FILE = "trainer.json"
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "train_state/manifest.json"
-LATEST = "latest"
 #: ``format`` of ``train_state/manifest.json``
 TRAIN_FORMAT = "k3ir-train-checkpoint"
 _STEP_DIR = re.compile(r"step-(\d+)$")
@@ -333,29 +333,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
                 return cand / name
             raise K3CheckpointError(f"{cand / LATEST}: names '{name}', which has no {META_FILE}")
     raise K3CheckpointError(f"{p}: no training checkpoint here (want {META_FILE} or checkpoints/{LATEST})")
-
-
-def pointer_target(path: str | Path) -> Path | None:
-    """The checkpoint directory that ``path`` names when ``path`` is a run's ``checkpoints/latest``
-    pointer file (one line naming a sibling checkpoint directory), else None."""
-    p = Path(path)
-    if p.name != LATEST or not p.is_file() or p.stat().st_size > 256:
-        return None
-    try:
-        name = p.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return p.parent / name if name and "/" not in name and (p.parent / name).is_dir() else None
-
-
-def pointer_message(path: str | Path) -> str | None:
-    """What to say when ``path`` (a ``checkpoints/latest`` pointer) is given where a config was
-    expected, else None."""
-    ptr = pointer_target(path)
-    if ptr is None:
-        return None
-    return (f"is a training run's checkpoint pointer (it names {ptr.name}), not a model config: pass the "
-            f"checkpoint directory {ptr} (or --resume {Path(path).parent.parent} to train on)")
 
 
 def read_meta(path: str | Path, resolve: bool = True) -> dict:
