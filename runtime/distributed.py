@@ -186,3 +186,37 @@ class DistributedSession:
         """(logits ``[B, 1, V]``, this rank's new state) for one token per row (replicated over cp)."""
         logits, st = self.session.decode(self._rows(token_ids), state)
         return self._gather(logits, False), st
+
+    def generate(self, input_ids: Any, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+                 eos_token_id: int | None = None) -> Any:
+        """``Session.generate`` on the mesh: prefill then ``max_new_tokens`` decode steps, greedy when
+        ``temperature == 0`` (lower index on ties) else sampled from ``softmax(logits / temperature)`` with
+        ``seed``. Every rank holds the same gathered logits, so every rank picks the same tokens. Returns
+        ``LongTensor[B, T + new]`` on every rank. Rows that emit ``eos_token_id`` keep emitting it. Raises
+        K3RuntimeError for a negative count or temperature, or non-finite logits."""
+        import torch
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+            raise K3RuntimeError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+            raise K3RuntimeError(f"temperature must be a number >= 0, got {temperature!r}")
+        out = torch.as_tensor(np.asarray(input_ids.cpu() if hasattr(input_ids, "cpu") else input_ids), dtype=torch.int64)
+        if max_new_tokens == 0:
+            return out
+        gen = torch.Generator().manual_seed(int(seed))
+        logits, state = self.prefill(out.numpy())
+        done = torch.zeros(out.shape[0], dtype=torch.bool)
+        for step in range(max_new_tokens):
+            last = logits[:, -1].detach().to("cpu", torch.float64)
+            if not bool(torch.isfinite(last.max(dim=-1).values).all()):
+                raise K3RuntimeError(f"non-finite logits at generation step {step + 1} of {max_new_tokens}")
+            if temperature == 0:
+                nxt = torch.argmax(last, dim=-1)
+            else:
+                nxt = torch.multinomial(torch.softmax(last / temperature, dim=-1), 1, generator=gen)[:, 0]
+            if eos_token_id is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                done |= nxt == eos_token_id
+            out = torch.cat([out, nxt[:, None]], dim=1)
+            if step + 1 < max_new_tokens:
+                logits, state = self.decode(nxt[:, None].numpy(), state)
+        return out

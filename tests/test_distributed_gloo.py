@@ -1,7 +1,8 @@
 """Sharded modules on torch.distributed (gloo, CPU): 2 processes with 1 thread each run k3-tiny and
 kimi-linear-tiny under EP=2, TP=2 and CP=2 in float32 (backends/torch/collectives.py,
 runtime/distributed.py); prefill and 8 decode steps give the single-process torch run's logits within
-1e-5 relative (SPEC.md 11: the collectives reorder sums), on both ranks. Plus the build-time refusals.
+1e-5 relative (SPEC.md 11: the collectives reorder sums), on both ranks, and greedy generation the same
+tokens. Plus the build-time refusals.
 
 Each case starts its workers as subprocesses of this file (``python test_distributed_gloo.py WORKER``)
 with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), waits with a
@@ -48,7 +49,7 @@ def _worker(key: str, spec: str, out: str) -> None:
     for t in range(STEPS):
         lg, st = s.decode(nxt[t], st)
         steps.append(lg.double().numpy())
-    np.savez(out, prefill=logits.double().numpy(), decode=np.stack(steps))
+    np.savez(out, prefill=logits.double().numpy(), decode=np.stack(steps), generate=s.generate(ids, 6).numpy())
     _finish()
 
 
@@ -183,7 +184,8 @@ def _single_process(key: str) -> dict:
         for t in range(STEPS):
             lg, st = s.decode(nxt[t], st)
             steps.append(lg.double().numpy())
-        _ONE[key] = {"prefill": logits.double().numpy(), "decode": np.stack(steps)}
+        _ONE[key] = {"prefill": logits.double().numpy(), "decode": np.stack(steps),
+                     "generate": s.generate(ids, 6).numpy()}
     return _ONE[key]
 
 
@@ -202,6 +204,7 @@ def test_two_gloo_ranks_give_the_single_process_logits(tmp_path, key, spec):
             assert got[what].shape == want[what].shape, (r, what)
             err = rel(got[what], want[what])
             assert err < 1e-5, (r, what, err)
+        assert np.array_equal(got["generate"], want["generate"]), r          # greedy: the same 6 tokens
     assert np.array_equal(ranks[0]["prefill"], ranks[1]["prefill"])       # every rank holds the whole batch
 
 
