@@ -26,6 +26,7 @@ import numpy as np
 from k3ir.errors import K3BackendError
 from k3ir.ir import Function, Module, Operation
 from k3ir.opdef import instantiate
+from k3ir.param_init import check_fits, init_param
 from k3ir.types import StateType, TensorType
 
 from ..lowering import lower_or_decompose
@@ -189,7 +190,7 @@ class OnnxExporter:
 
     ``dtype``: compute dtype of float tensors (``float32`` | ``float16``); ``weights``: one of
     ``WEIGHT_MODES``; ``params``: name -> array for ``embedded``/``external`` (None there means a
-    deterministic random init, ``runtime.params.init_params``); ``opset``: 27 or 20 (None:
+    deterministic random init, ``k3ir.param_init.init_param``); ``opset``: 27 or 20 (None:
     ``default_opset()``), which picks the lowering table (``lowering.table_for_opset``);
     ``ort_kernels``: opset 27's ``LinearAttention`` and ``CausalConvWithState`` in onnxruntime's
     ``com.microsoft`` domain (same inputs, outputs and attributes), which onnxruntime 1.32 runs with
@@ -292,7 +293,6 @@ class OnnxExporter:
 
     def _array(self, name: str, decl):
         if self.params is None:
-            from k3ir.runtime.params import check_fits, init_param
             check_fits(8 * int(decl.type.numel()), f"random init of parameter {name}")
             return init_param(decl)
         a = self.params[name]
