@@ -1,0 +1,84 @@
+"""Layering of the k3ir packages, as the ``[tool.importlinter]`` contracts of pyproject.toml state it:
+``k3ir.runtime`` > ``k3ir.backends`` > ``k3ir.passes`` > the core; the frontend imports only the core;
+backends and frontend are independent.
+
+The source folders (``frontend/``, ``passes/``, ``backends/``, ``runtime/``) are subpackages of ``k3ir``
+only through pyproject's ``package-dir`` mapping, which import-linter's graph builder does not follow
+(it walks the folder of the root package); so the check runs ``lint-imports`` on a copy of the sources
+laid out as the wheel installs them.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ImportError:                      # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = ROOT / "pyproject.toml"
+LINT_IMPORTS = shutil.which("lint-imports") or pytest.skip("import-linter is not installed (the `test` extra)",
+                                                           allow_module_level=True)
+
+
+def _pyproject() -> dict:
+    return tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))
+
+
+def _installed_layout(dest: Path) -> Path:
+    """Copy the ``.py`` files of every package in ``package-dir`` to ``dest/<dotted path>``; returns ``dest``."""
+    for package, folder in _pyproject()["tool"]["setuptools"]["package-dir"].items():
+        target = dest.joinpath(*package.split("."))
+        for src in (ROOT / folder).rglob("*.py"):
+            rel = src.relative_to(ROOT / folder)
+            if "__pycache__" in rel.parts:
+                continue
+            out = target / rel
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, out)
+    return dest
+
+
+def _lint_imports(tree: Path) -> subprocess.CompletedProcess:
+    """``lint-imports`` with pyproject's contracts on the sources laid out at ``tree`` (run from there, so
+    the checkout's own ``k3ir/`` folder is not what ``import k3ir`` finds)."""
+    return subprocess.run([LINT_IMPORTS, str(PYPROJECT), "--no-cache", "--no-logo"], check=False, cwd=tree,
+                          env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=300)
+
+
+def test_import_contracts_kept(tmp_path):
+    r = _lint_imports(_installed_layout(tmp_path / "site"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 broken" in r.stdout, r.stdout
+
+
+def _core_modules() -> set[str]:
+    """The core modules: every module and package directly in k3ir/, without ``__init__``."""
+    core = ROOT / "k3ir"
+    return ({p.stem for p in core.glob("*.py") if p.stem != "__init__"}
+            | {p.name for p in core.iterdir() if (p / "__init__.py").is_file()})
+
+
+def test_contracts_list_every_core_module():
+    contracts = {c["id"]: c for c in _pyproject()["tool"]["importlinter"]["contracts"]}
+    layer = {m.strip() for m in contracts["layers"]["layers"][-1].split(":")}
+    assert layer == _core_modules(), "the core layer of pyproject.toml's layers contract must list k3ir/'s modules"
+    sources = set(contracts["core-below-frontend"]["source_modules"])
+    assert sources == {f"k3ir.{m}" for m in _core_modules()}
+
+
+def test_broken_layer_is_reported(tmp_path):
+    """The check can fail: a core module importing the runtime breaks the layers contract."""
+    tree = _installed_layout(tmp_path / "site")
+    (tree / "k3ir" / "errors.py").write_text((tree / "k3ir" / "errors.py").read_text()
+                                             + "\nimport k3ir.runtime.qb  # noqa\n")
+    r = _lint_imports(tree)
+    assert r.returncode != 0
+    assert "k3ir.errors -> k3ir.runtime.qb" in r.stdout, r.stdout
+
