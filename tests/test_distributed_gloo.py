@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
-B, T, STEPS = 2, 10, 8
+B, T, STEPS = 4, 10, 8
 
 
 def _inputs(vocab: int):
@@ -206,6 +206,19 @@ def test_two_gloo_ranks_give_the_single_process_logits(tmp_path, key, spec):
             assert err < 1e-5, (r, what, err)
         assert np.array_equal(got["generate"], want["generate"]), r          # greedy: the same 6 tokens
     assert np.array_equal(ranks[0]["prefill"], ranks[1]["prefill"])       # every rank holds the whole batch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["ep=4", "ep=2,cp=2", "ep=2,tp=2", "dp=2,tp=2"])
+def test_four_gloo_ranks_give_the_single_process_logits(tmp_path, spec):
+    """4 processes on k3-tiny: EP=4 (2 of the 8 experts per rank), EP x CP, EP x TP, DP x TP (~15 s each
+    alone on 2 cores; slow because 4 processes oversubscribe the 2 shared cores of the test machines)."""
+    ranks = _launch(tmp_path, "k3-tiny", spec, world=4, timeout=300.0)
+    want = _single_process("k3-tiny")
+    for r, got in enumerate(ranks):
+        for what in ("prefill", "decode"):
+            assert rel(got[what], want[what]) < 1e-5, (r, what)
+        assert np.array_equal(got["generate"], want["generate"]), r
 
 
 def test_context_parallel_long_prompt_in_calls_then_a_prefill_from_state(tmp_path):
