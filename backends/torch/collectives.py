@@ -236,6 +236,7 @@ def kda_transition(inst, k: T, g: T, beta: T) -> T:
 
 
 def cache_insert(inst, cache: T, x: T, lengths: T) -> T:
+    """``[B, L+S, W]``: row b = ``cache[b, :lengths[b]]``, ``x[b]``, zeros. K3BackendError for a length outside 0..L."""
     B, L, W = cache.shape
     S = x.shape[1]
     n = lengths.to(torch.int64).to(cache.device)
@@ -244,10 +245,13 @@ def cache_insert(inst, cache: T, x: T, lengths: T) -> T:
     pos = torch.arange(L + S, device=cache.device)[None, :]                # [1, L+S]
     from_cache = pos < n[:, None]
     from_x = (pos >= n[:, None]) & (pos < n[:, None] + S)
-    ci = pos.clamp(max=L - 1).expand(B, -1) if L else pos.expand(B, -1) * 0
-    xi = (pos - n[:, None]).clamp(0, S - 1)
     acc = _acc(cache)
-    c_rows = cache.to(acc).gather(1, ci[..., None].expand(-1, -1, W)) if L else cache.new_zeros(B, L + S, W, dtype=acc)
+    if L:
+        ci = pos.clamp(max=L - 1).expand(B, -1)
+        c_rows = cache.to(acc).gather(1, ci[..., None].expand(-1, -1, W))
+    else:
+        c_rows = cache.new_zeros(B, S, W, dtype=acc)
+    xi = (pos - n[:, None]).clamp(0, S - 1)
     x_rows = x.to(acc).gather(1, xi[..., None].expand(-1, -1, W))
     zero = torch.zeros((), dtype=acc, device=cache.device)
     return torch.where(from_cache[..., None], c_rows, torch.where(from_x[..., None], x_rows, zero))
