@@ -11,12 +11,14 @@ from typing import Any
 
 from k3ir.errors import K3BackendError
 from k3ir.ir import Module, Operation
+from k3ir.registration import import_builtin
 
 _BACKENDS: dict[str, Backend] = {}
 _ALIASES: dict[str, str] = {}
 _LOADED = False
 #: built-in backend packages (folders under backends/); each registers on import and must import
-#: its heavy dependency (triton, tvm, onnxruntime, iree) lazily, reporting absence via ``available``
+#: its heavy dependency (triton, tvm, onnxruntime, iree) lazily, reporting absence via ``available``; every
+#: package under backends/ is listed (tests/test_layering.py checks it)
 BUILTIN = ("reference", "torch", "triton", "tvm", "onnx", "mlir")
 
 
@@ -141,11 +143,8 @@ def _load() -> None:
     if _LOADED:
         return
     _LOADED = True
-    import importlib
-    import importlib.util
     for name in BUILTIN:                 # built-in targets register themselves on import
-        if importlib.util.find_spec(f"{__name__}.{name}") is not None:
-            importlib.import_module(f"{__name__}.{name}")
+        import_builtin(f"{__name__}.{name}", "backend")
     load_plugins()
 
 

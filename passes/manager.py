@@ -17,13 +17,15 @@ from typing import Any
 
 from k3ir.errors import K3Error
 from k3ir.ir import Module
+from k3ir.registration import import_builtin
 from k3ir.verify import verify_module
 
 log = logging.getLogger("k3ir.passes")
 
 PASSES: dict[str, type[Pass]] = {}
 
-#: modules defining the built-in passes (imported on first use)
+#: modules defining the built-in passes (imported on first use); every module here with a ``@register_pass``
+#: is listed (tests/test_layering.py checks it)
 BUILTIN_PASSES = ("dce", "cse", "fuse_kda_chunks", "fuse_moe_dispatch", "quantize_experts", "absorb_mla",
                   "fuse_attn_res", "shard")
 
@@ -75,11 +77,10 @@ def register_pass(name: str):
 
 
 def _load() -> None:
-    import importlib
-    import importlib.util
+    """Import the built-in pass modules (they import this one, so not at module top); ModuleNotFoundError
+    naming a missing one."""
     for mod in BUILTIN_PASSES:
-        if importlib.util.find_spec(f"{__package__}.{mod}") is not None:
-            importlib.import_module(f"{__package__}.{mod}")
+        import_builtin(f"{__package__}.{mod}", "pass")
 
 
 def known_passes() -> list[str]:

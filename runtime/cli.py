@@ -11,8 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 from k3ir.errors import K3Error
+from k3ir.registration import import_builtin
 
-#: modules adding subcommands (each defines ``register(subparsers)``); absent ones are skipped
+#: modules adding subcommands (each defines ``register(subparsers)``); every ``runtime/cli_*.py`` with a
+#: ``register`` is listed (tests/test_layering.py checks it)
 COMMAND_MODULES: list[str] = [
     "k3ir.runtime.cli_compile",      # compile, check (passes, backends)
     "k3ir.runtime.cli_export",       # export (onnx, mlir, dot/svg/html)
@@ -409,10 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_run)
 
-    import importlib.util
     for mod in COMMAND_MODULES:
-        if importlib.util.find_spec(mod) is not None:
-            importlib.import_module(mod).register(sub)
+        import_builtin(mod, "command").register(sub)
     return p
 
 

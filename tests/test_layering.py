@@ -82,3 +82,63 @@ def test_broken_layer_is_reported(tmp_path):
     assert r.returncode != 0
     assert "k3ir.errors -> k3ir.runtime.qb" in r.stdout, r.stdout
 
+
+
+# ---- registration lists: every built-in module is listed, and a listed module that is missing says so ----
+
+def _defining(folder: Path, pattern: str, glob: str = "*.py") -> set[str]:
+    """Stems of the ``glob`` files of ``folder`` whose source contains ``pattern``."""
+    return {p.stem for p in folder.glob(glob) if pattern in p.read_text(encoding="utf-8")}
+
+
+def test_op_families_listed():
+    from k3ir.ops import FAMILIES
+    assert sorted(FAMILIES) == sorted(_defining(ROOT / "k3ir" / "ops", "@op(")), "k3ir/ops/__init__.py FAMILIES"
+
+
+def test_builtin_passes_listed():
+    from k3ir.passes.manager import BUILTIN_PASSES
+    assert sorted(BUILTIN_PASSES) == sorted(_defining(ROOT / "passes", "@register_pass("))
+
+
+def test_builtin_backends_listed():
+    from k3ir.backends import BUILTIN
+    assert sorted(BUILTIN) == sorted(p.name for p in (ROOT / "backends").iterdir() if (p / "__init__.py").is_file())
+
+
+def test_command_modules_listed():
+    from k3ir.runtime.cli import COMMAND_MODULES
+    listed = sorted(m.rsplit(".", 1)[1] for m in COMMAND_MODULES)
+    assert listed == sorted(_defining(ROOT / "runtime", "\ndef register(", "cli_*.py"))
+
+
+@pytest.mark.parametrize("listing, kind", [("k3ir.passes.manager.BUILTIN_PASSES", "pass"),
+                                           ("k3ir.backends.BUILTIN", "backend")])
+def test_missing_builtin_module_is_a_packaging_error(monkeypatch, listing, kind):
+    """A listed module whose file is absent fails with an error naming it, not a later "unknown pass"."""
+    import importlib
+
+    import k3ir.backends
+    import k3ir.passes.manager
+    owner, attr = listing.rsplit(".", 1)
+    mod = importlib.import_module(owner)
+    monkeypatch.setattr(mod, attr, (*getattr(mod, attr), "absent_module"))
+    if kind == "backend":
+        monkeypatch.setattr(k3ir.backends, "_LOADED", False)
+        load = k3ir.backends._load
+    else:
+        load = k3ir.passes.manager._load
+    pkg = owner if kind == "backend" else "k3ir.passes"
+    with pytest.raises(ModuleNotFoundError, match=rf"built-in {kind} module {pkg}\.absent_module .*packaging"):
+        load()
+
+
+def test_import_builtin_names_only_its_own_module():
+    """A missing module is reported as a packaging error; a missing parent package (or an import inside a
+    present module) propagates unchanged."""
+    from k3ir.registration import import_builtin
+    with pytest.raises(ModuleNotFoundError, match="absent_module"):
+        import_builtin("k3ir.absent_module", "op family")
+    with pytest.raises(ModuleNotFoundError) as e:
+        import_builtin("k3ir.absent_package.child", "pass")
+    assert e.value.name == "k3ir.absent_package" and "packaging" not in str(e.value)

@@ -1,10 +1,10 @@
 """Op families; importing this package registers every op. Families: core tensor ops, state
 ops, model ops (nn, kda, mla, moe, residual), fused ops created by passes, vision ops, collectives of sharded modules."""
-import importlib
-import importlib.util
+from ..registration import import_builtin
 
+#: the op-family modules of this package, imported (and so registered) in this order; every module here
+#: that defines ops is listed (tests/test_layering.py checks it)
 FAMILIES = ("core", "state", "nn", "kda", "mla", "moe", "residual", "fused", "vision", "collective")
 
 for _name in FAMILIES:
-    if importlib.util.find_spec(f"{__name__}.{_name}") is not None:
-        importlib.import_module(f"{__name__}.{_name}")
+    import_builtin(f"{__name__}.{_name}", "op family")
