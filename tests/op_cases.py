@@ -4,7 +4,7 @@
 A case is ``(inputs, states, attrs)``: ``inputs`` NumPy arrays (float64 or int64, tiny shapes, drawn
 from the seeded generator handed in), ``states`` ``{operand position: StateType}`` for operands that
 are recurrent state, ``attrs`` the op's attributes. Each case respects its op's verifier. Model and
-vision ops reuse tests/test_decompositions.py's cases; this module adds the core ops. Ops that cannot
+vision ops reuse tests/test_decompositions.py's cases; this module adds the core and fused ops. Ops that cannot
 run as one op in a one-function module are listed in ``EXCLUDED`` with the reason and the tests that
 cover them instead."""
 from __future__ import annotations
@@ -143,10 +143,38 @@ CORE_CASES: dict[str, Callable[[np.random.Generator], list[Case]]] = {
     "k3.interp_weights": _interp_weights, "k3.rope_2d_table": _rope_2d_table,
 }
 
+# ---- fused ops (k3ir/ops/fused.py): made by the fusion passes, given here with the layouts they build ----
+def _moe_dispatch(r):
+    idx = np.stack([r.permutation(4)[:2] for _ in range(6)]).reshape(2, 3, 2)
+    return [([_x(r, (2, 3, 5)), r.uniform(size=(2, 3, 2)), idx], {}, {"num_experts": 4})]
+
+
+def _grouped_matmul(r):
+    return [([_x(r, (6, 5)), np.array([0, 2, 2, 5, 6]), _x(r, (4, 3, 5))], {}, {})]
+
+
+def _moe_combine(r):
+    return [([_x(r, (12, 5)), r.uniform(size=12), r.permutation(12).reshape(2, 3, 2)], {}, {})]
+
+
+def _attn_res_store(r):
+    v = _x(r, (2, 3, 4))
+    return [([v], {}, {"slot": 1, "slots": 3}), ([v, _x(r, (2, 3, 3, 4))], {}, {"slot": 2, "slots": 3})]
+
+
+def _attn_res_fused(r):
+    return [([_x(r, (1, 4)), _x(r, (4,)), _x(r, (2, 3, 3, 4)), _x(r, (2, 3, 4))], {}, {"n_blocks": 2})]
+
+
+FUSED_CASES: dict[str, Callable[[np.random.Generator], list[Case]]] = {
+    "k3.moe_dispatch": _moe_dispatch, "k3.grouped_matmul": _grouped_matmul, "k3.moe_combine": _moe_combine,
+    "k3.attn_res_store": _attn_res_store, "k3.attn_res_fused": _attn_res_fused,
+}
+
 _COLLECTIVE = ("needs a process group (a world of ranks); covered by tests/test_collectives.py and "
                "tests/test_distributed_gloo.py")
-_FUSED = ("created by the fusion passes with operands they lay out; covered by tests/test_passes.py and "
-          "tests/test_passes_numerics.py against the ops they fuse")
+_FUSED = ("one whole KDA layer (15 operands and states laid out by the fuse-kda pass); covered by "
+          "tests/test_passes.py and tests/test_passes_numerics.py against the ops it fuses")
 _STATE = "moves runtime state objects between calls; covered by the decode tests of tests/test_runtime.py"
 
 #: ops with no case here, each with the reason and where it is covered instead
@@ -157,8 +185,7 @@ EXCLUDED: dict[str, str] = {
     **dict.fromkeys(("k3.all_gather", "k3.all_reduce", "k3.all_to_all", "k3.reduce_scatter", "k3.cache_insert",
                      "k3.conv_halo", "k3.cp_last", "k3.cp_lengths", "k3.ep_combine", "k3.ep_dispatch",
                      "k3.kcp_scan", "k3.kda_transition", "k3.sharded_embedding"), _COLLECTIVE),
-    **dict.fromkeys(("k3.attn_res_fused", "k3.attn_res_store", "k3.fused_kda", "k3.grouped_matmul",
-                     "k3.moe_combine", "k3.moe_dispatch"), _FUSED),
+    "k3.fused_kda": _FUSED,
 }
 
 
@@ -166,7 +193,7 @@ def all_cases() -> dict[str, Callable[[np.random.Generator], list[Case]]]:
     """op name -> case-list builder: the core ops here plus the model and vision ops of
     tests/test_decompositions.py."""
     from test_decompositions import CASES as MODEL_CASES
-    return {**CORE_CASES, **MODEL_CASES}
+    return {**CORE_CASES, **FUSED_CASES, **MODEL_CASES}
 
 
 def as_dtype(x: np.ndarray, float_dtype: str) -> np.ndarray:

@@ -10,6 +10,8 @@ Backends not installed here skip. A new op without a case (or a reasoned entry i
 ``op_cases.EXCLUDED``) fails ``test_every_op_has_a_case``."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from k3ir.backends import get_backend
@@ -122,6 +124,8 @@ def test_reference_decomposition(opname):
 
 # ---- torch (float32, one small build per op) ---------------------------------------------------
 torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported: triton on the CPU
 
 
 def _run_one(backend: str, opname: str) -> None:
@@ -144,9 +148,7 @@ def test_torch(opname):
 
 # ---- triton under the interpreter ----------------------------------------------------------------
 @pytest.mark.parametrize("opname", _params("triton"))
-def test_triton(opname, monkeypatch):
-    if not torch.cuda.is_available():
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_triton(opname):
     why = get_backend("triton").available()
     if why is not None:
         pytest.skip(f"triton not usable here: {why}")
