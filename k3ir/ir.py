@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .opdef import get_opdef
+from .printer import print_module, print_op
 from .types import TensorType, Type
 
 
@@ -67,7 +69,6 @@ class Operation:
 
     @property
     def opdef(self):
-        from .opdef import get_opdef
         return get_opdef(self.name)
 
     @property
@@ -77,7 +78,6 @@ class Operation:
         return self.results[0]
 
     def __repr__(self) -> str:
-        from .printer import print_op
         return print_op(self)
 
 
@@ -192,7 +192,6 @@ class Module:
         return m
 
     def __str__(self) -> str:
-        from .printer import print_module
         return print_module(self)
 
     def __repr__(self) -> str:

@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .ir import Function, Module, Operation
+if TYPE_CHECKING:                       # annotations only: ir imports this module for Module.__str__
+    from .ir import Function, Module, Operation
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 
