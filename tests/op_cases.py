@@ -125,6 +125,38 @@ def _interp_weights(r):
     return [([like], {}, {"axis": 1, "size": 4}), ([like], {}, {"axis": 2, "size": 3, "mode": "bilinear"})]
 
 
+def _scan(r):
+    """Body ``scan_body`` (see ``_add_scan_body``): ``(c, x) -> (c * tanh(x) + x, c * x)``; ``{f}`` is the float type."""
+    return [([_x(r, (2, 3)), _x(r, (2, 4, 3))], {},
+             {"body": "scan_body", "n_carry": 1, "result_types": ["{f}[2,3]", "{f}[2,4,3]"]})]
+
+
+def _add_scan_body(m: Module, float_type: str) -> None:
+    """Function ``@scan_body`` of ``_scan``'s case (added once per module)."""
+    if "scan_body" in m.functions:
+        return
+    body = Function("scan_body")
+    bb = Builder(m, body)
+    c, x = bb.arg("c", TensorType(float_type, (2, 3))), bb.arg("x", TensorType(float_type, (2, 3)))
+    bb.ret(bb.add(bb.mul(c, bb.tanh(x)), x), bb.mul(c, x))
+    m.add_function(body)
+
+
+def _state_zero(r):
+    like = _x(r, (2, 3, 4))
+    return [([like], {}, {"kind": "conv_state", "params": [3, 3]}),
+            ([like], {}, {"kind": "kda_state", "params": [2, 4, 3]})]
+
+
+def _state_load(r):
+    return [([_x(r, (2, 3, 3))], {0: StateType("conv_state", (3, 3))}, {}),
+            ([_x(r, (2, 5, 6))], {0: StateType("mla_cache", (4, 2))}, {"batch": 2})]
+
+
+def _state_store(r):
+    return [([_x(r, (2, 3, 3))], {}, {"kind": "conv_state", "params": [3, 3]})]
+
+
 def _rope_2d_table(r):
     return [([_x(r, (1, 2, 3, 2, 8))], {}, {"dim": 8})]
 
@@ -140,7 +172,8 @@ CORE_CASES: dict[str, Callable[[np.random.Generator], list[Case]]] = {
     "k3.reduce_sum": _reduce, "k3.reduce_mean": _reduce, "k3.reduce_max": _reduce, "k3.softmax": _softmax,
     "k3.cumsum": _cumsum, "k3.causal_mask": _causal_mask, "k3.topk": _topk, "k3.gather": _gather,
     "k3.take": _take, "k3.one_hot": _one_hot, "k3.constant": _constant,
-    "k3.interp_weights": _interp_weights, "k3.rope_2d_table": _rope_2d_table,
+    "k3.interp_weights": _interp_weights, "k3.scan": _scan,
+    "k3.state_zero": _state_zero, "k3.state_load": _state_load, "k3.state_store": _state_store, "k3.rope_2d_table": _rope_2d_table,
 }
 
 # ---- fused ops (k3ir/ops/fused.py): made by the fusion passes, given here with the layouts they build ----
@@ -175,13 +208,10 @@ _COLLECTIVE = ("needs a process group (a world of ranks); covered by tests/test_
                "tests/test_distributed_gloo.py")
 _FUSED = ("one whole KDA layer (15 operands and states laid out by the fuse-kda pass); covered by "
           "tests/test_passes.py and tests/test_passes_numerics.py against the ops it fuses")
-_STATE = "moves runtime state objects between calls; covered by the decode tests of tests/test_runtime.py"
 
 #: ops with no case here, each with the reason and where it is covered instead
 EXCLUDED: dict[str, str] = {
     "k3.param": "typed by a module's parameter declaration, not by operands; every model test reads params",
-    "k3.scan": "its body is a second function of the module; covered by tests/test_ir.py and tests/test_kda.py",
-    "k3.state_zero": _STATE, "k3.state_load": _STATE, "k3.state_store": _STATE,
     **dict.fromkeys(("k3.all_gather", "k3.all_reduce", "k3.all_to_all", "k3.reduce_scatter", "k3.cache_insert",
                      "k3.conv_halo", "k3.cp_last", "k3.cp_lengths", "k3.ep_combine", "k3.ep_dispatch",
                      "k3.kcp_scan", "k3.kda_transition", "k3.sharded_embedding"), _COLLECTIVE),
@@ -211,6 +241,9 @@ def emit_case(b: Builder, prefix: str, opname: str, case: Case, float_type: str 
         x = np.asarray(x)
         t = states.get(i) or TensorType("i64" if x.dtype.kind in "iu" else float_type, x.shape)
         args.append(b.arg(f"{prefix}a{i}", t))
+    if opname == "k3.scan":
+        _add_scan_body(b.module, float_type)
+        attrs = dict(attrs, result_types=[t.format(f=float_type) for t in attrs["result_types"]])
     out = b.op(opname, *args, **attrs)
     return list(out) if isinstance(out, tuple) else [out]
 

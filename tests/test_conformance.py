@@ -4,8 +4,11 @@ where the condition accepts the case), against the float64 reference (SPEC.md se
 targets within 1e-5 relative, integer results exactly, non-finite entries at the same places).
 
 Rows: the reference decomposition of every op that has one (core-only reference, 1e-10); torch at
-float32 (default run); onnx, mlir (IREE) and tvm built as ONE module per backend holding one function
-per (op, case), so each build is paid once, and triton under ``TRITON_INTERPRET=1`` (``slow``).
+float32, one small build per op; triton under ``TRITON_INTERPRET=1`` on a machine without CUDA; onnx,
+mlir (IREE) and tvm each built as ONE module whose function ``forward`` holds every claimed (op, case)
+as separate outputs, so each build is paid once. torch, triton and onnx run by default (seconds); mlir
+and tvm (an IREE and an LLVM build, ~10 s together) are ``slow``. Pairs where a real backend disagrees
+are strict xfails in ``KNOWN_FAILURES`` with the measured error.
 Backends not installed here skip. A new op without a case (or a reasoned entry in
 ``op_cases.EXCLUDED``) fails ``test_every_op_has_a_case``."""
 from __future__ import annotations
