@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from k3ir.ops.fused import capacity_for
 
-from . import ops as O
+from . import kda as K
 
 T = torch.Tensor
 
@@ -28,25 +28,25 @@ def fused_kda(inst, *args):
     conv = SimpleNamespace(activation="silu")
     ys, new = [], []
     for w, c, s in zip((w_q, w_k, w_v), (c_q, c_k, c_v), st[:3]):
-        y, s_new = O.short_conv(conv, _lin(x, w), c, s)
+        y, s_new = K.short_conv(conv, _lin(x, w), c, s)
         ys.append(y.to(x.dtype).reshape(B, Tn, H, D))
         new.append(s_new.float() if s_new.dtype != torch.float64 else s_new)
     l2 = SimpleNamespace(eps=inst.qk_eps)
-    q, k = O.l2norm(l2, ys[0]), O.l2norm(l2, ys[1])
+    q, k = K.l2norm(l2, ys[0]), K.l2norm(l2, ys[1])
     z = _lin(_lin(x, w_fa), w_fb).reshape(B, Tn, H, D)
-    g = O.kda_gate(SimpleNamespace(form=inst.gate, lower_bound=inst.lower_bound), z, A_log, dt_bias)
+    g = K.kda_gate(SimpleNamespace(form=inst.gate, lower_bound=inst.lower_bound), z, A_log, dt_bias)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     g = g.to(acc)
     beta = torch.sigmoid(_lin(x, w_b).to(acc))
     s0 = st[3].to(acc) if st[3] is not None else None
     if inst.mode == "recurrent":
-        o, s_out = O.kda_recurrent(q, k, ys[2], g, beta, inst.scale, s0)
+        o, s_out = K.kda_recurrent(q, k, ys[2], g, beta, inst.scale, s0)
     else:
-        o, s_out = O.kda(SimpleNamespace(scale=inst.scale, chunk_size=inst.chunk_size), q, k, ys[2], g, beta, s0)
+        o, s_out = K.kda(SimpleNamespace(scale=inst.scale, chunk_size=inst.chunk_size), q, k, ys[2], g, beta, s0)
     gz = _lin(x, gate_w[0])
     if not inst.full_rank_gate:
         gz = _lin(gz, gate_w[1])
-    o = O.gated_rmsnorm(SimpleNamespace(eps=inst.eps), o.to(x.dtype), gz.reshape(B, Tn, H, D), o_norm)
+    o = K.gated_rmsnorm(SimpleNamespace(eps=inst.eps), o.to(x.dtype), gz.reshape(B, Tn, H, D), o_norm)
     return (o.to(x.dtype).reshape(B, Tn, H * D), *new, s_out.to(acc))
 
 
