@@ -13,6 +13,7 @@ import sys
 from k3ir.errors import K3RuntimeError
 
 from .cli import UsageError, check_prompt, model_arg, quiet_stdout, random_weights_note
+from .cli_parallel import generate_on_mesh, parallel_args, parallel_sizes
 from .cli_serve import _engine_args, _sampling_args, _setup
 
 #: characters written as they are: newline and tab (every other C0 control, DEL and C1 is escaped)
@@ -33,13 +34,16 @@ def cmd_generate(args) -> int:
     if args.prompt is None:
         raise UsageError("generate needs --prompt TEXT")
     check_prompt(args.prompt)                        # before the model loads
+    shown = (lambda s: s) if args.raw else escape_controls
+    sizes = parallel_sizes(args, "generate")
+    if sizes is not None:                            # one rank of a torchrun process group
+        return generate_on_mesh(args, sizes, shown)
     module, tok, engine = _setup(args)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed, stop_token_ids=list(tok.stop_ids))
     note = random_weights_note(module, args.model, args.init_seed)     # once, after the flags are checked
     if note:
         print(note, file=sys.stderr, flush=True)
-    shown = (lambda s: s) if args.raw else escape_controls
     ids = tok.encode(args.prompt)
     dec = IncrementalDecoder(tok)
 
@@ -86,6 +90,7 @@ def register(sub) -> None:
     p.add_argument("--prompt", help="prompt text (through the model's tokenizer; bytes for tiny models)")
     _sampling_args(p)
     _engine_args(p)
+    parallel_args(p)
     p.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
     p.add_argument("--raw", action="store_true",
                    help="write the exact text, control characters included (default: C0/C1 controls but newline "

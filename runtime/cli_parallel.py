@@ -1,0 +1,151 @@
+"""``--ep N --cp N --tp N --dp N`` for the CLI: one process per rank of an ``ep x cp x tp x dp`` mesh,
+started by ``torchrun`` (docs/distributed.md), and ``k3ir generate`` on that mesh.
+
+    torchrun --nproc-per-node 2 $(which k3ir) generate k3-tiny --prompt "Kimi " --max-tokens 12 --ep 2
+
+Every rank loads the model, shards it (``runtime/distributed.py``) and runs the same greedy or sampled
+loop on the gathered logits, so every rank picks the same tokens; only rank 0 writes to stdout. One
+prompt is one row: the batch is that row repeated ``ep*dp`` times (each data rank runs one copy; row 0 is
+printed), and under ``cp`` the prompt's longest prefix whose length divides by ``cp`` is the sharded
+prefill, the remaining ``T mod cp`` tokens go through decode steps (replicated over cp), so no padding
+enters the state.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from .cli import UsageError
+
+PARALLEL_FLAGS = ("ep", "cp", "tp", "dp")
+
+
+def parallel_args(p: argparse.ArgumentParser) -> None:
+    """Add ``--ep --cp --tp --dp`` (each an int, default 1) to ``p``."""
+    g = p.add_argument_group("parallelism (start with torchrun, one process per rank; docs/distributed.md)")
+    for a, what in (("ep", "expert"), ("cp", "KDA context"), ("tp", "tensor"), ("dp", "data")):
+        g.add_argument(f"--{a}", type=int, default=1, help=f"{what}-parallel ranks (default 1)")
+
+
+def parallel_sizes(args: Any, command: str) -> dict[str, int] | None:
+    """The mesh sizes ``{ep, cp, tp, dp}`` when this process is one rank of several (``WORLD_SIZE`` > 1
+    in the environment, as ``torchrun`` sets it), else None (one process, every size 1). Raises
+    UsageError for a size below 1, a size above 1 without torchrun (the line shows the command to start
+    it with), or sizes whose product differs from the world size."""
+    sizes = {a: getattr(args, a, 1) for a in PARALLEL_FLAGS}
+    for a, n in sizes.items():
+        if n < 1:
+            raise UsageError(f"--{a} must be >= 1, got {n}")
+    want = sizes["ep"] * sizes["cp"] * sizes["tp"] * sizes["dp"]
+    world = os.environ.get("WORLD_SIZE")
+    flags = " ".join(f"--{a} {n}" for a, n in sizes.items() if n > 1)
+    if world is None:
+        if want > 1:
+            raise UsageError(f"{flags} needs one process per rank: start it with torchrun --nproc-per-node {want} "
+                             f"$(which k3ir) {command} ... {flags}")
+        return None
+    try:
+        world_n = int(world)
+    except ValueError:
+        raise UsageError(f"WORLD_SIZE={world!r} in the environment is not an integer") from None
+    if world_n != want:
+        raise UsageError(f"ep*cp*tp*dp = {want} ({flags or 'no parallel flags'}) but torchrun started {world_n} "
+                         f"processes (WORLD_SIZE={world_n}); they must be equal")
+    return sizes if world_n > 1 else None
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def generate_on_mesh(args: Any, sizes: dict[str, int], show) -> int:
+    """``k3ir generate`` on this rank of the mesh ``sizes`` (the process group from torchrun's
+    environment: gloo for ``--device cpu``, NCCL for ``cuda``). ``show`` escapes text for the terminal.
+    Rank 0 writes the prompt and the generated text as the one-process command does; every rank ends with
+    a barrier and ``destroy_process_group``. Raises UsageError for a target without collectives or a
+    prompt shorter than ``cp`` tokens, K3RuntimeError for non-finite logits."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import k3ir
+    from k3ir.errors import K3RuntimeError
+
+    from .cli import check_seed, load_model, random_weights_note
+    from .cli_compile import check_dtype
+    from .distributed import DistributedSession, init_mesh, shard
+    from .params import bound_params, init_params
+    from .sampler import SamplingParams, make_generator, sample
+    from .tokenizer import IncrementalDecoder, load_tokenizer
+
+    if args.target not in ("torch", "triton"):
+        raise UsageError(f"--target {args.target} has no collectives; --ep/--cp/--tp/--dp run on torch or triton")
+    check_seed(args.init_seed, "--init-seed")
+    check_seed(args.seed)
+    args.dtype = check_dtype(args.target, args.dtype)
+    threads = 1 if args.threads is None else args.threads
+    if threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)                   # ranks share the cores: 1 each unless --threads
+    device = args.device
+    if str(device).startswith("cuda"):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+    module = load_model(args)
+    tok = load_tokenizer(args.model, module)
+    ids = tok.encode(args.prompt)
+    if len(ids) < sizes["cp"]:
+        raise UsageError(f"the prompt is {len(ids)} tokens, fewer than --cp {sizes['cp']}; give a longer --prompt")
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        seed=args.seed, stop_token_ids=list(tok.stop_ids))
+    mesh = init_mesh(**sizes, device=args.device)
+    rank0 = dist.get_rank() == 0
+    ok = False
+    try:
+        note = random_weights_note(module, args.model, args.init_seed)
+        if note and rank0:
+            print(note, file=sys.stderr, flush=True)
+        params = bound_params(module)
+        if params is None:
+            params = init_params(module, args.init_seed)
+        exe = k3ir.compile(shard(module, mesh), target=args.target, dtype=args.dtype, device=device, mesh=mesh)
+        sess = DistributedSession(exe, params)
+        rows = np.tile(np.asarray(ids, dtype=np.int64)[None], (sizes["ep"] * sizes["dp"], 1))
+        head = len(ids) - len(ids) % sizes["cp"]
+        logits, state = sess.prefill(rows[:, :head])
+        for pos in range(head, len(ids)):            # the tail shorter than cp: replicated decode steps
+            logits, state = sess.decode(rows[:, pos:pos + 1], state)
+        eos = module.attrs.get("eos_token_id")
+        stop = set(sp.stop_token_ids) | ({eos} if eos is not None else set())
+        gen, out, finish = make_generator(sp.seed), [], "length"
+        dec = IncrementalDecoder(tok)
+        if rank0:
+            _write(show(args.prompt))
+        while len(out) < sp.max_tokens:
+            row = logits[0, -1]
+            top = float(row.detach().to("cpu", torch.float64).max())
+            if not np.isfinite(top):
+                raise K3RuntimeError(f"generation failed: the model's logits are not finite ({top}) at generation "
+                                     f"step {len(out) + 1}")
+            t = sample(row, sp, gen)
+            out.append(t)
+            if rank0:
+                _write(show(dec.push(t)))
+            if t in stop:
+                finish = "stop"
+                break
+            if len(out) < sp.max_tokens:
+                logits, state = sess.decode(np.full((rows.shape[0], 1), t, dtype=np.int64), state)
+        if rank0:
+            _write(show(dec.flush()) + "\n")
+            if args.show_ids:
+                _write(f"token ids: {out}\nfinish: {finish}\n")
+        ok = True
+    finally:
+        if ok:
+            dist.barrier()                           # leave together: gloo torn down under a peer's collective aborts
+        dist.destroy_process_group()
+    return 0
