@@ -12,49 +12,21 @@ serves any weights. Float tensors compute in f32.
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
 from typing import Any
 
 from k3ir.errors import K3BackendError
 from k3ir.ir import Function, Module, Operation
 from k3ir.opdef import instantiate
+from k3ir.ops.state import state_tensor_type
 from k3ir.types import StateType
 
 from ..lowering import lower_or_decompose
-
-FLOAT = "f32"
-
-
-def elem(ir_dtype: str) -> str:
-    if ir_dtype in ("bf16", "f16", "f32", "f64", "fp8e4m3"):
-        return FLOAT
-    return {"i64": "i64", "i32": "i32", "i8": "i8", "u8": "i8", "bool": "i1"}[ir_dtype]
+from .lowering import TABLE
+from .values import FLOAT, Val, elem, ttype
 
 
 def state_shape(t: StateType) -> list:
-    from k3ir.ops.state import state_tensor_type
     return list(state_tensor_type(t, "B").shape)
-
-
-@dataclass
-class Val:
-    """An emitted value: SSA name, element type, IR shape (ints / symbolic names); ``scalar``
-    marks a bare ``f32``/``i64`` SSA scalar (IR constants) rather than a tensor."""
-    name: str
-    elem: str
-    shape: tuple
-    scalar: bool = False
-
-    @property
-    def type(self) -> str:
-        if self.scalar:
-            return self.elem
-        return ttype(self.shape, self.elem)
-
-
-def ttype(shape, el: str) -> str:
-    dims = "".join(f"{d}x" if isinstance(d, int) else "?x" for d in shape)
-    return f"tensor<{dims}{el}>"
 
 
 def flit(v: float) -> str:
@@ -70,7 +42,6 @@ class MlirEmitter:
     """Emits the functions of ``module`` as one ``module @k3``. ``table``: op name -> emitter."""
 
     def __init__(self, module: Module, table: dict | None = None):
-        from .lowering import TABLE
         self.module = module
         self.table = TABLE if table is None else table
         self.lines: list[str] = []

@@ -8,10 +8,15 @@ fall back to their decompositions.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from k3ir.errors import K3BackendError
 
 from ..lowering import LoweringTable
-from .emit import FLOAT, MlirEmitter, Val, elem, ttype
+from .values import FLOAT, Val, elem, ttype
+
+if TYPE_CHECKING:                       # annotations only: emit imports this table
+    from .emit import MlirEmitter
 
 TABLE = LoweringTable()
 lowers = TABLE.lowers
