@@ -14,7 +14,7 @@ import numpy as np
 from k3ir.types import StateType
 
 from ..lowering import LoweringTable
-from .export import Lowering, _onnx
+from .graph import Graph, Lowering, _onnx
 
 TABLE = LoweringTable()
 lowers = TABLE.lowers
@@ -197,7 +197,6 @@ def _state_identity(lw, inst, x):
 @lowers("k3.scan")
 def _scan(lw, inst, *xs):
     """``k3.scan`` -> ONNX ``Scan`` over axis 1; the body function becomes the Scan body graph."""
-    from .export import Graph
     onnx = _onnx()
     x = lw.x
     fn = x.module.functions[inst.body]
@@ -235,7 +234,6 @@ def _lm_head(lw, inst, x, w):
 def _loop(lw, trip: str, init: list[str], body_fn, name: str) -> list[str]:
     """An ONNX ``Loop`` of ``trip`` (int64 scalar) iterations carrying ``init``; ``body_fn(body, it, carried)``
     emits into the body graph (which reads outer values by name) and returns the new carried values."""
-    from .export import Graph
     onnx = _onnx()
     body = Graph(lw.x, name)
     it, cond = lw.x.fresh("iter"), lw.x.fresh("cond")
