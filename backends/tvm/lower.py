@@ -26,13 +26,12 @@ from k3ir.opdef import get_opdef
 from k3ir.ops.state import state_tensor_type
 from k3ir.types import StateType, TensorType
 
-from ..lowering import LoweringTable, native_impl
+from ..lowering import native_impl
 from . import kernels as K
+from . import lower_model  # noqa: F401  (model and fused ops register into TABLE)
+from .table import R_, TABLE, lowers, slice_axis
 
-R_ = relax.op
 Lowering = Callable[..., Any]
-TABLE = LoweringTable()
-lowers = TABLE.lowers
 
 
 class RelaxLowering:
@@ -240,24 +239,6 @@ def _concat(lw, inst, xs):
     return lw.emit(R_.concat([lw.cast(x, dt) for x in xs], axis=inst.axis))
 
 
-def slice_axis(lw, x, axis: int, start: int, end):
-    shp = lw.shape(x)
-    a = axis % len(shp)
-    d = shp[a]
-    if isinstance(d, (tirx.IntImm, int)):
-        s, e, _ = slice(start, end).indices(int(d))
-        e = max(e, s)
-    else:
-        s = start if start >= 0 else d + start
-        e = d if end is None else (end if end >= 0 else d + end)
-    out = list(shp)
-    out[a] = e - s
-
-    def f(t):
-        return te.compute(out, lambda *i: t(*i[:a], i[a] + s, *i[a + 1:]), name="slice")
-    return lw.te(f, x, name="slice")
-
-
 @lowers("k3.slice")
 def _slice(lw, inst, x):
     return slice_axis(lw, x, inst.axis, inst.start, inst.end)
@@ -365,6 +346,3 @@ def _shape_table(lw, inst, like):
     vals = val if isinstance(val, tuple) else (val,)
     out = [relax.const(np.asarray(v, dtype=lw.fdt)) for v in vals]
     return out if isinstance(val, tuple) else out[0]
-
-
-from . import lower_model  # noqa: F401  (model and fused ops register into TABLE)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tvm import relax
 
 from . import kernels as K
-from .lower import R_, TABLE, lowers, slice_axis
+from .table import R_, TABLE, lowers, slice_axis
 
 
 def _get(lw, t, i):
