@@ -56,9 +56,23 @@ def parallel_sizes(args: Any, command: str) -> dict[str, int] | None:
     return sizes if world_n > 1 else None
 
 
-def _write(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
+class _Rank0Out:
+    """stdout of rank 0 (the other ranks write nothing). When the reader goes away (EPIPE, ``| head``)
+    writing stops quietly but the rank keeps stepping: its peers wait on its collectives."""
+
+    def __init__(self, rank0: bool):
+        self.on = rank0
+
+    def write(self, text: str) -> None:
+        if not self.on:
+            return
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            from .cli import quiet_stdout
+            self.on = False
+            quiet_stdout()
 
 
 def generate_on_mesh(args: Any, sizes: dict[str, int], show) -> int:
@@ -103,6 +117,7 @@ def generate_on_mesh(args: Any, sizes: dict[str, int], show) -> int:
                         seed=args.seed, stop_token_ids=list(tok.stop_ids))
     mesh = init_mesh(**sizes, device=args.device)
     rank0 = dist.get_rank() == 0
+    printer = _Rank0Out(rank0)
     ok = False
     try:
         note = random_weights_note(module, args.model, args.init_seed)
@@ -122,8 +137,7 @@ def generate_on_mesh(args: Any, sizes: dict[str, int], show) -> int:
         stop = set(sp.stop_token_ids) | ({eos} if eos is not None else set())
         gen, out, finish = make_generator(sp.seed), [], "length"
         dec = IncrementalDecoder(tok)
-        if rank0:
-            _write(show(args.prompt))
+        printer.write(show(args.prompt))
         while len(out) < sp.max_tokens:
             row = logits[0, -1]
             top = float(row.detach().to("cpu", torch.float64).max())
@@ -132,17 +146,15 @@ def generate_on_mesh(args: Any, sizes: dict[str, int], show) -> int:
                                      f"step {len(out) + 1}")
             t = sample(row, sp, gen)
             out.append(t)
-            if rank0:
-                _write(show(dec.push(t)))
+            printer.write(show(dec.push(t)))
             if t in stop:
                 finish = "stop"
                 break
             if len(out) < sp.max_tokens:
                 logits, state = sess.decode(np.full((rows.shape[0], 1), t, dtype=np.int64), state)
-        if rank0:
-            _write(show(dec.flush()) + "\n")
-            if args.show_ids:
-                _write(f"token ids: {out}\nfinish: {finish}\n")
+        printer.write(show(dec.flush()) + "\n")
+        if args.show_ids:
+            printer.write(f"token ids: {out}\nfinish: {finish}\n")
         ok = True
     finally:
         if ok:
