@@ -6,6 +6,7 @@ graph inputs and outputs (``present.<state>``). ``save(dir)`` writes a reloadabl
 without re-exporting (``Session.load``)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -16,6 +17,8 @@ from k3ir.ir import Module
 
 from .. import Backend, Executable, register_backend
 from ..artifact import ARTIFACT, artifact_file, write_manifest  # noqa: F401 (re-exported)
+from .export import OnnxExporter, check_opset
+from .lowering import TABLE
 
 FUNCTIONS = ("forward", "prefill", "decode")
 
@@ -55,7 +58,6 @@ class OnnxExecutable(Executable):
         self._arrays: dict[str, np.ndarray] | None = None
         self._sessions: dict[str, Any] = {}
         self.threads = 0
-        from .export import check_opset
         self.opset = check_opset(opset)
         self.ort_kernels = True
 
@@ -70,7 +72,6 @@ class OnnxExecutable(Executable):
 
     def model(self, function: str):
         """The ``onnx.ModelProto`` of ``@function`` with the prepared weights embedded."""
-        from .export import OnnxExporter
         return OnnxExporter(self.module, self.dtype, weights="embedded", params=self._arrays,
                             opset=self.opset, ort_kernels=self.ort_kernels).export_function(function)
 
@@ -109,7 +110,6 @@ class OnnxExecutable(Executable):
         to the prepared weights. Returns the directory."""
         import onnx
 
-        from .export import OnnxExporter
         params = params if params is not None else self._arrays
         if params is None:
             raise K3BackendError("onnx executable: no weights to save (pass params or call prepare_params)")
@@ -139,12 +139,10 @@ def _build(module: Module, dtype: str = "float32", device: str = "cpu") -> OnnxE
 
 
 def _table():
-    from .lowering import TABLE
     return TABLE
 
 
 def _available() -> str | None:
-    import importlib.util
     for pkg, pip in (("onnx", "onnx"), ("onnxruntime", "onnxruntime")):
         if importlib.util.find_spec(pkg) is None:
             return f"{pip} is not installed (pip install 'k3ir[onnx]')"

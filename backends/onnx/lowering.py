@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from k3ir.errors import K3BackendError
+from k3ir.quant import E2M1_VALUES
 from k3ir.types import StateType
 
 from ..lowering import LoweringTable
@@ -310,7 +312,6 @@ def _grouped_matmul(lw, inst, x, offsets, w, scales=None):
     outside every segment are zero). MXFP4 weights stay packed in the graph (``u8[E,N,K/2]`` +
     E8M0 ``u8[E,N,K/32]``); each iteration dequantises its expert's matrix only (nibbles -> E2M1
     table, times ``2^(e-127)`` per group of 32, SPEC.md 7)."""
-    from k3ir.errors import K3BackendError
     if inst.quant not in ("none", "mxfp4"):
         raise K3BackendError(f"ONNX export: k3.grouped_matmul quant={inst.quant} is not lowered (mxfp4 and none are)")
     g = lw.g
@@ -348,7 +349,6 @@ def _grouped_matmul(lw, inst, x, offsets, w, scales=None):
 
 def _dequant_mxfp4(lw, g, wp, sp) -> str:
     """One expert's MXFP4 matrix: packed ``u8[N,K/2]`` and E8M0 scales ``u8[N,K/32]`` -> ``[N,K]``."""
-    from k3ir.quant import E2M1_VALUES
     lo = g.node("BitwiseAnd", [wp, g.const(15, "uint8")])
     hi = g.node("BitShift", [wp, g.const(4, "uint8")], direction="RIGHT")
     codes = g.node("Concat", [g.node("Unsqueeze", [lo, g.ints([-1])]), g.node("Unsqueeze", [hi, g.ints([-1])])],
