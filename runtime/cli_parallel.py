@@ -103,7 +103,6 @@ def generate_on_mesh(args: Any, sizes: dict[str, int], show) -> int:
     threads = 1 if args.threads is None else args.threads
     if threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
-    torch.set_num_threads(threads)                   # ranks share the cores: 1 each unless --threads
     device = args.device
     if str(device).startswith("cuda"):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
@@ -115,6 +114,7 @@ def generate_on_mesh(args: Any, sizes: dict[str, int], show) -> int:
         raise UsageError(f"the prompt is {len(ids)} tokens, fewer than --cp {sizes['cp']}; give a longer --prompt")
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed, stop_token_ids=list(tok.stop_ids))
+    torch.set_num_threads(threads)                   # ranks share the cores: 1 each unless --threads
     mesh = init_mesh(**sizes, device=args.device)
     rank0 = dist.get_rank() == 0
     printer = _Rank0Out(rank0)

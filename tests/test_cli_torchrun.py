@@ -41,25 +41,30 @@ def _run(cmd: list[str], timeout: float = 180.0) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
-_ONE: dict[str, str] = {}
+_ONE: dict[tuple[str, str], str] = {}
+SAMPLED = "--temperature 0.8 --seed 5"
 
 
-def _one_process(prompt: str) -> str:
-    if prompt not in _ONE:
-        r = _run([sys.executable, "-m", "k3ir.runtime.cli", *BASE, "--prompt", prompt, "--threads", "1"])
+def _one_process(prompt: str, sampling: str) -> str:
+    if (prompt, sampling) not in _ONE:
+        r = _run([sys.executable, "-m", "k3ir.runtime.cli", *BASE, "--prompt", prompt, *sampling.split(),
+                  "--threads", "1"])
         assert r.returncode == 0, r.stderr[-3000:]
-        _ONE[prompt] = r.stdout
-    return _ONE[prompt]
+        _ONE[prompt, sampling] = r.stdout
+    return _ONE[prompt, sampling]
 
 
-# "Kimi " is 6 tokens with BOS; "Kimi K" is 7, so under cp=2 its last token goes through a decode step
-@pytest.mark.parametrize("flags,prompt", [("--ep 2", "Kimi "), ("--tp 2", "Kimi "), ("--cp 2", "Kimi "),
-                                          ("--cp 2", "Kimi K")])
-def test_torchrun_generate_prints_the_one_process_text(flags, prompt):
-    want = _one_process(prompt)
+# "Kimi " is 6 tokens with BOS; "Kimi K" is 7, so under cp=2 its last token goes through a decode step;
+# sampled: the same seeded generator on the same gathered logits on every rank
+@pytest.mark.parametrize("flags,prompt,sampling", [("--ep 2", "Kimi ", ""), ("--tp 2", "Kimi ", ""),
+                                                   ("--cp 2", "Kimi ", ""), ("--cp 2", "Kimi K", ""),
+                                                   ("--dp 2", "Kimi", SAMPLED)])
+def test_torchrun_generate_prints_the_one_process_text(flags, prompt, sampling):
+    want = _one_process(prompt, sampling)
     assert "token ids: [" in want and want.startswith(prompt)
     r = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-              str(_free_port()), "-m", "k3ir.runtime.cli", *BASE, "--prompt", prompt, *flags.split()])
+              str(_free_port()), "-m", "k3ir.runtime.cli", *BASE, "--prompt", prompt, *sampling.split(),
+              *flags.split()])
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout == want                          # rank 0 alone prints: the text and ids once, as one process
     assert r.stderr.count("has no trained weights") == 1
@@ -84,3 +89,9 @@ def test_parallel_size_below_one_is_refused(monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main([*BASE, "--prompt", "Kimi ", "--tp", "0"]) == 2
     assert "--tp must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_prompt_shorter_than_cp_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")            # as torchrun sets it; refused before the process group starts
+    assert main([*BASE, "--prompt", "", "--cp", "2"]) == 2
+    assert "the prompt is 1 tokens, fewer than --cp 2" in capsys.readouterr().err
