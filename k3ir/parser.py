@@ -15,6 +15,7 @@ from typing import Any
 
 from .errors import K3Error, K3ParseError, K3VerifyError
 from .ir import Function, Loc, Module, Operation, Value
+from .opdef import get_opdef
 from .types import DTYPE_BYTES, StateType, TensorType, Type
 
 _TOKEN = re.compile(r"""
@@ -396,7 +397,6 @@ class _Parser:
                     break
             self.expect("=")
         name_tok = self.expect_kind("ident", "an op name")
-        from .opdef import get_opdef
         try:
             get_opdef(name_tok.text)
         except K3VerifyError:
