@@ -24,8 +24,9 @@ except ImportError:                      # Python 3.10
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = ROOT / "pyproject.toml"
-LINT_IMPORTS = shutil.which("lint-imports") or pytest.skip("import-linter is not installed (the `test` extra)",
-                                                           allow_module_level=True)
+pytest.importorskip("importlinter", reason="import-linter is not installed (the `test` extra)")
+#: ``lint-imports`` of this interpreter (its script may not be on PATH in an unactivated venv)
+LINT_IMPORTS = [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"]
 
 
 def _pyproject() -> dict:
@@ -49,7 +50,7 @@ def _installed_layout(dest: Path) -> Path:
 def _lint_imports(tree: Path) -> subprocess.CompletedProcess:
     """``lint-imports`` with pyproject's contracts on the sources laid out at ``tree`` (run from there, so
     the checkout's own ``k3ir/`` folder is not what ``import k3ir`` finds)."""
-    return subprocess.run([LINT_IMPORTS, str(PYPROJECT), "--no-cache", "--no-logo"], check=False, cwd=tree,
+    return subprocess.run([*LINT_IMPORTS, str(PYPROJECT), "--no-cache", "--no-logo"], check=False, cwd=tree,
                           env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=300)
 
 
