@@ -62,7 +62,7 @@ def _deq_bf16(quant, p, s):
 
 # (label, quant, tokens, [(name, (glu config, down config), mxfp4 decode)]); configs: ("t", BW, BT, TAIL, BK,
 # warps, stages) = swapped kernel, 6-tuple = row-major (BM, BN, BK, MS, warps, stages), None = moe._config.
-# bench/moe_offline.py compiles every one of these for sm_90 (Triton 3.6) before a GPU run.
+# bench/probes/moe_offline.py compiles every one of these for sm_90 (Triton 3.6) before a GPU run.
 T128 = ("t", 128, 128, 64, 64, 8, 3)
 T128S4 = ("t", 128, 128, 64, 64, 8, 4)
 VARIANTS = [

@@ -362,7 +362,7 @@ def test_copies_of_fragment_weights_are_read_right_or_refused():
 
 def test_stride0_or_strided_fragment_weights_are_refused():
     """The kernels address expert e of the fragment layout at ``e * N * K / 8`` words (no strides), so an
-    expanded (stride-0) view of one prepared expert -- what bench/moe_gluon_check.py's warm sections once
+    expanded (stride-0) view of one prepared expert -- what bench/probes/moe_gluon_check.py's warm sections once
     passed, an illegal memory access on the H200 -- or a row slice is refused at the Python level with a
     FragmentLayoutError (moe.grouped_matmul, moe_gluon.grouped_matmul with MXPacked views, moe_layout.mark)
     instead of reading out of bounds; a contiguous copy of the expanded view is read correctly."""

@@ -41,7 +41,7 @@ MAX_ROWS = 4
 
 # ``TritonConfig.decode.pdl``: programmatic dependent launch of the decode kernels (Hopper and newer; ``K3IR_PDL=0``
 # turns it off). H200 2026-11-30 09:41, Kimi Linear 6.6B decode B1 (routed GLU on): 873 tok/s, replay 1.126 ms with
-# it, 1.181 without. ``TritonConfig.decode.gemv``: launch-config override ``(BN, BK, warps)`` (bench/gpu_diag.py
+# it, 1.181 without. ``TritonConfig.decode.gemv``: launch-config override ``(BN, BK, warps)`` (bench/probes/gpu_diag.py
 # ``gemv`` sweep; ``K3IR_GEMV=BN,BK,W``).
 
 try:        # Triton >= 3.4 (the GPU machine has 3.6); referenced only when the PDL constexpr is on

@@ -36,7 +36,7 @@ DTYPES: dict = {}
 #: ``k3_exact``: launches (comma list of "prep", "bwd_intra") that take the K3 (bounded) gate through the exact
 #: element-wise diagonal paths of unbounded gates (prep ~14.6 ms instead of ~3.7, bwd_intra ~10 instead of ~4.8 at
 #: B1 T32768 H32) instead of the centred dense diagonal tiles. "" (default): the dense tiles. ``bk_prep`` must be
-#: >= 32 on the dense path: the H200 probe of 03:21 (bench/kda_prep_probe.py) found the dense diagonal tiles wrong
+#: >= 32 on the dense path: the H200 probe of 03:21 (bench/probes/kda_prep_probe.py) found the dense diagonal tiles wrong
 #: with 16-wide tf32 K slices only (P diagonal blocks 0.38, Ai 0.92; off-diagonal blocks right; ieee dots or 32-wide
 #: slices right: 1.6e-3 / 1.8e-3), which was the "K3 gradients 0.9 off on the GPU only" of 01:52; ``kda_backward``
 #: widens a narrower slice on that path. ``intra_diag_prec``: input precision of bwd_intra's dense diagonal-tile

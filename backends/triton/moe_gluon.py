@@ -22,7 +22,7 @@ Layout of ``moe_layout.MXPacked`` (``E`` experts, ``N`` rows, ``K`` columns; ``N
 holds the multiplier exponents ``min(s,128)+126`` of (row g, group 2kc), (row g, 2kc+1), (row g+8, 2kc),
 (row g+8, 2kc+1) in bytes 0, 1, 2, 3; ``sc2`` the same for ``max(s,128)-1`` (None when every byte <= 128).
 
-Offline sm_90 (Triton 3.6, ``PYTHONPATH=/tmp/triton36 python bench/moe_offline.py gluon``), K3 shapes, default
+Offline sm_90 (Triton 3.6, ``PYTHONPATH=/tmp/triton36 python bench/probes/moe_offline.py gluon``), K3 shapes, default
 ``CONFIG`` (BW 128, BK 128, 8 tokens, 4 warps, 3-slot cp.async ring, 16-token tail pass): GLU 168 registers
 (110 without the tail pass), 61,440 B shared memory, 2.49 SASS instructions per weight element in the 8-token
 K loop (decode proper: 1.73 = LOP3 0.69, SHF 0.54, HMUL2 0.5); down 132 registers, 30,720 B, 2.86/el; no

@@ -29,7 +29,7 @@ A 16-row x 64-column block is 512 contiguous bytes, so a ``[BW, BK]`` tile (BW %
 ``BW/16`` runs of ``BK/64 x 512`` contiguous bytes: 16-byte vector loads (a lane's 4 words), fully coalesced.
 
 Triton kernels on this layout (``_w_tile_frag``, ``moe`` QUANT 8), offline sm_90 with Triton 3.6
-(``PYTHONPATH=/tmp/triton36 python bench/moe_offline.py frag --sass``), K3 shapes, innermost K loop per thread:
+(``PYTHONPATH=/tmp/triton36 python bench/probes/moe_offline.py frag --sass``), K3 shapes, innermost K loop per thread:
 T=256 GLU ("t" 64/16+16 BK128) 128 registers, 390 SASS instructions = 3.05 per weight element (the byte layout's
 asm1: 222 registers, 6.34/el: no LDS.U8 gathering, no PRMT re-pairing: the decoded words land in the wgmma A
 registers), down 163 registers 3.03/el (asm1 6.41); T=8192 GLU ("t" 64/128+64 BK64 w8) 255 registers, 250

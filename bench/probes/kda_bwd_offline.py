@@ -6,7 +6,7 @@ recorders, so the signatures (pointer dtypes, None arguments, constexprs, warps,
 what the driver passes at the given shape; pointers get the 16-byte divisibility the JIT would see.
 Use the GPU machine's Triton (3.6) for the numbers that matter:
 
-    PYTHONPATH=/tmp/triton36 python bench/kda_bwd_offline.py [--gate k3|softplus|both] [--varlen]
+    PYTHONPATH=/tmp/triton36 python bench/probes/kda_bwd_offline.py [--gate k3|softplus|both] [--varlen]
         [--tune KEY=VAL ...] [--sass DIR]
 """
 from __future__ import annotations

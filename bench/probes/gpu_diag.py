@@ -1,9 +1,9 @@
 """Where the time goes on the GPU (issues 5 and 6): registers and spills of every compiled Triton
 kernel of the triton target, and a kernel-time profile of one decode step of a model.
 
-    python3 bench/gpu_diag.py [--sections regs,count,decode,front,gemv,prefill] [--model kimi-linear-6p6b] [--batch 1]
+    python3 bench/probes/gpu_diag.py [--sections regs,count,decode,front,gemv,prefill] [--model kimi-linear-6p6b] [--batch 1]
                               [--prefill 1x4096,8x2048] [--small]
-    TRITON_INTERPRET=1 python bench/gpu_diag.py --sections count --small      # on the CPU
+    TRITON_INTERPRET=1 python bench/probes/gpu_diag.py --sections count --small      # on the CPU
 
 ``regs``: runs the KDA forward (K3 gate and softplus, B1 T4096 H32 D128), the MoE grouped GEMMs
 (bf16 and MXFP4, K3 expert shape, 16 experts) and MLA kernels once, then lists every compiled
@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: bench_models, benchlib
 
 
 def compiled_kernels(mod):

@@ -2,10 +2,10 @@
 local Triton for ``GPUTarget("cuda", 90, 32)`` and runs the bundled ptxas with ``-v`` (local Triton may
 be newer than the GPU machine's, so counts can differ a little). K=V=128, H=32, bf16 inputs.
 
-    python bench/kda_regs_offline.py                 # the default table
-    python bench/kda_regs_offline.py akk 32 8 1 strip  # kernel, BK, warps, gate (0 K3, 1 softplus), order
-    PYTHONPATH=/tmp/triton36 python bench/kda_regs_offline.py   # with the GPU machine's Triton 3.6
-    PYTHONPATH=/tmp/triton36 python bench/kda_regs_offline.py --sass akk '{"gate": 0}'   # SASS instruction mix
+    python bench/probes/kda_regs_offline.py                 # the default table
+    python bench/probes/kda_regs_offline.py akk 32 8 1 strip  # kernel, BK, warps, gate (0 K3, 1 softplus), order
+    PYTHONPATH=/tmp/triton36 python bench/probes/kda_regs_offline.py   # with the GPU machine's Triton 3.6
+    PYTHONPATH=/tmp/triton36 python bench/probes/kda_regs_offline.py --sass akk '{"gate": 0}'   # SASS instruction mix
 """
 from __future__ import annotations
 

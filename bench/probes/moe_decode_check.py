@@ -10,7 +10,7 @@ Kimi Linear 6.6B shapes (D 2048, 64 experts, top-8, expert I 1024, shared 1024, 
   other top-k form (TritonConfig.decode.rank_topk, off by default: ``*_rank`` = expert ranks; ``old_step`` is the
   production step with routed_glu off, ``new_step`` with it on).
 
-    python3 bench/moe_decode_check.py [--iters 50]      # ~20-40 s on an H200 (compiles included); JSON to $OUT
+    python3 bench/probes/moe_decode_check.py [--iters 50]      # ~20-40 s on an H200 (compiles included); JSON to $OUT
 
 Each batch runs in try/except (one failure does not stop the rest); the table is printed last.
 """

@@ -5,9 +5,9 @@ the local Triton (run it with the device's Triton: ``PYTHONPATH=/tmp/triton36``)
 bundled ``ptxas -v`` (registers, spills) and, with ``--sass``, an opcode histogram of the cubin (cuobjdump).
 A CompilationError / OutOfResources here is one the device would raise.
 
-    PYTHONPATH=/tmp/triton36 python bench/moe_offline.py            # all configs, table
-    PYTHONPATH=/tmp/triton36 python bench/moe_offline.py --sass mxfp4  # + SASS opcode counts (filter)
-    PYTHONPATH=/tmp/triton36 python bench/moe_offline.py gluon         # the Gluon MXFP4 kernel (moe_gluon.py):
+    PYTHONPATH=/tmp/triton36 python bench/probes/moe_offline.py            # all configs, table
+    PYTHONPATH=/tmp/triton36 python bench/probes/moe_offline.py --sass mxfp4  # + SASS opcode counts (filter)
+    PYTHONPATH=/tmp/triton36 python bench/probes/moe_offline.py gluon         # the Gluon MXFP4 kernel (moe_gluon.py):
         every moe_gluon_check.CONFIGS entry, GLU/down, one/two multipliers; registers, spills and the SASS
         instructions per weight element of the main K loop
 """
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: moe_sweep
 
 import triton
 from k3ir.backends.triton import moe
@@ -164,7 +164,7 @@ def compile_gluon(glu: bool, two: bool, cfg: dict, N: int, K: int, rowgrid: bool
 
 
 def gluon_main(sass: bool) -> int:
-    """Every Gluon config of bench/moe_gluon_check.py (K3 shapes), GLU and down, one/two multipliers."""
+    """Every Gluon config of bench/probes/moe_gluon_check.py (K3 shapes), GLU and down, one/two multipliers."""
     from moe_gluon_check import CONFIGS
     bad = 0
     print(f"{'gluon case':64} {'regs':>4} {'spill':>5} {'smem':>6} {'loop':>5} {'el':>4} {'instr/el':>8}  top ops")

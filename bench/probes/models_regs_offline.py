@@ -1,7 +1,7 @@
 """Offline sm_90 compile of the whole-model kernels (dispatch, router, norms, MLA, KDA decode) in bf16
 and float32, without a GPU: registers, spills and shared memory per configuration (ptxas -v), so a
 float32 config that needs more than the H200's 232,448 B of shared memory is caught before device
-time. Use the device's Triton: ``PYTHONPATH=/tmp/triton36 python bench/models_regs_offline.py [label parts]``
+time. Use the device's Triton: ``PYTHONPATH=/tmp/triton36 python bench/probes/models_regs_offline.py [label parts]``
 (only the configs whose label contains one of the given parts, e.g. ``router_glu gemv``)."""
 from __future__ import annotations
 

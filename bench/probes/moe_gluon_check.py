@@ -20,7 +20,7 @@ Sections, each in its own process with its own timeout (a CUDA fault or a hang l
          with ``TritonConfig.moe.frag_decode = "exact"`` (integer decode of the same layout, accuracy only).
 Rows print as ``[row] {json}``; the table prints last; JSON in $OUT/moe_gluon_check.json.
 
-    python3 bench/moe_gluon_check.py [--budget 56] [--sections warm,k3] [--no-old]
+    python3 bench/probes/moe_gluon_check.py [--budget 56] [--sections warm,k3] [--no-old]
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: benchlib
 OUT = os.environ.get("OUT", ".")
 HBM = 4.25e12
 SMOKE: list = []
@@ -44,7 +44,7 @@ CONFIGS = [{"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 0, "TAIL": 0}, {"MR": 2, "
            {"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 4, "TAIL": 1}, {"MR": 2, "KQ": 2, "BT": 8, "NW": 4, "ST": 3, "TAIL": 1},
            {"MR": 2, "KQ": 1, "BT": 8, "NW": 4, "ST": 0, "TAIL": 0}, {"MR": 1, "KQ": 2, "BT": 8, "NW": 4, "ST": 0, "TAIL": 0},
            {"MR": 2, "KQ": 2, "BT": 16, "NW": 4, "ST": 3, "TAIL": 0}, {"MR": 4, "KQ": 1, "BT": 8, "NW": 4, "ST": 3, "TAIL": 0}]
-# Gluon configs compiled offline by bench/moe_offline.py gluon; CONFIGS[0] is moe_gluon.CONFIG
+# Gluon configs compiled offline by bench/probes/moe_offline.py gluon; CONFIGS[0] is moe_gluon.CONFIG
 
 
 def emit(name, **kv):
@@ -352,7 +352,7 @@ def child(section, old, smoke=False):
         SIZES = (1, 8, 64)
     import torch
     import triton
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, BENCH)
     if section.startswith("warm"):
         sec_warm(int(section[4:]))
         return
@@ -364,7 +364,7 @@ def child(section, old, smoke=False):
 def _run(args):
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", *args, *SMOKE],
                             stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(HERE))
+                            stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(BENCH))
 
 
 def _collect(p, lim, name, rows, t_start):

@@ -3,7 +3,7 @@ layout, MXFP4 routed experts, bf16 trunk, ~2.8 T parameters) as safetensors shar
 are real and whose data regions are sparse holes (no disk blocks), then times ``k3ir.load`` (headers
 + key map) and ``k3ir inspect DIR``. Any read of tensor data would be visible as time and I/O.
 
-    python bench/checkpoint_inspect.py [--shards 64] [--keep DIR]
+    python bench/probes/checkpoint_inspect.py [--shards 64] [--keep DIR]
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ router_glu_kernel with those rows stored, the ROWGRID ``grouped_gemm_t_kernel`` 
 ``dispatch_kernel`` with ROUTE (its routing now in the shared ``dispatch.route_rows``). Registers, spill bytes and
 shared memory per config (ptxas -v). Use the device's Triton:
 
-    PYTHONPATH=/tmp/triton36 python bench/moe_decode_offline.py
+    PYTHONPATH=/tmp/triton36 python bench/probes/moe_decode_offline.py
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ warps, shift 8|lb|), ``dense_ieee`` (fp32 dots), ``dense_bk32``, ``dense_w8``, `
 without Hopper wgmma), ``dense_shift0`` (anchors not centred). A variant whose diagonal blocks alone are
 wrong points at the dense diagonal tiles; one that is right names the compile choice to use.
 
-    python3 bench/kda_prep_probe.py [--T 256] [--H 2] [--out $OUT/kda_prep_probe.json]
-    TRITON_INTERPRET=1 python bench/kda_prep_probe.py --T 128 --H 1 --D 32      # CPU check of the script
+    python3 bench/probes/kda_prep_probe.py [--T 256] [--H 2] [--out $OUT/kda_prep_probe.json]
+    TRITON_INTERPRET=1 python bench/probes/kda_prep_probe.py --T 128 --H 1 --D 32      # CPU check of the script
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: bench_kda_bwd
 from bench_kda_bwd import chunk_p_ai  # the float64 definitions its intermediates check uses
 
 VARIANTS = {   # name: (EXACT, PREC override (None: by dtype), BK, warps, no wgmma, shift factor)
