@@ -116,7 +116,7 @@ def test_tests_are_found_by_exact_op_name(tmp_path, capsys):
 def test_text_output_names_the_locations(capsys):
     rc, out, err = run_cli(capsys, "ops", "k3.kda")
     assert rc == 0, err
-    assert "k3ir/ops/kda.py:" in out and "backends/torch/ops.py:" in out
+    assert "k3ir/ops/kda.py:" in out and "backends/torch/kda.py:" in out
     rc, out, err = run_cli(capsys, "ops")
     assert rc == 0, err
     assert "k3.fused_kda" in out and "torch:" in out
