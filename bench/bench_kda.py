@@ -4,9 +4,9 @@ vs ``chunk_kda`` (K3 gate: safe_gate, lower_bound=-5; fla's default softplus gat
 memory (4.25 TB/s) and compute (679 TFLOP/s bf16) ceilings our kernel reaches. Prints a table
 last and writes JSON.
 
-    python bench/bench_kda.py --compare --out kda_forward.json   # forward vs fla, same process, 3 repeats
+    python bench/bench_kda.py --compare   # JSON to bench/results/kda_forward/<date>-<commit>.json; forward vs fla, same process, 3 repeats
     TRITON_INTERPRET=1 python bench/bench_kda.py --compare --tiny --out /tmp/kda.json   # CPU smoke test
-    python bench/bench_kda.py --out bench_kda.json [--quick]
+    python bench/bench_kda.py [--quick]       # JSON to bench/results/bench_kda/<date>-<commit>.json
     python bench/bench_kda.py --sweep --no-fla --out kda_sweep.json [--budget 110]   # forward TritonConfig.kda variants
     python bench/bench_kda.py --sweep --no-fla --budget 15 --variants default --shapes 1,32768,32,128  # ~20 s
     python bench/bench_kda.py --sweep --no-fla --fla-missing --all-shapes --variants sp_clamp,s4 --acc  # session 4
@@ -682,7 +682,8 @@ def compare_rows(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench_kda.json")
+    ap.add_argument("--out", default=None,
+                    help="JSON report (default bench/results/<kda_forward with --compare, else bench_kda>/<date>-<commit>.json)")
     ap.add_argument("--quick", action="store_true", help="first shape only")
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--bwd-all", action="store_true", help="forward+backward at every shape (default: B1 T32768 H32)")
@@ -723,6 +724,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="--compare: timed repeats per candidate")
     ap.add_argument("--tiny", action="store_true", help="--compare: tiny float32 shapes (CPU, TRITON_INTERPRET=1)")
     args = ap.parse_args()
+    if args.out is None:
+        from benchlib import result_path
+        args.out = result_path("kda_forward" if args.compare else "bench_kda")
     if args.compare:
         global DEV
         DEV = "cuda" if torch.cuda.is_available() else "cpu"

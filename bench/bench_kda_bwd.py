@@ -26,7 +26,7 @@ recurrence MMAv2-only:
   MMAv2-only, see ``TritonConfig.kda_bwd.mma_v2``) and the dh recurrence MMAv2-only: accuracy as ``acc_k3``.
 - ``sweep``: backward launch variants (``TritonConfig.kda_bwd``) at B1 T32768 H32 K3, ms per launch.
 - ``acc_next`` / ``time_next``: ``acc_k3`` / ``time_k3`` with ``NEXT`` (candidate defaults, below) applied.
-Prints the tables last and writes JSON (``--out``, default ``$OUT/bench_kda_bwd.json``) after every job.
+Prints the tables last and writes JSON (``--out``, default ``bench/results/bench_kda_bwd/<date>-<commit>.json``) after every job.
 
     PYTHONPATH=<fla wheel dir> python bench/bench_kda_bwd.py [--budget 110] [--no-fla] [--jobs a,b]
 """
@@ -536,7 +536,7 @@ def print_tables(rows, meta):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kda_bwd.json"))
+    ap.add_argument("--out", default=None, help="JSON report (default bench/results/bench_kda_bwd/<date>-<commit>.json)")
     ap.add_argument("--budget", type=float, default=110.0, help="seconds for everything; later jobs are skipped")
     ap.add_argument("--no-fla", action="store_true", help="do not run fla (use its recorded times)")
     ap.add_argument("--jobs", default=",".join(JOBS), help="comma-separated, in this order: " + ",".join(JOBS))
@@ -545,6 +545,10 @@ def main():
     if a.child:
         child(json.loads(a.child))
         return
+    if a.out is None:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from benchlib import result_path
+        a.out = result_path("bench_kda_bwd")
     rows, meta = [], []
     tune: dict = {}             # after a failed job: every recurrence launch MMAv2-only too
     tmp = tempfile.mkdtemp(prefix="kda_bwd_bench_")

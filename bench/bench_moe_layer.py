@@ -6,7 +6,7 @@ GEMM with the combine weight fused, per-token sum) against ``torch._grouped_mm``
 GEMM only (gate, up, down) and GEMM + eager SiTU + combine, in bf16 at 8192 and 256 tokens; copy bandwidth and bf16
 matmul rate measured first; ``--repeats`` interleaved medians; table last, JSON to ``--out``::
 
-    python3 bench/bench_moe_layer.py --out moe_layer.json
+    python3 bench/bench_moe_layer.py          # JSON to bench/results/bench_moe_layer/<date>-<commit>.json
     TRITON_INTERPRET=1 python3 bench/bench_moe_layer.py --tiny --out /tmp/moe.json     # CPU smoke test
 
 ``section_moe`` is the older ``bench/bench_models.py --sections moe`` (config sweep, MXFP4 experts)."""
@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import HBM, MM, bench, rel, row, sort_by_expert
+from benchlib import HBM, MM, bench, rel, result_path, row, sort_by_expert
 
 
 def section_moe(smoke, dev="cpu", dt=torch.float32):
@@ -171,11 +171,11 @@ def compare(tiny: bool, out: str, repeats: int = 3) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="moe_layer.json")
+    ap.add_argument("--out", default=None, help="JSON report (default bench/results/bench_moe_layer/<date>-<commit>.json)")
     ap.add_argument("--tiny", action="store_true", help="tiny float32 sizes (CPU, TRITON_INTERPRET=1)")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
-    compare(a.tiny, a.out, a.repeats)
+    compare(a.tiny, a.out or result_path("bench_moe_layer"), a.repeats)
 
 
 if __name__ == "__main__":

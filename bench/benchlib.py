@@ -71,6 +71,16 @@ def git_commit() -> str:
         return "unknown"
 
 
+def result_path(benchmark: str, label: str = "") -> str:
+    """The default JSON path of a benchmark's report: ``bench/results/<benchmark>/<date>-<commit>[-<label>].json``
+    (UTC date, ``git_commit()`` of this tree); creates the folder."""
+    import datetime
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", benchmark)
+    os.makedirs(folder, exist_ok=True)
+    date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    return os.path.join(folder, f"{date}-{git_commit()}" + (f"-{label}" if label else "") + ".json")
+
+
 def env_switches() -> dict:
     """The ``K3IR_*`` environment variables set in this process (the shipped defaults have none)."""
     return {k: v for k, v in os.environ.items() if k.startswith("K3IR_")}

@@ -1,7 +1,7 @@
 """CPU tokens/s of the export targets: torch eager vs onnxruntime (``onnx``) vs IREE llvm-cpu
 (``mlir``), prefill and decode, batch 1, float32, same random weights (seed 0).
 
-    python bench/cpu_backends.py --out bench/results/cpu_backends.json
+    python bench/cpu_backends.py            # JSON to bench/results/cpu_backends/<date>-<commit>.json
 
 Targets: ``torch`` (its default pipeline: fused KDA, MoE dispatch, MXFP4 experts, ...),
 ``torch-unfused`` (torch on the graph the exporters see: ``dce`` only), ``onnx``, ``mlir``.
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -71,7 +73,7 @@ def make_session(m, target: str, params: dict) -> tuple[Session, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="JSON rows (default bench/results/cpu_backends/<date>-<commit>.json)")
     ap.add_argument("--models", default="k3-tiny,k3-100m")
     ap.add_argument("--targets", default="torch,torch-unfused,onnx,mlir")
     ap.add_argument("--T", type=int, default=64)
@@ -90,6 +92,10 @@ def main() -> None:
             row = {"model": key, "params": n, "active": r.params_active, "target": target, "build_s": build, **res}
             print(json.dumps(row), flush=True)
             rows.append(row)
+    if a.out is None:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from benchlib import result_path
+        a.out = result_path("cpu_backends")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=2)
