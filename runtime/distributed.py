@@ -24,6 +24,8 @@ from k3ir.errors import K3RuntimeError
 from k3ir.ir import Module
 from k3ir.ops.collective import MESH_AXES
 
+from .session import host_token_loop
+
 log = logging.getLogger("k3ir.runtime")
 
 
@@ -204,19 +206,4 @@ class DistributedSession:
             return out
         gen = torch.Generator().manual_seed(int(seed))
         logits, state = self.prefill(out.numpy())
-        done = torch.zeros(out.shape[0], dtype=torch.bool)
-        for step in range(max_new_tokens):
-            last = logits[:, -1].detach().to("cpu", torch.float64)
-            if not bool(torch.isfinite(last.max(dim=-1).values).all()):
-                raise K3RuntimeError(f"non-finite logits at generation step {step + 1} of {max_new_tokens}")
-            if temperature == 0:
-                nxt = torch.argmax(last, dim=-1)
-            else:
-                nxt = torch.multinomial(torch.softmax(last / temperature, dim=-1), 1, generator=gen)[:, 0]
-            if eos_token_id is not None:
-                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
-                done |= nxt == eos_token_id
-            out = torch.cat([out, nxt[:, None]], dim=1)
-            if step + 1 < max_new_tokens:
-                logits, state = self.decode(nxt[:, None].numpy(), state)
-        return out
+        return host_token_loop(self.decode, out, logits, state, max_new_tokens, temperature, eos_token_id, gen)

@@ -301,21 +301,7 @@ class Session:
         logits, state = self.prefill(ids)
         if temperature == 0:
             return torch.cat([out, self._greedy(logits, state, max_new_tokens, eos_token_id)], dim=1)
-        done = torch.zeros(ids.shape[0], dtype=torch.bool)
-        for step in range(max_new_tokens):
-            last = logits[:, -1].detach().to("cpu", torch.float64)
-            finite = torch.isfinite(last.max(dim=-1).values)        # NaN or +inf anywhere, or all -inf
-            if not bool(finite.all()):
-                _nonfinite_error(last, finite, step, max_new_tokens)
-            probs = torch.softmax(last / temperature, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
-            if eos_token_id is not None:
-                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
-                done |= nxt == eos_token_id
-            out = torch.cat([out, nxt[:, None]], dim=1)
-            if step + 1 < max_new_tokens:
-                logits, state = self.decode(nxt[:, None].numpy(), state)
-        return out
+        return host_token_loop(self.decode, out, logits, state, max_new_tokens, temperature, eos_token_id, gen)
 
     def _greedy(self, logits, state: State, steps: int, eos_token_id: int | None):
         """Greedy tokens ``LongTensor[B, steps]`` (CPU) after the prefill ``logits``: each token is the argmax of
@@ -345,6 +331,32 @@ class Session:
             step = int((~finite).any(dim=0).nonzero()[0, 0])
             _nonfinite_error(peaks[:, step:step + 1], finite[:, step], step, steps)
         return torch.stack(toks, dim=1).cpu()
+
+
+def host_token_loop(decode, out, logits, state, steps: int, temperature: float, eos_token_id: int | None, gen):
+    """The token loop of ``generate`` on the host: ``steps`` tokens picked from the last ``logits`` (greedy when
+    ``temperature == 0``, lower index on ties; else sampled from ``softmax(logits / temperature)`` with the
+    ``torch.Generator`` ``gen``), each fed back through ``decode(ids, state) -> (logits, state)``; rows that emit
+    ``eos_token_id`` keep emitting it. ``out`` (``LongTensor[B, T]``, CPU) gains ``steps`` columns. Raises
+    K3RuntimeError naming the step when a row's logits are not finite."""
+    import torch
+    done = torch.zeros(out.shape[0], dtype=torch.bool)
+    for step in range(steps):
+        last = logits[:, -1].detach().to("cpu", torch.float64)
+        finite = torch.isfinite(last.max(dim=-1).values)            # NaN or +inf anywhere, or all -inf
+        if not bool(finite.all()):
+            _nonfinite_error(last, finite, step, steps)
+        if temperature == 0:
+            nxt = torch.argmax(last, dim=-1)
+        else:
+            nxt = torch.multinomial(torch.softmax(last / temperature, dim=-1), 1, generator=gen)[:, 0]
+        if eos_token_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+            done |= nxt == eos_token_id
+        out = torch.cat([out, nxt[:, None]], dim=1)
+        if step + 1 < steps:
+            logits, state = decode(nxt[:, None].numpy(), state)
+    return out
 
 
 def _nonfinite_error(last, finite_rows, step: int, steps: int):
