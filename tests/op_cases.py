@@ -1,10 +1,10 @@
 """One input case list per registered op, keyed by op name, for the op x backend conformance matrix
-(tests/test_conformance.py) and the decomposition tests (tests/test_decompositions.py).
+(tests/backends/test_conformance.py) and the decomposition tests (tests/ir/test_decompositions.py).
 
 A case is ``(inputs, states, attrs)``: ``inputs`` NumPy arrays (float64 or int64, tiny shapes, drawn
 from the seeded generator handed in), ``states`` ``{operand position: StateType}`` for operands that
 are recurrent state, ``attrs`` the op's attributes. Each case respects its op's verifier. Model and
-vision ops reuse tests/test_decompositions.py's cases; this module adds the core and fused ops. Ops that cannot
+vision ops reuse tests/ir/test_decompositions.py's cases; this module adds the core and fused ops. Ops that cannot
 run as one op in a one-function module are listed in ``EXCLUDED`` with the reason and the tests that
 cover them instead."""
 from __future__ import annotations
@@ -204,10 +204,10 @@ FUSED_CASES: dict[str, Callable[[np.random.Generator], list[Case]]] = {
     "k3.attn_res_store": _attn_res_store, "k3.attn_res_fused": _attn_res_fused,
 }
 
-_COLLECTIVE = ("needs a process group (a world of ranks); covered by tests/test_collectives.py and "
-               "tests/test_distributed_gloo.py")
+_COLLECTIVE = ("needs a process group (a world of ranks); covered by tests/ir/test_collectives.py and "
+               "tests/runtime/test_distributed_gloo.py")
 _FUSED = ("one whole KDA layer (15 operands and states laid out by the fuse-kda pass); covered by "
-          "tests/test_passes.py and tests/test_passes_numerics.py against the ops it fuses")
+          "tests/passes/test_passes.py and tests/passes/test_passes_numerics.py against the ops it fuses")
 
 #: ops with no case here, each with the reason and where it is covered instead
 EXCLUDED: dict[str, str] = {
@@ -221,9 +221,8 @@ EXCLUDED: dict[str, str] = {
 
 def all_cases() -> dict[str, Callable[[np.random.Generator], list[Case]]]:
     """op name -> case-list builder: the core ops here plus the model and vision ops of
-    tests/test_decompositions.py."""
-    from test_decompositions import CASES as MODEL_CASES
-    return {**CORE_CASES, **FUSED_CASES, **MODEL_CASES}
+    tests/ir/test_decompositions.py."""
+    return {**CORE_CASES, **FUSED_CASES, **MODEL_CASES, **VISION_CASES}
 
 
 def as_dtype(x: np.ndarray, float_dtype: str) -> np.ndarray:
@@ -263,3 +262,174 @@ def one_op_module(opname: str, case: Case, float_type: str = "f64") -> Module:
     add_case_function(m, "f", opname, case, float_type)
     verify_module(m)
     return m
+
+
+# ---- the model ops' cases (each: (inputs, {position: StateType}, attrs)) ----------------------------------
+def _l2(x):
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+# each case: (inputs, {position: StateType}, attrs)
+def _embedding(r):
+    return [([r.integers(0, 7, (2, 3)), r.normal(size=(7, 4))], {}, {})]
+
+
+def _rmsnorm(r):
+    return [([r.normal(size=(2, 3, 5)), r.normal(size=5)], {}, {"eps": 1e-5})]
+
+
+def _linear(r):
+    return [([r.normal(size=(2, 3, 5)), r.normal(size=(4, 5))], {}, {})]
+
+
+def _lm_head(r):
+    return [([r.normal(size=(2, 3, 5)), r.normal(size=(7, 5))], {}, {})]
+
+
+def _l2norm(r):
+    return [([r.normal(size=(2, 3, 2, 4))], {}, {"eps": 1e-6})]
+
+
+def _short_conv(r):
+    x, w = r.normal(size=(2, 5, 3)), r.normal(size=(3, 1, 4))
+    st = {2: StateType("conv_state", (3, 3))}
+    return [([x, w], {}, {}), ([x, w, r.normal(size=(2, 3, 3))], st, {}),
+            ([x[:, :1], w, r.normal(size=(2, 3, 3))], st, {}), ([x, w], {}, {"activation": "none"})]
+
+
+def _kda_gate(r):
+    z, dt = r.normal(size=(2, 3, 2, 4)) * 2, r.normal(size=8)
+    return [([z, r.normal(size=(1, 1, 2, 1)), dt], {}, {"form": "lower_bound", "lower_bound": -5.0}),
+            ([z, r.normal(size=5), dt], {}, {"form": "lower_bound", "lower_bound": -3.0}),
+            ([z, r.normal(size=(1, 1, 2, 1)), dt], {}, {"form": "softplus"})]
+
+
+def _kda(r):
+    B, T, H, K, V = 2, 5, 2, 4, 3
+    q, k, v = _l2(r.normal(size=(B, T, H, K))), _l2(r.normal(size=(B, T, H, K))), r.normal(size=(B, T, H, V))
+    g, beta = -r.uniform(0, 5, size=(B, T, H, K)), r.uniform(size=(B, T, H))
+    st = {5: StateType("kda_state", (H, K, V))}
+    return [([q, k, v, g, beta], {}, {"scale": K ** -0.5}),
+            ([q, k, v, g, beta, r.normal(size=(B, H, K, V))], st, {"scale": K ** -0.5}),
+            ([q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], r.normal(size=(B, H, K, V))], st,
+             {"scale": 0.3})]
+
+
+def _gated_rmsnorm(r):
+    return [([r.normal(size=(2, 3, 2, 4)), r.normal(size=(2, 3, 2, 4)), r.normal(size=4)], {}, {"eps": 1e-5})]
+
+
+def _mla(r):
+    H, n, p, vd, R = 2, 6, 4, 5, 8
+    q, kv, w = r.normal(size=(2, 3, H, n + p)), r.normal(size=(2, 3, R + p)), r.normal(size=(H * (n + vd), R))
+    st = {3: StateType("mla_cache", (R, p))}
+    base = {"heads": H, "nope": n, "rope": p, "v_dim": vd, "scale": (n + p) ** -0.5}
+    cases = []
+    for absorbed in (False, True):
+        a = dict(base, absorbed=absorbed)
+        cases += [([q, kv, w], {}, a), ([q, kv, w, r.normal(size=(2, 4, R + p))], st, a),
+                  ([q[:, :1], kv[:, :1], w, r.normal(size=(2, 4, R + p))], st, a)]
+    return cases
+
+
+def _attn_res(r):
+    d = 6
+    srcs = [r.normal(size=(2, 3, d)) * (i + 1) for i in range(3)]
+    return [([r.normal(size=(1, d)), r.normal(size=d), *srcs], {}, {"eps": 1e-5}),
+            ([r.normal(size=(1, d)), r.normal(size=d), srcs[0]], {}, {}),
+            ([np.zeros((1, d)), r.normal(size=d), *srcs[:2]], {}, {})]
+
+
+def _situ_glu(r):
+    return [([r.normal(size=(2, 3, 5)) * 6, r.normal(size=(2, 3, 5)) * 20], {}, {"b1": 4.0, "b2": 25.0})]
+
+
+def _swiglu(r):
+    return [([r.normal(size=(2, 3, 5)) * 3, r.normal(size=(2, 3, 5))], {}, {})]
+
+
+def _router(r):
+    x, w, bias = r.normal(size=(2, 3, 6)), r.normal(size=(5, 6)), r.normal(size=5) * 0.1
+    return [([x, w, bias], {}, {"top_k": 2, "routed_scaling_factor": 1.5}),
+            ([x, w, bias], {}, {"top_k": 3, "renormalize": False})]
+
+
+def _moe(r):
+    B, T, D, I, E, k = 2, 3, 5, 4, 6, 2
+    x = r.normal(size=(B, T, D))
+    idx = np.stack([r.permutation(E)[:k] for _ in range(B * T)]).reshape(B, T, k)
+    wts = r.uniform(size=(B, T, k))
+    ws = [r.normal(size=(E, I, D)), r.normal(size=(E, I, D)), r.normal(size=(E, D, I))]
+    return [([x, wts, idx, *ws], {}, {"act": "situ"}), ([x, wts, idx, *ws], {}, {"act": "silu"})]
+
+
+# ---- vision ops (k3ir/ops/vision.py, SPEC.md 8) ----
+def _layernorm(r):
+    return [([r.normal(size=(2, 3, 6)) * 2 + 1, r.normal(size=6), r.normal(size=6)], {}, {"eps": 1e-5})]
+
+
+def _gelu(r):
+    x = r.normal(size=(2, 5)) * 3
+    return [([x], {}, {"approximate": "none"}), ([x], {}, {"approximate": "tanh"})]
+
+
+def _patch_embed(r):
+    return [([r.normal(size=(1, 2, 3, 3, 4, 4)), r.normal(size=(5, 3, 4, 4)), r.normal(size=5)], {}, {})]
+
+
+def _vit_pos_emb(r):
+    x, t = r.normal(size=(1, 3, 5, 4)), r.normal(size=(4, 4, 4))
+    return [([x, t], {}, {"mode": "bicubic"}), ([x, t], {}, {"mode": "bilinear"})]
+
+
+def _rope_2d(r):
+    return [([r.normal(size=(1, 2, 3, 2, 8))], {}, {})]
+
+
+def _vit_attention(r):
+    return [([r.normal(size=(1, 2, 3, 2, 4)) for _ in range(3)], {}, {"scale": 0.5})]
+
+
+def _patch_merge(r):
+    return [([r.normal(size=(1, 4, 6, 3))], {}, {"kh": 2, "kw": 2})]
+
+
+def _merge_media(r):
+    ids = np.array([[1, 9, 9, 4, 5], [9, 2, 3, 4, 6]])
+    return [([r.normal(size=(2, 5, 4)), ids, r.normal(size=(3, 4))], {}, {"token_id": 9})]
+
+
+
+MODEL_CASES = {
+    "k3.layernorm": _layernorm, "k3.gelu": _gelu, "k3.patch_embed": _patch_embed, "k3.vit_pos_emb": _vit_pos_emb,
+    "k3.rope_2d": _rope_2d, "k3.vit_attention": _vit_attention, "k3.patch_merge": _patch_merge,
+    "k3.merge_media": _merge_media,
+    "k3.embedding": _embedding, "k3.rmsnorm": _rmsnorm, "k3.linear": _linear, "k3.lm_head": _lm_head,
+    "k3.l2norm": _l2norm, "k3.short_conv": _short_conv, "k3.kda_gate": _kda_gate, "k3.kda": _kda,
+    "k3.gated_rmsnorm": _gated_rmsnorm, "k3.mla": _mla, "k3.attn_res": _attn_res, "k3.situ_glu": _situ_glu,
+    "k3.swiglu": _swiglu, "k3.router": _router, "k3.moe": _moe,
+}
+
+
+# ---- the vision ops' cases, for tests/ir/test_decompositions.py (every model op: decomposition == reference at 1e-10) -------
+def _case_rng_inputs(rng):
+    x = rng.standard_normal((2, 2, 4, 2, 8))
+    return x
+
+
+#: op name -> rng -> [(inputs, state types, attrs)]; exact GELU decomposes through A&S 7.1.26
+#: (1.5e-7), so only its tanh form runs at 1e-10 there (the exact form: test_vision_op_decompositions)
+VISION_CASES = {
+    "k3.layernorm": lambda r: [([r.standard_normal((3, 16)) * 3 + 1, r.standard_normal(16), r.standard_normal(16)],
+                                {}, {"eps": 1e-5})],
+    "k3.gelu": lambda r: [([np.linspace(-6, 6, 40)], {}, {"approximate": "tanh"})],
+    "k3.patch_embed": lambda r: [([r.standard_normal((2, 2, 3, 3, 4, 4)), r.standard_normal((8, 3, 4, 4)),
+                                   r.standard_normal(8)], {}, {})],
+    "k3.vit_pos_emb": lambda r: [([r.standard_normal((2, 5, 11, 8)), r.standard_normal((8, 8, 8))], {}, {})],
+    "k3.rope_2d": lambda r: [([_case_rng_inputs(r)], {}, {"theta": 10000.0})],
+    "k3.vit_attention": lambda r: [([_case_rng_inputs(r), _case_rng_inputs(r), _case_rng_inputs(r)], {},
+                                    {"scale": 0.35})],
+    "k3.patch_merge": lambda r: [([r.standard_normal((2, 4, 6, 3))], {}, {})],
+    "k3.merge_media": lambda r: [([r.standard_normal((2, 4, 5)), np.array([[1, 9, 9, 2], [9, 3, 9, 4]]),
+                                   r.standard_normal((4, 5))], {}, {"token_id": 9})],
+}

@@ -2,7 +2,7 @@
 
 E2M1 nibble n = s e1 e0 m placed as bf16 bits ((n&7)<<6) | ((n&8)<<12) is exactly fp4(n) * 2^-126 (a bf16
 subnormal when e1e0 = 0), so a decode is integer bit moves plus bf16x2 multiplies by the E8M0 block scale
-(SPEC.md 7). ``tests/test_triton_moe.py`` executes these strings instruction by instruction.
+(SPEC.md 7). ``tests/backends/triton/test_triton_moe.py`` executes these strings instruction by instruction.
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ def test_onnx_models_are_standard_and_dynamic():
 
 
 def test_full_k3_structure_export_passes_checker():
-    """Opset 20: every KDA layer a Scan over time (opset 27: tests/test_onnx_opset27.py)."""
+    """Opset 20: every KDA layer a Scan over time (opset 27: tests/backends/onnx/test_onnx_opset27.py)."""
     m = k3ir.load("kimi-k3")
     from k3ir.backends.onnx.export import OnnxExporter
     x = OnnxExporter(m, weights="inputs", opset=20)

@@ -18,7 +18,7 @@ from k3ir.errors import K3RuntimeError
 from k3ir.ir import Function, Module
 from k3ir.opdef import get_opdef
 from k3ir.types import TensorType
-from tests.conftest import rel_err
+from conftest import rel_err
 
 SMALL = VisionSpec(hidden=32, layers=2, heads=2, intermediate=40, patch=4, pos_h=8, pos_w=8, pos_t=4,
                    merge=(2, 2), mm_hidden=32, text_hidden=24)
@@ -322,27 +322,3 @@ def test_op_types_are_symbolic():
     cls = get_opdef("k3.patch_merge")
     (t,) = cls({"kh": 2, "kw": 2}).infer(TensorType("f32", ("N", "2*MH", "2*MW", 8)))
     assert t.shape == ("N", "MH", "MW", 32)
-
-
-# ---- cases for tests/test_decompositions.py (every model op: decomposition == reference at 1e-10) -------
-def _case_rng_inputs(rng):
-    x = rng.standard_normal((2, 2, 4, 2, 8))
-    return x
-
-
-#: op name -> rng -> [(inputs, state types, attrs)]; exact GELU decomposes through A&S 7.1.26
-#: (1.5e-7), so only its tanh form runs at 1e-10 there (the exact form: test_vision_op_decompositions)
-DECOMP_CASES = {
-    "k3.layernorm": lambda r: [([r.standard_normal((3, 16)) * 3 + 1, r.standard_normal(16), r.standard_normal(16)],
-                                {}, {"eps": 1e-5})],
-    "k3.gelu": lambda r: [([np.linspace(-6, 6, 40)], {}, {"approximate": "tanh"})],
-    "k3.patch_embed": lambda r: [([r.standard_normal((2, 2, 3, 3, 4, 4)), r.standard_normal((8, 3, 4, 4)),
-                                   r.standard_normal(8)], {}, {})],
-    "k3.vit_pos_emb": lambda r: [([r.standard_normal((2, 5, 11, 8)), r.standard_normal((8, 8, 8))], {}, {})],
-    "k3.rope_2d": lambda r: [([_case_rng_inputs(r)], {}, {"theta": 10000.0})],
-    "k3.vit_attention": lambda r: [([_case_rng_inputs(r), _case_rng_inputs(r), _case_rng_inputs(r)], {},
-                                    {"scale": 0.35})],
-    "k3.patch_merge": lambda r: [([r.standard_normal((2, 4, 6, 3))], {}, {})],
-    "k3.merge_media": lambda r: [([r.standard_normal((2, 4, 5)), np.array([[1, 9, 9, 2], [9, 3, 9, 4]]),
-                                   r.standard_normal((4, 5))], {}, {"token_id": 9})],
-}

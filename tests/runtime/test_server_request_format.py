@@ -27,7 +27,7 @@ def api():
 
 def _readme_curls() -> list[tuple[str, str, dict]]:
     """(route, header, JSON body) of every ``curl`` line of README.md (continuation lines joined)."""
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")) as f:
         text = f.read().replace("\\\n", " ")
     out = []
     for line in text.splitlines():

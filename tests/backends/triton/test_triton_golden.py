@@ -2,7 +2,7 @@
 machine): k3-tiny and the tests' tiny Kimi Linear (``KIMI_LINEAR_TINY``), prefill of 9 tokens then 8
 greedy decode steps, at batch 1 (the fused decode paths) and batch 5 (the fallbacks for more rows).
 
-The files under ``tests/golden_runs/triton_decode/`` hold, per case, the prompt ``ids [B, 9]`` (int64), the
+The files under ``tests/backends/triton/golden_runs/triton_decode/`` hold, per case, the prompt ``ids [B, 9]`` (int64), the
 prefill logits ``[B, 9, V]``, the decode logits ``[8, B, V]`` (float32) and the greedy tokens
 ``[B, 8]`` (int64). They were taken from the triton target and checked against the torch target (same
 tokens, logits within 1e-4 relative). A change that only moves or re-selects kernels must reproduce them
@@ -10,7 +10,7 @@ within 1e-6 relative (SPEC.md 11) and give the same tokens.
 
 Regenerate (only when the numerics are meant to change)::
 
-    TRITON_INTERPRET=1 python -m tests.test_triton_golden --regen
+    TRITON_INTERPRET=1 python -m tests.backends.triton.test_triton_golden --regen
 
 which rewrites the files from the triton target after checking it against the torch target.
 """
@@ -28,8 +28,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+TESTS = os.path.dirname(os.path.dirname(HERE))
+if TESTS not in sys.path:         # _tiny_models and conftest when run as a script (--regen)
+    sys.path.insert(0, TESTS)
 
 from _tiny_models import load_tiny
 from conftest import rel_err
@@ -138,6 +139,6 @@ def test_triton_greedy_decode_matches_golden(key, batch):
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--regen"]:
-        sys.exit("usage: TRITON_INTERPRET=1 python -m tests.test_triton_golden --regen")
+        sys.exit("usage: TRITON_INTERPRET=1 python -m tests.backends.triton.test_triton_golden --regen")
     for p in regenerate():
         print(p)

@@ -1,4 +1,4 @@
-"""Pass manager, golden IR per pass (tests/golden/<pass>/), the full K3 graph through the
+"""Pass manager, golden IR per pass (tests/passes/golden/<pass>/), the full K3 graph through the
 triton pipeline, and the ``k3ir compile`` / ``inspect --after-passes`` commands."""
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_golden(case):
     run_pipeline(m, [spec], verify_each=True)
     want = _read(d, "expected.k3")
     got = k3ir.print_module(m)
-    assert got == want, f"{case}: output differs from {d}/expected.k3 (regenerate with tests/golden/make_golden.py)"
+    assert got == want, f"{case}: output differs from {d}/expected.k3 (regenerate with tests/passes/golden/make_golden.py)"
     assert k3ir.print_module(k3ir.parse_module(got)) == got
 
 

@@ -149,7 +149,7 @@ def _launch(tmp_path: Path, key: str, spec: str, world: int = 2, timeout: float 
             for r in range(world):
                 env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                       "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+                       "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
                 log = logs.enter_context(open(tmp_path / f"rank{r}.log", "w"))
                 procs.append(subprocess.Popen([sys.executable, __file__, key, spec, str(tmp_path / f"rank{r}.npz")],
                                               env=env, stdout=log, stderr=subprocess.STDOUT))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import one_line_error, run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def source_line(loc: str) -> str:
@@ -77,7 +77,7 @@ def test_registered_backend_with_a_lambda_condition(capsys, monkeypatch):
     by = {e["backend"]: e for e in ops_json(capsys, "rmsnorm")["backends"]}
     e = by["cond-example"]
     assert e["status"] == "conditional" and '"f64 only"' in e["reason"]
-    assert e["implementation"] == f"tests/test_cli_ops.py:{rmsnorm.__code__.co_firstlineno}"
+    assert e["implementation"] == f"tests/cli/test_cli_ops.py:{rmsnorm.__code__.co_firstlineno}"
     table_json = ops_json(capsys)
     rows = {r["op"]: r["backends"] for r in table_json["ops"]}
     assert rows["k3.rmsnorm"]["cond-example"] == "conditional"
@@ -108,7 +108,7 @@ def test_tests_are_found_by_exact_op_name(tmp_path, capsys):
     names = [f.split("::", 1)[1] if "::" in f else Path(f).name for f in found]
     assert names == ["test_kda", "TestKDA::test_method", "test_b.py"]
     info = ops_json(capsys, "k3.kda")
-    assert "tests/test_kda.py::test_kda_op_reference_equals_recurrent" in info["tests"]
+    assert "tests/ir/test_kda.py::test_kda_op_reference_equals_recurrent" in info["tests"]
     rc, out, _ = run_cli(capsys, "ops", "k3.kda", "--tests", str(tmp_path))
     assert rc == 0 and "TestKDA::test_method" in out and "test_gate" not in out
 

@@ -3,7 +3,7 @@ inference with symbolic dims, ``canon_dim`` and the networkx view."""
 from __future__ import annotations
 
 import pytest
-from test_frontend import kimi_linear_tiny, write_config
+from helpers import kimi_linear_tiny, write_config
 
 import k3ir
 from k3ir.builder import Builder

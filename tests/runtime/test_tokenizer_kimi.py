@@ -323,7 +323,7 @@ def test_generate_reads_the_checkpoint_tokenizer(ckpt, capsys):
 
 def tiny_checkpoint(ckpt: Path) -> Path:
     """k3-tiny's config.json, its vocabulary widened to the tokenizer's 530 ids, next to the tokenizer."""
-    cfg = json.loads((Path(__file__).parents[1] / "frontend" / "configs" / "k3-tiny.json").read_text())
+    cfg = json.loads((Path(__file__).parents[2] / "frontend" / "configs" / "k3-tiny.json").read_text())
     cfg["text_config"]["vocab_size"] = VOCAB
     (ckpt / "config.json").write_text(json.dumps(cfg))
     return ckpt / "config.json"

@@ -267,7 +267,7 @@ def test_docs_onnx_decode_script_gives_torchs_greedy_tokens(tmp_path):
     params = init_params(m, seed=3)
     for fn in ("prefill", "decode"):
         export_onnx(m, str(tmp_path / f"{fn}.onnx"), function=fn, weights="external", params=params)
-    script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "docs" / "onnx_decode.py"))
+    script = runpy.run_path(str(Path(__file__).resolve().parents[3] / "docs" / "onnx_decode.py"))
     prompt = [5, 17, 42, 9]
     got = script["generate"](str(tmp_path / "prefill.onnx"), str(tmp_path / "decode.onnx"), prompt, steps=6)
     _, want = _greedy(torch, np.asarray([prompt], np.int64), 6)

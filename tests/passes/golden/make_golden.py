@@ -1,7 +1,7 @@
-"""Regenerate the golden pass files: ``python tests/golden/make_golden.py`` writes, for each
+"""Regenerate the golden pass files: ``python tests/passes/golden/make_golden.py`` writes, for each
 pass, ``<pass>/input.k3`` (a small module) and ``<pass>/expected.k3`` (the pass's output).
 Review the diff by eye before committing: the goldens pin the printed form of each rewrite;
-the numerics tests (tests/test_passes*.py) check the values."""
+the numerics tests (tests/passes/test_passes*.py) check the values."""
 from __future__ import annotations
 
 import os

@@ -28,7 +28,7 @@ def plugin_dir(tmp_path_factory):
     directory, put it on sys.path and re-scan the entry points."""
     base = tmp_path_factory.mktemp("plugin")
     src = base / "src"
-    shutil.copytree(os.path.join(HERE, "plugin_example"), src)      # keep build files out of the tree
+    shutil.copytree(os.path.join(HERE, "..", "plugin_example"), src)      # keep build files out of the tree
     target = base / "site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                         "--target", str(target), str(src)], capture_output=True, text=True, check=False)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import rel_err
 from k3ir.runtime import Session, init_params
-from test_frontend import kimi_linear_tiny, write_config
+from helpers import kimi_linear_tiny, write_config
 
 import k3ir
 from k3ir.errors import K3RuntimeError

@@ -195,7 +195,7 @@ def test_short_loopback_load_test():
     """The suite's 5-second, 4-client version of bench/load_test.py (real uvicorn on 127.0.0.1): one
     client of each role (well-behaved, disconnecting mid-request, hostile bodies, tiny temperatures)."""
     pytest.importorskip("httpx")
-    path = Path(__file__).resolve().parents[1] / "bench" / "load_test.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "load_test.py"
     spec = importlib.util.spec_from_file_location("k3ir_load_test", path)
     lt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lt)

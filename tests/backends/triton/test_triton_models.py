@@ -50,7 +50,7 @@ def test_k3_tiny_prefill_decode_match_reference():
 def _hf_tiny():
     sys.modules.setdefault("fla", None)
     transformers = pytest.importorskip("transformers")
-    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "frontend"))
     from test_kimi_linear_parity import CONFIGS
     torch.manual_seed(3)
     cfg = transformers.KimiLinearConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2, **CONFIGS["qlora-1shared"])

@@ -9,31 +9,11 @@ import pytest
 import k3ir
 from k3ir.accounting import report
 from k3ir.errors import K3ConfigError
+from helpers import kimi_linear_tiny, write_config
 
 P = "language_model.model."
 
 
-def kimi_linear_tiny() -> dict:
-    """A plain ``kimi_linear`` config (Kimi Linear layout): q_lora_rank null, no AttnRes, SwiGLU,
-    no latent MoE, softplus gate (no gate_lower_bound), low-rank output gate."""
-    return {
-        "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
-        "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 4, "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False, "dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
-        "pad_token_id": 0, "hidden_act": "silu", "intermediate_size": 64, "first_k_dense_replace": 1,
-        "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": None, "kv_lora_rank": 16,
-        "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "mla_use_nope": True,
-        "linear_attn_config": {"full_attn_layers": [2, 4], "kda_layers": [1, 3], "num_heads": 2,
-                               "head_dim": 8, "short_conv_kernel_size": 4},
-        "num_experts": 4, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 16,
-        "moe_renormalize": True, "routed_scaling_factor": 2.446, "num_expert_group": 1,
-    }
-
-
-def write_config(tmp_path, cfg, name="config.json") -> str:
-    p = tmp_path / name
-    p.write_text(json.dumps(cfg, indent=2))
-    return str(p)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The chunked Triton backward of ``kda_forward`` (``backends/triton/kda_bwd*.py``, SPEC.md 3)
 against float64 autograd through an independent token-by-token recurrence (written in
-tests/test_triton_kda.py from SPEC.md 3.3-3.5): every gradient (q, k, v, g raw, beta logit, A_log,
+tests/backends/triton/test_triton_kda.py from SPEC.md 3.3-3.5): every gradient (q, k, v, g raw, beta logit, A_log,
 dt_bias, initial state), both gates, odd lengths, variable-length batches, final-state gradients.
 
 On a CPU machine the kernels run under ``TRITON_INTERPRET=1`` at tiny sizes in fp32 (SPEC.md 11:

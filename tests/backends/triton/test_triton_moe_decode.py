@@ -26,7 +26,7 @@ def decode_tuning():
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-#: float32 GEMMs run as TF32 on the GPU: looser tolerances there (as tests/test_triton_moe.py)
+#: float32 GEMMs run as TF32 on the GPU: looser tolerances there (as tests/backends/triton/test_triton_moe.py)
 TOL_GLU, TOL_MODEL = (2e-2, 2e-3) if DEV == "cuda" else (1e-5, 1e-4)
 
 
