@@ -122,7 +122,7 @@ def test_opset27_graph_uses_standard_sequence_ops_and_opset20_scans():
 
 
 def test_full_k3_export_cli_holds_69_linear_attention_nodes(tmp_path, capsys):
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     out = tmp_path / "k3.onnx"
     assert main(["export", "kimi-k3", "--format", "onnx", "--weights", "inputs", "-o", str(out)]) == 0
     assert "opset 27" in capsys.readouterr().out
@@ -133,7 +133,7 @@ def test_full_k3_export_cli_holds_69_linear_attention_nodes(tmp_path, capsys):
 
 
 def test_opset_flag_outside_onnx_is_a_usage_error(tmp_path, capsys):
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     assert main(["export", "k3-tiny", "--format", "dot", "--opset", "20", "-o", str(tmp_path / "g.dot")]) == 2
     assert "--opset applies to --format onnx only" in capsys.readouterr().err
 
@@ -225,7 +225,7 @@ def test_prefill_lengths_grid_matches_reference(key, opset, ort_kernels):
 
 
 def test_ort_kernels_put_the_sequence_ops_in_the_com_microsoft_domain(tmp_path, capsys):
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     m = load_tiny("kimi-linear-tiny")
     model = OnnxExporter(m, weights="inputs", ort_kernels=True).export_function("decode")
     dom = {n.op_type: n.domain for n in model.graph.node if n.op_type in ("LinearAttention", "CausalConvWithState")}
@@ -239,7 +239,7 @@ def test_describe_prints_the_state_interface_without_weights(tmp_path, capsys):
     """``k3ir export --describe``: token ids, then per KDA layer three conv states ``[B,C,K-1]`` and
     the KDA state ``[B,H,d_k,d_v]``, per MLA layer the latent cache ``[B,L,R+P]``; outputs logits
     and ``present.*``; no weights; nothing written."""
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     assert main(["export", "kimi-linear-6p6b", "--describe", "--function", "decode"]) == 0
     lines = [ln.split() for ln in capsys.readouterr().out.splitlines()]
     ins = {n: (dt, shape) for kind, n, dt, *shape in lines if kind == "input"}

@@ -8,211 +8,34 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 from k3ir.errors import K3Error
 from k3ir.registration import import_builtin
 
-#: modules adding subcommands (each defines ``register(subparsers)``); every ``runtime/cli_*.py`` with a
+from .compile import apply_passes
+from .common import (
+    UsageError, check_prompt, check_seed, console, count, device_type, human, human_bytes, load_model, model_arg,
+    parse_overrides, print_step, quiet_stdout,
+)
+
+#: modules adding subcommands (each defines ``register(subparsers)``); every ``cli/*.py`` module with a
 #: ``register`` is listed (tests/test_layering.py checks it)
 COMMAND_MODULES: list[str] = [
-    "k3ir.runtime.cli_compile",      # compile, check (passes, backends)
-    "k3ir.runtime.cli_export",       # export (onnx, mlir, dot/svg/html)
-    "k3ir.runtime.cli_train",        # train
-    "k3ir.runtime.cli_generate",     # generate
-    "k3ir.runtime.cli_serve",        # serve
-    "k3ir.runtime.cli_plan",         # plan (multi-GPU layouts: memory, communication, decode roofline)
-    "k3ir.runtime.cli_ops",          # ops (each op's definition, reference, decomposition, lowerings, tests)
+    "k3ir.cli.compile",      # compile, check (passes, backends)
+    "k3ir.cli.export",       # export (onnx, mlir, dot/svg/html)
+    "k3ir.cli.train",        # train
+    "k3ir.cli.generate",     # generate
+    "k3ir.cli.serve",        # serve
+    "k3ir.cli.plan",         # plan (multi-GPU layouts: memory, communication, decode roofline)
+    "k3ir.cli.ops",          # ops (each op's definition, reference, decomposition, lowerings, tests)
 ]
 
 
-class UsageError(K3Error):
-    """Bad command-line input."""
-
-
-#: seeds every command (and the server's ``seed`` field) accepts: 0 <= seed < 2**63
-SEED_LIMIT = 2 ** 63
-
-
-def check_seed(value: int | None, flag: str = "--seed") -> None:
-    """UsageError unless ``value`` is None or in 0..2**63-1 (the range of generate, serve, train and
-    the server's ``seed`` request field)."""
-    if value is not None and not 0 <= value < SEED_LIMIT:
-        raise UsageError(f"{flag} must be >= 0 and < 2**63, got {value}")
-
-
-def check_prompt(text: str, flag: str = "--prompt") -> str:
-    """``text`` when it encodes as UTF-8, else UsageError naming ``flag`` and the first bad byte.
-    Python decodes argv bytes that are not UTF-8 to lone surrogates (surrogateescape); they are
-    refused rather than fed to the tokenizer, so every tokenizer sees the same valid text."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        c = ord(text[e.start])
-        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"lone surrogate U+{c:04X}"
-        raise UsageError(f"{flag} is not valid UTF-8 text ({what} at character {e.start}); pass UTF-8 text") from None
-    return text
-
-
-def model_arg(p: argparse.ArgumentParser, default: str = "kimi-k3") -> None:
-    p.add_argument("model", nargs="?", default=default, metavar="MODEL",
-                   help=f"config.json path, checkpoint directory (or a k3ir train run), bundled name, .k3 IR file or - "
-                        f"(text IR on standard input) (default: {default})")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value (dotted keys reach linear_attn_config); repeatable")
-
-
-def device_type(value: str) -> str:
-    """argparse ``type`` of ``--device``: ``cpu``, ``cuda`` or ``cuda:N`` (N checked when a GPU is present);
-    anything else (``tpu``, ``mps``, ``CPU``) is a usage error (exit 2) before any work starts."""
-    import torch
-    from k3ir.backends import device_problem
-    why = device_problem(value, need_gpu=torch.cuda.is_available())
-    if why:
-        raise argparse.ArgumentTypeError(why)
-    return value
-
-
-def quiet_stdout() -> None:
-    """After EPIPE on stdout: point file descriptor 1 at /dev/null, so later writes and the
-    interpreter's final flush do not print "Exception ignored ... BrokenPipeError"."""
-    import os
-    try:
-        fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, sys.stdout.fileno())
-        os.close(fd)
-    except (OSError, ValueError, AttributeError):      # stdout without a file descriptor (captured in tests)
-        pass
-
-
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    from k3ir.frontend import parse_override_value
-    out = {}
-    for it in items:
-        if "=" not in it:
-            raise UsageError(f"--set expects KEY=VALUE, got '{it}'")
-        k, v = it.split("=", 1)
-        if not k:
-            raise UsageError(f"--set expects KEY=VALUE, got '{it}'")
-        out[k.strip()] = parse_override_value(v)
-    return out
-
-
-#: MODEL that reads text IR from standard input (``k3ir print - < a.k3``)
-STDIN = "-"
-
-
-def is_ir_file(model: str) -> bool:
-    """MODEL names a text-IR file (``*.k3``, as ``k3ir print`` writes) or standard input (``-``)."""
-    return str(model) == STDIN or str(model).lower().endswith(".k3")
-
-
-def read_stdin_ir() -> Any:
-    """The Module parsed from text IR on standard input (source ``<stdin>``). Raises K3ParseError with
-    ``<stdin>:line:col`` for bytes that are not UTF-8 or text that is not valid IR."""
-    import k3ir
-    from k3ir.errors import K3ParseError
-    data = sys.stdin.buffer.read()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        col = len(data[data.rfind(b"\n", 0, e.start) + 1:e.start].decode("utf-8")) + 1
-        raise K3ParseError(f"invalid UTF-8 (byte 0x{data[e.start]:02x}): {e.reason}", line, col, "<stdin>") from None
-    return k3ir.parse_module(text, source="<stdin>")
-
-
-def run_checkpoint(model: str) -> str:
-    """``model`` itself, or for a training run directory (``k3ir train``'s ``--out``: ``RUN`` holding
-    ``checkpoints/latest``, or ``RUN/checkpoints``) the checkpoint its ``latest`` names,
-    ``RUN/checkpoints/step-N``; a note on stderr says which. Raises K3CheckpointError when ``latest``
-    names no checkpoint."""
-    from pathlib import Path
-
-    from .train_checkpoint import LATEST, resolve_checkpoint
-    p = Path(model)
-    if not p.is_dir() or (p / "config.json").exists() or not any((c / LATEST).is_file() for c in (p, p / "checkpoints")):
-        return model
-    ck = resolve_checkpoint(p)
-    print(f"k3ir: note: {model} is a training run; using its latest checkpoint {ck}", file=sys.stderr, flush=True)
-    return str(ck)
-
-
-def random_weights_note(module: Any, model: str, seed: int) -> str | None:
-    """One line saying that ``module`` has no trained weights (a bundled name or a config without
-    safetensors: ``generate`` and ``serve`` run the random init of ``seed``, so the text is noise) and how
-    to run real weights; None when a checkpoint's weights are bound."""
-    if getattr(module, "weights", None) is not None:
-        return None
-    return (f"k3ir: warning: {model} has no trained weights: this is the random init (seed {seed}), so the text is "
-            "noise; for real text pass a checkpoint directory as MODEL: a k3ir train run (RUN or "
-            "RUN/checkpoints/step-N) or a downloaded one (config.json + *.safetensors + tokenizer)")
-
-
-def load_model(args) -> Any:
-    """The Module for ``args.model``: a ``.k3`` text-IR file or ``-`` (text IR on standard input; parsed
-    and verified: K3Error for an unreadable file, K3ParseError / K3VerifyError with ``file:line:col``;
-    ``--set`` is a UsageError there), a training run directory (its latest checkpoint, see
-    ``run_checkpoint``) or a config path / checkpoint directory / bundled name (``--set`` applies)."""
-    import k3ir
-    if is_ir_file(args.model):
-        what = "standard input (-)" if args.model == STDIN else args.model
-        if getattr(args, "overrides", None):
-            raise UsageError(f"--set does not apply to a .k3 MODEL ({what} is already built IR); "
-                             "edit the file or pass a config")
-        m = read_stdin_ir() if args.model == STDIN else k3ir.parse_file(args.model)
-        k3ir.verify_module(m)
-        cmd = getattr(args, "command", None)
-        if cmd in ("generate", "serve") and "prefill_varlen" not in m.functions:
-            raise UsageError(f"{cmd} needs a config or checkpoint MODEL: {what} is a .k3 IR file without "
-                             "@prefill_varlen, which only a model config can build")
-        return m
-    args.model = run_checkpoint(args.model)
-    return k3ir.load(args.model, overrides=parse_overrides(args.overrides))
-
-
-# ---- formatting ------------------------------------------------------------------------
-def human(n: float, unit: str = "") -> str:
-    for div, suf in ((1e12, "T"), (1e9, "B" if unit == "" else "G"), (1e6, "M"), (1e3, "K")):
-        if abs(n) >= div:
-            return f"{n / div:,.2f} {suf}{unit}".strip()
-    return f"{n:,.0f} {unit}".strip()
-
-
-def count(n: float) -> str:
-    """A parameter count: billions with one decimal from 1e9 up (``2,779.5 B``, as model cards
-    write them), else ``human`` (``504.56 K``, ``471.14 M``)."""
-    return f"{n / 1e9:,.1f} B" if abs(n) >= 1e9 else human(n)
-
-
-def human_bytes(n: float) -> str:
-    for div, suf in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if abs(n) >= div:
-            return f"{n / div:,.2f} {suf}"
-    return f"{n:,.0f} B"
-
-
-def console():
-    import shutil
-
-    from rich.console import Console
-    # markup off: user paths and install hints like 'k3ir[tvm]' contain square brackets
-    return Console(highlight=False, markup=False, width=max(110, shutil.get_terminal_size((110, 24)).columns))
-
-
-def _step(con, head: str, rest: str) -> None:
-    """One numbered line of ``k3ir run``: the head in bold, the rest plain (no markup parsing)."""
-    from rich.text import Text
-    con.print(Text.assemble((head, "bold"), rest))
-
-
-# ---- commands ----------------------------------------------------------------------------
 def cmd_inspect(args) -> int:
     from k3ir.accounting import report
     m = load_model(args)
     before = None
     if getattr(args, "after_passes", False):        # the module as the target's pipeline leaves it
-        from .cli_compile import apply_passes
         before = report(m, context=args.context).param_bytes
         results, _, _ = apply_passes(m, args.target, quantize=args.quantize)
     r = report(m, context=args.context)
@@ -341,7 +164,7 @@ def cmd_run(args) -> int:
     big = k3ir.load(args.model, overrides=parse_overrides(args.overrides))
     k3ir.verify_module(big)
     n_ops = sum(len(f.ops) for f in big.functions.values())
-    _step(con, "1. built", f" {args.model}: {len(big.params):,} parameter tensors, "
+    print_step(con, "1. built", f" {args.model}: {len(big.params):,} parameter tensors, "
               f"{n_ops:,} ops in {', '.join('@' + f for f in big.functions)} "
               f"({time.perf_counter() - t0:.2f} s, verified)")
     print_report(report(big), con)
@@ -356,7 +179,7 @@ def cmd_run(args) -> int:
     if hasattr(exe, "build_all"):                # tvm, mlir compile lazily: build now, so the time below is the build's
         exe.build_all()
     sess = Session(exe, seed=args.seed)
-    _step(con, "2. compiled", f" {args.tiny} for target '{exe.target}' "
+    print_step(con, "2. compiled", f" {args.tiny} for target '{exe.target}' "
               f"({len(tiny.params)} tensors, {report(tiny).params_total:,} parameters, random init seed "
               f"{args.seed}) in {time.perf_counter() - t1:.2f} s")
     prompt = check_prompt(args.prompt).encode("utf-8")
@@ -366,13 +189,13 @@ def cmd_run(args) -> int:
     dt = time.perf_counter() - t2
     new = out[0, ids.shape[1]:].tolist()
     text = bytes(t for t in new if t < 256).decode("utf-8", errors="replace")
-    _step(con, "3. generated", f" {len(new)} tokens greedily after a {ids.shape[1]}-token prompt "
+    print_step(con, "3. generated", f" {len(new)} tokens greedily after a {ids.shape[1]}-token prompt "
               f"{args.prompt!r} in {dt:.2f} s ({len(new) / dt:.1f} tokens/s; prefill + {len(new) - 1} decode steps)")
     con.print(f"   token ids: {new}")
     con.print(f"   as bytes:  {text!r}  (random weights: the text is noise; the path is real)")
     full = sess.forward(out[:, :-1].numpy())
     step = float((full[0, -1] - sess.prefill(out[:, :-1].numpy())[0][0, -1]).abs().max())
-    _step(con, "4. checked", f" forward over all {out.shape[1] - 1} tokens vs prefill: max |diff| {step:.2e}")
+    print_step(con, "4. checked", f" forward over all {out.shape[1] - 1} tokens vs prefill: max |diff| {step:.2e}")
     return 0
 
 
@@ -471,6 +294,3 @@ def _error_text(e: K3Error, args) -> str:
     flag = f"--set {items[-1]}" if items else f"--set {key}"
     return f"{flag}: {getattr(e, 'bare', e)}"
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from .cli import console, human_bytes, load_model, model_arg
+from .common import console, human_bytes, load_model, model_arg
 
 
 def cmd_plan(args) -> int:

@@ -17,7 +17,7 @@ import time
 
 from k3ir.progress import progress
 
-from .cli import UsageError, console, load_model, model_arg
+from .common import UsageError, console, load_model, model_arg
 
 FORMATS = ("onnx", "mlir", "dot", "svg", "html")
 
@@ -25,7 +25,7 @@ FORMATS = ("onnx", "mlir", "dot", "svg", "html")
 def _params(m):
     """Bound checkpoint weights, else None: the exporter then draws the deterministic random init
     (``runtime.params.init_param``, seed 0) one used parameter at a time."""
-    from .params import bound_params
+    from k3ir.runtime.params import bound_params
     return bound_params(m)
 
 

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any
 
-from .cli import UsageError
+from .common import UsageError
 
 PARALLEL_FLAGS = ("ep", "cp", "tp", "dp")
 
@@ -70,7 +70,7 @@ class _Rank0Out:
             sys.stdout.write(text)
             sys.stdout.flush()
         except BrokenPipeError:
-            from .cli import quiet_stdout
+            from .common import quiet_stdout
             self.on = False
             quiet_stdout()
 
@@ -88,12 +88,12 @@ def generate_on_mesh(args: Any, sizes: dict[str, int], show) -> int:
     import k3ir
     from k3ir.errors import K3RuntimeError
 
-    from .cli import check_seed, load_model, random_weights_note
-    from .cli_compile import check_dtype
-    from .distributed import DistributedSession, init_mesh, shard
-    from .params import bound_params, init_params
-    from .sampler import SamplingParams, make_generator, sample
-    from .tokenizer import IncrementalDecoder, load_tokenizer
+    from .common import check_seed, load_model, random_weights_note
+    from .compile import check_dtype
+    from k3ir.runtime.distributed import DistributedSession, init_mesh, shard
+    from k3ir.runtime.params import bound_params, init_params
+    from k3ir.runtime.sampler import SamplingParams, make_generator, sample
+    from k3ir.runtime.tokenizer import IncrementalDecoder, load_tokenizer
 
     if args.target not in ("torch", "triton"):
         raise UsageError(f"--target {args.target} has no collectives; --ep/--cp/--tp/--dp run on torch or triton")

@@ -1,5 +1,5 @@
 """``k3ir serve MODEL [--host 127.0.0.1] [--port N]``, and the engine setup ``k3ir generate`` shares
-(``cli_generate``)."""
+(``k3ir.cli.generate``)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import errno
 import os
 import socket
 
-from .cli import UsageError, check_seed, device_type, load_model, model_arg
+from .common import UsageError, check_seed, device_type, load_model, model_arg
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -39,9 +39,9 @@ _SIZE_FLAGS = {"block_size": "--block-size", "num_blocks": "--num-blocks", "max_
 
 
 def _setup(args):
-    from .cli_compile import check_dtype
-    from .engine import build_engine, engine_size_problem
-    from .tokenizer import load_tokenizer
+    from .compile import check_dtype
+    from k3ir.runtime.engine import build_engine, engine_size_problem
+    from k3ir.runtime.tokenizer import load_tokenizer
     check_seed(args.init_seed, "--init-seed")
     check_seed(getattr(args, "seed", None))
     why = engine_size_problem(args.block_size, args.num_blocks, args.max_batch, names=_SIZE_FLAGS)
@@ -84,7 +84,7 @@ def check_port(host: str, port: int) -> None:
 
 
 def cmd_serve(args) -> int:
-    from .server import ServerLimits, create_app, serve
+    from k3ir.runtime.server import ServerLimits, create_app, serve
     if args.log_level not in LOG_LEVELS:              # checked here, not by argparse: one line, not the usage
         raise UsageError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {args.log_level!r}")
     if args.served_name is not None and not args.served_name.strip():

@@ -12,9 +12,9 @@ import sys
 
 from k3ir.errors import K3RuntimeError
 
-from .cli import UsageError, check_prompt, model_arg, quiet_stdout, random_weights_note
-from .cli_parallel import generate_on_mesh, parallel_args, parallel_sizes
-from .cli_serve import _engine_args, _sampling_args, _setup
+from .common import UsageError, check_prompt, model_arg, quiet_stdout, random_weights_note
+from .parallel import generate_on_mesh, parallel_args, parallel_sizes
+from .serve import _engine_args, _sampling_args, _setup
 
 #: characters written as they are: newline and tab (every other C0 control, DEL and C1 is escaped)
 KEPT_CONTROLS = frozenset("\n\t")
@@ -29,8 +29,8 @@ def escape_controls(text: str) -> str:
 
 
 def cmd_generate(args) -> int:
-    from .sampler import SamplingParams
-    from .tokenizer import IncrementalDecoder
+    from k3ir.runtime.sampler import SamplingParams
+    from k3ir.runtime.tokenizer import IncrementalDecoder
     if args.prompt is None:
         raise UsageError("generate needs --prompt TEXT")
     check_prompt(args.prompt)                        # before the model loads

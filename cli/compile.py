@@ -17,7 +17,7 @@ from collections import Counter
 
 from k3ir.errors import K3BackendError
 
-from .cli import UsageError, console, device_type, human_bytes, load_model, model_arg
+from .common import UsageError, console, device_type, human_bytes, load_model, model_arg
 
 FUSED_OPS = ("k3.fused_kda", "k3.moe_dispatch", "k3.grouped_matmul", "k3.moe_combine", "k3.attn_res_fused",
              "k3.kda", "k3.moe", "k3.attn_res", "k3.mla")

@@ -33,7 +33,7 @@ RUNS_DIR = "runs"
 
 
 def register(sub) -> None:
-    from .cli import device_type, model_arg
+    from .common import device_type, model_arg
     p = sub.add_parser("train", help="train a model on byte-level text (QB balancing, checkpoints, plot)",
                        description="Train MODEL (default k3-tiny) on byte-level tokens of --data (default: the "
                                    "bundled public-domain text). Prints loss=<value> at each logged step, writes "
@@ -107,7 +107,7 @@ def default_threads() -> tuple[int, str]:
 
 
 def _config(args, meta: dict | None):
-    from .trainer import TrainConfig
+    from k3ir.runtime.trainer import TrainConfig
     if meta is not None:
         cfg = TrainConfig.from_dict(meta["config"])
         if args.steps is not None and args.steps > cfg.steps:      # extend: the schedule keeps its planned end
@@ -127,7 +127,7 @@ def _config(args, meta: dict | None):
         v = getattr(args, flag)
         if isinstance(v, float) and not math.isfinite(v):
             raise K3RuntimeError(f"--{flag.replace('_', '-')} must be a finite number, got {v}")
-    from .cli import check_seed
+    from .common import check_seed
     check_seed(args.seed)
     for flag in ("weight_decay", "clip", "router_lr_scale", "warmup"):
         v = getattr(args, flag)
@@ -201,10 +201,10 @@ def _train(args) -> int:
 
     import k3ir
 
-    from .cli import load_model
-    from .train_checkpoint import load_checkpoint, read_meta, save_checkpoint, select_resume_checkpoint
-    from .train_data import ByteBatches, read_bytes
-    from .trainer import Trainer
+    from .common import load_model
+    from k3ir.runtime.train_checkpoint import load_checkpoint, read_meta, save_checkpoint, select_resume_checkpoint
+    from k3ir.runtime.train_data import ByteBatches, read_bytes
+    from k3ir.runtime.trainer import Trainer
 
     ckpt = None             # the checkpoint --resume continues from (the newest intact one of a run)
     if args.resume:
@@ -332,7 +332,7 @@ def _refuse_other_run(out: Path, resume: str | Path | None) -> None:
     """Raise K3RuntimeError when ``out`` already holds a training run (``checkpoints/latest`` or
     ``checkpoints/step-*``) that is not the one being resumed: a fresh run there would mix its
     checkpoints, ``latest`` and training.json with the old run's."""
-    from .train_checkpoint import LATEST, read_meta
+    from k3ir.runtime.train_checkpoint import LATEST, read_meta
     ck = out / "checkpoints"
     if not ck.is_dir() or not ((ck / LATEST).exists() or any(ck.glob("step-*"))):
         return
@@ -351,7 +351,7 @@ def run_dir(resume: str | Path) -> Path:
     """The run directory (the ``--out`` that wrote it) of the checkpoint ``resume`` names:
     ``<run>/checkpoints/step-N`` -> ``<run>``; a checkpoint outside a ``checkpoints/`` folder ->
     its own directory."""
-    from .train_checkpoint import resolve_checkpoint
+    from k3ir.runtime.train_checkpoint import resolve_checkpoint
     ck = resolve_checkpoint(resume).resolve()
     return ck.parent.parent if ck.parent.name == "checkpoints" else ck
 
@@ -428,7 +428,7 @@ def write_plot(tr, path: Path, title: str = "") -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import main as cli_main
+    from .app import main as cli_main
     return cli_main(["train", *(argv or [])])
 
 

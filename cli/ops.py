@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cli import UsageError, console
+from .common import UsageError, console
 
 NATIVE, CONDITIONAL, DECOMPOSED, NONE, PARAM = "native", "conditional", "decomposed", "none", "param"
 #: the repository root when k3ir runs from a checkout (``pip install -e .``): tests/ lives there
