@@ -31,7 +31,7 @@ def main() -> int:
     rules = a.rules.split(",")
     procs = {}
     for i, rule in enumerate(rules):
-        cmd = [sys.executable, "-m", "k3ir.runtime.cli", "train", "--steps", str(a.steps), "--qb", rule,
+        cmd = [sys.executable, "-m", "k3ir.cli", "train", "--steps", str(a.steps), "--qb", rule,
                "--out", str(out / rule), "--log-every", "25", "--threads", "2", *a.extra.split()]
         if a.pin and shutil.which("taskset"):
             cmd = ["taskset", "-c", f"{2 * i},{2 * i + 1}", *cmd]

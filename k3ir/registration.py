@@ -1,6 +1,6 @@
 """Import of the built-in modules named by the registration lists (op families ``k3ir.ops.FAMILIES``,
 passes ``k3ir.passes.manager.BUILTIN_PASSES``, targets ``k3ir.backends.BUILTIN``, CLI commands
-``k3ir.runtime.cli.COMMAND_MODULES``): a module missing from the installation is a packaging error,
+``k3ir.cli.COMMAND_MODULES``): a module missing from the installation is a packaging error,
 reported as such instead of a later "unknown pass/op/target"."""
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ except ImportError:
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
     """``k3ir`` in process: (exit code, stdout, stripped stderr) of ``main(argv)``."""
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     capsys.readouterr()
     rc = main(list(argv))
     out, err = capsys.readouterr()

@@ -68,7 +68,7 @@ def norms_feeding_one_linear(m) -> int:
 
 def _cli(args, plugin_dir):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([plugin_dir, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "k3ir.runtime.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "k3ir.cli", *args], capture_output=True, text=True, env=env,
                           check=False)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import one_line_error, rel_err, run_cli
 from k3ir.backends.check import CONDITIONAL, DECOMPOSED, ERROR, NATIVE, check_module
-from k3ir.runtime.cli import main
+from k3ir.cli import main
 
 import k3ir
 

@@ -17,7 +17,7 @@ ENV = dict(os.environ, COLUMNS="400", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignor
 
 
 def k3(*args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "k3ir.runtime.cli", *args], check=False, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "k3ir.cli", *args], check=False, capture_output=True,
                           text=True, env=ENV, cwd=cwd, timeout=600)
 
 
@@ -128,7 +128,7 @@ def test_run_main_job():
 
 def test_missing_optional_package_is_one_line_with_the_extra(tmp_path, monkeypatch, capsys):
     """A command whose optional dependency is absent names the package and the pip extra (exit 2)."""
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     monkeypatch.setitem(sys.modules, "pydot", None)       # `import pydot` now raises ModuleNotFoundError
     rc = main(["export", "k3-tiny", "--format", "dot", "-o", str(tmp_path / "g.dot")])
     err = capsys.readouterr().err
@@ -138,7 +138,7 @@ def test_missing_optional_package_is_one_line_with_the_extra(tmp_path, monkeypat
 
 def test_console_keeps_square_brackets(capsys):
     """Install hints ('k3ir[tvm]') and user paths with brackets print verbatim (no rich markup)."""
-    from k3ir.runtime.cli import console
+    from k3ir.cli.common import console
     console().print("pip install 'k3ir[tvm]' -> br/[red]m.json")
     assert "pip install 'k3ir[tvm]' -> br/[red]m.json" in capsys.readouterr().out
 
@@ -150,9 +150,9 @@ def test_unknown_device_is_a_clear_error():
 
 
 def test_compiled_artifact_given_as_model_says_what_it_is(tmp_path):
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     assert main(["compile", "k3-tiny", "--target", "torch", "-o", str(tmp_path / "art")]) == 0
-    r = subprocess.run([sys.executable, "-m", "k3ir.runtime.cli", "inspect", str(tmp_path / "art")],
+    r = subprocess.run([sys.executable, "-m", "k3ir.cli", "inspect", str(tmp_path / "art")],
                        check=False, capture_output=True, text=True)
     assert r.returncode == 2 and "compiled artifact" in r.stderr and "Traceback" not in r.stderr
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from k3ir.runtime.cli import main
+from k3ir.cli import main
 
 
 def test_binary_file_is_one_line_error(tmp_path, capsys):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from conftest import run_cli
-from k3ir.runtime.cli_generate import escape_controls
+from k3ir.cli.generate import escape_controls
 
 WARNING = "has no trained weights"
 GEN = ("--max-tokens", "3", "--threads", "1", "--show-ids")
@@ -35,7 +35,7 @@ def test_generate_bundled_model_warns_once_and_escapes_controls(capsys):
 @pytest.fixture(scope="module")
 def train_run(tmp_path_factory):
     """A one-step ``k3ir train`` run directory (k3-tiny)."""
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     run = tmp_path_factory.mktemp("gen") / "run"
     assert main(["train", "k3-tiny", "--steps", "1", "--batch", "1", "--seq", "8", "--threads", "1", "--no-plot",
                  "--out", str(run)]) == 0
@@ -56,7 +56,7 @@ def test_generate_from_a_train_checkpoint_and_its_run(capsys, train_run):
 
 def _k3(*args, stdin=None) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "k3ir.runtime.cli", *args], input=stdin, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "k3ir.cli", *args], input=stdin, capture_output=True,
                           env=env, timeout=300, check=False)
 
 

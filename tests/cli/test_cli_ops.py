@@ -97,7 +97,7 @@ def test_table_covers_the_registry(capsys):
 
 
 def test_tests_are_found_by_exact_op_name(tmp_path, capsys):
-    from k3ir.runtime.cli_ops import find_tests
+    from k3ir.cli.ops import find_tests
     (tmp_path / "test_a.py").write_text(
         "def test_gate():\n    assert 'k3.kda_gate'\n\n"
         "def test_kda():\n    x = 1\n    assert 'k3.kda' != x\n\n"

@@ -9,7 +9,8 @@ import os
 from typing import ClassVar
 
 import pytest
-from k3ir.runtime.cli import human, main
+from k3ir.cli import main
+from k3ir.cli.common import human
 
 import k3ir
 from k3ir.errors import K3ConfigError, K3RuntimeError
@@ -50,8 +51,8 @@ def test_export_unwritable(capsys, name):
 
 def test_partial_output_removed(tmp_path):
     """A failing write removes the files it created and names the path; files there before stay."""
-    from k3ir.runtime.cli import UsageError
-    from k3ir.runtime.cli_export import _writing
+    from k3ir.cli.common import UsageError
+    from k3ir.cli.export import _writing
     new, old = tmp_path / "a.onnx", tmp_path / "b.onnx.data"
     old.write_text("keep")
     with pytest.raises(UsageError, match="b.onnx.data"), _writing([str(new), str(old)]):
@@ -87,7 +88,7 @@ def test_seed_range_agrees_across_commands(capsys, tmp_path, argv, flag, seed):
 
 
 def test_oserror_last_line_of_defence(capsys, monkeypatch):
-    from k3ir.runtime import cli
+    from k3ir.cli import app as cli
 
     def boom(args):
         raise PermissionError(13, "Permission denied", "/some/user/path")
@@ -267,7 +268,7 @@ def test_decode_state_wrong_names(session):
 
 
 def test_human_counts_in_inspect(capsys):
-    from k3ir.runtime.cli import count
+    from k3ir.cli.common import count
 
     from k3ir.accounting import report
     assert main(["inspect", "k3-tiny"]) == 0

@@ -1,9 +1,9 @@
 """``k3ir generate --ep/--tp/--cp 2`` started by torchrun (2 gloo processes, 1 thread each) prints the same
-text and token ids as the one-process command (runtime/cli_parallel.py), and the parallel flags' one-line
+text and token ids as the one-process command (cli/parallel.py), and the parallel flags' one-line
 refusals: a size above 1 without torchrun, a world size other than the flags' product, a size below 1.
 
 The torchrun runs are ``python -m torch.distributed.run --nproc-per-node 2 --master-port PORT -m
-k3ir.runtime.cli generate ...`` in a subprocess (its own session, killed with its workers on a timeout)."""
+k3ir.cli generate ...`` in a subprocess (its own session, killed with its workers on a timeout)."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from k3ir.runtime.cli import main
+from k3ir.cli import main
 
 BASE = ["generate", "k3-tiny", "--max-tokens", "12", "--temperature", "0", "--show-ids"]
 
@@ -47,7 +47,7 @@ SAMPLED = "--temperature 0.8 --seed 5"
 
 def _one_process(prompt: str, sampling: str) -> str:
     if (prompt, sampling) not in _ONE:
-        r = _run([sys.executable, "-m", "k3ir.runtime.cli", *BASE, "--prompt", prompt, *sampling.split(),
+        r = _run([sys.executable, "-m", "k3ir.cli", *BASE, "--prompt", prompt, *sampling.split(),
                   "--threads", "1"])
         assert r.returncode == 0, r.stderr[-3000:]
         _ONE[prompt, sampling] = r.stdout
@@ -63,7 +63,7 @@ def test_torchrun_generate_prints_the_one_process_text(flags, prompt, sampling):
     want = _one_process(prompt, sampling)
     assert "token ids: [" in want and want.startswith(prompt)
     r = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-              str(_free_port()), "-m", "k3ir.runtime.cli", *BASE, "--prompt", prompt, *sampling.split(),
+              str(_free_port()), "-m", "k3ir.cli", *BASE, "--prompt", prompt, *sampling.split(),
               *flags.split()])
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout == want                          # rank 0 alone prints: the text and ids once, as one process

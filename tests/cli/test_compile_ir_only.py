@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import one_line_error, run_cli
 from k3ir.backends import get_backend
-from k3ir.runtime.cli import main
+from k3ir.cli import main
 
 import k3ir
 

@@ -5,8 +5,8 @@ import re
 import shutil
 
 import pytest
-from k3ir.runtime import pictures
-from k3ir.runtime.cli import main
+from k3ir.cli import pictures
+from k3ir.cli import main
 
 import k3ir
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import one_line_error, run_cli
-from k3ir.runtime.cli import main
+from k3ir.cli import main
 
 
 # ---- the summary says how many steps its means cover -------------------------------------------------------
@@ -35,7 +35,7 @@ def test_train_summary_with_few_steps(capsys, tmp_path, steps):
 
 # ---- threads and warmup ------------------------------------------------------------------------------------
 def test_default_threads_follow_the_load(monkeypatch):
-    from k3ir.runtime.cli_train import default_threads
+    from k3ir.cli.train import default_threads
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = max(1, min(len(os.sched_getaffinity(0)), torch.get_num_threads()))
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
@@ -87,7 +87,7 @@ def test_train_refuses_an_out_dir_holding_another_run(capsys, tmp_path):
 
 def test_train_refuses_an_out_dir_in_use(capsys, tmp_path):
     fcntl = pytest.importorskip("fcntl")
-    from k3ir.runtime.cli_train import LOCK_FILE
+    from k3ir.cli.train import LOCK_FILE
     run = tmp_path / "live"
     run.mkdir()
     with open(run / LOCK_FILE, "w") as held:                 # another trainer holds the run directory

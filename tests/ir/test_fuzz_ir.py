@@ -173,7 +173,7 @@ def test_line_edits(workdir, lines):
 def test_cli_print_one_line(workdir, kind, n, where):
     """``k3ir print FILE`` of a mutated file: exit 0, or exit 2 with one ``k3ir: error: FILE:line:col: ...`` line."""
     tiny = tiny_text()
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     i = where % (len(tiny) + 1)
     p = workdir / "cli.k3"
     p.write_text(tiny[:i] + hostile_token(kind, n) + tiny[i:], encoding="utf-8", errors="surrogatepass")

@@ -323,7 +323,7 @@ def test_parse_file_unreadable_inputs(tmp_path):
 
 
 def _cli(capsys, *argv):
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     rc = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return rc, out, err

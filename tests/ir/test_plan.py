@@ -133,7 +133,7 @@ def test_best_layouts_on_16_h200_fit_and_split_the_trunk(k3):
 
 
 def test_cli_plan_16_h200_and_json(k3, capsys):
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     assert main(["plan", "kimi-k3", "--gpus", "16", "--gpu", "h200"]) == 0
     out = capsys.readouterr().out
     assert "decode tokens/s per sequence" in out and "routed experts" in out and "#1 ep2 cp1 tp8 dp1" in out
@@ -148,7 +148,7 @@ def test_cli_plan_16_h200_and_json(k3, capsys):
 
 def test_cli_plan_8_h200_refused(capsys):
     """1.13 TB of HBM for 1.56 TB of weights: one line, exit 2."""
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     assert main(["plan", "kimi-k3", "--gpus", "8", "--gpu", "h200"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "1.56 TB" in err and "1.13 TB" in err and "GB more than the 141 GB" in err

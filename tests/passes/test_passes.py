@@ -140,7 +140,7 @@ def test_kimi_k3_triton_pipeline():
 
 # ---- CLI -------------------------------------------------------------------------------------
 def test_cli_compile_dump_and_print(tmp_path, capsys):
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     dump, out = tmp_path / "dump", tmp_path / "out"
     assert main(["compile", "k3-tiny", "--target", "torch", "--dump-ir", str(dump), "--verify-each",
                  "--quantize", "mxfp4", "-o", str(out), "--dtype", "float32"]) == 0
@@ -162,7 +162,7 @@ def test_cli_compile_dump_and_print(tmp_path, capsys):
 
 
 def test_cli_inspect_after_passes(capsys):
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     assert main(["inspect", "k3-tiny", "--json"]) == 0
     before = json.loads(capsys.readouterr().out)
     assert main(["inspect", "k3-tiny", "--json", "--after-passes", "--target", "torch", "--quantize", "mxfp4"]) == 0

@@ -156,7 +156,7 @@ def test_expert_parallel_experts_are_grouped_matmuls_that_quantize_experts_packs
 
 
 def test_compile_cli_dumps_the_rank_program(tmp_path):
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     rc = main(["compile", "k3-tiny", "--target", "reference", "--passes", "shard{ep=2}", "--dump-ir",
                str(tmp_path), "--ir-only"])
     assert rc == 0

@@ -10,7 +10,7 @@ import shutil
 import pytest
 from conftest import run_cli
 from k3ir.runtime import Session
-from k3ir.runtime.cli import main
+from k3ir.cli import main
 
 import k3ir
 from k3ir.errors import K3RuntimeError

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import one_line_error, run_cli
-from k3ir.runtime.cli import main
+from k3ir.cli import main
 
 from k3ir.errors import K3ConfigError
 
@@ -61,7 +61,7 @@ def test_generate_stops_at_the_first_broken_pipe(capsys, caplog, monkeypatch):
 
 def test_generate_into_head_is_quiet():
     env = dict(os.environ, PYTHONUNBUFFERED="0")
-    p = subprocess.Popen([sys.executable, "-m", "k3ir.runtime.cli", "generate", "k3-tiny", "--prompt", "x",
+    p = subprocess.Popen([sys.executable, "-m", "k3ir.cli", "generate", "k3-tiny", "--prompt", "x",
                           "--max-tokens", "200", "--threads", "1"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     p.stdout.read(1)                             # like `head -c 1`: read, then go away

@@ -24,7 +24,7 @@ def test_serve_on_a_busy_port_is_one_line_exit_2(capsys):
 
 
 def test_check_port_accepts_a_free_port():
-    from k3ir.runtime.cli_serve import check_port
+    from k3ir.cli.serve import check_port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -271,7 +271,7 @@ def test_float_fields_take_json_integers_and_unknown_message_keys_are_refused(cl
 ])
 def test_serve_flags_refused_before_the_model_loads(capsys, monkeypatch, argv, msg):
     from conftest import one_line_error, run_cli
-    from k3ir.runtime import cli_serve
+    from k3ir.cli import serve as cli_serve
     monkeypatch.setattr(cli_serve, "_setup", lambda args: pytest.fail("the model loaded"))
     rc, _, err = run_cli(capsys, "serve", "k3-tiny", "--port", "0", *argv)
     assert rc == 2 and msg in one_line_error(err), err
@@ -279,7 +279,7 @@ def test_serve_flags_refused_before_the_model_loads(capsys, monkeypatch, argv, m
 
 def test_serve_log_level_is_case_insensitive_and_listed_in_help(capsys, monkeypatch):
     from conftest import run_cli
-    from k3ir.runtime import cli_serve
+    from k3ir.cli import serve as cli_serve
     seen = {}
 
     def fake_setup(args):

@@ -79,7 +79,7 @@ def _free_port() -> int:
 def _serve(drain_timeout: float):
     """A ``k3ir serve`` process with its key in K3IR_API_KEY; returns (process, url)."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "k3ir.runtime.cli", "serve", "k3-tiny", "--set", "num_hidden_layers=2",
+    proc = subprocess.Popen([sys.executable, "-m", "k3ir.cli", "serve", "k3-tiny", "--set", "num_hidden_layers=2",
                              "--port", str(port), "--block-size", "64", "--num-blocks", "64", "--max-batch", "2",
                              "--threads", "1", "--max-output-tokens", "4000", "--drain-timeout", str(drain_timeout),
                              "--log-level", "warning"],

@@ -289,7 +289,7 @@ def test_tiktoken_file(tmp_path, tiny):
 
 
 def test_cli_generate_matches_session(tiny, session, capsys):
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     assert main(["generate", "k3-tiny", "--prompt", "Kimi", "--max-tokens", "5", "--block-size", "64",
                  "--show-ids"]) == 0
     out = capsys.readouterr().out

@@ -280,7 +280,7 @@ def served():
     pytest.importorskip("openai")
     port = _free_port()
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_tool_calls as t; t.install_scripted_sampler(); "
-            "from k3ir.runtime.cli import main; sys.exit(main(sys.argv[2:]))")
+            "from k3ir.cli import main; sys.exit(main(sys.argv[2:]))")
     proc = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).parent), "serve", "k3-tiny", "--set", "num_hidden_layers=2", "--port",
                              str(port), "--block-size", "64", "--num-blocks", "32", "--max-batch", "2", "--threads", "1",
                              "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

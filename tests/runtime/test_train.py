@@ -221,7 +221,7 @@ def test_checkpoint_layout_and_in_process_resume(exe, tmp_path):
 
 def _cli(args, **kw):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "k3ir.runtime.cli", "train", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "k3ir.cli", "train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, **kw)
 
 
@@ -292,7 +292,7 @@ def test_resume_keeps_the_run_settings(tmp_path):
     import subprocess
     import sys
     out = tmp_path / "run"
-    base = [sys.executable, "-m", "k3ir.runtime.cli", "train"]
+    base = [sys.executable, "-m", "k3ir.cli", "train"]
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(base + ["k3-tiny", "--steps", "4", "--ckpt-every", "2", "--log-every", "1", "--threads", "1",
                            "--batch", "2", "--seq", "16", "--out", str(out), "--no-plot"],
@@ -314,7 +314,8 @@ def test_ctrl_c_says_what_is_left_and_removes_the_lock(capsys, monkeypatch, tmp_
     """Ctrl-C (KeyboardInterrupt) during step ``stop_at``: one line saying which checkpoint
     (if any) exists, rc 130, and no lock file left behind."""
     from conftest import run_cli
-    from k3ir.runtime import cli_train, trainer
+    from k3ir.cli import train as cli_train
+    from k3ir.runtime import trainer
     real = trainer.Trainer.train_step
 
     def step(self, batch):
@@ -333,7 +334,7 @@ def test_ctrl_c_says_what_is_left_and_removes_the_lock(capsys, monkeypatch, tmp_
 
 def test_clean_exit_removes_the_lock(capsys, tmp_path):
     from conftest import run_cli
-    from k3ir.runtime import cli_train
+    from k3ir.cli import train as cli_train
     rc, out, err = run_cli(capsys, "train", "k3-tiny", "--steps", "1", "--batch", "2", "--seq", "8", "--threads", "1",
                            "--no-plot", "--out", str(tmp_path))
     assert rc == 0, err

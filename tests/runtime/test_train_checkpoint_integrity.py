@@ -33,7 +33,7 @@ ARGS = ["--steps", "4", "--ckpt-every", "2", "--batch", "2", "--seq", "16", "--w
 def finished_run(tmp_path_factory):
     """A 4-step k3-tiny run (checkpoints at steps 2 and 4) in a directory whose name holds glob characters,
     and the loss history of its uninterrupted step 4."""
-    from k3ir.runtime.cli import main
+    from k3ir.cli import main
     run = tmp_path_factory.mktemp("runs") / "run [1]"
     assert main(["train", *ARGS, "--out", str(run)]) == 0
     meta = json.loads((run / "checkpoints" / "step-000004" / "trainer.json").read_text())
@@ -180,7 +180,7 @@ json_values = st.recursive(
 
 def _consume(meta: dict) -> None:
     """What a resume does with a trainer.json that read_meta accepted (load_checkpoint and the train CLI)."""
-    from k3ir.runtime.cli_train import RUN_DEFAULTS
+    from k3ir.cli.train import RUN_DEFAULTS
     from k3ir.runtime.qb import QuantileBalancer
     from k3ir.runtime.trainer import StepStats
     cfg = TrainConfig.from_dict(meta["config"])
