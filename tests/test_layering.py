@@ -65,12 +65,10 @@ def test_import_contracts_kept(tmp_path):
 KNOWN_CIRCLES = {
     ("k3ir.backends", "k3ir.backends.artifact"),
     ("k3ir.backends.interpreter", "k3ir.backends.lowering"),
-    ("k3ir.backends.torch.mla_tiled", "k3ir.backends.torch.ops"),
     ("k3ir.backends.triton", "k3ir.backends.triton.executable"),
     ("k3ir.backends.triton", "k3ir.backends.triton.layer"),
     ("k3ir.backends.triton.moe", "k3ir.backends.triton.moe_asm"),
     ("k3ir.backends.tvm", "k3ir.backends.tvm.cross"),
-    ("k3ir.cli", "k3ir.cli.compile"),
 }
 
 _CIRCLES = """

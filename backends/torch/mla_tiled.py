@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .precision import _f32
+
 #: keys per tile of the online softmax
 KEY_TILE = 512
 #: ``ops.mla`` switches to the tiled loop when the keys (cache + new tokens) exceed this many
@@ -21,7 +23,6 @@ def mla_tiled(inst, q, kv, w, c=None, lengths=None, tile: int | None = None):
     """``k3.mla`` (attributes ``heads``, ``nope``, ``rope``, ``v_dim``, ``scale``, ``absorbed`` of ``inst``)
     over key tiles of ``tile`` keys (None: ``KEY_TILE``). ``q [B, T, H, nope+rope]``, ``kv [B, T, R+rope]``,
     ``w [H*(nope+v_dim), R]``, ``c [B, L, R+rope]`` or None, ``lengths i64[B]`` (valid cache rows per batch row) or None."""
-    from .ops import _f32
     tile = tile or KEY_TILE
     H, n, vd = inst.heads, inst.nope, inst.v_dim
     R = w.shape[1]
