@@ -78,3 +78,18 @@ def write_config(tmp_path, cfg, name="config.json") -> str:
     p = tmp_path / name
     p.write_text(json.dumps(cfg, indent=2))
     return str(p)
+
+
+def greedy_alone(session, prompt, n: int, eos: int = 257) -> list[int]:
+    """Greedy tokens of a plain ``Session`` run of one prompt (no engine, no batch, no pool), cut after the first
+    ``eos`` (where the serving engine stops): the independent path the engine's outputs are compared to."""
+    out = session.generate(np.array([prompt]), n)[0, len(prompt):].tolist()
+    return out[:out.index(eos) + 1] if eos in out else out
+
+
+def tiny_torch_session(module):
+    """A plain float32 torch ``Session`` of ``module`` (seed 0): no pool, no varlen function."""
+    from k3ir.runtime import Session
+
+    import k3ir
+    return Session(k3ir.compile(module, target="torch", dtype="float32"), seed=0)

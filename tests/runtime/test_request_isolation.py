@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from k3ir.runtime import Session
+from helpers import greedy_alone, tiny_torch_session
 from k3ir.runtime.engine import build_engine
 from k3ir.runtime.sampler import TEMPERATURE_FLOOR, SamplingParams, filtered_probs, sample
 
@@ -20,13 +20,8 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def session(tiny):
-    return Session(k3ir.compile(tiny, target="torch", dtype="float32"), seed=0)
+    return tiny_torch_session(tiny)
 
-
-def _alone(session, prompt, n: int, eos: int = 257) -> list[int]:
-    """Greedy tokens of a plain Session run (no engine, no batch), cut after the first EOS."""
-    out = session.generate(np.array([prompt]), n)[0, len(prompt):].tolist()
-    return out[:out.index(eos) + 1] if eos in out else out
 
 
 # ---- sampling parameters at their edges ------------------------------------------------------------
@@ -66,11 +61,11 @@ def test_edge_sampling_params_in_a_batch_leave_the_others_unchanged(tiny, sessio
     assert eng.stats["rows"] > eng.stats["calls"]                      # the requests shared model calls
     assert all(r.finish_reason in ("stop", "length") for r in reqs), [(r.finish_reason, r.error) for r in reqs]
     for p, r in zip(normal, reqs):
-        assert r.output == _alone(session, p, 5)
+        assert r.output == greedy_alone(session, p, 5)
     # below the floor, with top_p down to 5e-324 or top_k 1: the greedy tokens
     for i in (0, 1, 3, 4):
-        assert reqs[len(normal) + i].output == _alone(session, edge[i], 5)
-    assert reqs[-1].output == _alone(session, edge[-1], 1)
+        assert reqs[len(normal) + i].output == greedy_alone(session, edge[i], 5)
+    assert reqs[-1].output == greedy_alone(session, edge[-1], 1)
 
 
 def test_a_row_that_raises_while_sampling_ends_only_its_request(tiny, session, monkeypatch):
@@ -87,7 +82,7 @@ def test_a_row_that_raises_while_sampling_ends_only_its_request(tiny, session, m
     reqs = eng.generate(prompts, [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, seed=666),
                                   SamplingParams(max_tokens=4)])
     assert reqs[1].finish_reason == "error" and "sampler broke" in reqs[1].error
-    assert reqs[0].output == _alone(session, prompts[0], 4) and reqs[2].output == _alone(session, prompts[2], 4)
+    assert reqs[0].output == greedy_alone(session, prompts[0], 4) and reqs[2].output == greedy_alone(session, prompts[2], 4)
     assert eng.pool.num_referenced == 0 and eng.reserved == 0
 
 

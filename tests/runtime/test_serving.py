@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import rel_err
+from helpers import greedy_alone, tiny_torch_session
 from k3ir.frontend.model import add_varlen_function
 from k3ir.runtime import Session
 from k3ir.runtime.engine import Engine, build_engine
@@ -29,13 +30,8 @@ def tiny():
 @pytest.fixture(scope="module")
 def session(tiny):
     """Plain Session (no pool, no varlen function): the independent path results are compared to."""
-    return Session(k3ir.compile(tiny, target="torch", dtype="float32"), seed=0)
+    return tiny_torch_session(tiny)
 
-
-def _alone(session, prompt, n: int, eos: int = 257) -> list[int]:
-    """Greedy tokens from the plain Session, cut after the first EOS (where the engine stops)."""
-    out = session.generate(np.array([prompt]), n)[0, len(prompt):].tolist()
-    return out[:out.index(eos) + 1] if eos in out else out
 
 
 def _engine(tiny, **kw) -> Engine:
@@ -152,7 +148,7 @@ def test_prefix_hit_equals_fresh_prefill(tiny, session, shared, total):
     assert req.cached_tokens == min(shared, total - 1) // 64 * 64 > 0
     fresh, _ = session.prefill(np.array([base]))
     assert rel_err(req.logits[0].double().numpy(), fresh[0, -1].double().numpy()) < 1e-6
-    assert req.output == _alone(session, base, 5)
+    assert req.output == greedy_alone(session, base, 5)
 
 
 def test_mixed_length_batch_equals_alone(tiny, session):
@@ -164,7 +160,7 @@ def test_mixed_length_batch_equals_alone(tiny, session):
     reqs = eng.generate(prompts, params)
     assert eng.stats["rows"] > eng.stats["calls"]          # rows of different lengths shared calls
     for p, sp, r in zip(prompts, params, reqs):
-        assert r.output == _alone(session, p, sp.max_tokens)
+        assert r.output == greedy_alone(session, p, sp.max_tokens)
     sampled = [SamplingParams(max_tokens=6, temperature=0.9, top_k=50, top_p=0.9, seed=i) for i in range(len(lens))]
     batch = [r.output for r in _engine(tiny, max_batch=8).generate(prompts, sampled)]
     alone = _engine(tiny, max_batch=1)
@@ -173,7 +169,7 @@ def test_mixed_length_batch_equals_alone(tiny, session):
 
 def test_stop_token_ends_request(tiny, session):
     p = list(b"stop here")
-    want = _alone(session, p, 6)
+    want = greedy_alone(session, p, 6)
     (r,) = _engine(tiny).generate([p], SamplingParams(max_tokens=6, stop_token_ids=[want[2]]))
     k = want.index(want[2])
     assert r.output == want[:k + 1] and r.finish_reason == "stop"
@@ -294,7 +290,7 @@ def test_cli_generate_matches_session(tiny, session, capsys):
                  "--show-ids"]) == 0
     out = capsys.readouterr().out
     ids = [256] + list(b"Kimi")
-    want = _alone(session, ids, 5)
+    want = greedy_alone(session, ids, 5)
     assert f"token ids: {want}" in out
     assert main(["generate", "k3-tiny", "--prompt", "x", "--block-size", "100"]) == 2
     assert "multiple of the KDA chunk" in capsys.readouterr().err
