@@ -44,7 +44,8 @@ class OnnxExecutable(Executable):
     read from an artifact directory (``weights_inside``: the weights are in the files).
     ``opset``: 27 or 20 (None: ``export.default_opset()``); ``ort_kernels`` (default True): opset 27's
     ``LinearAttention``/``CausalConvWithState`` in onnxruntime's ``com.microsoft`` domain, run by its
-    native kernels (``OnnxExporter``); False keeps the standard ops. Both settable until the first run."""
+    native kernels (``OnnxExporter``); False keeps the standard ops; ``moe_form`` (None: by expert count)
+    as in ``OnnxExporter``. All settable until the first run."""
 
     def __init__(self, module: Module, dtype: str = "float32", device: str = "cpu",
                  model_paths: dict[str, str] | None = None, opset: int | None = None):
@@ -60,6 +61,7 @@ class OnnxExecutable(Executable):
         self.threads = 0
         self.opset = check_opset(opset)
         self.ort_kernels = True
+        self.moe_form: str | None = None
 
     def prepare_params(self, arrays: dict[str, Any]) -> dict[str, Any]:
         if self.weights_inside and not arrays:
@@ -73,7 +75,8 @@ class OnnxExecutable(Executable):
     def model(self, function: str):
         """The ``onnx.ModelProto`` of ``@function`` with the prepared weights embedded."""
         return OnnxExporter(self.module, self.dtype, weights="embedded", params=self._arrays,
-                            opset=self.opset, ort_kernels=self.ort_kernels).export_function(function)
+                            opset=self.opset, ort_kernels=self.ort_kernels,
+                            moe_form=self.moe_form).export_function(function)
 
     def session(self, function: str):
         if function not in self._sessions:
@@ -115,7 +118,7 @@ class OnnxExecutable(Executable):
             raise K3BackendError("onnx executable: no weights to save (pass params or call prepare_params)")
         os.makedirs(directory, exist_ok=True)
         x = OnnxExporter(self.module, self.dtype, weights="external", params=params, opset=self.opset,
-                         ort_kernels=self.ort_kernels)
+                         ort_kernels=self.ort_kernels, moe_form=self.moe_form)
         files = {}
         with open(os.path.join(directory, "weights.bin"), "wb") as f:
             for fn in FUNCTIONS:

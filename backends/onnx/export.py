@@ -40,6 +40,7 @@ from .graph import (
     state_shape,
 )
 from .lowering import table_for_opset
+from .moe import MOE_FORMS
 
 WEIGHT_MODES = ("embedded", "external", "inputs")
 
@@ -54,17 +55,23 @@ class OnnxExporter:
     ``ort_kernels``: opset 27's ``LinearAttention`` and ``CausalConvWithState`` in onnxruntime's
     ``com.microsoft`` domain (same inputs, outputs and attributes), which onnxruntime 1.32 runs with
     native CPU kernels, where it runs the standard ops through their function bodies (a ``Scan``
-    over tokens); the file then needs onnxruntime. Raises K3BackendError."""
+    over tokens); the file then needs onnxruntime. ``moe_form``: the routed experts as ``"sorted"``
+    (expert-sorted rows, one ``Gemm`` per expert on a static slice) or ``"loop"`` (a ``Loop`` over the
+    experts in use); None picks ``"sorted"`` up to ``moe.SORTED_MAX_EXPERTS`` experts (``moe.py``).
+    Raises K3BackendError."""
 
     def __init__(self, module: Module, dtype: str = "float32", weights: str = "embedded",
                  params: dict[str, Any] | None = None, table: dict[str, Emitter] | None = None,
-                 opset: int | None = None, ort_kernels: bool = False):
+                 opset: int | None = None, ort_kernels: bool = False, moe_form: str | None = None):
         if weights not in WEIGHT_MODES:
             raise K3BackendError(f"unknown weights mode '{weights}' (want one of {', '.join(WEIGHT_MODES)})")
         if dtype not in ("float32", "float16"):
             raise K3BackendError(f"ONNX export supports dtype float32 or float16, not '{dtype}'")
         self.opset = check_opset(opset)
         self.ort_kernels = bool(ort_kernels)
+        if moe_form not in (None, *MOE_FORMS):
+            raise K3BackendError(f"unknown moe_form '{moe_form}' (want one of {', '.join(MOE_FORMS)})")
+        self.moe_form = moe_form
         self.domains: set[str] = set()          # non-default operator domains the graph uses
         self.module = module
         self.dtype = dtype
@@ -222,12 +229,13 @@ def lowering_report(module: Module, function: str = "prefill", opset: int | None
 
 def export_onnx(module: Module, path: str, function: str = "prefill", weights: str = "external",
                 dtype: str = "float32", params: dict[str, Any] | None = None,
-                opset: int | None = None, ort_kernels: bool = False) -> dict[str, Any]:
+                opset: int | None = None, ort_kernels: bool = False, moe_form: str | None = None) -> dict[str, Any]:
     """Write ``@function`` of ``module`` to ``path`` (``.onnx``). ``weights="external"`` writes the
     data to ``<path>.data`` next to it; ``opset`` 27 or 20 (None: ``default_opset()``);
-    ``ort_kernels`` as in ``OnnxExporter``. Returns a summary (nodes, inputs, native/decomposed ops, opset)."""
+    ``ort_kernels`` and ``moe_form`` as in ``OnnxExporter``. Returns a summary (nodes, inputs, native/decomposed ops, opset)."""
     onnx = _onnx()
-    x = OnnxExporter(module, dtype=dtype, weights=weights, params=params, opset=opset, ort_kernels=ort_kernels)
+    x = OnnxExporter(module, dtype=dtype, weights=weights, params=params, opset=opset, ort_kernels=ort_kernels,
+                     moe_form=moe_form)
     ext = path + ".data" if weights == "external" else None
     model = x.export_function(function, external_path=ext)
     if weights == "embedded" and model.ByteSize() > 2_000_000_000:

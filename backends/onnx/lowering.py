@@ -1,7 +1,7 @@
 """The ONNX lowering table: op name -> emitter ``(lw: Lowering, inst, *inputs) -> name(s)``.
 
 Every core op has an entry (decompositions bottom out here); model ops listed here are lowered
-natively (embedding, linear, lm_head, the MoE as a ``Loop`` over experts); the rest fall back to
+natively (embedding, linear, lm_head, the routed experts: ``moe.py``); the rest fall back to
 their decomposition. Only standard ``ai.onnx`` ops are used. ``TABLE`` is the opset-27 table
 (KDA as ``LinearAttention``, the short conv as ``CausalConvWithState``, RMSNorm as
 ``RMSNormalization``, MLA as ``Attention``); ``table_for_opset(20)`` leaves those ops to their
@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from k3ir.errors import K3BackendError
-from k3ir.quant import E2M1_VALUES
 from k3ir.types import StateType
 
 from ..lowering import LoweringTable
 from .graph import Graph, Lowering, _onnx
+from .moe import lower_grouped_matmul, lower_moe, lower_moe_combine, lower_moe_dispatch, quant_packed_in_graph
 
 TABLE = LoweringTable()
 lowers = TABLE.lowers
@@ -233,132 +232,26 @@ def _lm_head(lw, inst, x, w):
     return lw.cast_to(y, lw.etype(0), lw.etype(0, result=True))
 
 
-def _loop(lw, trip: str, init: list[str], body_fn, name: str) -> list[str]:
-    """An ONNX ``Loop`` of ``trip`` (int64 scalar) iterations carrying ``init``; ``body_fn(body, it, carried)``
-    emits into the body graph (which reads outer values by name) and returns the new carried values."""
-    onnx = _onnx()
-    body = Graph(lw.x, name)
-    it, cond = lw.x.fresh("iter"), lw.x.fresh("cond")
-    carried = [lw.x.fresh("carried") for _ in init]
-    body.inputs += [onnx.helper.make_tensor_value_info(it, _P().INT64, []),
-                    onnx.helper.make_tensor_value_info(cond, _P().BOOL, [])]
-    body.inputs += [onnx.helper.make_tensor_value_info(c, lw.x.elem("f32"), None) for c in carried]
-    outs = body_fn(body, it, carried)
-    cond_out = body.node("Identity", [cond])
-    body.outputs += [onnx.helper.make_tensor_value_info(cond_out, _P().BOOL, [])]
-    body.outputs += [onnx.helper.make_tensor_value_info(o, lw.x.elem("f32"), None) for o in outs]
-    res = lw.g.node("Loop", [trip, "", *init], n_out=len(init), body=body.make())
-    return res if isinstance(res, list) else [res]
-
-
 @lowers("k3.moe")
 def _moe(lw, inst, x, wts, idx, w1, w3, w2):
-    """Routed experts as a ``Loop`` over the experts the batch selected (``Unique`` of the indices):
-    each iteration gathers its tokens' rows, runs the expert's GLU on them with three ``Gemm``s
-    (the expert's matrices taken whole, never per token) and adds the weighted result into those
-    output rows (``ScatterND``); no dense all-expert compute."""
-    g = lw.g
-    ft = lw.x.elem("f32")
-    D = int(lw.op.operands[0].type.shape[-1])
-    k = int(lw.op.operands[1].type.shape[-1])
-    shp = g.node("Shape", [x])
-    xf = lw.cast_to(g.node("Reshape", [x, g.ints([-1, D])]), lw.etype(0), ft)            # [N, D]
-    idf = lw.cast_to(g.node("Reshape", [idx, g.ints([-1, k])]), lw.etype(2), _P().INT64)  # [N, k]
-    wf = lw.cast_to(g.node("Reshape", [wts, g.ints([-1, k])]), lw.etype(1), ft)
-    experts = g.node("Unique", [g.node("Reshape", [idf, g.ints([-1])])], sorted=1)        # [U]
-    trip = g.node("Size", [experts])
-    zeros = g.node("Mul", [xf, g.fconst(0.0)])
-
-    def body(b, it, carried):
-        e = b.node("Gather", [experts, it], axis=0)                                       # expert id (scalar)
-        hit = b.node("Equal", [idf, e])                                                   # [N, k]
-        we = b.node("ReduceSum", [b.node("Where", [hit, wf, b.fconst(0.0)]), b.ints([1])], keepdims=0)
-        any_hit = b.node("ReduceMax", [b.node("Cast", [hit], to=ft), b.ints([1])], keepdims=0)
-        rows = b.node("Reshape", [b.node("NonZero", [any_hit]), b.ints([-1])])           # [M] tokens of e
-        xs = b.node("Gather", [xf, rows], axis=0)
-        wgt = [lw.cast_to(b.node("Gather", [w, e], axis=0), lw.etype(i), ft) for i, w in ((3, w1), (4, w3), (5, w2))]
-        sub = Lowering(b, lw.op, lw.x)
-        h = _glu(sub, inst, b.node("Gemm", [xs, wgt[0]], transB=1), b.node("Gemm", [xs, wgt[1]], transB=1))
-        y = b.node("Mul", [b.node("Gemm", [h, wgt[2]], transB=1),
-                           b.node("Unsqueeze", [b.node("Gather", [we, rows], axis=0), b.ints([1])])])
-        acc = carried[0]                # a token meets expert e once: read, add, write back its rows
-        y = b.node("Add", [b.node("Gather", [acc, rows], axis=0), y])
-        return [b.node("ScatterND", [acc, b.node("Unsqueeze", [rows, b.ints([1])]), y])]
-
-    (y,) = _loop(lw, trip, [zeros], body, "moe_experts")
-    return lw.cast_to(g.node("Reshape", [y, shp]), ft, lw.etype(0, result=True))
+    """Routed experts without per-token weight gathers (``moe.lower_moe``: expert-sorted rows with one
+    ``Gemm`` per expert slice, or a ``Loop`` over the experts in use)."""
+    return lower_moe(lw, inst, x, wts, idx, w1, w3, w2)
 
 
-def _glu(lw, inst, gate, up):
-    g = lw.g
-    if inst.act == "silu":
-        return g.node("Mul", [g.node("Mul", [gate, g.node("Sigmoid", [gate])]), up])
-    b1, b2 = g.fconst(inst.b1), g.fconst(inst.b2)
-    capped = g.node("Mul", [g.node("Tanh", [g.node("Div", [gate, b1])]), b1])
-    act = g.node("Mul", [capped, g.node("Sigmoid", [gate])])
-    return g.node("Mul", [act, g.node("Mul", [g.node("Tanh", [g.node("Div", [up, b2])]), b2])])
+@lowers("k3.moe_dispatch")
+def _moe_dispatch(lw, inst, x, wts, idx):
+    return lower_moe_dispatch(lw, inst, x, wts, idx)
 
 
-def _quant_packed_in_graph(op) -> str | None:
-    """ONNX dequantises MXFP4 experts inside the graph; INT4 is not lowered."""
-    q = op.attrs.get("quant", "none")
-    return None if q in ("none", "mxfp4") else f"quant={q} is not lowered (mxfp4 and none are)"
-
-
-@lowers("k3.grouped_matmul", when=_quant_packed_in_graph)
+@lowers("k3.grouped_matmul", when=quant_packed_in_graph)
 def _grouped_matmul(lw, inst, x, offsets, w, scales=None):
-    """Rows sorted by expert (expert e owns rows ``offsets[e]:offsets[e+1]``): a ``Loop`` over the
-    experts with rows, one ``Gemm`` per expert segment, the segments concatenated in order (rows
-    outside every segment are zero). MXFP4 weights stay packed in the graph (``u8[E,N,K/2]`` +
-    E8M0 ``u8[E,N,K/32]``); each iteration dequantises its expert's matrix only (nibbles -> E2M1
-    table, times ``2^(e-127)`` per group of 32, SPEC.md 7)."""
-    if inst.quant not in ("none", "mxfp4"):
-        raise K3BackendError(f"ONNX export: k3.grouped_matmul quant={inst.quant} is not lowered (mxfp4 and none are)")
-    g = lw.g
-    ft = lw.x.elem("f32")
-    E = int(lw.op.operands[2].type.shape[0])
-    N = int(lw.op.operands[2].type.shape[1])
-    xf = lw.cast_to(x, lw.etype(0), ft)
-    off = lw.cast_to(offsets, lw.etype(1), _P().INT64)
-    lo_all = g.node("Slice", [off, g.ints([0]), g.ints([E]), g.ints([0])])
-    hi_all = g.node("Slice", [off, g.ints([1]), g.ints([E + 1]), g.ints([0])])
-    experts = g.node("Reshape", [g.node("NonZero", [g.node("Greater", [hi_all, lo_all])]), g.ints([-1])])
-    trip = g.node("Size", [experts])
-    empty = g.node("ConstantOfShape", [g.ints([0, N])], value=_onnx().helper.make_tensor("zero", ft, [1], [0.0]))
-
-    def body(b, it, carried):
-        e = b.node("Gather", [experts, it], axis=0)
-        e1 = b.node("Unsqueeze", [e, b.ints([0])])
-        lo = b.node("Gather", [off, e1], axis=0)
-        hi = b.node("Gather", [off, b.node("Add", [e1, b.ints([1])])], axis=0)
-        xs = b.node("Slice", [xf, lo, hi, b.ints([0])])                                  # [M, K]
-        if inst.quant == "none":
-            W = lw.cast_to(b.node("Gather", [w, e], axis=0), lw.etype(2), ft)
-        else:
-            W = _dequant_mxfp4(lw, b, b.node("Gather", [w, e], axis=0), b.node("Gather", [scales, e], axis=0))
-        return [b.node("Concat", [carried[0], b.node("Gemm", [xs, W], transB=1)], axis=0)]
-
-    (y,) = _loop(lw, trip, [empty], body, "grouped_matmul_experts")
-    R = g.node("Shape", [x], start=0, end=1)
-    first = g.node("Slice", [off, g.ints([0]), g.ints([1]), g.ints([0])])
-    last = g.node("Slice", [off, g.ints([E]), g.ints([E + 1]), g.ints([0])])
-    pads = g.node("Concat", [first, g.ints([0]), g.node("Sub", [R, last]), g.ints([0])], axis=0)
-    y = g.node("Pad", [y, pads])
-    return lw.cast_to(y, ft, lw.etype(0, result=True))
+    return lower_grouped_matmul(lw, inst, x, offsets, w, scales)
 
 
-def _dequant_mxfp4(lw, g, wp, sp) -> str:
-    """One expert's MXFP4 matrix: packed ``u8[N,K/2]`` and E8M0 scales ``u8[N,K/32]`` -> ``[N,K]``."""
-    lo = g.node("BitwiseAnd", [wp, g.const(15, "uint8")])
-    hi = g.node("BitShift", [wp, g.const(4, "uint8")], direction="RIGHT")
-    codes = g.node("Concat", [g.node("Unsqueeze", [lo, g.ints([-1])]), g.node("Unsqueeze", [hi, g.ints([-1])])],
-                   axis=-1)
-    codes = g.node("Reshape", [g.node("Cast", [codes], to=_P().INT64), g.ints([0, -1, 32])])
-    table = g.const(np.concatenate([E2M1_VALUES, -E2M1_VALUES]), lw.x.np_float)
-    vals = g.node("Gather", [table, codes], axis=0)                                      # [N,K/32,32]
-    expo = g.node("Sub", [g.node("Cast", [sp], to=lw.x.elem("f32")), g.fconst(127.0)])
-    scale = g.node("Unsqueeze", [g.node("Pow", [g.fconst(2.0), expo]), g.ints([-1])])
-    return g.node("Reshape", [g.node("Mul", [vals, scale]), g.ints([0, -1])])
+@lowers("k3.moe_combine")
+def _moe_combine(lw, inst, y, comb_w, inv):
+    return lower_moe_combine(lw, inst, y, comb_w, inv)
 
 
 def is_state(t) -> bool:

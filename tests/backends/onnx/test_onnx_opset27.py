@@ -140,28 +140,64 @@ def test_opset_flag_outside_onnx_is_a_usage_error(tmp_path, capsys):
 
 def _expert_weight_gathers(graph, weights: set, iteration: str | None = None):
     """(Gather node, per-expert?) for each Gather of an expert weight in ``graph`` and its bodies:
-    per-expert when its index is the Loop's expert id (a Gather of the expert list by the iteration)."""
+    per-expert when its index is one expert id: a scalar Constant (the sorted form's static slices) or,
+    inside a Loop, a Gather of the expert list by the iteration (the loop form)."""
     made = {o: n for n in graph.node for o in n.output}
     for n in graph.node:
         if n.op_type == "Gather" and n.input[0] in weights:
             src = made.get(n.input[1])
-            yield n, src is not None and src.op_type == "Gather" and src.input[1] == iteration
+            scalar = (src is not None and src.op_type == "Constant"
+                      and onnx.numpy_helper.to_array(src.attribute[0].t).shape == ())
+            by_iteration = src is not None and src.op_type == "Gather" and src.input[1] == iteration
+            yield n, scalar or by_iteration
         for a in n.attribute:
             if a.type == onnx.AttributeProto.GRAPH:
                 yield from _expert_weight_gathers(a.g, weights, a.g.input[0].name if n.op_type == "Loop" else None)
 
 
+@pytest.mark.parametrize("form", ["sorted", "loop"])
 @pytest.mark.parametrize("key", ["kimi-linear-tiny", "k3-tiny-mxfp4"])
-def test_moe_takes_whole_expert_matrices_per_expert_never_per_token(key):
-    """The routed experts (k3.moe, and k3.grouped_matmul with MXFP4 experts) run as a Loop over
-    experts: every gather of an expert weight picks one expert's matrix by the loop's expert id."""
+def test_moe_takes_whole_expert_matrices_per_expert_never_per_token(key, form):
+    """The routed experts (k3.moe, and k3.grouped_matmul with MXFP4 experts) read each expert's matrix
+    whole, by one expert id (a constant in the sorted form, the loop's expert id in the loop form), never
+    gathered per token; ``sorted``: one Gemm per expert and matrix, no Loop."""
     m = _sessions(key, 27)[3].module
     weights = {p for p in m.params if ".experts." in p}
+    E = m.attrs["num_experts"]
     for fn in ("prefill", "decode"):
-        model = OnnxExporter(m, weights="inputs").export_function(fn)
+        model = OnnxExporter(m, weights="inputs", moe_form=form).export_function(fn)
         found = list(_expert_weight_gathers(model.graph, weights))
         assert found and all(per_expert for _, per_expert in found), fn
-        assert not any(i in weights for n in model.graph.node for i in n.input)   # outside the loops: untouched
+        assert not any(i in weights for n in model.graph.node if n.op_type != "Gather" for i in n.input)
+        kinds = Counter(n.op_type for n in model.graph.node)
+        if form == "sorted":
+            layers = len({n.input[0].split(".experts.")[0] for n, _ in found})
+            per_expert_gemms = 2 if key == "kimi-linear-tiny" else 3       # gate|up concatenated in k3.moe
+            assert kinds["Loop"] == 0 and kinds["Gemm"] == per_expert_gemms * E * layers, fn
+        else:
+            assert kinds["Loop"] > 0 and kinds["Gemm"] == 0, fn
+
+
+@pytest.mark.parametrize("form", ["sorted", "loop"])
+@pytest.mark.parametrize("N", [1, 7])
+def test_moe_forms_match_reference(form, N):
+    """k3.moe in both forms on 8 experts, top-3, where most experts get no row (one token) or some do
+    not (7 tokens, experts 6 and 7 never picked): equal to the float64 reference at the float32 tolerance."""
+    rng = np.random.default_rng(4)
+    D, I, E, k = 6, 5, 8, 3
+    x = rng.standard_normal((1, N, D))
+    idx = np.stack([rng.permutation(6)[:k] for _ in range(N)]).reshape(1, N, k)
+    wts = rng.uniform(size=(1, N, k))
+    ws = [rng.standard_normal((E, I, D)), rng.standard_normal((E, I, D)), rng.standard_normal((E, D, I))]
+    f32 = lambda *shape: TensorType("f32", shape)
+    m = _one_op("k3.moe", [("x", f32(1, N, D)), ("w", f32(1, N, k)), ("i", TensorType("i64", (1, N, k))),
+                           ("w1", f32(E, I, D)), ("w3", f32(E, I, D)), ("w2", f32(E, D, I))], {"act": "situ"})
+    model = OnnxExporter(m, weights="inputs", moe_form=form).export_function("f")
+    s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = s.run(None, {"x": x.astype(np.float32), "w": wts.astype(np.float32), "i": idx,
+                          **{n: w.astype(np.float32) for n, w in zip(("w1", "w3", "w2"), ws)}})
+    want = instantiate(m.functions["f"].ops[-1]).reference(x, wts, idx, *ws)
+    assert rel_err(got, want) < 1e-5
 
 
 _SESSIONS: dict = {}
