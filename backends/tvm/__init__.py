@@ -6,8 +6,11 @@ Relax VM on this CPU through the usual ``Session`` API.
   (keyed by the printed IR, dtype and TVM target): batch, sequence length and MLA cache length
   are symbolic Relax shape variables, so a compiled function serves every shape (no
   re-compilation per shape).
-- KDA runs as a TIR recurrence kernel; MoE as dispatch (stable sort by expert) + a gather-GEMM
-  over sorted rows (MXFP4/INT4 dequantised inside) + combine; MLA and AttnRes as Relax ops.
+- Linear layers run as register-tiled, vectorised, parallel TIR kernels that read the ``[N, K]`` weight
+  as stored; KDA as a TIR recurrence kernel vectorised over value columns; MoE as dispatch (stable sort
+  by expert) + one GEMM per expert over its sorted rows (MXFP4/INT4: a gather-GEMM dequantising inside)
+  + combine; MLA and AttnRes as Relax ops. Kernels are compiled for this machine's CPU
+  (``TvmConfig.mcpu``).
   Ops without a native lowering fall back to their decomposition (``k3ir check --target tvm``).
 - Cross targets ``tvm-cuda``, ``tvm-rocm``, ``tvm-vulkan``, ``tvm-metal``, ``tvm-opencl``,
   ``tvm-webgpu``, ``tvm-c``: registered so that ``k3ir check`` and ``k3ir backends`` know them;
@@ -26,6 +29,7 @@ from k3ir.errors import K3BackendError
 from k3ir.ir import Module
 
 from .. import Backend, Executable, TargetDescription, register_backend
+from .config import get_tvm_config
 
 _COMPILED: dict[str, tuple[Any, dict[str, list[str]]]] = {}   # key -> (VMExecutable, {function: params})
 #: entry functions compiled into one Relax module (they share most kernels: half the build time)
@@ -35,8 +39,20 @@ GROUPS = (("prefill", "decode"),)
 def opt_level() -> int:
     """LLVM optimisation level: ``TvmConfig.opt_level`` (``K3IR_TVM_OPT_LEVEL``, 0-3, default 3). Level 0 builds
     about 3x faster with the same numerics (no fast-math at any level); the test suite uses it."""
-    from .config import get_tvm_config
     return get_tvm_config().opt_level
+
+
+def llvm_target():
+    """The ``llvm`` target of the CPU builds: ``TvmConfig.opt_level``, ``TvmConfig.mcpu`` (empty: this machine's
+    CPU as LLVM names it) and this machine's core count (the parallel loops' thread pool)."""
+    import os
+
+    import tvm
+    from tvm.target import codegen
+
+    mcpu = get_tvm_config().mcpu or codegen.llvm_get_system_cpu()
+    return tvm.target.Target({"kind": "llvm", "opt-level": opt_level(), "mcpu": mcpu,
+                              "num-cores": len(os.sched_getaffinity(0))})
 
 
 def _available() -> str | None:
@@ -82,7 +98,8 @@ class TVMExecutable(Executable):
         from k3ir.printer import print_function
         text = "\n".join(print_function(self.module.functions[f]) for f in functions)
         decls = "|".join(f"{n}:{d.type}" for n, d in sorted(self.module.params.items()))
-        return hashlib.sha256(f"{self.dtype} {opt_level()}\n{text}\n{decls}".encode()).hexdigest()
+        cpu = get_tvm_config().mcpu               # the configured name (empty: this host), no codegen call at load
+        return hashlib.sha256(f"{self.dtype} {opt_level()} {cpu}\n{text}\n{decls}".encode()).hexdigest()
 
     def compile(self, function: str):
         """(Relax VM, parameter names) of ``function``, compiling on first use."""
@@ -103,8 +120,7 @@ class TVMExecutable(Executable):
             if key not in _COMPILED:
                 from .lower import build_relax
                 mod, params = build_relax(self.module, group, self.dtype)
-                target = tvm.target.Target({"kind": "llvm", "opt-level": opt_level()})
-                _COMPILED[key] = (tvm.compile(mod, target=target), params)
+                _COMPILED[key] = (tvm.compile(mod, target=llvm_target()), params)
             ex, names = _COMPILED[key]
             vm = relax.VirtualMachine(ex, tvm.cpu())
         self.build_seconds[label] = timing.seconds
@@ -187,7 +203,8 @@ class TVMExecutable(Executable):
             arrays[k] = np.ascontiguousarray(a.astype(np.float32) if a.dtype.kind == "f" else a)
         save_file(arrays, os.path.join(directory, "weights.safetensors"))
         files["weights"] = "weights.safetensors"
-        write_manifest(directory, self.module, "tvm", self.dtype, files, opt_level=opt_level())
+        write_manifest(directory, self.module, "tvm", self.dtype, files, opt_level=opt_level(),
+                       mcpu=str(llvm_target().attrs["mcpu"]))
         return directory
 
 

@@ -21,6 +21,10 @@ class TvmConfig:
                              "the same numerics (no fast-math at any level; the test suite uses 0); part of the "
                              "in-process build cache key and written to exported artifacts' manifests",
                              env="K3IR_TVM_OPT_LEVEL", parse=_opt_level)
+    mcpu: str = setting("", "LLVM CPU the kernels are compiled for (e.g. ``znver4``, ``x86-64-v3``); empty: this "
+                        "machine's CPU (LLVM's host CPU name, so AVX2/AVX-512 are used where present). An artifact "
+                        "built for one CPU needs that CPU's instructions where it runs; part of the build cache key "
+                        "and written to artifacts' manifests", env="K3IR_TVM_MCPU")
 
 
 TVM = ScopedConfig(TvmConfig, "k3ir_tvm_config")

@@ -4,9 +4,14 @@ Every function here takes TE tensors whose shapes may hold symbolic ``int64`` di
 sequence, cache length) and returns TE tensors; ``emit_te`` turns each into a PrimFunc.
 Semantics follow SPEC.md exactly as the float64 references in ``k3ir/ops`` do:
 
+- ``linear_kernel`` / ``grouped_linear_kernel``: ``y = x W^T`` read straight from the ``[N, K]``
+  weight (no transpose at run time), register-tiled (``MT`` rows x ``NT`` weight rows of ``VL``-lane
+  partial sums), vectorised along K and parallel over weight-row blocks; the grouped form runs one
+  such GEMM per expert over its expert-sorted rows, so an expert with no rows reads no weights.
 - ``kda_kernel``: the KDA delta-rule recurrence (SPEC.md 3.5) as a hand-written TIR kernel,
-  parallel over (batch, head, value column): column ``j`` of the state only depends on itself,
-  so each thread carries one ``[K]`` column through time. Exact, O(T H K V), symbolic B/T/H/K/V.
+  parallel over (batch, head, block of ``VL`` value columns): columns of the state only depend on
+  themselves, so each thread carries a ``[K, VL]`` slab through time, vectorised over the columns.
+  Exact, O(T H K V), symbolic B/T.
 - ``topk``: largest-k with ties broken toward the lower index (rank counting; O(E^2) per row).
 - ``moe_dispatch`` / ``grouped_matmul`` / ``moe_combine``: MoE with a stable sort by expert,
   a gather-GEMM over sorted rows (expert id from the offsets; MXFP4/INT4 dequantised in the
@@ -26,47 +31,155 @@ def i64(v) -> tirx.PrimExpr:
     return tirx.const(int(v), I64) if isinstance(v, int) else v
 
 
+#: register tile of the linear kernels: MT activation rows x NT weight rows, each a VL-lane partial sum
+#: (MT*NT*VL*4 bytes must stay under TVM's 1 KiB stack-allocation limit, or the tile becomes a heap workspace
+#: allocated per parallel iteration)
+MT = 3
+
+
+def _lanes(n: int, options=(16, 8, 4)) -> int | None:
+    return next((v for v in options if n % v == 0), None)
+
+
+def linear_tiles(N: int, K: int) -> tuple[int, int] | None:
+    """(NT, VL) of the register tile for a ``[N, K]`` weight, or None when K is not a multiple of 4 (then the
+    generic Relax matmul runs)."""
+    VL = _lanes(K)
+    return None if VL is None else (_lanes(N, (4, 2, 1)), VL)
+
+
+def _tile_macro(dtype: str, K: int, NT: int, VL: int):
+    """TVMScript macro ``tile(x, w, y, acc, r0, n0, MR, ybase)``: rows ``r0:r0+MR`` of x times weight rows
+    ``n0:n0+NT`` into ``y[r, n0 - ybase + j]``; acc a local ``[MT, NT, VL]`` buffer."""
+    KO = K // VL
+
+    @T.macro
+    def tile(x, w, y, acc, r0, n0, MR, ybase):
+        for mi in T.unroll(MR):
+            for ni in T.unroll(NT):
+                for v in T.vectorized(VL):
+                    acc[mi, ni, v] = T.Cast(dtype, 0)
+        for ko in range(KO):
+            for mi in T.unroll(MR):
+                for ni in T.unroll(NT):
+                    for v in T.vectorized(VL):
+                        acc[mi, ni, v] = acc[mi, ni, v] + x[r0 + mi, ko * VL + v] * w[n0 + ni, ko * VL + v]
+        for mi in T.unroll(MR):
+            for ni in T.unroll(NT):
+                if VL >= 16:
+                    for v in T.vectorized(8):
+                        acc[mi, ni, v] = acc[mi, ni, v] + acc[mi, ni, v + 8]
+                if VL >= 8:
+                    for v in T.vectorized(4):
+                        acc[mi, ni, v] = acc[mi, ni, v] + acc[mi, ni, v + 4]
+                for v in T.vectorized(2):
+                    acc[mi, ni, v] = acc[mi, ni, v] + acc[mi, ni, v + 2]
+                y[r0 + mi, n0 - ybase + ni] = acc[mi, ni, 0] + acc[mi, ni, 1]
+    return tile
+
+
 @cache
-def kda_kernel(dtype: str = "float32"):
-    """TIR PrimFunc ``(q, k, v, g, beta, s0) -> (o, s)``: q, k, g ``[B,T,H,K]`` (q pre-scaled),
-    v ``[B,T,H,V]``, beta ``[B,T,H]``, s0/s ``[B,H,K,V]``, o ``[B,T,H,V]``; per token
-    ``S = S*exp(g); S += k (beta (v - k^T S))^T; o = S^T q`` (SPEC.md 3.5)."""
+def linear_kernel(N: int, K: int, dtype: str = "float32"):
+    """TIR PrimFunc ``(x, w) -> y``: x ``[M, K]`` (M symbolic), w ``[N, K]``, y ``[M, N]`` = ``x w^T``.
+    Parallel over blocks of NT weight rows; M in tiles of MT rows, then the leftover rows one by one (decode's
+    M = 1 is a vectorised GEMV that streams W once). Needs ``linear_tiles(N, K)``."""
+    NT, VL = linear_tiles(N, K)
+    tile = _tile_macro(dtype, K, NT, VL)
 
     @T.prim_func(private=True)
-    def kda_recurrent(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
+    def linear(x_h: T.handle, w_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        M = T.int64()
+        x = T.match_buffer(x_h, (M, K), dtype)
+        w = T.match_buffer(w_h, (N, K), dtype)
+        y = T.match_buffer(y_h, (M, N), dtype)
+        for nb in T.parallel(N // NT):
+            acc = T.alloc_buffer((MT, NT, VL), dtype, scope="local")
+            for mb in range(M // MT):
+                tile(x, w, y, acc, mb * MT, nb * NT, MT, 0)
+            for m in range(M % MT):
+                tile(x, w, y, acc, M // MT * MT + m, nb * NT, 1, 0)
+    return linear
+
+
+@cache
+def grouped_linear_kernel(E: int, N: int, K: int, dtype: str = "float32"):
+    """TIR PrimFunc ``(x, offsets, w) -> y``: x ``[R, K]`` rows sorted by expert (R symbolic), offsets
+    ``int64[E+1]`` (expert e owns rows ``offsets[e]:offsets[e+1]``), w ``[E*N, K]`` (the ``[E, N, K]`` expert
+    weights, rows flattened), y ``[R, N]``: row r times ``W_e^T``. One GEMM per expert over its rows (tiles
+    of MT rows, then one by one), parallel over (weight-row block, expert): only experts with rows read
+    their weights. Needs ``linear_tiles(N, K)``."""
+    NT, VL = linear_tiles(N, K)
+    tile = _tile_macro(dtype, K, NT, VL)
+
+    @T.prim_func(private=True)
+    def grouped_linear(x_h: T.handle, o_h: T.handle, w_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        R = T.int64()
+        x = T.match_buffer(x_h, (R, K), dtype)
+        off = T.match_buffer(o_h, (E + 1,), "int64")
+        w = T.match_buffer(w_h, (E * N, K), dtype)
+        y = T.match_buffer(y_h, (R, N), dtype)
+        for f in T.parallel(N // NT * E):
+            acc = T.alloc_buffer((MT, NT, VL), dtype, scope="local")
+            e = f % E
+            lo = off[e]
+            cnt = off[e + 1] - lo
+            for mb in range(cnt // MT):
+                tile(x, w, y, acc, lo + mb * MT, e * N + f // E * NT, MT, e * N)
+            for m in range(cnt % MT):
+                tile(x, w, y, acc, lo + cnt // MT * MT + m, e * N + f // E * NT, 1, e * N)
+    return grouped_linear
+
+
+@cache
+def kda_kernel(H: int, K: int, V: int, dtype: str = "float32"):
+    """TIR PrimFunc ``(q, k, v, a, beta, s0) -> (o, s)``: q, k, a ``[B,T,H,K]`` (q pre-scaled, a = exp(g) the
+    per-key decay), v ``[B,T,H,V]``, beta ``[B,T,H]``, s0/s ``[B,H,K,V]``, o ``[B,T,H,V]``; per token
+    ``S = S*a; S += k (beta (v - k^T S))^T; o = S^T q`` (SPEC.md 3.5). B and T symbolic. Parallel over
+    (batch, head, block of VL value columns); each block's ``[K, VL]`` state slab (8 KiB at K=128, VL=16) stays
+    in L1 through time and every update is a VL-lane vector operation."""
+    VL = _lanes(V, (16, 8, 4, 2, 1))
+    NB = V // VL
+
+    @T.prim_func(private=True)
+    def kda_recurrent(q_h: T.handle, k_h: T.handle, v_h: T.handle, a_h: T.handle, b_h: T.handle,
                       s0_h: T.handle, o_h: T.handle, s_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         B = T.int64()
         L = T.int64()
-        H = T.int64()
-        K = T.int64()
-        V = T.int64()
         q = T.match_buffer(q_h, (B, L, H, K), dtype)
         k = T.match_buffer(k_h, (B, L, H, K), dtype)
         v = T.match_buffer(v_h, (B, L, H, V), dtype)
-        g = T.match_buffer(g_h, (B, L, H, K), dtype)
+        a = T.match_buffer(a_h, (B, L, H, K), dtype)
         beta = T.match_buffer(b_h, (B, L, H), dtype)
         s0 = T.match_buffer(s0_h, (B, H, K, V), dtype)
         o = T.match_buffer(o_h, (B, L, H, V), dtype)
         s = T.match_buffer(s_h, (B, H, K, V), dtype)
-        for f in T.parallel(B * H * V):
-            acc = T.alloc_buffer((2,), dtype, scope="local")
-            b = f // (H * V)
-            h = f // V % H
-            j = f % V
+        for f in T.parallel(B * H * NB):
+            acc = T.alloc_buffer((2, VL), dtype, scope="local")
+            b = f // (H * NB)
+            h = f // NB % H
+            j = f % NB * VL
             for i in range(K):
-                s[b, h, i, j] = s0[b, h, i, j]
+                for c in T.vectorized(VL):
+                    s[b, h, i, j + c] = s0[b, h, i, j + c]
             for t in range(L):
-                acc[0] = T.Cast(dtype, 0)
+                for c in T.vectorized(VL):
+                    acc[0, c] = T.Cast(dtype, 0)
                 for i in range(K):
-                    s[b, h, i, j] = s[b, h, i, j] * T.exp(g[b, t, h, i])
-                    acc[0] = acc[0] + s[b, h, i, j] * k[b, t, h, i]
-                acc[0] = (v[b, t, h, j] - acc[0]) * beta[b, t, h]
-                acc[1] = T.Cast(dtype, 0)
+                    for c in T.vectorized(VL):
+                        s[b, h, i, j + c] = s[b, h, i, j + c] * a[b, t, h, i]
+                        acc[0, c] = acc[0, c] + s[b, h, i, j + c] * k[b, t, h, i]
+                for c in T.vectorized(VL):
+                    acc[0, c] = (v[b, t, h, j + c] - acc[0, c]) * beta[b, t, h]
+                    acc[1, c] = T.Cast(dtype, 0)
                 for i in range(K):
-                    s[b, h, i, j] = s[b, h, i, j] + k[b, t, h, i] * acc[0]
-                    acc[1] = acc[1] + s[b, h, i, j] * q[b, t, h, i]
-                o[b, t, h, j] = acc[1]
+                    for c in T.vectorized(VL):
+                        s[b, h, i, j + c] = s[b, h, i, j + c] + k[b, t, h, i] * acc[0, c]
+                        acc[1, c] = acc[1, c] + s[b, h, i, j + c] * q[b, t, h, i]
+                for c in T.vectorized(VL):
+                    o[b, t, h, j + c] = acc[1, c]
 
     return kda_recurrent
 

@@ -43,7 +43,7 @@ class RelaxLowering:
         self.syms: dict[str, tirx.Var] = {}
         self.bb = relax.BlockBuilder()
         self.params: dict[str, list[str]] = {}
-        self._kda = None
+        self._kernels: dict[tuple, relax.GlobalVar] = {}
 
     # ---- types ---------------------------------------------------------------------
     def rt(self, ir_dtype: str) -> str:
@@ -98,10 +98,34 @@ class RelaxLowering:
     def const(self, v, dtype: str | None = None):
         return relax.const(v, dtype or self.fdt)
 
-    def kda_kernel(self):
-        if self._kda is None:
-            self._kda = self.bb.add_func(K.kda_kernel(self.fdt), "kda_recurrent")
-        return self._kda
+    def kda_kernel(self, H: int, Kd: int, V: int):
+        return self.kernel(("kda_recurrent", H, Kd, V), lambda: K.kda_kernel(H, Kd, V, self.fdt))
+
+    def kernel(self, key: tuple, make: Callable[[], Any]) -> relax.GlobalVar:
+        """The module's PrimFunc for ``key`` (name first), added from ``make()`` on first use."""
+        if key not in self._kernels:
+            self._kernels[key] = self.bb.add_func(make(), "_".join(map(str, key)))
+        return self._kernels[key]
+
+    def linear(self, x, w):
+        """``x w^T`` for x ``[..., K]`` and a weight w ``[N, K]`` with static N, K: the register-tiled
+        ``kernels.linear_kernel`` on x flattened to ``[M, K]`` (no weight transpose); the generic Relax matmul
+        when the shapes do not fit the kernel."""
+        x, w = self.f(x), self.f(w)
+        ws, xs = self.shape(w), self.shape(x)
+        tiles = None
+        if len(ws) == 2 and all(isinstance(d, (int, tirx.IntImm)) for d in ws):
+            N, Kd = int(ws[0]), int(ws[1])
+            tiles = K.linear_tiles(N, Kd)
+        if tiles is None:
+            return self.emit(R_.matmul(x, R_.permute_dims(w)))
+        M = tirx.const(1, "int64")
+        for d in xs[:-1]:
+            M = M * d
+        gv = self.kernel(("linear", N, Kd), lambda: K.linear_kernel(N, Kd, self.fdt))
+        x2 = self.emit(R_.reshape(x, [M, Kd]))
+        y = self.emit(relax.call_tir(gv, [x2, w], relax.TensorType([M, N], self.fdt)))
+        return self.emit(R_.reshape(y, [*xs[:-1], N]))
 
     # ---- functions -------------------------------------------------------------------
     def lower_function(self, name: str) -> list[str]:

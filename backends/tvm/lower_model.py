@@ -45,7 +45,7 @@ def _gated_rmsnorm(lw, inst, x, gate, w):
 
 
 def linear(lw, x, w):
-    return lw.emit(R_.matmul(lw.f(x), R_.permute_dims(lw.f(w))))
+    return lw.linear(x, w)
 
 
 @lowers("k3.linear", "k3.lm_head")
@@ -104,7 +104,8 @@ def kda(lw, q, k, v, g, beta, s, scale: float):
     if s is None:
         s = lw.te(lambda: K.zeros([B, H, Kd, V], lw.fdt), name="kda_zero_state")
     out = [relax.TensorType([B, Tn, H, V], lw.fdt), relax.TensorType([B, H, Kd, V], lw.fdt)]
-    t = lw.emit(relax.call_tir(lw.kda_kernel(), [q, k, v, g, beta, lw.f(s)], out))
+    decay = lw.emit(R_.exp(g))
+    t = lw.emit(relax.call_tir(lw.kda_kernel(int(H), int(Kd), int(V)), [q, k, v, decay, beta, lw.f(s)], out))
     return _get(lw, t, 0), _get(lw, t, 1)
 
 
@@ -194,7 +195,12 @@ def _moe_dispatch(lw, inst, x, w, idx):
 def _grouped_matmul(lw, inst, x, offsets, w, scales=None):
     off = lw.cast(offsets, "int64")
     if inst.quant == "none":
-        return lw.te(K.grouped_matmul, lw.f(x), off, lw.f(w), name="grouped_matmul")
+        E, N, Kd = (int(d) for d in lw.shape(w))
+        if K.linear_tiles(N, Kd) is None:
+            return lw.te(K.grouped_matmul, lw.f(x), off, lw.f(w), name="grouped_matmul")
+        gv = lw.kernel(("grouped_linear", E, N, Kd), lambda: K.grouped_linear_kernel(E, N, Kd, lw.fdt))
+        wf = lw.emit(R_.reshape(lw.f(w), [E * N, Kd]))
+        return lw.emit(relax.call_tir(gv, [lw.f(x), off, wf], relax.TensorType([lw.shape(x)[0], N], lw.fdt)))
     sc = scales if inst.quant == "mxfp4" else lw.f(scales)
     return lw.te(K.grouped_matmul, lw.f(x), off, w, sc, inst.quant, name=f"grouped_matmul_{inst.quant}")
 
