@@ -195,11 +195,18 @@ class QuantileBalancer:
     ``update(scores_by_layer, biases)``: ``scores_by_layer[layer]`` is that step's router scores
     (any array-like ``[..., E]``), ``biases[layer]`` the current bias (a torch tensor, updated in
     place, or a NumPy array). Returns ``{layer: max_load / mean_load}`` of the step (measured with
-    the bias the forward pass used, before the update)."""
+    the bias the forward pass used, before the update).
+
+    ``all_reduce`` (data-parallel training: a function returning the elementwise sum of a float64 array
+    over the ranks that hold different tokens, ``MeshTraining.data_all_reduce``): each rank's
+    ``scores`` are its own tokens'; the loads are summed, ``quantile``/``margin`` take the column
+    statistic from the summed histograms (``qb_update_hist``, within one bin of the exact update on
+    the global batch) and ``sign`` steps on the global loads, so every rank sets the same bias."""
     layers: list[MoELayer]
     rule: str = "quantile"
     sign_step: float = 1e-3
     history: list[dict[int, float]] = field(default_factory=list)
+    all_reduce: Callable[[np.ndarray], np.ndarray] | None = None
 
     def __post_init__(self):
         if self.rule not in RULES:
@@ -213,8 +220,18 @@ class QuantileBalancer:
             s = _np(scores_by_layer[lay.layer]).reshape(-1, lay.experts)
             t = biases[lay.layer]
             b = _np(t)
-            _, ratios[lay.layer] = load_balance(s, b, lay.top_k)
-            new = qb_update(s, b, lay.top_k, self.rule, self.sign_step)
+            load, ratios[lay.layer] = load_balance(s, b, lay.top_k)
+            if self.all_reduce is None:
+                new = qb_update(s, b, lay.top_k, self.rule, self.sign_step)
+            else:
+                load = np.asarray(self.all_reduce(load.astype(np.float64)))
+                ratios[lay.layer] = float(load.max() / max(load.mean(), 1e-300))
+                if self.rule == "sign":
+                    new = b + self.sign_step * np.sign(load.mean() - load)
+                elif self.rule == "none":
+                    new = b.copy()
+                else:
+                    new = qb_update_hist(s, b, lay.top_k, self.rule, all_reduce=self.all_reduce)
             _assign(t, new)
         self.history.append(ratios)
         log.debug("QB %s loads %s", self.rule, ratios)

@@ -10,6 +10,12 @@ Quantile Balancing of every MoE layer's selection bias after each step (SPEC.md 
 The router's top-k selection has no gradient; the combine weights do. The QB bias
 (``e_score_correction_bias``) is not trained by gradient: it is excluded from the optimizer
 and set by the balancer from the step's router scores.
+
+On a mesh (an executable of a sharded module compiled with ``mesh=``, ``runtime/distributed.py``) every
+rank builds the same Trainer from the UNSHARDED parameters and calls ``train_step`` with the same global
+batch; each trains its slice of the parameters on its rows (ep, dp) and segment (cp) of the batch, the
+gradients of replicated parameters are summed over the ranks holding them, and QB reads the global
+batch's histograms (``runtime/train_mesh.py``, docs/distributed.md).
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from k3ir.errors import K3RuntimeError
 from k3ir.ir import Function, Operation
 
 from .qb import QuantileBalancer, moe_layers, router_spec
+from .train_mesh import MeshTraining
 
 
 @dataclass
@@ -128,7 +135,10 @@ class Trainer:
     weights, or the deterministic init from ``config.seed``. Parameters are kept as fp32 (fp64
     when compiled with ``float64``) leaf tensors in ``self.params``.
 
-    Raises K3RuntimeError for a non-torch executable or a bad configuration."""
+    A sharded executable (compiled with ``mesh=``) needs ``params``: the unsharded values, the same on every
+    rank; ``self.params`` holds this rank's slices (``shard_params``) and ``self.mesh`` the MeshTraining.
+
+    Raises K3RuntimeError for a non-torch executable, a bad configuration or a mesh without ``params``."""
 
     def __init__(self, executable, config: TrainConfig | None = None, params: dict[str, Any] | None = None):
         import torch
@@ -144,6 +154,15 @@ class Trainer:
         self.cfg = config or TrainConfig()
         if "forward" not in self.module.functions:
             raise K3RuntimeError("module has no @forward function to train")
+        self.mesh: MeshTraining | None = None
+        if getattr(executable, "mesh", None) is not None:
+            from .distributed import mesh_coords, shard_params
+            if params is None:
+                raise K3RuntimeError("a Trainer on a mesh takes params: the unsharded values, the same on every rank "
+                                     "(init_params(module, seed) of the module before the shard pass)")
+            coords = mesh_coords(executable.mesh)
+            self.mesh = MeshTraining(self.module, coords)
+            params = shard_params(self.module, params, coords)
         if params is None:
             params = Session(executable, seed=self.cfg.seed).params
         self.params: dict[str, Any] = {}
@@ -166,13 +185,15 @@ class Trainer:
             if name in routers:
                 router.append(t)
             else:
-                (decay if decays(name, t.shape) else no_decay).append(t)
+                shape = self.mesh.full_shapes[name] if self.mesh else t.shape
+                (decay if decays(name, shape) else no_decay).append(t)
         groups = [{"params": decay, "weight_decay": self.cfg.weight_decay, "lr_scale": 1.0},
                   {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0},
                   {"params": router, "weight_decay": 0.0, "lr_scale": self.cfg.router_lr_scale}]
         self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.cfg.lr,
                                      betas=(self.cfg.beta1, self.cfg.beta2), eps=self.cfg.eps)
-        self.qb = QuantileBalancer(self.layers, self.cfg.qb, self.cfg.qb_sign_step)
+        self.qb = QuantileBalancer(self.layers, self.cfg.qb, self.cfg.qb_sign_step,
+                                   all_reduce=self.mesh.data_all_reduce if self.mesh else None)
         self.step = 0
         self.history: list[StepStats] = []
         fn = self.module.functions["forward"]
@@ -233,12 +254,15 @@ class Trainer:
 
     def loss(self, batch, capture: dict[int, Any] | None = None):
         """Mean next-token cross entropy (nats) of ``batch int64[B, T+1]`` (inputs ``[:, :-1]``,
-        targets ``[:, 1:]``), a scalar tensor with autograd."""
+        targets ``[:, 1:]``), a scalar tensor with autograd. On a mesh: of this rank's part of the
+        global batch (``MeshTraining.local_batch``)."""
         import torch
         import torch.nn.functional as F
         b = np.asarray(batch)
         if b.ndim != 2 or b.shape[1] < 2:
             raise K3RuntimeError(f"a training batch must be int64[B, T+1] with T >= 1, got shape {list(b.shape)}")
+        if self.mesh is not None:
+            b = self.mesh.local_batch(b)
         with self._autocast():
             lg = self.logits(b[:, :-1], capture)
         tgt = torch.as_tensor(b[:, 1:], dtype=torch.int64, device=lg.device)
@@ -258,15 +282,26 @@ class Trainer:
         scores: dict[int, Any] = {}
         loss = self.loss(batch, scores)
         shown = self.step + 1                 # steps are counted from 1 in the CLI's log ("step N/steps")
-        if not torch.isfinite(loss):          # nothing applied: raised before backward
-            raise K3RuntimeError(f"loss is {loss.item()} at step {shown}; the step was not applied (lower --lr, "
+        value = float(loss.detach()) if self.mesh is None else self.mesh.mean_loss(float(loss.detach()))
+        if not math.isfinite(value):          # nothing applied: raised before backward (on every rank of a mesh)
+            raise K3RuntimeError(f"loss is {value} at step {shown}; the step was not applied (lower --lr, "
                                  "or keep --clip > 0)")
-        loss.backward()
         tp = [self.params[n] for n in self.trainable]
-        if self.cfg.clip > 0:   # the norm is computed before clipping; non-finite grads are fixed below
-            gn = float(torch.nn.utils.clip_grad_norm_(tp, self.cfg.clip))
+        if self.mesh is None:
+            loss.backward()
+            if self.cfg.clip > 0:   # the norm is computed before clipping; non-finite grads are fixed below
+                gn = float(torch.nn.utils.clip_grad_norm_(tp, self.cfg.clip))
+            else:
+                gn = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in tp if p.grad is not None])))
         else:
-            gn = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in tp if p.grad is not None])))
+            (loss / self.mesh.world).backward()          # the adjoint collectives: d(sum_r L_r / world)
+            self.mesh.sync_grads(self.params, self.trainable)
+            gn = self.mesh.grad_norm(self.params, self.trainable)
+            if self.cfg.clip > 0 and math.isfinite(gn):  # as clip_grad_norm_: scale by min(1, clip / (norm + 1e-6))
+                coef = min(1.0, self.cfg.clip / (gn + 1e-6))
+                for p in tp:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
         if not math.isfinite(gn):             # an overflowing gradient must not reach the weights
             self.opt.zero_grad(set_to_none=True)
             raise K3RuntimeError(f"gradient norm is {gn} at step {shown} (loss {loss.item():.6g}); the step was "
@@ -274,7 +309,7 @@ class Trainer:
         self.opt.step()
         balance = self.qb.update(scores, {lay: self.params[n] for lay, n in self.bias_names.items()})
         b = np.asarray(batch)
-        st = StepStats(self.step, float(loss.detach()), gn, lr, balance, int(b.shape[0] * (b.shape[1] - 1)),
+        st = StepStats(self.step, value, gn, lr, balance, int(b.shape[0] * (b.shape[1] - 1)),
                        time.perf_counter() - t0)
         self.history.append(st)
         self.step += 1
@@ -284,7 +319,9 @@ class Trainer:
         """Cross entropy of ``batch`` without gradients or QB updates."""
         import torch
         with torch.no_grad():
-            return float(self.loss(batch))
+            if self.mesh is None:
+                return float(self.loss(batch))
+            return self.mesh.mean_loss(float(self.loss(self.mesh.eval_rows(batch))))
 
     # ---- state for checkpoints -------------------------------------------------------------
     def optimizer_state(self) -> dict[str, dict[str, Any]]:

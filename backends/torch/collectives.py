@@ -22,9 +22,17 @@ How each op runs (gloo on CPU and NCCL on GPUs both provide these c10d calls):
 - ``k3.cp_lengths``: ``L + coord * T``, no communication.
 
 The per-rank ops ``k3.ep_dispatch``, ``k3.ep_combine``, ``k3.kda_transition`` and ``k3.cache_insert``
-have no rank dependence and are plain entries of ``LOCAL``. These collectives carry no autograd
-(inference); training through them is not supported yet. Raises K3BackendError for a mesh without
-the four named dimensions.
+have no rank dependence and are plain entries of ``LOCAL``.
+
+Autograd: every communication is a ``torch.autograd.Function`` whose backward is the adjoint
+collective of the SPMD program (the transpose of the linear map over the ranks' stacked values):
+all-reduce <-> all-reduce, all-gather <-> reduce-scatter (sum), all-to-all <-> all-to-all (equal
+splits: the block transpose is its own inverse), broadcast from a rank <-> the sum of the group's
+gradients on that rank (zeros on the others). So ``backward`` of the sum over ranks of each rank's
+loss gives every rank the exact gradient of that sum for its own values; a parameter replicated
+over some axes then needs its gradients summed over them (``runtime/trainer.py`` does that). The
+backward runs the collectives in the same order on every rank because every rank runs the same
+program. Raises K3BackendError for a mesh without the four named dimensions.
 """
 from __future__ import annotations
 
@@ -103,19 +111,117 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _gather0(x: T, group: Any, n: int) -> T:
-    """``[G * x.shape[0], ...]``: the group's x concatenated in rank order on dim 0."""
+# ---- the c10d calls (no autograd) ------------------------------------------------------
+def _sum(x: T, group: Any) -> T:
+    y = x.clone().contiguous()
+    dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+    return y
+
+
+def _gather_raw(x: T, group: Any, n: int) -> T:
     x = x.contiguous()
     out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
     _all_gather(out, x, group=group)
     return out
 
 
+def _scatter_raw(x: T, group: Any, n: int) -> T:
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
+    _reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def _a2a_raw(x: T, group: Any) -> T:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+# ---- the same with their adjoints as backward ------------------------------------------
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _sum(x, group)
+
+    @staticmethod
+    def backward(ctx, gy):
+        return _sum(gy, ctx.group), None
+
+
+class _AllGather0(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, n):
+        ctx.group, ctx.n = group, n
+        return _gather_raw(x, group, n)
+
+    @staticmethod
+    def backward(ctx, gy):
+        return _scatter_raw(gy, ctx.group, ctx.n), None, None
+
+
+class _ReduceScatter0(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, n):
+        ctx.group, ctx.n = group, n
+        return _scatter_raw(x, group, n)
+
+    @staticmethod
+    def backward(ctx, gy):
+        return _gather_raw(gy, ctx.group, ctx.n), None, None
+
+
+class _AllToAll0(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _a2a_raw(x, group)
+
+    @staticmethod
+    def backward(ctx, gy):
+        return _a2a_raw(gy, ctx.group), None
+
+
+class _Broadcast(torch.autograd.Function):
+    """Every rank of ``group`` gets the value of global rank ``src``; backward: the group's gradients summed
+    on ``src``, zeros elsewhere."""
+
+    @staticmethod
+    def forward(ctx, x, group, src):
+        ctx.group, ctx.src = group, src
+        y = x.clone().contiguous()
+        dist.broadcast(y, src=src, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        g = _sum(gy, ctx.group)
+        return (g if dist.get_rank() == ctx.src else torch.zeros_like(g)), None, None
+
+
+class _Join(torch.autograd.Function):
+    """``x`` unchanged; ``others`` join the autograd graph with zero gradients."""
+
+    @staticmethod
+    def forward(ctx, x, *others):
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in others]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, gx):
+        return (gx, *(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes))
+
+
+def _gather0(x: T, group: Any, n: int) -> T:
+    """``[G * x.shape[0], ...]``: the group's x concatenated in rank order on dim 0 (backward: reduce-scatter)."""
+    return _AllGather0.apply(x, group, n)
+
+
 def all_reduce(g: _Groups, inst, x: T) -> T:
     pg = g.check(inst)
-    y = x.clone().contiguous()
-    dist.all_reduce(y, op=dist.ReduceOp.SUM, group=pg)
-    return y
+    return _AllReduce.apply(x, pg)
 
 
 def all_gather(g: _Groups, inst, x: T) -> T:
@@ -127,19 +233,13 @@ def all_gather(g: _Groups, inst, x: T) -> T:
 def reduce_scatter(g: _Groups, inst, x: T) -> T:
     pg = g.check(inst)
     d = inst.dim % x.dim()
-    xm = x.movedim(d, 0).contiguous()
-    out = xm.new_empty((xm.shape[0] // inst.group,) + tuple(xm.shape[1:]))
-    _reduce_scatter(out, xm, op=dist.ReduceOp.SUM, group=pg)
-    return out.movedim(0, d)
+    return _ReduceScatter0.apply(x.movedim(d, 0), pg, inst.group).movedim(0, d)
 
 
 def all_to_all(g: _Groups, inst, x: T) -> T:
     pg = g.check(inst)
     d = inst.dim % x.dim()
-    xm = x.movedim(d, 0).contiguous()
-    out = torch.empty_like(xm)
-    dist.all_to_all_single(out, xm, group=pg)
-    return out.movedim(0, d)
+    return _AllToAll0.apply(x.movedim(d, 0), pg).movedim(0, d)
 
 
 def sharded_embedding(g: _Groups, inst, ids: T, w: T) -> T:
@@ -160,7 +260,9 @@ def kcp_scan(g: _Groups, inst, M: T, s_loc: T, s0: T | None = None) -> T:
     S = torch.zeros_like(Ss[0]) if s0 is None else s0.to(acc)
     for r in range(g.coord[inst.axis]):
         S = torch.einsum("bhkj,bhjv->bhkv", Ms[r], S) + Ss[r]
-    return S
+    # the gathered tensors stay in the graph on every rank (rank 0 reads none of them): under autograd every
+    # rank then runs the gathers' backward (a rank that skipped it would leave its peers waiting)
+    return _Join.apply(S, Ms, Ss)
 
 
 def conv_halo(g: _Groups, inst, x: T, s0: T | None = None) -> T:
@@ -171,17 +273,15 @@ def conv_halo(g: _Groups, inst, x: T, s0: T | None = None) -> T:
     acc = _acc(x)
     tails = _gather0(x[:, -w:].to(acc)[None], pg, inst.group)          # [G, B, min(T, w), C]
     hist = x.new_zeros(B, w, C, dtype=acc) if s0 is None else s0.to(acc).transpose(1, 2)
-    r = g.coord[inst.axis]
-    if r:
-        hist = torch.cat([hist] + [tails[i] for i in range(r)], dim=1)
-    return hist[:, -w:].transpose(1, 2).contiguous()
+    # all tails enter the graph (see kcp_scan), the window ends after this rank's predecessors
+    both = torch.cat([hist] + [tails[i] for i in range(inst.group)], dim=1)
+    end = w + g.coord[inst.axis] * tails.shape[2]
+    return both[:, end - w:end].transpose(1, 2).contiguous()
 
 
 def cp_last(g: _Groups, inst, x: T) -> T:
     pg = g.check(inst)
-    y = x.clone().contiguous()
-    dist.broadcast(y, src=dist.get_global_rank(pg, inst.group - 1), group=pg)
-    return y
+    return _Broadcast.apply(x, pg, dist.get_global_rank(pg, inst.group - 1))
 
 
 def cp_lengths(g: _Groups, inst, kv: T, cache: T | None = None, cache_lengths: T | None = None) -> T:
