@@ -93,3 +93,60 @@ def tiny_torch_session(module):
 
     import k3ir
     return Session(k3ir.compile(module, target="torch", dtype="float32"), seed=0)
+
+
+class AllocationPeak:
+    """Context manager: the peak of the bytes held by torch storages allocated inside it (``peak``, bytes), as
+    a ``TorchDispatchMode`` sees them: each tensor an op returns is counted by its storage (views once) until
+    the last such tensor object is freed. Storages from before the block (weights, inputs) do not count; NumPy
+    arrays (the Triton interpreter's block temporaries) do not either. Single-threaded use."""
+
+    def __init__(self):
+        self.live: dict[int, list] = {}        # storage data_ptr -> [bytes, tensor objects alive]
+        self.current = self.peak = 0
+        self.mode = None
+
+    def _release(self, key: int) -> None:
+        entry = self.live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[key]
+
+    def _track(self, t) -> None:
+        import weakref
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key == 0 or t.device.type == "meta":
+            return
+        entry = self.live.get(key)
+        if entry is None:
+            entry = self.live[key] = [st.nbytes(), 0]
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        weakref.finalize(t, self._release, key)
+
+    def __enter__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+        owner = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        owner._track(t)
+                return out
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        return False

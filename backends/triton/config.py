@@ -156,6 +156,9 @@ class MlaConfig:
     """The MLA kernels (``mla.py``)."""
     prefill: tuple | None = setting(None, "prefill launch override (BM, BN, warps, stages) (None: the built-in rule)",
                                     env="K3IR_MLA_PREFILL", parse=parse_ints)
+    prefill_key_tile: int = setting(4096, "a prefill over more keys (cache + new tokens) than this up-projects "
+                                    "and attends to them in tiles of this many keys, merged by log-sum-exp "
+                                    "(mla_tiled.py: memory linear in the prompt)")
 
 
 @dataclass(frozen=True)

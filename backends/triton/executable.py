@@ -223,6 +223,8 @@ class TritonExecutable(TorchExecutable):
         from . import lowering
         self.target = "triton"
         self.table = {**self.table, **KERNELS, **lowering.table(self)}
+        from .mla_tiled import long_prefill
+        self.table["k3.mla"] = long_prefill(self.table["k3.mla"])      # past mla.prefill_key_tile keys: key tiles
         from . import interpreting
         if interpreting():
             self.table.update({n: interpreter_guard(n, self.table[n]) for n in GATE_OPS})

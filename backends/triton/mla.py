@@ -23,12 +23,15 @@ from .config import get_triton_config
 from .gemv import gdc_launch_dependents, gdc_wait, pdl_kwargs
 
 
-@triton.jit(do_not_specialize=["T", "S"])   # prompt lengths: one compile (offsets' alignment comes from DN+DR)
-def mla_prefill_kernel(q, kn, kr, v, o, lens, T, S, H, scale,
+@triton.jit(do_not_specialize=["T", "S", "K0", "SK"])   # lengths: one compile (alignment comes from DN+DR)
+def mla_prefill_kernel(q, kn, kr, v, o, lse, lens, T, S, K0, SK, H, scale,
                        DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
                        DNP: tl.constexpr, DRP: tl.constexpr, DVP: tl.constexpr,
-                       HAS_LEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """q [B,T,H,DN+DR], kn [B,S,H,DN], kr [B,S,DR], v [B,S,H,DV] -> o [B,T,H,DV]."""
+                       HAS_LEN: tl.constexpr, HAS_LSE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """q [B,T,H,DN+DR], kn [B,SK,H,DN], kr [B,SK,DR], v [B,SK,H,DV]: keys K0 .. K0+SK-1 of the S keys
+    (one tile of them, or all: K0 = 0, SK = S) -> o [B,T,H,DV] (softmax over the tile's keys) and, with
+    HAS_LSE, the fp32 log-sum-exp of each row's scores over the tile, lse [B,T,H] (about -1e30 where the tile
+    holds none of the row's keys), to merge tiles (mla_tiled.py)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     b64 = b.to(tl.int64)
@@ -44,13 +47,14 @@ def mla_prefill_kernel(q, kn, kr, v, o, lens, T, S, H, scale,
     m_i = tl.zeros([BM], dtype=tl.float32) - 1e30
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, DVP], dtype=tl.float32)
-    hi = tl.minimum(S, S - T + (pid_m + 1) * BM)
+    hi = tl.minimum(SK, S - T + (pid_m + 1) * BM - K0)
     for n0 in range(0, hi, BN):
-        keys = n0 + tl.arange(0, BN)
-        mk = keys < S
-        krow = (b64 * S + keys) * H + h
+        local = n0 + tl.arange(0, BN)
+        keys = K0 + local
+        mk = local < SK
+        krow = (b64 * SK + local) * H + h
         kt = tl.load(kn + krow[:, None] * DN + dn[None, :], mask=mk[:, None] & (dn < DN)[None, :], other=0.)
-        rt = tl.load(kr + (b64 * S + keys)[:, None] * DR + dr[None, :], mask=mk[:, None] & (dr < DR)[None, :],
+        rt = tl.load(kr + (b64 * SK + local)[:, None] * DR + dr[None, :], mask=mk[:, None] & (dr < DR)[None, :],
                      other=0.)
         s = tl.dot(qn, tl.trans(kt)) + tl.dot(qr, tl.trans(rt))
         s = s * scale
@@ -68,6 +72,8 @@ def mla_prefill_kernel(q, kn, kr, v, o, lens, T, S, H, scale,
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(o + ((b64 * T + offs_m) * H + h)[:, None] * DV + dv[None, :], out.to(o.dtype.element_ty),
              mask=mm[:, None] & (dv < DV)[None, :])
+    if HAS_LSE:
+        tl.store(lse + (b64 * T + offs_m) * H + h, m_i + tl.log(tl.maximum(l_i, 1e-30)), mask=mm)
 
 
 @triton.jit
@@ -253,9 +259,9 @@ def mla_prefill(q, kn, kr, v, scale: float, lengths=None) -> torch.Tensor:
                                                                                        2)
     lens = lengths.contiguous() if lengths is not None else None
     mla_prefill_kernel[(triton.cdiv(T, BM), B * H)](
-        q.contiguous(), kn.contiguous(), kr.to(q.dtype).contiguous(), v.contiguous(), o, lens, T, S, H, float(scale),
-        DN=DN, DR=DR, DV=DV, DNP=_p2(DN), DRP=_p2(DR), DVP=_p2(DV), HAS_LEN=lens is not None, BM=BM, BN=BN,
-        num_warps=warps, num_stages=stages)
+        q.contiguous(), kn.contiguous(), kr.to(q.dtype).contiguous(), v.contiguous(), o, o, lens, T, S, 0, S, H,
+        float(scale), DN=DN, DR=DR, DV=DV, DNP=_p2(DN), DRP=_p2(DR), DVP=_p2(DV), HAS_LEN=lens is not None,
+        HAS_LSE=False, BM=BM, BN=BN, num_warps=warps, num_stages=stages)
     return o
 
 

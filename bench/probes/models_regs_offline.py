@@ -108,9 +108,10 @@ def main():
              ("R", "i32"), ("D", "i32"), ("E", "i32"), ("rsf", "fp32"), ("eps", "fp32"), ("TOPK", 8), ("KP", 8),
              ("EP", 64), ("RENORM", True), ("BR", 16), ("BK", 128), ("IEEE", dt == "fp32")], 4)
         run(f"mla_prefill {dt}", mla.mla_prefill_kernel,
-            [("q", p), ("kn", p), ("kr", p), ("v", p), ("o", p), ("lens", None), ("T", "i32"), ("S", "i32"),
-             ("H", "i32"), ("scale", "fp32"), ("DN", 128), ("DR", 64), ("DV", 128), ("DNP", 128), ("DRP", 64),
-             ("DVP", 128), ("HAS_LEN", False), ("BM", 64), ("BN", 64)], 8, 2)
+            [("q", p), ("kn", p), ("kr", p), ("v", p), ("o", p), ("lse", None), ("lens", None), ("T", "i32"),
+             ("S", "i32"), ("K0", "i32"), ("SK", "i32"), ("H", "i32"), ("scale", "fp32"), ("DN", 128), ("DR", 64),
+             ("DV", 128), ("DNP", 128), ("DRP", 64), ("DVP", 128), ("HAS_LEN", False), ("HAS_LSE", False),
+             ("BM", 64), ("BN", 64)], 8, 2)
         run(f"mla_decode {dt} (cache fp32)", mla.mla_decode_kernel,
             [("qt", p), ("qr", p), ("cache", "*fp32"), ("olat", "*fp32"), ("ml", "*fp32"), ("nlen", "*i32"),
              ("lens", None), ("H", "i32"), ("L_STRIDE", "i32"), ("scale", "fp32"), ("R", 512), ("P", 64),
