@@ -3,8 +3,10 @@ loads k3-tiny (random init), compiles it for torch float32 and prefills T random
 ``Session.prefill`` (segments of ``--chunk`` tokens, state carried) or through the serving engine
 (``--via engine``: pool blocks of ``--block`` tokens, one request with ``max_tokens`` 1). Each child reports
 its peak resident set (``ru_maxrss``) and the prefill's seconds; the parent prints a table last and writes
-``bench/results/long_prompt_memory/<date>-<commit>.json`` (``-engine`` before ``.json`` for the engine path). Linearity rule (bench/SERVING.md):
-``peak(64k) - peak(32k) <= 1.1 x (peak(32k) - peak(16k))``.
+``bench/results/long_prompt_memory/<date>-<commit>.json`` (``-engine`` before ``.json`` for the engine path). Linearity rule
+(bench/SERVING.md), per token: from 16k tokens on, each step's growth per extra token is at most 1.1 x the
+previous step's, ``(peak(64k) - peak(32k)) / 32k <= 1.1 x (peak(32k) - peak(16k)) / 16k`` (linear memory keeps
+the bytes per extra token constant; a quadratic term doubles them from one doubling of T to the next).
 
     python bench/long_prompt_memory.py                       # T = 1k .. 64k, Session.prefill, 1 thread
     python bench/long_prompt_memory.py --lengths 1024 65536 --via engine
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import subprocess
@@ -56,6 +59,18 @@ def child(T: int, via: str, chunk: int, block: int, threads: int) -> dict:
             "prefill_s": secs, "ok": ok}
 
 
+def per_token_rule(peak: dict, start: int = 16384) -> dict | None:
+    """The linearity rule on ``peak`` (T -> peak MiB, None where the child failed): the growth per extra token
+    (KiB) of each step between consecutive lengths from ``start`` on, and ``linear``: no step's per-token growth
+    above 1.1 x the previous step's. None with fewer than three measured lengths from ``start``."""
+    ts = sorted(t for t, p in peak.items() if t >= start and p)
+    if len(ts) < 3:
+        return None
+    steps = list(itertools.pairwise(ts))
+    kib = [(peak[b] - peak[a]) * 1024 / (b - a) for a, b in steps]
+    return {"steps": steps, "per_token_kib": kib, "linear": all(k2 <= 1.1 * k1 for k1, k2 in itertools.pairwise(kib))}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
@@ -81,14 +96,7 @@ def main() -> int:
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
     peak = {r["T"]: r.get("peak_rss_mib") for r in rows}
-    rule = None
-    if all(peak.get(t) for t in (16384, 32768, 65536)):
-        lhs, rhs = peak[65536] - peak[32768], 1.1 * (peak[32768] - peak[16384])
-        # as written the rule compares a 32k-token step with a 16k-token one (linear growth gives a ratio
-        # of 2); per token it asks that the second step grow no faster than 1.1 x the first
-        rule = {"peak64k_minus_32k_mib": lhs, "limit_mib": rhs, "linear": lhs <= rhs,
-                "per_token_kib": [(peak[32768] - peak[16384]) * 1024 / 16384, lhs * 1024 / 32768],
-                "linear_per_token": lhs / 32768 <= 1.1 * (peak[32768] - peak[16384]) / 16384}
+    rule = per_token_rule(peak)
     commit = git_commit()
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
               "via": a.via, "chunk": a.chunk, "block": a.block, "threads": a.threads, "rows": rows, "rule": rule}
@@ -100,9 +108,8 @@ def main() -> int:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")
     if rule:
-        print(f"linearity: peak(64k)-peak(32k) = {rule['peak64k_minus_32k_mib']:.1f} MiB <= "
-              f"1.1 x (peak(32k)-peak(16k)) = {rule['limit_mib']:.1f} MiB: {rule['linear']}; per token "
-              f"{rule['per_token_kib'][0]:.2f} then {rule['per_token_kib'][1]:.2f} KiB: {rule['linear_per_token']}")
+        steps = ", ".join(f"{a}->{b}: {k:.2f}" for (a, b), k in zip(rule["steps"], rule["per_token_kib"]))
+        print(f"linearity per token (KiB per extra token, {steps}): each step <= 1.1 x the previous: {rule['linear']}")
     print_table(["T", "peak RSS (MiB)", "before prefill (MiB)", "prefill (s)", "ok"],
                 [[r["T"], f"{r['peak_rss_mib']:.1f}" if "peak_rss_mib" in r else None,
                   f"{r['before_prefill_mib']:.1f}" if "before_prefill_mib" in r else None,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import rel_err
+from helpers import AllocationPeak
 from k3ir.backends.torch import mla_tiled as tiled
 from k3ir.backends.torch import ops
 from k3ir.runtime import Session
@@ -90,3 +91,25 @@ def test_engine_long_prompt_equals_one_prefill_and_prompt_limit(tiny, exe, monke
     assert eng.prompt_limit() == 200
     monkeypatch.setitem(raw, "max_position_embeddings", 10 ** 6)
     assert eng.prompt_limit() == 6 * 64 - 1
+
+
+def test_prefill_allocations_grow_by_a_constant_number_of_bytes_per_token(exe, monkeypatch):
+    """Linear memory, per token: the peak torch allocations of ``Session.prefill`` (segments of 128 tokens, MLA
+    over 64-key tiles) at 256, 512 and 768 tokens grow by the same number of bytes per extra token in both steps
+    (a quadratic term would double the second step), and that number is what must grow: the float32 logits row
+    plus twice the state per token (the old state is held while a segment computes the new one); the score
+    matrix of an untiled MLA would add ``heads x segment x 4`` bytes per key."""
+    monkeypatch.setattr(tiled, "TILED_ABOVE", 128)
+    monkeypatch.setattr(tiled, "KEY_TILE", 64)
+    peak, state_bytes = {}, {}
+    for T in (256, 512, 768):
+        ids = np.random.default_rng(T).integers(0, 256, (1, T))
+        with AllocationPeak() as a:
+            logits, state = Session(exe, seed=0, prefill_chunk=128).prefill(ids)
+        peak[T] = a.peak
+        state_bytes[T] = sum(torch.as_tensor(v).nbytes for v in state.values.values())
+    step1, step2 = (peak[512] - peak[256]) / 256, (peak[768] - peak[512]) / 256
+    state_per_token = (state_bytes[768] - state_bytes[256]) / 512
+    must = logits.shape[-1] * 4 + 2 * state_per_token
+    assert step2 == pytest.approx(step1, rel=0.02)
+    assert step1 <= 1.02 * must, (step1, must)
