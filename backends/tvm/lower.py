@@ -133,7 +133,7 @@ class RelaxLowering:
         fn = self.module.functions[name]
         pnames = list(dict.fromkeys(op.attrs["name"] for op in fn.ops if op.name == "k3.param"))
         args = [relax.Var(a.name, self.arg_type(a.type)) for a in fn.args]
-        pvars = {p: relax.Var("p_" + p.replace(".", "_"), self.arg_type(self.module.params[p].type)) for p in pnames}
+        pvars = {p: relax.Var("p_" + "".join(c if c.isalnum() else "_" for c in p), self.arg_type(self.module.params[p].type)) for p in pnames}
         with self.bb.function(name, args + list(pvars.values())):
             with self.bb.dataflow():
                 env = {id(a): v for a, v in zip(fn.args, args)}
