@@ -247,6 +247,13 @@ _EXTRAS = {"tvm": "tvm", "triton": "triton", "onnx": "onnx", "onnxruntime": "onn
 
 
 def main(argv: list[str] | None = None) -> int:
+    rc = _main(argv)
+    from .parallel import leave_if_mesh_rank
+    leave_if_mesh_rank(rc)          # a torchrun rank ends here, without the interpreter's teardown
+    return rc
+
+
+def _main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if not getattr(args, "command", None):

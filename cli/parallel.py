@@ -21,6 +21,34 @@ from .common import UsageError
 
 PARALLEL_FLAGS = ("ep", "cp", "tp", "dp")
 
+#: set when this process joined a torchrun process group (``joined_mesh``): ``main`` then ends it with ``os._exit``
+_JOINED: list[bool] = []
+
+
+def joined_mesh() -> None:
+    """Record that this process is a rank of a process group (``leave_if_mesh_rank`` ends it)."""
+    _JOINED.append(True)
+
+
+def leave_if_mesh_rank(rc: int) -> None:
+    """End a process that was a rank of a process group with ``os._exit(rc)`` once stdout and stderr are
+    flushed; return when it was not. Why: after ``destroy_process_group`` c10d and gloo objects still held by
+    C++ statics are destroyed by the interpreter's teardown, and under load one of gloo's threads is still
+    joinable then: ``std::terminate`` ("terminate called without an active exception", SIGABRT, exit code
+    -6) after the command's output was complete (faulthandler shows no Python frame: it is the teardown,
+    not a collective). Skipping the teardown skips those destructors; every file the commands write is
+    closed before this point."""
+    if not _JOINED:
+        return
+    import logging
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):          # a reader gone away (| head) or a closed stream
+            pass
+    logging.shutdown()
+    os._exit(rc)
+
 
 def parallel_args(p: argparse.ArgumentParser) -> None:
     """Add ``--ep --cp --tp --dp`` (each an int, default 1) to ``p``."""
@@ -84,16 +112,16 @@ def generate_on_mesh(args: Any, sizes: dict[str, int], show) -> int:
     import numpy as np
     import torch
     import torch.distributed as dist
+    from k3ir.runtime.distributed import DistributedSession, init_mesh, shard
+    from k3ir.runtime.params import bound_params, init_params
+    from k3ir.runtime.sampler import SamplingParams, make_generator, sample
+    from k3ir.runtime.tokenizer import IncrementalDecoder, load_tokenizer
 
     import k3ir
     from k3ir.errors import K3RuntimeError
 
     from .common import check_seed, load_model, random_weights_note
     from .compile import check_dtype
-    from k3ir.runtime.distributed import DistributedSession, init_mesh, shard
-    from k3ir.runtime.params import bound_params, init_params
-    from k3ir.runtime.sampler import SamplingParams, make_generator, sample
-    from k3ir.runtime.tokenizer import IncrementalDecoder, load_tokenizer
 
     if args.target not in ("torch", "triton"):
         raise UsageError(f"--target {args.target} has no collectives; --ep/--cp/--tp/--dp run on torch or triton")
@@ -115,6 +143,7 @@ def generate_on_mesh(args: Any, sizes: dict[str, int], show) -> int:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed, stop_token_ids=list(tok.stop_ids))
     torch.set_num_threads(threads)                   # ranks share the cores: 1 each unless --threads
+    joined_mesh()
     mesh = init_mesh(**sizes, device=args.device)
     rank0 = dist.get_rank() == 0
     printer = _Rank0Out(rank0)
