@@ -5,6 +5,11 @@ Balancing, a progress bar, atomic checkpoints, resume and a loss/balance plot.
     k3ir train k3-tiny --steps 300 --qb sign --out runs/sign
     k3ir train --resume runs/sign                # continue from its latest checkpoint, writing into runs/sign
     k3ir train --resume runs/sign --steps 500    # extend a run: the 200 added steps at lr * min_lr_ratio
+    torchrun --nproc-per-node 2 -m k3ir.cli train --dp 2 --out runs/dp2   # one process per rank (--ep, --tp, --cp)
+
+Under torchrun every rank trains its slice of the sharded model on its part of each global batch
+(``runtime/trainer.py`` on a mesh); rank 0 prints, draws the progress bar, writes the log and the plot
+and holds the run's lock; every rank writes its shard of each checkpoint (``runtime/train_shards.py``).
 """
 from __future__ import annotations
 
@@ -75,6 +80,8 @@ def register(sub) -> None:
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda; default cpu)", type=device_type)
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    from .parallel import parallel_args
+    parallel_args(p)
     p.set_defaults(func=cmd_train)
 
 
@@ -196,21 +203,48 @@ def _lock_run(out: Path) -> None:
     _held.append(f)
 
 
+class _Ranks:
+    """Who prints and writes: the only process, or rank 0 of a torchrun process group (``mesh``)."""
+
+    def __init__(self, mesh=None):
+        import torch.distributed as dist
+        self.mesh = mesh
+        self.rank0 = mesh is None or dist.get_rank() == 0
+
+    def say(self, *a, **k) -> None:
+        if self.rank0:
+            print(*a, **k)
+
+    def same(self, value):
+        """``value`` as rank 0 has it, on every rank."""
+        if self.mesh is None:
+            return value
+        import torch.distributed as dist
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
 def _train(args) -> int:
     import torch
 
     import k3ir
 
-    from .common import load_model
-    from k3ir.runtime.train_checkpoint import load_checkpoint, read_meta, save_checkpoint, select_resume_checkpoint
+    from .parallel import joined_mesh, parallel_sizes
+    sizes = parallel_sizes(args, "train")           # one rank of a torchrun process group, or None
+
+    from k3ir.runtime.train_checkpoint import read_meta, select_resume_checkpoint
     from k3ir.runtime.train_data import ByteBatches, read_bytes
     from k3ir.runtime.trainer import Trainer
+
+    from .common import load_model
 
     ckpt = None             # the checkpoint --resume continues from (the newest intact one of a run)
     if args.resume:
         ckpt, notes = select_resume_checkpoint(args.resume)
         for note in notes:
-            print(f"warning: {note}", file=sys.stderr, flush=True)
+            if os.environ.get("RANK", "0") == "0":
+                print(f"warning: {note}", file=sys.stderr, flush=True)
     meta = read_meta(ckpt) if ckpt else None
     given_threads = args.threads
     run = dict(RUN_DEFAULTS, **((meta or {}).get("run") or {}))     # logging/checkpoint cadence, threads
@@ -222,7 +256,7 @@ def _train(args) -> int:
         raise K3RuntimeError(f"--threads must be >= 1, got {args.threads}")
     why = "from --threads" if given_threads else "kept from the run" if args.threads else ""
     if not args.threads:            # recorded below, so a resumed run keeps the count (bit-exact sums)
-        args.threads, why = default_threads()
+        args.threads, why = default_threads() if sizes is None else (1, "one per rank; --threads N to set")
         run["threads"] = args.threads
     torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out is not None else run_dir(ckpt) if ckpt else None
@@ -234,28 +268,68 @@ def _train(args) -> int:
         raise K3RuntimeError(f"--data {args.data} differs from the checkpoint's {meta.get('data')}")
     if args.log_every < 1 or args.ckpt_every < 0:
         raise K3RuntimeError("--log-every must be >= 1 and --ckpt-every >= 0")
+    if sizes is not None:
+        nd = sizes["ep"] * sizes["dp"]
+        if cfg.batch % nd or cfg.seq % sizes["cp"]:
+            raise K3RuntimeError(f"--batch {cfg.batch} must divide by ep*dp={nd} and --seq {cfg.seq} by cp={sizes['cp']} "
+                                 "(each data rank trains on its rows, each cp rank on its segment)")
     module = load_model(args)
+    ranks = _Ranks()
+    if sizes is not None:
+        from k3ir.runtime.distributed import init_mesh
+        device = args.device
+        if str(device).startswith("cuda"):
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            torch.cuda.set_device(device)
+        joined_mesh()
+        ranks = _Ranks(init_mesh(**sizes, device=args.device))
     if out is None:
-        out = new_run_dir(Path(RUNS_DIR), module.name)
+        out = Path(ranks.same(str(new_run_dir(Path(RUNS_DIR), module.name))))
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise K3RuntimeError(f"--out {out}: cannot create the directory ({e.strerror or e})") from None
-    _lock_run(out)
+    if ranks.rank0:
+        _lock_run(out)
     _refuse_other_run(out, ckpt)           # again under the lock: a run may have started meanwhile
-    exe = k3ir.compile(module, target="torch", dtype="float32", device=args.device)
     data = ByteBatches(read_bytes(data_path), cfg.batch, cfg.seq, cfg.seed)
-    tr = Trainer(exe, cfg)
+    if ranks.mesh is None:
+        exe = k3ir.compile(module, target="torch", dtype="float32", device=args.device)
+        tr = Trainer(exe, cfg)
+    else:
+        from k3ir.runtime.distributed import shard
+        from k3ir.runtime.params import bound_params, init_params
+        params = bound_params(module)
+        exe = k3ir.compile(shard(module, ranks.mesh), target="torch", dtype="float32", device=device, mesh=ranks.mesh)
+        tr = Trainer(exe, cfg, params=params if params is not None else init_params(module, cfg.seed))
+    try:
+        return _run(args, ranks, tr, cfg, ckpt, out, module, data, data_path, run, why)
+    finally:
+        if ranks.mesh is not None:
+            import torch.distributed as dist
+            if sys.exc_info()[0] is None:
+                dist.barrier()             # leave together: gloo torn down under a peer's collective aborts
+            dist.destroy_process_group()
+
+
+def _run(args, ranks: _Ranks, tr, cfg, ckpt, out: Path, module, data, data_path, run: dict, why: str) -> int:
+    """The training loop of ``_train`` (every rank of a mesh runs it; rank 0 prints and writes)."""
+    import torch
+    from k3ir.runtime.train_checkpoint import load_checkpoint, save_checkpoint
+    from k3ir.runtime.train_shards import load_sharded_checkpoint, save_sharded_checkpoint
+    print = ranks.say
+    save = save_checkpoint if ranks.mesh is None else save_sharded_checkpoint
     if ckpt:
-        load_checkpoint(ckpt, tr)
+        (load_checkpoint if ranks.mesh is None else load_sharded_checkpoint)(ckpt, tr)
         if tr.step >= cfg.steps:         # nothing to run: say so instead of a summary of no steps
             print(f"{args.resume}: the run is already complete ({tr.step}/{cfg.steps} steps); its summary is in "
                   f"{out / LOG_FILE} (--steps N above {cfg.steps} extends it)", flush=True)
             return 0
     extra = {"data": data_path, "model_arg": args.model, "run": run}
     nlayers = len(tr.layers)
-    n_all = sum(p.numel() for p in tr.params.values())
-    n_vis = sum(p.numel() for n, p in tr.params.items() if n.startswith(VISION_PREFIXES))
+    shapes = {n: tr.mesh.full_shapes[n] if tr.mesh else tuple(p.shape) for n, p in tr.params.items()}
+    n_all = sum(math.prod(s) for s in shapes.values())
+    n_vis = sum(math.prod(s) for n, s in shapes.items() if n.startswith(VISION_PREFIXES))
     split = f" ({n_all - n_vis:,} language model + {n_vis:,} vision tower/projector)" if n_vis else ""
     print(f"run directory: {out} (checkpoints/, {LOG_FILE}, {PLOT_FILE})", flush=True)
     if cfg.schedule_steps and cfg.steps > cfg.schedule_steps:
@@ -263,12 +337,14 @@ def _train(args) -> int:
               f"{cfg.lr * cfg.min_lr_ratio:.2e} (lr x min_lr_ratio)", flush=True)
     print(f"training {module.name}: {n_all:,} parameters{split}, "
           f"{nlayers} MoE layers, qb={cfg.qb}, batch {cfg.batch} x seq {cfg.seq}, steps {tr.step}->{cfg.steps}, "
-          f"torch threads {torch.get_num_threads()} ({why})", flush=True)
+          f"torch threads {torch.get_num_threads()} ({why})"
+          + (f", mesh {' '.join(f'{a}={n}' for a, n in tr.mesh.sizes.items())} on "
+             f"{tr.mesh.world} ranks" if tr.mesh else ""), flush=True)
     t_start = time.perf_counter()
     toks = 0
     saved = [(tr.step, args.resume)] if args.resume else []      # (step, directory) of this run's checkpoints
     try:
-        with _progress(cfg.steps, tr.step) as (prog, task):
+        with (_progress(cfg.steps, tr.step) if ranks.rank0 else _no_progress()) as (prog, task):
             while tr.step < cfg.steps:
                 st = tr.train_step(data.batch_at(tr.step))
                 toks += st.tokens
@@ -279,15 +355,18 @@ def _train(args) -> int:
                     print(f"step {tr.step}/{cfg.steps} loss={st.loss:.6f} lr={st.lr:.2e} "
                           f"grad_norm={st.grad_norm:.3f} tok/s={tps:.0f} max/mean_load={bal:.3f}", flush=True)
                 if (args.ckpt_every and tr.step % args.ckpt_every == 0) or tr.step == cfg.steps:
-                    save_checkpoint(out, tr, extra)
+                    save(out, tr, extra)
                     saved.append((tr.step, out))
     except KeyboardInterrupt:              # main prints "k3ir: interrupted: <this>" and exits 130
         raise KeyboardInterrupt(interrupted_text(tr.step, cfg.steps, args.ckpt_every, saved)) from None
     ev = tr.eval_loss(data.eval_batch())
+    if not ranks.rank0:
+        return 0
     summary = _summary(tr, ev, time.perf_counter() - t_start)
     (out / LOG_FILE).write_text(json.dumps(summary, indent=1))
-    print(f"wrote {out / LOG_FILE} and {out / 'checkpoints'} (latest: step-{tr.step:06d}; k3ir generate {out} "
-          "runs it)", flush=True)
+    runs = (f"k3ir generate {out} runs it" if tr.mesh is None else
+            f"sharded: one file per rank; torchrun ... train --resume {out} with the same flags continues it")
+    print(f"wrote {out / LOG_FILE} and {out / 'checkpoints'} (latest: step-{tr.step:06d}; {runs})", flush=True)
     n10, n20 = min(len(tr.history), 10), min(len(tr.history), 20)
     mean10 = f"mean of last {n10} steps: {summary['final_loss_10']:.4f}; " if n10 > 1 else ""
     over20 = f"mean of last {n20} steps" if n20 > 1 else "last step"
@@ -368,6 +447,20 @@ def _summary(tr, eval_loss: float, seconds: float) -> dict:
                                      / max(len(last20), 1) for lay in tr.layers},
             "seconds_this_process": seconds,
             "loss": [s.loss for s in h], "worst_balance": [s.worst_balance for s in h]}
+
+
+class _no_progress:
+    """The progress bar's place on ranks other than 0."""
+
+    class _Bar:
+        def update(self, *a, **k) -> None:
+            pass
+
+    def __enter__(self):
+        return self._Bar(), None
+
+    def __exit__(self, *exc):
+        return False
 
 
 class _progress:

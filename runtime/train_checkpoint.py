@@ -226,16 +226,17 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(directory: Path) -> dict:
+def write_manifest(directory: Path, extra: dict | None = None) -> dict:
     """Write ``train_state/manifest.json`` into checkpoint ``directory``: ``{"format", "files": {relative path:
-    {"bytes", "sha256"}}}`` for every file already there. Returns the manifest."""
+    {"bytes", "sha256"}}}`` for every file already there, plus ``extra`` (a sharded checkpoint's ``mesh``).
+    Returns the manifest."""
     directory = Path(directory)
     files = {}
     for f in sorted(directory.rglob("*")):
         rel = f.relative_to(directory).as_posix()
         if f.is_file() and rel != MANIFEST_FILE:
             files[rel] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-    man = {"format": TRAIN_FORMAT, "files": files}
+    man = {"format": TRAIN_FORMAT, "files": files, **(extra or {})}
     (directory / MANIFEST_FILE).write_text(json.dumps(man, indent=1))
     return man
 
@@ -252,6 +253,7 @@ def verify_checkpoint(directory: str | Path) -> str | None:
         return str(e)
     man_path = d / MANIFEST_FILE
     listed: dict = {}
+    sharded = False
     if man_path.is_file():
         try:
             man = json.loads(man_path.read_text(encoding="utf-8"))
@@ -260,7 +262,8 @@ def verify_checkpoint(directory: str | Path) -> str | None:
         listed = man.get("files") if isinstance(man, dict) and man.get("format") == TRAIN_FORMAT else None
         if not isinstance(listed, dict) or not all(isinstance(v, dict) for v in listed.values()):
             return f"{man_path}: not a {TRAIN_FORMAT} manifest"
-    for rel in (MODEL_FILE, OPTIM_FILE, META_FILE):
+        sharded = isinstance(man.get("mesh"), dict)     # runtime/train_shards.py: one shard per rank, no model file
+    for rel in (META_FILE,) if sharded else (MODEL_FILE, OPTIM_FILE, META_FILE):
         if not (d / rel).is_file() and rel not in listed:
             return f"{d / rel}: missing"
     for rel, want in listed.items():
@@ -466,6 +469,14 @@ def load_checkpoint(path: str | Path, trainer) -> dict:
     if why:
         raise K3CheckpointError(f"{d}: damaged checkpoint: {why}")
     meta = read_meta(d, resolve=False)
+    if isinstance(meta.get("mesh"), dict) and getattr(trainer, "mesh", None) is None:
+        mesh = meta["mesh"]
+        layout = " ".join(f"--{a} {int(mesh.get(a, 1))}" for a in ("ep", "cp", "tp", "dp") if int(mesh.get(a, 1)) > 1)
+        world = 1
+        for a in ("ep", "cp", "tp", "dp"):
+            world *= int(mesh.get(a, 1))
+        raise K3CheckpointError(f"{d}: a sharded checkpoint written by {world} ranks ({layout}); resume it with "
+                                f"torchrun --nproc-per-node {world} $(which k3ir) train --resume ... {layout}")
     m = trainer.module
     try:
         params = _load_model(m, d)

@@ -1,0 +1,78 @@
+"""``k3ir train --dp/--ep/--tp 2`` under torchrun (2 gloo processes, 1 thread each; cli/train.py,
+runtime/train_shards.py): the first step's loss is the one-process loss (the same global batch; later
+steps differ within QB's histogram bin), every rank writes its shard of each checkpoint, a resume from
+a sharded checkpoint continues bit-exactly, and a sharded checkpoint resumed by one process or under
+another layout is refused with one line naming the layout that wrote it."""
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+from k3ir.cli import main
+from test_cli_torchrun import _free_port, _run
+
+TRAIN = ["train", "k3-tiny", "--batch", "4", "--seq", "16", "--log-every", "1", "--no-plot"]
+
+
+def _torchrun(*args: str) -> object:
+    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                 str(_free_port()), "-m", "k3ir.cli", *args], timeout=240.0)
+
+
+def _losses(text: str) -> dict[int, float]:
+    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^step (\d+)/\d+ loss=([0-9.]+)", text,
+                                                                re.MULTILINE)}
+
+
+_ONE: dict = {}
+
+
+def _one_process_first_loss(tmp_path_factory) -> float:
+    if not _ONE:
+        out = tmp_path_factory.mktemp("one")
+        r = _run([sys.executable, "-m", "k3ir.cli", *TRAIN, "--steps", "1", "--threads", "1", "--out", str(out / "run")])
+        assert r.returncode == 0, r.stderr[-3000:]
+        _ONE[1] = _losses(r.stdout)[1]
+    return _ONE[1]
+
+
+@pytest.mark.parametrize("flag", ["--ep", "--tp"])
+def test_torchrun_train_first_step_loss_is_the_one_process_loss(tmp_path, tmp_path_factory, flag):
+    r = _torchrun(*TRAIN, "--steps", "1", flag, "2", "--out", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("step 1/1 loss=") == 1                  # rank 0 alone prints
+    assert _losses(r.stdout)[1] == pytest.approx(_one_process_first_loss(tmp_path_factory), rel=1e-5, abs=2e-6)
+    shards = sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step-000001" / "shards").iterdir())
+    assert shards == ["rank-00000.safetensors", "rank-00001.safetensors"]
+
+
+@pytest.mark.slow
+def test_torchrun_train_dp_resumes_bit_exactly_and_refuses_another_layout(tmp_path, tmp_path_factory, capsys):
+    """DP=2: 4 steps with checkpoints at 2 and 4; a resume from step 2 into another directory prints the same
+    losses for steps 3-4 and writes the same tensors; resuming that checkpoint with --tp 2 or in one process
+    is a one-line refusal (three torchrun launches: ~1 min on 2 shared cores)."""
+    from safetensors.numpy import load_file
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = _torchrun(*TRAIN, "--steps", "4", "--ckpt-every", "2", "--dp", "2", "--out", str(a))
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = _losses(r.stdout)
+    assert sorted(first) == [1, 2, 3, 4]
+    assert first[1] == pytest.approx(_one_process_first_loss(tmp_path_factory), rel=1e-5, abs=2e-6)
+    r2 = _torchrun("train", "--resume", str(a / "checkpoints" / "step-000002"), "--dp", "2", "--out", str(b),
+                   "--no-plot")
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    again = _losses(r2.stdout)
+    assert again == {3: first[3], 4: first[4]}
+    for rank in (0, 1):
+        name = f"rank-{rank:05d}.safetensors"
+        ta, tb = (load_file(str(d / "checkpoints" / "step-000004" / "shards" / name)) for d in (a, b))
+        assert sorted(ta) == sorted(tb)
+        for k in ta:
+            assert ta[k].tobytes() == tb[k].tobytes(), (rank, k)
+    r3 = _torchrun("train", "--resume", str(a), "--tp", "2", "--out", str(tmp_path / "c"), "--no-plot")
+    assert r3.returncode != 0
+    assert "written by a mesh ep=1 cp=1 tp=1 dp=2, this run is ep=1 cp=1 tp=2 dp=1" in r3.stderr
+    assert main(["train", "--resume", str(a), "--out", str(tmp_path / "d"), "--no-plot", "--threads", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "sharded checkpoint written by 2 ranks (--dp 2)" in err and "torchrun" in err
