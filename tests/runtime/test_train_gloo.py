@@ -1,6 +1,6 @@
 """Training on a mesh (runtime/trainer.py with runtime/train_mesh.py, the adjoint collectives of
 backends/torch/collectives.py): 2 gloo processes with 1 thread each take one float32 training step of
-k3-tiny under DP=2, EP=2, TP=2 and CP=2; the loss, the gradient norm and every rank's gradient slices
+k3-tiny under DP=2, EP=2, TP=2 and CP=2 (and, slow, 4 processes: DP=2 x EP=2, EP=2 x TP=2, EP=2 x CP=2); the loss, the gradient norm and every rank's gradient slices
 equal those of one process on the same global batch within 1e-5 relative (SPEC.md 11: the collectives
 reorder sums), the updated weights too, and the QB biases equal ``qb_update_hist`` on the global batch's
 router scores (the histogram form the mesh uses; the one-process trainer uses the exact update).
@@ -48,7 +48,7 @@ def _worker(spec: str, out: str) -> None:
     from _tiny_models import load_tiny
     from k3ir.runtime.distributed import init_mesh, mesh_coords, shard
     from k3ir.runtime.params import init_params
-    from k3ir.runtime.trainer import Trainer, TrainConfig
+    from k3ir.runtime.trainer import TrainConfig, Trainer
 
     import k3ir
     mesh = init_mesh(**{k: int(v) for k, v in (p.split("=") for p in spec.split(","))})
@@ -104,7 +104,7 @@ def _single_process() -> tuple[dict, dict, object]:
         from _tiny_models import load_tiny
         from k3ir.runtime.params import init_params
         from k3ir.runtime.qb import qb_update_hist
-        from k3ir.runtime.trainer import Trainer, TrainConfig
+        from k3ir.runtime.trainer import TrainConfig, Trainer
 
         import k3ir
         m = load_tiny("k3-tiny")
@@ -141,8 +141,18 @@ def _expected_slices(m, spec: str, full: dict, prefix: str, coords: dict) -> dic
 
 @pytest.mark.parametrize("spec", ["dp=2", "ep=2", "tp=2", "cp=2"])
 def test_one_training_step_on_two_gloo_ranks_equals_one_process(tmp_path, spec):
+    _check(spec, _launch(tmp_path, spec))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["dp=2,ep=2", "ep=2,tp=2", "ep=2,cp=2"])
+def test_one_training_step_on_four_gloo_ranks_equals_one_process(tmp_path, spec):
+    """4 processes (slow: they oversubscribe the 2 shared cores of the test machines)."""
+    _check(spec, _launch(tmp_path, spec, world=4, timeout=400.0))
+
+
+def _check(spec: str, ranks: list[dict]) -> None:
     want, hist, m = _single_process()
-    ranks = _launch(tmp_path, spec)
     bin_width = 1.0 / 2048                       # qb.hist_ranges: the quantile rule's bins over [b, b + 1]
     for r, got in enumerate(ranks):
         coords = {a: int(got[f"coord.{a}"]) for a in ("ep", "cp", "tp", "dp")}
@@ -161,7 +171,8 @@ def test_one_training_step_on_two_gloo_ranks_equals_one_process(tmp_path, spec):
         for key, b in hist.items():
             assert np.abs(got[key] - b).max() <= bin_width, (r, key, np.abs(got[key] - b).max())
     for key in hist:                               # every rank holds the same biases
-        assert np.array_equal(ranks[0][key], ranks[1][key]), key
+        for got in ranks[1:]:
+            assert np.array_equal(ranks[0][key], got[key]), key
 
 
 if __name__ == "__main__":
