@@ -1,0 +1,377 @@
+"""The whole model built for the TVM GPU kinds: ``cuda`` (sm_90a, sm_80), ``rocm`` (gfx942, gfx90a), ``metal``,
+``opencl`` and ``webgpu``.
+
+Pipeline (``build_gpu``): the IR is lowered to Relax by ``GpuLowering`` (the tvm target's lowering table, with the
+CPU-scheduled TIR kernels swapped for the GPU ones of ``gpu_kernels`` and the linear layers left as Relax matmuls
+for dlight), then TVM's GPU pipeline of the kind (library dispatch, LegalizeOps, FuseOps, FuseTIR) and
+``schedule_kernels``: every PrimFunc not scheduled by hand gets the first of dlight's GPU rules that applies
+(``tvm.s_tir.dlight.gpu``: Matmul, GEMV, LowBatchGEMV, Reduction, GeneralReduction, RMSNorm, then Fallback, the
+order MLC-LLM uses). A rule that raises is skipped for that kernel (recorded in ``GpuBuildReport.fallbacks``) and
+the next one tried; a kernel whose scheduled form does not build for the kind is re-scheduled with Fallback alone.
+A rule that crashes the process (seen: dlight Matmul on metal) is caught by ``build_kind_subprocess``, which runs
+the build in a child process that logs each (kernel, rule) before trying it: when the child dies, that pair is
+denied and the build re-run.
+
+``cuda`` libraries carry compiled device code (``cubin.py``: nvcc to a fatbin of sm_90a and sm_80 cubins, embedded
+in the library), so a deployed artifact needs neither nvcc nor NVRTC. Sources: TVM's own pipelines in
+``tvm.relax.backend.{cuda,rocm,gpu_generic}.pipeline`` and MLC-LLM's ``dl.ApplyDefaultSchedule`` list.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from k3ir.errors import K3BackendError
+
+#: GPU kinds that build the whole model, and the architectures each builds for (the first is the default)
+GPU_KINDS: dict[str, tuple[str, ...]] = {
+    "cuda": ("sm_90a", "sm_80"),
+    "rocm": ("gfx942", "gfx90a"),
+    "metal": ("",),
+    "opencl": ("",),
+    "webgpu": ("",),
+}
+#: dlight GPU rules in the order they are tried per kernel (MLC-LLM's order, Fallback last)
+RULES = ("Matmul", "GEMV", "LowBatchGEMV", "Reduction", "GeneralReduction", "RMSNorm", "Fallback")
+
+
+@dataclass
+class GpuBuildReport:
+    """What a GPU build did: ``kind`` and ``arch``; ``kernels``: PrimFunc name -> the rule that scheduled it
+    (``"hand"`` for ``gpu_kernels``); ``fallbacks``: kernel -> the rules that failed on it, each ``"Rule: why"``,
+    before the one in ``kernels``; ``device_functions``: names of the device kernels the codegen emitted;
+    ``seconds``: wall time of lowering + scheduling + build."""
+    kind: str
+    arch: str = ""
+    kernels: dict[str, str] = field(default_factory=dict)
+    fallbacks: dict[str, list[str]] = field(default_factory=dict)
+    device_functions: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        from collections import Counter
+        c = Counter(self.kernels.values())
+        rules = ", ".join(f"{r} {n}" for r, n in sorted(c.items(), key=lambda x: -x[1]))
+        fb = f"; {len(self.fallbacks)} fell back ({', '.join(sorted(self.fallbacks))})" if self.fallbacks else ""
+        return f"{len(self.kernels)} kernels ({rules}){fb}"
+
+
+def gpu_target(kind: str, arch: str = ""):
+    """The ``tvm.target.Target`` of GPU ``kind`` (a key of GPU_KINDS) for ``arch`` (default: the kind's first),
+    with an ``llvm`` host. Raises K3BackendError for an unknown kind or arch."""
+    import tvm
+    if kind not in GPU_KINDS:
+        raise K3BackendError(f"unknown TVM GPU kind '{kind}' (known: {', '.join(GPU_KINDS)})")
+    arch = arch or GPU_KINDS[kind][0]
+    if arch not in GPU_KINDS[kind]:
+        raise K3BackendError(f"tvm-{kind}: unknown architecture '{arch}' (known: {', '.join(GPU_KINDS[kind])})")
+    spec: dict[str, Any] = {"kind": kind}
+    if kind == "cuda":
+        spec["arch"] = arch
+    elif kind == "rocm":
+        spec["mcpu"] = arch
+    return tvm.target.Target(spec, host={"kind": "llvm", "opt-level": 3})
+
+
+def _lowering_class():
+    from tvm import relax
+
+    from . import gpu_kernels as G
+    from . import kernels as K
+    from .lower import RelaxLowering
+    from .table import R_
+
+    class GpuLowering(RelaxLowering):
+        """RelaxLowering for GPU kinds: linear layers stay Relax matmuls (dlight's Matmul/GEMV rules schedule them),
+        the KDA recurrence and the MoE grouped GEMM are the hand-scheduled ``gpu_kernels``; everything else is the
+        tvm target's table unchanged."""
+
+        def linear(self, x, w):
+            return self.emit(R_.matmul(self.f(x), R_.permute_dims(self.f(w))))
+
+        def kernel(self, key, make):
+            name = key[0]
+            if name == "kda_recurrent":
+                H, Kd, V = key[1:]
+                return super().kernel(("kda_recurrent_gpu", H, Kd, V), lambda: G.kda_recurrent_gpu(H, Kd, V, self.fdt))
+            if name == "grouped_linear":
+                E, N, Kd = key[1:]
+                return super().kernel(("grouped_gemm_gpu", E, N, Kd, "flat"),
+                                      lambda: G.grouped_gemm_gpu(E, N, Kd, "none", self.fdt, flat=True))
+            return super().kernel(key, make)
+
+        def te(self, fn, *args, name: str = "k3", **kw):
+            if fn is K.grouped_matmul:                      # MoE expert GEMM: the hand-scheduled GPU kernel
+                x, off, w, *rest = args
+                quant = rest[1] if len(rest) > 1 else "none"
+                E, N = (int(d) for d in self.shape(w)[:2])
+                Kd = int(self.shape(x)[1])
+                gv = super().kernel(("grouped_gemm_gpu", E, N, Kd, quant),
+                                    lambda: G.grouped_gemm_gpu(E, N, Kd, quant, self.fdt))
+                ins = [x, off, w] + ([rest[0]] if rest else [])
+                return self.emit(relax.call_tir(gv, ins, relax.TensorType([self.shape(x)[0], N], self.fdt)))
+            return super().te(fn, *args, name=name, **kw)
+
+    return GpuLowering
+
+
+def lower_gpu(module, functions: list[str], dtype: str = "float32"):
+    """(Relax IRModule, {function: parameter names}) of ``functions`` of ``module`` for a GPU kind."""
+    lw = _lowering_class()(module, dtype)
+    for fn in functions:
+        lw.lower_function(fn)
+    return lw.get(), lw.params
+
+
+def _rule(name: str):
+    from tvm.s_tir import dlight as dl
+    return getattr(dl.gpu, name)()
+
+
+def schedule_kernels(mod, target, report: GpuBuildReport, deny: set[tuple[str, str]] = frozenset(),
+                     only: dict[str, tuple[str, ...]] | None = None, log=None, names: set[str] | None = None):
+    """Schedule every unscheduled PrimFunc of ``mod`` for ``target`` in place of dlight's ApplyDefaultSchedule:
+    per kernel, the first rule of RULES (or ``only[kernel]``) that returns a schedule; a rule that raises or is in
+    ``deny`` ((kernel, rule) pairs) is skipped and recorded in ``report.fallbacks``. ``log(kernel, rule)`` is
+    called before each attempt (the crash log of ``build_kind_subprocess``); ``names``: only these kernels.
+    Returns the scheduled module; raises K3BackendError naming a kernel no rule scheduled."""
+    from tvm import tirx
+    updates = {}
+    for gv, func in mod.functions_items():
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        name = gv.name_hint
+        if names is not None and name not in names:
+            continue
+        if "tirx.is_scheduled" in func.attrs and int(func.attrs["tirx.is_scheduled"]) == 1:
+            report.kernels[name] = "hand"
+            continue
+        done = None
+        for rule in (only or {}).get(name, RULES):
+            if (name, rule) in deny:
+                report.fallbacks.setdefault(name, []).append(f"{rule}: crashed the build process")
+                continue
+            if log is not None:
+                log(name, rule)
+            try:
+                with target:
+                    sch = _rule(rule).apply(func, target, False)
+            except Exception as e:  # noqa: BLE001  (dlight raises plain TVM errors per kernel)
+                lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+                report.fallbacks.setdefault(name, []).append(f"{rule}: {(lines[-1] if lines else type(e).__name__)[:160]}")
+                continue
+            if sch is None:
+                continue
+            sch = sch[0] if isinstance(sch, list) else sch
+            updates[gv] = sch.mod["main"].with_attr("tirx.is_scheduled", True)
+            done = rule
+            break
+        if done is None:
+            raise K3BackendError(f"tvm-{report.kind}: no dlight rule schedules kernel '{name}' "
+                                 f"({'; '.join(report.fallbacks.get(name, [])) or 'none applies'})")
+        report.kernels[name] = done
+    for gv, func in updates.items():
+        mod[gv] = func
+    return mod
+
+
+def _pipeline_module(kind: str):
+    from tvm.relax.backend.cuda import pipeline as cuda
+    from tvm.relax.backend.gpu_generic import pipeline as generic
+    from tvm.relax.backend.rocm import pipeline as rocm
+    return {"cuda": cuda, "rocm": rocm}.get(kind, generic)
+
+
+def _legalize(mod, target):
+    """TVM's library dispatch and legalisation passes of the kind, without its ApplyDefaultSchedule."""
+    import tvm
+    P = _pipeline_module(target.kind.name)
+    passes = [p for p in P.library_dispatch_passes(target) + P.legalize_passes(target)
+              if "ApplyDefaultSchedule" not in type(p).__name__ and "ApplyDefaultSchedule" not in str(p)[:80]]
+    with target:
+        return tvm.transform.Sequential(passes)(mod)
+
+
+def _finalize_pipeline(target):
+    import tvm
+    P = _pipeline_module(target.kind.name)
+
+    @tvm.transform.module_pass(opt_level=0)
+    def finish(mod, _ctx):
+        with target:
+            return tvm.transform.Sequential(P.dataflow_lower_passes(target) + P.finalize_passes(target))(mod)
+    return finish
+
+
+def _device_modules(ex, kind: str):
+    """The device modules (``kind``) in the import tree of a built executable."""
+    out, stack, seen = [], [ex.mod], set()
+    while stack:
+        m = stack.pop()
+        for i in m.imports:
+            key = id(i)
+            if key in seen:
+                continue
+            seen.add(key)
+            if i.kind == kind or (kind == "rocm" and i.kind in ("hsaco", "rocm")):
+                out.append(i)
+            stack.append(i)
+    return out
+
+
+def _failing_kernels(mod, target, names: list[str]) -> dict[str, str]:
+    """Kernel -> why it does not build for ``target``, among PrimFuncs ``names`` of ``mod``: the group is built
+    with ``tvm.tirx.build`` and halved while it fails (a few builds when few kernels fail)."""
+    import tvm
+    if not names:
+        return {}
+    funcs = {n: mod[n].with_attr("global_symbol", n) for n in names}
+    try:
+        tvm.tirx.build(tvm.IRModule(funcs), target=target)
+        return {}
+    except Exception as e:  # noqa: BLE001  (TVM build errors are plain exceptions)
+        if len(names) == 1:
+            return {names[0]: _last_line(e)[:160]}
+    half = len(names) // 2
+    return {**_failing_kernels(mod, target, names[:half]), **_failing_kernels(mod, target, names[half:])}
+
+
+def build_gpu(module, kind: str, arch: str = "", dtype: str = "float32", functions: list[str] | None = None,
+              deny: set[tuple[str, str]] = frozenset(), log=None):
+    """Build ``functions`` (default prefill+decode, else forward) of the pass-run ``module`` for GPU ``kind``/
+    ``arch``: (relax VMExecutable, {function: parameter names}, GpuBuildReport). For cuda the executable's
+    device code is still CUDA source here (``cubin.embed_fatbin`` compiles it when the library is written).
+    Raises K3BackendError naming the kind and the failing step."""
+    import tvm
+    t0 = time.perf_counter()
+    target = gpu_target(kind, arch)
+    report = GpuBuildReport(kind=kind, arch=arch or GPU_KINDS[kind][0])
+    if functions is None:
+        functions = [f for f in ("prefill", "decode") if f in module.functions] or ["forward"]
+    mod, params = lower_gpu(module, functions, dtype)
+    mod = _legalize(mod, target)
+    legal = {gv.name_hint: f for gv, f in mod.functions_items()}
+    mod = schedule_kernels(mod, target, report, deny, log=log)
+    if log is not None:
+        log("*", "build")
+    try:
+        ex = tvm.compile(mod, target=target, relax_pipeline=_finalize_pipeline(target))
+    except Exception as first:
+        # a rule's schedule that does not build for the kind: those kernels take Fallback alone
+        risky = [n for n, r in report.kernels.items() if r not in ("hand", "Fallback")]
+        bad = _failing_kernels(mod, target, risky)
+        if not bad:
+            raise K3BackendError(f"tvm-{kind}: build failed: {_last_line(first)}") from first
+        for name, why in bad.items():
+            report.fallbacks.setdefault(name, []).append(f"{report.kernels[name]} (build): {why}")
+            mod[name] = legal[name]
+        schedule_kernels(mod, target, report, deny, only={n: ("Fallback",) for n in bad}, log=log, names=set(bad))
+        try:
+            ex = tvm.compile(mod, target=target, relax_pipeline=_finalize_pipeline(target))
+        except Exception as e:
+            raise K3BackendError(f"tvm-{kind}: build failed after falling back on {', '.join(bad)}: "
+                                 f"{_last_line(e)}") from e
+    report.device_functions = sorted({n for d in _device_modules(ex, _device_kind(kind)) for n in device_function_names(d)})
+    report.seconds = time.perf_counter() - t0
+    return ex, params, report
+
+
+def _device_kind(kind: str) -> str:
+    return {"webgpu": "webgpu", "opencl": "opencl", "metal": "metal", "rocm": "rocm", "cuda": "cuda"}[kind]
+
+
+def _last_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    return (lines[-1] if lines else type(e).__name__)[:300]
+
+
+def device_function_names(dev) -> list[str]:
+    """Kernel names of a device module, from its serialised function table (``fmt``, then the ``fmap`` of
+    FunctionInfo: name, arg types, launch tags, arg extra tags; the layout TVM's device modules share)."""
+    from .cubin import parse_device_bytes, serialize_device_module
+    try:
+        return list(parse_device_bytes(serialize_device_module(dev))[1])
+    except Exception:  # noqa: BLE001  (a kind whose bytes are not in the shared layout)
+        return []
+
+
+# ---- building in a child process ----------------------------------------------------------------------------
+def _child(argv: list[str]) -> int:
+    """``python -m k3ir.backends.tvm.gpu SPEC.json``: build one kind and write the library (+ report) where the
+    spec says; the crash log gets one line per (kernel, rule) tried."""
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    from k3ir.parser import parse_file
+    module = parse_file(spec["module"])
+    log_path = spec["log"]
+
+    def log(kernel: str, rule: str) -> None:
+        with open(log_path, "a") as f:
+            f.write(json.dumps([kernel, rule]) + "\n")
+    deny = {tuple(x) for x in spec.get("deny", [])}
+    from .artifact_gpu import write_library
+    try:
+        ex, params, report = build_gpu(module, spec["kind"], spec["arch"], spec["dtype"], spec.get("functions"),
+                                       deny, log=log)
+        files = write_library(ex, spec["kind"], spec["out_dir"], spec["stem"], emit_source=spec.get("emit_source"))
+    except K3BackendError as e:
+        with open(spec["result"], "w") as f:
+            json.dump({"error": str(e)}, f)
+        return 1
+    with open(spec["result"], "w") as f:
+        json.dump({"report": asdict(report), "params": params, "files": files}, f)
+    return 0
+
+
+def build_kind_subprocess(module, kind: str, arch: str, out_dir: str, stem: str, dtype: str = "float32",
+                          functions: list[str] | None = None, emit_source: bool = False, retries: int = 4,
+                          timeout: float = 3600) -> tuple[GpuBuildReport, dict[str, list[str]], dict[str, str]]:
+    """Build ``module`` for ``kind``/``arch`` in a child process and write its library into ``out_dir``
+    (``write_library``): (report, {function: parameter names}, {key: file name}). When the child dies (a dlight
+    rule that segfaults), the (kernel, rule) it was trying is denied and the build re-run, up to ``retries``
+    times. Raises K3BackendError with the kind, the reason and what fell back."""
+    import tempfile
+
+    from k3ir.printer import print_module
+    deny: list[list[str]] = []
+    with tempfile.TemporaryDirectory(prefix=f"k3ir-tvm-{kind}-") as tmp:
+        mpath = os.path.join(tmp, "module.k3")
+        with open(mpath, "w") as f:
+            f.write(print_module(module))
+        for attempt in range(retries + 1):
+            log, result = os.path.join(tmp, f"log{attempt}.jsonl"), os.path.join(tmp, f"result{attempt}.json")
+            spec = {"module": mpath, "kind": kind, "arch": arch, "dtype": dtype, "functions": functions,
+                    "out_dir": os.path.abspath(out_dir), "stem": stem, "log": log, "result": result, "deny": deny,
+                    "emit_source": emit_source}
+            spath = os.path.join(tmp, f"spec{attempt}.json")
+            with open(spath, "w") as f:
+                json.dump(spec, f)
+            proc = subprocess.run([sys.executable, "-m", "k3ir.backends.tvm.gpu", spath], capture_output=True,
+                                  text=True, timeout=timeout, check=False)
+            if os.path.exists(result):
+                with open(result) as f:
+                    res = json.load(f)
+                if "error" in res:
+                    raise K3BackendError(res["error"])
+                rep = GpuBuildReport(**res["report"])
+                for k, r in deny:
+                    rep.fallbacks.setdefault(k, []).insert(0, f"{r}: crashed the build process")
+                return rep, res["params"], res["files"]
+            tried = []
+            if os.path.exists(log):
+                with open(log) as f:
+                    tried = [json.loads(ln) for ln in f if ln.strip()]
+            if proc.returncode >= 0 or not tried or tried[-1][0] == "*":
+                tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
+                raise K3BackendError(f"tvm-{kind}: the build process exited {proc.returncode}: {' | '.join(tail)}")
+            deny.append(tried[-1])        # killed by a signal while trying this (kernel, rule): deny it, re-run
+    raise K3BackendError(f"tvm-{kind}: the build process crashed {retries + 1} times (denied: {deny})")
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1:]))
