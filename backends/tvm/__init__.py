@@ -98,8 +98,8 @@ class TVMExecutable(Executable):
         from k3ir.printer import print_function
         text = "\n".join(print_function(self.module.functions[f]) for f in functions)
         decls = "|".join(f"{n}:{d.type}" for n, d in sorted(self.module.params.items()))
-        cpu = get_tvm_config().mcpu               # the configured name (empty: this host), no codegen call at load
-        return hashlib.sha256(f"{self.dtype} {opt_level()} {cpu}\n{text}\n{decls}".encode()).hexdigest()
+        cfg = get_tvm_config()                    # the configured switches (mcpu empty: this host), no codegen call
+        return hashlib.sha256(f"{self.dtype} {cfg}\n{text}\n{decls}".encode()).hexdigest()
 
     def compile(self, function: str):
         """(Relax VM, parameter names) of ``function``, compiling on first use."""

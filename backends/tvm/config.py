@@ -25,6 +25,9 @@ class TvmConfig:
                         "machine's CPU (LLVM's host CPU name, so AVX2/AVX-512 are used where present). An artifact "
                         "built for one CPU needs that CPU's instructions where it runs; part of the build cache key "
                         "and written to artifacts' manifests", env="K3IR_TVM_MCPU")
+    fast_math: bool = setting(True, "float32 exp/tanh/sigmoid/silu/softmax of the Relax graph as TOPI's vectorisable "
+                              "fast_exp/fast_tanh polynomials (relative error about 1e-7) instead of libm's scalar calls; "
+                              "part of the build cache key", env="K3IR_TVM_FAST_MATH")
 
 
 TVM = ScopedConfig(TvmConfig, "k3ir_tvm_config")
