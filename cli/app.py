@@ -142,6 +142,14 @@ def cmd_backends(args) -> int:
         t.add_row(b.name, ", ".join(b.aliases), "yes" if why is None else f"no: {why}",
                   ", ".join(b.pipeline) or "-", b.description)
     console().print(t)
+    if any(x.name == "tvm-cuda" for x in list_backends()):
+        from k3ir.backends.tvm.cross import kind_report      # the TVM GPU kinds, from probes of this machine
+        g = Table(title="TVM kinds")
+        for c in ("target", "builds the whole model", "runs here"):
+            g.add_column(c)
+        for row in kind_report():
+            g.add_row(*row)
+        console().print(g)
     return 0
 
 
@@ -156,6 +164,11 @@ def cmd_run(args) -> int:
 
     import k3ir
     from k3ir.accounting import report
+
+    from .parallel import parallel_sizes, run_on_mesh
+    sizes = parallel_sizes(args, "run")
+    if sizes is not None:                       # one rank of a torchrun process group
+        return run_on_mesh(args, sizes)
     if args.max_new_tokens < 1:                 # as `generate --max-tokens` (checked before the big model loads)
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_seed(args.seed)
@@ -232,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt", default=DEFAULT_PROMPT)
     s.add_argument("--max-new-tokens", type=int, default=24)
     s.add_argument("--seed", type=int, default=0)
+    from .parallel import parallel_args
+    parallel_args(s)
     s.set_defaults(func=cmd_run)
 
     for mod in COMMAND_MODULES:

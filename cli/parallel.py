@@ -190,3 +190,81 @@ def generate_on_mesh(args: Any, sizes: dict[str, int], show) -> int:
             dist.barrier()                           # leave together: gloo torn down under a peer's collective aborts
         dist.destroy_process_group()
     return 0
+
+
+def run_on_mesh(args: Any, sizes: dict[str, int]) -> int:
+    """``k3ir run`` on this rank of the mesh ``sizes``: rank 0 builds and summarises ``args.model`` (step 1);
+    every rank compiles the sharded ``args.tiny`` with the same random init, generates greedily from the
+    prompt on the gathered logits and checks forward against prefill (``DistributedSession``); rank 0
+    prints. The one prompt is a batch of ``ep*dp`` copies of itself (row 0 is shown); under cp the prompt's
+    last ``T mod cp`` tokens go through decode steps and the check covers the longest prefix whose length
+    divides by cp. Raises UsageError for a target without collectives, a bad count or a prompt shorter than
+    ``cp`` tokens."""
+    import time
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from k3ir.runtime.distributed import DistributedSession, init_mesh, shard
+    from k3ir.runtime.params import init_params
+
+    import k3ir
+    from k3ir.accounting import report
+
+    from .common import check_prompt, check_seed, console, parse_overrides, print_step
+
+    if args.target not in ("torch", "triton"):
+        raise UsageError(f"--target {args.target} has no collectives; --ep/--cp/--tp/--dp run on torch or triton")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_seed(args.seed)
+    prompt = check_prompt(args.prompt).encode("utf-8")
+    tiny = k3ir.load(args.tiny)
+    row = [tiny.attrs.get("bos_token_id", 256)] + list(prompt)
+    if len(row) < sizes["cp"]:
+        raise UsageError(f"the prompt is {len(row)} tokens, fewer than --cp {sizes['cp']}; give a longer --prompt")
+    torch.set_num_threads(1)                         # ranks share the cores
+    joined_mesh()
+    mesh = init_mesh(**sizes, device=args.device)
+    rank0 = dist.get_rank() == 0
+    con = console()
+    ok = False
+    try:
+        if rank0:                                    # the others wait for it at their first collective
+            t0 = time.perf_counter()
+            big = k3ir.load(args.model, overrides=parse_overrides(args.overrides))
+            k3ir.verify_module(big)
+            n_ops = sum(len(f.ops) for f in big.functions.values())
+            print_step(con, "1. built", f" {args.model}: {len(big.params):,} parameter tensors, "
+                       f"{n_ops:,} ops in {', '.join('@' + f for f in big.functions)} "
+                       f"({time.perf_counter() - t0:.2f} s, verified)")
+            from .app import print_report
+            print_report(report(big), con)
+        t1 = time.perf_counter()
+        layout = " ".join(f"{a}={n}" for a, n in sizes.items())
+        exe = k3ir.compile(shard(tiny, mesh), target=args.target, device=args.device, mesh=mesh)
+        sess = DistributedSession(exe, init_params(tiny, args.seed))
+        if rank0:
+            print_step(con, "2. compiled", f" {args.tiny} sharded {layout} for target '{exe.target}' on "
+                       f"{dist.get_world_size()} ranks (random init seed {args.seed}) in {time.perf_counter() - t1:.2f} s")
+        ids = np.tile(np.asarray(row, dtype=np.int64)[None], (sizes["ep"] * sizes["dp"], 1))
+        t2 = time.perf_counter()
+        out = sess.generate(ids, max_new_tokens=args.max_new_tokens, temperature=0.0)
+        dt = time.perf_counter() - t2
+        new = out[0, ids.shape[1]:].tolist()
+        n = (out.shape[1] - 1) - (out.shape[1] - 1) % sizes["cp"]
+        full = sess.forward(out[:, :n].numpy())
+        step = float((full[0, -1] - sess.prefill(out[:, :n].numpy())[0][0, -1]).abs().max())
+        if rank0:
+            text = bytes(t for t in new if t < 256).decode("utf-8", errors="replace")
+            print_step(con, "3. generated", f" {len(new)} tokens greedily after a {ids.shape[1]}-token prompt "
+                       f"{args.prompt!r} in {dt:.2f} s ({len(new) / dt:.1f} tokens/s; {dist.get_world_size()} ranks)")
+            con.print(f"   token ids: {new}")
+            con.print(f"   as bytes:  {text!r}  (random weights: the text is noise; the path is real)")
+            print_step(con, "4. checked", f" forward over {n} tokens vs prefill: max |diff| {step:.2e}")
+        ok = True
+    finally:
+        if ok:
+            dist.barrier()                           # leave together: gloo torn down under a peer's collective aborts
+        dist.destroy_process_group()
+    return 0

@@ -107,7 +107,8 @@ class DistributedSession:
 
     ``exe``: ``k3ir.compile(sharded_module, target="torch"|"triton", mesh=mesh)``; ``params``: the
     UNSHARDED parameters (this rank's blocks are cut with ``shard_params``). Token ids ``[B, T]`` must be
-    the same on every rank; ``B`` divisible by ``ep*dp``, a prefill's ``T`` by ``cp``. ``forward``,
+    the same on every rank; ``B`` divisible by ``ep*dp``, a forward's ``T`` by ``cp`` (a prefill's last
+    ``T mod cp`` tokens go through decode steps). ``forward``,
     ``prefill`` and ``decode`` return full logits ``[B, T, V]`` (float32 torch tensors, the same on every
     rank) and, for the last two, this rank's state (pass it back to ``decode``). Raises K3RuntimeError for
     an executable without a mesh or inputs that do not split."""
@@ -165,23 +166,30 @@ class DistributedSession:
 
     # ---- API ---------------------------------------------------------------------------
     def forward(self, input_ids: Any) -> Any:
-        """Logits ``[B, T, V]`` of whole sequences."""
+        """Logits ``[B, T, V]`` of whole sequences (``T`` divisible by ``cp``)."""
         return self._gather(self.session.forward(self._segment(self._rows(input_ids))), self.sizes["cp"] > 1)
 
     def prefill(self, input_ids: Any, state: Any = None) -> tuple[Any, Any]:
-        """(logits ``[B, T, V]``, this rank's state) after ``input_ids [B, T]`` from ``state`` (None: empty)."""
+        """(logits ``[B, T, V]``, this rank's state) after ``input_ids [B, T]`` from ``state`` (None: empty).
+        Under cp a length that does not divide by ``cp``: its longest prefix that does is the sharded prefill
+        and the last ``T mod cp`` tokens go through decode steps (replicated over cp); K3RuntimeError when
+        ``T < cp`` without a state."""
         rows = self._rows(input_ids)
         cp = self.sizes["cp"]
         if cp == 1:
             logits, st = self.session.prefill(rows, state)
             return self._gather(logits, False), st
-        if rows.shape[1] % cp:
-            raise K3RuntimeError(f"sequence length {rows.shape[1]} is not divisible by cp={cp}")
         import torch
+        head = rows.shape[1] - rows.shape[1] % cp
+        if head == 0 and state is None:
+            raise K3RuntimeError(f"sequence length {rows.shape[1]} is shorter than cp={cp}")
         outs, st, step = [], state, cp * self.prefill_chunk
-        for s0 in range(0, rows.shape[1], step):
-            logits, st = self.session.prefill(self._segment(rows[:, s0:s0 + step]), st)
+        for s0 in range(0, head, step):
+            logits, st = self.session.prefill(self._segment(rows[:, s0:min(s0 + step, head)]), st)
             outs.append(self._gather(logits, True))
+        for pos in range(head, rows.shape[1]):           # the tail: one decode step per token
+            logits, st = self.session.decode(rows[:, pos:pos + 1], st)
+            outs.append(self._gather(logits, False))
         return torch.cat(outs, dim=1), st
 
     def decode(self, token_ids: Any, state: Any) -> tuple[Any, Any]:

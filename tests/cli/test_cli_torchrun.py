@@ -70,6 +70,22 @@ def test_torchrun_generate_prints_the_one_process_text(flags, prompt, sampling):
     assert r.stderr.count("has no trained weights") == 1
 
 
+def test_torchrun_run_generates_the_one_process_tokens():
+    """``k3ir run --cp 2``: a 5-token prompt (BOS + "Kimi"), so the sharded prefill is 4 tokens and the fifth a
+    decode step (DistributedSession.prefill); rank 0 prints the steps once, with the one-process token ids."""
+    args = ["run", "--prompt", "Kimi", "--max-new-tokens", "6"]
+    one = _run([sys.executable, "-m", "k3ir.cli", *args])
+    assert one.returncode == 0, one.stderr[-3000:]
+    r = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+              str(_free_port()), "-m", "k3ir.cli", *args, "--cp", "2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    ids = [line for line in one.stdout.splitlines() if "token ids:" in line]
+    assert len(ids) == 1 and [line for line in r.stdout.splitlines() if "token ids:" in line] == ids
+    assert r.stdout.count("1. built") == 1 and "sharded ep=1 cp=2 tp=1 dp=1" in r.stdout
+    diff = float(r.stdout.split("max |diff| ")[1].split()[0])       # forward vs prefill on the mesh
+    assert diff < 1e-4
+
+
 def test_parallel_flag_without_torchrun_is_one_line_with_the_command(monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main([*BASE, "--prompt", "Kimi ", "--ep", "2"]) == 2
