@@ -157,6 +157,11 @@ def _build(con, backend, m, dtype: str, args) -> None:
     from k3ir.progress import progress
     t0 = time.perf_counter()
     exe = backend.build(m, dtype=dtype, device=args.device)
+    if getattr(args, "emit_source", False):
+        if not hasattr(exe, "emit_source"):
+            raise UsageError(f"--emit-source: target '{backend.name}' writes no device source (the tvm-<kind> GPU "
+                             "targets do)")
+        exe.emit_source = True
     build_all = getattr(exe, "build_all", None)
     writes = bool(args.output) and hasattr(exe, "save")
     if build_all is not None and not writes:
@@ -218,6 +223,9 @@ def register(sub) -> None:
                         "(default: the target's own, float32; reference computes only in float64)")
     p.add_argument("--device", default="cpu", type=device_type)
     p.add_argument("--seed", type=int, default=0, help="random-init seed when the model has no weights")
+    p.add_argument("--emit-source", action="store_true",
+                   help="tvm-<kind> GPU targets: also write the generated device source (.cu, .s, .metal, .cl, "
+                        ".wgsl) into the artifact, for inspection")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("check", help="how a target runs each op (native / conditional / decomposition) and which "

@@ -28,7 +28,7 @@ def write_library(ex, kind: str, out_dir: str, stem: str, emit_source: bool = Fa
     """Export built executable ``ex`` of GPU ``kind`` into ``out_dir`` as ``<stem>.so`` (``<stem>.tar`` of objects
     for webgpu, linked into wasm by the web runtime's toolchain); with ``emit_source`` also ``<stem><suffix>``, the
     device source. Returns {"library": name[, "source": name]}."""
-    from .gpu import _device_modules
+    from .gpu import _device_kind, _device_modules
     os.makedirs(out_dir, exist_ok=True)
     files: dict[str, str] = {}
     sources: dict[str, str] = {}
@@ -46,7 +46,7 @@ def write_library(ex, kind: str, out_dir: str, stem: str, emit_source: bool = Fa
     files["library"] = lib
     if emit_source:
         if kind != "cuda":
-            for i, d in enumerate(_device_modules(ex, kind)):
+            for i, d in enumerate(_device_modules(ex, _device_kind(kind))):
                 fmt = "asm" if kind == "rocm" else ""
                 sources[f"{kind}_{i}"] = d.inspect_source(fmt) if fmt else d.inspect_source()
         text = "\n".join(sources.values())
@@ -69,7 +69,10 @@ class TVMGpuExecutable(Executable):
         self.emit_source = False
         self.report = None
         self.build_seconds: dict[str, float] = {}
-        self._built: tuple[Any, ...] | None = None      # (tmp dir, files, params)
+        self._lib = None                                 # the loaded library (load_gpu_artifact)
+        self._names: dict[str, list[str]] = {}
+        self._arrays: dict[str, np.ndarray] | None = None
+        self._vm = None
 
     def _functions(self) -> list[str]:
         return [f for f in ("prefill", "decode") if f in self.module.functions] or ["forward"]
@@ -89,9 +92,27 @@ class TVMGpuExecutable(Executable):
         return dict(self.build_seconds)
 
     def prepare_params(self, arrays: dict[str, Any]) -> dict[str, Any]:
-        return dict(arrays)
+        """Weights as device tensors when a library is loaded (``load_gpu_artifact``), else as given; float weights
+        in the compile dtype, packed MXFP4 ``u8`` / INT4 ``i32`` as stored."""
+        if not arrays and self._arrays is not None:
+            arrays = self._arrays
+        if self._lib is None:
+            return dict(arrays)
+        import tvm
+        dev = tvm.device(self.kind, 0)
+        out = {}
+        for name, a in arrays.items():
+            a = a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
+            decl = self.module.params.get(name)
+            dt = decl.type.dtype if decl is not None else "f32"
+            want = {"mxfp4": np.uint8, "int4": np.int32, "u8": np.uint8, "i64": np.int64, "i32": np.int64}.get(dt,
+                                                                                                              self.dtype)
+            out[name] = tvm.runtime.tensor(np.ascontiguousarray(a.astype(want)), device=dev)
+        return out
 
     def run(self, function: str, args: list[Any], params: dict[str, Any]) -> list[Any]:
+        if self._lib is not None:
+            return self._run_loaded(function, args, params)
         raise K3BackendError(f"target 'tvm-{self.kind}' builds here but does not run here: write the artifact "
                              f"(k3ir compile MODEL --target tvm-{self.kind} -o DIR) and load it on a {self.kind} device")
 
@@ -117,3 +138,52 @@ class TVMGpuExecutable(Executable):
                        device_functions=report.device_functions, kernels=report.kernels,
                        fallbacks=report.fallbacks, build_seconds=round(report.seconds, 2))
         return directory
+
+    def _run_loaded(self, function: str, args: list[Any], params: dict[str, Any]) -> list[Any]:
+        import tvm
+        from tvm.runtime.vm import VirtualMachine
+
+        from k3ir.types import TensorType
+        if function not in self._names:
+            raise K3BackendError(f"tvm-{self.kind} artifact has no function '@{function}' (has: {', '.join(self._names)})")
+        dev = tvm.device(self.kind, 0)
+        if self._vm is None:
+            self._vm = VirtualMachine(self._lib, dev)
+        targs = []
+        for a, spec in zip(args, self.module.functions[function].args):
+            a = a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
+            ints = isinstance(spec.type, TensorType) and spec.type.dtype in ("i64", "i32")
+            targs.append(tvm.runtime.tensor(np.ascontiguousarray(a.astype(np.int64 if ints else self.dtype)), device=dev))
+        res = self._vm[function](*targs, *[params[n] for n in self._names[function]])
+        outs = list(res) if not hasattr(res, "numpy") else [res]
+        return [o.numpy() for o in outs]
+
+    def to_numpy(self, x: Any):
+        return np.asarray(x)
+
+
+def load_gpu_artifact(directory: str, man: dict, module: Module) -> TVMGpuExecutable:
+    """Reopen an artifact written by ``TVMGpuExecutable.save`` (checked manifest ``man``, IR ``module``): the library
+    through ``tvm.runtime.load_module`` (runtime only: ``libtvm_runtime.so`` and the kind's device runtime, e.g.
+    ``libtvm_runtime_cuda.so``; cuda code is embedded as cubins, so no NVRTC), the weights from safetensors. It
+    runs on a ``kind`` device; raises K3BackendError naming the kind when the library cannot be loaded here."""
+    import tvm
+    from safetensors.numpy import load_file
+
+    from ..artifact import artifact_file
+    kind = man.get("kind") or man["target"].removeprefix("tvm-")
+    exe = TVMGpuExecutable(module, kind, man["dtype"], man.get("arch", ""))
+    if kind == "webgpu":
+        raise K3BackendError("tvm-webgpu artifacts run in a browser: link the .tar with the TVM web runtime (tvmjs)")
+    try:
+        exe._lib = tvm.runtime.load_module(artifact_file(directory, man, "library"))
+    except Exception as e:
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        raise K3BackendError(f"tvm-{kind}: cannot load {man['files']['library']} here "
+                             f"({lines[-1][:200] if lines else type(e).__name__})") from e
+    for key, value in man["files"].items():
+        if key.startswith("names:"):
+            names = json.loads(value)
+            exe._names.update(names)
+    exe._arrays = load_file(artifact_file(directory, man, "weights"))
+    return exe

@@ -22,6 +22,8 @@ but does not run here, so ``k3ir backends`` lists it and ``k3ir check --target t
 """
 from __future__ import annotations
 
+from functools import cache
+
 from k3ir.errors import K3BackendError
 
 CROSS_KINDS = ("cuda", "rocm", "vulkan", "metal", "opencl", "webgpu", "c")
@@ -88,20 +90,156 @@ def cross_report() -> dict[str, str]:
     return out
 
 
+# ---- the GPU kinds: whole-model builds (gpu.py), probes, registration -----------------------------------------
+def rocm_path() -> str | None:
+    """A ROCm folder whose ``amdgcn/bitcode`` holds the device libraries: ``$ROCM_PATH``, ``/opt/rocm``, or Debian's
+    ``rocm-device-libs`` location (``/usr/lib/x86_64-linux-gnu``); None when none has them."""
+    import os
+    for c in (os.environ.get("ROCM_PATH", ""), "/opt/rocm", "/usr/lib/x86_64-linux-gnu"):
+        if c and os.path.isdir(os.path.join(c, "amdgcn", "bitcode")):
+            return c
+    return None
+
+
+def find_lld() -> str | None:
+    """The ``ld.lld`` TVM's ROCm build links with: its LLVM's major version first (``ld.lld-22``; Debian's
+    default lld 14 fails on its code objects with "unknown abi version"), then plain ``ld.lld``."""
+    import shutil
+    try:
+        import tvm
+        major = tvm.target.codegen.llvm_version_major()
+    except Exception:  # noqa: BLE001  (no TVM or no LLVM codegen)
+        major = None
+    names = ([f"ld.lld-{major}", f"ld.lld-{major}.0"] if major else []) + ["ld.lld"]
+    return next((p for p in (shutil.which(n) for n in names) if p), None)
+
+
+def _version_text(cmd: list[str]) -> str:
+    """stdout of a tool's version command (empty when it does not run)."""
+    import subprocess
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+@cache
+def toolchain(kind: str) -> tuple[str | None, str]:
+    """(why ``kind`` cannot build the whole model here or None, the toolchain found), from probes run once per
+    process: TVM installed with the kind's codegen (``target.build.<kind>``), and for cuda ``nvcc`` (``--version``
+    run), for rocm ``ld.lld`` of TVM's LLVM version and a ROCm device-library folder."""
+    from . import _available
+    why = _available()
+    if why is not None:
+        return why, ""
+    import tvm_ffi
+
+    from .gpu import GPU_KINDS, gpu_target
+    if kind in GPU_KINDS:
+        gpu_target(kind)                  # a kind's codegen registers when its first target is made
+    if tvm_ffi.get_global_func(f"target.build.{kind}", allow_missing=True) is None:
+        if kind == "vulkan":
+            return ("the PyPI TVM has no SPIR-V codegen (target.build.vulkan); for Vulkan use the IREE route: "
+                    "k3ir export MODEL --format mlir --iree-target vulkan-spirv"), ""
+        return f"this TVM build has no {kind} codegen (target.build.{kind})", ""
+    if kind == "cuda":
+        from .cubin import find_nvcc
+        nvcc = find_nvcc()
+        if nvcc is None:
+            return ("nvcc not found: install the CUDA toolkit or pip install 'k3ir[cuda-toolchain]' "
+                    "(nvidia-cuda-nvcc, nvidia-nvvm, nvidia-cuda-crt, nvidia-cuda-runtime 13.0.88)"), ""
+        import re
+        m = re.search(r"release [\d.]+, V[\d.]+", _version_text([nvcc, "--version"]))
+        ver = m.group(0) if m else ""
+        return None, f"{nvcc} ({ver or 'version unknown'}) -> fatbin of sm_90a + sm_80 cubins"
+    if kind == "rocm":
+        lld, rp = find_lld(), rocm_path()
+        if lld is None:
+            return "ld.lld not found (apt-get install lld-22: TVM's LLVM 22 needs its own lld)", ""
+        if rp is None:
+            return ("no ROCm device libraries (apt-get install rocm-device-libs, or set ROCM_PATH to a folder "
+                    "with amdgcn/bitcode)"), ""
+        return None, f"{lld} + device libraries in {rp}/amdgcn/bitcode -> hsaco for gfx942, gfx90a"
+    return None, {"metal": "Metal Shading Language source, compiled by the Metal driver at load",
+                  "opencl": "OpenCL C source, compiled by the OpenCL driver at load",
+                  "webgpu": "WGSL source in a wasm32 host module, for the TVM web runtime"}.get(kind, "")
+
+
+@cache
+def runs_here(kind: str) -> str | None:
+    """None when a ``kind`` device is present here (TVM runtime device query), else why not."""
+    if kind == "webgpu":
+        return "WebGPU kernels run in a browser through the TVM web runtime (tvmjs)"
+    try:
+        import tvm
+        dev = tvm.device(kind, 0)
+        if dev.exist:
+            return None
+    except Exception as e:  # noqa: BLE001  (the device runtime library may not load without its driver)
+        return f"no {kind} runtime here ({str(e).strip().splitlines()[-1][:80] if str(e).strip() else type(e).__name__})"
+    return f"no {kind} device here"
+
+
+def kind_report() -> list[tuple[str, str, str]]:
+    """(target, "builds the whole model: yes/no (why)", "runs here: yes/no (why)") for every TVM kind, from the
+    probes of ``toolchain`` and ``runs_here``."""
+    from .gpu import GPU_KINDS
+    rows = []
+    for kind in (*GPU_KINDS, "vulkan"):
+        why, tool = toolchain(kind)
+        builds = f"yes ({tool})" if why is None else f"no ({why})"
+        run = runs_here(kind) if why is None or kind != "vulkan" else "no SPIR-V build, so nothing to run"
+        rows.append((f"tvm-{kind}", builds, "yes" if run is None else f"no ({run})"))
+    return rows
+
+
 def register_cross_targets() -> None:
     from .. import Backend, TargetDescription, register_backend
-
-    def build(module, dtype: str = "float32", device: str = "cpu"):
-        raise K3BackendError("TVM cross targets build device code only: use k3ir.backends.tvm.cross.emit_source")
+    from .gpu import GPU_KINDS
 
     def table():
-        """The tvm target's table and conditions: the cross targets run the same Relax lowering."""
+        """The tvm target's table and conditions: the GPU and cross kinds run the same Relax lowering."""
         from .lower import TABLE
         return TABLE
 
-    missing = {"rocm": "needs a ROCm install to link AMDGPU code", "vulkan": "SPIR-V codegen not in the PyPI TVM"}
-    for kind in CROSS_KINDS:
-        def available(kind=kind) -> str:
+    from k3ir.passes.pipelines import pipeline_for
+
+    def function_support(module, name):
+        from .lower import function_problem
+        return function_problem(module, name)
+
+    for kind in GPU_KINDS:
+        def build(module, dtype: str = "float32", device: str = "cpu", kind=kind):
+            from .artifact_gpu import TVMGpuExecutable
+            return TVMGpuExecutable(module, kind, dtype)
+
+        def available(kind=kind) -> str | None:
+            """None when ``kind`` builds here (toolchain probe) or runs here (a device: loading an artifact needs
+            only the TVM runtime), else both reasons."""
+            why = toolchain(kind)[0]
+            if why is None:
+                return None
+            run = runs_here(kind)
+            return None if run is None else f"cannot build here ({why}) and {run}"
+
+        def load(directory, man, module, kind=kind):
+            from .artifact_gpu import load_gpu_artifact
+            return load_gpu_artifact(directory, man, module)
+        register_backend(Backend(
+            name=f"tvm-{kind}", description=f"Apache TVM Relax for {kind}: the whole model, dlight-scheduled "
+            f"(builds here; runs on a {kind} device from its artifact)", build=build, pipeline=pipeline_for("tvm"),
+            table=table, available=available, dtypes=("float32",), load_artifact=load,
+            function_support=function_support,
+            target_description=TargetDescription(kind=kind, toolchain="Apache TVM Relax/TIR with dlight GPU "
+                                                 "schedules and k3ir's hand-scheduled KDA and MoE kernels")))
+
+    def build_demo(module, dtype: str = "float32", device: str = "cpu"):
+        raise K3BackendError("TVM cross targets build device code only: use k3ir.backends.tvm.cross.emit_source")
+
+    missing = {"vulkan": "SPIR-V codegen not in the PyPI TVM; use the IREE route: k3ir export MODEL --format mlir "
+                         "--iree-target vulkan-spirv"}
+    for kind in ("vulkan", "c"):
+        def available_demo(kind=kind) -> str:
             from . import _available
             why = _available()
             if why is not None:       # no TVM: nothing builds, same reason as the `tvm` row
@@ -110,8 +248,7 @@ def register_cross_targets() -> None:
                 return f"cross target: TVM cannot build {kind} code here ({missing[kind]})"
             return (f"cross target: TVM builds {kind} code here but it does not run here "
                     f"(k3ir.backends.tvm.cross.emit_source('{kind}'))")
-        from k3ir.passes.pipelines import pipeline_for
         register_backend(Backend(name=f"tvm-{kind}", description=f"Apache TVM Relax for {kind} (build only)",
-                                 build=build, pipeline=pipeline_for("tvm"), table=table, available=available,
-                                 target_description=TargetDescription(kind=kind, toolchain="Apache TVM Relax/TIR with "
-                                                                      "dlight schedules (device code only)")))
+                                 build=build_demo, pipeline=pipeline_for("tvm"), table=table, available=available_demo,
+                                 target_description=TargetDescription(kind=kind, toolchain="Apache TVM Relax/TIR "
+                                                                      "(one demo kernel)")))

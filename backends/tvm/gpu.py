@@ -63,7 +63,7 @@ class GpuBuildReport:
 
 def gpu_target(kind: str, arch: str = ""):
     """The ``tvm.target.Target`` of GPU ``kind`` (a key of GPU_KINDS) for ``arch`` (default: the kind's first),
-    with an ``llvm`` host. Raises K3BackendError for an unknown kind or arch."""
+    with an ``llvm`` host (wasm32 for webgpu, whose host code runs in the browser). Raises K3BackendError for an unknown kind or arch."""
     import tvm
     if kind not in GPU_KINDS:
         raise K3BackendError(f"unknown TVM GPU kind '{kind}' (known: {', '.join(GPU_KINDS)})")
@@ -75,7 +75,8 @@ def gpu_target(kind: str, arch: str = ""):
         spec["arch"] = arch
     elif kind == "rocm":
         spec["mcpu"] = arch
-    return tvm.target.Target(spec, host={"kind": "llvm", "opt-level": 3})
+    host = {"kind": "llvm", "mtriple": "wasm32-unknown-unknown-wasm"} if kind == "webgpu" else {"kind": "llvm"}
+    return tvm.target.Target(spec, host=host)
 
 
 def _lowering_class():
@@ -218,7 +219,7 @@ def _device_modules(ex, kind: str):
             if key in seen:
                 continue
             seen.add(key)
-            if i.kind == kind or (kind == "rocm" and i.kind in ("hsaco", "rocm")):
+            if i.kind == kind:
                 out.append(i)
             stack.append(i)
     return out
@@ -282,7 +283,8 @@ def build_gpu(module, kind: str, arch: str = "", dtype: str = "float32", functio
 
 
 def _device_kind(kind: str) -> str:
-    return {"webgpu": "webgpu", "opencl": "opencl", "metal": "metal", "rocm": "rocm", "cuda": "cuda"}[kind]
+    """The ``Module.kind`` of a GPU kind's device module (ROCm's is ``hip``)."""
+    return {"rocm": "hip"}.get(kind, kind)
 
 
 def _last_line(e: BaseException) -> str:
@@ -351,8 +353,12 @@ def build_kind_subprocess(module, kind: str, arch: str, out_dir: str, stem: str,
             spath = os.path.join(tmp, f"spec{attempt}.json")
             with open(spath, "w") as f:
                 json.dump(spec, f)
+            env = dict(os.environ)
+            if kind == "rocm" and "ROCM_PATH" not in env:
+                from .cross import rocm_path
+                env["ROCM_PATH"] = rocm_path() or "/opt/rocm"     # where TVM looks for amdgcn/bitcode
             proc = subprocess.run([sys.executable, "-m", "k3ir.backends.tvm.gpu", spath], capture_output=True,
-                                  text=True, timeout=timeout, check=False)
+                                  text=True, timeout=timeout, check=False, env=env)
             if os.path.exists(result):
                 with open(result) as f:
                     res = json.load(f)
