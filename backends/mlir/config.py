@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from k3ir.errors import K3ConfigError
+
 from ..config import ScopedConfig, setting
 
 
@@ -16,6 +18,21 @@ class MlirConfig:
     cache: str | None = setting(None, "directory of compiled IREE modules (``<cache>/iree/<key>.vmfb``, keyed by the "
                                 "MLIR text, IREE target, flags and IREE version); None: ``~/.cache/k3ir``",
                                 env="K3IR_CACHE")
+    moe_form: str = setting("sorted", "routed experts (``k3.moe``): ``sorted`` (rows sorted by expert, one contraction "
+                            "per expert on its rows: ``backends/mlir/moe.py``) or ``dense`` (the op's decomposition: "
+                            "every token through every expert)")
+    kda_form: str = setting("chunked", "``k3.kda`` in prefill: ``chunked`` (SPEC.md 3's chunk form, an ``scf.for`` over "
+                            "chunks: ``backends/mlir/kda.py``) or ``scan`` (the decomposition: an ``scf.for`` over tokens); "
+                            "one-token steps always take the recurrence")
+    kda_chunk: int = setting(16, "chunk length of the chunked KDA (the in-chunk decays are C x C x d_k elementwise)")
+
+    def __post_init__(self):
+        if self.moe_form not in ("sorted", "dense"):
+            raise K3ConfigError(f"MlirConfig.moe_form={self.moe_form!r}: want 'sorted' or 'dense'")
+        if self.kda_form not in ("chunked", "scan"):
+            raise K3ConfigError(f"MlirConfig.kda_form={self.kda_form!r}: want 'chunked' or 'scan'")
+        if self.kda_chunk < 2:
+            raise K3ConfigError(f"MlirConfig.kda_chunk={self.kda_chunk}: want at least 2")
 
     def cache_dir(self) -> str:
         """``cache``, or ``~/.cache/k3ir`` when it is None."""

@@ -39,7 +39,8 @@ def test_backends_lowering_with_file_and_line(capsys):
     torch = by["torch"]
     assert torch["status"] == "native" and torch["implementation"].startswith("backends/torch/")
     assert source_line(torch["implementation"]).startswith("def kda(")
-    assert by["mlir"]["status"] == "decomposed" and by["mlir"]["implementation"] is None   # no KDA in linalg
+    assert by["mlir"]["status"] == "conditional"                                   # chunked in prefill only
+    assert source_line(by["mlir"]["implementation"]).startswith('@lowers("k3.kda"')
     assert by["reference"]["status"] == "native"
 
 
@@ -54,7 +55,7 @@ def test_conditional_entry_shows_its_condition_and_reason(capsys):
     by = {e["backend"]: e for e in ops_json(capsys, "k3.grouped_matmul")["backends"]}
     onnx = by["onnx"]
     assert onnx["status"] == "conditional"
-    assert source_line(onnx["condition"]).startswith("def _quant_packed_in_graph(")
+    assert source_line(onnx["condition"]).startswith("def quant_packed_in_graph(")
     assert "INT4 is not lowered" in onnx["reason"]
     assert source_line(onnx["implementation"]).startswith('@lowers("k3.grouped_matmul"')     # the decorated entry
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 pytest.importorskip("iree.compiler")
@@ -74,3 +75,87 @@ def test_unknown_iree_target_is_a_clear_error():
     text, _ = emit_mlir(_small_module(), ["forward"])
     with pytest.raises(k3ir.K3BackendError, match="unknown IREE target"):
         compile_mlir(text, "tpu")
+
+
+def _kda_module(H: int, K: int, V: int, scale: float) -> Module:
+    """``@forward(q, k, v, g, beta, state)`` -> (o, state) of one ``k3.kda`` with a symbolic batch and length."""
+    from k3ir.types import StateType
+    m = Module("kda")
+    fn = Function("forward")
+    b = Builder(m, fn)
+    f32 = lambda *shape: TensorType("f32", shape)
+    q, k = b.arg("q", f32("B", "T", H, K)), b.arg("k", f32("B", "T", H, K))
+    v, g = b.arg("v", f32("B", "T", H, V)), b.arg("g", f32("B", "T", H, K))
+    beta, s = b.arg("beta", f32("B", "T", H)), b.arg("s", StateType("kda_state", (H, K, V)))
+    o, s1 = b.op("k3.kda", q, k, v, g, beta, s, scale=scale)
+    b.ret(o, s1)
+    m.add_function(fn)
+    return m
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_chunked_kda_equals_the_recurrence_from_a_nonzero_state(gate):
+    """k3.kda in MLIR's chunked form (chunks of 16, zero padding) from a random state, lengths on both sides of
+    the chunk boundaries (1, 15, 16, 17, 40 in one build): output and final state equal the float64 recurrence
+    (SPEC.md 11: float32 within 1e-5)."""
+    from k3ir.backends import get_backend
+
+    from k3ir.ops.kda import kda_recurrent
+    text, _ = emit_mlir(_kda_module(2, 16, 8, 0.25), ["forward"])
+    assert "tensor.pad" in text and "arith.ceildivui" in text                     # the chunked form, not the scan
+    exe = get_backend("mlir").build(_kda_module(2, 16, 8, 0.25), "float32", "cpu")
+    exe.prepare_params({})
+    rng = np.random.default_rng(5)
+    for T in (1, 15, 16, 17, 40):
+        q, k = (a / np.linalg.norm(a, axis=-1, keepdims=True) for a in rng.standard_normal((2, 2, T, 2, 16)))
+        v, z = rng.standard_normal((2, T, 2, 8)), rng.standard_normal((2, T, 2, 16))
+        g = -5 / (1 + np.exp(-z)) if gate == "lower_bound" else -np.logaddexp(0, z)
+        beta = 1 / (1 + np.exp(-rng.standard_normal((2, T, 2))))
+        s0 = rng.standard_normal((2, 2, 16, 8)) * 0.5
+        o, s1 = (exe.to_numpy(a) for a in exe.run("forward", [a.astype(np.float32) for a in (q, k, v, g, beta, s0)], {}))
+        want_o, want_s = kda_recurrent(q, k, v, g, beta, 0.25, s0)
+        assert rel_err(o, want_o) < 1e-5 and rel_err(s1, want_s) < 1e-5, T
+
+
+def test_prefill_text_chunks_kda_and_sorts_expert_rows_and_keeps_the_earlier_forms():
+    """Default MlirConfig: prefill's KDA layers are padded to chunks (``tensor.pad``) and the MoE runs per expert on
+    slices of the sorted rows (no ``[B,T,E,I]`` all-expert tensor); decode keeps the recurrence step;
+    ``kda_form="scan"``/``moe_form="dense"`` give the earlier lowering back; an unknown form is a K3ConfigError."""
+    from k3ir.backends.mlir.config import mlir_config
+    m, *_ = _sessions("k3-tiny")
+    E, I = next(p.type.shape[:2] for n, p in m.params.items() if n.endswith("experts.{e}.w1.weight"))
+    dense = f"x{E}x{I}xf32>"
+    pre, _ = emit_mlir(m, ["prefill"])
+    dec, _ = emit_mlir(m, ["decode"])
+    kda_layers = len(m.attrs["kda_layers"])
+    assert pre.count("tensor.pad") == 5 * kda_layers and "tensor.pad" not in dec
+    assert dense not in pre and dense not in dec
+    assert pre.count("tensor.extract_slice") > 3 * E
+    with mlir_config(moe_form="dense", kda_form="scan"):
+        old, _ = emit_mlir(m, ["prefill"])
+    assert "tensor.pad" not in old and dense in old
+    with pytest.raises(k3ir.K3ConfigError, match="moe_form"), mlir_config(moe_form="grouped"):
+        pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["k3-tiny", "kimi-linear-tiny"])
+def test_prefill_lengths_and_16_decode_steps_match_reference_and_torch(key):
+    """IREE llvm-cpu (chunked KDA, sorted MoE) against the float64 reference for T in {1, 17, 65, 130}, then 16
+    greedy decode steps carrying the state from T=130: logits within 1e-4, greedy tokens equal torch's."""
+    m, params, ref, _, sess = _sessions(key)
+    torch = Session(k3ir.compile(m, target="torch"), params=params)
+    for T in (1, 17, 65, 130):
+        ids = token_ids(m.attrs["vocab_size"], 2, T)
+        got, st = sess.prefill(ids)
+        want, wst = ref.prefill(ids)
+        assert rel_err(got.double().numpy(), want.double().numpy()) < 1e-4, T
+    tst = torch.prefill(ids)[1]
+    nxt = got.double().numpy()[:, -1].argmax(-1).reshape(-1, 1)
+    for step in range(16):
+        got, st = sess.decode(nxt, st)
+        want, wst = ref.decode(nxt, wst)
+        tl, tst = torch.decode(nxt, tst)
+        assert rel_err(got.double().numpy(), want.double().numpy()) < 1e-4, step
+        nxt = got.double().numpy()[:, -1].argmax(-1).reshape(-1, 1)
+        assert np.array_equal(nxt, tl.double().numpy()[:, -1].argmax(-1).reshape(-1, 1)), step
