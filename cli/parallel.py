@@ -113,7 +113,7 @@ def generate_on_mesh(args: Any, sizes: dict[str, int], show) -> int:
     import torch
     import torch.distributed as dist
     from k3ir.runtime.distributed import DistributedSession, init_mesh, shard
-    from k3ir.runtime.params import bound_params, init_params
+    from k3ir.runtime.params import init_params
     from k3ir.runtime.sampler import SamplingParams, make_generator, sample
     from k3ir.runtime.tokenizer import IncrementalDecoder, load_tokenizer
 
@@ -152,7 +152,7 @@ def generate_on_mesh(args: Any, sizes: dict[str, int], show) -> int:
         note = random_weights_note(module, args.model, args.init_seed)
         if note and rank0:
             print(note, file=sys.stderr, flush=True)
-        params = bound_params(module)
+        params = getattr(module, "weights", None)     # a checkpoint's lazy weights: each rank reads its blocks
         if params is None:
             params = init_params(module, args.init_seed)
         exe = k3ir.compile(shard(module, mesh), target=args.target, dtype=args.dtype, device=device, mesh=mesh)

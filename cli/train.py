@@ -298,8 +298,8 @@ def _train(args) -> int:
         tr = Trainer(exe, cfg)
     else:
         from k3ir.runtime.distributed import shard
-        from k3ir.runtime.params import bound_params, init_params
-        params = bound_params(module)
+        from k3ir.runtime.params import init_params
+        params = getattr(module, "weights", None)     # a checkpoint's lazy weights: each rank reads its blocks
         exe = k3ir.compile(shard(module, ranks.mesh), target="torch", dtype="float32", device=device, mesh=ranks.mesh)
         tr = Trainer(exe, cfg, params=params if params is not None else init_params(module, cfg.seed))
     try:

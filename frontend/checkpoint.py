@@ -198,16 +198,18 @@ class Checkpoint:
             self._handles[path] = h
         return h
 
-    def read(self, key: str, index: int | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
+    def read(self, key: str, index: int | None = None, rows: tuple[int, int] | None = None,
+             box: tuple[slice, ...] | None = None) -> np.ndarray:
         """Tensor ``key`` as NumPy (bf16/fp8 upcast to float32), optionally ``[index]`` and then
-        rows ``[start:stop]`` of the leading axis, reading only that slice. With ``check_finite``,
-        K3CheckpointError naming the file and ``key`` when the values read hold NaN or Inf."""
+        rows ``[start:stop]`` of the leading axis, or ``box`` (one slice per remaining dim), reading
+        only that slice. With ``check_finite``, K3CheckpointError naming the file and ``key`` when the
+        values read hold NaN or Inf."""
         h = self.headers.get(key)
         if h is None:
             raise K3CheckpointError(f"{self.directory}: no tensor '{key}'")
         f = self._handle(h.file)
         try:
-            if index is None and rows is None:
+            if index is None and rows is None and box is None:
                 t = f.get_tensor(key)
             else:
                 sl = f.get_slice(key)
@@ -216,6 +218,8 @@ class Checkpoint:
                     sel += (index,)
                 if rows is not None:
                     sel += (slice(rows[0], rows[1]),)
+                elif box is not None:
+                    sel += tuple(box)
                 t = sl[sel]
         except _read_errors() as e:
             raise K3CheckpointError(f"{h.file}: cannot read tensor '{key}': {e}") from None
@@ -378,6 +382,25 @@ class CheckpointWeights(Mapping):
     def _load(self, plan: Plan) -> np.ndarray:
         arrs = [self._part(p, plan.dtype) for p in plan.parts]
         return np.stack(arrs) if plan.stacked else arrs[0]
+
+    def block(self, name: str, box: tuple[slice, ...]) -> np.ndarray:
+        """Block ``box`` (one contiguous slice per dim of parameter ``name``; for stacked experts dim 0
+        picks the experts) of a parameter, for one rank of a sharded module: only the experts in the block
+        are read, and a part stored as one tensor of the part's shape (``tensor``) is read as the block
+        alone (safetensors ``get_slice``); other layouts (fused, concatenated, packed) read the part whole
+        and cut it. Raises KeyError for an unknown name, K3CheckpointError as ``read``."""
+        plan = self.plans[name]
+        box = tuple(box)
+        if plan.stacked:
+            return np.stack([self._part_block(p, plan.dtype, box[1:]) for p in plan.parts[box[0]]])
+        return self._part_block(plan.parts[0], plan.dtype, box)
+
+    def _part_block(self, p: Part, dtype: str, box: tuple[slice, ...]) -> np.ndarray:
+        h = self.checkpoint.headers.get(p.keys[0])
+        stored = None if h is None else tuple(h.shape[1:] if p.index is not None else h.shape)
+        if p.op == "tensor" and stored == tuple(p.shape) and all(sl.step in (None, 1) for sl in box):
+            return self.checkpoint.read(p.keys[0], index=p.index, box=box)
+        return self._part(p, dtype)[box]
 
     def packed(self, name: str, fmt: str | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``(packed, scales)`` of a float parameter: as stored when the checkpoint holds it packed

@@ -69,21 +69,41 @@ def shard(module: Module, mesh: Any, capacity: int = 0) -> Module:
     return run_pipeline(module.clone(), [spec])
 
 
-def shard_params(module: Module, params: dict[str, Any], coords: dict[str, int]) -> dict[str, Any]:
+def shard_params(module: Module, params: Any, coords: dict[str, int]) -> dict[str, Any]:
     """One rank's parameters from the unsharded ``params`` (name -> array or tensor, stacked experts
     ``[E, ...]`` as ``init_params`` and the checkpoint loader give them): each parameter of the sharded
     ``module`` with ``shard={axis: dim}`` keeps block ``coords[axis]`` of ``dim`` (equal contiguous
     blocks; experts ``coords["ep"]*E/ep ..`` for ``ep``), the others are passed through. Dtypes unchanged.
+    ``params`` may be a checkpoint's lazy weights (``module.weights`` of ``k3ir.load(DIR)``, with a
+    ``block`` method): then each split parameter is read as this rank's block alone (its experts only;
+    one-piece tensors through safetensors slices), so no rank reads the whole model.
     Raises K3RuntimeError for a missing parameter, an unsharded module or a block of the wrong shape."""
     mesh = module.attrs.get("mesh")
     if not isinstance(mesh, dict):
         raise K3RuntimeError(f"shard_params: module '{module.name}' is not sharded (run the shard pass)")
+    block = getattr(params, "block", None)
     out = {}
     for name, decl in module.params.items():
+        spec = decl.attrs.get("shard", {})
+        if block is not None:          # lazy checkpoint weights: read this rank's block only
+            box = [slice(None)] * decl.type.rank
+            for axis, dim in spec.items():
+                step = int(decl.type.shape[dim])
+                c = int(coords.get(axis, 0))
+                box[dim] = slice(c * step, (c + 1) * step)
+            try:
+                out[name] = block(name, tuple(box)) if spec else params[name]
+            except KeyError:
+                raise K3RuntimeError(f"shard_params: parameter '{name}' is missing") from None
+            want = tuple(int(d) for d in decl.type.shape)
+            if tuple(out[name].shape) != want:
+                raise K3RuntimeError(f"shard_params: parameter '{name}': the block at {coords} has shape "
+                                     f"{list(out[name].shape)}, the sharded module declares {list(want)}")
+            continue
         if name not in params:
             raise K3RuntimeError(f"shard_params: parameter '{name}' is missing")
         x = params[name]
-        for axis, dim in decl.attrs.get("shard", {}).items():
+        for axis, dim in spec.items():
             n, c = int(mesh.get(axis, 1)), int(coords.get(axis, 0))
             size = x.shape[dim]
             if size % n:
