@@ -123,15 +123,17 @@ def _version_text(cmd: list[str]) -> str:
         return ""
 
 
-@cache
 def toolchain(kind: str) -> tuple[str | None, str]:
     """(why ``kind`` cannot build the whole model here or None, the toolchain found), from probes run once per
     process: TVM installed with the kind's codegen (``target.build.<kind>``), and for cuda ``nvcc`` (``--version``
     run), for rocm ``ld.lld`` of TVM's LLVM version and a ROCm device-library folder."""
     from . import _available
     why = _available()
-    if why is not None:
-        return why, ""
+    return (why, "") if why is not None else _probe_toolchain(kind)
+
+
+@cache
+def _probe_toolchain(kind: str) -> tuple[str | None, str]:
     import tvm_ffi
 
     from .gpu import GPU_KINDS, gpu_target
@@ -219,6 +221,9 @@ def register_cross_targets() -> None:
             why = toolchain(kind)[0]
             if why is None:
                 return None
+            from . import _available
+            if _available() is not None:
+                return why
             run = runs_here(kind)
             return None if run is None else f"cannot build here ({why}) and {run}"
 

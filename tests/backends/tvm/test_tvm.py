@@ -113,8 +113,6 @@ def test_cross_targets_emit_device_code():
     for kind, marker in expect.items():
         src = emit_source(kind)
         assert marker in src and "k3_linear_silu" in src, kind
-        assert "does not run here" in get_backend(f"tvm-{kind}").available()
     with pytest.raises(K3BackendError, match="tvm-vulkan"):
         emit_source("vulkan")
-    with pytest.raises(K3BackendError, match="cannot run here"):
-        k3ir.compile(load_tiny("kimi-linear-tiny"), target="tvm-cuda")
+    assert "vulkan-spirv" in get_backend("tvm-vulkan").available()
