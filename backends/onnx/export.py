@@ -43,6 +43,7 @@ from .lowering import table_for_opset
 from .moe import MOE_FORMS
 
 WEIGHT_MODES = ("embedded", "external", "inputs")
+MXFP4_FORMS = ("unpack", "dequantize_linear")
 
 
 class OnnxExporter:
@@ -58,11 +59,15 @@ class OnnxExporter:
     over tokens); the file then needs onnxruntime. ``moe_form``: the routed experts as ``"sorted"``
     (expert-sorted rows, one ``Gemm`` per expert on a static slice) or ``"loop"`` (a ``Loop`` over the
     experts in use); None picks ``"sorted"`` up to ``moe.SORTED_MAX_EXPERTS`` experts (``moe.py``).
-    Raises K3BackendError."""
+    ``mxfp4_form``: MXFP4 expert weights as ``"unpack"`` (uint8 codes and E8M0 bytes, dequantised by bit
+    operations and the E2M1 table: runs in onnxruntime 1.32) or ``"dequantize_linear"`` (the standard form:
+    ``FLOAT4E2M1`` weights, ``FLOAT8E8M0`` scales, blocked ``DequantizeLinear``; the same bytes; opset 27 only;
+    onnxruntime 1.32's CPU provider has no kernel for it). Raises K3BackendError."""
 
     def __init__(self, module: Module, dtype: str = "float32", weights: str = "embedded",
                  params: dict[str, Any] | None = None, table: dict[str, Emitter] | None = None,
-                 opset: int | None = None, ort_kernels: bool = False, moe_form: str | None = None):
+                 opset: int | None = None, ort_kernels: bool = False, moe_form: str | None = None,
+                 mxfp4_form: str = "unpack"):
         if weights not in WEIGHT_MODES:
             raise K3BackendError(f"unknown weights mode '{weights}' (want one of {', '.join(WEIGHT_MODES)})")
         if dtype not in ("float32", "float16"):
@@ -72,6 +77,12 @@ class OnnxExporter:
         if moe_form not in (None, *MOE_FORMS):
             raise K3BackendError(f"unknown moe_form '{moe_form}' (want one of {', '.join(MOE_FORMS)})")
         self.moe_form = moe_form
+        if mxfp4_form not in MXFP4_FORMS:
+            raise K3BackendError(f"unknown mxfp4_form '{mxfp4_form}' (want one of {', '.join(MXFP4_FORMS)})")
+        if mxfp4_form == "dequantize_linear" and self.opset < 27:
+            raise K3BackendError("mxfp4_form='dequantize_linear' needs opset 27 (FLOAT4E2M1, FLOAT8E8M0 scales)")
+        self.mxfp4_form = mxfp4_form
+        self._typed_params: dict[str, int] = {}   # param -> ONNX element type other than its IR dtype's
         self.domains: set[str] = set()          # non-default operator domains the graph uses
         self.module = module
         self.dtype = dtype
@@ -95,6 +106,8 @@ class OnnxExporter:
 
     def value_info(self, name: str, t, batch="B"):
         onnx = _onnx()
+        if name in self._typed_params:                 # FLOAT4E2M1 / FLOAT8E8M0: the IR's logical shape
+            return onnx.helper.make_tensor_value_info(name, self._typed_params[name], [int(d) for d in t.shape])
         if isinstance(t, StateType):
             return onnx.helper.make_tensor_value_info(name, self.elem("f32"), [str(d) if isinstance(d, str) else d
                                                                               for d in state_shape(t, batch)])
@@ -138,6 +151,9 @@ class OnnxExporter:
         shape = [int(d) for d in runtime_shape(decl.type)]
         et = self.elem(decl.type.dtype)
         np_dt = onnx.helper.tensor_dtype_to_np_dtype(et)
+        if name in self._typed_params:                 # same bytes, typed FLOAT4E2M1 [E,N,K] / FLOAT8E8M0
+            et, shape = self._typed_params[name], [int(d) for d in decl.type.shape]
+            np_dt = np.uint8
         if self.weights == "external":       # data streamed to the side file, never held in the proto
             t = onnx.TensorProto(name=name, data_type=et, dims=shape)
             if name not in self._ext_index:    # functions exported into one file share the data
@@ -153,6 +169,10 @@ class OnnxExporter:
                 e = t.external_data.add()
                 e.key, e.value = k, v
             return t
+        if name in self._typed_params:
+            t = onnx.TensorProto(name=name, data_type=et, dims=shape)
+            t.raw_data = np.ascontiguousarray(self._array(name, decl), dtype=np.uint8).tobytes()
+            return t
         arr = np.asarray(self._array(name, decl), dtype=np_dt).reshape(shape)
         return onnx.numpy_helper.from_array(arr, name)
 
@@ -164,6 +184,19 @@ class OnnxExporter:
         if hasattr(a, "detach"):
             a = a.detach().cpu().float().numpy()
         return np.asarray(a)
+
+    def _standard_mxfp4_params(self, fn: Function) -> dict[str, int]:
+        """Parameters read as MXFP4 codes / scales by ``k3.grouped_matmul`` in ``fn``: name -> FLOAT4E2M1 /
+        FLOAT8E8M0 (the standard form of ``mxfp4_form="dequantize_linear"``)."""
+        P = _onnx().TensorProto
+        names = {id(op.results[0]): op.attrs["name"] for op in fn.ops if op.name == "k3.param"}
+        out: dict[str, int] = {}
+        for op in fn.ops:
+            if op.name == "k3.grouped_matmul" and op.attrs.get("quant") == "mxfp4":
+                for v, et in zip(op.operands[2:4], (P.FLOAT4E2M1, P.FLOAT8E8M0)):
+                    if id(v) in names:
+                        out[names[id(v)]] = et
+        return out
 
     # ---- whole models ----------------------------------------------------------------
     def export_function(self, function: str = "prefill", external_path: str | None = None,
@@ -178,6 +211,7 @@ class OnnxExporter:
         fn = self.module.functions[function]
         self._param_names: dict[str, str] = {}
         self._used_params: list[str] = []
+        self._typed_params = self._standard_mxfp4_params(fn) if self.mxfp4_form == "dequantize_linear" else {}
         self.native, self.fallback = {}, {}
         self.domains = set()
         self.main = g = Graph(self, f"{self.module.name}.{function}")
@@ -209,7 +243,7 @@ class OnnxExporter:
         opsets = [onnx.helper.make_opsetid("", self.opset)] + [onnx.helper.make_opsetid(d, 1) for d in sorted(self.domains)]
         model = onnx.helper.make_model(g.make(), opset_imports=opsets,
                                        producer_name="k3ir", producer_version="0.1.0")
-        model.ir_version = 10
+        model.ir_version = 11 if self._typed_params else 10       # IR 11: FLOAT4E2M1 and FLOAT8E8M0
         meta = {"k3ir.function": function, "k3ir.opset": str(self.opset), "k3ir.module": self.module.name,
                 "k3ir.native_ops": ",".join(sorted(self.native)),
                 "k3ir.decomposed_ops": ",".join(sorted(self.fallback))}
@@ -229,13 +263,14 @@ def lowering_report(module: Module, function: str = "prefill", opset: int | None
 
 def export_onnx(module: Module, path: str, function: str = "prefill", weights: str = "external",
                 dtype: str = "float32", params: dict[str, Any] | None = None,
-                opset: int | None = None, ort_kernels: bool = False, moe_form: str | None = None) -> dict[str, Any]:
+                opset: int | None = None, ort_kernels: bool = False, moe_form: str | None = None,
+                mxfp4_form: str = "unpack") -> dict[str, Any]:
     """Write ``@function`` of ``module`` to ``path`` (``.onnx``). ``weights="external"`` writes the
     data to ``<path>.data`` next to it; ``opset`` 27 or 20 (None: ``default_opset()``);
-    ``ort_kernels`` and ``moe_form`` as in ``OnnxExporter``. Returns a summary (nodes, inputs, native/decomposed ops, opset)."""
+    ``ort_kernels``, ``moe_form`` and ``mxfp4_form`` as in ``OnnxExporter``. Returns a summary (nodes, inputs, native/decomposed ops, opset)."""
     onnx = _onnx()
     x = OnnxExporter(module, dtype=dtype, weights=weights, params=params, opset=opset, ort_kernels=ort_kernels,
-                     moe_form=moe_form)
+                     moe_form=moe_form, mxfp4_form=mxfp4_form)
     ext = path + ".data" if weights == "external" else None
     model = x.export_function(function, external_path=ext)
     if weights == "embedded" and model.ByteSize() > 2_000_000_000:

@@ -217,7 +217,10 @@ def lower_grouped_matmul(lw: Lowering, inst, x, offsets, w, scales=None):
     ``Gemm`` per expert segment (``"sorted"``: a static slice per expert; ``"loop"``: a ``Loop`` over the
     non-empty segments), the segments concatenated in order, rows outside every segment zero. MXFP4 weights
     stay packed in the graph (``u8[E,N,K/2]`` + E8M0 ``u8[E,N,K/32]``), each expert's matrix dequantised on its
-    own (``dequant_mxfp4``; in the sorted form onnxruntime folds it at session creation)."""
+    own (``dequant_mxfp4``; in the sorted form onnxruntime folds it at session creation), or with the exporter's
+    ``mxfp4_form="dequantize_linear"`` typed ``FLOAT4E2M1[E,N,K]`` + ``FLOAT8E8M0[E,N,K/32]`` and dequantised by
+    one blocked ``DequantizeLinear`` (block 32 along K) for all experts of the op (Gather and Slice take no
+    FLOAT4E2M1, so no standard op can pick one expert's codes)."""
     if inst.quant not in ("none", "mxfp4"):
         raise K3BackendError(f"ONNX export: k3.grouped_matmul quant={inst.quant} is not lowered (mxfp4 and none are)")
     g = lw.g
@@ -227,9 +230,14 @@ def lower_grouped_matmul(lw: Lowering, inst, x, offsets, w, scales=None):
     xf = lw.cast_to(x, lw.etype(0), ft)
     off = lw.cast_to(offsets, lw.etype(1), _P().INT64)
 
+    if inst.quant == "mxfp4" and lw.x.mxfp4_form == "dequantize_linear":
+        # the standard form: FLOAT4E2M1 codes and FLOAT8E8M0 scales; no ONNX op but the DequantizeLinear family
+        # picks a slice of a 4-bit tensor (Gather and Slice do not take FLOAT4E2M1), so all experts at once
+        w = g.node("DequantizeLinear", [w, scales], axis=2, block_size=32, output_dtype=ft)
+
     def weight(b: Graph, e: str) -> str:
-        if inst.quant == "none":
-            return lw.cast_to(b.node("Gather", [w, e], axis=0), lw.etype(2), ft)
+        if inst.quant == "none" or lw.x.mxfp4_form == "dequantize_linear":
+            return lw.cast_to(b.node("Gather", [w, e], axis=0), lw.etype(2) if inst.quant == "none" else ft, ft)
         return dequant_mxfp4(lw, b, b.node("Gather", [w, e], axis=0), b.node("Gather", [scales, e], axis=0))
 
     if moe_form(lw, E) == "sorted":

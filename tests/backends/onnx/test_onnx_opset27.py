@@ -326,3 +326,36 @@ def test_float16_moe_loop_runs_and_matches_reference(opset):
     assert rel_err(got.double().numpy(), want.double().numpy()) < 5e-3
     nxt = ids[:, :1]
     assert rel_err(sess.decode(nxt, st)[0].double().numpy(), ref.decode(nxt, wst)[0].double().numpy()) < 5e-3
+
+
+def test_mxfp4_standard_form_is_float4e2m1_with_blocked_dequantize_linear():
+    """``mxfp4_form="dequantize_linear"``: the packed expert bytes typed FLOAT4E2M1 ``[E,N,K]``, the E8M0 scale bytes
+    FLOAT8E8M0, one blocked DequantizeLinear (all experts: Gather/Slice take no FLOAT4E2M1), no bit unpacking; onnx's reference evaluator (onnxruntime
+    1.32 has no CPU kernel for it) gives the float64 reference of k3.grouped_matmul at the float32 tolerance."""
+    from onnx.reference import ReferenceEvaluator
+
+    from k3ir import quant
+    rng = np.random.default_rng(6)
+    E, N, K, R = 3, 5, 64, 7
+    packed, scales = quant.mxfp4_quantize(rng.standard_normal((E * N, K)))
+    packed, scales = packed.reshape(E, N, K // 2), scales.reshape(E, N, K // 32)
+    x, offsets = rng.standard_normal((R, K)), np.array([0, 3, 3, 7])
+    m = Module("t")
+    fn = Function("f")
+    b = Builder(m, fn)
+    y = b.op("k3.grouped_matmul", b.arg("x", TensorType("f32", ("R", K))), b.arg("o", TensorType("i64", (E + 1,))),
+             b.param("w", TensorType("mxfp4", (E, N, K))), b.param("s", TensorType("u8", (E, N, K // 32))), quant="mxfp4")
+    b.ret(y)
+    m.add_function(fn)
+    model = OnnxExporter(m, weights="embedded", params={"w": packed, "s": scales},
+                         mxfp4_form="dequantize_linear").export_function("f")
+    onnx.checker.check_model(model, full_check=True)
+    types = {t.name: (t.data_type, list(t.dims)) for t in model.graph.initializer}
+    assert types == {"w": (onnx.TensorProto.FLOAT4E2M1, [E, N, K]), "s": (onnx.TensorProto.FLOAT8E8M0, [E, N, K // 32])}
+    kinds = Counter(n.op_type for n in model.graph.node)
+    assert kinds["DequantizeLinear"] == 1 and kinds["BitShift"] == 0
+    (got,) = ReferenceEvaluator(model).run(None, {"x": x.astype(np.float32), "o": offsets})
+    want = instantiate(fn.ops[-1]).reference(x, offsets, packed, scales)
+    assert rel_err(got, want) < 1e-5
+    with pytest.raises(k3ir.K3BackendError, match="opset 27"):
+        OnnxExporter(m, opset=20, mxfp4_form="dequantize_linear")
