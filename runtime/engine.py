@@ -38,6 +38,7 @@ from k3ir.errors import K3RuntimeError
 
 from .pool import StatePool, block_hashes
 from .sampler import SamplingParams, make_generator, sample
+from .session import gate_flag_text
 
 log = logging.getLogger("k3ir.engine")
 VARLEN = "prefill_varlen"
@@ -363,7 +364,14 @@ class Engine:
         new = dict(zip(self.names, outs[1:]))
         self.stats["calls"] += 1
         self.stats["rows"] += G
+        take = getattr(self.exe, "take_gate_flags", None)   # the triton target on a device: non-finite KDA gates
+        flagged = take() if take is not None else []        # (a copy to the host; the rows are read next anyway)
         for b, (req, toks) in enumerate(items):
+            bad = gate_flag_text([h for h in flagged if h[1] == b])
+            if bad:                 # that request alone ends: its states are NaN
+                self._finish(req, "error", bad)
+                self._recent.append(req)
+                continue
             try:                    # one row's failure ends that request only, not the others of the call
                 self._advance(req, b, T, L, new, logits)
             except Exception as e:

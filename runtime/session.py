@@ -299,9 +299,20 @@ class Session:
             return out
         gen = torch.Generator().manual_seed(seed)
         logits, state = self.prefill(ids)
-        if temperature == 0:
-            return torch.cat([out, self._greedy(logits, state, max_new_tokens, eos_token_id)], dim=1)
-        return host_token_loop(self.decode, out, logits, state, max_new_tokens, temperature, eos_token_id, gen)
+        try:
+            if temperature == 0:
+                res = torch.cat([out, self._greedy(logits, state, max_new_tokens, eos_token_id)], dim=1)
+            else:
+                res = host_token_loop(self.decode, out, logits, state, max_new_tokens, temperature, eos_token_id, gen)
+        except K3RuntimeError as e:        # non-finite logits: name the KDA gates behind them, if any
+            bad = gate_flag_message(self.exe)
+            if bad:
+                raise K3RuntimeError(bad) from e
+            raise
+        bad = gate_flag_message(self.exe)  # the tokens are on the host: the device is idle, reading is cheap
+        if bad:
+            raise K3RuntimeError(bad)
+        return res
 
     def _greedy(self, logits, state: State, steps: int, eos_token_id: int | None):
         """Greedy tokens ``LongTensor[B, steps]`` (CPU) after the prefill ``logits``: each token is the argmax of
@@ -331,6 +342,23 @@ class Session:
             step = int((~finite).any(dim=0).nonzero()[0, 0])
             _nonfinite_error(peaks[:, step:step + 1], finite[:, step], step, steps)
         return torch.stack(toks, dim=1).cpu()
+
+
+def gate_flag_message(exe) -> str | None:
+    """The error for the non-finite KDA gates the triton executable ``exe`` reported on a device since it was
+    last asked (``TritonExecutable.take_gate_flags``; a copy to the host, so call it where the host waits anyway);
+    None when there are none (or ``exe`` does not report them)."""
+    take = getattr(exe, "take_gate_flags", None)
+    return gate_flag_text(take() if take is not None else [])
+
+
+def gate_flag_text(hits) -> str | None:
+    """The message for ``(launch, row, head)`` hits of ``take_gate_flags``; None for none."""
+    if not hits:
+        return None
+    where = ", ".join(f"launch {i} row {n} head {h}" for i, n, h in hits[:4]) + (" ..." if len(hits) > 4 else "")
+    return (f"a KDA layer's gate inputs are not finite (NaN, or a positive precomputed log-decay) at {where} "
+            f"(KDA launches of the model's calls, batch row, head): its outputs are NaN")
 
 
 def host_token_loop(decode, out, logits, state, steps: int, temperature: float, eos_token_id: int | None, gen):

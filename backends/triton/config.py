@@ -74,6 +74,10 @@ class KdaConfig:
     recur_table: tuple = setting(RECUR_TABLE, "(BV, stages, CTAs per SM, step cost) rows of bv_rule 'waves'")
     recur_warps: int = setting(4, "warps of the recurrence")
     recur_stages: int = setting(3, "pipeline stages of the recurrence (when the rule gives none)")
+    gate_check: str = setting("auto", "how kda_forward checks the gate values (NaN, positive precomputed g): 'auto' "
+                              "(on host tensors at the call, free; on a device per (sequence, head) flags written by "
+                              "the gate launch, read by the runtime where it syncs anyway), 'flags' (the flags "
+                              "everywhere), 'host' (one reduction and a host sync per call, everywhere)")
 
 
 @dataclass(frozen=True)

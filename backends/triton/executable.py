@@ -6,6 +6,8 @@ with a precomputed gate), ``k3.short_conv`` and ``k3.gated_rmsnorm``. float64 mo
 torch implementations (the kernels compute in bf16/fp32)."""
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,22 @@ import torch.nn.functional as F
 from ..torch import TorchExecutable
 from . import layer
 from .config import get_triton_config, triton_config
-from .kda import MIN_LOWER_BOUND, kda_forward
+from .kda import MIN_LOWER_BOUND, eager_gate_check, kda_forward
+
+#: the KDA gate flags of the run in progress (``TritonExecutable._run_eager``): a list the KDA lowerings append
+#: ``[N, H]`` int32 device tensors to, or None outside a run
+_GATE_FLAGS: ContextVar[list | None] = ContextVar("k3ir_kda_gate_flags", default=None)
+
+
+def _gate_flags(g, N: int, H: int):
+    """Zeroed ``[N, H]`` int32 flags for one ``kda_forward`` of the run in progress, or None where the call checks
+    its gate values itself (``kda.eager_gate_check``) or runs outside an executable."""
+    pending = _GATE_FLAGS.get()
+    if pending is None or eager_gate_check(g):
+        return None
+    flags = torch.zeros(N, H, dtype=torch.int32, device=g.device)
+    pending.append(flags)
+    return flags
 
 
 def _torch_impl(name):
@@ -25,7 +42,7 @@ def kda(inst, q, k, v, g, beta, s=None):
     if q.dtype == torch.float64:
         return _torch_impl("k3.kda")(inst, q, k, v, g, beta, s)
     return kda_forward(q, k, v, g.float(), beta.float(), None, None, initial_state=s, output_final_state=True,
-                       scale=inst.scale, gate="precomputed")
+                       scale=inst.scale, gate="precomputed", flags=_gate_flags(g, q.shape[0], q.shape[2]))
 
 
 def short_conv(inst, x, w, s=None):
@@ -138,7 +155,7 @@ def fused_kda(inst, *args):
         ys.append(y.reshape(B, Tn, H, D))
         new.append(s_new)
     o, s_out = kda_forward(ys[0], ys[1], ys[2], z.reshape(B, Tn, H, D), bl, A_log, dt_bias, lower_bound=lb,
-                           initial_state=st[3], output_final_state=True, scale=inst.scale)
+                           initial_state=st[3], output_final_state=True, scale=inst.scale, flags=_gate_flags(z, B, H))
     o = layer.gated_rmsnorm(o, gz.reshape(B, Tn, H, D).to(o.dtype), o_norm, inst.eps)
     return (o.reshape(B, Tn, H * D), *new, s_out)
 
@@ -250,10 +267,40 @@ class TritonExecutable(TorchExecutable):
     def _run_eager(self, function, targs, params):
         from .lowering import PlanInterpreter
         interp = PlanInterpreter(self.module, self.table, params.__getitem__, post=self._post, plans=self.plans)
-        if self.graph_ctx is None:
-            return interp.run(function, targs)
-        with triton_config(decode={"graph_in_place": True}):     # a CUDA-graph capture: states updated in place
-            return interp.run(function, targs)
+        pending: list = []
+        token = _GATE_FLAGS.set(pending)
+        try:
+            if self.graph_ctx is None:
+                return interp.run(function, targs)
+            with triton_config(decode={"graph_in_place": True}):     # a CUDA-graph capture: states updated in place
+                return interp.run(function, targs)
+        finally:
+            _GATE_FLAGS.reset(token)
+            if pending:                        # kept until take_gate_flags; at most 256 launches' (then merged)
+                held = (getattr(self, "gate_flags", None) or []) + pending
+                if len(held) > 256:
+                    shapes = {tuple(f.shape) for f in held}
+                    held = [torch.stack([f for f in held if tuple(f.shape) == sh]).amax(0) for sh in shapes]
+                self.gate_flags = held
+
+    def take_gate_flags(self) -> list[tuple[int, int, int]]:
+        """The KDA gates the runs since the last call reported on a device (``kda_forward``'s ``flags``;
+        TritonConfig.kda.gate_check): ``(launch, sequence, head)`` per (sequence, head) whose gate inputs held NaN (or
+        a positive precomputed g), ``launch`` the 0-based KDA launch since the last call, ``sequence`` its batch row;
+        empty when none. Reads the flags (one copy to the host: call it where the host waits for the runs anyway)
+        and clears them."""
+        pending, self.gate_flags = getattr(self, "gate_flags", None), None
+        if not pending:
+            return []
+        hits = torch.cat([f.reshape(-1) for f in pending]).cpu()
+        if not bool(hits.any()):
+            return []
+        out, at = [], 0
+        for i, f in enumerate(pending):
+            part = hits[at:at + f.numel()].reshape(f.shape)
+            at += f.numel()
+            out += [(i, int(n), int(h)) for n, h in part.nonzero().tolist()]
+        return out
 
     def run(self, function, args, params):
         from k3ir.types import TensorType

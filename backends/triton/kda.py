@@ -132,10 +132,12 @@ def _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate, lo
            check_gates: bool = True):
     """Host-side checks of ``kda_forward``'s arguments (module docstring of ``checks``); returns N, the number
     of sequences. Shapes, dtypes, devices, ``gate``, ``lower_bound`` and ``cu_seqlens`` (which the launch reads
-    on the host anyway) always; with ``check_gates`` (not during CUDA-graph capture) one reduction and one sync
-    check the gate values: no NaN in g, A_log[:H] and dt_bias (a NaN gate would turn the outputs of the earlier
-    tokens of its chunk NaN too: the chunk matmuls multiply it by zero) and, for ``gate="precomputed"``,
-    ``g <= 0`` (SPEC.md 10: a positive log-decay grows the state without bound)."""
+    on the host anyway) always; with ``check_gates`` where ``eager_gate_check(g)`` (host tensors under
+    ``kda.gate_check = "auto"``: no device sync; everywhere under "host"; never during CUDA-graph capture) one
+    reduction checks the gate values: no NaN in g, A_log[:H] and dt_bias (a NaN gate would turn the outputs of the
+    earlier tokens of its chunk NaN too: the chunk matmuls multiply it by zero) and, for ``gate="precomputed"``,
+    ``g <= 0`` (SPEC.md 10: a positive log-decay grows the state without bound). Elsewhere the gate launch
+    reports them in ``flags`` instead (``kda_forward``)."""
     fn = "kda_forward"
     if gate not in GATES:
         C.fail(fn, f"gate={gate!r} is unknown, expected one of {', '.join(map(repr, GATES))}")
@@ -170,9 +172,42 @@ def _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate, lo
         N = len(cu) - 1
     if initial_state is not None:
         C.tensor(fn, "initial_state", initial_state, shape=(N, H, K, V), dtypes=C.FLOAT_DTYPES, device=q.device)
-    if check_gates and g.numel() and not C.capturing():
+    if check_gates and g.numel() and not C.capturing() and eager_gate_check(g):
         _check_gate_values(fn, g, A_log, dt_bias, H, gate)
     return N
+
+
+GATE_CHECKS = ("auto", "flags", "host")
+
+
+def eager_gate_check(g) -> bool:
+    """Whether ``kda_forward`` checks the gate values at the call (a reduction; a host sync for device tensors):
+    ``TritonConfig.kda.gate_check`` "host", or "auto" with ``g`` in host memory (the CPU, the interpreter). Otherwise
+    the caller passes ``flags`` and the gate launch reports non-finite gates per (sequence, head) without a sync.
+    Raises K3KernelInputError for an unknown ``gate_check``."""
+    mode = get_triton_config().kda.gate_check
+    if mode not in GATE_CHECKS:
+        C.fail("kda_forward", f"TritonConfig.kda.gate_check={mode!r} is unknown, expected one of "
+                              f"{', '.join(map(repr, GATE_CHECKS))}")
+    return mode == "host" or (mode == "auto" and g.device.type == "cpu")
+
+
+def _gate_flags_torch(g, A_log, dt_bias, H, gate, cu, flags):
+    """``flags[n, h] = 1`` where sequence n, head h has a gate input that is NaN (precomputed: not <= 0), by torch
+    reductions on the device (no sync): for the launch paths without the gcum kernel (``kda.intra = "fused"`` or
+    ``kda.gcum`` off). ``cu``: the host cu_seqlens list or None (B sequences of T)."""
+    bad = (~(g <= 0)) if gate == "precomputed" else torch.isnan(g)
+    bad = bad.any(-1)                                               # [B, T, H]
+    if gate != "precomputed":
+        bad = bad | (torch.isnan(A_log.reshape(-1)[:H]) | torch.isnan(dt_bias.reshape(H, -1)).any(-1))
+    if cu is None:
+        per = bad.any(1)
+    else:
+        seq = torch.repeat_interleave(torch.arange(len(cu) - 1, device=g.device),
+                                      torch.tensor([b - a for a, b in itertools.pairwise(cu)], device=g.device))
+        per = torch.zeros(len(cu) - 1, H, dtype=torch.int32, device=g.device)
+        per = per.scatter_reduce_(0, seq[:, None].expand(-1, H), bad[0].to(torch.int32), "amax")
+    flags.copy_(torch.maximum(flags, per.to(flags.dtype)))
 
 
 def _check_gate_values(fn, g, A_log, dt_bias, H, gate):
@@ -196,7 +231,8 @@ def _check_gate_values(fn, g, A_log, dt_bias, H, gate):
 def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, initial_state=None,
                         output_final_state=False, cu_seqlens=None, scale=None, gate: str = "raw",
                         stages: tuple[str, ...] = ("intra", "recur"), return_intermediates: bool = False,
-                        store_ai: bool = False, store_qk: bool | None = None, check_gates: bool = True):
+                        store_ai: bool = False, store_qk: bool | None = None, check_gates: bool = True,
+                        flags: torch.Tensor | None = None):
     """The Triton launches, no autograd. Same contract as ``kda_forward``; ``stages`` picks launches
     for timing one kernel alone (the outputs are then meaningless): "intra" (all intra-chunk launches),
     "gcum" / "akk" / "inv" / "wu" (one launch of the split path), "recur". With ``return_intermediates``
@@ -210,10 +246,13 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
     the backward (``saved_for_backward``). ``store_qk`` (default: ``store_ai``; flat w/u launch,
     ``kda.wu_mode = "flat"`` with ``kda.gcum``, only): the w/u launch also writes ``qn`` (q
     L2-normalised times the scale) and ``kn`` (k L2-normalised), ``[B,T,H,K]`` in w's dtype, valid rows: the
-    backward's prelude outputs. ``check_gates`` (default True): the one reduction and host sync of ``_check``
-    that rejects NaN gate inputs and positive precomputed log-decays (False: time the launches alone)."""
+    backward's prelude outputs. ``check_gates`` (default True): the eager value check of ``_check`` that
+    rejects NaN gate inputs and positive precomputed log-decays where ``eager_gate_check`` (False: time the
+    launches alone). ``flags``: see ``kda_forward``."""
     N = _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, gate, lower_bound, check_gates)
     B, T, H, K = k.shape
+    if flags is not None:
+        C.tensor("kda_forward", "flags", flags, shape=(N, H), dtypes=(torch.int32,), device=q.device)
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
@@ -260,6 +299,7 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     common = {"GATE": GATE, "IS_VARLEN": cu_seqlens is not None}
     tu = get_triton_config().kda
+    flagged = False          # set where a gcum launch wrote the flags
     if NC > 0 and tu.intra == "split":
         exact = GATE != kk.GATE_LOWER_BOUND
         inter["Xb"] = Xb = torch.empty(B, T, H, BT, dtype=torch.float32 if tu.xb == "fp32" else idt,
@@ -279,14 +319,18 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
         if gpre and ("intra" in stages or "gcum" in stages) and tu.gcum_mode == "rows":
             gbk = min(tu.gcum_rows_bk, K)
             kk.kda_gcum_rows_kernel[(NC, H, K // gbk)](
-                g, A_log, dt_bias, Gbuf, gC, cu_dev, chunk_indices, T, lb, H=H, K=K, BT=BT, BK=gbk, GATE=GATE,
-                IS_VARLEN=cu_seqlens is not None, FAST_LOG=bool(tu.fast_log) and not _interpret(),
-                RB=tu.gcum_rows_rb, num_warps=tu.gcum_rows_warps)
+                g, A_log, dt_bias, Gbuf, gC, cu_dev, chunk_indices, T, lb, gC if flags is None else flags, H=H, K=K,
+                BT=BT, BK=gbk, GATE=GATE, IS_VARLEN=cu_seqlens is not None,
+                FAST_LOG=bool(tu.fast_log) and not _interpret(), RB=tu.gcum_rows_rb, HAS_FLAGS=flags is not None,
+                num_warps=tu.gcum_rows_warps)
+            flagged = True
         elif gpre and ("intra" in stages or "gcum" in stages):
             gbk = min(tu.gcum_bk, K)
             kf.kda_gcum_kernel[(NC, H, K // gbk)](
-                g, A_log, dt_bias, Gbuf, gC, cu_dev, chunk_indices, T, lb, H=H, K=K, BT=BT, BK=gbk, GATE=GATE,
-                IS_VARLEN=cu_seqlens is not None, num_warps=tu.gcum_warps)
+                g, A_log, dt_bias, Gbuf, gC, cu_dev, chunk_indices, T, lb, gC if flags is None else flags, H=H, K=K,
+                BT=BT, BK=gbk, GATE=GATE, IS_VARLEN=cu_seqlens is not None, HAS_FLAGS=flags is not None,
+                num_warps=tu.gcum_warps)
+            flagged = True
         inv_split = tu.inv == "split"
         cap = None if _interpret() else tu.exact_maxnreg if exact else tu.maxnreg
         thr = float(tu.clamp_thr)
@@ -334,6 +378,8 @@ def kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound=None, init
             H=H, K=K, V=V, BT=BT, BC=BC, L2NORM=gate != "precomputed",
             BETA_SIGMOID=gate != "precomputed", EXACT=GATE != kk.GATE_LOWER_BOUND,
             PREC=prec, INV_DOTS=tu.inv_dots, num_warps=4 if K <= 64 else tu.intra_warps, **common)
+    if flags is not None and not flagged and NC > 0:
+        _gate_flags_torch(g, A_log, dt_bias, H, gate, cu if cu_seqlens is not None else None, flags)
     rule = tu.bv_rule if idt != torch.float32 else "nh128"    # "waves" is timed for bf16
     BV, rstages = (tu.bv, None) if tu.bv else recur_block(
         N * H, V, _sm_count(dev), rule, tu.recur_table or RECUR_TABLE)
@@ -384,12 +430,12 @@ class _KDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, lower_bound, output_final_state,
-                cu_seqlens, scale, gate):
+                cu_seqlens, scale, gate, flags):
         ctx.config = get_triton_config()      # the backward runs under the forward's config (autograd thread)
         reuse = bool(ctx.config.kda.bwd_reuse) and any(ctx.needs_input_grad) and _bwd_mode() != "torch"
         res = kda_forward_kernels(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state,
                                   output_final_state, cu_seqlens, scale, gate, return_intermediates=reuse,
-                                  store_ai=reuse)
+                                  store_ai=reuse, flags=flags)
         o, ht = res[0], res[1]
         sv = saved_for_backward(res[2]) if reuse else None
         ctx.saved_keys = tuple(sv) if sv else ()
@@ -411,7 +457,7 @@ class _KDAFunction(torch.autograd.Function):
             from .kda_bwd import kda_backward
             res = kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, ctx.lower_bound,
                                ctx.scale, cu_seqlens, ctx.gate, saved=dict(zip(ctx.saved_keys, extra)) or None)
-            return (*res, None, None, None, None, None)
+            return (*res, None, None, None, None, None, None)
         leaves = [x.detach().requires_grad_(x.is_floating_point()) if x is not None else None
                   for x in (q, k, v, g, beta, A_log, dt_bias, initial_state)]
         with torch.enable_grad():
@@ -426,14 +472,14 @@ class _KDAFunction(torch.autograd.Function):
         it = iter(got)
         res = [next(it) if (x is not None and x.requires_grad) else None for x in leaves]
         res = [None if r is None else r.to(x.dtype) for r, x in zip(res, leaves)]
-        return (*res, None, None, None, None, None)
+        return (*res, None, None, None, None, None, None)
 
 
 def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None = None,
                 initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                 cu_seqlens: torch.Tensor | None = None, scale: float | None = None,
-                gate: str = "raw") -> tuple[torch.Tensor, torch.Tensor | None]:
+                gate: str = "raw", flags: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused chunked KDA (SPEC.md 3.3-3.5, chunk 64, 16-row sub-chunks) on Triton kernels.
 
     q, k ``[B,T,H,K]`` after the short conv, before the L2 norm (eps 1e-6; ``q *= K^-0.5``);
@@ -450,8 +496,14 @@ def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     Returns (o ``[B,T,H,V]`` in v's dtype: the recurrence output before the head norm and output
     gate, final state fp32 ``[N,H,K,V]`` or None). Differentiable in q, k, v, g, beta, A_log,
     dt_bias and initial_state. Raises K3KernelInputError (a K3RuntimeError) before any launch on bad shapes,
-    dtypes or devices, an unknown ``gate``, non-integer ``cu_seqlens``, ``lower_bound`` outside [-5, 0), a NaN
-    in the gate inputs (g, A_log, dt_bias), or a positive precomputed g (SPEC.md 10). The gate-value check is
-    one reduction over g and one host sync; it is skipped while a CUDA graph is being captured."""
+    dtypes or devices, an unknown ``gate``, non-integer ``cu_seqlens``, ``lower_bound`` outside [-5, 0), and,
+    where ``eager_gate_check(g)`` (host tensors; ``TritonConfig.kda.gate_check``), a NaN in the gate inputs (g,
+    A_log, dt_bias) or a positive precomputed g (SPEC.md 10). On a device the gate values are not checked at the
+    call (that was one reduction and a host sync, 0.38-0.51 ms per call on the H200): ``flags`` (int32
+    ``[N, H]``, zeros; the caller allocates it) gets 1 where sequence n, head h had such a gate, written by the
+    gate launch (no sync), for the runtime to read where it syncs anyway (``executable.take_kda_flags``). A
+    non-finite gate's (sequence, head) computes independently of the others (a chunk never spans two
+    sequences; heads never mix): their outputs are those of a run without it, bit for bit; its own outputs are
+    NaN from its chunk's first token on (the chunk matmuls multiply it by zero), its final state NaN."""
     return _KDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, lower_bound, output_final_state,
-                              cu_seqlens, scale, gate)
+                              cu_seqlens, scale, gate, flags)

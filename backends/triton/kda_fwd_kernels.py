@@ -31,6 +31,7 @@ import triton.language as tl
 from . import kda_kernels as kk
 from .kda_common import (
     beta_rows,
+    chunk_locate,
     chunk_rows,
     gate_act,
     gate_bias,
@@ -164,22 +165,28 @@ def _strip(accA, accP, accD, accQ, q, k, g, Gbuf, kA, G_all, GsI, GeI, row0, nv,
 
 
 @triton.jit(do_not_specialize=["T"])
-def kda_gcum_kernel(g, A_log, dt_bias, Gbuf, gC, cu_seqlens, chunk_indices, T, lb,
+def kda_gcum_kernel(g, A_log, dt_bias, Gbuf, gC, cu_seqlens, chunk_indices, T, lb, flags,
                     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
-                    IS_VARLEN: tl.constexpr):
+                    IS_VARLEN: tl.constexpr, HAS_FLAGS: tl.constexpr = False):
     """Gate (SPEC.md 3.4) and its cumulative sum inside the chunk, once: ``Gbuf`` (fp32 ``[B,T,H,K]``, valid
-    rows only) and ``gC = exp(G_C)`` (fp32 ``[chunks,H,K]``). One program per chunk, head and K slice."""
+    rows only) and ``gC = exp(G_C)`` (fp32 ``[chunks,H,K]``). One program per chunk, head and K slice.
+    ``HAS_FLAGS``: ``flags[sequence, head]`` set to 1 where a valid row's log-decay is not ``<= 0`` (as
+    ``kda_kernels.kda_gcum_rows_kernel``)."""
     i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
+    i_n, _, _, _, row0, nv = chunk_locate(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
     rows = tl.arange(0, BT)
     m = rows < nv
     offs = i_k * BK + tl.arange(0, BK)
     a_h, dtb = gate_head(A_log, dt_bias, i_h, offs, K, GATE)
     off = (row0 + rows).to(tl.int64)[:, None] * (H * K) + i_h * K + offs[None, :]
     bg = tl.load(g + off, mask=m[:, None], other=0.).to(tl.float32)
-    gt = tl.where(m[:, None], gate_act(bg, dtb[None, :], a_h, lb, GATE, False), 0.)
+    act = gate_act(bg, dtb[None, :], a_h, lb, GATE, False)
+    gt = tl.where(m[:, None], act, 0.)
     tl.store(Gbuf + off, tl.cumsum(gt, 0), mask=m[:, None])
     tl.store(gC + (i_c * H + i_h).to(tl.int64) * K + offs, tl.exp(tl.sum(gt, 0)))
+    if HAS_FLAGS:
+        nbad = tl.sum(tl.sum(tl.where(m[:, None] & ~(act <= 0.), 1, 0), 1), 0)
+        tl.store(flags + i_n * H + i_h, 1, mask=nbad > 0)
 
 
 @triton.jit

@@ -29,6 +29,7 @@ from .kda_common import (
     GATE_PRECOMPUTED,  # noqa: F401
     GATE_SOFTPLUS,  # noqa: F401
     beta_rows,
+    chunk_locate,
     chunk_rows,
     gate_act,
     gate_head,
@@ -238,29 +239,38 @@ def kda_recur_kernel(w, u, qg, kg, Aqk, gC, o, h0, ht, cu_seqlens, chunk_offsets
 
 
 @triton.jit(do_not_specialize=["T"])
-def kda_gcum_rows_kernel(g, A_log, dt_bias, Gbuf, gC, cu_seqlens, chunk_indices, T, lb,
+def kda_gcum_rows_kernel(g, A_log, dt_bias, Gbuf, gC, cu_seqlens, chunk_indices, T, lb, flags,
                          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr,
-                         IS_VARLEN: tl.constexpr, FAST_LOG: tl.constexpr, RB: tl.constexpr):
+                         IS_VARLEN: tl.constexpr, FAST_LOG: tl.constexpr, RB: tl.constexpr,
+                         HAS_FLAGS: tl.constexpr = False):
     """``kda_fwd_kernels.kda_gcum_kernel`` with the cumsum along rows kept inside each thread
     (``TritonConfig.kda.gcum_mode = "rows"``): one program per chunk, head and ``BK`` columns walks the chunk's rows
     (unrolled: every load can issue at once) with a running sum in registers, so there is no cross-lane or
-    cross-warp scan (the tile kernel spends ~70 instructions per element on the scan and the libdevice log)."""
+    cross-warp scan (the tile kernel spends ~70 instructions per element on the scan and the libdevice log).
+    ``HAS_FLAGS``: ``flags[sequence, head]`` (int32 ``[N, H]``) is set to 1 where a valid row's log-decay is not
+    ``<= 0`` (NaN from g, A_log or dt_bias, or a positive precomputed g): no host sync (``kda.gate_check``)."""
     i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
+    i_n, _, _, _, row0, nv = chunk_locate(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 0)
     offs = i_k * BK + tl.arange(0, BK)
     a_h, dtb = gate_head(A_log, dt_bias, i_h, offs, K, GATE)
     base = row0 * (H * K) + i_h * K + offs
     acc = tl.zeros([BK], dtype=tl.float32)
     zi = tl.zeros([BK], dtype=tl.int32)
+    nbad = zi
     for r0 in tl.static_range(0, BT, RB):      # RB rows: all loads first (g and Gbuf may alias for the compiler)
         xs = ()
         for r in tl.static_range(RB):
             xs = xs + (tl.load(g + base + (r0 + r) * (H * K), mask=(zi + r0 + r) < nv, other=0.),)
         for r in tl.static_range(RB):
             ok = (zi + r0 + r) < nv
-            acc += tl.where(ok, gate_act(xs[r].to(tl.float32), dtb, a_h, lb, GATE, FAST_LOG), 0.)
+            act = gate_act(xs[r].to(tl.float32), dtb, a_h, lb, GATE, FAST_LOG)
+            acc += tl.where(ok, act, 0.)
+            if HAS_FLAGS:
+                nbad += tl.where(ok & ~(act <= 0.), 1, 0)
             tl.store(Gbuf + base + (r0 + r) * (H * K), acc, mask=ok)
     tl.store(gC + (i_c * H + i_h).to(tl.int64) * K + offs, tl.exp(acc))
+    if HAS_FLAGS:
+        tl.store(flags + i_n * H + i_h, 1, mask=tl.max(nbad, 0) > 0)
 
 
 @triton.jit

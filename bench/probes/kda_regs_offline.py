@@ -119,18 +119,19 @@ def inv(warps=1, gate=0, h=32, ip="tf32", store_ai=False):
     return _compile(kf.kda_inv_kernel, names, types, const, warps, 1)
 
 
-def gcum(bk=32, warps=4, gate=0, h=32):
-    names = ["g", "A_log", "dt_bias", "Gbuf", "gC", "cu_seqlens", "chunk_indices", "T", "lb"]
-    types = ["*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "i32", "fp32"]
-    const = {"H": h, "K": 128, "BT": 64, "BK": bk, "GATE": gate, "IS_VARLEN": False}
+def gcum(bk=32, warps=4, gate=0, h=32, flags=False):
+    names = ["g", "A_log", "dt_bias", "Gbuf", "gC", "cu_seqlens", "chunk_indices", "T", "lb", "flags"]
+    types = ["*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "i32", "fp32", "*i32"]
+    const = {"H": h, "K": 128, "BT": 64, "BK": bk, "GATE": gate, "IS_VARLEN": False, "HAS_FLAGS": bool(flags)}
     return _compile(kf.kda_gcum_kernel, names, types, const, warps, 1)
 
 
-def gcum_rows(bk=128, warps=1, gate=0, h=32, fast_log=False, rb=16):
+def gcum_rows(bk=128, warps=1, gate=0, h=32, fast_log=False, rb=16, flags=False):
     from k3ir.backends.triton import kda_kernels as kk
-    names = ["g", "A_log", "dt_bias", "Gbuf", "gC", "cu_seqlens", "chunk_indices", "T", "lb"]
-    types = ["*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "i32", "fp32"]
-    const = {"H": h, "K": 128, "BT": 64, "BK": bk, "GATE": gate, "IS_VARLEN": False, "FAST_LOG": bool(fast_log), "RB": rb}
+    names = ["g", "A_log", "dt_bias", "Gbuf", "gC", "cu_seqlens", "chunk_indices", "T", "lb", "flags"]
+    types = ["*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "i32", "fp32", "*i32"]
+    const = {"H": h, "K": 128, "BT": 64, "BK": bk, "GATE": gate, "IS_VARLEN": False, "FAST_LOG": bool(fast_log), "RB": rb,
+             "HAS_FLAGS": bool(flags)}
     return _compile(kk.kda_gcum_rows_kernel, names, types, const, warps, 1)
 
 

@@ -54,10 +54,15 @@ def test_kda_op_refuses_positive_log_decay(target):
     g[0, 7, 1, 3] = 0.5
     if target == "triton":
         pytest.importorskip("triton")
+        from k3ir.backends.triton.config import triton_config
         from k3ir.backends.triton.executable import TritonExecutable
         exe = TritonExecutable(_kda_module(), "float32", "cuda" if torch.cuda.is_available() else "cpu")
-        with pytest.raises(K3KernelInputError, match=r"gate='precomputed' needs log-decays g <= 0 .*g\[0, 7, 1, 3\]"):
+        with triton_config(kda={"gate_check": "host"}), \
+                pytest.raises(K3KernelInputError, match=r"gate='precomputed' needs log-decays g <= 0 .*g\[0, 7, 1, 3\]"):
             exe.run("f", [q, k, v, g, beta], {})
+        with triton_config(kda={"gate_check": "flags"}):     # a device's path: no sync at the call, flagged
+            exe.run("f", [q, k, v, g, beta], {})
+        assert exe.take_gate_flags() == [(0, 0, 1)] and exe.take_gate_flags() == []
         return
     exe = ReferenceExecutable(_kda_module(), "float64", "cpu") if target == "reference" else \
         TorchExecutable(_kda_module(), "float32", "cpu")
@@ -113,18 +118,22 @@ def _raw_inputs(seed=2, T=T):
 def test_triton_forward_refuses_positive_precomputed_log_decay():
     pytest.importorskip("triton")
     from k3ir.backends.triton import kda_forward
+    from k3ir.backends.triton.config import triton_config
     q, k, v, g, beta = (torch.tensor(a, dtype=torch.float32, device=DEV) for a in _normalised_inputs())
     g[0, 30, 0, 5] = 2.0
-    with pytest.raises(K3KernelInputError, match=r"gate='precomputed' needs log-decays g <= 0 .*g\[0, 30, 0, 5\]"):
+    with triton_config(kda={"gate_check": "host"}), \
+            pytest.raises(K3KernelInputError, match=r"gate='precomputed' needs log-decays g <= 0 .*g\[0, 30, 0, 5\]"):
         kda_forward(q, k, v, g, beta, None, None, scale=0.25, gate="precomputed")
 
 
 @pytest.mark.parametrize("gate", ["raw", "precomputed"])
 def test_triton_forward_refuses_nan_gate(gate):
     """A NaN gate at token 21 made the Triton outputs of tokens 0..20 NaN (its chunk's matmuls multiply it by
-    zero); the kernels refuse it with the token's position instead."""
+    zero); the call refuses it with the token's position instead, where it checks the gate values at the call
+    (host tensors, or ``kda.gate_check = "host"``; on a device the gate launch flags it: test_triton_kda_gate_flags)."""
     pytest.importorskip("triton")
     from k3ir.backends.triton import kda_forward
+    from k3ir.backends.triton.config import triton_config
     if gate == "raw":
         x = _raw_inputs()
         x["g"][0, 21, 0, 3] = float("nan")
@@ -133,7 +142,8 @@ def test_triton_forward_refuses_nan_gate(gate):
         q, k, v, g, beta = (torch.tensor(a, dtype=torch.float32, device=DEV) for a in _normalised_inputs())
         g[0, 21, 0, 3] = float("nan")
         args, kw = [q, k, v, g, beta, None, None], {"gate": "precomputed"}
-    with pytest.raises(K3KernelInputError, match=r"the gate inputs hold NaN \(first at g\[0, 21, 0, 3\]"):
+    with triton_config(kda={"gate_check": "host"}), \
+            pytest.raises(K3KernelInputError, match=r"the gate inputs hold NaN \(first at g\[0, 21, 0, 3\]"):
         kda_forward(*args, **kw)
 
 
