@@ -43,7 +43,7 @@ def print_plans(facts, plans, g, args) -> None:
               f"{g.bf16_flops / 1e12:,.0f} TFLOP/s bf16); {args.batch} sequences x {args.seq:,} tokens")
     con.print(f"weights {human_bytes(facts.weight_bytes)}: routed experts ({facts.expert_format}) "
               f"{human_bytes(facts.expert_bytes)}, trunk {human_bytes(facts.weight_bytes - facts.expert_bytes)}")
-    t = Table(title="per GPU, best first (sends: bytes per token its group processes)")
+    t = Table(title="per GPU, best first (sends: bytes per token it processes)")
     t.add_column("", no_wrap=True)
     for i, p in enumerate(plans, start=1):
         t.add_column(f"#{i} " + " ".join(f"{a}{getattr(p.layout, a)}" for a in ("ep", "cp", "tp", "dp")),

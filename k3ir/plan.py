@@ -7,8 +7,10 @@ tensor-parallel group is a block of neighbouring GPUs). Each ep and dp coordinat
 sequences (data-parallel attention); tp splits the work of the same tokens (column / row parallel,
 one all-reduce per block); cp splits each sequence into contiguous segments (KCP, SPEC.md 3).
 Weights per GPU: routed experts over ``ep`` (whole experts) and, inside each expert, over ``tp``
-(intermediate dimension), replicated over cp and dp; the trunk groups in ``TP_SPLIT_GROUPS`` over
-``tp``; every other group (router, latent projections, norms, AttnRes, vision tower) replicated.
+(intermediate dimension), replicated over cp and dp; the rest as the ``shard`` pass places it
+(``k3ir.sharding``: attention heads, dense FFN, shared experts, embedding and LM head over ``tp``; the
+low-rank attention projections, router, latent projections, norms, AttnRes and vision tower
+replicated), so the planner's bytes are the sharded module's.
 
 Units: bytes (decimal GB = 1e9 in messages), seconds, bytes/s, FLOP/s.
 """
@@ -21,6 +23,7 @@ from typing import Any
 from .accounting import param_group, report
 from .errors import K3Error
 from .ir import Module
+from .sharding import param_shards
 from .types import DTYPE_BYTES
 
 
@@ -58,8 +61,9 @@ GPUS: dict[str, GPU] = {
 WORKSPACE_BYTES = 4e9
 #: Tokens of one prefill chunk (one sequence; split over cp); shorter sequences are one chunk.
 PREFILL_CHUNK = 8192
-#: Parameter groups (``accounting.param_group``) split over tp; all others are replicated.
-TP_SPLIT_GROUPS = ("attention", "dense_ffn", "shared_experts", "embedding", "lm_head")
+#: EP send buffers hold ``ceil(CAPACITY_FACTOR * tokens * k / E)`` rows per expert per source rank
+#: (``shard{capacity=C}``): 1.0 is the balanced load QB keeps the experts at.
+CAPACITY_FACTOR = 1.0
 #: Groups read at every decode step (the embedding reads B rows, the vision tower nothing).
 NOT_READ_AT_DECODE = ("embedding", "vision")
 #: Logits are all-gathered over tp in float32.
@@ -94,9 +98,11 @@ class ModelFacts:
     the decode FLOPs per token at ``context`` (``accounting.report``)."""
     name: str
     group_bytes: dict[str, float]
+    tp_split_group_bytes: dict[str, float]     # per group, the bytes of the parameters split over tp
     expert_format: str
     hidden: int
     layers: int
+    dense_layers: int
     moe_layers: int
     kda_layers: int
     mla_layers: int
@@ -130,10 +136,11 @@ class ModelFacts:
         return sum(self.group_bytes.values())
 
     def tp_split_bytes(self) -> float:
-        return sum(v for g, v in self.group_bytes.items() if g in TP_SPLIT_GROUPS)
+        return sum(self.tp_split_group_bytes.values())
 
     def replicated_bytes(self) -> float:
-        return sum(v for g, v in self.group_bytes.items() if g not in TP_SPLIT_GROUPS and g != "routed_experts")
+        return sum(v - self.tp_split_group_bytes.get(g, 0.0) for g, v in self.group_bytes.items()
+                   if g != "routed_experts")
 
 
 def model_facts(module: Module, context: int = 4096) -> ModelFacts:
@@ -146,17 +153,22 @@ def model_facts(module: Module, context: int = 4096) -> ModelFacts:
                           "(a .k3 IR file?): pass a config.json, checkpoint directory or bundled name")
     r = report(module, context=context)
     groups: dict[str, float] = {}
+    split: dict[str, float] = {}
+    tp_split = {n for n, spec in param_shards(module, ep=2, tp=2).items() if "tp" in spec}
     for name, decl in module.params.items():
         g = param_group(name)
         groups[g] = groups.get(g, 0.0) + float(decl.type.nbytes())
+        if name in tp_split and g != "routed_experts":
+            split[g] = split.get(g, 0.0) + float(decl.type.nbytes())
     quant = sorted({str(d.attrs["quant"]) for d in module.params.values() if "quant" in d.attrs})
     act = DTYPE_BYTES.get(str(module.attrs.get("dtype", "bf16")), 2)
     kda_state = sum(lr.state_bytes_per_sequence for lr in r.layers)
     mla_tok = sum(lr.kv_bytes_per_token for lr in r.layers)
     block = int(c.attn_res_block_size or 0)
     return ModelFacts(
-        name=module.name, group_bytes=groups, expert_format="/".join(quant) or str(module.attrs.get("dtype", "bf16")),
-        hidden=int(c.hidden_size), layers=int(c.num_hidden_layers), moe_layers=r.counts["moe"],
+        name=module.name, group_bytes=groups, tp_split_group_bytes=split, expert_format="/".join(quant) or str(module.attrs.get("dtype", "bf16")),
+        hidden=int(c.hidden_size), layers=int(c.num_hidden_layers), dense_layers=r.counts.get("dense", 0),
+        moe_layers=r.counts["moe"],
         kda_layers=r.counts["kda"], mla_layers=r.counts["mla"], experts=int(c.num_experts), top_k=int(c.top_k),
         latent=int(c.latent_size or c.hidden_size), moe_intermediate=int(c.moe_intermediate_size),
         shared_experts=int(c.num_shared_experts or 0), dense_intermediate=int(c.intermediate_size),
@@ -172,7 +184,7 @@ def model_facts(module: Module, context: int = 4096) -> ModelFacts:
 @dataclass
 class Plan:
     """The figures of one layout. ``memory``: bytes per GPU by item; ``comm_decode`` /
-    ``comm_prefill``: bytes each GPU sends per token its group processes, by collective;
+    ``comm_prefill``: bytes each GPU sends per token it processes, by collective;
     ``step_s``: the decode step's HBM, interconnect and compute times (the roofline is their
     maximum: communication and compute are assumed to overlap the weight and state reads)."""
     layout: Layout
@@ -239,77 +251,94 @@ def group_bandwidth(layout: Layout, gpu: GPU, axis: str) -> float:
     return gpu.link_bw if span <= gpu.per_node else gpu.net_bw
 
 
-def communication(f: ModelFacts, layout: Layout, seq: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Bytes each GPU sends per token, by collective, for decode and for prefill (ring
-    collectives: an all-reduce of S bytes over g GPUs sends ``2 (g-1)/g S``, an all-gather in which
-    each contributes P sends ``(g-1) P``, an all-to-all of S sends ``(g-1)/g S``). Collectives over an
-    axis of size 1 are left out.
+def ep_capacity(f: ModelFacts, tokens: int, capacity_factor: float = CAPACITY_FACTOR) -> int:
+    """EP send-buffer rows per expert per source rank for a call routing ``tokens`` tokens on one GPU:
+    ``ceil(capacity_factor * tokens * k / E)`` (at least 1), the ``capacity`` of ``shard{capacity=C}``."""
+    return max(1, math.ceil(capacity_factor * tokens * f.top_k / f.experts)) if f.experts else 0
 
-    - ``ep_all_to_all``: dispatch and combine per MoE layer, ``2 (ep-1)/ep k latent`` activations
-      (each tp rank exchanges its own slice's rows; the combine returns partial sums that the tp
-      all-reduce adds).
-    - ``tp_all_reduce``: one per attention block and one per FFN block of every layer, and one
-      for the vocabulary-parallel embedding: ``(2 layers + 1) 2 (tp-1)/tp d`` activations.
-    - ``tp_logits_all_gather`` (decode): ``(tp-1)/tp vocab`` float32 logits.
-    - ``cp_attention_all_gather`` (decode): each MLA layer's partial attention over the local cache
-      segment, ``H/tp (kv_lora_rank + 1)`` float32 (absorbed output and log-sum-exp), to cp-1 peers.
+
+def communication(f: ModelFacts, layout: Layout, seq: int, decode_tokens: int = 1, prefill_tokens: int | None = None,
+                  capacity_factor: float = CAPACITY_FACTOR) -> tuple[dict[str, float], dict[str, float]]:
+    """Bytes each GPU sends per token it processes, by collective, for decode and for prefill, as the
+    sharded module runs them (``passes/shard.py``; ring collectives: an all-reduce of S bytes over g GPUs
+    sends ``2 (g-1)/g S``, an all-gather in which each contributes P sends ``(g-1) P``, an all-to-all of S
+    sends ``(g-1)/g S``). ``decode_tokens``: tokens one GPU routes per decode step (its sequences);
+    ``prefill_tokens``: per prefill call (default: a chunk's segment). Collectives over an axis of size 1
+    are left out, and so are those per sequence rather than per token (the short conv's halo, the final
+    states' broadcast from the last cp rank).
+
+    - ``ep_all_to_all``: dispatch and combine per MoE layer, each the fixed send buffer of ``E`` experts x
+      ``C`` rows (``ep_capacity``) of ``latent`` activations, ``(ep-1)/ep`` of it sent, per token routed:
+      ``2 (ep-1)/ep E C latent / tokens`` (``(ep-1)/ep 2 k latent`` when the loads sit at the target).
+    - ``tp_all_reduce``: after every attention block's row-parallel output projection, every dense FFN
+      and every MoE layer's shared experts (width ``d``), after every MoE layer's routed experts (their
+      intermediate dim is split: the combine's partial sums, width ``latent``) and after the
+      vocabulary-parallel embedding (``d``).
+    - ``tp_logits_all_gather``: ``(tp-1)/tp vocab`` float32 logits per token (prefill computes every
+      token's logits too).
     - ``cp_state_all_gather`` (prefill): each KDA layer's segment summary ``(M, S_loc)``,
       ``2 H/tp D^2`` float32 per segment of ``seq/cp`` tokens, to cp-1 peers (SPEC.md 3).
-    - ``cp_cache_all_gather`` (prefill): each MLA layer's latent cache of the segment, to cp-1 peers.
+    - ``cp_cache_all_gather`` (prefill): each MLA layer's latent kv of the segment, to cp-1 peers (every
+      cp rank then holds the whole cache). Decode steps are replicated over cp: no cp traffic.
     """
     ep, cp, tp = layout.ep, layout.cp, layout.tp
     a = f.act_bytes
     dec: dict[str, float] = {}
     pre: dict[str, float] = {}
+    segment = max(1, math.ceil(seq / cp))
+    chunk = prefill_tokens or math.ceil(min(seq, PREFILL_CHUNK) / cp)
     if ep > 1 and f.moe_layers:
-        dec["ep_all_to_all"] = pre["ep_all_to_all"] = f.moe_layers * 2 * (ep - 1) / ep * f.top_k * f.latent * a
+        for out, t in ((dec, decode_tokens), (pre, chunk)):
+            rows = f.experts * ep_capacity(f, t, capacity_factor)
+            out["ep_all_to_all"] = f.moe_layers * 2 * (ep - 1) / ep * rows * f.latent * a / t
     if tp > 1:
-        dec["tp_all_reduce"] = pre["tp_all_reduce"] = (2 * f.layers + 1) * 2 * (tp - 1) / tp * f.hidden * a
-        dec["tp_logits_all_gather"] = (tp - 1) / tp * f.vocab * LOGIT_BYTES
+        width = ((f.layers + f.dense_layers + (f.moe_layers if f.shared_experts else 0) + 1) * f.hidden
+                 + f.moe_layers * f.latent)
+        dec["tp_all_reduce"] = pre["tp_all_reduce"] = 2 * (tp - 1) / tp * width * a
+        dec["tp_logits_all_gather"] = pre["tp_logits_all_gather"] = (tp - 1) / tp * f.vocab * LOGIT_BYTES
     if cp > 1:
         if f.mla_layers:
-            dec["cp_attention_all_gather"] = (f.mla_layers * (cp - 1) * f.mla_heads / tp * (f.kv_lora_rank + 1)
-                                              * STATE_BYTES)
             pre["cp_cache_all_gather"] = (cp - 1) * f.mla_bytes_per_token
         if f.kda_layers:
-            segment = max(1, math.ceil(seq / cp))
             pre["cp_state_all_gather"] = (f.kda_layers * (cp - 1) * 2 * f.kda_heads / tp * f.kda_head_dim ** 2
                                           * STATE_BYTES / segment)
     return dec, pre
 
 
 _AXIS_OF = {"ep_all_to_all": "ep", "tp_all_reduce": "tp", "tp_logits_all_gather": "tp",
-            "cp_attention_all_gather": "cp", "cp_cache_all_gather": "cp", "cp_state_all_gather": "cp"}
+            "cp_cache_all_gather": "cp", "cp_state_all_gather": "cp"}
 
 
-def plan_layout(f: ModelFacts, layout: Layout, gpu: GPU, seq: int, batch: int) -> Plan:
+def plan_layout(f: ModelFacts, layout: Layout, gpu: GPU, seq: int, batch: int,
+                capacity_factor: float = CAPACITY_FACTOR) -> Plan:
     """Memory, communication and decode roofline of ``layout`` on ``gpu`` for ``batch``
     sequences (in total) of ``seq`` tokens each. Sequences spread evenly over the ``ep x dp``
-    groups (``sequences_per_gpu = ceil(batch / (ep dp))``; the busiest GPU sets the step time)."""
+    groups (``sequences_per_gpu = ceil(batch / (ep dp))``; the busiest GPU sets the step time).
+    As the ``shard`` pass runs it: the MLA cache is whole on every cp rank (each all-gathers the
+    segments' latent kv) and decode steps are replicated over cp."""
     ep, cp, tp = layout.ep, layout.cp, layout.tp
     seqs = math.ceil(batch / (ep * layout.dp))
-    seg = math.ceil(seq / cp)
     chunk = math.ceil(min(seq, PREFILL_CHUNK) / cp)
     memory = {
         "routed_experts": f.expert_bytes / (ep * tp),
         "trunk_tp_split": f.tp_split_bytes() / tp,
         "trunk_replicated": f.replicated_bytes(),
         "kda_state": seqs * f.kda_state_bytes / tp,
-        "mla_cache": seqs * seg * f.mla_bytes_per_token,
+        "mla_cache": seqs * seq * f.mla_bytes_per_token,
         "activations": chunk * activation_bytes_per_token(f, tp),
         "workspace": WORKSPACE_BYTES,
     }
-    dec, pre = communication(f, layout, seq)
+    dec, pre = communication(f, layout, seq, decode_tokens=seqs, prefill_tokens=chunk, capacity_factor=capacity_factor)
     # decode step of the busiest GPU: one token for each of its sequences
     touched = 1.0 - (1.0 - f.top_k / f.experts) ** (seqs * ep) if f.experts else 0.0
-    read_trunk = (sum(v for g, v in f.group_bytes.items() if g in TP_SPLIT_GROUPS and g not in NOT_READ_AT_DECODE) / tp
-                  + sum(v for g, v in f.group_bytes.items()
-                        if g not in TP_SPLIT_GROUPS and g != "routed_experts" and g not in NOT_READ_AT_DECODE))
+    read_trunk = (sum(v for g, v in f.tp_split_group_bytes.items() if g not in NOT_READ_AT_DECODE) / tp
+                  + sum(v - f.tp_split_group_bytes.get(g, 0.0) for g, v in f.group_bytes.items()
+                        if g != "routed_experts" and g not in NOT_READ_AT_DECODE))
     read = (read_trunk + touched * memory["routed_experts"]
-            + seqs * (2 * f.kda_state_bytes / tp + seg * f.mla_bytes_per_token))
+            + seqs * (2 * f.kda_state_bytes / tp + seq * f.mla_bytes_per_token))
     t_comm = sum(seqs * b / group_bandwidth(layout, gpu, _AXIS_OF[k]) for k, b in dec.items())
     step = {"hbm": read / gpu.hbm_bw, "interconnect": t_comm,
-            "compute": seqs * f.flops_per_token / (tp * cp) / gpu.bf16_flops}
+            "compute": seqs * f.flops_per_token / tp / gpu.bf16_flops}
     t = max(step.values())
     return Plan(layout=layout, gpu=gpu.name, seq=seq, batch=batch, sequences_per_gpu=seqs, memory=memory,
                 capacity=gpu.hbm_bytes, comm_decode=dec, comm_prefill=pre, decode_bytes_read=read, step_s=step,

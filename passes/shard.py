@@ -5,7 +5,8 @@ same program on its own parameter slices; the ops of ``k3ir/ops/collective.py`` 
 the rank take it from their process group). ``module.attrs["mesh"]`` records the mesh; each split
 parameter keeps its checkpoint name, gets the per-rank type and ``shard={axis=dim, ...}`` (its
 ``dim`` is cut into equal contiguous blocks over ``axis``, block r on the rank with coordinate r).
-Placement follows ``k3ir.plan`` (rank order tp innermost, then cp, ep, dp):
+Which parameter is split where is ``k3ir.sharding`` (the planner counts bytes with the same rules);
+rank order as ``k3ir.plan`` (tp innermost, then cp, ep, dp):
 
 - **Batch.** ep and dp coordinates serve their own sequences (data-parallel attention): each
   rank's ``B`` is its share of the batch; states are split the same way. tp ranks share tokens.
@@ -48,61 +49,18 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from k3ir.accounting import param_group
 from k3ir.builder import Builder
 from k3ir.errors import K3Error
 from k3ir.ir import Function, Module, Operation, Value
+from k3ir.sharding import TP_COLUMN, TP_REPLICATED, TP_ROW, param_shards  # noqa: F401 (the rules, re-exported)
 from k3ir.types import StateType, TensorType
 
 from .manager import Pass, PassResult, register_pass
 
 log = logging.getLogger("k3ir.passes")
 
-#: attention parameters split over tp on dim 0 (heads x head_dim rows, or per-head vectors)
-TP_COLUMN = ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_b_proj", "b_proj", "g_proj",
-             "g_b_proj", "dt_bias", "q_b_proj", "kv_b_proj")
-#: attention parameters split over tp on dim 1 (the heads x head_dim input of the output projection)
-TP_ROW = ("o_proj",)
-#: attention parameters replicated over tp (low-rank projections shared by all heads, their norms)
-TP_REPLICATED = ("f_a_proj", "g_a_proj", "o_norm", "q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa",
-                 "kv_a_layernorm")
 #: ops a shard pass cannot rewrite (created by the fuse / quantize passes, which run after it)
 AFTER_SHARD = ("k3.fused_kda", "k3.moe_dispatch", "k3.grouped_matmul", "k3.moe_combine")
-
-
-def _leaf(name: str) -> str:
-    parts = name.split(".")
-    return parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
-
-
-def param_shards(module: Module, ep: int, tp: int) -> dict[str, dict[str, int]]:
-    """Parameter name -> ``{axis: dim}`` for the parameters split over ep and/or tp (the others
-    are replicated). Raises K3Error for an attention parameter the rules do not know."""
-    out: dict[str, dict[str, int]] = {}
-    for name, decl in module.params.items():
-        group, leaf = param_group(name), _leaf(name)
-        spec: dict[str, int] = {}
-        if group == "routed_experts":
-            if ep > 1:
-                spec["ep"] = 0
-            if tp > 1:
-                spec["tp"] = 2 if leaf == "w2" else 1
-        elif tp > 1 and group in ("dense_ffn", "shared_experts"):
-            spec["tp"] = 1 if leaf == "down_proj" else 0
-        elif tp > 1 and group in ("embedding", "lm_head"):
-            spec["tp"] = 0
-        elif tp > 1 and group == "attention":
-            if leaf in TP_COLUMN:
-                spec["tp"] = 0
-            elif leaf in TP_ROW:
-                spec["tp"] = 1
-            elif leaf == "A_log":      # per head ([1,1,H,1] in K3): the head axis is the largest
-                spec["tp"] = max(range(decl.type.rank), key=lambda i: int(decl.type.shape[i]))
-            elif leaf not in TP_REPLICATED:
-                raise K3Error(f"shard: no tensor-parallel rule for attention parameter '{name}'")
-        if spec:
-            out[name] = spec
-    return out
 
 
 def _local_type(name: str, t: TensorType, spec: dict[str, int], sizes: dict[str, int]) -> TensorType:

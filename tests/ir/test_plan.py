@@ -16,7 +16,7 @@ from k3ir.plan import K3PlanError, Layout, model_facts, plan, plan_layout
 D, LAYERS, MOE_LAYERS, KDA_LAYERS, MLA_LAYERS = 7168, 93, 92, 69, 24      # first_k_dense_replace = 1
 E, K, LATENT, I_MOE, SHARED, I_DENSE, VOCAB = 896, 16, 3584, 3072, 2, 33792, 163840
 H_KDA, D_KDA, CONV_W = 96, 128, 3                                          # short conv kernel 4 keeps 3 tokens
-H_MLA, QK, V, R, ROPE = 96, 128 + 64, 128, 512, 64
+H_MLA, QK, V, R, ROPE, Q_LORA = 96, 128 + 64, 128, 512, 64, 1536
 BLOCKS = math.ceil(93 / 12)                                                # attn_res_block_size = 12
 # H200 as the planner's table states it (docs/plan.md)
 HBM, HBM_BW, NVLINK, NET, NODE, FLOPS = 141e9, 4.8e12, 450e9, 50e9, 8, 989e12
@@ -36,10 +36,15 @@ def hand(counts, ep, cp, tp, dp, seq, batch, flops):
     g = counts.groups
     experts = MOE_LAYERS * E * 3 * I_MOE * LATENT * (1 / 2 + 1 / 32)        # MXFP4: 4 bits + one E8M0 scale per 32
     # bf16, but each KDA layer's A_log [H] and dt_bias [H D] are f32 (2 more bytes each)
+    # the low-rank attention projections stay whole on every tp rank (k3ir.sharding.TP_REPLICATED): KDA f_a_proj
+    # [D_KDA, D] and o_norm [D_KDA]; MLA q_a_proj [Q_LORA, D], q_a_layernorm, kv_a_proj_with_mqa [R + ROPE, D],
+    # kv_a_layernorm [R]
+    low_rank = 2 * (KDA_LAYERS * (D_KDA * D + D_KDA) + MLA_LAYERS * (Q_LORA * D + Q_LORA + (R + ROPE) * D + R))
     tp_split = (2 * (g["attention"] + g["dense_ffn"] + g["shared_experts"] + g["embedding"] + g["lm_head"])
-                + KDA_LAYERS * (H_KDA + H_KDA * D_KDA) * 2)
+                + KDA_LAYERS * (H_KDA + H_KDA * D_KDA) * 2 - low_rank)
     # router (bf16 weight + f32 bias: 2 more bytes each), latent projections, norms, AttnRes, vision tower
-    replicated = 2 * (g["router"] + g["latent"] + g["norm"] + g["attn_res"] + counts.params_vision) + MOE_LAYERS * E * 2
+    replicated = (2 * (g["router"] + g["latent"] + g["norm"] + g["attn_res"] + counts.params_vision)
+                  + MOE_LAYERS * E * 2 + low_rank)
     kda_seq = KDA_LAYERS * (H_KDA * D_KDA * D_KDA * 4 + 3 * H_KDA * D_KDA * CONV_W * 4)   # fp32 S + q/k/v conv
     mla_tok = MLA_LAYERS * (R + ROPE) * 2
     seqs = math.ceil(batch / (ep * dp))
@@ -51,27 +56,28 @@ def hand(counts, ep, cp, tp, dp, seq, batch, flops):
                                           K * (3 * LATENT + 2 * I_MOE / tp) + 2 * SHARED * I_MOE / tp,
                                           2 * I_DENSE / tp))
     mem = {"routed_experts": experts / (ep * tp), "trunk_tp_split": tp_split / tp, "trunk_replicated": replicated,
-           "kda_state": seqs * kda_seq / tp, "mla_cache": seqs * seg * mla_tok, "activations": chunk * act_tok,
+           "kda_state": seqs * kda_seq / tp, "mla_cache": seqs * seq * mla_tok, "activations": chunk * act_tok,
            "workspace": 4e9}
     dec, pre = {}, {}
-    if ep > 1:
-        dec["ep_all_to_all"] = pre["ep_all_to_all"] = MOE_LAYERS * 2 * (ep - 1) / ep * K * LATENT * 2
-    if tp > 1:
-        dec["tp_all_reduce"] = pre["tp_all_reduce"] = (2 * LAYERS + 1) * 2 * (tp - 1) / tp * D * 2
-        dec["tp_logits_all_gather"] = (tp - 1) / tp * VOCAB * 4
-    if cp > 1:
-        dec["cp_attention_all_gather"] = MLA_LAYERS * (cp - 1) * H_MLA / tp * (R + 1) * 4
+    if ep > 1:       # the fixed send buffers: E experts x ceil(tokens k / E) rows each, per token routed
+        for out, tokens in ((dec, seqs), (pre, chunk)):
+            out["ep_all_to_all"] = MOE_LAYERS * 2 * (ep - 1) / ep * E * math.ceil(tokens * K / E) * LATENT * 2 / tokens
+    if tp > 1:       # attention (every layer), dense FFN (1 layer), shared experts, embedding at D; routed at LATENT
+        dec["tp_all_reduce"] = pre["tp_all_reduce"] = (2 * (tp - 1) / tp * 2
+                                                        * ((LAYERS + 1 + MOE_LAYERS + 1) * D + MOE_LAYERS * LATENT))
+        dec["tp_logits_all_gather"] = pre["tp_logits_all_gather"] = (tp - 1) / tp * VOCAB * 4
+    if cp > 1:       # decode steps are replicated over cp: no cp traffic at decode
         pre["cp_cache_all_gather"] = (cp - 1) * mla_tok
         pre["cp_state_all_gather"] = KDA_LAYERS * (cp - 1) * 2 * H_KDA / tp * D_KDA ** 2 * 4 / seg
     # decode step of one GPU: weights read (not the embedding table nor the vision tower), the experts
-    # the step's tokens touch, KDA state read + written, the MLA cache segment read
+    # the step's tokens touch, KDA state read + written, the whole MLA cache read (every cp rank holds it)
     touched = 1 - (1 - K / E) ** (seqs * ep)
     read = ((tp_split - 2 * g["embedding"]) / tp + replicated - 2 * counts.params_vision
-            + touched * experts / (ep * tp) + seqs * (2 * kda_seq / tp + seg * mla_tok))
+            + touched * experts / (ep * tp) + seqs * (2 * kda_seq / tp + seq * mla_tok))
     bw = {"tp": NVLINK if tp <= NODE else NET, "cp": NVLINK if tp * cp <= NODE else NET,
           "ep": NVLINK if tp * cp * ep <= NODE else NET}
     t_link = sum(seqs * b / bw[k[:2]] for k, b in dec.items())
-    t = max(read / HBM_BW, t_link, seqs * flops / (tp * cp) / FLOPS)
+    t = max(read / HBM_BW, t_link, seqs * flops / tp / FLOPS)          # decode is replicated over cp
     return mem, dec, pre, read, 1 / t, batch / t
 
 
