@@ -168,7 +168,7 @@ def cmd_run(args) -> int:
     from .parallel import parallel_sizes, run_on_mesh
     sizes = parallel_sizes(args, "run")
     if sizes is not None:                       # one rank of a torchrun process group
-        return run_on_mesh(args, sizes)
+        return run_on_mesh(args, sizes, print_report)
     if args.max_new_tokens < 1:                 # as `generate --max-tokens` (checked before the big model loads)
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_seed(args.seed)

@@ -192,13 +192,13 @@ def generate_on_mesh(args: Any, sizes: dict[str, int], show) -> int:
     return 0
 
 
-def run_on_mesh(args: Any, sizes: dict[str, int]) -> int:
+def run_on_mesh(args: Any, sizes: dict[str, int], print_report) -> int:
     """``k3ir run`` on this rank of the mesh ``sizes``: rank 0 builds and summarises ``args.model`` (step 1);
     every rank compiles the sharded ``args.tiny`` with the same random init, generates greedily from the
     prompt on the gathered logits and checks forward against prefill (``DistributedSession``); rank 0
     prints. The one prompt is a batch of ``ep*dp`` copies of itself (row 0 is shown); under cp the prompt's
     last ``T mod cp`` tokens go through decode steps and the check covers the longest prefix whose length
-    divides by cp. Raises UsageError for a target without collectives, a bad count or a prompt shorter than
+    divides by cp (``print_report``: the summary table of ``k3ir inspect``). Raises UsageError for a target without collectives, a bad count or a prompt shorter than
     ``cp`` tokens."""
     import time
 
@@ -238,7 +238,6 @@ def run_on_mesh(args: Any, sizes: dict[str, int]) -> int:
             print_step(con, "1. built", f" {args.model}: {len(big.params):,} parameter tensors, "
                        f"{n_ops:,} ops in {', '.join('@' + f for f in big.functions)} "
                        f"({time.perf_counter() - t0:.2f} s, verified)")
-            from .app import print_report
             print_report(report(big), con)
         t1 = time.perf_counter()
         layout = " ".join(f"{a}={n}" for a, n in sizes.items())
