@@ -12,6 +12,8 @@ Semantics follow SPEC.md exactly as the float64 references in ``k3ir/ops`` do:
   parallel over (batch, head, block of ``VL`` value columns): columns of the state only depend on
   themselves, so each thread carries a ``[K, VL]`` slab through time, vectorised over the columns.
   Exact, O(T H K V), symbolic B/T.
+- ``attention_kernel``: MLA's attention core (SPEC.md 4), one online softmax per (batch, token, head) over the
+  kept keys, parallel and vectorised; per-head keys (prefill) or the absorbed latent cache (decode).
 - ``topk``: largest-k with ties broken toward the lower index (rank counting; O(E^2) per row).
 - ``moe_dispatch`` / ``grouped_matmul`` / ``moe_combine``: MoE with a stable sort by expert,
   a gather-GEMM over sorted rows (expert id from the offsets; MXFP4/INT4 dequantised in the
@@ -182,6 +184,75 @@ def kda_kernel(H: int, K: int, V: int, dtype: str = "float32"):
                     o[b, t, h, j + c] = acc[1, c]
 
     return kda_recurrent
+
+
+@cache
+def attention_kernel(H: int, Hk: int, D: int, P: int, Dv: int, scale: float, dtype: str = "float32"):
+    """TIR PrimFunc ``(q, qr, k, kr, v, lengths) -> o``, the MLA attention core (SPEC.md 4) for both of its forms:
+    q ``[B,T,H,D]`` and qr ``[B,T,H,P]`` (content and rotary query parts), k ``[B,S,Hk,D]``, kr ``[B,S,P]`` (the
+    rotary key, shared by the heads), v ``[B,S,Hk,Dv]``, lengths ``int64[B]``; Hk = H (per-head keys and values:
+    prefill) or 1 (the absorbed latent cache serves every head: decode). ``o[b,t,h] = softmax_s(scale (q.k + qr.kr))
+    v`` over the keys kept by ``k3.causal_mask``: ``s <= t + S - T`` and (``s < lengths[b]`` or ``s >= S - T``).
+    One online softmax per (batch, token, head), in parallel, accumulating into o; the dot products and the
+    value update are vectorised. B, T, S symbolic."""
+    VD, VP = _lanes(D, (16, 8, 4, 2, 1)), _lanes(P, (16, 8, 4, 2, 1))
+    low = tirx.min_value(dtype)
+
+    @T.prim_func(private=True)
+    def mla_attention(q_h: T.handle, qr_h: T.handle, k_h: T.handle, kr_h: T.handle, v_h: T.handle,
+                      n_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int64()
+        L = T.int64()
+        S = T.int64()
+        q = T.match_buffer(q_h, (B, L, H, D), dtype)
+        qr = T.match_buffer(qr_h, (B, L, H, P), dtype)
+        k = T.match_buffer(k_h, (B, S, Hk, D), dtype)
+        kr = T.match_buffer(kr_h, (B, S, P), dtype)
+        v = T.match_buffer(v_h, (B, S, Hk, Dv), dtype)
+        lengths = T.match_buffer(n_h, (B,), "int64")
+        o = T.match_buffer(o_h, (B, L, H, Dv), dtype)
+        for f in T.parallel(B * L * H):
+            st = T.alloc_buffer((3,), dtype, scope="local")         # running max, running sum, score
+            pd = T.alloc_buffer((VD,), dtype, scope="local")
+            pp = T.alloc_buffer((VP,), dtype, scope="local")
+            b = f // (L * H)
+            t = f // H % L
+            h = f % H
+            hk = h % Hk
+            for c in T.vectorized(Dv):
+                o[b, t, h, c] = T.Cast(dtype, 0)
+            st[0] = low
+            st[1] = T.Cast(dtype, 0)
+            for s in range(S):
+                if s <= t + (S - L) and (s < lengths[b] or s >= S - L):
+                    for c in T.vectorized(VD):
+                        pd[c] = T.Cast(dtype, 0)
+                    for d in range(D // VD):
+                        for c in T.vectorized(VD):
+                            pd[c] = pd[c] + q[b, t, h, d * VD + c] * k[b, s, hk, d * VD + c]
+                    for c in T.vectorized(VP):
+                        pp[c] = T.Cast(dtype, 0)
+                    for d in range(P // VP):
+                        for c in T.vectorized(VP):
+                            pp[c] = pp[c] + qr[b, t, h, d * VP + c] * kr[b, s, d * VP + c]
+                    st[2] = T.Cast(dtype, 0)
+                    for c in range(VD):
+                        st[2] = st[2] + pd[c]
+                    for c in range(VP):
+                        st[2] = st[2] + pp[c]
+                    st[2] = st[2] * T.Cast(dtype, scale)
+                    m_new = T.max(st[0], st[2])
+                    corr = T.exp(st[0] - m_new)
+                    p = T.exp(st[2] - m_new)
+                    st[1] = st[1] * corr + p
+                    st[0] = m_new
+                    for c in T.vectorized(Dv):
+                        o[b, t, h, c] = o[b, t, h, c] * corr + p * v[b, s, hk, c]
+            for c in T.vectorized(Dv):
+                o[b, t, h, c] = o[b, t, h, c] / st[1]
+
+    return mla_attention
 
 
 # ---- elementwise helpers ----------------------------------------------------------------

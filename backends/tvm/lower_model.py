@@ -2,7 +2,7 @@
 Registered into ``lower.TABLE``; see ``lower.py`` for the conventions."""
 from __future__ import annotations
 
-from tvm import relax
+from tvm import relax, te
 
 from . import kernels as K
 from .table import R_, TABLE, lowers, slice_axis
@@ -142,29 +142,33 @@ def _mla(lw, inst, q, kv, w, cache=None, lengths=None):
     R = int(lw.shape(w)[1])
     full = lw.f(kv) if cache is None else lw.emit(R_.concat([lw.f(cache), lw.f(kv)], axis=1))
     ckv, kr = slice_axis(lw, full, 2, 0, R), slice_axis(lw, full, 2, R, None)
-    wh = lw.emit(R_.reshape(lw.f(w), [H, n + vd, R]))
-    w_uk, w_uv = slice_axis(lw, wh, 1, 0, n), slice_axis(lw, wh, 1, n, None)
     q = lw.f(q)
     qn, qr = slice_axis(lw, q, 3, 0, n), slice_axis(lw, q, 3, n, None)
+    P = int(lw.shape(full)[2]) - R
 
     def ein(eq, *xs):
         return lw.emit(R_.einsum(relax.Tuple(list(xs)), eq))
-    if inst.absorbed:
-        qt = ein("bthn,hnr->bthr", qn, w_uk)
-        sc = lw.emit(R_.add(ein("bthr,bsr->bhts", qt, ckv), ein("bthp,bsp->bhts", qr, kr)))
-    else:
-        kn = ein("bsr,hnr->bshn", ckv, w_uk)
-        sc = lw.emit(R_.add(ein("bthn,bshn->bhts", qn, kn), ein("bthp,bsp->bhts", qr, kr)))
-    sc = lw.emit(R_.multiply(sc, lw.const(inst.scale)))
+    B, S = lw.shape(full)[:2]
+    T = lw.shape(q)[1]
     if lengths is None:
-        sc = lw.te(K.causal_mask, sc, name="causal_mask")
-    else:
-        sc = lw.te(K.causal_mask, sc, lw.cast(lengths, "int64"), name="causal_mask")
-    a = lw.emit(R_.nn.softmax(sc, axis=-1))
-    if inst.absorbed:
-        o = ein("bthr,hvr->bthv", ein("bhts,bsr->bthr", a, ckv), w_uv)
-    else:
-        o = ein("bhts,bshv->bthv", a, ein("bsr,hvr->bshv", ckv, w_uv))
+        lengths = lw.te(lambda f: te.compute((f.shape[0],), lambda b: f.shape[1], name="full_length"), full,
+                        name="full_length")     # every key is valid: the length mask keeps all
+    lengths = lw.cast(lengths, "int64")
+    if inst.absorbed:       # the latent cache is every head's key and value: one attention per head over it
+        wh = lw.emit(R_.reshape(lw.f(w), [H, n + vd, R]))
+        w_uk, w_uv = slice_axis(lw, wh, 1, 0, n), slice_axis(lw, wh, 1, n, None)
+        qt = ein("bthn,hnr->bthr", qn, w_uk)
+        lat = lw.emit(R_.reshape(ckv, [B, S, 1, R]))
+        gv = lw.kernel(("mla_attention", H, 1, R, P, R, round(inst.scale * 1e9)),
+                       lambda: K.attention_kernel(H, 1, R, P, R, inst.scale, lw.fdt))
+        ol = lw.emit(relax.call_tir(gv, [qt, qr, lat, kr, lat, lengths], relax.TensorType([B, T, H, R], lw.fdt)))
+        o = ein("bthr,hvr->bthv", ol, w_uv)
+    else:                   # per-head keys and values: one linear of the latents by the [H*(n+v), R] weight
+        kv = lw.emit(R_.reshape(linear(lw, ckv, w), [B, S, H, n + vd]))
+        kn, vv = slice_axis(lw, kv, 3, 0, n), slice_axis(lw, kv, 3, n, None)
+        gv = lw.kernel(("mla_attention", H, H, n, P, vd, round(inst.scale * 1e9)),
+                       lambda: K.attention_kernel(H, H, n, P, vd, inst.scale, lw.fdt))
+        o = lw.emit(relax.call_tir(gv, [qn, qr, kn, kr, vv, lengths], relax.TensorType([B, T, H, vd], lw.fdt)))
     return o, full
 
 

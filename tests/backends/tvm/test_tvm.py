@@ -106,6 +106,31 @@ def test_grouped_matmul_dequantises_packed_experts(quant, rng):
     assert rel_err(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("Hk", [1, 2])
+def test_attention_kernel_masks_causally_and_by_cache_length(Hk, rng):
+    """kernels.attention_kernel against a float64 NumPy softmax attention with k3.causal_mask's rule (keep key s when
+    s <= t + S - T and (s < lengths[b] or s >= S - T)): per-head keys (Hk = H) and one shared latent (Hk = 1)."""
+    from k3ir.backends.tvm import kernels
+    B, T, S, H, D, P, Dv, scale = 2, 3, 7, 2, 16, 8, 12, 0.3
+    q, qr = rng.normal(size=(B, T, H, D)), rng.normal(size=(B, T, H, P))
+    k, kr, v = rng.normal(size=(B, S, Hk, D)), rng.normal(size=(B, S, P)), rng.normal(size=(B, S, Hk, Dv))
+    lengths = np.array([4, 2], dtype=np.int64)                        # row 1: cache slots 2, 3 are padding
+    want = np.zeros((B, T, H, Dv))
+    for b in range(B):
+        for t in range(T):
+            for h in range(H):
+                keep = [s for s in range(S) if s <= t + S - T and (s < lengths[b] or s >= S - T)]
+                sc = np.array([scale * (q[b, t, h] @ k[b, s, h % Hk] + qr[b, t, h] @ kr[b, s]) for s in keep])
+                a = np.exp(sc - sc.max())
+                want[b, t, h] = (a / a.sum()) @ v[b, keep, h % Hk]
+    f = kernels.attention_kernel(H, Hk, D, P, Dv, scale, "float32").with_attr("global_symbol", "main")
+    lib = tvm.compile(tvm.IRModule({"main": f}), target="llvm")
+    args = [tvm.runtime.tensor(a.astype(np.float32)) for a in (q, qr, k, kr, v)] + [tvm.runtime.tensor(lengths)]
+    out = tvm.runtime.tensor(np.zeros((B, T, H, Dv), np.float32))
+    lib["main"](*args, out)
+    assert rel_err(out.numpy(), want) < 1e-5
+
+
 def test_cross_targets_emit_device_code():
     from k3ir.backends import get_backend
     from k3ir.backends.tvm.cross import emit_source
