@@ -110,10 +110,69 @@ def cmd_serve(args) -> int:
                           max_output_tokens=args.max_output_tokens, max_concurrent=args.max_concurrent,
                           max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
                           body_timeout_s=args.body_timeout, drain_timeout_s=args.drain_timeout)
+    from .parallel import parallel_sizes
+    sizes = parallel_sizes(args, "serve")            # one rank of a torchrun process group, or None
+    if sizes is not None:
+        return _serve_on_mesh(args, sizes, limits, api_key)
     check_port(args.host, args.port)                 # before loading the model: uvicorn's bind error is a raw log
     module, tok, engine = _setup(args)
     app = create_app(engine, tok, args.served_name or module.name, limits, api_key=api_key)
     serve(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _serve_on_mesh(args, sizes: dict[str, int], limits, api_key: str | None) -> int:
+    """``k3ir serve`` on this rank of the mesh ``sizes`` (runtime/serve_mesh.py): rank 0 serves HTTP and
+    broadcasts each engine step's admissions and cancellations, the others replay them on their engines.
+    Every rank ends with a barrier and ``destroy_process_group``. UsageError for --cp or a target without
+    collectives."""
+    import torch
+    import torch.distributed as dist
+    from k3ir.runtime.distributed import init_mesh
+    from k3ir.runtime.engine import engine_size_problem
+    from k3ir.runtime.serve_mesh import MeshEngineThread, build_mesh_engine, follow
+    from k3ir.runtime.server import create_app, serve
+    from k3ir.runtime.tokenizer import load_tokenizer
+
+    from .compile import check_dtype
+    from .parallel import joined_mesh
+    if sizes["cp"] > 1:
+        raise UsageError("serve on a mesh takes --tp, --ep and --dp; --cp (sequence segments) is not served yet")
+    if args.target not in ("torch", "triton"):
+        raise UsageError(f"--target {args.target} has no collectives; --ep/--tp/--dp run on torch or triton")
+    check_seed(args.init_seed, "--init-seed")
+    why = engine_size_problem(args.block_size, args.num_blocks, args.max_batch, names=_SIZE_FLAGS)
+    if why:
+        raise UsageError(why)
+    args.dtype = check_dtype(args.target, args.dtype)
+    threads = 1 if args.threads is None else args.threads
+    if threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {threads}")
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if rank0:
+        check_port(args.host, args.port)
+    torch.set_num_threads(threads)
+    module = load_model(args)
+    tok = load_tokenizer(args.model, module)
+    joined_mesh()
+    mesh = init_mesh(**sizes, device=args.device)
+    ok = False
+    try:
+        # no host tier: the engines of all ranks must make the same batches, step for step
+        engine = build_mesh_engine(module, mesh, target=args.target, dtype=args.dtype, device=args.device,
+                                   seed=args.init_seed, block_size=args.block_size, num_blocks=args.num_blocks,
+                                   max_batch=args.max_batch)
+        if dist.get_rank() == 0:
+            app = create_app(engine, tok, args.served_name or module.name, limits, api_key=api_key,
+                             runner=MeshEngineThread(engine))
+            serve(app, host=args.host, port=args.port, log_level=args.log_level)
+        else:
+            follow(engine)
+        ok = True
+    finally:
+        if ok:
+            dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
@@ -149,4 +208,6 @@ def register(sub) -> None:
     p.add_argument("--log-level", default="info", type=str.lower, metavar="{" + ",".join(LOG_LEVELS) + "}",
                    help="uvicorn log level (default info)")
     _engine_args(p)
+    from .parallel import parallel_args
+    parallel_args(p)
     p.set_defaults(func=cmd_serve)

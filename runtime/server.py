@@ -61,17 +61,18 @@ __all__ = [
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, limits: ServerLimits | None = None,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, runner: EngineThread | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``. The engine runs in a background thread
     started and stopped with the app's lifespan (use ``with TestClient(app)`` in tests). ``api_key``:
     the bearer token every request but ``GET /health`` must carry (None: no check); K3RuntimeError when
-    it is empty."""
+    it is empty. ``runner``: the thread that runs the engine (default ``EngineThread(engine)``; on a mesh
+    rank 0's ``serve_mesh.MeshEngineThread``)."""
     if api_key is not None and not api_key.strip():
         raise K3RuntimeError("the API key must not be empty (leave it out to serve without one)")
     limits = limits or ServerLimits()
     if limits.max_prompt_tokens is None:
         limits = dataclasses.replace(limits, max_prompt_tokens=engine.prompt_limit())
-    state = ServingState(engine=engine, runner=EngineThread(engine), tokenizer=tokenizer, model_name=model_name,
+    state = ServingState(engine=engine, runner=runner or EngineThread(engine), tokenizer=tokenizer, model_name=model_name,
                          limits=limits)
 
     @asynccontextmanager
