@@ -48,17 +48,18 @@ def _f32(*shape) -> TensorType:
     return TensorType("f32", shape)
 
 
-def _chunk_step_function(module, H: int, K: int, V: int, C: int) -> Function:
-    """``@kda_chunk_step_*``: one chunk's state pass (the scan body): ``(S, W, U, Qg, P, Kd, decay) -> (S', O)``."""
-    name = f"kda_chunk_step_h{H}_k{K}_v{V}_c{C}"
+def _chunk_step_function(module, Bd, H: int, K: int, V: int, C: int) -> Function:
+    """``@kda_chunk_step_*``: one chunk's state pass (the scan body): ``(S, W, U, Qg, P, Kd, decay) -> (S', O)``;
+    ``Bd`` the batch dim (a name or a static size, as the operands have it)."""
+    name = f"kda_chunk_step_b{Bd}_h{H}_k{K}_v{V}_c{C}"
     if name in module.functions:
         return module.functions[name]
     fn = Function(name)
     b = Builder(module, fn)
-    S = b.arg("S", _f32("B", H, K, V))
-    W, U = b.arg("W", _f32("B", C, H, K)), b.arg("U", _f32("B", C, H, V))
-    Qg, P = b.arg("Qg", _f32("B", C, H, K)), b.arg("P", _f32("B", H, C, C))
-    Kd, decay = b.arg("Kd", _f32("B", C, H, K)), b.arg("decay", _f32("B", H, K))
+    S = b.arg("S", _f32(Bd, H, K, V))
+    W, U = b.arg("W", _f32(Bd, C, H, K)), b.arg("U", _f32(Bd, C, H, V))
+    Qg, P = b.arg("Qg", _f32(Bd, C, H, K)), b.arg("P", _f32(Bd, H, C, C))
+    Kd, decay = b.arg("Kd", _f32(Bd, C, H, K)), b.arg("decay", _f32(Bd, H, K))
     Vp = b.sub(U, b.einsum(W, S, equation="bchk,bhkv->bchv"))
     O = b.add(b.einsum(Qg, S, equation="bchk,bhkv->bchv"), b.einsum(P, Vp, equation="bhij,bjhv->bihv"))
     S1 = b.add(b.mul(S, b.reshape(decay, shape=[0, 0, 0, 1])), b.einsum(Kd, Vp, equation="bchk,bchv->bhkv"))
@@ -67,19 +68,19 @@ def _chunk_step_function(module, H: int, K: int, V: int, C: int) -> Function:
     return fn
 
 
-def _chunked_function(module, H: int, K: int, V: int, C: int, scale: float) -> Function:
+def _chunked_function(module, Bd, H: int, K: int, V: int, C: int, scale: float) -> Function:
     """``@kda_chunked_*``: padded, chunked q, k ``[B,NC,C,H,K]``, v ``[B,NC,C,H,V]``, g ``[B,NC,C,H,K]``, beta
     ``[B,NC,C,H]``, state ``[B,H,K,V]`` and the constants L (lower-triangular ones) and I ``[C,C]`` ->
     (o ``[B,NC,C,H,V]``, state) in core ops (module docstring)."""
-    name = f"kda_chunked_h{H}_k{K}_v{V}_c{C}_s{scale!r}".replace(".", "p").replace("-", "m")
+    name = f"kda_chunked_b{Bd}_h{H}_k{K}_v{V}_c{C}_s{scale!r}".replace(".", "p").replace("-", "m")
     if name in module.functions:
         return module.functions[name]
-    step = _chunk_step_function(module, H, K, V, C)
+    step = _chunk_step_function(module, Bd, H, K, V, C)
     fn = Function(name)
     b = Builder(module, fn)
-    q, k = b.arg("q", _f32("B", NC, C, H, K)), b.arg("k", _f32("B", NC, C, H, K))
-    v, g = b.arg("v", _f32("B", NC, C, H, V)), b.arg("g", _f32("B", NC, C, H, K))
-    beta, S0 = b.arg("beta", _f32("B", NC, C, H)), b.arg("S", _f32("B", H, K, V))
+    q, k = b.arg("q", _f32(Bd, NC, C, H, K)), b.arg("k", _f32(Bd, NC, C, H, K))
+    v, g = b.arg("v", _f32(Bd, NC, C, H, V)), b.arg("g", _f32(Bd, NC, C, H, K))
+    beta, S0 = b.arg("beta", _f32(Bd, NC, C, H)), b.arg("S", _f32(Bd, H, K, V))
     L, eye = b.arg("L", _f32(C, C)), b.arg("I", _f32(C, C))
     G = b.einsum(L, g, equation="ij,bnjhk->bnihk")                                  # in-chunk cumulative log-decay
     Gt = b.transpose(G, perm=[0, 1, 3, 4, 2])                                       # [B,NC,H,K,C]
@@ -103,7 +104,7 @@ def _chunked_function(module, H: int, K: int, V: int, C: int, scale: float) -> F
     Kd = b.mul(b.exp(b.sub(GC, G)), k)
     dC = b.reshape(b.exp(GC), shape=[0, 0, H, K])                                   # [B,NC,H,K]
     S1, O = b.scan(S0, W, U, Qg, P, Kd, dC, body=step.name, n_carry=1,
-                   result_types=[str(S0.type), str(_f32("B", NC, C, H, V))])
+                   result_types=[str(S0.type), str(_f32(Bd, NC, C, H, V))])
     b.ret(O, S1)
     module.add_function(fn)
     return fn
@@ -153,7 +154,7 @@ def _kda(e: MlirEmitter, op, inst, q, k, v, g, beta, s=None):
     ins = [_chunks(e, x, pad, nc, C) for x in (q, k, v, g, beta)]
     L = np.tril(np.ones((C, C)))
     consts = [_dense_const(e, L), _dense_const(e, np.eye(C))]
-    fn = _chunked_function(e.module, H, K, V, C, float(inst.scale))
+    fn = _chunked_function(e.module, B, H, K, V, C, float(inst.scale))
     o, state = e.emit_function(fn, ins + [s] + consts)
     flat_shape = (B, "kda_padded", H, V)
     flat = e.assign(f"tensor.collapse_shape {o.name} [[0], [1, 2], [3], [4]] : {o.type} into "

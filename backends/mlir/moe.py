@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from .config import get_mlir_config
 from .lowering import _sigmoid, conv, lowers, reshape_to
 from .values import FLOAT, Val, ttype
@@ -109,8 +111,11 @@ def _per_expert_matmuls(e: MlirEmitter, rows: Val, offsets: Val, counts: Val, w:
                      [(e.filled((dim, N), FLOAT, 0.0), ttype((dim, N), FLOAT), FLOAT, ["d0", "d1"])], mac)
         parts.append(Val(y, FLOAT, (dim, N)))
     R = rows.shape[0]
+    dyn = ttype(("moe_all_rows", N), FLOAT)                 # dynamic rows (a static result trips IREE's reshapes)
     out = e.assign(f"tensor.concat dim(0) {', '.join(p.name for p in parts)} : ({', '.join(p.type for p in parts)}) "
-                   f"-> {ttype((R, N), FLOAT)}", "cat")
+                   f"-> {dyn}", "cat")
+    if dyn != ttype((R, N), FLOAT):
+        out = e.assign(f"tensor.cast {out} : {dyn} to {ttype((R, N), FLOAT)}", "cat")
     return Val(out, FLOAT, (R, N))
 
 
@@ -121,8 +126,12 @@ def _moe(e: MlirEmitter, op, inst, x, wts, idx, w1, w3, w2):
     k = int(wts.shape[-1])
     E, I = int(w1.shape[0]), int(w1.shape[1])
     lead = tuple(x.shape[:-1])
-    N = "*".join(f"({d})" if isinstance(d, str) else str(d) for d in lead)
-    R = f"{N}*{k}"
+    if all(isinstance(d, int) for d in lead):          # static shapes stay static (IR dims: ints or names)
+        N: int | str = int(np.prod(lead)) if lead else 1
+        R: int | str = N * k
+    else:
+        N = "*".join(f"({d})" if isinstance(d, str) else str(d) for d in lead)
+        R = f"{N}*{k}"
     xf = reshape_to(e, x, (N, D))
     flat = reshape_to(e, idx, (R,))
     wf = reshape_to(e, wts, (R,))
