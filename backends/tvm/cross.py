@@ -162,6 +162,10 @@ def _probe_toolchain(kind: str) -> tuple[str | None, str]:
             return ("no ROCm device libraries (apt-get install rocm-device-libs, or set ROCM_PATH to a folder "
                     "with amdgcn/bitcode)"), ""
         return None, f"{lld} + device libraries in {rp}/amdgcn/bitcode -> hsaco for gfx942, gfx90a"
+    if kind == "webgpu":
+        return ("WGSL has no 64-bit integers and the lowering keeps token ids, MoE offsets and cache lengths in "
+                "int64 (CodeGenWebGPU: do not support i64); single kernels build: "
+                "k3ir.backends.tvm.cross.emit_source('webgpu')"), ""
     return None, {"metal": "Metal Shading Language source, compiled by the Metal driver at load",
                   "opencl": "OpenCL C source, compiled by the OpenCL driver at load",
                   "webgpu": "WGSL source in a wasm32 host module, for the TVM web runtime"}.get(kind, "")

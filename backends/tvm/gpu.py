@@ -104,6 +104,10 @@ def _lowering_class():
                 E, N, Kd = key[1:]
                 return super().kernel(("grouped_gemm_gpu", E, N, Kd, "flat"),
                                       lambda: G.grouped_gemm_gpu(E, N, Kd, "none", self.fdt, flat=True))
+            if name == "mla_attention":                    # (H, Hk, D, P, Dv, round(scale * 1e9))
+                H, Hk, D, P, Dv, scale = key[1:]
+                return super().kernel(("mla_attention_gpu", *key[1:]),
+                                      lambda: G.mla_attention_gpu(H, Hk, D, P, Dv, scale / 1e9, self.fdt))
             return super().kernel(key, make)
 
         def te(self, fn, *args, name: str = "k3", **kw):
@@ -288,8 +292,10 @@ def _device_kind(kind: str) -> str:
 
 
 def _last_line(e: BaseException) -> str:
+    """The telling line of a TVM error: the first that says error/failed/undefined, else the last."""
     lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    return (lines[-1] if lines else type(e).__name__)[:300]
+    told = [ln for ln in lines if any(w in ln.lower() for w in ("error:", "check failed", "undefined", "cannot"))]
+    return (told[0] if told else lines[-1] if lines else type(e).__name__)[:300]
 
 
 def device_function_names(dev) -> list[str]:

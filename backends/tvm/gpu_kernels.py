@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from .kernels import _E2M1
@@ -37,6 +38,15 @@ def kda_recurrent_gpu(H: int, K: int, V: int, dtype: str = "float32"):
     NB = (V + TV - 1) // TV
     acc_t = "float32"
 
+    def bat(f):               # indices as expressions, not TVMScript variables (which become int64 local buffers,
+        return f // (H * NB)  # and WGSL has no 64-bit integers)
+
+    def head(f):
+        return f // NB % H
+
+    def col(f, tj):
+        return f % NB * TV + tj
+
     @T.prim_func(private=True)
     def kda_recurrent(q_h: T.handle, k_h: T.handle, v_h: T.handle, a_h: T.handle, b_h: T.handle,
                       s0_h: T.handle, o_h: T.handle, s_h: T.handle):
@@ -55,25 +65,22 @@ def kda_recurrent_gpu(H: int, K: int, V: int, dtype: str = "float32"):
             for tj in T.thread_binding(TV, thread="threadIdx.x"):
                 st = T.alloc_buffer((K,), acc_t, scope="local")
                 acc = T.alloc_buffer((2,), acc_t, scope="local")
-                b = f // (H * NB)
-                h = f // NB % H
-                j = f % NB * TV + tj
-                if j < V:
+                if col(f, tj) < V:
                     for i in T.unroll(K):
-                        st[i] = T.Cast(acc_t, s0[b, h, i, j])
+                        st[i] = T.Cast(acc_t, s0[bat(f), head(f), i, col(f, tj)])
                     for t in range(L):
                         acc[0] = T.Cast(acc_t, 0)
                         for i in T.unroll(K):
-                            st[i] = st[i] * T.Cast(acc_t, a[b, t, h, i])
-                            acc[0] = acc[0] + st[i] * T.Cast(acc_t, k[b, t, h, i])
-                        acc[0] = (T.Cast(acc_t, v[b, t, h, j]) - acc[0]) * T.Cast(acc_t, beta[b, t, h])
+                            st[i] = st[i] * T.Cast(acc_t, a[bat(f), t, head(f), i])
+                            acc[0] = acc[0] + st[i] * T.Cast(acc_t, k[bat(f), t, head(f), i])
+                        acc[0] = (T.Cast(acc_t, v[bat(f), t, head(f), col(f, tj)]) - acc[0]) * T.Cast(acc_t, beta[bat(f), t, head(f)])
                         acc[1] = T.Cast(acc_t, 0)
                         for i in T.unroll(K):
-                            st[i] = st[i] + T.Cast(acc_t, k[b, t, h, i]) * acc[0]
-                            acc[1] = acc[1] + st[i] * T.Cast(acc_t, q[b, t, h, i])
-                        o[b, t, h, j] = T.Cast(dtype, acc[1])
+                            st[i] = st[i] + T.Cast(acc_t, k[bat(f), t, head(f), i]) * acc[0]
+                            acc[1] = acc[1] + st[i] * T.Cast(acc_t, q[bat(f), t, head(f), i])
+                        o[bat(f), t, head(f), col(f, tj)] = T.Cast(dtype, acc[1])
                     for i in T.unroll(K):
-                        s[b, h, i, j] = T.Cast(dtype, st[i])
+                        s[bat(f), head(f), i, col(f, tj)] = T.Cast(dtype, st[i])
 
     return kda_recurrent
 
@@ -124,12 +131,12 @@ def grouped_gemm_gpu(E: int, N: int, K: int, quant: str = "none", dtype: str = "
                 for ty in T.thread_binding(NY, thread="threadIdx.y"):
                     for tx in T.thread_binding(LANES, thread="threadIdx.x"):
                         red = T.alloc_buffer((NY, LANES), acc_t, scope="shared")
-                        part = T.alloc_buffer((1,), "int64", scope="local")
+                        part = T.alloc_buffer((1,), "int32", scope="local")
                         acc = T.alloc_buffer((1,), acc_t, scope="local")
-                        part[0] = T.int64(0)
+                        part[0] = 0
                         for e1 in range(E - 1):
                             if off[e1 + 1] <= r:
-                                part[0] = part[0] + T.int64(1)
+                                part[0] = part[0] + 1
                         acc[0] = T.Cast(acc_t, 0)
                         if nb * NY + ty < N:
                             for uo in range((KP + LANES - 1) // LANES):
@@ -168,3 +175,88 @@ def grouped_gemm_gpu(E: int, N: int, K: int, quant: str = "none", dtype: str = "
             body(x, off, w, sc, y, R)
 
     return grouped_gemm
+
+
+#: threads per block of the attention kernel (keys scored per step; value columns per thread: ceil(Dv / ATT_T))
+ATT_T = 64
+
+
+@cache
+def mla_attention_gpu(H: int, Hk: int, D: int, P: int, Dv: int, scale: float, dtype: str = "float32"):
+    """TIR PrimFunc ``(q, qr, k, kr, v, lengths) -> o`` with the buffers and mask of ``kernels.attention_kernel``
+    (the MLA attention core, SPEC.md 4; Hk = 1 is the absorbed decode over the latent cache, Hk = H prefill):
+    q ``[B,T,H,D]``, qr ``[B,T,H,P]``, k ``[B,S,Hk,D]``, kr ``[B,S,P]``, v ``[B,S,Hk,Dv]``, lengths ``int64[B]``,
+    o ``[B,T,H,Dv]``; key s is kept iff ``s <= t + S - T`` and (``s < lengths[b]`` or ``s >= S - T``). One block
+    per (batch, token, head): each step scores ``ATT_T`` keys (one per thread) into shared memory, then every
+    thread updates its value columns with an online softmax (float32 running max, sum and accumulators)."""
+    NV = (Dv + ATT_T - 1) // ATT_T
+    acc_t = "float32"
+    low = -3.0e38
+
+    def bat(f, L):            # batch and token of block f, as expressions (see kda_recurrent_gpu)
+        return f // (L * H)
+
+    def tok(f, L):
+        return f // H % L
+
+    def kept(f, L, S, s, lengths):     # k3.causal_mask with lengths (SPEC.md 4)
+        return tirx.all(s < S, s <= tok(f, L) + (S - L), tirx.any(s < lengths[bat(f, L)], s >= S - L))
+
+    @T.prim_func(private=True)
+    def mla_attention(q_h: T.handle, qr_h: T.handle, k_h: T.handle, kr_h: T.handle, v_h: T.handle,
+                      n_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        B = T.int64()
+        L = T.int64()
+        S = T.int64()
+        q = T.match_buffer(q_h, (B, L, H, D), dtype)
+        qr = T.match_buffer(qr_h, (B, L, H, P), dtype)
+        k = T.match_buffer(k_h, (B, S, Hk, D), dtype)
+        kr = T.match_buffer(kr_h, (B, S, P), dtype)
+        v = T.match_buffer(v_h, (B, S, Hk, Dv), dtype)
+        lengths = T.match_buffer(n_h, (B,), "int64")
+        o = T.match_buffer(o_h, (B, L, H, Dv), dtype)
+        for f in T.thread_binding(B * L * H, thread="blockIdx.x"):
+            for tx in T.thread_binding(ATT_T, thread="threadIdx.x"):
+                sc = T.alloc_buffer((ATT_T,), acc_t, scope="shared")
+                st = T.alloc_buffer((4,), acc_t, scope="local")     # running max, running sum, score, new max
+                acc = T.alloc_buffer((NV,), acc_t, scope="local")
+                pj = T.alloc_buffer((2,), acc_t, scope="local")     # key j's score, its weight
+                st[0] = T.Cast(acc_t, low)
+                st[1] = T.Cast(acc_t, 0)
+                for i in T.unroll(NV):
+                    acc[i] = T.Cast(acc_t, 0)
+                for s0 in range((S + ATT_T - 1) // ATT_T):
+                    st[2] = T.Cast(acc_t, low)
+                    if kept(f, L, S, s0 * ATT_T + tx, lengths):
+                        st[2] = T.Cast(acc_t, 0)
+                        for d in range(D):
+                            st[2] = st[2] + T.Cast(acc_t, q[bat(f, L), tok(f, L), f % H, d]) * T.Cast(
+                                acc_t, k[bat(f, L), s0 * ATT_T + tx, f % H % Hk, d])
+                        for d in range(P):
+                            st[2] = st[2] + T.Cast(acc_t, qr[bat(f, L), tok(f, L), f % H, d]) * T.Cast(
+                                acc_t, kr[bat(f, L), s0 * ATT_T + tx, d])
+                        st[2] = st[2] * T.Cast(acc_t, scale)
+                    sc[tx] = st[2]
+                    T.tvm_storage_sync("shared")
+                    st[3] = st[0]
+                    for j in range(ATT_T):
+                        st[3] = T.max(st[3], sc[j])
+                    st[1] = st[1] * T.exp(st[0] - st[3])
+                    for i in T.unroll(NV):
+                        acc[i] = acc[i] * T.exp(st[0] - st[3])
+                    for j in range(ATT_T):
+                        pj[0] = sc[j]                   # a register copy: shared loads cannot sit in a condition
+                        if pj[0] > T.Cast(acc_t, low):
+                            pj[1] = T.exp(pj[0] - st[3])
+                            st[1] = st[1] + pj[1]
+                            for i in T.unroll(NV):
+                                if tx + i * ATT_T < Dv:
+                                    acc[i] = acc[i] + pj[1] * T.Cast(acc_t, v[bat(f, L), s0 * ATT_T + j, f % H % Hk, tx + i * ATT_T])
+                    st[0] = st[3]
+                    T.tvm_storage_sync("shared")
+                for i in T.unroll(NV):
+                    if tx + i * ATT_T < Dv:
+                        o[bat(f, L), tok(f, L), f % H, tx + i * ATT_T] = T.Cast(dtype, acc[i] / st[1])
+
+    return mla_attention

@@ -1,0 +1,188 @@
+"""TVM GPU kinds (backends/tvm/gpu.py, cubin.py, artifact_gpu.py): the whole model built for cuda with its device
+code compiled to sm_90a + sm_80 cubins and embedded (checked with cuobjdump against the lowered module's device
+functions), the kinds' probes, and an llvm artifact run by a process that has only the TVM runtime library.
+The default suite builds cuda for kimi-linear-tiny; every kind of every tiny config is the `slow` test."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tvm")
+
+from k3ir.backends.tvm import cubin  # noqa: E402
+from k3ir.backends.tvm.cross import kind_report, toolchain  # noqa: E402
+
+from _tiny_models import load_tiny, token_ids  # noqa: E402
+from conftest import rel_err  # noqa: E402
+
+
+def _need(kind: str) -> None:
+    why = toolchain(kind)[0]
+    if why is not None:
+        pytest.skip(f"tvm-{kind} cannot build here: {why}")
+
+
+def _need_cuobjdump() -> str:
+    tool = cubin.find_cuobjdump()
+    if tool is None or cubin.find_nvdisasm() is None:
+        pytest.skip("cuobjdump/nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    return tool
+
+
+def test_blob_layout_round_trip_and_fatbin_replacement(tmp_path):
+    """A one-kernel cuda library: TVM's packed blob unpacks and re-packs byte for byte; after embedding, the
+    library's cuda entry holds a fatbin (not source) whose sm_90a and sm_80 SASS has exactly the kernels of the
+    function table."""
+    _need("cuda")
+    tool = _need_cuobjdump()
+    import tvm
+    import tvm_ffi
+
+    from k3ir.backends.tvm.cross import kernel_module
+    from k3ir.backends.tvm.gpu import gpu_target
+    lib = tvm.compile(kernel_module(), target=gpu_target("cuda"))
+    blob = bytes(tvm_ffi.get_global_func("runtime.ModulePackImportsToTensor")(lib.mod).numpy().tobytes())
+    assert cubin.pack_blob(*cubin.unpack_blob(blob)) == blob
+    entries, _, _ = cubin.unpack_blob(blob)
+    fmt, fmap, code = cubin.parse_device_bytes(dict(entries)["cuda"])
+    assert fmt == "cuda" and b"__global__" in code and set(fmap) == {"k3_linear_silu_kernel", "k3_linear_silu_kernel_1"}
+    sources: dict[str, str] = {}
+    path = str(tmp_path / "k.so")
+    lib.export_library(path, fpack_imports=cubin.make_fpack_imports(sources=sources))
+    [(fmt2, fmap2, fat)] = cubin.embedded_cuda(path)
+    assert fmt2 == "fatbin" and fmap2 == fmap and int.from_bytes(fat[:4], "little") == cubin.FATBIN_MAGIC
+    assert list(sources.values())[0].encode() == code
+    sass = cubin.cuobjdump_functions(fat, tool)
+    assert sass == {"sm_90a": set(fmap), "sm_80": set(fmap)}
+
+
+def test_kind_report_lists_every_kind_from_probes():
+    rows = {r[0]: r for r in kind_report()}
+    assert set(rows) == {"tvm-cuda", "tvm-rocm", "tvm-metal", "tvm-opencl", "tvm-webgpu", "tvm-vulkan"}
+    for target, builds, runs in rows.values():
+        assert builds.startswith(("yes (", "no (")) and runs.startswith(("yes", "no (")), (target, builds, runs)
+    assert rows["tvm-vulkan"][1].startswith("no (") and "vulkan-spirv" in rows["tvm-vulkan"][1]
+    assert rows["tvm-metal"][1].startswith("yes (")          # no toolchain beyond TVM: the driver compiles MSL
+    assert rows["tvm-webgpu"][1].startswith("no (") and "64-bit" in rows["tvm-webgpu"][1]
+    assert ("nvcc" in rows["tvm-cuda"][1]) == (toolchain("cuda")[0] is None)
+
+
+def _check_cuda_artifact(directory: str, tool: str) -> dict:
+    """The manifest's device functions (the lowered module's, read from the built executable) equal the kernels
+    cuobjdump finds in the embedded fatbin, for sm_90a and sm_80; returns the manifest."""
+    with open(os.path.join(directory, "manifest.json")) as f:
+        man = json.load(f)
+    want = set(man["device_functions"])
+    assert len(want) > 20
+    [(fmt, fmap, fat)] = cubin.embedded_cuda(os.path.join(directory, man["files"]["library"]))
+    assert fmt == "fatbin" and set(fmap) == want
+    sass = cubin.cuobjdump_functions(fat, tool)
+    assert sass["sm_90a"] == want and sass["sm_80"] == want
+    return man
+
+
+def test_whole_model_cuda_artifact_embeds_sm90a_code_for_every_device_function(tmp_path):
+    """kimi-linear-tiny built for tvm-cuda (child process) and written as an artifact: library, weights,
+    manifest, CUDA source; every kernel scheduled (dlight rule, Fallback after a failure, or hand-written:
+    the KDA recurrence and the MoE grouped GEMM) and present as sm_90a and sm_80 SASS."""
+    _need("cuda")
+    tool = _need_cuobjdump()
+    import k3ir
+    from k3ir.runtime.params import init_params
+    m = load_tiny("kimi-linear-tiny")
+    exe = k3ir.compile(m, target="tvm-cuda")
+    exe.emit_source = True
+    out = str(tmp_path / "art")
+    exe.save(out, init_params(exe.module, 0))
+    man = _check_cuda_artifact(out, tool)
+    assert man["target"] == "tvm-cuda" and man["arch"] == "sm_90a"
+    assert set(os.listdir(out)) >= {"tvm_cuda.so", "tvm_cuda.cu", "weights.safetensors", "manifest.json", "module.k3"}
+    kernels = man["kernels"]
+    assert sum(r == "hand" for r in kernels.values()) >= 2          # kda_recurrent_gpu, grouped_gemm_gpu
+    assert {"Matmul", "Fallback"} <= set(kernels.values())
+    for name, tried in man["fallbacks"].items():                   # each fallback says what failed, and the kernel
+        assert tried and kernels[name] in ("Fallback", "GEMV", "LowBatchGEMV", "Reduction", "GeneralReduction",
+                                           "RMSNorm"), (name, tried)
+    src = open(os.path.join(out, "tvm_cuda.cu")).read()
+    assert all(f in src for f in man["device_functions"])
+    with pytest.raises(k3ir.errors.K3BackendError, match="does not run here"):
+        exe.run("prefill", [token_ids(300, 1, 4)], {})
+
+
+_RUNTIME_ONLY_CHILD = r"""
+import json, sys
+import numpy as np
+from k3ir.runtime import Session
+s = Session.load(sys.argv[1])
+ids = np.array(json.loads(sys.argv[2]), dtype=np.int64)
+logits, state = s.prefill(ids)
+logits2, _ = s.decode(ids[:, -1:], state)
+import tvm
+maps = open("/proc/self/maps").read()
+np.save(sys.argv[3], np.concatenate([np.asarray(logits), np.asarray(logits2)], axis=1))
+print(json.dumps({"runtime_only": bool(tvm.base._RUNTIME_ONLY), "compiler": "libtvm_compiler" in maps,
+                  "runtime": "libtvm_runtime" in maps}))
+"""
+
+
+def test_llvm_artifact_runs_with_the_tvm_runtime_only(tmp_path):
+    """An artifact of the tvm (llvm) target runs in a process with TVM_USE_RUNTIME_LIB=1 (libtvm_runtime.so, no
+    libtvm_compiler.so): prefill + one decode step equal the torch backend's on the artifact's weights (1e-4)."""
+    import k3ir
+    from safetensors.numpy import load_file
+
+    from k3ir.backends.tvm.config import tvm_config
+    from k3ir.runtime import Session
+    from k3ir.runtime.params import init_params
+    m = load_tiny("kimi-linear-tiny")
+    out = str(tmp_path / "art")
+    with tvm_config(opt_level=0):
+        exe = k3ir.compile(m, target="tvm")
+        exe.save(out, init_params(exe.module, 0))
+    ids = token_ids(300, 1, 6)
+    npy = str(tmp_path / "logits.npy")
+    env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1"}
+    p = subprocess.run([sys.executable, "-c", _RUNTIME_ONLY_CHILD, out, json.dumps(ids.tolist()), npy],
+                       capture_output=True, text=True, env=env, check=False, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    assert info == {"runtime_only": True, "compiler": False, "runtime": True}
+    weights = load_file(os.path.join(out, "weights.safetensors"))
+    ref = Session(k3ir.compile(m, target="torch", dtype="float32"), params=weights)
+    lo, st = ref.prefill(ids)
+    lo2, _ = ref.decode(ids[:, -1:], st)
+    want = np.concatenate([np.asarray(lo), np.asarray(lo2)], axis=1)
+    assert rel_err(np.load(npy), want) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["k3-tiny", "kimi-linear-tiny"])
+@pytest.mark.parametrize("kind", ["cuda", "rocm", "metal", "opencl"])
+def test_whole_model_builds_for_every_gpu_kind(tmp_path, kind, config):
+    """Every GPU kind builds the whole model of both tiny configs (or skips naming the missing toolchain); the
+    library holds the device code of every kernel the lowered module launches (cuda: SASS per arch)."""
+    _need(kind)
+    from k3ir.backends.tvm.gpu import GPU_KINDS, build_kind_subprocess
+    from k3ir.passes import run_pipeline
+    from k3ir.passes.pipelines import pipeline_for
+    m = load_tiny(config)
+    run_pipeline(m, pipeline_for("tvm"))
+    for arch in GPU_KINDS[kind]:
+        rep, params, files = build_kind_subprocess(m, kind, arch, str(tmp_path), f"{kind}_{arch}", emit_source=True)
+        assert rep.kernels and all(rep.kernels.values()), rep.summary()
+        assert set(params) == {"prefill", "decode"}
+        assert os.path.getsize(tmp_path / files["library"]) > 0
+        src = (tmp_path / files["source"]).read_text()
+        if kind == "cuda":
+            [(fmt, fmap, fat)] = cubin.embedded_cuda(str(tmp_path / files["library"]))
+            assert fmt == "fatbin" and set(fmap) == set(rep.device_functions)
+            sass = cubin.cuobjdump_functions(fat, _need_cuobjdump())
+            assert sass["sm_90a"] == set(rep.device_functions) == sass["sm_80"]
+        else:
+            names = rep.device_functions or sorted(rep.kernels)
+            assert names and all(n.split("_kernel")[0] in src for n in names)
