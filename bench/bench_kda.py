@@ -1,23 +1,26 @@
-"""KDA kernels of the triton target against fla on one GPU (issue 5): forward and forward+backward
-vs ``chunk_kda`` (K3 gate: safe_gate, lower_bound=-5; fla's default softplus gate), decode vs
-``fused_recurrent_kda``. Each row: times (median ms), ratio fla/ours, and the fraction of the
-memory (4.25 TB/s) and compute (679 TFLOP/s bf16) ceilings our kernel reaches. Prints a table
-last and writes JSON.
+"""KDA kernels of the triton target against fla on one GPU, every baseline in the same process and run, on the same
+inputs, 3 interleaved repeats (median, min-max), the copy bandwidth and matmul rate measured first (the floors'
+ceilings). Modes (one JSON each, default ``bench/results/<benchmark>/<date>-<commit>.json``, or ``--out``):
 
-    python bench/bench_kda.py --compare   # JSON to bench/results/kda_forward/<date>-<commit>.json; forward vs fla, same process, 3 repeats
-    TRITON_INTERPRET=1 python bench/bench_kda.py --compare --tiny --out /tmp/kda.json   # CPU smoke test
-    python bench/bench_kda.py [--quick]       # JSON to bench/results/bench_kda/<date>-<commit>.json
-    python bench/bench_kda.py --sweep --no-fla --out kda_sweep.json [--budget 110]   # forward TritonConfig.kda variants
-    python bench/bench_kda.py --sweep --no-fla --budget 15 --variants default --shapes 1,32768,32,128  # ~20 s
-    python bench/bench_kda.py --sweep --no-fla --fla-missing --all-shapes --variants sp_clamp,s4 --acc  # session 4
-    python bench/bench_kda.py --sweep --no-fla --all-shapes --budget 38 --margin 3 --precompile 12 --shapes \
-        "1,8192,96,128;1,32768,32,128@k3" --variants h96,recur_s1,recur_bv64_s1,wu64_w8,recur_waves_w8 \
-        --first-only recur_s1,recur_bv64_s1,recur_waves_w8 --variant-launches akk,wu,recur  # session 4 H96, ~30 s
+- ``--compare`` (the default): the forward (``kda_forward``, shipped TritonConfig) vs fla ``chunk_kda`` (K3 gate:
+  ``safe_gate=True, lower_bound=-5``; softplus: fla's default gate; gate, q/k L2 norm and beta sigmoid in the
+  kernel) at (1,32768,32,128), (8,4096,32,128), (1,8192,96,128), (1,8192,64,128); benchmark ``kda_forward``.
+- ``--decode``: one decode step (``kda_decode``, K3 gate, state pool updated in place) vs fla
+  ``fused_recurrent_kda`` (same gate options, the same initial state) at H 32 and 96, B 1/64/256, both as CUDA
+  graph replays; benchmark ``kda_decode``.
+- ``--sweep``: ``TritonConfig.kda`` variants of the forward (tuning; single medians, no ratios); ``kda_sweep``.
+Forward+backward: ``bench/bench_kda_bwd.py``. ``--warm`` runs each case of the mode once (compiles, fla autotune),
+times nothing and writes nothing: ``bench/gpu_verification.py`` starts it in parallel processes before the timed run.
+
+    python3 bench/bench_kda.py [--compare] [--shapes "1,8192,64,128;..."]
+    python3 bench/bench_kda.py --decode
+    TRITON_INTERPRET=1 python bench/bench_kda.py --compare --tiny --out /tmp/kda.json      # CPU check of the script
+    TRITON_INTERPRET=1 python bench/bench_kda.py --decode --tiny --out /tmp/kda_dec.json
+    python3 bench/bench_kda.py --sweep --no-fla --budget 15 --variants default --shapes 1,32768,32,128  # ~20 s
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -27,10 +30,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-DEV = "cuda"     # the CPU smoke test of --acc sets "cpu" (interpreter)
-MEM_BW = 4.25e12
-MATMUL = 679e12
-FWD_SHAPES = [(1, 32768, 32, 128), (8, 4096, 32, 128), (1, 8192, 96, 128)]
+DEV = "cuda"     # "cpu" without a GPU (--tiny under the interpreter)
+#: the ceilings measured at the start of this run (``benchlib.Report.ceilings``): copy bytes/s, matmul FLOP/s
+CEIL = {"copy_Bps": None, "matmul_flops": None}
+DECODE_H = [32, 96]
 DECODE_B = [1, 64, 256]
 
 
@@ -95,31 +98,9 @@ def _fla_fwd(chunk_kda, x, lb):
     return run
 
 
-def fwd_row(x, shape, gate, lb, ours_fn, chunk_kda):
-    nbytes, flops = fwd_cost(*shape)
-    ours = _ours_fwd(ours_fn, x, lb)
-    t_o = bench(ours)
-    row = {"kind": "fwd", "shape": list(shape), "gate": gate, "ours_ms": t_o,
-           "floor_ms": max(nbytes / MEM_BW, flops / MATMUL) * 1e3, "mem_frac": nbytes / MEM_BW / (t_o * 1e-3),
-           "flop_frac": flops / MATMUL / (t_o * 1e-3),
-           "intra_ms": bench(_ours_fwd(ours_fn, x, lb, stages=("intra",))),
-           "recur_ms": bench(_ours_fwd(ours_fn, x, lb, stages=("recur",)))}
-    if chunk_kda is not None:
-        fla = _fla_fwd(chunk_kda, x, lb)
-        t_f = bench(fla)
-        o1, s1 = ours()
-        o2, s2 = fla()
-        row.update(fla_ms=t_f, ratio=t_f / t_o, err_vs_fla_o=rel(o1, o2), err_vs_fla_state=rel(s1, s2))
-    return row
-
-
 # ---- --sweep: forward variants of TritonConfig.kda, per launch, registers/spills, errors ----------------
 SWEEP_SHAPES = [(1, 32768, 32, 128)]                 # default + every variant, both gates
 SWEEP_EXTRA = [(8, 4096, 32, 128), (1, 8192, 96, 128)]  # default only
-#: fla chunk_kda forward measured on the H200 (2026-11-30, Triton 3.6): used with --no-fla
-FLA_KNOWN_MS = {((1, 32768, 32, 128), "k3"): 3.73, ((1, 32768, 32, 128), "softplus"): 4.08,
-                ((8, 4096, 32, 128), "k3"): 3.67, ((8, 4096, 32, 128), "softplus"): 4.05,
-                ((1, 8192, 96, 128), "k3"): 2.620, ((1, 8192, 96, 128), "softplus"): 2.921}   # s4run4 06:41
 #: (name, TritonConfig.kda overrides, only this gate or None); the first is the default. See docs/config.md.
 VARIANTS = [
     ("default", {}, None),       # inverse split on 1 warp, tf32 dots; softplus akk BK 32 under the 128 cap
@@ -191,6 +172,7 @@ def stage_bytes(B, T, H, D):
 
 def _regs(seen):
     """Registers/spills of the KDA forward kernels compiled since the last call."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "probes"))
     from gpu_diag import compiled_kernels
     from k3ir.backends.triton import kda_fwd_kernels, kda_kernels
     out = []
@@ -207,8 +189,8 @@ def _regs(seen):
 
 
 def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
-    """Phase 1: the default at every sweep shape and gate (fla timed unless --no-fla, else the known
-    numbers); phase 2: every variant at SWEEP_SHAPES (both gates per variant), while ``--budget`` seconds last
+    """Phase 1: the default at every sweep shape and gate (fla timed unless --no-fla: one median each, beside ours,
+    no ratio); phase 2: every variant at SWEEP_SHAPES (both gates per variant), while ``--budget`` seconds last
     (a variant is started only if ~8 s of budget are left: compiling akk costs most of that)."""
     from k3ir.backends.triton.config import get_triton_config, triton_config
     t0 = time.time()
@@ -241,18 +223,16 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
                 ms = bench(_ours_fwd(kda_forward_kernels, x, lb, stages=(st,)), rep=args.rep)
                 row[f"{st}_ms"] = ms
                 if st in nb:
-                    row[f"{st}_mem_frac"] = nb[st] / MEM_BW / (ms * 1e-3)
+                    row[f"{st}_mem_frac"] = nb[st] / CEIL["copy_Bps"] / (ms * 1e-3)
             row["finite"] = bool(torch.isfinite(o).all())
             if ref_o is not None:
                 row["err_vs_default_o"] = rel(o, ref_o)
             if fla_o is not None:
                 row["err_vs_fla_o"] = rel(o, fla_o)
-            row["fla_ms"] = refs.get((tuple(shape), gate, "fla_ms"), FLA_KNOWN_MS.get((tuple(shape), gate)))
-            if row["fla_ms"]:
-                row["ratio"] = row["fla_ms"] / row["ours_ms"]
-            nbytes, flops = fwd_cost(*shape)
-            row.update(mem_frac=nbytes / MEM_BW / (row["ours_ms"] * 1e-3),
-                       flop_frac=flops / MATMUL / (row["ours_ms"] * 1e-3), t_s=time.time() - t0)
+            row["fla_ms"] = refs.get((tuple(shape), gate, "fla_ms"))     # this run's single median (no ratio:
+            nbytes, flops = fwd_cost(*shape)                             # a tuning sweep; --compare for ratios)
+            row.update(mem_frac=nbytes / CEIL["copy_Bps"] / (row["ours_ms"] * 1e-3),
+                       flop_frac=flops / CEIL["matmul_flops"] / (row["ours_ms"] * 1e-3), t_s=time.time() - t0)
             del o
         except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, not fatal
             row["error"] = repr(e)[:300]
@@ -286,7 +266,7 @@ def sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda):
         x = inputs(*shape)
         for gate, lb in _gates_of(shape, gates):
             fla_o = None
-            if chunk_kda is not None and not (args.fla_missing and (tuple(shape), gate) in FLA_KNOWN_MS):
+            if chunk_kda is not None:
                 try:
                     fla = _fla_fwd(chunk_kda, x, lb)
                     fla_o = fla()[0]
@@ -337,7 +317,7 @@ def precompile(specs, jobs, timeout):
         while todo and len(running) < jobs:
             spec = todo.pop(0)
             err = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed when its process ends
-            running.append((spec, err, subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", spec],
+            running.append((spec, err, subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm-variant", spec],
                                                         stdout=subprocess.DEVNULL, stderr=err)))
         time.sleep(0.05)
         for job in list(running):
@@ -358,7 +338,7 @@ def precompile(specs, jobs, timeout):
 
 
 def warm(spec):
-    """``--warm B,H,D|gate|variant``: one forward at T = 128 with that variant's TritonConfig.kda (fills Triton's cache)."""
+    """``--warm-variant B,H,D|gate|variant``: one forward at T = 128 with that variant's TritonConfig.kda (fills Triton's cache)."""
     from k3ir.backends.triton.config import triton_config
     from k3ir.backends.triton.kda import kda_forward_kernels
     dims, gate, name = spec.split("|")
@@ -457,7 +437,7 @@ def print_acc(rows):
 
 
 def print_sweep(rows):
-    print(f"\n{'variant':14} {'B,T,H,D':>16} {'gate':8} {'ours ms':>8} {'fla ms':>7} {'fla/ours':>8} "
+    print(f"\n{'variant':14} {'B,T,H,D':>16} {'gate':8} {'ours ms':>8} {'fla ms':>7} "
           f"{'gcum ms':>7} {'akk ms':>7} {'inv ms':>7} {'wu ms':>7} {'recur ms':>8} {'akk mem%':>8} {'wu mem%':>7} "
           f"{'err dflt':>8} {'err fla':>8}")
     for r in rows:
@@ -469,7 +449,7 @@ def print_sweep(rows):
         intra = _fmt(r, "akk_ms", "{:7.3f}") if "akk_ms" in r else _fmt(r, "intra_ms", "{:7.3f}")
         shp = ",".join(map(str, r["shape"]))
         print(f"{r['variant']:14} {shp:>16} {r['gate']:8} {_fmt(r, 'ours_ms', '{:8.3f}')} "
-              f"{_fmt(r, 'fla_ms', '{:7.3f}')} {_fmt(r, 'ratio', '{:8.2f}')} {_fmt(r, 'gcum_ms', '{:7.3f}'):>7} "
+              f"{_fmt(r, 'fla_ms', '{:7.3f}')} {_fmt(r, 'gcum_ms', '{:7.3f}'):>7} "
               f"{intra:>7} {_fmt(r, 'inv_ms', '{:7.3f}'):>7} "
               f"{_fmt(r, 'wu_ms', '{:7.3f}'):>7} "
               f"{_fmt(r, 'recur_ms', '{:8.3f}')} {_fmt(r, 'akk_mem_frac', '{:8.1%}')} "
@@ -481,81 +461,6 @@ def print_sweep(rows):
         for k in r.get("regs", []):
             print(f"{r['variant']:14} {r['gate']:8} {k['kernel']:22} {k['regs']:>5} {k['spill']:>8} {k['smem']:>7} "
                   f"{k['warps']:>5} {k['stages']:>6}")
-
-
-def bwd_row(x, shape, gate, lb, kda_forward, chunk_kda):
-    nbytes, flops = fwd_cost(*shape)
-    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
-    leaves = {n: x[n].clone().requires_grad_() for n in names}
-    do = torch.randn_like(x["v"])
-
-    def fb_ours():
-        o, _ = kda_forward(*(leaves[n] for n in names), lower_bound=lb)
-        o.backward(do)
-
-    row = {"kind": "fwd+bwd", "shape": list(shape), "gate": gate}
-    try:
-        t_o = bench(fb_ours, rep=100)     # timed as fla below (do_bench median), not host wall clock
-        row.update(ours_ms=t_o, mem_frac=3 * nbytes / MEM_BW / (t_o * 1e-3),
-                   flop_frac=3 * flops / MATMUL / (t_o * 1e-3), floor_ms=3 * max(nbytes / MEM_BW, flops / MATMUL) * 1e3)
-    except Exception as e:  # noqa: BLE001 - OOM or the like: record and go on
-        row.update(ours_error=repr(e)[:200])
-    torch.cuda.empty_cache()
-    if chunk_kda is not None:
-        kw = {"safe_gate": True, "lower_bound": lb} if lb is not None else {}
-
-        def fb_fla():
-            o, _ = chunk_kda(*(leaves[n] for n in names[:5]), A_log=leaves["A_log"], dt_bias=leaves["dt_bias"],
-                             use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                             **kw)
-            o.backward(do)
-        t_f = bench(fb_fla, rep=100)
-        row.update(fla_ms=t_f, ratio=t_f / row["ours_ms"] if "ours_ms" in row else None)
-    return row
-
-
-def decode_rows(rows, kda_decode, fused_recurrent_kda, save):
-    H, D = 32, 128
-    for B in DECODE_B:
-        x = inputs(B, 1, H, D, seed=B)
-        S = torch.randn(B, H, D, D, device="cuda")
-        pool = S.clone()
-        slots = torch.arange(B, device="cuda", dtype=torch.int32)
-        qf, kf, vf, zf = (x[n].reshape(B, H * D) for n in ("q", "k", "v", "g"))
-        bf = x["beta"].reshape(B, H)
-        C = H * D
-        cw = [torch.randn(C, 1, 4, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-        cs = [torch.randn(B, C, 3, device="cuda") for _ in range(3)]
-        nw, gz = torch.randn(D, device="cuda"), torch.randn(B, C, device="cuda", dtype=torch.bfloat16)
-
-        def ours(full=False, qf=qf, kf=kf, vf=vf, zf=zf, bf=bf, x=x, pool=pool, slots=slots, cw=cw, cs=cs, nw=nw,
-                 gz=gz):
-            if full:   # whole layer step: conv state update + norm + output gate in the same launch
-                return kda_decode(qf, kf, vf, zf, bf, x["A_log"], x["dt_bias"], pool, slots, lower_bound=-5.0,
-                                  conv=(*cw, *cs), norm=(nw, gz, 1e-5))
-            return kda_decode(qf, kf, vf, zf, bf, x["A_log"], x["dt_bias"], pool, slots, lower_bound=-5.0)
-
-        t_o = bench(ours, graph=True)
-        nbytes = 2 * B * H * D * D * 4 + 5 * B * H * D * 2
-        row = {"kind": "decode", "shape": [B, 1, H, D], "gate": "k3", "ours_ms": t_o, "floor_ms": nbytes / MEM_BW * 1e3,
-               "mem_frac": nbytes / MEM_BW / (t_o * 1e-3), "flop_frac": 8 * B * H * D * D / MATMUL / (t_o * 1e-3),
-               "ours_full_layer_ms": bench(lambda ours=ours: ours(True), graph=True)}
-        if fused_recurrent_kda is not None:
-            def fla(st=None, x=x, S=S):
-                return fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
-                                           dt_bias=x["dt_bias"], initial_state=S.clone() if st is None else st,
-                                           output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                           use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
-            st = S.clone()
-            t_f = bench(lambda fla=fla, st=st: fla(st), graph=True)
-            pool.copy_(S)
-            o1 = ours()
-            o2, s2 = fla()
-            row.update(fla_ms=t_f, ratio=t_f / t_o, err_vs_fla_o=rel(o1, o2.reshape(B, H * D)),
-                       err_vs_fla_state=rel(pool, s2))
-        rows.append(row)
-        print(row, flush=True)
-        save()
 
 
 def _fmt(r, k, fmt):
@@ -615,21 +520,26 @@ def compare_rows(args):
     from k3ir.backends.triton import kda_forward
     from k3ir.backends.triton.kda import kda_forward_kernels
     rep = Report("kda_forward", args.out, sys.argv)
-    rep.ceilings()
-    chunk_kda = None
+    if not args.warm:
+        rep.ceilings()
+        CEIL.update(copy_Bps=rep.copy_Bps, matmul_flops=rep.matmul_flops)
+    chunk_kda, fla_skip = None, "--no-fla"
     if not args.no_fla:
         try:
             from fla.ops.kda import chunk_kda
         except Exception as e:  # noqa: BLE001 - fla missing or broken: our rows only
-            rep.data["meta"]["fla_note"] = f"fla not importable, its rows skipped: {e!r}"[:300]
-            print(rep.data["meta"]["fla_note"], flush=True)
+            fla_skip = f"fla not importable: {e!r}"[:300]
+    rep.data["meta"]["fla_note"] = None if chunk_kda is not None else fla_skip
+    if chunk_kda is None:
+        print(f"fla rows skipped: {fla_skip}", flush=True)
     import importlib.util
     rep.data["meta"]["flash_kda_package"] = importlib.util.find_spec("flash_kda") is not None   # fla's CUTLASS path
     dtype = torch.float32 if args.tiny else torch.bfloat16
     for shape in args.shapes or (TINY_SHAPES if args.tiny else CMP_SHAPES):
         x = inputs(*shape, dtype=dtype)
         for gate, lb in (("k3", -5.0), ("softplus", None)):
-            row = {"kind": "fwd", "shape": list(shape), "gate": gate, "dtype": str(dtype)[6:]}
+            row = {"kind": "fwd", "shape": list(shape), "gate": gate, "dtype": str(dtype)[6:],
+                   "fla_skipped": None if chunk_kda is not None else fla_skip}
             fns = {"ours": _ours_fwd(kda_forward, x, lb)}
             if "check_gates" in inspect.signature(kda_forward_kernels).parameters:   # diagnostic: the same
                 fns["ours_no_gate_check"] = _ours_fwd(kda_forward_kernels, x, lb, check_gates=False)  # without the
@@ -656,17 +566,23 @@ def compare_rows(args):
                     row["fla_error"] = repr(e)[:300]
             row["ours_finite"] = bool(torch.isfinite(o1).all() and torch.isfinite(s1).all())
             del o1, s1
+            if args.warm:               # compiled (and fla autotuned) into the caches: nothing timed or written
+                print(f"warm {shape} {gate}: ours {row['ours_first_call_s']:.1f} s, fla "
+                      f"{row.get('fla_first_call_s', '-')} s", flush=True)
+                continue
             t = interleaved(fns, args.repeats, rep_ms=200)
             nbytes, flops = fwd_cost(*shape)
             med = t["ours"]["median"] * 1e-3
             row.update(ours_ms=t["ours"], fla_ms=t.get("fla"), ours_no_gate_check_ms=t.get("ours_no_gate_check"),
                        ratio_fla_over_ours=t["fla"]["median"] / t["ours"]["median"] if "fla" in t else None,
-                       floor_ms=max(nbytes / rep.copy_Bps, flops / rep.bf16_flops) * 1e3,
-                       mem_frac=nbytes / rep.copy_Bps / med, flop_frac=flops / rep.bf16_flops / med)
+                       floor_ms=max(nbytes / rep.copy_Bps, flops / rep.matmul_flops) * 1e3,
+                       mem_frac=nbytes / rep.copy_Bps / med, flop_frac=flops / rep.matmul_flops / med)
             rep.add(row)
         del x
         if DEV == "cuda":
             torch.cuda.empty_cache()
+    if args.warm:
+        return
     m = rep.data["meta"]
     print(f"\n{m['gpu']}, torch {m['torch']}, triton {m['triton']}, fla {m.get('fla')}, commit {m['commit']}, "
           f"{m['date']}; K3IR_* switches: {m['env_switches'] or 'none'}")
@@ -680,17 +596,97 @@ def compare_rows(args):
                  "o err ours vs fla", "o err fla vs ours"], lines)
 
 
+def decode_rows(args):
+    """``--decode``: one decode step of ``kda_decode`` (K3 gate, ``lower_bound=-5``; q/k L2 norm, beta sigmoid and the
+    gate in the launch; the state pool ``[B, H, D, D]`` fp32 updated in place through ``slots``) against fla
+    ``fused_recurrent_kda`` (the same gate options, ``initial_state`` = the same state, final state returned: fla
+    writes a new tensor where ours writes the pool: the same bytes) at H in ``DECODE_H``, B in ``DECODE_B``, D 128
+    (``--tiny``: H 2, D 32, B 1/3 in float32). Both as CUDA-graph replays (events when capture fails: recorded per
+    row), ``--repeats`` interleaved; output and state error of ours against fla from the same state; floor = the state
+    read + written and q, k, v, g, o over the measured copy bandwidth. JSON ``kda_decode``; table last."""
+    from benchlib import Report, fmt_ms, interleaved, print_table
+    from k3ir.backends.triton import kda_decode
+    rep = Report("kda_decode", args.out, sys.argv)
+    if not args.warm:
+        rep.ceilings()
+    frk, fla_skip = None, "--no-fla"
+    if not args.no_fla:
+        try:
+            from fla.ops.kda import fused_recurrent_kda as frk
+        except Exception as e:  # noqa: BLE001 - fla missing or broken: our rows only
+            fla_skip = f"fla not importable: {e!r}"[:300]
+    rep.data["meta"]["fla_note"] = None if frk is not None else fla_skip
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    D = 32 if args.tiny else 128
+    graph = DEV == "cuda"
+    for H in ((2,) if args.tiny else DECODE_H):
+        for B in ((1, 3) if args.tiny else DECODE_B):
+            x = inputs(B, 1, H, D, seed=B * 1000 + H, dtype=dtype)
+            g = torch.Generator(device=DEV).manual_seed(B + H)
+            S = torch.randn(B, H, D, D, device=DEV, generator=g) * 0.1
+            pool = S.clone()
+            slots = torch.arange(B, device=DEV, dtype=torch.int32)
+            qf, kf, vf, zf = (x[n].reshape(B, H * D) for n in ("q", "k", "v", "g"))
+            bf = x["beta"].reshape(B, H)
+
+            def ours(qf=qf, kf=kf, vf=vf, zf=zf, bf=bf, x=x, pool=pool, slots=slots):
+                return kda_decode(qf, kf, vf, zf, bf, x["A_log"], x["dt_bias"], pool, slots, lower_bound=-5.0)
+            row = {"kind": "decode", "shape": [B, 1, H, D], "gate": "k3", "dtype": str(dtype)[6:], "graph": graph,
+                   "fla_skipped": None if frk is not None else fla_skip}
+            o1 = ours()
+            s1 = pool.clone()
+            fns = {"ours": ours}
+            if frk is not None:
+                st = S.clone()
+
+                def fla(x=x, st=st):
+                    return frk(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                               initial_state=st, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                               use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+                try:
+                    o2, s2 = fla()
+                    row.update(err_ours_vs_fla_o=rel(o1, o2.reshape(B, H * D)), err_ours_vs_fla_state=rel(s1, s2),
+                               fla_finite=bool(torch.isfinite(o2).all()))
+                    fns["fla"] = fla
+                except Exception as e:  # noqa: BLE001 - recorded, ours still timed
+                    row["fla_error"] = repr(e)[:300]
+            row["ours_finite"] = bool(torch.isfinite(o1).all() and torch.isfinite(s1).all())
+            if args.warm:
+                continue
+            t = interleaved(fns, args.repeats, rep_ms=100, graph=graph)
+            nbytes = 2 * B * H * D * D * 4 + 5 * B * H * D * x["q"].element_size()
+            med = t["ours"]["median"] * 1e-3
+            row.update(ours_ms=t["ours"], fla_ms=t.get("fla"),
+                       ratio_fla_over_ours=t["fla"]["median"] / t["ours"]["median"] if "fla" in t else None,
+                       floor_ms=nbytes / rep.copy_Bps * 1e3, mem_frac=nbytes / rep.copy_Bps / med,
+                       flop_frac=8 * B * H * D * D / rep.matmul_flops / med)
+            rep.add(row)
+            del x, S, pool
+    if args.warm:
+        return
+    m = rep.data["meta"]
+    print(f"\n{m['gpu']}, torch {m['torch']}, triton {m['triton']}, fla {m.get('fla')}, commit {m['commit']}, "
+          f"{m['date']}; K3IR_* switches: {m['env_switches'] or 'none'}")
+    print_table(["B,T,H,D", "ours ms (min-max)", "fla ms (min-max)", "fla/ours", "mem %", "o err vs fla"],
+                [[",".join(map(str, r["shape"])), fmt_ms(r["ours_ms"]), fmt_ms(r["fla_ms"]),
+                  None if r["ratio_fla_over_ours"] is None else f"{r['ratio_fla_over_ours']:.3f}",
+                  f"{r['mem_frac']:.1%}", _fmt(r, "err_ours_vs_fla_o", "{:.1e}")] for r in rep.data["rows"]])
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None,
-                    help="JSON report (default bench/results/<kda_forward with --compare, else bench_kda>/<date>-<commit>.json)")
-    ap.add_argument("--quick", action="store_true", help="first shape only")
-    ap.add_argument("--no-bwd", action="store_true")
-    ap.add_argument("--bwd-all", action="store_true", help="forward+backward at every shape (default: B1 T32768 H32)")
-    ap.add_argument("--bwd-only", default=None, type=_shapes,
-                    help="only forward+backward rows (both gates unless @gate) at these B,T,H,D[@gate][;...] shapes: "
-                         "fla's first backward call per shape autotunes for ~1.5 min")
+    ap.add_argument("--out", default=None, help="JSON report (default bench/results/<kda_forward | kda_decode | "
+                                                "kda_sweep>/<date>-<commit>.json)")
+    ap.add_argument("--compare", action="store_true", help="the forward vs fla (the default mode)")
+    ap.add_argument("--decode", action="store_true", help="one decode step vs fla fused_recurrent_kda")
     ap.add_argument("--sweep", action="store_true", help="forward variants of TritonConfig.kda only (see VARIANTS)")
+    ap.add_argument("--warm", action="store_true", help="run each case once (compile, fla autotune); no timing, no JSON")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per candidate, interleaved")
+    ap.add_argument("--tiny", action="store_true", help="tiny float32 sizes (CPU, TRITON_INTERPRET=1)")
+    ap.add_argument("--no-fla", action="store_true", help="do not import or time fla (its columns stay empty)")
+    ap.add_argument("--shapes", default=None, type=_shapes,
+                    help="B,T,H,D[@gate][;B,T,H,D...]: --compare: these shapes; --sweep: instead of the sweep shapes "
+                         "(variants on the first unless --all-shapes; '@k3' / '@softplus': that gate only)")
     ap.add_argument("--budget", type=float, default=110.0, help="--sweep: seconds before variants are skipped")
     ap.add_argument("--margin", type=float, default=8.0,
                     help="--sweep: a variant row starts only while this many seconds of --budget are left (8: an "
@@ -700,113 +696,63 @@ def main():
     ap.add_argument("--variant-launches", default=None,
                     help="--sweep: per-launch times of the variants for these launches only (e.g. akk,wu,recur; "
                          "the defaults always time every launch)")
-    ap.add_argument("--no-fla", action="store_true",
-                    help="do not import or time fla (--sweep: its known H200 times fill the fla column)")
     ap.add_argument("--rep", type=int, default=60, help="--sweep: timing window per measurement (ms)")
     ap.add_argument("--variants", default=None,
                     help="--sweep: comma-separated VARIANTS names to run after the defaults ('default': none)")
-    ap.add_argument("--shapes", default=None, type=_shapes,
-                    help="--sweep: B,T,H,D[@gate][;B,T,H,D...] instead of the sweep shapes (variants on the first "
-                         "unless --all-shapes; '@k3' / '@softplus': that shape with that gate only)")
     ap.add_argument("--gates", default="both", choices=("both", "k3", "softplus"), help="--sweep: gates to run")
     ap.add_argument("--all-shapes", action="store_true", help="--sweep: the variants at every shape, not the first")
-    ap.add_argument("--fla-missing", action="store_true",
-                    help="--sweep: time fla only where FLA_KNOWN_MS has no number (imports fla despite --no-fla)")
     ap.add_argument("--acc", action="store_true",
                     help="--sweep: then the default and --variants against a float64 reference (ACC_CASES)")
     ap.add_argument("--acc-budget", type=float, default=20.0, help="--acc: seconds before cases are skipped")
     ap.add_argument("--acc-variants", default=None, help="--acc: variants to check (default: --variants)")
     ap.add_argument("--precompile", type=int, default=0,
                     help="--sweep: compile the sweep's configs first in up to N parallel processes (Triton cache)")
-    ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)   # precompile's worker: B,H,D|gate|variant
-    ap.add_argument("--compare", action="store_true",
-                    help="forward vs fla in one process: ceilings, --repeats interleaved medians, errors both ways")
-    ap.add_argument("--repeats", type=int, default=3, help="--compare: timed repeats per candidate")
-    ap.add_argument("--tiny", action="store_true", help="--compare: tiny float32 shapes (CPU, TRITON_INTERPRET=1)")
+    ap.add_argument("--warm-variant", default=None, help=argparse.SUPPRESS)   # precompile's worker: B,H,D|gate|variant
     args = ap.parse_args()
+    if args.compare + args.decode + args.sweep > 1:
+        ap.error("choose one of --compare, --decode, --sweep")
+    mode = "decode" if args.decode else "sweep" if args.sweep else "compare"
     if args.out is None:
         from benchlib import result_path
-        args.out = result_path("kda_forward" if args.compare else "bench_kda")
-    if args.compare:
-        global DEV
-        DEV = "cuda" if torch.cuda.is_available() else "cpu"
+        args.out = result_path({"compare": "kda_forward", "decode": "kda_decode", "sweep": "kda_sweep"}[mode])
+    global DEV
+    DEV = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.warm_variant:
+        warm(args.warm_variant)
+        return
+    if mode == "compare":
         compare_rows(args)
         return
-    if args.warm:
-        warm(args.warm)
+    if mode == "decode":
+        decode_rows(args)
         return
-    from k3ir.backends.triton import kda_decode, kda_forward
+    if DEV != "cuda":
+        ap.error("--sweep needs a CUDA GPU (it reads compiled kernels' registers)")
+    from benchlib import Report
     from k3ir.backends.triton.kda import kda_forward_kernels
-    chunk_kda = fused_recurrent_kda = None
-    if not args.no_fla or args.fla_missing:
+    rep = Report("kda_sweep", args.out, sys.argv)
+    rep.ceilings()
+    CEIL.update(copy_Bps=rep.copy_Bps, matmul_flops=rep.matmul_flops)
+    chunk_kda = None
+    if not args.no_fla:
         try:
-            from fla.ops.kda import chunk_kda, fused_recurrent_kda
+            from fla.ops.kda import chunk_kda
         except Exception as e:  # noqa: BLE001 - fla missing or broken: our numbers only
-            print("fla not importable:", e)
-    rows = []
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-    import triton
-    meta["triton"] = triton.__version__
+            rep.data["meta"]["fla_note"] = f"fla not importable: {e!r}"[:300]
+    rows = rep.data["rows"]
 
     def save():
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        rep.write()
 
-    if args.sweep:
-        try:
-            sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda)
-            if args.acc:
-                acc_rows(args, rows, save, kda_forward_kernels)
-        finally:
-            print(f"\n{meta}")
-            print_sweep(rows)
-            print_acc(rows)
-            save()
-        return
-    if args.bwd_only:
-        for shape in args.bwd_only:
-            x = inputs(*shape)
-            for gate, lb in _gates_of(shape, (("k3", -5.0), ("softplus", None))):
-                rows.append(bwd_row(x, shape, gate, lb, kda_forward, chunk_kda))
-                print(rows[-1], flush=True)
-                save()
-            del x
-            torch.cuda.empty_cache()
-        args.no_bwd = True
-        shapes = []
-    else:
-        decode_rows(rows, kda_decode, fused_recurrent_kda, save)
-        shapes = FWD_SHAPES[:1] if args.quick else FWD_SHAPES
-    for shape in shapes:
-        x = inputs(*shape)
-        for gate, lb in (("k3", -5.0), ("softplus", None)):
-            rows.append(fwd_row(x, shape, gate, lb, kda_forward_kernels, chunk_kda))
-            print(rows[-1], flush=True)
-            save()
-        del x
-        torch.cuda.empty_cache()
-    if not args.no_bwd:
-        for shape in (FWD_SHAPES if args.bwd_all else FWD_SHAPES[:1]):
-            x = inputs(*shape)
-            for gate, lb in (("k3", -5.0),) if not args.bwd_all else (("k3", -5.0), ("softplus", None)):
-                rows.append(bwd_row(x, shape, gate, lb, kda_forward, chunk_kda))
-                print(rows[-1], flush=True)
-                save()
-            del x
-            torch.cuda.empty_cache()
-
-    print(f"\n{meta}")
-    hdr = f"{'kind':8} {'B,T,H,D':>18} {'gate':8} {'ours ms':>9} {'fla ms':>9} {'fla/ours':>8} {'mem%':>6} " \
-          f"{'flop%':>6} {'floor ms':>8} {'err vs fla':>10}"
-    print(hdr)
-    for r in rows:
-        print(f"{r['kind']:8} {','.join(map(str, r['shape'])):>18} {r['gate']:8} {_fmt(r, 'ours_ms', '{:9.3f}')} "
-              f"{_fmt(r, 'fla_ms', '{:9.3f}')} {_fmt(r, 'ratio', '{:8.2f}')} {_fmt(r, 'mem_frac', '{:6.1%}')} "
-              f"{_fmt(r, 'flop_frac', '{:6.1%}')} {_fmt(r, 'floor_ms', '{:8.3f}')} "
-              f"{_fmt(r, 'err_vs_fla_o', '{:10.1e}')}"
-              + (f"  {r['tuning']}" if "tuning" in r else "")
-              + (f"  intra {r['intra_ms']:.3f} recur {r['recur_ms']:.3f}" if "intra_ms" in r else ""))
-    save()
+    try:
+        sweep_rows(args, rows, save, kda_forward_kernels, chunk_kda)
+        if args.acc:
+            acc_rows(args, rows, save, kda_forward_kernels)
+    finally:
+        print(f"\n{rep.data['meta']}")
+        print_sweep(rows)
+        print_acc(rows)
+        save()
 
 
 if __name__ == "__main__":

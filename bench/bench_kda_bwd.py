@@ -1,34 +1,28 @@
 """Forward+backward of the triton target's KDA (``kda_forward`` with the chunked Triton backward,
-backends/triton/kda_bwd*.py) against fla ``chunk_kda`` on one GPU (issue 5).
+backends/triton/kda_bwd*.py) against fla ``chunk_kda`` on one GPU: accuracy against an fp32 reference and time,
+both memory policies on both sides, in one run.
 
-Every job runs in its own subprocess (a CUDA illegal address kills only that job), in the priority order of
-``JOBS`` (acc_k3, time_k3, acc_k3d, probe_wy_wgmma, acc_sp, time_sp, time_b8, acc_var, sweep, probe_dh_v2), each with the
-time left of a global budget; jobs that no longer fit are skipped; after a failed job the later ones compile every
-recurrence MMAv2-only:
-- ``acc_k3`` / ``acc_sp``: B1 T2048 H32 D128 bf16 (H as the timed shapes: one compile), gradients of ours (and
-  fla's unless ``--no-fla``) against an fp32 reference (our torch recompute on fp32 inputs); rel err per input
-  (fla's tolerance 8e-3). Run with ``CUDA_LAUNCH_BLOCKING=1`` so a fault names its launch. ``acc_k3`` also
-  compares with an independent float64 token recurrence (``ours_vs_ref64``, ``ref_vs_ref64``) and runs the K3 dense
-  diagonal path (``ours_dense``, kda_bwd.k3_exact ""; ``ours_prepx`` / ``ours_intrax``: exact in prep / bwd_intra
-  only) with every launch's buffers against float64 (``inter_dense``:
-  G bn qn kn = prelude, Ai P w u qg kg = prep, h vn = fwd_h, dh dvn = bwd_dh, dAq dAk = bwd_wy); ``acc_k3d`` the
-  dense path alone.
-- ``time_k3`` / ``time_sp`` / ``time_b8``: fwd+bwd of ours (median ms), our forward alone, our backward per
-  launch (each launch timed alone), at B1 T32768 H32 D128 (K3 gate, softplus) and B8 T4096 H32 (K3); fla
-  timed too unless ``--no-fla`` (then its recorded numbers: 17.25 / 22.06 ms at B1 T32768 H32).
-  Registers / spills / shared memory of every compiled backward kernel.
-- ``acc_var``: variable lengths (an empty and a 1-token sequence) with initial state and final-state gradient.
-- The autograd rows (``ours``, time ``ours_fb_ms``) run with ``TritonConfig.kda.bwd_reuse`` (default on: the backward
-  takes w, u, qg, kg, P, (I+Akk)^-1, G from the forward and skips prep; the ``prepx`` variant then changes
-  nothing); ``recompute`` rows / ``ours_fb_recompute_ms`` / ``kernels_recompute_ms`` the old path (bwd_reuse
-  False); ``inter_reuse``: the per-launch float64 check with the forward's buffers (acc_k3, acc_sp).
-- ``probe_wy_wgmma`` / ``probe_dh_v2``: the WY launch compiled with Hopper wgmma (the default compiles it
-  MMAv2-only, see ``TritonConfig.kda_bwd.mma_v2``) and the dh recurrence MMAv2-only: accuracy as ``acc_k3``.
-- ``sweep``: backward launch variants (``TritonConfig.kda_bwd``) at B1 T32768 H32 K3, ms per launch.
-- ``acc_next`` / ``time_next``: ``acc_k3`` / ``time_k3`` with ``NEXT`` (candidate defaults, below) applied.
-Prints the tables last and writes JSON (``--out``, default ``bench/results/bench_kda_bwd/<date>-<commit>.json``) after every job.
+Every job runs in its own subprocess (a CUDA illegal address kills only that job), in the given order (default
+``DEFAULT_JOBS``: acc_k3, acc_sp, then the time jobs), each with the time left of a global ``--budget``; jobs that no
+longer fit are skipped. The copy bandwidth and matmul rate are measured first, in the parent (the run's ceilings).
+- ``acc_k3`` / ``acc_sp``: B1 T2048 H32 D128 bf16, gradients of ours (keep: ``bwd_reuse``; ``ours_recompute``:
+  bwd_reuse False) and fla's (default recompute; ``fla_keep``: ``disable_recompute=True``) against an fp32 reference
+  (our torch recompute on fp32 inputs); rel err per input (fla's tolerance 8e-3). ``acc_k3`` also compares with an
+  independent float64 token recurrence (``ours_vs_ref64``, ``ref_vs_ref64``), the K3 dense diagonal path and every
+  launch's buffers against float64. After a failed job the later acc jobs compile every recurrence MMAv2-only
+  (recorded as ``tuning_overrides``); the time jobs always run the shipped defaults.
+- ``time_k3`` / ``time_sp`` (B1 T32768 H32), ``time_b8`` / ``time_b8_sp`` (B8 T4096 H32), ``time_h96`` /
+  ``time_h96_sp`` (B1 T8192 H96): fwd+bwd, interleaved ``--repeats`` medians on the same inputs and output gradient,
+  ours keep / ours recompute / fla keep / fla recompute, ratios within a policy only, peak memory per candidate; every
+  leaf's ``.grad`` set to None before each call on every side; our backward per launch (diagnostic).
+- ``acc_var``, ``acc_k3d``, ``probe_*``, ``sweep``, ``*_next``: diagnostics (variable lengths; the dense path; wgmma
+  and MMAv2 probes; backward launch variants; ``NEXT`` candidate defaults).
+``--warm-parallel N`` first runs every time job's candidates once in N parallel processes (compiles and fla's
+autotuning, nothing timed), so the timed jobs then run one at a time on a quiet GPU. Tables last; JSON (``--out``,
+default ``bench/results/bench_kda_bwd/<date>-<commit>.json``) after every job.
 
-    PYTHONPATH=<fla wheel dir> python bench/bench_kda_bwd.py [--budget 110] [--no-fla] [--jobs a,b]
+    PYTHONPATH=<fla wheel dir> python3 bench/bench_kda_bwd.py [--budget 480] [--warm-parallel 6] [--jobs a,b]
+    TRITON_INTERPRET=1 python bench/bench_kda_bwd.py --tiny --out /tmp/kda_bwd.json        # CPU check of the script
 """
 from __future__ import annotations
 
@@ -44,16 +38,26 @@ import traceback
 NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
 #: DRAM bytes per token-head of each backward launch at D=128 (bench/KDA_NOTES.md; bf16 intermediates)
 KB_PER_TH = {"prelude": 1.8, "prep": 3.6, "fwd_h": 2.75, "bwd_dh": 4.35, "bwd_wy": 5.5, "bwd_intra": 4.5, "chain": 3.0}
-FLA_MS = {("1,32768,32,128", "k3"): 17.25, ("1,32768,32,128", "softplus"): 22.06}   # measured 2026-11-30
 T0 = time.time()
-#: ``K3IR_BENCH_SMOKE=1``: run the child code on the CPU under TRITON_INTERPRET at toy sizes (checks the script)
-SMOKE = os.environ.get("K3IR_BENCH_SMOKE") == "1"
+#: ``--tiny``: the child code on the CPU under TRITON_INTERPRET at toy sizes (checks the script); set by ``_set_tiny``
+SMOKE = False
+#: why fla's rows are empty in this process (set by ``child``)
+FLA_SKIP = "--no-fla"
 #: ``NEXT``: candidate ``TritonConfig.kda_bwd`` defaults waiting for a GPU check (``--jobs acc_next,time_next``);
 #: empty when there are none. The last ones (value block 64 in bwd_wy, 3-stage recurrences, chain on 4 warps: the
 #: H200 sweep of 2026-11-30 04:59) passed on 2026-11-30 05:56 and are the defaults.
 NEXT: dict = {}
-DEV = "cpu" if SMOKE else "cuda"
-ACC_SHAPE = (1, 128, 2, 16) if SMOKE else (1, 2048, 32, 128)
+DEV = "cuda"
+ACC_SHAPE = (1, 2048, 32, 128)
+
+
+def _set_tiny(tiny: bool):
+    """``--tiny``: toy sizes on the CPU (``inputs`` clamps every shape to B 2, T 130, H 2, D 16)."""
+    global SMOKE, DEV, ACC_SHAPE
+    SMOKE = bool(tiny)
+    DEV, ACC_SHAPE = ("cpu", (1, 128, 2, 16)) if SMOKE else ("cuda", (1, 2048, 32, 128))
+
+
 JOBS = {   # name: (kind, kwargs, extra env, seconds it needs at least)
     "acc_k3": ("acc", {"lb": -5.0, "ref64": True, "variants": [     # dense first: the others reuse its compiles
         ("dense", {"k3_exact": ""}, {}, True), ("prepx", {"k3_exact": "prep"}, {}, False),
@@ -68,6 +72,9 @@ JOBS = {   # name: (kind, kwargs, extra env, seconds it needs at least)
                {"CUDA_LAUNCH_BLOCKING": "1"}, 25),
     "time_sp": ("time", {"shape": [1, 32768, 32, 128], "lb": None}, {}, 12),
     "time_b8": ("time", {"shape": [8, 4096, 32, 128], "lb": -5.0}, {}, 10),
+    "time_b8_sp": ("time", {"shape": [8, 4096, 32, 128], "lb": None}, {}, 10),
+    "time_h96": ("time", {"shape": [1, 8192, 96, 128], "lb": -5.0}, {}, 10),
+    "time_h96_sp": ("time", {"shape": [1, 8192, 96, 128], "lb": None}, {}, 10),
     "acc_var": ("acc", {"lb": -5.0, "cu": [0, 1, 64, 64, 65, 300, 1000, 2048],
                         "variants": [("recompute", {"bwd_reuse": False}, {}, False)]}, {"CUDA_LAUNCH_BLOCKING": "1"}, 20),
     "sweep": ("sweep", {}, {}, 15),
@@ -119,8 +126,10 @@ def inputs(B, T, H, D, seed=0, N=None):
     return x
 
 
-def fwd_bwd(fn, x, lb, do, dht=None, cu=None, fla=False):
-    """(run, leaves): ``run()`` does forward + backward of ``fn`` (ours or fla's chunk_kda)."""
+def fwd_bwd(fn, x, lb, do, dht=None, cu=None, fla=False, fla_keep=False):
+    """(run, leaves): ``run()`` sets every leaf's ``.grad`` to None (on both sides alike: nothing accumulates), then
+    does forward + backward of ``fn`` (ours, the fp32 reference, or fla's chunk_kda; ``fla_keep``: fla with
+    ``disable_recompute=True``, its forward keeping the intermediates as our ``bwd_reuse`` does)."""
     import torch
     names = NAMES + (("h0",) if "h0" in x else ())
     leaves = {n: x[n].clone().requires_grad_() for n in names}
@@ -131,6 +140,8 @@ def fwd_bwd(fn, x, lb, do, dht=None, cu=None, fla=False):
         h0 = leaves.get("h0")
         if fla:
             kw = {"safe_gate": True, "lower_bound": lb} if lb is not None else {}
+            if fla_keep:
+                kw["disable_recompute"] = True
             o, s = fn(*(leaves[n] for n in NAMES[:5]), A_log=leaves["A_log"], dt_bias=leaves["dt_bias"],
                       initial_state=h0, output_final_state=dht is not None, cu_seqlens=cu, use_gate_in_kernel=True,
                       use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **kw)
@@ -170,6 +181,7 @@ def per_launch(x, lb, do, n=3, reuse=False):
 
 def regs_rows():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "probes"))
     from gpu_diag import compiled_kernels
     from k3ir.backends.triton import kda_bwd_intra, kda_bwd_kernels
     rows = []
@@ -342,13 +354,16 @@ def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), re
                 else:
                     os.environ[k_] = v_
     if fla is not None:
-        try:
-            run, lv = fwd_bwd(fla, x, lb, do, dht, cu_t, fla=True)
-            run()
-            g = grads(lv)
-            row["fla"] = {n: rel(g[n], ref[n]) for n in ref}
-        except Exception as e:  # noqa: BLE001 - fla's failure is not ours
-            row["fla_error"] = repr(e)[:200]
+        for key, keep in (("fla", False), ("fla_keep", True)):     # fla's default (recompute) and disable_recompute
+            try:
+                run, lv = fwd_bwd(fla, x, lb, do, dht, cu_t, fla=True, fla_keep=keep)
+                run()
+                g = grads(lv)
+                row[key] = {n: rel(g[n], ref[n]) for n in ref}
+            except Exception as e:  # noqa: BLE001 - fla's failure is not ours
+                row[key + "_error"] = repr(e)[:200]
+    else:
+        row["fla_skipped"] = FLA_SKIP
     return [row]
 
 
@@ -373,49 +388,82 @@ def get_triton_config():
     return get()
 
 
-def job_time(name, shape, lb, fla=None, tune=None):
+def _peak_mib(fn) -> float | None:
+    """Peak CUDA memory one call of ``fn`` allocates above what was allocated before it (MiB); None on the CPU."""
     import torch
+    if SMOKE:
+        fn()
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def job_time(name, shape, lb, fla=None, tune=None, repeats=3, warm=False):
+    """Forward+backward at ``shape``, both memory policies on both sides, interleaved ``repeats`` medians on the same
+    inputs and output gradient: ours ``keep`` (``TritonConfig.kda.bwd_reuse`` True, the shipped default: the forward
+    keeps w, u, qg, kg, P, (I+Akk)^-1, G) and ``recompute`` (bwd_reuse False), fla ``recompute`` (its default) and
+    ``keep`` (``disable_recompute=True``); ratios only within a policy (fla keep / ours keep, fla recompute / ours
+    recompute); each candidate's peak memory above the inputs (MiB); gradients of every candidate against ours keep
+    (the accuracy against the fp32 reference: the ``acc_*`` jobs of the same run). Every leaf's ``.grad`` is set to
+    None before each call on every side. Also (diagnostics, one median) our forward alone and our backward per
+    launch. ``warm``: each candidate once, nothing timed."""
+    import torch
+    from benchlib import interleaved
     from k3ir.backends.triton import kda_forward
     from k3ir.backends.triton.config import triton_config
     _scope(_tuning(tune)).__enter__()                 # for the whole job (its own process)
     x = inputs(*shape, seed=0)
     do = torch.randn_like(x["v"])
     gate = "k3" if lb is not None else "softplus"
-    row = {"section": "time", "job": name, "shape": shape, "gate": gate}
-    run, lv = fwd_bwd(kda_forward, x, lb, do)
-    run()
-    sync()
-    reuse = bool(get_triton_config().kda.bwd_reuse)
-    row["kernels_ms"] = per_launch(x, lb, do, reuse=reuse)     # synchronising: a fault names its launch
-    row["ours_fb_ms"] = bench(run)
-    g_ours = grads(lv)
-    if reuse:       # the recompute for comparison: prep launched, only the inputs saved
-        try:
-            row["kernels_recompute_ms"] = per_launch(x, lb, do)
-            with triton_config(kda={"bwd_reuse": False}):
-                row["ours_fb_recompute_ms"] = bench(run)
-            row["rel_reuse_vs_recompute"] = {n: rel(g_ours[n], t.grad) for n, t in lv.items()}
-        except Exception as e:  # noqa: BLE001
-            row["recompute_error"] = repr(e)[:200]
-    with torch.no_grad():
-        row["ours_fwd_ms"] = bench(lambda: kda_forward(*(x[n] for n in NAMES), lower_bound=lb))
-    row["ours_bwd_ms"] = row["ours_fb_ms"] - row["ours_fwd_ms"]
-    key = (",".join(map(str, shape)), gate)
+    row = {"section": "time", "job": name, "shape": list(x["k"].shape), "gate": gate, "repeats": repeats,
+           "shipped_bwd_reuse": bool(get_triton_config().kda.bwd_reuse)}
+    keep_run, keep_lv = fwd_bwd(kda_forward, x, lb, do)
+    rec_run0, rec_lv = fwd_bwd(kda_forward, x, lb, do)
+
+    def with_policy(run, reuse):
+        def f():
+            with triton_config(kda={"bwd_reuse": reuse}):
+                run()
+        return f
+    fns = {"ours_keep": with_policy(keep_run, True), "ours_recompute": with_policy(rec_run0, False)}
+    leaves = {"ours_keep": keep_lv, "ours_recompute": rec_lv}
     if fla is not None:
-        del lv
-        if not SMOKE:
-            torch.cuda.empty_cache()
+        for key, keep in (("fla_keep", True), ("fla_recompute", False)):
+            run, lv = fwd_bwd(fla, x, lb, do, fla=True, fla_keep=keep)
+            fns[key], leaves[key] = run, lv
+    else:
+        row["fla_skipped"] = FLA_SKIP
+    row["peak_mib"], row["first_call_s"] = {}, {}
+    for key in list(fns):
+        t = time.time()
         try:
-            run, lv = fwd_bwd(fla, x, lb, do, fla=True)
-            row["fla_fb_ms"] = bench(run)
-            g_fla = grads(lv)
-            row["rel_vs_fla"] = {n: rel(g_ours[n], g_fla[n]) for n in NAMES}
-        except Exception as e:  # noqa: BLE001
-            row["fla_error"] = repr(e)[:200]
-    elif key in FLA_MS:
-        row["fla_fb_ms"], row["fla_recorded"] = FLA_MS[key], True
-    if "fla_fb_ms" in row:
-        row["fla_over_ours"] = row["fla_fb_ms"] / row["ours_fb_ms"]
+            row["peak_mib"][key] = _peak_mib(fns[key])
+            sync()
+            row["first_call_s"][key] = time.time() - t
+        except Exception as e:  # noqa: BLE001 - recorded (fla's failure is not ours), the rest still timed
+            row[f"{key}_error"] = repr(e)[:300]
+            del fns[key]
+    g_keep = grads(keep_lv)
+    row["grad_err_vs_ours_keep"] = {k: {n: rel(t.grad, g_keep[n]) for n, t in lv.items() if n in g_keep}
+                                    for k, lv in leaves.items() if k != "ours_keep" and k in fns}
+    row["finite"] = {k: all(bool(torch.isfinite(t.grad).all()) for t in lv.values()) for k, lv in leaves.items()
+                     if k in fns}
+    if warm:
+        return [row]
+    fns["ours_fwd_only"] = lambda: kda_forward(*(x[n] for n in NAMES), lower_bound=lb)   # no leaf needs a grad
+    t = interleaved(fns, repeats, rep_ms=150)
+    row["ms"] = t
+    for pol in ("keep", "recompute"):
+        if f"fla_{pol}" in t and f"ours_{pol}" in t:
+            row[f"ratio_fla_over_ours_{pol}"] = t[f"fla_{pol}"]["median"] / t[f"ours_{pol}"]["median"]
+    row["kernels_ms"] = per_launch(x, lb, do, reuse=True)          # diagnostics: one mean of 3 each
+    row["kernels_recompute_ms"] = per_launch(x, lb, do)
+    row["ours_bwd_keep_ms_est"] = t["ours_keep"]["median"] - t["ours_fwd_only"]["median"]
+    row["per_launch_note"] = "kernels_ms: each backward launch timed alone (synchronising), one mean of 3"
     return [row] + regs_rows()
 
 
@@ -451,9 +499,12 @@ def job_sweep(name, budget_s):
 
 
 def child(spec):
+    global FLA_SKIP
+    _set_tiny(spec.get("tiny", False))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     name, budget_s, use_fla, out = spec["name"], spec["budget"], spec["fla"], spec["out"]
     kind, kw, _, _ = JOBS[name]
-    if spec.get("tune"):                                # the parent's fallback after a failed job
+    if spec.get("tune"):                                # the parent's fallback after a failed job (acc jobs only)
         _scope(spec["tune"]).__enter__()            # for the whole child process
         print("TritonConfig.kda_bwd", get_triton_config().kda_bwd, flush=True)
     fla = None
@@ -461,18 +512,22 @@ def child(spec):
         try:
             from fla.ops.kda import chunk_kda as fla
         except Exception as e:  # noqa: BLE001
-            print("fla not importable:", repr(e)[:200])
+            FLA_SKIP = f"fla not importable: {e!r}"[:300]
+            print(FLA_SKIP, flush=True)
     try:
         if kind == "acc":
             rows = job_acc(name, fla=fla, **kw)
         elif kind == "time":
-            rows = job_time(name, fla=fla, **kw)
+            rows = job_time(name, fla=fla, repeats=spec.get("repeats", 3), warm=spec.get("warm", False), **kw)
         else:
             rows = job_sweep(name, budget_s)
     except Exception as e:  # noqa: BLE001 - the parent records it
         traceback.print_exc()
         tb = [ln.strip() for ln in traceback.format_exc().splitlines() if "kda_bwd" in ln or "kda.py" in ln]
         rows = [{"section": "error", "job": name, "error": repr(e)[:300] + " @ " + " | ".join(tb[-2:])}]
+    for r in rows:
+        if spec.get("tune"):
+            r["tuning_overrides"] = spec["tune"]
     with open(out, "w") as f:
         json.dump(rows, f)
 
@@ -482,39 +537,39 @@ def fmt(v, spec=".2f"):
     return format(v, spec) if isinstance(v, (int, float)) else "  -"
 
 
-def print_tables(rows, meta):
-    print("\n== accuracy (rel err vs fp32 reference; fla's tolerance 8e-3)")
+def print_tables(rows, meta, copy_Bps=None):
+    from benchlib import fmt_ms
+    print("\n== accuracy (rel err vs fp32 reference; fla's tolerance 8e-3; fla_keep: disable_recompute=True)")
     for r in rows:
         if r["section"] == "accuracy":
-            for who in ["ours", "fla"] + [k for k in r if k.startswith(("ours_", "ref_"))]:
+            for who in ["ours", "fla", "fla_keep"] + [k for k in r if k.startswith(("ours_", "ref_"))]:
                 if who in r:
                     print(f"{r['job']:15} {r['gate']:9} {who:5} " + " ".join(f"{n}={v:.1e}" for n, v in r[who].items())
-                          + ("" if who == "fla" or r.get("finite", True) else "  NON-FINITE"))
+                          + ("" if who.startswith("fla") or r.get("finite", True) else "  NON-FINITE"))
             for k_ in [k for k in r if k.startswith("inter") and k != "inter_error"]:
                 print(f"{r['job']:15} {k_}: per-launch buffers vs float64 (2 heads): "
                       + " ".join(f"{n}={v:.1e}" for n, v in r[k_].items()))
             for k_ in r:
                 if k_.startswith("error_") or k_ == "inter_error":
                     print(f"{r['job']:15} {k_}: {r[k_]}")
-    print("\n== fwd+bwd (median ms; fla* = recorded, not re-measured)")
-    print(f"{'B,T,H,D':>16} {'gate':9} {'ours f+b':>9} {'fwd':>7} {'bwd':>7} {'fla f+b':>8} {'fla/ours':>8}")
+    print("\n== fwd+bwd, same inputs, same run, interleaved repeats: median ms (min-max); ratio = fla / ours within a "
+          "memory policy (keep: ours bwd_reuse, fla disable_recompute=True; recompute: both recompute)")
+    print(f"{'B,T,H,D':>16} {'gate':9} {'ours keep':>22} {'fla keep':>22} {'keep':>6} {'ours recomp.':>22} "
+          f"{'fla recomp.':>22} {'recomp':>6}  peak MiB ours/fla keep, recompute")
     for r in rows:
-        if r["section"] == "time":
-            print(f"{','.join(map(str, r['shape'])):>16} {r['gate']:9} {fmt(r.get('ours_fb_ms')):>9} "
-                  f"{fmt(r.get('ours_fwd_ms')):>7} {fmt(r.get('ours_bwd_ms')):>7} "
-                  f"{fmt(r.get('fla_fb_ms')):>8}{'*' if r.get('fla_recorded') else ' '}{fmt(r.get('fla_over_ours')):>7}")
+        if r["section"] == "time" and "ms" in r:
+            t, pk = r["ms"], r.get("peak_mib", {})
+            print(f"{','.join(map(str, r['shape'])):>16} {r['gate']:9} {fmt_ms(t.get('ours_keep')):>22} "
+                  f"{fmt_ms(t.get('fla_keep')):>22} {fmt(r.get('ratio_fla_over_ours_keep'), '.3f'):>6} "
+                  f"{fmt_ms(t.get('ours_recompute')):>22} {fmt_ms(t.get('fla_recompute')):>22} "
+                  f"{fmt(r.get('ratio_fla_over_ours_recompute'), '.3f'):>6}  "
+                  + " ".join(fmt(pk.get(k), ".0f") for k in ("ours_keep", "fla_keep", "ours_recompute", "fla_recompute")))
             th = r["shape"][0] * r["shape"][1] * r["shape"][2]
-            for key, label in (("kernels_ms", "bwd launches"), ("kernels_recompute_ms", "recompute launches")):
-                if key in r:
-                    print(" " * 18 + f"{label} ms (% of 4.25 TB/s): " + "  ".join(
-                        f"{k} {v:.2f} ({100 * KB_PER_TH.get(k, 0) * 1e3 * th / (v * 1e-3) / 4.25e12:.0f}%)"
+            for key, label in (("kernels_ms", "bwd launches (keep)"), ("kernels_recompute_ms", "recompute launches")):
+                if r.get(key) and copy_Bps:
+                    print(" " * 18 + f"{label} ms (% of the measured copy bandwidth): " + "  ".join(
+                        f"{k} {v:.2f} ({100 * KB_PER_TH.get(k, 0) * 1e3 * th / (v * 1e-3) / copy_Bps:.0f}%)"
                         for k, v in r[key].items() if v > 0))
-            if "ours_fb_recompute_ms" in r:
-                print(f"{'':>16} {'recompute':9} {fmt(r['ours_fb_recompute_ms']):>9} {'':>7} "
-                      f"{fmt(r['ours_fb_recompute_ms'] - r.get('ours_fwd_ms', 0)):>7}   (bwd_reuse False: prep launched)")
-            if "rel_reuse_vs_recompute" in r:
-                print(" " * 18 + "grads reuse vs recompute: " + " ".join(
-                    f"{n}={v:.1e}" for n, v in r["rel_reuse_vs_recompute"].items()))
     sweep = [r for r in rows if r["section"] == "sweep"]
     if sweep:
         print("\n== backward sweep (B1 T32768 H32 K3; ms per launch)")
@@ -534,58 +589,102 @@ def print_tables(rows, meta):
         print(f"{j['job']:15} {j['status']:10} {j.get('s', 0):6.1f} s  {j.get('note', '')}")
 
 
+#: the jobs of a plain run (GPU verification, issue order): accuracy with the fp32 reference, then fwd+bwd timings
+DEFAULT_JOBS = "acc_k3,acc_sp,time_k3,time_sp,time_b8,time_b8_sp,time_h96,time_h96_sp"
+TINY_JOBS = "acc_sp,time_k3"
+
+
+def _run_child(spec, env, timeout):
+    """One job in its own process; returns (status, rows)."""
+    try:
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)], env=env,
+                           timeout=timeout, check=False)
+        status = "ok" if p.returncode == 0 else f"rc {p.returncode}"
+    except subprocess.TimeoutExpired:
+        status = "timeout"
+    got = []
+    if os.path.exists(spec["out"]):
+        with open(spec["out"]) as f:
+            got = json.load(f)
+    return status, got
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="JSON report (default bench/results/bench_kda_bwd/<date>-<commit>.json)")
-    ap.add_argument("--budget", type=float, default=110.0, help="seconds for everything; later jobs are skipped")
-    ap.add_argument("--no-fla", action="store_true", help="do not run fla (use its recorded times)")
-    ap.add_argument("--jobs", default=",".join(JOBS), help="comma-separated, in this order: " + ",".join(JOBS))
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for everything; later jobs are skipped")
+    ap.add_argument("--no-fla", action="store_true", help="do not run fla (its columns stay empty)")
+    ap.add_argument("--jobs", default=None, help=f"comma-separated (default {DEFAULT_JOBS}; --tiny: {TINY_JOBS}); "
+                                                 "any of: " + ",".join(JOBS))
+    ap.add_argument("--repeats", type=int, default=3, help="time jobs: interleaved repeats per candidate")
+    ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--warm-parallel", type=int, default=0,
+                    help="first run every time job's candidates once in up to N parallel processes (compiles and "
+                         "fla's autotuning into the on-disk caches; nothing timed), then the jobs one at a time")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         child(json.loads(a.child))
         return
-    if a.out is None:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from benchlib import result_path
-        a.out = result_path("bench_kda_bwd")
-    rows, meta = [], []
-    tune: dict = {}             # after a failed job: every recurrence launch MMAv2-only too
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchlib import Report, result_path
+    _set_tiny(a.tiny)
+    a.out = a.out or result_path("bench_kda_bwd")
+    jobs = [j for j in (a.jobs or (TINY_JOBS if a.tiny else DEFAULT_JOBS)).split(",") if j]
+    bad = [j for j in jobs if j not in JOBS]
+    if bad:
+        ap.error(f"unknown jobs {bad}; known: {','.join(JOBS)}")
+    rep = Report("bench_kda_bwd", a.out, sys.argv)
+    rep.ceilings()
+    if not SMOKE:
+        import torch
+        torch.cuda.empty_cache()
+    rows, meta = rep.data["rows"], []
+    rep.data["jobs"] = meta
+    tune: dict = {}             # after a failed job: the acc jobs compile every recurrence MMAv2-only too
     tmp = tempfile.mkdtemp(prefix="kda_bwd_bench_")
-    for name in [j for j in a.jobs.split(",") if j]:
+    base = {"fla": not a.no_fla, "tiny": a.tiny, "repeats": a.repeats}
+    timed = [j for j in jobs if JOBS[j][0] == "time"]
+    if a.warm_parallel and timed:
+        t = time.time()
+        procs = []
+        for name in timed:
+            spec = {**base, "name": name, "budget": 0, "out": os.path.join(tmp, name + ".warm.json"), "warm": True}
+            procs.append((name, subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child",
+                                                  json.dumps(spec)], env=dict(os.environ, **JOBS[name][2]))))
+            while sum(p.poll() is None for _, p in procs) >= a.warm_parallel:
+                time.sleep(0.5)
+        for name, p in procs:
+            left = a.budget * 0.6 - (time.time() - T0)
+            try:
+                p.wait(timeout=max(1.0, left))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            meta.append({"job": name + " (warm)", "status": "ok" if p.returncode == 0 else f"rc {p.returncode}",
+                         "s": time.time() - t})
+        rep.write()
+    for name in jobs:
         left = a.budget - (time.time() - T0)
         need = JOBS[name][3]
         if left < need:
             meta.append({"job": name, "status": "skipped", "note": f"{left:.0f} s left < {need} s"})
             continue
-        out = os.path.join(tmp, name + ".json")
-        spec = {"name": name, "budget": left - 8, "fla": not a.no_fla, "out": out, "tune": tune}
-        env = dict(os.environ, **JOBS[name][2])
+        kind = JOBS[name][0]
+        spec = {**base, "name": name, "budget": left - 8, "out": os.path.join(tmp, name + ".json"),
+                "tune": tune if kind == "acc" else {}}     # time jobs: always the shipped defaults
         t = time.time()
         print(f"==== {name} ({t - T0:.0f} s, {left:.0f} s left)", flush=True)
-        try:
-            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)], env=env,
-                               timeout=left, check=False)
-            status = "ok" if p.returncode == 0 else f"rc {p.returncode}"
-        except subprocess.TimeoutExpired:
-            status = "timeout"
-        got = []
-        if os.path.exists(out):
-            with open(out) as f:
-                got = json.load(f)
+        status, got = _run_child(spec, dict(os.environ, **JOBS[name][2]), left)
         errs = [r for r in got if r["section"] == "error"]
         meta.append({"job": name, "status": "error" if errs else status, "s": time.time() - t,
-                     "note": (errs[0]["error"][:400] if errs else "") + (f" tune {tune}" if tune else "")})
+                     "note": (errs[0]["error"][:400] if errs else "") + (f" tune {spec['tune']}" if spec["tune"] else "")})
         if (errs or status != "ok") and not name.startswith("probe") and not tune:
             tune = {"mma_v2": "bwd_wy,bwd_dh,fwd_h"}
         rows += [r for r in got if r["section"] != "error"]
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-            with open(a.out, "w") as f:
-                json.dump({"rows": rows, "jobs": meta, "elapsed_s": time.time() - T0}, f, indent=1)
-        except OSError as e:
-            print("could not write", a.out, e)
-    print_tables(rows, meta)
+        rep.data["elapsed_s"] = time.time() - T0
+        rep.write()
+    print_tables(rows, meta, rep.copy_Bps)
     print(f"\nJSON: {a.out}; {time.time() - T0:.0f} s")
 
 

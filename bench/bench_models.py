@@ -1,27 +1,35 @@
 # ruff: noqa: BLE001
-"""Issue 6 benchmarks in one device call: GPU correctness checks, one K3 MoE layer (bf16 vs
-torch._grouped_mm, MXFP4 vs its weight-bytes floor), Kimi Linear 6.6B prefill/decode vs
-transformers' KimiLinearForCausalLM (fla kernels when installed), a 4-layer full-width K3 with
-MXFP4 experts. Prints a table last and writes $OUT/bench_models.json (after every section).
+"""Whole models on the triton target, every baseline in the same process and run, on the same weights and token
+ids, 3 interleaved repeats (median, min-max), the copy bandwidth and matmul rate measured first (the roofline's
+ceiling). Sections (``--sections``, comma-separated; one JSON, default ``bench/results/bench_models/<date>-<commit>
+.json``, or ``--out``):
 
-    python bench/bench_models.py [--sections check,moe,kimi,k3] [--smoke]
-    python bench/bench_models.py --sections decode --out kimi_linear_decode.json   # decode B1, 3 runs, roofline
+- ``check``: grouped_matmul and two tiny models, triton vs torch target (correctness, no timings).
+- ``kimi``: Kimi Linear 6.6B in bf16 vs transformers' ``KimiLinearForCausalLM`` (fla kernels when importable, which
+  kernels it runs recorded) on the same weights: logits controls, prefill B1 T4096 and B8 T2048 (tok/s, one
+  synchronised call per timing), decode B1 and B32 after 512 tokens (tok/s over ``steps`` steps, ours as the CUDA
+  graph, transformers eager with its cache), fraction of the HBM roofline (bytes per step: active weights + the
+  batch's recurrent, conv and MLA state, over the measured copy bandwidth). ``--no-hf``: ours alone, random weights.
+- ``k3``: a 4-layer full-width K3 with MXFP4 experts, prefill and decode tok/s (no baseline).
+- ``decode``: Kimi Linear 6.6B decode B1 at the shipped defaults, 3 runs, against the roofline (its own JSON,
+  default ``bench/results/kimi_linear_decode/<date>-<commit>.json``).
+The MoE layer: ``bench_moe_layer.py``. ``--tiny`` runs toy sizes (CPU under TRITON_INTERPRET=1) to check the script.
 
-``--smoke`` runs tiny sizes (CPU interpreter too) to check the script itself. The MoE layer section
-lives in ``bench_moe_layer.py``, the shared helpers (``row``, ``bench``, ``rel``) in ``benchlib.py``."""
+    python3 bench/bench_models.py --sections kimi          # Kimi Linear 6.6B vs transformers, same run
+    python3 bench/bench_models.py --sections decode        # decode B1, 3 runs, roofline
+    TRITON_INTERPRET=1 python bench/bench_models.py --sections kimi --tiny --out /tmp/bm.json
+"""
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 
 import numpy as np
 import torch
-from bench_moe_layer import section_moe as _section_moe
-from benchlib import HBM, MM, OUT, ROWS, bench, rel, row, save  # noqa: F401  (re-exported for the other scripts)
+from benchlib import bench, rel, row  # noqa: F401  (re-exported for the other scripts)
 
 KL_SMALL = {"num_hidden_layers": 4, "hidden_size": 256, "vocab_size": 512, "num_experts": 8,
             "moe_intermediate_size": 128, "intermediate_size": 512,
@@ -31,43 +39,10 @@ KL_SMALL = {"num_hidden_layers": 4, "hidden_size": 256, "vocab_size": 512, "num_
 
 
 # ---------------------------------------------------------------------------------------------
-def section_moe(smoke):
-    """``--sections moe``: the K3 MoE layer (bench_moe_layer.py) on this run's device and dtype."""
-    _section_moe(smoke, DEV, DT)
-
-
-# ---------------------------------------------------------------------------------------------
 def gpu_params(module, seed=0, std=0.02):
-    """Random parameters on the device by role (as runtime/params.py, drawn on the GPU)."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    out = {}
-    for name, decl in module.params.items():
-        shape = [int(s) for s in decl.type.shape]
-        dt = decl.type.dtype
-        if dt == "mxfp4":
-            shape[-1] //= 2
-            out[name] = torch.randint(0, 256, shape, generator=g, device=DEV, dtype=torch.uint8)
-        elif dt == "int4":
-            shape[-1] //= 8
-            out[name] = torch.randint(-2**31, 2**31 - 1, shape, generator=g, device=DEV, dtype=torch.int32)
-        elif dt == "u8":                                    # E8M0 scales near 2^-7
-            out[name] = torch.randint(118, 123, shape, generator=g, device=DEV, dtype=torch.uint8)
-        elif name.endswith(("_res_proj.weight", "e_score_correction_bias")):
-            out[name] = torch.zeros(shape, device=DEV)
-        elif name.endswith(("norm.weight", "layernorm.weight")):
-            out[name] = torch.ones(shape, device=DEV)
-        elif name.endswith("A_log"):
-            out[name] = torch.log(torch.empty(shape, device=DEV).uniform_(1.0, 16.0, generator=g))
-        elif name.endswith("dt_bias"):
-            dtv = torch.exp(torch.empty(shape, device=DEV).uniform_(math.log(1e-3), math.log(0.1), generator=g))
-            out[name] = dtv + torch.log(-torch.expm1(-dtv))
-        elif "conv1d" in name:
-            k = shape[-1]
-            out[name] = torch.empty(shape, device=DEV).uniform_(-k ** -0.5, k ** -0.5, generator=g)
-        else:
-            t = torch.empty(shape, device=DEV, dtype=torch.bfloat16)
-            out[name] = t.normal_(0.0, std, generator=g)
-    return out
+    """Random parameters on ``DEV`` by role (``benchlib.random_params``)."""
+    from benchlib import random_params
+    return random_params(module, DEV, seed, std)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,37 +101,32 @@ def section_check(smoke):
 
 # ---------------------------------------------------------------------------------------------
 # ---------------------------------------------------------------------------------------------
-def _time_session(sess, B, T, prompt=512, steps=32, smoke=False, reps=2):
-    """Seconds of one prefill of ``[B, T]`` (best of ``reps``) after a warm-up call of the SAME shape:
-    Triton specialises integer arguments (T % 16 == 0) and fla autotunes per shape, so a warm-up
-    at another length leaves compilation inside the timed call (run 2 timed B1 T4096 that way)."""
-    V = int(sess.module.attrs["vocab_size"])
-    ids = np.random.default_rng(B * T).integers(3, V, (B, T))
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sess.prefill(ids)
-    sync()
-    best = float("inf")
-    for _ in range(1 if smoke else reps):
-        t0 = time.perf_counter()
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _wall_ms(fn) -> float:
+    """One synchronised wall-clock call of ``fn`` (ms): a whole-model step, host work included."""
+    _sync()
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _prefill_fns(sess, hf, ids):
+    """(ours, transformers or None): one prefill of ``ids [B, T]`` each (transformers: ``use_cache=False``)."""
+    def ours():
         sess.prefill(ids)
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    if hf is None:
+        return ours, None
+    tids = torch.from_numpy(ids).to(DEV)
 
-
-def _hf_prefill_s(hf, ids, reps=2):
-    """transformers prefill seconds (best of ``reps``) after a warm-up of the same shape."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    best = float("inf")
-    with torch.no_grad():
-        hf(ids, use_cache=False)
-        sync()
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            hf(ids, use_cache=False)
-            sync()
-            best = min(best, time.perf_counter() - t0)
-    return best
+    def theirs():
+        with torch.no_grad():
+            hf(tids, use_cache=False)
+    return ours, theirs
 
 
 def _hf_kernels(hf):
@@ -177,40 +147,79 @@ def _hf_kernels(hf):
             "attn": str(getattr(hf.config, "_attn_implementation", "?")), **names}
 
 
-def _decode_rate(sess, B, prompt, steps):
+def _decode_rate(sess, B, prompt, steps, seed=0):
+    """tok/s of ``steps`` decode steps of ours (the CUDA graph on a GPU) after a ``prompt``-token prefill of fixed
+    random ids (``seed``), 3 untimed steps first (capture, warm); also the graph's replay ms (``REPLAY_MS``)."""
     V = int(sess.module.attrs["vocab_size"])
-    ids = np.random.default_rng(B).integers(3, V, (B, prompt))
+    ids = np.random.default_rng(seed).integers(3, V, (B, prompt))
     logits, st = sess.prefill(ids)
     nxt = logits[:, -1].argmax(-1, keepdim=True).cpu().numpy()
     for _ in range(3):                                   # capture + warm
         logits, st = sess.decode(nxt, st)
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
+    _sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         logits, st = sess.decode(nxt, st)
-    sync()
+    _sync()
     rate = B * steps / (time.perf_counter() - t0)
     gd = getattr(sess.exe, "_graph", None)
     REPLAY_MS.clear()
     if gd is not None and gd.graph is not None and torch.cuda.is_available():
         gd.graph.replay()
-        sync()
+        _sync()
         t0 = time.perf_counter()
         for _ in range(20):
             gd.graph.replay()
-        sync()
+        _sync()
         REPLAY_MS.append((time.perf_counter() - t0) / 20 * 1e3)
     return rate
+
+
+def _hf_decode_rate(hf, B, prompt, steps, vocab, seed=0):
+    """tok/s of ``steps`` transformers decode steps (eager, its own cache) after the same prompt as ``_decode_rate``."""
+    ids = torch.from_numpy(np.random.default_rng(seed).integers(3, vocab, (B, prompt))).to(DEV)
+    with torch.no_grad():
+        out = hf(ids, use_cache=True)
+        pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            out = hf(nxt, past_key_values=pkv, use_cache=True)
+            pkv = out.past_key_values
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = hf(nxt, past_key_values=pkv, use_cache=True)
+            pkv = out.past_key_values
+        _sync()
+    return B * steps / (time.perf_counter() - t0)
+
+
+def active_params(m) -> int:
+    """Parameters one token reads: all but the embedding, routed experts counted top_k / num_experts."""
+    act = 0
+    for name, decl in m.params.items():
+        n = decl.type.numel()
+        if ".experts." in name:
+            n = n * m.config.top_k // m.config.num_experts
+        if "embed_tokens" not in name:
+            act += n
+    return act
+
+
+def state_bytes_per_seq(sess, prompt: int) -> int:
+    """Bytes of one sequence's state a decode step reads and writes after ``prompt`` tokens: recurrent and conv
+    states read + written, MLA cache rows read (``prompt`` + 1)."""
+    st = _zero_state(sess, 1, prompt)
+    total = 0
+    for n, v in st.values.items():
+        per_row = v[0].numel() * v.element_size()
+        total += per_row // v.shape[1] * (prompt + 1) if n.endswith("mla_cache") else 2 * per_row
+    return total
 
 
 BUDGET_END = 0.0       # time.time() at which --budget ends (0: none)
 REPLAY_MS: list = []    # the last _decode_rate's CUDA-graph replay time (ms), without host work
 
 
-#: transformers (bf16, fla 0.6.0, no causal_conv1d) on the H200 of 2026-11-30 01:04 (commit 1b50dc5); used as
-#: the baseline when ``--hf-speed`` is not given (its timing costs ~1 min of device time)
-HF_RECORDED = {"prefill B1 T4096": 42607.2, "prefill B8 T2048": 68650.4, "decode B1": 11.52, "decode B32": 363.9}
 KL4 = {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
        "mlp_layer_types": ["dense"] + ["sparse"] * 3,
        "linear_attn_config": {"full_attn_layers": [4], "kda_layers": [1, 2, 3], "head_dim": 128, "num_heads": 16,
@@ -229,7 +238,7 @@ def _hf_model(ov, dtype):
     return hf, cfg
 
 
-def _logit_controls(m, hf, params, dtn, tag, vocab, sessions=None):
+def _logit_controls(m, hf, params, dtn, tag, vocab, sessions=None, targets=("triton", "torch")):
     """Logits of one B2 T64 forward: transformers vs our torch target vs our triton target (same weights,
     same dtype), all pairs, plus the share of positions whose top-1 token agrees. ``sessions``: already
     built Sessions by target name (reused). Tells bf16/routing spread (torch ~ transformers) from a
@@ -245,7 +254,7 @@ def _logit_controls(m, hf, params, dtn, tag, vocab, sessions=None):
             out["hf"] = hf(ids).logits.float()
     except Exception as e:
         r["hf_error"] = repr(e)[:200]
-    for tgt in ("triton", "torch"):
+    for tgt in targets:
         try:
             sess = (sessions or {}).get(tgt) or Session(k3ir.compile(m, target=tgt, dtype=dtn, device=DEV),
                                                         params=params)
@@ -276,10 +285,9 @@ def n_compiled() -> int:
     return n
 
 
-def _wait_checks(limit_s=30.0):
-    """Block until the file named by ``K3IR_WAIT_FILE`` exists (gpu_model_check.py --speed creates it when its
-    parallel checks end), at most ``limit_s`` seconds, so timings do not share the GPU with the checks."""
-    path = os.environ.get("K3IR_WAIT_FILE")
+def _wait_checks(path, limit_s=30.0):
+    """Block until ``path`` exists (``gpu_model_check.py --speed`` creates it when its parallel checks end), at
+    most ``limit_s`` seconds, so timings do not share the GPU with the checks. ``path`` None: no wait."""
     if not path:
         return
     if BUDGET_END:                  # keep >= 20 s of the --budget for the timings
@@ -320,132 +328,108 @@ def _prewarm(sess, what, vocab, prompt):
     row("kimi", f"prewarm {what}", s=time.perf_counter() - t0, compiled=n_compiled())
 
 
-def section_kimi(smoke, hf_speed=False, no_hf=False, warm_only=""):
-    """Kimi Linear 6.6B (``KL_SMALL`` with smoke) in bf16: prefill B1 T4096 / B8 T2048 and decode B1 / B32 after
-    512 tokens. ``no_hf``: random weights drawn on the device (gpu_params), no transformers model, no logit
-    controls; helper processes (``--warm-only``) compile the B8 prefill and the decodes into the on-disk Triton
-    cache while this one compiles B1 T4096; every shape is then run once here (compiles not done yet happen
-    now), then the timings."""
+def section_kimi(smoke, no_hf=False, warm_only="", target="triton", prewarm=True, repeats=3, wait_file=None):
+    """Kimi Linear 6.6B (``KL_SMALL`` with smoke) in bf16 (float32 on the CPU) against transformers'
+    ``KimiLinearForCausalLM`` on the same weights (``params_from_transformers``) and the same token ids: logits
+    controls, then prefill B1 T4096 / B8 T2048 and decode B1 / B32 after 512 tokens, ``repeats`` interleaved
+    timings each (ours, transformers, ours, ...), tok/s median and min-max, ratio ours / transformers, fraction of
+    the HBM roofline at the copy bandwidth measured at the start of the run. ``no_hf``: ours alone on random weights.
+    Helper processes (``--warm-only``, random weights, no timing) compile the B8 prefill and the decodes into the
+    on-disk Triton cache while this one compiles B1 T4096; every shape then runs once here before the timings."""
+    from benchlib import current_report, spread
     from k3ir.runtime import Session
 
     import k3ir
     ov = KL_SMALL if smoke else None
-    shapes = ((1, 64), (2, 32)) if smoke else ((1, 4096), (8, 2048))
-    # 128 decode steps: the steady-state rate of a generation (over 32 steps the first step's host work and any
-    # Python GC pause showed as +0.07 ms per step; the replay time is reported next to it)
-    prompt, steps = (16, 4) if smoke else (512, 128)
+    shapes = ((1, 16), (2, 8)) if smoke else ((1, 4096), (8, 2048))
+    prompt, steps = (8, 2) if smoke else (512, 64)
     batches = (1, 32 if not smoke else 2)
     helpers = []
-    if no_hf and not warm_only and os.environ.get("K3IR_PREWARM", "1") != "0":
+    if prewarm and not warm_only:
         import subprocess
+        import tempfile
+        wdir = tempfile.mkdtemp(prefix="bench_models_warm_")
         for what in [f"prefill:{shapes[1][0]}x{shapes[1][1]}"] + [f"decode:{B}" for B in batches]:
-            cmd = [sys.executable, __file__, "--sections", "kimi", "--no-hf", "--warm-only", what, "--budget", "90"]
-            wdir = os.path.join(OUT, f"warm{len(helpers)}")
-            os.makedirs(wdir, exist_ok=True)
-            helpers.append(subprocess.Popen(cmd + (["--smoke"] if smoke else []), env={**os.environ, "OUT": wdir}))
+            cmd = [sys.executable, __file__, "--sections", "kimi", "--no-hf", "--warm-only", what, "--budget", "120",
+                   "--target", target, "--out", os.path.join(wdir, f"warm{len(helpers)}.json")]
+            helpers.append(subprocess.Popen(cmd + (["--tiny"] if smoke else [])))
     m = k3ir.load("kimi-linear-6p6b", ov)
-    hf = None
+    hf = cfg = None
     try:
-        if no_hf:
+        if no_hf or warm_only:
             raise RuntimeError("--no-hf")
-        sys.modules.pop("fla", None)
         from k3ir.frontend.hf_state_dict import params_from_transformers
         hf, cfg = _hf_model(ov, DT)
         params = params_from_transformers(m, hf)
-        try:
-            import fla  # noqa: F401
-            fla_ok = True
-        except Exception:
-            fla_ok = False
-        row("kimi", "transformers", fla=fla_ok)
+        import importlib.metadata
+        row("kimi", "transformers", version=importlib.metadata.version("transformers"), **_hf_kernels(hf))
     except Exception as e:      # no transformers model: our own random weights
-        if no_hf:
-            row("kimi", "weights", source="random on the device (gpu_params)")
-        else:
-            row("kimi", "transformers model", error=repr(e)[:300])
+        if not warm_only:
+            row("kimi", "weights", source="random on the device (no transformers model)",
+                why="--no-hf" if no_hf else repr(e)[:300])
         hf = None
         params = gpu_params(m)
-    act = 0
-    for name, decl in m.params.items():
-        n = decl.type.numel()
-        if ".experts." in name:
-            n = n * m.config.top_k // m.config.num_experts
-        if "embed_tokens" not in name:
-            act += n
-    # K3IR_BENCH_TARGET=torch: the same sequence on the torch target (checks this script quickly on the CPU)
-    sess = Session(k3ir.compile(m, target=os.environ.get("K3IR_BENCH_TARGET", "triton"), dtype=DTN, device=DEV),
-                   params=params)
+    act = active_params(m)
+    sess = Session(k3ir.compile(m, target=target, dtype=DTN, device=DEV), params=params)
     if warm_only:
         return _prewarm(sess, warm_only, int(m.attrs["vocab_size"]), prompt)
-    roof = HBM / (2 * act)
+    rep = current_report()
     if hf is not None:
-        _logit_controls(m, hf, params, DTN, "full model", cfg.vocab_size, {"triton": sess})
+        _logit_controls(m, hf, params, DTN, "full model", cfg.vocab_size, {target: sess},
+                        ("triton", "torch") if target == "triton" else (target,))
+    vocab = int(m.attrs["vocab_size"])
+    t0 = time.perf_counter()
+    for B, T in shapes:        # compile (ours) and autotune (fla) every shape before any timing
+        ids = np.random.default_rng(B * T).integers(3, vocab, (B, T))
+        for fn in _prefill_fns(sess, hf, ids):
+            if fn is not None:
+                fn()
+        row("kimi", f"warm prefill B{B} T{T}", s=time.perf_counter() - t0, compiled=n_compiled())
+    for B in batches:
+        _decode_rate(sess, B, prompt, 2)
+        if hf is not None:
+            _hf_decode_rate(hf, B, prompt, 2, vocab)
+        row("kimi", f"warm decode B{B}", s=time.perf_counter() - t0, compiled=n_compiled())
+    _sync()
+    t_h = time.perf_counter()
+    for h in helpers:       # they should be done (this process has run their shapes too); GPU quiet for timing
         try:
-            row("kimi", "transformers kernels", **_hf_kernels(hf))
-        except Exception as e:
-            row("kimi", "transformers kernels", error=repr(e)[:200])
-    if no_hf:      # compile everything first, then wait for the helpers and the parallel checks, then time
-        t0 = time.perf_counter()
-        for B, T in shapes:
-            sess.prefill(np.random.default_rng(B * T).integers(3, int(m.attrs["vocab_size"]), (B, T)))
-            row("kimi", f"warm prefill B{B} T{T}", s=time.perf_counter() - t0, compiled=n_compiled())
-        for B in batches:
-            _decode_rate(sess, B, prompt, 2)
-            row("kimi", f"warm decode B{B}", s=time.perf_counter() - t0, compiled=n_compiled())
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t_h = time.perf_counter()
-        for h in helpers:       # they should be done (this process has run their shapes too); GPU quiet for timing
-            try:
-                h.wait(timeout=max(0.1, 10 - (time.perf_counter() - t_h)))
-            except Exception:
-                h.kill()
-        _wait_checks()
+            h.wait(timeout=max(0.1, 10 - (time.perf_counter() - t_h)))
+        except Exception:
+            h.kill()
+    _wait_checks(wait_file)
+    state1 = state_bytes_per_seq(sess, prompt)
     for B, T in shapes:
-        s = _time_session(sess, B, T)
-        r = {"tok_s": B * T / s}
-        if hf is not None and hf_speed:
-            ids = torch.from_numpy(np.random.default_rng(2).integers(3, cfg.vocab_size, (B, T))).to(DEV)
-            try:
-                r["transformers_tok_s"] = B * T / _hf_prefill_s(hf, ids)
-            except Exception as e:
-                r["transformers_error"] = repr(e)[:200]
-        elif not smoke:
-            r["transformers_tok_s_recorded"] = HF_RECORDED[f"prefill B{B} T{T}"]
-        base = r.get("transformers_tok_s") or r.get("transformers_tok_s_recorded")
-        if base:
-            r["speedup"] = r["tok_s"] / base
+        ids = np.random.default_rng(B * T).integers(3, vocab, (B, T))
+        ours, theirs = _prefill_fns(sess, hf, ids)
+        runs = {"ours": [], "transformers": []}
+        for _ in range(repeats):
+            runs["ours"].append(B * T / (_wall_ms(ours) * 1e-3))
+            if theirs is not None:
+                runs["transformers"].append(B * T / (_wall_ms(theirs) * 1e-3))
+        r = {"batch": B, "tokens": T, "tok_s": spread(runs["ours"]),
+             "transformers_tok_s": spread(runs["transformers"]) if runs["transformers"] else None}
+        if r["transformers_tok_s"]:
+            r["ratio_ours_over_transformers"] = r["tok_s"]["median"] / r["transformers_tok_s"]["median"]
         row("kimi", f"prefill B{B} T{T}", **r)
     for B in batches:
-        r = {"tok_s": _decode_rate(sess, B, prompt, steps), "steps": steps}
-        if REPLAY_MS:
-            r["graph_replay_ms"] = REPLAY_MS[0]
-        if B == 1:
-            r["roofline_tok_s"] = roof
-            r["roofline_frac"] = r["tok_s"] / roof
-            if REPLAY_MS:
-                r["replay_roofline_frac"] = (1e3 / REPLAY_MS[0]) / roof
-        if hf is not None and hf_speed:
-            ids = torch.from_numpy(np.random.default_rng(3).integers(3, cfg.vocab_size, (B, prompt))).to(DEV)
-            with torch.no_grad():
-                out = hf(ids, use_cache=True)
-                pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-                for _ in range(2):
-                    out = hf(nxt, past_key_values=pkv, use_cache=True)
-                    pkv = out.past_key_values
-                torch.cuda.synchronize() if torch.cuda.is_available() else None
-                t0 = time.perf_counter()
-                for _ in range(steps // 2):
-                    out = hf(nxt, past_key_values=pkv, use_cache=True)
-                    pkv = out.past_key_values
-                torch.cuda.synchronize() if torch.cuda.is_available() else None
-            r["transformers_tok_s"] = B * (steps // 2) / (time.perf_counter() - t0)
-        elif not smoke:
-            r["transformers_tok_s_recorded"] = HF_RECORDED[f"decode B{B}"]
-        base = r.get("transformers_tok_s") or r.get("transformers_tok_s_recorded")
-        if base:
-            r["speedup"] = r["tok_s"] / base
-        row("kimi", f"decode B{B} after {prompt}", active_params=act, **r)
+        runs = {"ours": [], "transformers": [], "replay_ms": []}
+        for _ in range(repeats):
+            runs["ours"].append(_decode_rate(sess, B, prompt, steps))
+            runs["replay_ms"] += REPLAY_MS
+            if hf is not None:
+                runs["transformers"].append(_hf_decode_rate(hf, B, prompt, steps, vocab))
+        step_bytes = 2 * act + B * state1          # bf16 active weights once per step + every sequence's state
+        roof = rep.copy_Bps / step_bytes * B       # tok/s
+        r = {"batch": B, "prompt": prompt, "steps": steps, "tok_s": spread(runs["ours"]),
+             "graph_replay_ms": spread(runs["replay_ms"]) if runs["replay_ms"] else None,
+             "transformers_tok_s": spread(runs["transformers"]) if runs["transformers"] else None,
+             "active_params": act, "state_bytes_per_seq": state1, "bytes_per_step": step_bytes,
+             "roofline_tok_s": roof, "roofline_frac": spread([x / roof for x in runs["ours"]])}
+        if r["transformers_tok_s"]:
+            r["ratio_ours_over_transformers"] = r["tok_s"]["median"] / r["transformers_tok_s"]["median"]
+            r["transformers_roofline_frac"] = r["transformers_tok_s"]["median"] / roof
+        row("kimi", f"decode B{B} after {prompt}", **r)
     del sess, hf, params
     if no_hf:
         return
@@ -460,13 +444,18 @@ def section_kimi(smoke, hf_speed=False, no_hf=False, warm_only=""):
     for dt, dtn in dict.fromkeys(((torch.float32, "float32"), (DT, DTN))):
         try:
             hf4, cfg4 = _hf_model(ov4, dt)
-            _logit_controls(m4, hf4, params_from_transformers(m4, hf4), dtn, "4 layers full width", cfg4.vocab_size)
+            _logit_controls(m4, hf4, params_from_transformers(m4, hf4), dtn, "4 layers full width", cfg4.vocab_size,
+                            targets=("triton", "torch") if target == "triton" else (target,))
             del hf4
         except Exception as e:
             row("kimi", f"logits controls 4 layers {dtn}", error=repr(e)[:300])
 
 
-def section_k3(smoke):
+def section_k3(smoke, repeats=3):
+    """A 4-layer full-width K3 (KDA x3 at 96 heads + MLA; MXFP4 experts) on the triton target, random weights:
+    prefill B1 T4096 / B4 T2048 and decode B1 / B32 after 512 tokens, ``repeats`` timings each (tok/s median and
+    min-max; no baseline: nothing else runs this model)."""
+    from benchlib import spread
     from k3ir.runtime import Session
 
     import k3ir
@@ -480,12 +469,21 @@ def section_k3(smoke):
     m.attrs["expert_quant"] = "mxfp4"
     exe = k3ir.compile(m, target="triton", dtype=DTN, device=DEV)
     sess = Session(exe, params=gpu_params(exe.module))
+    V = int(sess.module.attrs["vocab_size"])
     for B, T in (((1, 16),) if smoke else ((1, 4096), (4, 2048))):
-        row("k3", f"K3 4-layer MXFP4 prefill B{B} T{T}", tok_s=B * T / _time_session(sess, B, T))
+        ids = np.random.default_rng(B * T).integers(3, V, (B, T))
+        sess.prefill(ids)                                   # compile
+        rates = [B * T / (_wall_ms(lambda ids=ids, sess=sess: sess.prefill(ids)) * 1e-3) for _ in range(repeats)]
+        row("k3", f"K3 4-layer MXFP4 prefill B{B} T{T}", tok_s=spread(rates))
     for B in ((1,) if smoke else (1, 32)):
-        rate = _decode_rate(sess, B, 16 if smoke else 512, 4 if smoke else 16)
-        row("k3", f"K3 4-layer MXFP4 decode B{B} after 512", tok_s=rate,
-            graph_replay_ms=REPLAY_MS[0] if REPLAY_MS else None)
+        prompt = 16 if smoke else 512
+        _decode_rate(sess, B, prompt, 2)                    # compile, capture
+        rates, replays = [], []
+        for _ in range(repeats):
+            rates.append(_decode_rate(sess, B, prompt, 2 if smoke else 64))
+            replays += REPLAY_MS
+        row("k3", f"K3 4-layer MXFP4 decode B{B} after {prompt}", tok_s=spread(rates),
+            graph_replay_ms=spread(replays) if replays else None)
     del sess, exe
 
 
@@ -504,13 +502,7 @@ def section_decode(smoke, out="kimi_linear_decode.json", repeats=3):
     rep = Report("kimi_linear_decode", out, sys.argv)
     rep.ceilings()
     m = k3ir.load("kimi-linear-6p6b", KL_SMALL if smoke else None)
-    act = 0
-    for name, decl in m.params.items():
-        n = decl.type.numel()
-        if ".experts." in name:
-            n = n * m.config.top_k // m.config.num_experts
-        if "embed_tokens" not in name:
-            act += n
+    act = active_params(m)
     t0 = time.perf_counter()
     sess = Session(k3ir.compile(m, target="triton", dtype=DTN, device=DEV), params=gpu_params(m))
     prompt, steps = (8, 2) if smoke else (512, 128)
@@ -565,18 +557,36 @@ def section_decode(smoke, out="kimi_linear_decode.json", repeats=3):
     return r
 
 
+def _fmt_row(r: dict) -> str:
+    out = []
+    for k, v in r.items():
+        if k in ("section", "name"):
+            continue
+        if isinstance(v, dict) and "median" in v:
+            out.append(f"{k}={v['median']:.4g} ({v['min']:.4g}-{v['max']:.4g})")
+        elif isinstance(v, float):
+            out.append(f"{k}={v:.4g}")
+        else:
+            out.append(f"{k}={v}")
+    return ", ".join(out)
+
+
 def main():
     global DEV, DT, DTN
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sections", default="moe,check,kimi,k3")
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--hf-speed", action="store_true", help="time transformers again (else HF_RECORDED)")
-    ap.add_argument("--no-hf", action="store_true", help="kimi: random weights, no transformers (no logit controls)")
+    ap.add_argument("--sections", default="check,kimi,k3", help="check, kimi, k3 (comma-separated), or decode")
+    ap.add_argument("--tiny", "--smoke", action="store_true", help="toy sizes (CPU, TRITON_INTERPRET=1)")
+    ap.add_argument("--no-hf", action="store_true", help="kimi: random weights, no transformers (no baseline)")
+    ap.add_argument("--target", default="triton", help="kimi: our target (torch checks the script fast on the CPU)")
+    ap.add_argument("--no-prewarm", action="store_true", help="kimi: no compile helper processes")
+    ap.add_argument("--wait-file", default=None, help="kimi: wait (<= 30 s) for this file before timing")
     ap.add_argument("--warm-only", default="", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=0.0, help="seconds; the process exits (rows kept) after")
-    ap.add_argument("--out", default=os.path.join(OUT, "kimi_linear_decode.json"), help="decode: the JSON report")
-    ap.add_argument("--repeats", type=int, default=3, help="decode: timed runs")
+    ap.add_argument("--out", default=None, help="JSON report (default bench/results/<bench_models | "
+                                                "kimi_linear_decode>/<date>-<commit>.json)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per case")
     a = ap.parse_args()
+    from benchlib import Report, result_path
     if a.budget > 0:
         import threading
         global BUDGET_END
@@ -590,33 +600,44 @@ def main():
         timer.start()
     gpu = torch.cuda.is_available()
     DEV, DT, DTN = ("cuda", torch.bfloat16, "bfloat16") if gpu else ("cpu", torch.float32, "float32")
-    if gpu:
-        row("env", "device", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-            triton=__import__("triton").__version__)
-    fns = {"check": section_check, "moe": section_moe, "kimi": section_kimi, "k3": section_k3}
-    if a.sections == "decode":      # the same-run report of its own (no bench_models.json rows)
-        section_decode(a.smoke, a.out, a.repeats)
+    if a.sections == "decode":      # the same-run report of its own
+        section_decode(a.tiny, a.out or result_path("kimi_linear_decode"), a.repeats)
         return
-    for s in a.sections.split(","):
+    sections = [s for s in a.sections.split(",") if s]
+    fns = {"check": section_check, "kimi": section_kimi, "k3": section_k3}
+    bad = [s for s in sections if s not in fns]
+    if bad:
+        ap.error(f"unknown sections {bad} (the MoE layer is bench/bench_moe_layer.py); known: check, kimi, k3, decode")
+    rep = Report("bench_models", a.out or result_path("bench_models"), sys.argv)
+    if not a.warm_only:
+        rep.ceilings()
+    for s in sections:
         t0 = time.perf_counter()
         try:
-            fns[s](a.smoke, a.hf_speed, a.no_hf, a.warm_only) if s == "kimi" else fns[s](a.smoke)
+            if s == "kimi":
+                section_kimi(a.tiny, a.no_hf, a.warm_only, a.target, not a.no_prewarm, a.repeats, a.wait_file)
+            elif s == "k3":
+                section_k3(a.tiny, a.repeats)
+            else:
+                fns[s](a.tiny)
         except Exception as e:
             import traceback
             traceback.print_exc()
             row(s, "FAILED", error=repr(e)[:400])
-        row(s, "section time", s=time.perf_counter() - t0)
+        if not a.warm_only:
+            row(s, "section time", s=time.perf_counter() - t0)
         if gpu:
             import gc
             gc.collect()
             torch.cuda.empty_cache()
     if a.warm_only:
         return
-    print("\n| section | name | numbers |\n|---|---|---|")
-    for r in ROWS:
-        nums = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
-                         if k not in ("section", "name"))
-        print(f"| {r['section']} | {r['name']} | {nums} |")
+    m = rep.data["meta"]
+    print(f"\n{m['gpu']}, torch {m['torch']}, triton {m['triton']}, commit {m['commit']}, {m['date']}; K3IR_* "
+          f"switches: {m['env_switches'] or 'none'}")
+    print("\n| section | name | numbers (median (min-max) of the repeats) |\n|---|---|---|")
+    for r in rep.data["rows"]:
+        print(f"| {r['section']} | {r['name']} | {_fmt_row(r)} |")
 
 
 DEV, DT, DTN = "cpu", torch.float32, "float32"

@@ -1,30 +1,35 @@
-"""Shared pieces of the GPU bench scripts: the rows table written to ``$OUT/bench_models.json``
-after every row, ``bench`` (median ms through ``triton.testing.do_bench``) and ``rel`` (relative L2
-error). ``bench_models`` re-exports them (``bench_models.bench`` / ``rel`` / ``row`` keep working)."""
+"""Shared pieces of the bench scripts: the same-run ``Report`` (one JSON per benchmark, rewritten after every row),
+the ceilings measured in the run (``measure_ceilings``: copy bandwidth and matmul rate, never stored constants),
+interleaved repeats (``interleaved``: 3 medians each, median and min-max), ``result_path`` (the default JSON path
+``bench/results/<benchmark>/<date>-<commit>.json``), ``row`` (one row into the current report), ``bench`` (one
+median, diagnostics only) and ``rel`` (relative L2 error)."""
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import torch
 
-HBM = 4.25e12          # copy bandwidth measured on the H200 (bytes/s)
-MM = 679e12            # bf16 matmul rate measured by the issue author
-ROWS: list[dict] = []
-OUT = os.environ.get("OUT", ".")
+#: the report ``row`` writes into (the last ``Report`` made in this process)
+_CURRENT: Report | None = None
 
 
-def save():
-    with open(os.path.join(OUT, "bench_models.json"), "w") as f:
-        json.dump(ROWS, f, indent=1)
+def current_report() -> Report:
+    """The report ``row`` writes into; raises RuntimeError when none was made (its ceilings are needed)."""
+    if _CURRENT is None:
+        raise RuntimeError("no benchlib.Report made in this process yet")
+    return _CURRENT
 
 
 def row(section, name, **kv):
-    r = {"section": section, "name": name, **kv}
-    ROWS.append(r)
-    print(json.dumps(r), flush=True)
-    save()
+    """One ``{"section", "name", **kv}`` row into the current ``Report`` (a report named after the running script,
+    at its ``result_path``, when none was made yet)."""
+    if _CURRENT is None:
+        stem = os.path.splitext(os.path.basename(sys.argv[0] or "bench"))[0] or "bench"
+        Report(stem, result_path(stem), sys.argv)
+    return _CURRENT.add({"section": section, "name": name, **kv})
 
 
 def bench(fn, rep_ms=200, warmup_ms=25):
@@ -35,6 +40,43 @@ def bench(fn, rep_ms=200, warmup_ms=25):
         return (time.perf_counter() - t) * 1e3
     from triton.testing import do_bench
     return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def random_params(module, device: str, seed: int = 0, std: float = 0.02) -> dict:
+    """Random parameters of ``module`` on ``device`` by role (as runtime/params.py, drawn on the device): MXFP4 /
+    INT4 codes as random bytes / words, E8M0 scales near 2^-7, norms 1, biases 0, A_log / dt_bias / conv as the
+    models initialise them, the rest normal(0, ``std``) in bf16."""
+    import math
+    DEV = device
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    out = {}
+    for name, decl in module.params.items():
+        shape = [int(s) for s in decl.type.shape]
+        dt = decl.type.dtype
+        if dt == "mxfp4":
+            shape[-1] //= 2
+            out[name] = torch.randint(0, 256, shape, generator=g, device=DEV, dtype=torch.uint8)
+        elif dt == "int4":
+            shape[-1] //= 8
+            out[name] = torch.randint(-2**31, 2**31 - 1, shape, generator=g, device=DEV, dtype=torch.int32)
+        elif dt == "u8":                                    # E8M0 scales near 2^-7
+            out[name] = torch.randint(118, 123, shape, generator=g, device=DEV, dtype=torch.uint8)
+        elif name.endswith(("_res_proj.weight", "e_score_correction_bias")):
+            out[name] = torch.zeros(shape, device=DEV)
+        elif name.endswith(("norm.weight", "layernorm.weight")):
+            out[name] = torch.ones(shape, device=DEV)
+        elif name.endswith("A_log"):
+            out[name] = torch.log(torch.empty(shape, device=DEV).uniform_(1.0, 16.0, generator=g))
+        elif name.endswith("dt_bias"):
+            dtv = torch.exp(torch.empty(shape, device=DEV).uniform_(math.log(1e-3), math.log(0.1), generator=g))
+            out[name] = dtv + torch.log(-torch.expm1(-dtv))
+        elif "conv1d" in name:
+            k = shape[-1]
+            out[name] = torch.empty(shape, device=DEV).uniform_(-k ** -0.5, k ** -0.5, generator=g)
+        else:
+            t = torch.empty(shape, device=DEV, dtype=torch.bfloat16)
+            out[name] = t.normal_(0.0, std, generator=g)
+    return out
 
 
 def rel(a, b):
@@ -120,27 +162,37 @@ def interleaved(fns: dict, repeats: int = 3, **kw) -> dict:
     return {name: spread(v) for name, v in runs.items()}
 
 
-def measure_ceilings(repeats: int = 3, copy_gib: float = 2.0, mm_n: int = 8192) -> dict:
-    """The two ceilings of METHOD.md, measured on this GPU now: device-to-device copy bandwidth (bytes read + written
-    over the time of ``copy_`` of ``copy_gib`` GiB, bytes/s) and the bf16 matrix rate of one ``mm_n``-cube product on
-    random data (FLOP/s), each the ``spread`` of ``repeats`` do_bench medians. Without a GPU: the H200 figures of
-    ``HBM`` / ``MM`` with ``measured: False``."""
-    if not torch.cuda.is_available():
-        return {"measured": False, "copy_Bps": spread([HBM]), "bf16_flops": spread([MM])}
+def measure_ceilings(repeats: int = 3, copy_gib: float | None = None, mm_n: int | None = None,
+                     device: str | None = None) -> dict:
+    """The two ceilings of METHOD.md, measured on this device now (never stored constants): copy bandwidth (bytes
+    read + written over the time of ``copy_`` of ``copy_gib`` GiB, bytes/s) and the matrix rate of one ``mm_n``-cube
+    product on random data (FLOP/s; bf16 on CUDA, float32 on the CPU, named in ``mm_dtype``), each the ``spread`` of
+    ``repeats`` ``time_ms`` medians. Defaults: 2 GiB and 8192 on CUDA, 64 MiB and 512 on the CPU (``--tiny`` runs)."""
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = dev == "cuda"
+    copy_gib = copy_gib if copy_gib is not None else (2.0 if gpu else 1 / 16)
+    mm_n = mm_n if mm_n is not None else (8192 if gpu else 512)
+    dt = torch.bfloat16 if gpu else torch.float32
+    gen = torch.Generator(device=dev).manual_seed(0)
 
     def copy_rate() -> float:
-        src = torch.randn(int(copy_gib * 2**30) // 2, device="cuda", dtype=torch.bfloat16)
+        src = torch.randn(int(copy_gib * 2**30) // dt.itemsize, device=dev, generator=gen).to(dt)
         dst = torch.empty_like(src)
-        return 2 * src.numel() * 2 / (time_ms(lambda: dst.copy_(src), rep_ms=300) * 1e-3)
+        ms = time_ms(lambda: dst.copy_(src), rep_ms=300) if gpu else min(time_ms(lambda: dst.copy_(src))
+                                                                          for _ in range(5))
+        return 2 * src.numel() * dt.itemsize / (ms * 1e-3)
 
     def mm_rate() -> float:
-        a = torch.randn(mm_n, mm_n, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(mm_n, mm_n, device="cuda", dtype=torch.bfloat16)
-        return 2 * mm_n**3 / (time_ms(lambda: a @ b, rep_ms=300) * 1e-3)
+        a = torch.randn(mm_n, mm_n, device=dev, generator=gen).to(dt)
+        b = torch.randn(mm_n, mm_n, device=dev, generator=gen).to(dt)
+        ms = time_ms(lambda: a @ b, rep_ms=300) if gpu else min(time_ms(lambda: a @ b) for _ in range(3))
+        return 2 * mm_n**3 / (ms * 1e-3)
     cp = [copy_rate() for _ in range(repeats)]
     mm = [mm_rate() for _ in range(repeats)]
-    torch.cuda.empty_cache()
-    return {"measured": True, "copy_gib": copy_gib, "mm_n": mm_n, "copy_Bps": spread(cp), "bf16_flops": spread(mm)}
+    if gpu:
+        torch.cuda.empty_cache()
+    return {"measured": True, "device": dev, "copy_gib": copy_gib, "mm_n": mm_n, "mm_dtype": str(dt)[6:],
+            "copy_Bps": spread(cp), "matmul_flops": spread(mm)}
 
 
 class Report:
@@ -149,7 +201,7 @@ class Report:
 
     def __init__(self, benchmark: str, path: str, argv: list[str]):
         import platform
-        import sys
+        global _CURRENT
         self.path = path
         meta = {"benchmark": benchmark, "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S"),
                 "commit": git_commit(), "command": " ".join(["python3", *argv]), "torch": torch.__version__,
@@ -161,7 +213,9 @@ class Report:
         except ImportError:
             meta["triton"] = None
         meta["interpreter"] = os.environ.get("TRITON_INTERPRET") == "1"
-        if "fla" in sys.modules or benchmark == "kda_forward":
+        meta["loadavg_start"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+        meta["host"] = platform.node()
+        if "fla" in sys.modules or "kda" in benchmark:
             try:
                 from importlib.metadata import version
                 meta["fla"] = version("fla-core")
@@ -170,22 +224,32 @@ class Report:
         self.data = {"meta": meta, "ceilings": None, "rows": []}
         if meta["env_switches"]:
             print(f"WARNING: K3IR_* switches set, not the shipped defaults: {meta['env_switches']}", flush=True)
+        _CURRENT = self
+
+    def _ceiling(self, key: str) -> float:
+        if not self.data["ceilings"]:
+            raise RuntimeError(f"{self.data['meta']['benchmark']}: {key} asked before Report.ceilings() measured it")
+        return self.data["ceilings"][key]["median"]
 
     @property
     def copy_Bps(self) -> float:
-        return (self.data["ceilings"] or {"copy_Bps": {"median": HBM}})["copy_Bps"]["median"]
+        """The copy bandwidth measured in this run (median, bytes/s)."""
+        return self._ceiling("copy_Bps")
 
     @property
-    def bf16_flops(self) -> float:
-        return (self.data["ceilings"] or {"bf16_flops": {"median": MM}})["bf16_flops"]["median"]
+    def matmul_flops(self) -> float:
+        """The matrix rate measured in this run (median, FLOP/s; bf16 on CUDA, float32 on the CPU)."""
+        return self._ceiling("matmul_flops")
+
+    bf16_flops = matmul_flops
 
     def ceilings(self, **kw) -> dict:
         c = measure_ceilings(**kw)
         self.data["ceilings"] = c
-        print(f"ceilings: copy {c['copy_Bps']['median'] / 1e12:.3f} TB/s "
-              f"({c['copy_Bps']['min'] / 1e12:.3f}-{c['copy_Bps']['max'] / 1e12:.3f}), bf16 matmul "
-              f"{c['bf16_flops']['median'] / 1e12:.0f} TFLOP/s ({c['bf16_flops']['min'] / 1e12:.0f}-"
-              f"{c['bf16_flops']['max'] / 1e12:.0f}), measured={c['measured']}", flush=True)
+        cp, mm = c["copy_Bps"], c["matmul_flops"]
+        print(f"ceilings on {c['device']}: copy {cp['median'] / 1e12:.3f} TB/s ({cp['min'] / 1e12:.3f}-"
+              f"{cp['max'] / 1e12:.3f}), {c['mm_dtype']} matmul {mm['median'] / 1e12:.1f} TFLOP/s "
+              f"({mm['min'] / 1e12:.1f}-{mm['max'] / 1e12:.1f})", flush=True)
         self.write()
         return c
 
@@ -196,6 +260,8 @@ class Report:
         return row
 
     def write(self):
+        if hasattr(os, "getloadavg"):
+            self.data["meta"]["loadavg_end"] = list(os.getloadavg())
         d = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(d, exist_ok=True)
         with open(self.path, "w") as f:

@@ -5,11 +5,12 @@ parallel (a cold Triton cache makes compilation, which is CPU work, the bulk of 
 one JSON row per step as soon as it is computed, so a timeout still leaves every finished number.
 
     python3 bench/gpu_model_check.py [--budget 60] [--cases k3-tiny:float32,...] [--speed 'ARGS']
-    K3IR_CUDA_GRAPHS=0 python3 bench/gpu_model_check.py     # every case decodes eagerly
+    TRITON_INTERPRET=1 python bench/gpu_model_check.py --tiny --out /tmp/check.json   # CPU check of the script
 
-``--speed 'ARGS'`` also starts ``bench/bench_models.py ARGS`` in parallel and tells it (through the file in
-``K3IR_WAIT_FILE``) when the checks are over, so its timings are not shared with the checks' GPU work.
-Writes ``$OUT/gpu_model_check.json``; exit 1 on a miss or an error.
+``--speed 'ARGS'`` also starts ``bench/bench_models.py ARGS`` in parallel and tells it (``--wait-file``) when the
+checks are over, so its timings are not shared with the checks' GPU work. ``--tiny``: one case (k3-tiny float32),
+no decode-compile helper. Writes ``--out`` (default ``bench/results/gpu_model_check/<date>-<commit>.json``: meta
+and the rows); exit 1 on a miss or an error.
 """
 from __future__ import annotations
 
@@ -110,6 +111,8 @@ def main() -> int:
     ap.add_argument("--speed", default="", help="arguments for bench/bench_models.py, run alongside")
     ap.add_argument("--no-prewarm", action="store_true", help="no decode-compile helper process per case")
     ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tiny", action="store_true", help="one case, no helper (CPU, TRITON_INTERPRET=1)")
+    ap.add_argument("--out", default=None, help="JSON (default bench/results/gpu_model_check/<date>-<commit>.json)")
     a = ap.parse_args()
     if a.case:
         try:
@@ -117,16 +120,22 @@ def main() -> int:
         except Exception as e:      # noqa: BLE001 - one line, the parent goes on
             emit(case=a.case, step="error", error=f"{type(e).__name__}: {str(e)[:300]}")
             return 1
-    out_dir = os.environ.get("OUT", ".")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchlib import Report, result_path
+    rep = Report("gpu_model_check", a.out or result_path("gpu_model_check"), sys.argv)
+    if a.tiny:
+        a.cases, a.no_prewarm = "k3-tiny:float32", True
     deadline = time.time() + a.budget
-    wait_file = os.path.join(out_dir, ".checks_done")
+    import tempfile
+    wait_file = os.path.join(tempfile.mkdtemp(prefix="gpu_model_check_"), "checks_done")
     if os.path.exists(wait_file):
         os.remove(wait_file)
     here = os.path.dirname(os.path.abspath(__file__))
     speed = None
     if a.speed:
-        env = {**os.environ, "K3IR_WAIT_FILE": wait_file, "PYTHONUNBUFFERED": "1"}
-        speed = subprocess.Popen([sys.executable, os.path.join(here, "bench_models.py"), *a.speed.split()], env=env)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        speed = subprocess.Popen([sys.executable, os.path.join(here, "bench_models.py"), *a.speed.split(),
+                                  "--wait-file", wait_file], env=env)
     rows, procs, threads = [], [], []
 
     def pump(p, case):
@@ -166,8 +175,8 @@ def main() -> int:
     for th in threads:
         th.join(timeout=2)
     open(wait_file, "w").close()
-    with open(os.path.join(out_dir, "gpu_model_check.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    rep.data["rows"] = rows
+    rep.write()
     bad = sum(1 for r in rows if r.get("error") or r.get("ok") is False)
     print(f"\n{'case':<34} {'step':<9} {'rel err':>10} {'tol':>7}  result")
     for r in rows:

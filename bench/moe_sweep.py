@@ -1,17 +1,19 @@
 # ruff: noqa: BLE001
-"""MoE grouped-GEMM variants on the GPU (issue 6), one call under ~2 minutes: one K3 MoE layer
-(E=896, top-16, D=3584, I=3072), MXFP4 at 256 and 8192 tokens, bf16 at 8192 and 256 (``VARIANTS``);
-each variant timed as a layer and per launch (GLU, down; median, triton.testing.do_bench), checked
-against torch._grouped_mm (on dequantised bf16 weights for MXFP4; timed again only with --baselines),
-then every compiled MoE kernel with its registers/spills. Table last; JSON to $OUT/moe_sweep.json
-after every row. Errors keep their last 1500 characters.
+"""MoE grouped-GEMM variants on the GPU, one call under ~2 minutes: one K3 MoE layer (E=896, top-16, D=3584,
+I=3072), MXFP4 at 256 and 8192 tokens, bf16 at 8192 and 256, Kimi Linear decode sizes (``VARIANTS``). Per case,
+``torch._grouped_mm`` (GEMM + eager SiTU + combine; on dequantised bf16 weights for MXFP4) and every variant's whole
+layer are timed in the same process on the same sorted rows, ``--repeats`` interleaved medians (median, min-max),
+then each variant's launches (GLU, down) the same way; the variant's error against that baseline; the copy bandwidth
+and matmul rate measured first (floors). Then every compiled MoE kernel with its registers/spills. Table last; JSON
+(``--out``, default ``bench/results/moe_sweep/<date>-<commit>.json``) after every row. Errors keep their last 1500
+characters. The first variant of each case is the shipped default; the others are tuning candidates.
 
-    python3 bench/moe_sweep.py [--smoke] [--baselines]   (--smoke: tiny sizes, CPU interpreter too)
+    python3 bench/moe_sweep.py [--only SUBSTR,...] [--budget 80]
+    TRITON_INTERPRET=1 python bench/moe_sweep.py --tiny --out /tmp/moe_sweep.json     # CPU check of the script
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -19,30 +21,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_models
-from bench_models import rel
-from benchlib import sort_by_expert
+from benchlib import current_report, interleaved, rel, row, sort_by_expert
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-HBM = 4.25e12          # copy bandwidth measured on the H200 (bytes/s)
-MM = 679e12            # bf16 matmul rate measured by the issue author
-ROWS: list[dict] = []
-OUT = os.environ.get("OUT", ".")
 DEV, DT = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
-
-
-def row(section, name, **kv):
-    r = {"section": section, "name": name, **kv}
-    ROWS.append(r)
-    print(json.dumps(r), flush=True)
-    with open(os.path.join(OUT, "moe_sweep.json"), "w") as f:
-        json.dump(ROWS, f, indent=1)
-
-
-def bench(fn, rep_ms=100):
-    return bench_models.bench(fn, rep_ms, warmup_ms=10)
+REPEATS = 3
 
 
 def _route(T, E, k):
@@ -96,28 +78,18 @@ def shape_of(label, smoke=False):
     return SHAPES.get(label.split()[0], (896, 3584, 3072, 16))
 
 
-def _bench_graph(fn, rep_ms=50):
-    """Median ms of ``fn`` replayed from a CUDA graph (decode-size launches: no Python launch overhead);
-    do_bench when capture fails or without a GPU."""
-    if not torch.cuda.is_available():
-        return bench(fn)
-    try:
-        from triton.testing import do_bench_cudagraph
-        return do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
-    except Exception:
-        return bench(fn, rep_ms)
-
-
-def sweep(smoke, baselines, only=(), budget=80.0):
+def sweep(smoke, only=(), budget=80.0):
     """The VARIANTS (K3 MoE layer E=896, top-16, D=3584, I=3072; "KL" rows: Kimi Linear E=64, top-8, D=2048,
-    I=1024): each timed as a whole layer and per launch (GLU, down), checked against the torch._grouped_mm
-    path (on dequantised bf16 weights for MXFP4/INT4; its time only with ``baselines``: measured 2026-11-30
-    bf16 T=256 17.7 ms, T=8192 30.66 ms) and listed with registers/spills. ``only``: substrings of
-    "label name" to run. Stops starting variants after ``budget`` seconds."""
+    I=1024), per case: the torch._grouped_mm path (GEMM + eager SiTU + combine; on dequantised bf16 weights for
+    MXFP4) and every variant's whole layer timed interleaved, ``REPEATS`` medians each, on the same sorted rows (CUDA
+    graph replays at decode sizes); then the variants' GLU and down launches the same way; each variant's error
+    against the baseline; registers/spills of every compiled kernel. ``only``: substrings of "label name" to run.
+    Stops starting cases after ``budget`` seconds."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "probes"))
     from gpu_diag import compiled_kernels
     from k3ir.backends.triton import moe
     t_start = time.perf_counter()
-    known = {("none", 256): 17.7, ("none", 8192): 30.66, ("mxfp4", 256): 17.62, ("mxfp4", 8192): 28.69}
+    rep = current_report()
 
     def theirs(xs, offs32, w1, w3, w2, cw, inv3):
         g = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs32)
@@ -126,34 +98,40 @@ def sweep(smoke, baselines, only=(), budget=80.0):
         y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs32) * cw[:, None].to(DT)
         return y[inv3].float().sum(-2).to(DT)
 
+    def with_rowgrid(fn, rowgrid):
+        def f():
+            moe.ROWGRID = rowgrid
+            try:
+                return fn()
+            finally:
+                moe.ROWGRID = True
+        return f
+
     def case(label, T, quant, ws, ss, deq, variants):
         E, D, I, k = shape_of(label, smoke)
-        small = T <= 4          # decode sizes: time CUDA-graph replays
+        small = T <= 4 and DEV == "cuda"          # decode sizes: time CUDA-graph replays
         order, inv3, off, offs32 = _route(T, E, k)
         x = torch.randn(T, D, device=DEV, dtype=DT)
         xs = x[order // k].contiguous()
         cw = torch.rand(T * k, device=DEV)
         used = int((off[1:] > off[:-1]).sum())
         flops = 2 * T * k * 3 * I * D
-        bytes_el = 2 if quant == "none" else (0.5 + 1 / 32)
+        bytes_el = (2 if DT == torch.bfloat16 else 4) if quant == "none" else (0.5 + 1 / 32)
         wel = 3 * E * I * D
-        floor = max(wel * bytes_el * used / E / HBM, flops / MM) * 1e3
+        floor = max(wel * bytes_el * used / E / rep.copy_Bps, flops / rep.matmul_flops) * 1e3
         b_glu, b_down = 2 * used * I * D * bytes_el, used * I * D * bytes_el      # active weight bytes per launch
-        ref = theirs(xs, offs32, *deq, cw, inv3) if torch.cuda.is_available() else None
-        t_ref = known.get((quant, T), float("nan")) if not smoke and not label.startswith("KL") else float("nan")
-        if baselines and ref is not None:
-            t_ref = (_bench_graph if small else bench)(lambda: theirs(xs, offs32, *deq, cw, inv3), 100)
-        row("moe", f"{label} torch._grouped_mm" + ("" if quant == "none" else " (dequantised bf16)"),
-            ms=t_ref, measured_now=bool(baselines), floor_ms=floor, rows_per_expert=T * k / E, active_experts=used)
+        base = "torch._grouped_mm" + ("" if quant == "none" else " (dequantised bf16)")
+
+        def ref_fn():
+            return theirs(xs, offs32, *deq, cw, inv3)
+        ref = ref_fn()
+        layer, launches, info = {base: ref_fn}, {}, {}
         for v in variants:
             name, cfgs, dec = v[:3]
             opts = v[3] if len(v) > 3 else {}
             if only and not any(o in f"{label} {name}" for o in only):
                 continue
-            if time.perf_counter() - t_start > budget:
-                row("moe", f"{label} {name}", skipped="time budget")
-                continue
-            moe.ROWGRID = opts.get("rowgrid", True)
+            rg = opts.get("rowgrid", True)
             try:
                 def glu(cfgs=cfgs, dec=dec):
                     return moe.grouped_matmul(xs, off, ws[0], ss[0], quant, w3=ws[1], scales3=ss[1], act="situ",
@@ -162,28 +140,35 @@ def sweep(smoke, baselines, only=(), budget=80.0):
                 def fn(cfgs=cfgs, dec=dec):
                     return moe.moe_forward(xs, off, ws[0], ws[1], ws[2], cw, inv3, quant, ss, act="situ",
                                            configs=cfgs, mxfp4_decode=dec)
-                out = fn()
-                err = rel(out, ref) if ref is not None else None
-                h = glu()
+                out = with_rowgrid(fn, rg)()
+                h = with_rowgrid(glu, rg)()
 
                 def down(cfgs=cfgs, dec=dec, h=h):
                     return moe.grouped_matmul(h, off, ws[2], ss[2], quant, row_scale=cw, config=cfgs[1],
                                               mxfp4_decode=dec)
-                tb = _bench_graph if small else bench
-                ms = tb(fn, 100)
-                ms_glu = tb(glu, 50)
-                ms_down = tb(down, 50)
+                with_rowgrid(down, rg)()
                 R = xs.shape[0]
                 planned = [moe.plan(R, E, n_, k_, quant, g_, xs.element_size(), c_)
                            for (n_, k_, g_), c_ in zip(((I, D, True), (D, I, False)), cfgs)]
-                row("moe", f"{label} {name}", ms=ms, ms_glu=ms_glu, ms_down=ms_down,
-                    speedup_vs_grouped_mm=t_ref / ms, floor_ms=floor, frac_of_floor=floor / ms, rel_err=err,
-                    hbm_frac_glu=b_glu / HBM / (ms_glu * 1e-3), hbm_frac_down=b_down / HBM / (ms_down * 1e-3),
-                    configs=str(planned), decode=dec, rowgrid=moe.ROWGRID and R < E)
+                layer[name] = with_rowgrid(fn, rg)
+                launches[name + " glu"], launches[name + " down"] = with_rowgrid(glu, rg), with_rowgrid(down, rg)
+                info[name] = {"rel_err_vs_grouped_mm": rel(out, ref), "configs": str(planned), "decode": dec,
+                              "rowgrid": rg and R < E, "shipped_default": v is variants[0]}
             except Exception as e:
                 row("moe", f"{label} {name}", error=repr(e)[-1500:])
-            finally:
-                moe.ROWGRID = True
+        t_layer = interleaved(layer, REPEATS, rep_ms=100, graph=small)
+        t_launch = interleaved(launches, REPEATS, rep_ms=50, graph=small) if launches else {}
+        row("moe", f"{label} {base}", ms=t_layer[base], floor_ms=floor, rows_per_expert=T * k / E,
+            active_experts=used)
+        for name, inf in info.items():
+            ms, g_, d_ = t_layer[name], t_launch[name + " glu"], t_launch[name + " down"]
+            row("moe", f"{label} {name}", ms=ms, ms_glu=g_, ms_down=d_,
+                ratio_grouped_mm_over_ours=t_layer[base]["median"] / ms["median"], floor_ms=floor,
+                frac_of_floor=floor / ms["median"],
+                hbm_frac_glu=b_glu / rep.copy_Bps / (g_["median"] * 1e-3),
+                hbm_frac_down=b_down / rep.copy_Bps / (d_["median"] * 1e-3), **inf)
+        if time.perf_counter() - t_start > budget:
+            raise TimeoutError(f"budget of {budget} s used after {label}")
 
     def wanted(lab):
         return not only or any(o in f"{lab} {v[0]}" for v in todo[lab][1] for o in only)
@@ -225,28 +210,38 @@ def sweep(smoke, baselines, only=(), budget=80.0):
 
 
 def main():
+    global REPEATS
     ap = argparse.ArgumentParser()
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--baselines", action="store_true", help="time torch._grouped_mm again (else known numbers)")
+    ap.add_argument("--tiny", "--smoke", action="store_true", help="toy sizes (CPU, TRITON_INTERPRET=1)")
     ap.add_argument("--only", default="", help="comma-separated substrings of 'label name' to run (default: all)")
-    ap.add_argument("--budget", type=float, default=80.0, help="seconds after which no new variant starts")
+    ap.add_argument("--budget", type=float, default=80.0, help="seconds after which no new case starts")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved timed repeats per candidate")
+    ap.add_argument("--out", default=None, help="JSON report (default bench/results/moe_sweep/<date>-<commit>.json)")
     a = ap.parse_args()
-    if torch.cuda.is_available():
-        import triton
-        row("env", "device", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    from benchlib import Report, result_path
+    REPEATS = a.repeats
+    rep = Report("moe_sweep", a.out or result_path("moe_sweep"), sys.argv)
+    rep.ceilings()
     t0 = time.perf_counter()
     try:
-        sweep(a.smoke, a.baselines, tuple(o for o in a.only.split(",") if o), a.budget)
+        sweep(a.tiny, tuple(o for o in a.only.split(",") if o), a.budget)
+    except TimeoutError as e:
+        row("moe", "stopped", note=str(e))
     except Exception as e:
         import traceback
         traceback.print_exc()
         row("moe", "FAILED", error=repr(e)[-1500:])
     row("moe", "total time", s=time.perf_counter() - t0)
-    print("\n| name | numbers |\n|---|---|")
-    for r in ROWS:
-        nums = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
-                         if k not in ("section", "name"))
-        print(f"| {r['name']} | {nums} |")
+    print("\n| name | median ms (min-max) | ratio _grouped_mm / ours | error | other |\n|---|---|---|---|---|")
+    from benchlib import fmt_ms
+    for r in rep.data["rows"]:
+        other = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+                          if k not in ("section", "name", "ms", "ms_glu", "ms_down", "ratio_grouped_mm_over_ours",
+                                       "rel_err_vs_grouped_mm", "configs", "constexprs"))
+        ratio = r.get("ratio_grouped_mm_over_ours")
+        err = r.get("rel_err_vs_grouped_mm")
+        print(f"| {r['name']} | {fmt_ms(r.get('ms'))} | {'-' if ratio is None else f'{ratio:.3f}'} | "
+              f"{'-' if err is None else f'{err:.1e}'} | {other[:200]} |")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ amplified by routing (torch and triton equally far from transformers in bf16 onl
 Sections: ``4l`` = 4 layers at full width (KDA x3 + MLA; dense + 3 MoE) in float32 and bf16; ``full`` =
 the whole 6.6B model in bf16 (its triton-vs-transformers gap was 0.35 on 2026-11-30).
 
-    python3 bench/probes/kimi_logit_controls.py [--sections 4l,full]        # GPU; rows to $OUT/bench_models.json
+    python3 bench/probes/kimi_logit_controls.py [--sections 4l,full]  # GPU; rows to bench/results/kimi_logit_controls/
 
 With fla importable, transformers runs fla's kernels, whose autotuning takes minutes on a cold Triton cache;
 without it (fla not on PYTHONPATH) transformers runs its PyTorch reference KDA: the same math, seconds.

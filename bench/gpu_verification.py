@@ -1,0 +1,275 @@
+"""The GPU verification of every speed claim (issue 22), as device calls of under 10 minutes, in the issue's order.
+
+Each call is a list of steps: first every step's ``--warm`` run in parallel processes (compiles and fla's autotuning
+into the on-disk caches; nothing timed, nothing written), then the timed steps one at a time on a quiet GPU, each
+under its own timeout and a global ``--budget``, each writing its JSON into ``--out`` (a step that no longer fits
+is skipped and listed). Every benchmark measures its baselines and ceilings in the same process (see the scripts).
+
+Here (the CPU machine)::
+
+    python bench/gpu_verification.py plan              # the calls, their steps and the device commands
+    python bench/gpu_verification.py prepare           # .gpuhead/ = `git archive HEAD` + COMMIT (what is measured)
+    python bench/gpu_verification.py collect DIR       # copy a call's JSON into bench/results/<benchmark>/
+    TRITON_INTERPRET=1 python bench/gpu_verification.py run --call 1 --tiny --out /tmp/gv   # the runner on the CPU
+
+On the device (the command ``plan`` prints; from ``.gpuhead``)::
+
+    python3 bench/gpu_verification.py run --call N --out $OUT [--steps a,b] [--budget 540]
+
+Calls: 1 KDA forward, MoE layer bf16, Kimi Linear decode B1 (the minimum that makes the current table honest);
+2 KDA forward+backward (both memory policies, fp32-reference gradients); 3 KDA decode H32/H96, MXFP4 MoE with and
+without router/dispatch/latent projections; 4 Kimi Linear 6.6B vs transformers; 5 the gpu-marked tests; 6 serving
+under load (``serve-load``). The TVM CUDA artifact (issue item 4) is not here: it needs the TVM issue's artifacts
+and runtime libraries.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PY = sys.executable
+
+
+def _b(script, *args):
+    return [PY, os.path.join(HERE, script), *args]
+
+
+#: step name -> (timed command, extra args under --tiny, warm commands (run in parallel first), timeout s, JSON name
+#: under --out or None). ``{out}`` is replaced by the step's JSON path.
+STEPS = {
+    "kda_forward": (_b("bench_kda.py", "--compare", "--out", "{out}"), ["--tiny"],
+                    [_b("bench_kda.py", "--compare", "--warm", "--shapes", s) for s in
+                     ("1,32768,32,128", "8,4096,32,128", "1,8192,96,128", "1,8192,64,128")], 300, "kda_forward.json"),
+    "moe_layer_bf16": (_b("bench_moe_layer.py", "--parts", "bf16", "--out", "{out}"), ["--tiny"],
+                       [_b("bench_moe_layer.py", "--parts", "bf16", "--warm")], 200, "bench_moe_layer-bf16.json"),
+    "kimi_decode": (_b("bench_models.py", "--sections", "decode", "--out", "{out}"), ["--tiny"],
+                    [_b("bench_models.py", "--sections", "kimi", "--no-hf", "--no-prewarm", "--warm-only", w,
+                        "--out", os.devnull) for w in ("prefill:1x512", "decode:1")], 240, "kimi_linear_decode.json"),
+    "kda_fwdbwd": (_b("bench_kda_bwd.py", "--warm-parallel", "6", "--budget", "500", "--out", "{out}"),
+                   ["--tiny", "--budget", "900"], [], 520, "bench_kda_bwd.json"),
+    "kda_decode": (_b("bench_kda.py", "--decode", "--out", "{out}"), ["--tiny"],
+                   [_b("bench_kda.py", "--decode", "--warm")], 200, "kda_decode.json"),
+    "moe_layer_mxfp4": (_b("bench_moe_layer.py", "--parts", "mxfp4", "--out", "{out}"), ["--tiny"],
+                        [_b("bench_moe_layer.py", "--parts", "mxfp4", "--warm")], 240, "bench_moe_layer-mxfp4.json"),
+    "kimi_vs_transformers": (_b("bench_models.py", "--sections", "kimi", "--budget", "520", "--out", "{out}"),
+                             ["--tiny", "--target", "torch", "--budget", "1200"], [], 540, "bench_models-kimi.json"),
+    "gpu_tests": ([PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/",
+                   "--junitxml={out}"], None, [], 540, "gpu_tests.xml"),
+    "serve_load": (_b("gpu_verification.py", "serve-load", "--out", "{out}"), None, [], 560, "serve_load.json"),
+}
+#: the device calls in the issue's order (each under ~9 minutes of steps)
+CALLS = {
+    1: ["kda_forward", "moe_layer_bf16", "kimi_decode"],
+    2: ["kda_fwdbwd"],
+    3: ["kda_decode", "moe_layer_mxfp4"],
+    4: ["kimi_vs_transformers"],
+    5: ["gpu_tests"],
+    6: ["serve_load"],
+}
+#: what the device machine installs first (wheels carried in .whl/: fla-core, transformers), then the tree (editable)
+SETUP = ("cd .gpuhead && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
+         "--target /tmp/site ../.whl/*.whl && export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-deps "
+         "--no-build-isolation -e . && export PYTHONUNBUFFERED=1")
+
+
+def device_command(call: int) -> str:
+    return f"{SETUP} && python3 bench/gpu_verification.py run --call {call} --out $OUT"
+
+
+def cmd_plan(_a) -> int:
+    wheels = sorted(os.listdir(os.path.join(ROOT, ".whl"))) if os.path.isdir(os.path.join(ROOT, ".whl")) else []
+    print("Before the first call, here: python bench/gpu_verification.py prepare   (.gpuhead = committed HEAD)")
+    print(f"Wheels in .whl/ (carried): {', '.join(wheels) or 'NONE: the fla rows would skip'}\n")
+    for n, steps in CALLS.items():
+        print(f"call {n}: {', '.join(steps)}  (step timeouts {sum(STEPS[s][3] for s in steps)} s; budget 540 s)")
+        print(f'  run(command="{device_command(n)}", carry=[".gpuhead", ".whl"], timeout_s=600, kind="nvidia-h200")')
+        print("  then here: python bench/gpu_verification.py collect <files_at>\n")
+    print("Not in these calls: the TVM CUDA artifact (issue item 4: needs the TVM issue's artifacts, the cp312 "
+          "apache-tvm-ffi wheel and libtvm_runtime*.so carried).")
+    return 0
+
+
+def cmd_prepare(_a) -> int:
+    """``.gpuhead/``: the committed HEAD (``git archive``, nothing uncommitted) plus ``COMMIT`` (benchlib reads it)."""
+    dst = os.path.join(ROOT, ".gpuhead")
+    shutil.rmtree(dst, ignore_errors=True)
+    os.makedirs(dst)
+    sha = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    arch = subprocess.run(["git", "-C", ROOT, "archive", "HEAD"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", dst], input=arch, check=True)
+    with open(os.path.join(dst, "COMMIT"), "w") as f:
+        f.write(sha + "\n")
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dst) for f in fs)
+    excl = os.path.join(ROOT, ".git", "info", "exclude")
+    ignored = False
+    if os.path.exists(excl):
+        with open(excl) as f:
+            ignored = any(ln.strip() == "/.gpuhead/" for ln in f)
+    print(f".gpuhead/ = HEAD {sha} ({size / 2**20:.1f} MiB){'' if ignored else '; add /.gpuhead/ to .git/info/exclude'}")
+    return cmd_plan(_a)
+
+
+def cmd_collect(a) -> int:
+    """Copy each benchmark JSON of a call (``files_at``; named ``<benchmark>[-<label>].json``) to
+    ``bench/results/<benchmark>/<date>-<commit>[-<label>].json`` (benchmark, date, commit from its ``meta``)."""
+    n = 0
+    for name in sorted(os.listdir(a.dir)):
+        src = os.path.join(a.dir, name)
+        if not name.endswith(".json") or name == "gpu_verification.json":
+            continue
+        with open(src) as f:
+            meta = json.load(f).get("meta") or {}
+        if not meta.get("benchmark"):
+            print(f"skip {name}: no meta.benchmark")
+            continue
+        stem = os.path.splitext(name)[0]
+        label = stem[len(meta["benchmark"]):].lstrip("-") if stem.startswith(meta["benchmark"]) else stem
+        folder = os.path.join(a.results, meta["benchmark"])
+        os.makedirs(folder, exist_ok=True)
+        dst = os.path.join(folder, f"{meta['date']}-{meta['commit']}" + (f"-{label}" if label else "") + ".json")
+        shutil.copyfile(src, dst)
+        print(f"{src} -> {os.path.relpath(dst, ROOT)}")
+        n += 1
+    print(f"{n} files")
+    return 0
+
+
+def cmd_serve_load(a) -> int:
+    """Serving on the GPU (issue item 5): ``k3ir serve`` of Kimi Linear 6.6B (random weights) on the triton target in
+    bf16 on loopback, then ``bench/load_test.py`` with 32 and 128 concurrent clients for ``--duration`` seconds each
+    (its prompt/output mix; throughput, time to first token, inter-token latency percentiles, 5xx, pool after the
+    run). One JSON (``benchlib.Report``, rows = the load reports)."""
+    import urllib.request
+    sys.path.insert(0, HERE)
+    from benchlib import Report
+    rep = Report("serve_load", a.out, sys.argv)
+    port = 8731
+    srv = subprocess.Popen([PY, "-m", "k3ir.cli", "serve", a.model, "--target", "triton", "--device", "cuda",
+                            "--dtype", "bfloat16", "--port", str(port), "--max-batch", "128"], cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if srv.poll() is not None or time.time() - t0 > a.start_timeout:
+                rep.add({"error": f"server not up after {time.time() - t0:.0f} s (rc {srv.poll()})"})
+                return 1
+            time.sleep(2)
+        rep.data["meta"]["server_start_s"] = time.time() - t0
+        for clients in (32, 128):
+            p = subprocess.run([PY, os.path.join(HERE, "load_test.py"), "--url", url, "--model", a.model,
+                                "--clients", str(clients), "--duration", str(a.duration)], cwd=ROOT,
+                               capture_output=True, text=True, timeout=a.duration * 3 + 120, check=False)
+            try:
+                r = json.loads(p.stdout)
+            except ValueError:
+                r = {"error": f"rc {p.returncode}: {p.stderr[-800:]}"}
+            rep.add({"clients": clients, "duration_s": a.duration, **r})
+    finally:
+        srv.terminate()
+        try:
+            srv.wait(30)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+    return 0 if all(not r.get("error") and not r.get("failures") for r in rep.data["rows"]) else 1
+
+
+def cmd_run(a) -> int:
+    """Run one call's steps: warm commands in parallel, then the timed steps in order within ``--budget``."""
+    t0 = time.time()
+    os.makedirs(a.out, exist_ok=True)
+    steps = [s for s in (a.steps.split(",") if a.steps else CALLS[a.call]) if s]
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        print(f"gpu_verification: unknown steps {unknown}; known: {', '.join(STEPS)}", file=sys.stderr)
+        return 2
+    log = {"call": a.call, "steps": steps, "tiny": a.tiny, "budget_s": a.budget, "results": []}
+    log_path = os.path.join(a.out, "gpu_verification.json")
+
+    def save():
+        log["elapsed_s"] = time.time() - t0
+        with open(log_path, "w") as f:
+            json.dump(log, f, indent=1)
+    runnable = [s for s in steps if not (a.tiny and STEPS[s][1] is None)]
+    for s in set(steps) - set(runnable):
+        log["results"].append({"step": s, "status": "skipped", "note": "no --tiny form (GPU only)"})
+    warm = [] if a.tiny or a.no_warm else [c for s in runnable for c in STEPS[s][2]]
+    if warm:
+        print(f"== warm: {len(warm)} processes in parallel", flush=True)
+        procs = [subprocess.Popen(c, cwd=ROOT) for c in warm]
+        cap = min(a.warm_cap, a.budget * 0.6)
+        for c, p in zip(warm, procs):
+            try:
+                p.wait(timeout=max(1.0, cap - (time.time() - t0)))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            log["results"].append({"step": "warm " + " ".join(c[2:]), "rc": p.returncode, "s": time.time() - t0})
+        save()
+    for s in runnable:
+        cmd, tiny_args, _, timeout, name = STEPS[s]
+        left = a.budget - (time.time() - t0)
+        if left < 30:
+            log["results"].append({"step": s, "status": "skipped", "note": f"{left:.0f} s of the budget left"})
+            save()
+            continue
+        out = os.path.join(a.out, name)
+        full = [c.replace("{out}", out) for c in cmd] + (tiny_args if a.tiny else [])
+        print(f"== {s} ({time.time() - t0:.0f} s): {' '.join(full)}", flush=True)
+        t = time.time()
+        try:
+            rc = subprocess.run(full, cwd=ROOT, timeout=min(timeout if not a.tiny else 3600, left), check=False).returncode
+            status = "ok" if rc == 0 else f"rc {rc}"
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        log["results"].append({"step": s, "status": status, "s": time.time() - t, "json": name,
+                               "written": os.path.exists(out)})
+        save()
+    print("\n| step | status | s | JSON |\n|---|---|---|---|")
+    for r in log["results"]:
+        print(f"| {r['step']} | {r.get('status', r.get('rc'))} | {r.get('s', 0):.0f} | {r.get('json', '-')} |")
+    save()
+    return 0 if all(r.get("status", "ok") in ("ok", "skipped") for r in log["results"]) else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("plan", help="print the calls and the device commands")
+    sub.add_parser("prepare", help="write .gpuhead/ (git archive HEAD + COMMIT) and print the commands")
+    c = sub.add_parser("collect", help="copy a call's JSON files into bench/results/")
+    c.add_argument("dir")
+    c.add_argument("--results", default=os.path.join(HERE, "results"), help="results folder (default bench/results)")
+    r = sub.add_parser("run", help="run one call's steps (on the device; --tiny: on the CPU)")
+    r.add_argument("--call", type=int, default=1, choices=sorted(CALLS))
+    r.add_argument("--steps", default=None, help=f"comma-separated steps instead of the call's: {', '.join(STEPS)}")
+    r.add_argument("--out", required=True, help="folder for the JSON files ($OUT on the device)")
+    r.add_argument("--budget", type=float, default=540.0, help="seconds for the whole call")
+    r.add_argument("--warm-cap", type=float, default=300.0, help="seconds the parallel warm phase may take")
+    r.add_argument("--no-warm", action="store_true", help="no parallel warm phase")
+    r.add_argument("--tiny", action="store_true", help="every step at its --tiny size (CPU, TRITON_INTERPRET=1)")
+    sl = sub.add_parser("serve-load", help="the serving step (GPU): k3ir serve + load_test.py at 32 and 128 clients")
+    sl.add_argument("--out", required=True)
+    sl.add_argument("--model", default="kimi-linear-6p6b")
+    sl.add_argument("--duration", type=float, default=60.0)
+    sl.add_argument("--start-timeout", type=float, default=240.0)
+    a = ap.parse_args()
+    return {"plan": cmd_plan, "prepare": cmd_prepare, "collect": cmd_collect, "run": cmd_run,
+            "serve-load": cmd_serve_load}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
