@@ -14,11 +14,10 @@ import pytest
 
 pytest.importorskip("tvm")
 
-from k3ir.backends.tvm import cubin  # noqa: E402
-from k3ir.backends.tvm.cross import kind_report, toolchain  # noqa: E402
-
-from _tiny_models import load_tiny, token_ids  # noqa: E402
-from conftest import rel_err  # noqa: E402
+from _tiny_models import load_tiny, token_ids
+from conftest import rel_err
+from k3ir.backends.tvm import cubin
+from k3ir.backends.tvm.cross import kind_report, toolchain
 
 
 def _need(kind: str) -> None:
@@ -42,7 +41,6 @@ def test_blob_layout_round_trip_and_fatbin_replacement(tmp_path):
     tool = _need_cuobjdump()
     import tvm
     import tvm_ffi
-
     from k3ir.backends.tvm.cross import kernel_module
     from k3ir.backends.tvm.gpu import gpu_target
     lib = tvm.compile(kernel_module(), target=gpu_target("cuda"))
@@ -56,7 +54,7 @@ def test_blob_layout_round_trip_and_fatbin_replacement(tmp_path):
     lib.export_library(path, fpack_imports=cubin.make_fpack_imports(sources=sources))
     [(fmt2, fmap2, fat)] = cubin.embedded_cuda(path)
     assert fmt2 == "fatbin" and fmap2 == fmap and int.from_bytes(fat[:4], "little") == cubin.FATBIN_MAGIC
-    assert list(sources.values())[0].encode() == code
+    assert next(iter(sources.values())).encode() == code
     sass = cubin.cuobjdump_functions(fat, tool)
     assert sass == {"sm_90a": set(fmap), "sm_80": set(fmap)}
 
@@ -92,8 +90,9 @@ def test_whole_model_cuda_artifact_embeds_sm90a_code_for_every_device_function(t
     the KDA recurrence and the MoE grouped GEMM) and present as sm_90a and sm_80 SASS."""
     _need("cuda")
     tool = _need_cuobjdump()
-    import k3ir
     from k3ir.runtime.params import init_params
+
+    import k3ir
     m = load_tiny("kimi-linear-tiny")
     exe = k3ir.compile(m, target="tvm-cuda")
     exe.emit_source = True
@@ -108,7 +107,8 @@ def test_whole_model_cuda_artifact_embeds_sm90a_code_for_every_device_function(t
     for name, tried in man["fallbacks"].items():                   # each fallback says what failed, and the kernel
         assert tried and kernels[name] in ("Fallback", "GEMV", "LowBatchGEMV", "Reduction", "GeneralReduction",
                                            "RMSNorm"), (name, tried)
-    src = open(os.path.join(out, "tvm_cuda.cu")).read()
+    with open(os.path.join(out, "tvm_cuda.cu")) as f:
+        src = f.read()
     assert all(f in src for f in man["device_functions"])
     with pytest.raises(k3ir.errors.K3BackendError, match="does not run here"):
         exe.run("prefill", [token_ids(300, 1, 4)], {})
@@ -133,12 +133,12 @@ print(json.dumps({"runtime_only": bool(tvm.base._RUNTIME_ONLY), "compiler": "lib
 def test_llvm_artifact_runs_with_the_tvm_runtime_only(tmp_path):
     """An artifact of the tvm (llvm) target runs in a process with TVM_USE_RUNTIME_LIB=1 (libtvm_runtime.so, no
     libtvm_compiler.so): prefill + one decode step equal the torch backend's on the artifact's weights (1e-4)."""
-    import k3ir
-    from safetensors.numpy import load_file
-
     from k3ir.backends.tvm.config import tvm_config
     from k3ir.runtime import Session
     from k3ir.runtime.params import init_params
+    from safetensors.numpy import load_file
+
+    import k3ir
     m = load_tiny("kimi-linear-tiny")
     out = str(tmp_path / "art")
     with tvm_config(opt_level=0):
