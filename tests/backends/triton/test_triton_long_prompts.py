@@ -1,7 +1,8 @@
 """Long prompts in linear memory on the triton target (CPU: ``TRITON_INTERPRET=1``, float32, tiny sizes): the MLA
 prefill over key tiles (mla_tiled.py) equals the one-launch kernel and the float64 reference, its allocations
 grow by the latent cache row per extra key (the untiled path adds the up-projected keys and values), and
-``Session.prefill`` in segments over it equals one prefill."""
+``Session.prefill`` in segments over it equals one prefill, its peak allocations growing by the logits row and
+twice the state row per extra token (slow)."""
 from __future__ import annotations
 
 import os
@@ -127,3 +128,22 @@ def test_segmented_prefill_over_key_tiles_equals_one_prefill(two_layers, monkeyp
     assert rel_err(seg, one) < 1e-5
     for name in s1.names:
         assert rel_err(torch.as_tensor(s2.values[name]), torch.as_tensor(s1.values[name])) < 1e-5, name
+
+
+@pytest.mark.slow
+def test_segmented_prefill_allocations_grow_by_a_constant_number_of_bytes_per_token(two_layers):
+    """Peak torch allocations of ``Session.prefill`` (segments of 64, MLA over 32-key tiles) at 128, 192 and 256
+    tokens: the same growth per extra token in both steps, and exactly what must grow: the float32 logits row
+    plus twice the state per token (the old state is held while a segment computes the new one): 1520 bytes.
+    ~40 s under the interpreter on a shared 2-core CPU."""
+    peak, state_bytes = {}, {}
+    with triton_config(mla={"prefill_key_tile": 32}):
+        for T in (128, 192, 256):
+            ids = np.random.default_rng(T).integers(0, 256, (1, T))
+            with AllocationPeak() as a:
+                logits, state = Session(two_layers, seed=0, prefill_chunk=64).prefill(ids)
+            peak[T] = a.peak
+            state_bytes[T] = sum(torch.as_tensor(v).nbytes for v in state.values.values())
+    step1, step2 = (peak[192] - peak[128]) / 64, (peak[256] - peak[192]) / 64
+    must = logits.shape[-1] * 4 + 2 * (state_bytes[256] - state_bytes[128]) / 128
+    assert step1 == step2 == must
