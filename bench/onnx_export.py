@@ -10,7 +10,9 @@ earlier lowering kept behind ``MlirConfig(kda_form="scan", moe_form="dense")``).
 
 Prefill: T tokens, batch 1; decode: ``--steps`` greedy steps after a T-token prefill, tokens/s = steps / wall time.
 Every session is built and warmed up first (IREE compiles then, not in the timings); then 3 repeats interleaved
-(each variant once per round, so load from other processes spreads over all of them). Reported: median, min and max
+(each variant once per round, so load from other processes spreads over all of them). onnxruntime's threads do not
+spin between runs (``session.intra_op.allow_spinning=0``), so they leave the cores to the next variant's pool;
+run with ``OMP_WAIT_POLICY=PASSIVE`` for torch's OpenMP threads likewise. Reported: median, min and max
 per variant; ratios divide medians of the same run. The JSON (``bench/results/onnx_export/<date>-<commit>.json``)
 also holds each variant's prefill-logit error against torch's (float32 both) and the load average before and after.
 """
@@ -61,6 +63,7 @@ def make_session(m, variant: str, params: dict) -> tuple[Session, float]:
     exe = k3ir.compile(m, target=target, dtype="float32")
     if target == "onnx":
         exe.opset, exe.ort_kernels, exe.moe_form = settings
+        exe.session_config = {"session.intra_op.allow_spinning": "0"}   # no spinning beside torch's and IREE's pools
     s = Session(exe, params=params)
     if target == "mlir":                      # emitted and compiled now, under its MlirConfig
         from k3ir.backends.mlir.config import mlir_config

@@ -45,7 +45,9 @@ class OnnxExecutable(Executable):
     ``opset``: 27 or 20 (None: ``export.default_opset()``); ``ort_kernels`` (default True): opset 27's
     ``LinearAttention``/``CausalConvWithState`` in onnxruntime's ``com.microsoft`` domain, run by its
     native kernels (``OnnxExporter``); False keeps the standard ops; ``moe_form`` (None: by expert count)
-    as in ``OnnxExporter``. All settable until the first run."""
+    as in ``OnnxExporter``; ``session_config``: entries for ``SessionOptions.add_session_config_entry`` (e.g.
+    ``{"session.intra_op.allow_spinning": "0"}`` beside other thread pools in one process). All settable until
+    the first run."""
 
     def __init__(self, module: Module, dtype: str = "float32", device: str = "cpu",
                  model_paths: dict[str, str] | None = None, opset: int | None = None):
@@ -62,6 +64,7 @@ class OnnxExecutable(Executable):
         self.opset = check_opset(opset)
         self.ort_kernels = True
         self.moe_form: str | None = None
+        self.session_config: dict[str, str] = {}
 
     def prepare_params(self, arrays: dict[str, Any]) -> dict[str, Any]:
         if self.weights_inside and not arrays:
@@ -85,6 +88,8 @@ class OnnxExecutable(Executable):
             so.log_severity_level = 3
             if self.threads:
                 so.intra_op_num_threads = self.threads
+            for key, value in self.session_config.items():
+                so.add_session_config_entry(key, value)
             if self.weights_inside:
                 if function not in self.model_paths:
                     raise K3BackendError(f"artifact has no model for '@{function}'")
