@@ -407,7 +407,7 @@ def section_kimi(smoke, no_hf=False, warm_only="", target="triton", prewarm=True
             runs["ours"].append(B * T / (_wall_ms(ours) * 1e-3))
             if theirs is not None:
                 runs["transformers"].append(B * T / (_wall_ms(theirs) * 1e-3))
-        r = {"batch": B, "tokens": T, "tok_s": spread(runs["ours"]),
+        r = {"batch": B, "tokens": T, "target": target, "tok_s": spread(runs["ours"]),
              "transformers_tok_s": spread(runs["transformers"]) if runs["transformers"] else None}
         if r["transformers_tok_s"]:
             r["ratio_ours_over_transformers"] = r["tok_s"]["median"] / r["transformers_tok_s"]["median"]
@@ -421,7 +421,7 @@ def section_kimi(smoke, no_hf=False, warm_only="", target="triton", prewarm=True
                 runs["transformers"].append(_hf_decode_rate(hf, B, prompt, steps, vocab))
         step_bytes = 2 * act + B * state1          # bf16 active weights once per step + every sequence's state
         roof = rep.copy_Bps / step_bytes * B       # tok/s
-        r = {"batch": B, "prompt": prompt, "steps": steps, "tok_s": spread(runs["ours"]),
+        r = {"batch": B, "prompt": prompt, "steps": steps, "target": target, "tok_s": spread(runs["ours"]),
              "graph_replay_ms": spread(runs["replay_ms"]) if runs["replay_ms"] else None,
              "transformers_tok_s": spread(runs["transformers"]) if runs["transformers"] else None,
              "active_params": act, "state_bytes_per_seq": state1, "bytes_per_step": step_bytes,
@@ -487,7 +487,7 @@ def section_k3(smoke, repeats=3):
     del sess, exe
 
 
-def section_decode(smoke, out="kimi_linear_decode.json", repeats=3):
+def section_decode(smoke, out="kimi_linear_decode.json", repeats=3, target="triton"):
     """``--sections decode``: Kimi Linear 6.6B (``KL_SMALL`` with smoke) on the triton target at the shipped
     defaults, random weights drawn on the device, bf16: a 512-token prompt (8 with smoke), then decode B1 as the
     CUDA graph. One untimed run, then ``repeats`` runs, each from a fresh prefill of the same prompt: 2 warm steps,
@@ -504,11 +504,11 @@ def section_decode(smoke, out="kimi_linear_decode.json", repeats=3):
     m = k3ir.load("kimi-linear-6p6b", KL_SMALL if smoke else None)
     act = active_params(m)
     t0 = time.perf_counter()
-    sess = Session(k3ir.compile(m, target="triton", dtype=DTN, device=DEV), params=gpu_params(m))
+    sess = Session(k3ir.compile(m, target=target, dtype=DTN, device=DEV), params=gpu_params(m))
     prompt, steps = (8, 2) if smoke else (512, 128)
     ids = np.random.default_rng(0).integers(3, int(m.attrs["vocab_size"]), (1, prompt))
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    info = {"prompt": prompt, "steps": steps, "batch": 1, "active_params": act, "dtype": DTN}
+    info = {"prompt": prompt, "steps": steps, "batch": 1, "active_params": act, "dtype": DTN, "target": target}
     rates, replays = [], []
     for run in range(repeats + 1):          # run 0: compile, capture, warm (not timed)
         logits, st = sess.prefill(ids)
@@ -577,7 +577,8 @@ def main():
     ap.add_argument("--sections", default="check,kimi,k3", help="check, kimi, k3 (comma-separated), or decode")
     ap.add_argument("--tiny", "--smoke", action="store_true", help="toy sizes (CPU, TRITON_INTERPRET=1)")
     ap.add_argument("--no-hf", action="store_true", help="kimi: random weights, no transformers (no baseline)")
-    ap.add_argument("--target", default="triton", help="kimi: our target (torch checks the script fast on the CPU)")
+    ap.add_argument("--target", default="triton", help="kimi, decode: our target (torch checks the script fast on "
+                                                         "the CPU)")
     ap.add_argument("--no-prewarm", action="store_true", help="kimi: no compile helper processes")
     ap.add_argument("--wait-file", default=None, help="kimi: wait (<= 30 s) for this file before timing")
     ap.add_argument("--warm-only", default="", help=argparse.SUPPRESS)
@@ -601,7 +602,7 @@ def main():
     gpu = torch.cuda.is_available()
     DEV, DT, DTN = ("cuda", torch.bfloat16, "bfloat16") if gpu else ("cpu", torch.float32, "float32")
     if a.sections == "decode":      # the same-run report of its own
-        section_decode(a.tiny, a.out or result_path("kimi_linear_decode"), a.repeats)
+        section_decode(a.tiny, a.out or result_path("kimi_linear_decode"), a.repeats, a.target)
         return
     sections = [s for s in a.sections.split(",") if s]
     fns = {"check": section_check, "kimi": section_kimi, "k3": section_k3}

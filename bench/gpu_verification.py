@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -187,6 +188,19 @@ def cmd_serve_load(a) -> int:
     return 0 if all(not r.get("error") and not r.get("failures") for r in rep.data["rows"]) else 1
 
 
+def _run_group(cmd, env, timeout) -> str:
+    """``cmd`` in its own process group; on timeout the whole group is killed (a step's helper processes must not
+    keep the GPU busy during the next step). Returns "ok", "rc N" or "timeout"."""
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        rc = p.wait(timeout=timeout)
+        return "ok" if rc == 0 else f"rc {rc}"
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        return "timeout"
+
+
 def cmd_run(a) -> int:
     """Run one call's steps: warm commands in parallel, then the timed steps in order within ``--budget``."""
     t0 = time.time()
@@ -203,19 +217,23 @@ def cmd_run(a) -> int:
         log["elapsed_s"] = time.time() - t0
         with open(log_path, "w") as f:
             json.dump(log, f, indent=1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K3IR_")}      # the shipped defaults only
+    log["k3ir_env_removed"] = sorted(set(os.environ) - set(env))
+    if log["k3ir_env_removed"]:
+        print(f"gpu_verification: K3IR_* variables removed for the steps: {log['k3ir_env_removed']}", flush=True)
     runnable = [s for s in steps if not (a.tiny and STEPS[s][1] is None)]
     for s in set(steps) - set(runnable):
         log["results"].append({"step": s, "status": "skipped", "note": "no --tiny form (GPU only)"})
     warm = [] if a.tiny or a.no_warm else [c for s in runnable for c in STEPS[s][2]]
     if warm:
         print(f"== warm: {len(warm)} processes in parallel", flush=True)
-        procs = [subprocess.Popen(c, cwd=ROOT) for c in warm]
+        procs = [subprocess.Popen(c, cwd=ROOT, env=env, start_new_session=True) for c in warm]
         cap = min(a.warm_cap, a.budget * 0.6)
         for c, p in zip(warm, procs):
             try:
                 p.wait(timeout=max(1.0, cap - (time.time() - t0)))
             except subprocess.TimeoutExpired:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
             log["results"].append({"step": "warm " + " ".join(c[2:]), "rc": p.returncode, "s": time.time() - t0})
         save()
@@ -230,11 +248,7 @@ def cmd_run(a) -> int:
         full = [c.replace("{out}", out) for c in cmd] + (tiny_args if a.tiny else [])
         print(f"== {s} ({time.time() - t0:.0f} s): {' '.join(full)}", flush=True)
         t = time.time()
-        try:
-            rc = subprocess.run(full, cwd=ROOT, timeout=min(timeout if not a.tiny else 3600, left), check=False).returncode
-            status = "ok" if rc == 0 else f"rc {rc}"
-        except subprocess.TimeoutExpired:
-            status = "timeout"
+        status = _run_group(full, env, min(timeout if not a.tiny else 3600, left))
         log["results"].append({"step": s, "status": status, "s": time.time() - t, "json": name,
                                "written": os.path.exists(out)})
         save()
