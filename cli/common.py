@@ -152,6 +152,14 @@ def load_model(args) -> Any:
                              "@prefill_varlen, which only a model config can build")
         return m
     args.model = run_checkpoint(args.model)
+    from k3ir.runtime.train_shards import is_sharded
+    if is_sharded(args.model):        # a torchrun training run's checkpoint: one shard per rank, put together here
+        import os
+
+        from k3ir.runtime.train_shards import assemble
+        m = k3ir.load(os.path.join(args.model, "config.json"), overrides=parse_overrides(args.overrides))
+        m.weights = assemble(args.model, m)
+        return m
     return k3ir.load(args.model, overrides=parse_overrides(args.overrides))
 
 

@@ -315,12 +315,12 @@ def _train(args) -> int:
 def _run(args, ranks: _Ranks, tr, cfg, ckpt, out: Path, module, data, data_path, run: dict, why: str) -> int:
     """The training loop of ``_train`` (every rank of a mesh runs it; rank 0 prints and writes)."""
     import torch
-    from k3ir.runtime.train_checkpoint import load_checkpoint, save_checkpoint
-    from k3ir.runtime.train_shards import load_sharded_checkpoint, save_sharded_checkpoint
+    from k3ir.runtime.train_checkpoint import save_checkpoint
+    from k3ir.runtime.train_shards import load_training_checkpoint, save_sharded_checkpoint
     print = ranks.say
     save = save_checkpoint if ranks.mesh is None else save_sharded_checkpoint
     if ckpt:
-        (load_checkpoint if ranks.mesh is None else load_sharded_checkpoint)(ckpt, tr)
+        load_training_checkpoint(ckpt, tr)          # a sharded one under another layout is put together and cut
         if tr.step >= cfg.steps:         # nothing to run: say so instead of a summary of no steps
             print(f"{args.resume}: the run is already complete ({tr.step}/{cfg.steps} steps); its summary is in "
                   f"{out / LOG_FILE} (--steps N above {cfg.steps} extends it)", flush=True)

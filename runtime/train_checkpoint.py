@@ -475,8 +475,8 @@ def load_checkpoint(path: str | Path, trainer) -> dict:
         world = 1
         for a in ("ep", "cp", "tp", "dp"):
             world *= int(mesh.get(a, 1))
-        raise K3CheckpointError(f"{d}: a sharded checkpoint written by {world} ranks ({layout}); resume it with "
-                                f"torchrun --nproc-per-node {world} $(which k3ir) train --resume ... {layout}")
+        raise K3CheckpointError(f"{d}: a sharded checkpoint written by {world} ranks ({layout}); read it with "
+                                "k3ir.runtime.train_shards.load_training_checkpoint (k3ir train --resume does)")
     m = trainer.module
     try:
         params = _load_model(m, d)

@@ -11,21 +11,28 @@ every rank writing and reading only its own slices.
 - ``train_state/manifest.json``: the format, the mesh and every file's size and SHA-256, written by
   rank 0 after every rank's shard is on disk (``train_checkpoint.verify_checkpoint`` checks it).
 All ranks write into one temporary directory (rank 0's ``.step-N.tmp-PID``), then rank 0 renames it into
-place and replaces ``latest``, as ``train_checkpoint.save_checkpoint`` does. Resuming needs the same
-mesh sizes (a one-process checkpoint on a mesh, a sharded one in one process or on another mesh is a
-K3CheckpointError saying which layout wrote it); it restores every rank bit-exactly.
+place and replaces ``latest``, as ``train_checkpoint.save_checkpoint`` does. Resuming under the same
+mesh sizes restores every rank bit-exactly; under other sizes, or in one process
+(``train_checkpoint.load_checkpoint``), the parameters and AdamW state are put together from the shards
+(``assemble``) and cut again for the new layout (each rank keeps its RNG state when its shard has one).
+A one-process checkpoint on a mesh is a K3CheckpointError. ``assemble`` also gives ``k3ir generate RUN``
+the whole model of a sharded run.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from itertools import product
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from k3ir.frontend.run_pointer import LATEST
 
 from k3ir.errors import K3CheckpointError
+from k3ir.ops.collective import MESH_AXES
+from k3ir.sharding import param_shards
 
 from .train_checkpoint import (
     CONFIG_FILE,
@@ -136,6 +143,125 @@ def checkpoint_mesh(meta: dict) -> dict[str, int] | None:
     return {a: int(mesh.get(a, 1)) for a in ("ep", "cp", "tp", "dp")} if isinstance(mesh, dict) else None
 
 
+def is_sharded(directory: str | Path) -> bool:
+    """Whether ``directory`` is a checkpoint this module wrote (a ``shards`` folder and a trainer.json with
+    the mesh)."""
+    d = Path(directory)
+    if not (d / SHARD_DIR).is_dir() or not (d / META_FILE).is_file():
+        return False
+    try:
+        return checkpoint_mesh(json.loads((d / META_FILE).read_text(encoding="utf-8"))) is not None
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def assemble(directory: str | Path, module, prefix: str = "param.", names=None) -> dict[str, np.ndarray]:
+    """The unsharded arrays ``prefix + name`` (``param.``, ``exp_avg.``, ``exp_avg_sq.``) of the sharded
+    checkpoint in ``directory`` for the UNSHARDED ``module``: each parameter's blocks read from their
+    owners' shards (``k3ir.sharding`` says how the mesh of trainer.json split it) and put in place.
+    ``names``: the parameters (default all). Raises K3CheckpointError for a missing shard or tensor."""
+    from safetensors import SafetensorError, safe_open
+    d = Path(directory)
+    sizes = checkpoint_mesh(read_meta(d, resolve=False))
+    if sizes is None:
+        raise K3CheckpointError(f"{d}: not a sharded checkpoint (trainer.json has no mesh)")
+    specs = param_shards(module, sizes["ep"], sizes["tp"])
+    handles: dict[int, Any] = {}
+    out: dict[str, np.ndarray] = {}
+    try:
+        for name in (names if names is not None else module.params):
+            spec = specs.get(name, {})
+            axes = [a for a in spec if sizes[a] > 1]
+            full = None
+            for combo in product(*(range(sizes[a]) for a in axes)):
+                c = dict.fromkeys(MESH_AXES, 0)
+                c.update(zip(axes, combo))
+                r = rank_of(sizes, c)
+                if r not in handles:
+                    handles[r] = safe_open(str(d / shard_file(r)), framework="numpy")
+                if prefix + name not in set(handles[r].keys()):
+                    raise K3CheckpointError(f"{d / shard_file(r)}: missing tensor '{prefix}{name}'")
+                block = handles[r].get_tensor(prefix + name)
+                if full is None:
+                    shape = list(block.shape)
+                    for a in axes:
+                        shape[spec[a]] *= sizes[a]
+                    full = np.empty(shape, dtype=block.dtype)
+                idx = [slice(None)] * block.ndim
+                for a, k in zip(axes, combo):
+                    n = block.shape[spec[a]]
+                    idx[spec[a]] = slice(k * n, (k + 1) * n)
+                full[tuple(idx)] = block
+            out[name] = full
+    except (OSError, SafetensorError) as e:
+        raise K3CheckpointError(f"{d}: cannot read a shard ({e})") from None
+    return out
+
+
+def load_assembled(d: Path, trainer, meta: dict) -> None:
+    """Restore ``trainer`` (one process, or a mesh of other sizes than the checkpoint's) from the sharded
+    checkpoint ``d``: parameters and AdamW state put together (``assemble``), cut for this rank when
+    ``trainer`` is on a mesh, then the step, QB state and history of ``meta``. The RNG state of the rank
+    with this process's rank number is restored when the checkpoint has one."""
+    import torch
+    from safetensors import safe_open
+
+    from .distributed import shard_params
+    from .trainer import StepStats
+    full_module = _unsharded_view(trainer)
+    names = list(trainer.params)
+    params = assemble(d, full_module, "param.", names)
+    with safe_open(str(d / shard_file(0)), framework="pt") as fh:      # rank 0 owns a block of every parameter
+        keys = set(fh.keys())
+        steps = {n: fh.get_tensor("step." + n).reshape(()) for n in names if "step." + n in keys}
+    with_state = [n for n in trainer.trainable if n in steps]
+    avg = assemble(d, full_module, "exp_avg.", with_state)
+    avg_sq = assemble(d, full_module, "exp_avg_sq.", with_state)
+    if trainer.mesh is not None:
+        coords = trainer.mesh.coords
+        params = shard_params(trainer.module, params, coords)
+        avg, avg_sq = (shard_params(_subset(trainer.module, with_state), x, coords) for x in (avg, avg_sq))
+    trainer.set_params({n: torch.as_tensor(np.ascontiguousarray(v)) for n, v in params.items()})
+    trainer.load_optimizer_state({n: {"exp_avg": torch.as_tensor(np.ascontiguousarray(avg[n])),
+                                      "exp_avg_sq": torch.as_tensor(np.ascontiguousarray(avg_sq[n])),
+                                      "step": steps[n]} for n in with_state})
+    rank = 0
+    if trainer.mesh is not None:
+        import torch.distributed as dist
+        rank = dist.get_rank()
+    f = d / shard_file(rank)
+    if f.is_file():
+        with safe_open(str(f), framework="pt") as fh:
+            if "rng.torch" in set(fh.keys()):
+                torch.set_rng_state(fh.get_tensor("rng.torch"))
+    trainer.qb.load_state_dict(meta.get("qb", {}))
+    trainer.step = int(meta["step"])
+    trainer.history = [StepStats(h["step"], h["loss"], h["grad_norm"], h["lr"],
+                                 {int(k): v for k, v in h.get("balance", {}).items()}, h.get("tokens", 0),
+                                 h.get("seconds", 0.0)) for h in meta.get("history", [])]
+
+
+def _unsharded_view(trainer):
+    """``trainer.module`` with every parameter at its unsharded shape and no ``shard`` attribute (the names,
+    groups and shapes ``k3ir.sharding`` reads), a copy; the module itself when ``trainer`` is not on a mesh."""
+    import copy
+    if trainer.mesh is None:
+        return trainer.module
+    m = trainer.module.clone()
+    for n in list(m.params):
+        d = copy.copy(m.params[n])
+        d.type = d.type.with_shape(list(trainer.mesh.full_shapes[n]))
+        d.attrs = {k: v for k, v in d.attrs.items() if k != "shard"}
+        m.params[n] = d
+    return m
+
+
+def _subset(module, names: list[str]):
+    sub = module.clone()
+    sub.params = {n: module.params[n] for n in names}
+    return sub
+
+
 def load_sharded_checkpoint(path: str | Path, trainer) -> dict:
     """Restore this rank of ``trainer``'s mesh from the sharded checkpoint at ``path`` (every rank calls it):
     its parameter blocks and AdamW state from their owners' shards, its own RNG state, and the step, QB
@@ -155,11 +281,11 @@ def load_sharded_checkpoint(path: str | Path, trainer) -> dict:
     n = mt.world
     if got is None:
         raise K3CheckpointError(f"{d}: written by one process; this run is a mesh ({layout_text(mt.sizes)}): resume it "
-                                "without torchrun and the parallel flags (a one-process checkpoint is not resharded)")
-    if got != mt.sizes:
-        raise K3CheckpointError(f"{d}: written by a mesh {layout_text(got)}, this run is {layout_text(mt.sizes)}; "
-                                f"resume with the same flags (torchrun --nproc-per-node "
-                                f"{got['ep'] * got['cp'] * got['tp'] * got['dp']}); a layout change is not resharded")
+                                "without torchrun and the parallel flags (a one-process checkpoint is not cut for a "
+                                "mesh)")
+    if got != mt.sizes:                               # another layout: put together and cut again
+        load_assembled(d, trainer, meta)
+        return meta
     import torch.distributed as dist
     rank = dist.get_rank()
     wanted: dict[int, list[str]] = {}
@@ -196,3 +322,26 @@ def load_sharded_checkpoint(path: str | Path, trainer) -> dict:
                                  {int(k): v for k, v in h.get("balance", {}).items()}, h.get("tokens", 0),
                                  h.get("seconds", 0.0)) for h in meta.get("history", [])]
     return meta
+
+
+def load_training_checkpoint(path: str | Path, trainer) -> dict:
+    """Restore ``trainer`` from the checkpoint at ``path``, sharded or not: a sharded one under the same mesh
+    bit-exactly (``load_sharded_checkpoint``), under another mesh or in one process put together and cut
+    again (``load_assembled``); a one-process one in one process (``train_checkpoint.load_checkpoint``).
+    Returns trainer.json. Raises K3CheckpointError for a one-process checkpoint on a mesh or a damaged one."""
+    from .train_checkpoint import load_checkpoint
+    d = resolve_checkpoint(path)
+    if is_sharded(d):
+        if trainer.mesh is not None:
+            return load_sharded_checkpoint(d, trainer)
+        why = verify_checkpoint(d)
+        if why:
+            raise K3CheckpointError(f"{d}: damaged checkpoint: {why}")
+        meta = read_meta(d, resolve=False)
+        load_assembled(d, trainer, meta)
+        return meta
+    if trainer.mesh is not None:
+        raise K3CheckpointError(f"{d}: written by one process; this run is a mesh ({layout_text(trainer.mesh.sizes)}): "
+                                "resume it without torchrun and the parallel flags (a one-process checkpoint is not "
+                                "cut for a mesh)")
+    return load_checkpoint(d, trainer)
