@@ -3,7 +3,8 @@ backends/torch/collectives.py): 2 gloo processes with 1 thread each take one flo
 k3-tiny under DP=2, EP=2, TP=2 and CP=2 (and, slow, 4 processes: DP=2 x EP=2, EP=2 x TP=2, EP=2 x CP=2); the loss, the gradient norm and every rank's gradient slices
 equal those of one process on the same global batch within 1e-5 relative (SPEC.md 11: the collectives
 reorder sums), the updated weights too, and the QB biases equal ``qb_update_hist`` on the global batch's
-router scores (the histogram form the mesh uses; the one-process trainer uses the exact update).
+router scores (the histogram form the mesh uses; the one-process trainer uses the exact update); the
+``sign`` and ``margin`` rules on a mesh step on the global batch's loads and margins.
 
 Workers are subprocesses of this file (``python test_train_gloo.py SPEC OUT``) with torchrun's
 environment, killed on a timeout."""
@@ -42,7 +43,7 @@ def _step(trainer, batch) -> dict:
     return out
 
 
-def _worker(spec: str, out: str) -> None:
+def _worker(spec: str, out: str, rule: str = "quantile") -> None:
     import torch
     torch.set_num_threads(1)
     from _tiny_models import load_tiny
@@ -54,7 +55,7 @@ def _worker(spec: str, out: str) -> None:
     mesh = init_mesh(**{k: int(v) for k, v in (p.split("=") for p in spec.split(","))})
     m = load_tiny("k3-tiny")
     exe = k3ir.compile(shard(m, mesh), target="torch", dtype="float32", mesh=mesh)
-    tr = Trainer(exe, TrainConfig(**CFG), params=init_params(m, seed=3))
+    tr = Trainer(exe, TrainConfig(**{**CFG, "qb": rule}), params=init_params(m, seed=3))
     res = _step(tr, _batch(int(m.attrs["vocab_size"])))
     res.update({f"coord.{a}": np.array(v) for a, v in mesh_coords(mesh).items()})
     np.savez(out, **res)
@@ -69,7 +70,7 @@ def _free_port() -> int:
         return sk.getsockname()[1]
 
 
-def _launch(tmp_path: Path, spec: str, world: int = 2, timeout: float = 180.0) -> list[dict]:
+def _launch(tmp_path: Path, spec: str, world: int = 2, timeout: float = 180.0, rule: str = "quantile") -> list[dict]:
     port = _free_port()
     procs = []
     with contextlib.ExitStack() as logs:
@@ -79,7 +80,7 @@ def _launch(tmp_path: Path, spec: str, world: int = 2, timeout: float = 180.0) -
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                        "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
                 log = logs.enter_context(open(tmp_path / f"rank{r}.log", "w"))
-                procs.append(subprocess.Popen([sys.executable, __file__, spec, str(tmp_path / f"rank{r}.npz")],
+                procs.append(subprocess.Popen([sys.executable, __file__, spec, str(tmp_path / f"rank{r}.npz"), rule],
                                               env=env, stdout=log, stderr=subprocess.STDOUT))
             for p in procs:
                 p.wait(timeout=timeout)
@@ -175,8 +176,38 @@ def _check(spec: str, ranks: list[dict]) -> None:
             assert np.array_equal(ranks[0][key], got[key]), key
 
 
+@pytest.mark.parametrize("spec,rule", [("dp=2", "sign"), ("ep=2", "margin")])
+def test_qb_rules_on_two_gloo_ranks_use_the_global_batch(tmp_path, spec, rule):
+    """``sign`` steps on the loads summed over the data ranks: exactly ``qb_update`` on the global batch's
+    scores; ``margin`` takes the (q+1)-th largest margin from the summed histograms: within one bin
+    (``(2 + max b - min b) / 2048``) of ``qb_update`` on the global batch."""
+    import torch
+    from _tiny_models import load_tiny
+    from k3ir.runtime.params import init_params
+    from k3ir.runtime.trainer import TrainConfig, Trainer
+
+    import k3ir
+    from k3ir.ops.moe import qb_update
+    m = load_tiny("k3-tiny")
+    tr = Trainer(k3ir.compile(m, target="torch", dtype="float32"), TrainConfig(**{**CFG, "qb": rule}),
+                 params=init_params(m, seed=3))
+    scores: dict = {}
+    with torch.no_grad():
+        tr.loss(_batch(int(m.attrs["vocab_size"])), scores)
+    ranks = _launch(tmp_path, spec, rule=rule)
+    for lay in tr.layers:
+        b0 = tr.params[lay.bias].detach().double().numpy()
+        want = qb_update(scores[lay.layer].double().numpy().reshape(-1, lay.experts), b0, lay.top_k, rule)
+        for got in ranks:
+            err = np.abs(got[f"bias.{lay.layer}"] - want).max()
+            if rule == "sign":          # the same signs: equal once rounded to the f32 bias parameter
+                assert np.array_equal(got[f"bias.{lay.layer}"], want.astype(np.float32)), (lay.layer, err)
+            else:
+                assert err <= (2 + b0.max() - b0.min()) / 2048, (lay.layer, err)
+
+
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    _worker(*sys.argv[1:4])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
