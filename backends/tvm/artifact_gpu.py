@@ -136,7 +136,8 @@ class TVMGpuExecutable(Executable):
         files["names:" + "|".join(self._functions())] = json.dumps(names)
         write_manifest(directory, self.module, f"tvm-{self.kind}", self.dtype, files, kind=self.kind, arch=self.arch,
                        device_functions=report.device_functions, kernels=report.kernels,
-                       fallbacks=report.fallbacks, build_seconds=round(report.seconds, 2))
+                       fallbacks=report.fallbacks, denied_rules=report.denied_rules,
+                       build_seconds=round(report.seconds, 2))
         return directory
 
     def _run_loaded(self, function: str, args: list[Any], params: dict[str, Any]) -> list[Any]:

@@ -44,7 +44,7 @@ RULES = ("Matmul", "GEMV", "LowBatchGEMV", "Reduction", "GeneralReduction", "RMS
 class GpuBuildReport:
     """What a GPU build did: ``kind`` and ``arch``; ``kernels``: PrimFunc name -> the rule that scheduled it
     (``"hand"`` for ``gpu_kernels``); ``fallbacks``: kernel -> the rules that failed on it, each ``"Rule: why"``,
-    before the one in ``kernels``; ``device_functions``: names of the device kernels the codegen emitted;
+    before the one in ``kernels`` (a rule in ``denied_rules`` is not listed per kernel); ``device_functions``: names of the device kernels the codegen emitted;
     ``seconds``: wall time of lowering + scheduling + build."""
     kind: str
     arch: str = ""
@@ -52,6 +52,8 @@ class GpuBuildReport:
     fallbacks: dict[str, list[str]] = field(default_factory=dict)
     device_functions: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: dlight rules denied for every kernel of this build after crashing the build process twice
+    denied_rules: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         from collections import Counter
@@ -158,6 +160,8 @@ def schedule_kernels(mod, target, report: GpuBuildReport, deny: set[tuple[str, s
             continue
         done = None
         for rule in (only or {}).get(name, RULES):
+            if ("*", rule) in deny:
+                continue
             if (name, rule) in deny:
                 report.fallbacks.setdefault(name, []).append(f"{rule}: crashed the build process")
                 continue
@@ -321,7 +325,7 @@ def _child(argv: list[str]) -> int:
     def log(kernel: str, rule: str) -> None:
         with open(log_path, "a") as f:
             f.write(json.dumps([kernel, rule]) + "\n")
-    deny = {tuple(x) for x in spec.get("deny", [])}
+    deny = {(x[0], x[1]) for x in spec.get("deny", [])}
     from .artifact_gpu import write_library
     try:
         ex, params, report = build_gpu(module, spec["kind"], spec["arch"], spec["dtype"], spec.get("functions"),
@@ -337,12 +341,12 @@ def _child(argv: list[str]) -> int:
 
 
 def build_kind_subprocess(module, kind: str, arch: str, out_dir: str, stem: str, dtype: str = "float32",
-                          functions: list[str] | None = None, emit_source: bool = False, retries: int = 4,
+                          functions: list[str] | None = None, emit_source: bool = False, retries: int = 5,
                           timeout: float = 3600) -> tuple[GpuBuildReport, dict[str, list[str]], dict[str, str]]:
     """Build ``module`` for ``kind``/``arch`` in a child process and write its library into ``out_dir``
     (``write_library``): (report, {function: parameter names}, {key: file name}). When the child dies (a dlight
-    rule that segfaults), the (kernel, rule) it was trying is denied and the build re-run, up to ``retries``
-    times. Raises K3BackendError with the kind, the reason and what fell back."""
+    rule that segfaults: Matmul on metal), the (kernel, rule) it was trying is denied and the build re-run, up to
+    ``retries`` times; a rule that crashes a second time is denied for every kernel (``("*", rule)``). Raises K3BackendError with the kind, the reason and what fell back."""
     import tempfile
 
     from k3ir.printer import print_module
@@ -371,8 +375,7 @@ def build_kind_subprocess(module, kind: str, arch: str, out_dir: str, stem: str,
                 if "error" in res:
                     raise K3BackendError(res["error"])
                 rep = GpuBuildReport(**res["report"])
-                for k, r in deny:
-                    rep.fallbacks.setdefault(k, []).insert(0, f"{r}: crashed the build process")
+                rep.denied_rules = [r for k, r in deny if k == "*"]
                 return rep, res["params"], res["files"]
             tried = []
             if os.path.exists(log):
@@ -381,7 +384,11 @@ def build_kind_subprocess(module, kind: str, arch: str, out_dir: str, stem: str,
             if proc.returncode >= 0 or not tried or tried[-1][0] == "*":
                 tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
                 raise K3BackendError(f"tvm-{kind}: the build process exited {proc.returncode}: {' | '.join(tail)}")
-            deny.append(tried[-1])        # killed by a signal while trying this (kernel, rule): deny it, re-run
+            kernel, rule = tried[-1]      # killed by a signal while trying this (kernel, rule): deny it, re-run;
+            if any(r == rule for _, r in deny):   # a rule that crashed twice is denied for every kernel of the kind
+                deny = [d for d in deny if d[1] != rule] + [["*", rule]]
+            else:
+                deny.append([kernel, rule])
     raise K3BackendError(f"tvm-{kind}: the build process crashed {retries + 1} times (denied: {deny})")
 
 
