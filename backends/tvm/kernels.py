@@ -83,10 +83,13 @@ def _tile_macro(dtype: str, K: int, NT: int, VL: int):
 @cache
 def linear_kernel(N: int, K: int, dtype: str = "float32"):
     """TIR PrimFunc ``(x, w) -> y``: x ``[M, K]`` (M symbolic), w ``[N, K]``, y ``[M, N]`` = ``x w^T``.
-    Parallel over blocks of NT weight rows; M in tiles of MT rows, then the leftover rows one by one (decode's
-    M = 1 is a vectorised GEMV that streams W once). Needs ``linear_tiles(N, K)``."""
+    M in tiles of MT rows, parallel over blocks of NT weight rows; then the leftover rows one at a time, parallel
+    over blocks of 8 weight rows (decode's M = 1 is a vectorised GEMV streaming 8 weight rows at once: 20% more
+    bandwidth than 4 here). Needs ``linear_tiles(N, K)``."""
     NT, VL = linear_tiles(N, K)
+    N1 = _lanes(N, (8, 4, 2, 1))
     tile = _tile_macro(dtype, K, NT, VL)
+    row = _tile_macro(dtype, K, N1, VL)
 
     @T.prim_func(private=True)
     def linear(x_h: T.handle, w_h: T.handle, y_h: T.handle):
@@ -95,12 +98,16 @@ def linear_kernel(N: int, K: int, dtype: str = "float32"):
         x = T.match_buffer(x_h, (M, K), dtype)
         w = T.match_buffer(w_h, (N, K), dtype)
         y = T.match_buffer(y_h, (M, N), dtype)
-        for nb in T.parallel(N // NT):
-            acc = T.alloc_buffer((MT, NT, VL), dtype, scope="local")
-            for mb in range(M // MT):
-                tile(x, w, y, acc, mb * MT, nb * NT, MT, 0)
-            for m in range(M % MT):
-                tile(x, w, y, acc, M // MT * MT + m, nb * NT, 1, 0)
+        if M >= MT:
+            for nb in T.parallel(N // NT):
+                acc = T.alloc_buffer((MT, NT, VL), dtype, scope="local")
+                for mb in range(M // MT):
+                    tile(x, w, y, acc, mb * MT, nb * NT, MT, 0)
+        if M % MT > 0:
+            for nb in T.parallel(N // N1):
+                acc1 = T.alloc_buffer((1, N1, VL), dtype, scope="local")
+                for m in range(M % MT):
+                    row(x, w, y, acc1, M // MT * MT + m, nb * N1, 1, 0)
     return linear
 
 
@@ -109,10 +116,12 @@ def grouped_linear_kernel(E: int, N: int, K: int, dtype: str = "float32"):
     """TIR PrimFunc ``(x, offsets, w) -> y``: x ``[R, K]`` rows sorted by expert (R symbolic), offsets
     ``int64[E+1]`` (expert e owns rows ``offsets[e]:offsets[e+1]``), w ``[E*N, K]`` (the ``[E, N, K]`` expert
     weights, rows flattened), y ``[R, N]``: row r times ``W_e^T``. One GEMM per expert over its rows (tiles
-    of MT rows, then one by one), parallel over (weight-row block, expert): only experts with rows read
-    their weights. Needs ``linear_tiles(N, K)``."""
+    of MT rows, then the leftover rows one at a time over blocks of 8 weight rows, as ``linear_kernel``), parallel
+    over (weight-row block, expert): only experts with rows read their weights. Needs ``linear_tiles(N, K)``."""
     NT, VL = linear_tiles(N, K)
+    N1 = _lanes(N, (8, 4, 2, 1))
     tile = _tile_macro(dtype, K, NT, VL)
+    row = _tile_macro(dtype, K, N1, VL)
 
     @T.prim_func(private=True)
     def grouped_linear(x_h: T.handle, o_h: T.handle, w_h: T.handle, y_h: T.handle):
@@ -122,15 +131,21 @@ def grouped_linear_kernel(E: int, N: int, K: int, dtype: str = "float32"):
         off = T.match_buffer(o_h, (E + 1,), "int64")
         w = T.match_buffer(w_h, (E * N, K), dtype)
         y = T.match_buffer(y_h, (R, N), dtype)
-        for f in T.parallel(N // NT * E):
-            acc = T.alloc_buffer((MT, NT, VL), dtype, scope="local")
+        if R >= MT:
+            for f in T.parallel(N // NT * E):
+                acc = T.alloc_buffer((MT, NT, VL), dtype, scope="local")
+                e = f % E
+                lo = off[e]
+                cnt = off[e + 1] - lo
+                for mb in range(cnt // MT):
+                    tile(x, w, y, acc, lo + mb * MT, e * N + f // E * NT, MT, e * N)
+        for f in T.parallel(N // N1 * E):
+            acc1 = T.alloc_buffer((1, N1, VL), dtype, scope="local")
             e = f % E
             lo = off[e]
             cnt = off[e + 1] - lo
-            for mb in range(cnt // MT):
-                tile(x, w, y, acc, lo + mb * MT, e * N + f // E * NT, MT, e * N)
             for m in range(cnt % MT):
-                tile(x, w, y, acc, lo + cnt // MT * MT + m, e * N + f // E * NT, 1, e * N)
+                row(x, w, y, acc1, lo + cnt // MT * MT + m, e * N + f // E * N1, 1, e * N)
     return grouped_linear
 
 

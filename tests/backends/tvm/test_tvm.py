@@ -106,6 +106,33 @@ def test_grouped_matmul_dequantises_packed_experts(quant, rng):
     assert rel_err(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("N,K", [(36, 64), (6, 20)])
+def test_tiled_linear_kernels_cover_tails(N, K, rng):
+    """kernels.linear_kernel / grouped_linear_kernel against NumPy (float64) for row counts around the MT-row
+    tile (1, 2, 3, 4, 7 rows; experts with 0, 1 or several rows) and weights whose N is not a multiple of the
+    8- or 4-row blocks and whose K takes 4 lanes."""
+    from k3ir.backends.tvm import kernels
+
+    def build(f):
+        return tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target="llvm")["main"]
+    lin, E = build(kernels.linear_kernel(N, K)), 5
+    w = rng.normal(size=(N, K))
+    for M in (1, 2, 3, 4, 7):
+        x = rng.normal(size=(M, K))
+        y = tvm.runtime.tensor(np.zeros((M, N), np.float32))
+        lin(tvm.runtime.tensor(x.astype(np.float32)), tvm.runtime.tensor(w.astype(np.float32)), y)
+        assert rel_err(y.numpy(), x @ w.T) < 1e-5, M
+    grp = build(kernels.grouped_linear_kernel(E, N, K))
+    we = rng.normal(size=(E, N, K))
+    for ids in ([3], [0, 0, 2, 2, 2, 2, 4, 4, 4]):
+        ids = np.array(ids)
+        off = np.searchsorted(ids, np.arange(E + 1)).astype(np.int64)
+        x = rng.normal(size=(len(ids), K))
+        y = tvm.runtime.tensor(np.zeros((len(ids), N), np.float32))
+        grp(*[tvm.runtime.tensor(a) for a in (x.astype(np.float32), off, we.reshape(E * N, K).astype(np.float32))], y)
+        assert rel_err(y.numpy(), np.einsum("rk,rnk->rn", x, we[ids])) < 1e-5, ids
+
+
 @pytest.mark.parametrize("Hk", [1, 2])
 def test_attention_kernel_masks_causally_and_by_cache_length(Hk, rng):
     """kernels.attention_kernel against a float64 NumPy softmax attention with k3.causal_mask's rule (keep key s when
