@@ -99,7 +99,8 @@ def sort_by_expert(idx, E: int):
 # ---- same-run comparisons: ceilings, interleaved repeats, one JSON report per benchmark ---------------------------
 def git_commit() -> str:
     """Short commit of the tree these scripts run in: ``COMMIT`` beside ``bench/`` (written next to a ``git archive``
-    copy, which has no ``.git``), else ``git rev-parse``, else "unknown"."""
+    copy, which has no ``.git``: ``gpu_verification.py prepare``), else ``git rev-parse`` with ``-dirty`` appended when
+    tracked files differ from it, else "unknown"."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.path.join(root, "COMMIT")
     if os.path.exists(path):
@@ -107,8 +108,11 @@ def git_commit() -> str:
             return f.read().strip()[:12] or "unknown"
     import subprocess
     try:
-        return subprocess.run(["git", "-C", root, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
+        sha = subprocess.run(["git", "-C", root, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")       # tracked files changed: not exactly that commit
     except Exception:  # noqa: BLE001 - no git there: say so in the JSON
         return "unknown"
 
