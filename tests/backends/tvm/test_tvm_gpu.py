@@ -1,7 +1,8 @@
 """TVM GPU kinds (backends/tvm/gpu.py, cubin.py, artifact_gpu.py): the whole model built for cuda with its device
 code compiled to sm_90a + sm_80 cubins and embedded (checked with cuobjdump against the lowered module's device
 functions), the kinds' probes, and an llvm artifact run by a process that has only the TVM runtime library.
-The default suite builds cuda for kimi-linear-tiny; every kind of every tiny config is the `slow` test."""
+The default suite builds opencl for kimi-linear-tiny and checks the cuda fatbin embedding on one kernel; cuda for
+the whole model and every kind of every tiny config are `slow` (minutes: nvcc on megabytes of dlight kernels)."""
 from __future__ import annotations
 
 import json
@@ -84,6 +85,33 @@ def _check_cuda_artifact(directory: str, tool: str) -> dict:
     return man
 
 
+def test_whole_model_opencl_artifact_holds_every_device_function(tmp_path):
+    """The default suite's whole-model GPU build: kimi-linear-tiny for tvm-opencl (no device compiler needed, no
+    rule known to crash): the library's embedded OpenCL module has exactly the device functions of the lowered
+    module (the manifest's), each defined in the emitted source; every kernel scheduled by a rule or by hand."""
+    import re
+
+    from k3ir.runtime.params import init_params
+
+    import k3ir
+    _need("opencl")
+    exe = k3ir.compile(load_tiny("kimi-linear-tiny"), target="tvm-opencl")
+    exe.emit_source = True
+    out = str(tmp_path / "art")
+    exe.save(out, init_params(exe.module, 0))
+    with open(os.path.join(out, "manifest.json")) as f:
+        man = json.load(f)
+    want = set(man["device_functions"])
+    entries, _, _ = cubin.unpack_blob(cubin.library_blob(os.path.join(out, man["files"]["library"])))
+    [(_, fmap, _)] = [cubin.parse_device_bytes(d) for k, d in entries if k == "opencl"]
+    assert len(want) > 20 and set(fmap) == want
+    with open(os.path.join(out, man["files"]["source"])) as f:
+        defined = set(re.findall(r"__kernel void (\w+)\(", f.read()))
+    assert defined == want
+    assert {"hand", "Matmul", "Fallback"} <= set(man["kernels"].values())
+
+
+@pytest.mark.slow
 def test_whole_model_cuda_artifact_embeds_sm90a_code_for_every_device_function(tmp_path):
     """kimi-linear-tiny built for tvm-cuda (child process) and written as an artifact: library, weights,
     manifest, CUDA source; every kernel scheduled (dlight rule, Fallback after a failure, or hand-written:
