@@ -1,24 +1,13 @@
-"""Cross targets of the TVM backend: device code built here (not run here).
+"""The TVM kinds beyond ``llvm``: registration, probes and the one-kernel demo build.
 
-``emit_source(kind)`` builds one scheduled kernel (``k3.linear`` followed by SiLU, the shape of
-an expert's gate projection: ``y = silu(x W^T)``, a 64x64 tile by default) for a TVM target
-kind and returns the generated device source. Measured with the PyPI apache-tvm 0.27 build on
-this machine (``cross_report()``):
-
-======== ============================================================================
-kind     result
-======== ============================================================================
-cuda     CUDA C source (compiled to PTX at load time by NVRTC/nvcc on a GPU host)
-metal    Metal Shading Language source
-opencl   OpenCL C source
-webgpu   WGSL source
-c        C source of the host module (no scheduling needed)
-rocm     fails: needs a ROCm install (ld.lld / ROCm path) to link the AMDGPU code object
-vulkan   fails: the PyPI build has no ``target.build.vulkan`` (SPIR-V codegen not built in)
-======== ============================================================================
-
-Each kind is registered as a target ``tvm-<kind>`` whose ``available()`` says it builds code
-but does not run here, so ``k3ir backends`` lists it and ``k3ir check --target tvm-cuda`` works.
+- GPU kinds ``tvm-cuda``, ``tvm-rocm``, ``tvm-metal``, ``tvm-opencl`` (and ``tvm-webgpu``) are real targets:
+  ``k3ir.compile`` returns a ``TVMGpuExecutable`` that builds the whole model (``gpu.py``) and writes an artifact
+  (``artifact_gpu.py``); ``Session.load`` runs that artifact on the kind's device. ``toolchain(kind)`` probes what
+  the kind needs here (TVM's codegen; nvcc for cuda; ld.lld of TVM's LLVM and ROCm device libraries for rocm),
+  ``runs_here(kind)`` asks the TVM runtime for a device, and ``kind_report()`` is the table ``k3ir backends`` prints.
+  WebGPU builds single kernels but not the whole model (WGSL has no 64-bit integers).
+- ``tvm-vulkan`` (no SPIR-V codegen in the PyPI TVM: the IREE vulkan-spirv route instead) and ``tvm-c`` keep the
+  demo: ``emit_source(kind)`` builds one scheduled kernel (``y = silu(x W^T)``, 64x64) and returns its source.
 """
 from __future__ import annotations
 
