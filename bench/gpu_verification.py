@@ -16,10 +16,11 @@ On the device (the command ``plan`` prints; from ``.gpuhead``)::
 
     python3 bench/gpu_verification.py run --call N --out $OUT [--steps a,b] [--budget 540]
 
-Calls: 1 KDA forward, MoE layer bf16, Kimi Linear decode B1 (the minimum that makes the current table honest);
-2 KDA forward+backward (both memory policies, fp32-reference gradients); 3 KDA decode H32/H96, MXFP4 MoE with and
-without router/dispatch/latent projections; 4 Kimi Linear 6.6B vs transformers; 5 the gpu-marked tests; 6 serving
-under load (``serve-load``). The TVM CUDA artifact (issue item 4) is not here: it needs the TVM issue's artifacts
+Calls: 1 KDA forward (fla autotunes ~100 s per head count: the warm phase runs the four shapes in parallel) and the
+MoE layer bf16; 2 Kimi Linear 6.6B decode B1 (with call 1, the minimum that makes the current table honest), KDA
+decode H32/H96, MXFP4 MoE with and without router/dispatch/latent projections; 3 KDA forward+backward (both memory
+policies, fp32-reference gradients); 4 Kimi Linear 6.6B vs transformers; 5 the gpu-marked tests; 6 serving under
+load (``serve-load``). The TVM CUDA artifact (issue item 4) is not here: it needs the TVM issue's artifacts
 and runtime libraries.
 """
 from __future__ import annotations
@@ -67,9 +68,9 @@ STEPS = {
 }
 #: the device calls in the issue's order (each under ~9 minutes of steps)
 CALLS = {
-    1: ["kda_forward", "moe_layer_bf16", "kimi_decode"],
-    2: ["kda_fwdbwd"],
-    3: ["kda_decode", "moe_layer_mxfp4"],
+    1: ["kda_forward", "moe_layer_bf16"],
+    2: ["kimi_decode", "kda_decode", "moe_layer_mxfp4"],
+    3: ["kda_fwdbwd"],
     4: ["kimi_vs_transformers"],
     5: ["gpu_tests"],
     6: ["serve_load"],
