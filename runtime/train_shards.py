@@ -14,9 +14,9 @@ All ranks write into one temporary directory (rank 0's ``.step-N.tmp-PID``), the
 place and replaces ``latest``, as ``train_checkpoint.save_checkpoint`` does. Resuming under the same
 mesh sizes restores every rank bit-exactly; under other sizes, or in one process
 (``train_checkpoint.load_checkpoint``), the parameters and AdamW state are put together from the shards
-(``assemble``) and cut again for the new layout (each rank keeps its RNG state when its shard has one).
-A one-process checkpoint on a mesh is a K3CheckpointError. ``assemble`` also gives ``k3ir generate RUN``
-the whole model of a sharded run.
+(``assemble``) and cut again for the new layout (each rank keeps its RNG state when its shard has one);
+a one-process checkpoint on a mesh is read whole and cut for each rank. ``assemble`` also gives
+``k3ir generate RUN`` the whole model of a sharded run.
 """
 from __future__ import annotations
 
@@ -265,8 +265,9 @@ def _subset(module, names: list[str]):
 def load_sharded_checkpoint(path: str | Path, trainer) -> dict:
     """Restore this rank of ``trainer``'s mesh from the sharded checkpoint at ``path`` (every rank calls it):
     its parameter blocks and AdamW state from their owners' shards, its own RNG state, and the step, QB
-    state and history of trainer.json. Returns trainer.json. Raises K3CheckpointError for a damaged
-    checkpoint, one written by one process or by another mesh (naming both layouts), or a missing tensor."""
+    state and history of trainer.json (a checkpoint of another mesh, or of one process, is put together /
+    read whole and cut for this rank instead). Returns trainer.json. Raises K3CheckpointError for a damaged
+    checkpoint or a missing tensor."""
     import torch
     from safetensors import SafetensorError, safe_open
 
@@ -279,10 +280,8 @@ def load_sharded_checkpoint(path: str | Path, trainer) -> dict:
     mt = trainer.mesh
     got = checkpoint_mesh(meta)
     n = mt.world
-    if got is None:
-        raise K3CheckpointError(f"{d}: written by one process; this run is a mesh ({layout_text(mt.sizes)}): resume it "
-                                "without torchrun and the parallel flags (a one-process checkpoint is not cut for a "
-                                "mesh)")
+    if got is None:                                   # a one-process checkpoint: read whole, cut for this rank
+        return _load_whole_on_mesh(d, trainer)
     if got != mt.sizes:                               # another layout: put together and cut again
         load_assembled(d, trainer, meta)
         return meta
@@ -328,7 +327,8 @@ def load_training_checkpoint(path: str | Path, trainer) -> dict:
     """Restore ``trainer`` from the checkpoint at ``path``, sharded or not: a sharded one under the same mesh
     bit-exactly (``load_sharded_checkpoint``), under another mesh or in one process put together and cut
     again (``load_assembled``); a one-process one in one process (``train_checkpoint.load_checkpoint``).
-    Returns trainer.json. Raises K3CheckpointError for a one-process checkpoint on a mesh or a damaged one."""
+    A one-process checkpoint on a mesh is read whole and cut for this rank. Returns trainer.json. Raises
+    K3CheckpointError for a damaged checkpoint."""
     from .train_checkpoint import load_checkpoint
     d = resolve_checkpoint(path)
     if is_sharded(d):
@@ -341,7 +341,44 @@ def load_training_checkpoint(path: str | Path, trainer) -> dict:
         load_assembled(d, trainer, meta)
         return meta
     if trainer.mesh is not None:
-        raise K3CheckpointError(f"{d}: written by one process; this run is a mesh ({layout_text(trainer.mesh.sizes)}): "
-                                "resume it without torchrun and the parallel flags (a one-process checkpoint is not "
-                                "cut for a mesh)")
+        return _load_whole_on_mesh(d, trainer)
     return load_checkpoint(d, trainer)
+
+
+def _load_whole_on_mesh(d: Path, trainer) -> dict:
+    """A one-process checkpoint ``d`` cut for this rank of ``trainer``'s mesh: the model and AdamW state read
+    whole (``train_checkpoint``'s readers on the unsharded view of the module), then ``shard_params``."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from .distributed import shard_params
+    from .train_checkpoint import OPTIM_FILE, _load_model, collapse
+    from .trainer import StepStats
+    why = verify_checkpoint(d)
+    if why:
+        raise K3CheckpointError(f"{d}: damaged checkpoint: {why}")
+    meta = read_meta(d, resolve=False)
+    full = _unsharded_view(trainer)
+    try:
+        params = _load_model(full, d)
+        oflat = load_file(str(d / OPTIM_FILE))
+    except (OSError, SafetensorError) as e:
+        raise K3CheckpointError(f"{d}: cannot read safetensors ({e})") from None
+    coords = trainer.mesh.coords
+    with_state = [n for n in trainer.trainable if f"step.{n}" in oflat]
+    state: dict[str, dict[str, Any]] = {n: {"step": oflat[f"step.{n}"].reshape(())} for n in with_state}
+    for k in ("exp_avg", "exp_avg_sq"):
+        whole = collapse(full, oflat, prefix=f"{k}.", names=with_state, where=str(d / OPTIM_FILE))
+        for n, t in shard_params(_subset(trainer.module, with_state), whole, coords).items():
+            state[n][k] = t.contiguous()
+    trainer.set_params({n: t.contiguous() for n, t in shard_params(trainer.module, params, coords).items()})
+    trainer.load_optimizer_state(state)
+    if "rng.torch" in oflat:
+        torch.set_rng_state(oflat["rng.torch"])
+    trainer.qb.load_state_dict(meta.get("qb", {}))
+    trainer.step = int(meta["step"])
+    trainer.history = [StepStats(h["step"], h["loss"], h["grad_norm"], h["lr"],
+                                 {int(k): v for k, v in h.get("balance", {}).items()}, h.get("tokens", 0),
+                                 h.get("seconds", 0.0)) for h in meta.get("history", [])]
+    return meta

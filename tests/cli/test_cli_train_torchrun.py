@@ -81,3 +81,19 @@ def test_torchrun_train_dp_resumes_bit_exactly_and_under_another_layout(tmp_path
     assert _losses(capsys.readouterr().out)[3] == pytest.approx(first[3], rel=1e-5, abs=2e-6)
     assert main(["generate", str(a), "--prompt", "Kimi ", "--max-tokens", "4", "--threads", "1"]) == 0
     assert "no trained weights" not in capsys.readouterr().err                # the run's weights, put together
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_resumes_on_a_mesh(tmp_path):
+    """A one-process run's checkpoint (step 2 of 3) resumed under torchrun --ep 2: read whole and cut for each
+    rank, step 3 has the one-process resume's loss."""
+    one = tmp_path / "one"
+    r = _run([sys.executable, "-m", "k3ir.cli", *TRAIN, "--steps", "3", "--ckpt-every", "2", "--threads", "1",
+              "--out", str(one)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = _losses(r.stdout)[3]
+    r2 = _torchrun("train", "--resume", str(one / "checkpoints" / "step-000002"), "--ep", "2", "--out",
+                   str(tmp_path / "ep2"), "--no-plot")
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert _losses(r2.stdout) == pytest.approx({3: want}, rel=1e-5, abs=2e-6)
+
