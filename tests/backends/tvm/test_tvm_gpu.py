@@ -214,3 +214,9 @@ def test_whole_model_builds_for_every_gpu_kind(tmp_path, kind, config):
         else:
             names = rep.device_functions or sorted(rep.kernels)
             assert names and all(n.split("_kernel")[0] in src for n in names)
+
+
+def test_emit_source_is_refused_for_a_target_without_device_source(capsys):
+    from conftest import one_line_error, run_cli
+    rc, _, err = run_cli(capsys, "compile", "k3-tiny", "--target", "torch", "--emit-source")
+    assert rc == 2 and "--emit-source" in one_line_error(err) and "tvm-<kind>" in err
