@@ -176,9 +176,10 @@ def _check(spec: str, ranks: list[dict]) -> None:
             assert np.array_equal(ranks[0][key], got[key]), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec,rule", [("dp=2", "sign"), ("ep=2", "margin")])
 def test_qb_rules_on_two_gloo_ranks_use_the_global_batch(tmp_path, spec, rule):
-    """``sign`` steps on the loads summed over the data ranks: exactly ``qb_update`` on the global batch's
+    """(slow: ~30 s each on 2 shared cores, beside the default suite's quantile cases) ``sign`` steps on the loads summed over the data ranks: exactly ``qb_update`` on the global batch's
     scores; ``margin`` takes the (q+1)-th largest margin from the summed histograms: within one bin
     (``(2 + max b - min b) / 2048``) of ``qb_update`` on the global batch."""
     import torch
