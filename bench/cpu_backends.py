@@ -122,8 +122,8 @@ class TransformersRunner:
     def _run(self, ids, cache):
         import torch
         with torch.inference_mode():
-            out = self.model(input_ids=torch.as_tensor(np.asarray(ids)), past_key_values=cache, use_cache=True)
-        return out.logits, out.past_key_values
+            out = self.model(input_ids=torch.as_tensor(np.asarray(ids)), cache=cache, use_cache=True)
+        return out.logits, out.cache
 
     def prefill(self, ids):
         return self._run(ids, None)
