@@ -121,6 +121,12 @@ class Backend:
             return self.support(op)
         return table_supports(self.lowering_table(), op) if self.table is not None else None
 
+    def runtime_fallback(self, op: Operation) -> str | None:
+        """When this backend's native lowering of ``op`` runs the op's decomposition instead, decided at run time
+        (the table's ``fallbacks``; e.g. triton's ``k3.decode_linear`` above ``gemv.MAX_ROWS`` rows), else None."""
+        from .lowering import table_fallback
+        return table_fallback(self.lowering_table(), op.name) if self.table is not None else None
+
     def function_problem(self, module: Module, function: str) -> str | None:
         """None when this backend builds ``function`` of ``module`` (as far as can be told before
         compiling), else why not: not one of ``functions``, or the ``function_support`` hook's reason."""

@@ -5,7 +5,9 @@ For every op of every function the target builds (after the target's pipeline), 
 asks the backend (``Backend.supports``, which reads the same lowering table and conditions the
 target runs with, ``lowering.LoweringTable``):
 
-- *native*: the table lowers the op and its condition (dtype, quantisation, static shapes) holds;
+- *native*: the table lowers the op and its condition (dtype, quantisation, static shapes) holds; where the
+  implementation may still decline at run time (row counts: ``LoweringTable.fallbacks``), ``why`` says when
+  and ``via`` holds the native ops of the decomposition that then runs;
 - *conditional*: the table has the op but its condition refuses this instance (the reason is
   shown); the op runs its decomposition instead, as an op missing from the table does;
 - *decomposition*: the table does not have the op; its ``decompose`` is expanded (with the op's real
@@ -40,9 +42,10 @@ DEFAULT_FUNCTIONS = ("forward", "prefill", "decode")
 @dataclass
 class OpRow:
     """One op name (and status) of a check: how many instances, in which functions, and for a
-    decomposition (or a conditional op that runs its decomposition) the native ops its ``count``
-    instances expand to (``via``: op name -> number of ops, summed over the instances; recursive
-    expansions counted to their native leaves); for a conditional op or an error, ``why``."""
+    decomposition (or a conditional op that runs its decomposition, or a native op whose lowering may
+    run it at run time) the native ops its ``count`` instances expand to (``via``: op name -> number of
+    ops, summed over the instances; recursive expansions counted to their native leaves); for a
+    conditional op or an error, ``why``; for a native op with a run-time fallback, when it falls back."""
     op: str
     family: str
     status: str
@@ -219,12 +222,16 @@ def check_module(module: Module, target: str, native: set[str] | None = None,
             if op.name == "k3.param":
                 continue
             status, leaves, why = ch.classify(op)
+            if status == NATIVE and be is not None:      # a native lowering that may decline at run time
+                why = be.runtime_fallback(op) or ""
+                if why:                                  # ... then its decomposition runs: its native leaves
+                    leaves = ch._expand(op, 0)[1]
             r = rows.get((op.name, status, why))
             if r is None:
                 r = rows[(op.name, status, why)] = OpRow(op.name, get_opdef(op.name).family, status, why=why)
             r.count += 1
             r.functions.add(fname)
-            if status != NATIVE:
+            if status != NATIVE or why:
                 r.via.update(leaves)           # the native ops this instance expands to, with counts
             if status == ERROR and why_fn[fname] is None:
                 why_fn[fname] = f"{op.name}: {why}"
@@ -258,8 +265,8 @@ def render(report: CheckReport, console=None) -> None:
         t.add_column(c, justify="right" if c == "count" else "left")
     label = {NATIVE: "native", CONDITIONAL: "conditional", DECOMPOSED: "decomposition", ERROR: "ERROR"}
     for r in report.rows:
-        if r.status == NATIVE:
-            detail = ""
+        if r.status == NATIVE:      # when the lowering runs the decomposition at run time, if it may
+            detail = f"{r.why}: -> " + ", ".join(sorted(r.via)) if r.why else ""
         elif r.status == DECOMPOSED:
             detail = "-> " + ", ".join(sorted(r.via))
         elif r.status == CONDITIONAL:

@@ -33,7 +33,9 @@ def decompose_op(module: Module | None, op: Operation) -> Function:
 
 class Interpreter:
     """Runs functions of ``module`` with ``table`` (op name -> ``impl(inst, *operands)``; a
-    ``LoweringTable``'s conditions are honoured: a refused op runs its decomposition, as ``k3ir check`` says).
+    ``LoweringTable``'s conditions are honoured: a refused op runs its decomposition, as ``k3ir check`` says;
+    an implementation that returns ``NotImplemented`` for the values it was given, e.g. sizes its kernel
+    does not take, also runs the op's decomposition).
     ``get_param(name)`` returns a parameter's runtime value; ``post(op, results)`` may convert
     results (e.g. dtype casts); ``observe(op, results)``, if given, sees every top-level op's
     final results (the trainer captures router scores with it)."""
@@ -103,4 +105,8 @@ class Interpreter:
         while args and args[-1] is None:
             args.pop()
         out = impl(inst, *args)
+        if out is NotImplemented:       # the lowering declined these run-time values (sizes): the decomposition
+            if key not in self._decomp:
+                self._decomp[key] = decompose_op(self.module, op)
+            return self.run(self._decomp[key], vals)
         return list(out) if isinstance(out, tuple) else [out]

@@ -11,6 +11,9 @@ their decomposition, and ``k3ir check`` reads the same table and conditions to s
 A condition ``when(op) -> None | reason`` sees the IR ``Operation`` (its attributes and operand
 types: dtype, quantisation, static shapes); None = the entry lowers it, a string = why not (the op
 then runs its decomposition, and ``k3ir check`` shows it as *conditional* with that reason).
+A condition that only the run-time values can decide (row counts, autograd) is the implementation's: it
+returns ``NotImplemented`` and the interpreter runs the decomposition; ``fallbacks`` (op name -> when)
+records it for ``k3ir check``, which shows it beside the native entry.
 """
 from __future__ import annotations
 
@@ -28,6 +31,15 @@ class LoweringTable(dict):
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
         self.conditions: dict[str, Condition] = {}
+        #: op name -> when its implementation declines at run time (returns NotImplemented: the decomposition runs)
+        self.fallbacks: dict[str, str] = {}
+
+    def falls_back(self, *names: str, when: str) -> None:
+        """Record that the entries ``names`` run their decomposition at run time ``when`` (KeyError for a missing one)."""
+        for n in names:
+            if n not in self:
+                raise KeyError(n)
+            self.fallbacks[n] = when
 
     def lowers(self, *names: str, when: Condition | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator registering the implementation for ``names``; ``when`` (optional) restricts it."""
@@ -59,6 +71,7 @@ class LoweringTable(dict):
     def copy(self) -> LoweringTable:
         out = LoweringTable(self)
         out.conditions = dict(self.conditions)
+        out.fallbacks = dict(self.fallbacks)
         return out
 
 
@@ -67,6 +80,11 @@ def table_supports(table: Any, op: Any) -> str | None:
     if isinstance(table, LoweringTable):
         return table.supports(op)
     return None if op.name in table else f"no lowering for {op.name}"
+
+
+def table_fallback(table: Any, name: str) -> str | None:
+    """When ``table``'s entry for op ``name`` runs the op's decomposition at run time (None: never said)."""
+    return getattr(table, "fallbacks", {}).get(name)
 
 
 def native_impl(table: Any, op: Any) -> Callable[..., Any] | None:

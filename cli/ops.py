@@ -126,7 +126,8 @@ def entry(backend: Any, table: Any, name: str, cls: Any, error: str | None = Non
     cond = getattr(table, "conditions", {}).get(name)
     if cond is not None:
         return BackendEntry(backend.name, CONDITIONAL, impl, where(cond), _condition_text(cond))
-    return BackendEntry(backend.name, NATIVE, impl)
+    # a native entry may still run the decomposition for some run-time values (LoweringTable.fallbacks)
+    return BackendEntry(backend.name, NATIVE, impl, reason=getattr(table, "fallbacks", {}).get(name, ""))
 
 
 def find_tests(name: str, root: Path | None = None) -> list[str]:

@@ -27,7 +27,8 @@ PASSES: dict[str, type[Pass]] = {}
 #: modules defining the built-in passes (imported on first use); every module here with a ``@register_pass``
 #: is listed (tests/test_layering.py checks it)
 BUILTIN_PASSES = ("dce", "cse", "fuse_kda_chunks", "fuse_moe_dispatch", "quantize_experts", "absorb_mla",
-                  "fuse_attn_res", "shard")
+                  "fuse_attn_res", "shard", "fuse_decode_linear",
+                  "fuse_kda_output")
 
 
 @dataclass

@@ -3,7 +3,8 @@
 
 The phases the built-in targets use (``PHASES``): ``fuse`` (KDA layers, MoE dispatch, AttnRes
 mixes), ``quantize`` (routed experts, when the config says so or ``--quantize`` asks),
-``specialize`` (absorbed MLA in decode), ``cleanup`` (CSE, DCE). ``TARGET_PHASES`` says which
+``specialize`` (absorbed MLA in decode), ``decode`` (triton only: the ops of the decode-step
+kernels, e.g. ``k3.decode_linear``), ``cleanup`` (CSE, DCE). ``TARGET_PHASES`` says which
 of them each built-in target runs; the backends declare ``phases_for(target)`` as their
 ``Backend.phases``, and a backend (a plugin) may declare phases of its own, with its own
 passes. ``pipeline_for(target)`` gives the same pipeline as one flat pass list. The
@@ -23,6 +24,7 @@ PHASES: dict[str, list[str]] = {
     "fuse": ["fuse-kda-chunks", "fuse-moe-dispatch", "fuse-attn-res"],
     "quantize": ["quantize-experts"],
     "specialize": ["absorb-mla"],
+    "decode": ["fuse-decode-linear", "fuse-kda-output"],
     "cleanup": ["cse", "dce"],
 }
 
@@ -32,7 +34,8 @@ _FULL = ("fuse", "quantize", "specialize", "cleanup")
 TARGET_PHASES: dict[str, tuple[str, ...]] = {
     "reference": _FULL,
     "torch": _FULL,
-    "triton": _FULL,
+    # the decode-step kernels' fused ops (k3.decode_linear, ...): the Triton lowering runs them as one launch
+    "triton": ("fuse", "quantize", "specialize", "decode", "cleanup"),
     "tvm": _FULL,
     # exporters: KDA fused (lowered chunked or as a Loop), MoE kept dense (no sort/scatter needed)
     "onnx": ("specialize", "cleanup"),

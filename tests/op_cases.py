@@ -199,9 +199,19 @@ def _attn_res_fused(r):
     return [([_x(r, (1, 4)), _x(r, (4,)), _x(r, (2, 3, 3, 4)), _x(r, (2, 3, 4))], {}, {"n_blocks": 2})]
 
 
+def _decode_linear(r):
+    x, w1, w2, w3 = _x(r, (2, 1, 8)), _x(r, (6, 8)), _x(r, (6, 8)), _x(r, (3, 8))
+    res = [_x(r, (2, 1, 6)), _x(r, (2, 1, 6))]
+    return [([x, w1, *res], {}, {"residuals": 2}),
+            ([x, w1, w2, _pos(r, (8,)), res[0]], {}, {"norm": "rms", "eps": 1e-5, "glu": True, "residuals": 1}),
+            ([x, w1, w3, _pos(r, (8,))], {}, {"norm": "rms", "splits": 2}),
+            ([x, w1, _pos(r, (4,)), _x(r, (2, 1, 8)), res[1]], {}, {"norm": "gated", "residuals": 1})]
+
+
 FUSED_CASES: dict[str, Callable[[np.random.Generator], list[Case]]] = {
     "k3.moe_dispatch": _moe_dispatch, "k3.grouped_matmul": _grouped_matmul, "k3.moe_combine": _moe_combine,
     "k3.attn_res_store": _attn_res_store, "k3.attn_res_fused": _attn_res_fused,
+    "k3.decode_linear": _decode_linear,
 }
 
 _COLLECTIVE = ("needs a process group (a world of ranks); covered by tests/ir/test_collectives.py and "
@@ -216,6 +226,7 @@ EXCLUDED: dict[str, str] = {
                      "k3.conv_halo", "k3.cp_last", "k3.cp_lengths", "k3.ep_combine", "k3.ep_dispatch",
                      "k3.kcp_scan", "k3.kda_transition", "k3.sharded_embedding"), _COLLECTIVE),
     "k3.fused_kda": _FUSED,
+    "k3.fused_kda_ungated": _FUSED,
 }
 
 

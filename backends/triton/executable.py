@@ -98,6 +98,9 @@ def fused_kda(inst, *args):
     forward (or, for ``mode="recurrent"``, the one-launch decode step) and the epilogue launch."""
     from .gemv import cat_weights, fits, gemv, gemv2
     from .lowering import Lazy, _norm_args
+    if not inst.GATED and (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                                           for a in args)):
+        return NotImplemented        # k3.fused_kda_ungated: a decode step only (no autograd)
     (x, w_q, w_k, w_v, c_q, c_k, c_v, w_fa, w_fb, A_log, dt_bias, w_b, o_norm), gate_w, states = inst._split(args)
     st = list(states) if states else [None] * 4
     ws = [w_q, w_k, w_v, w_fa, w_b, gate_w[0]]
@@ -112,7 +115,9 @@ def fused_kda(inst, *args):
     lb = inst.lower_bound if inst.gate == "lower_bound" else None
     # the kernels fix the L2 eps at SPEC's 1e-6; the chunked kernels take K3 gate bounds down to -5 (kda.py)
     if x.dtype == torch.float64 or inst.qk_eps != 1e-6 or (not decode and lb is not None and lb < MIN_LOWER_BOUND):
-        return _torch_impl("k3.fused_kda")(inst, *args)
+        return _torch_impl("k3.fused_kda")(inst, *args) if inst.GATED else NotImplemented
+    if not inst.GATED and not decode:      # k3.fused_kda_ungated: the kernels below only for a decode step
+        return NotImplemented
     H, D = inst.heads, inst.head_dim
     B, Tn = x.shape[:2]
     if decode:
@@ -138,6 +143,10 @@ def fused_kda(inst, *args):
             z, gz = gemv2(fa, w_fb, ga, gate_w[1])
         else:
             z, gz = _lin(fa, w_fb), _lin(ga, gate_w[1])
+        if not inst.GATED:          # the gated head norm is the consumer's (k3.fused_kda_ungated)
+            o = layer.kda_decode(q, k, v, z, bl, A_log, dt_bias, pool, _slots(B, x.device), lower_bound=lb,
+                                 scale=inst.scale, conv=(c_q, c_k, c_v, *cpools))
+            return (o.reshape(B, 1, H * D), *cpools, pool, gz.reshape(B, 1, H * D))
         o = layer.kda_decode(q, k, v, z, bl, A_log, dt_bias, pool, _slots(B, x.device), lower_bound=lb,
                              scale=inst.scale, conv=(c_q, c_k, c_v, *cpools), norm=(o_norm, gz, inst.eps))
         return (o.reshape(B, 1, H * D), *cpools, pool)
@@ -160,8 +169,8 @@ def fused_kda(inst, *args):
     return (o.reshape(B, Tn, H * D), *new, s_out)
 
 
-# ``TritonConfig.decode.split``: decode step of a KDA layer with the short conv in the projection gemv's epilogue and the gated head norm in
-#: the o_proj gemv's prologue (lowering.GateNormed), so ``kda_decode`` splits V over programs (False: the one
+# ``TritonConfig.decode.split``: decode step of a KDA layer with the short conv in the projection gemv's epilogue and the gated head norm
+#: in the o_proj gemv's prologue (k3.fused_kda_ungated + k3.decode_linear), so ``kda_decode`` splits V over programs (False: the one
 # fused launch with conv and norm inside, BV = V; ``K3IR_DECODE_SPLIT=0`` for A/B runs)
 # ``TritonConfig.decode.lowrank_in_decode``: with ``split``, the KDA decay and output-gate low-rank up-projections run inside
 #: ``kda_decode`` (layer.kda_decode ``lowrank=``) instead of a gemv2 launch (``K3IR_KDA_LOWRANK=1``). Off by
@@ -171,11 +180,10 @@ def fused_kda(inst, *args):
 
 def _decode_split(inst, xr, nrm, cat, sizes, convs, cpools, pool, w_fb, gate_w, A_log, dt_bias, o_norm, lb):
     """The decode branch of ``fused_kda`` with ``TritonConfig.decode.split``: projections + conv + SiLU (conv states shifted
-    in place) in one gemv, the low-rank up-projections in one, the recurrent step over V blocks, and the
-    output returned as a deferred gated norm when the plan allows it (``inst.defer_gated``, set by
-    lowering.PlanInterpreter for the plan's ``kda_out`` action)."""
+    in place) in one gemv, the low-rank up-projections in one, the recurrent step over V blocks, then the gated
+    head norm (``k3.fused_kda``) or o and the gate input returned for the consumer's prologue
+    (``k3.fused_kda_ungated``: its k3.decode_linear has ``norm="gated"``)."""
     from .gemv import cat_weights, gemv, gemv2
-    from .lowering import GateNormed
     H, D = inst.heads, inst.head_dim
     B = xr.shape[0]
     slots = _slots(B, xr.device)
@@ -190,8 +198,11 @@ def _decode_split(inst, xr, nrm, cat, sizes, convs, cpools, pool, w_fb, gate_w, 
     else:
         z, gz = gemv2(fa, w_fb, ga, gate_w[1])
         o = layer.kda_decode(q, k, v, z, bl, A_log, dt_bias, pool, slots, lower_bound=lb, scale=inst.scale)
-    lazy = GateNormed(o.reshape(B, 1, H * D), gz.reshape(B, 1, H * D), o_norm, inst.eps)
-    return (lazy if getattr(inst, "defer_gated", False) else lazy.materialize(), *cpools, pool)
+    o, gz = o.reshape(B, 1, H * D), gz.reshape(B, 1, H * D)
+    if not inst.GATED:               # k3.fused_kda_ungated: the o_proj gemv applies the norm (gemv gated prologue)
+        return (o, *cpools, pool, gz)
+    oh = o.reshape(B, 1, H, D)
+    return (layer.gated_rmsnorm(oh, gz.reshape(oh.shape).to(o.dtype), o_norm, inst.eps).reshape(o.shape), *cpools, pool)
 
 
 KERNELS = {
@@ -199,12 +210,13 @@ KERNELS = {
     "k3.short_conv": short_conv,
     "k3.gated_rmsnorm": gated_rmsnorm,
     "k3.fused_kda": fused_kda,
+    "k3.fused_kda_ungated": fused_kda,
     "k3.router": router,
 }
 
 
 #: ops whose kernels evaluate the KDA gate ``lb * sigmoid(a (z + dt_bias))`` (see ``interpreter_guard``)
-GATE_OPS = ("k3.kda", "k3.fused_kda")
+GATE_OPS = ("k3.kda", "k3.fused_kda", "k3.fused_kda_ungated")
 
 
 def _finite(t) -> bool:

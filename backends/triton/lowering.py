@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..interpreter import Interpreter
+from ..lowering import LoweringTable
 from . import dispatch as disp_k
 from . import gemv as gemv_k
 from . import interpreting, moe_decode
@@ -45,23 +46,6 @@ class Prenormed(Lazy):
 
     def _compute(self):
         return norm_k.rmsnorm(self.x, self.w, self.eps)
-
-
-class GateNormed(Lazy):
-    """``gated_rmsnorm(o, gz, w, eps)`` of a KDA decode step not yet computed (heads of ``w.numel()``
-    columns): the o_proj gemv applies it in its prologue (gemv ``norm=(w, gz, eps, "gated")``). Returned by
-    ``fused_kda`` only when its op instance carries ``defer_gated`` (set by PlanInterpreter from the plan's
-    ``kda_out`` action, per run: False while an observer runs)."""
-
-    def __init__(self, o, gz, w, eps):
-        self.o, self.gz, self.w, self.eps = o, gz, w, float(eps)
-        self.shape, self.dtype, self.device = o.shape, o.dtype, o.device
-
-    def _compute(self):
-        from .layer import gated_rmsnorm
-        V = self.w.numel()
-        o = self.o.reshape(*self.o.shape[:-1], -1, V)
-        return gated_rmsnorm(o, self.gz.reshape(o.shape).to(o.dtype), self.w, self.eps).reshape(self.shape)
 
 
 class Combined(Lazy):
@@ -228,8 +212,6 @@ def _norm_args(x):
     """(gemv input, gemv ``norm=``) of a linear's input: a Prenormed one is normed in the gemv prologue."""
     if isinstance(x, Prenormed) and x.value is None:
         return x.x, (x.w, x.eps)
-    if isinstance(x, GateNormed) and x.value is None:
-        return x.o, (x.w, x.gz, x.eps, "gated")
     return _val(x), None
 
 
@@ -242,9 +224,66 @@ def linear(inst, x, w):
     return _torch_impl("k3.linear")(inst, _val(x), w)
 
 
-def table(exe) -> dict:
-    return {"k3.linear": linear, "k3.moe_dispatch": moe_dispatch, "k3.grouped_matmul": grouped_matmul, "k3.moe_combine": moe_combine, "k3.rmsnorm": rmsnorm,
-            "k3.attn_res_fused": attn_res_fused, "k3.mla": make_mla(exe)}
+def _prologue(inst, x, nrm):
+    """The input of a ``k3.decode_linear`` with its norm applied by the standalone kernels (as its
+    decomposition's ``k3.rmsnorm`` / ``k3.gated_rmsnorm`` would run here)."""
+    if inst.norm == "rms":
+        return norm_k.rmsnorm(x, nrm[0], inst.eps)
+    if inst.norm == "gated":
+        from .layer import gated_rmsnorm
+        V = nrm[0].numel()
+        xh = x.reshape(*x.shape[:-1], -1, V)
+        return gated_rmsnorm(xh, nrm[1].reshape(xh.shape).to(x.dtype), nrm[0], inst.eps).reshape(x.shape)
+    return x
+
+
+def decode_linear(inst, x, *args):
+    """``k3.decode_linear`` (ops/nn.py) as one gemv launch (gemv.py: norm prologue, SwiGLU, residual adds
+    and a lazily combined MoE output in the epilogue, split outputs over concatenated weights) when the
+    rows fit (at most ``gemv.MAX_ROWS``, no autograd, CUDA or the interpreter); a prefill-size sum with a
+    lazily combined MoE output runs cuBLAS then one ``combine_add`` pass; anything else returns
+    NotImplemented, so the interpreter runs the op's decomposition."""
+    ws, nrm, res = inst.parts(args)
+    if inst.norm != "none":
+        xr = _val(x)
+        nrm_arg = (nrm[0], inst.eps) if inst.norm == "rms" else (nrm[0], nrm[1], inst.eps, "gated")
+    else:
+        xr, nrm_arg = _norm_args(x)          # a deferred RMSNorm of the plan (Prenormed)
+    if inst.splits > 1:
+        if _gemv_ok(xr, *ws) and all(w.dim() == 2 and w.shape[1] == xr.shape[-1] for w in ws):
+            y = gemv_k.gemv(xr, gemv_k.cat_weights(ws, xr.dtype), norm=nrm_arg)
+            return tuple(torch.split(y, [w.shape[0] for w in ws], dim=-1))
+        return NotImplemented
+    w, w3 = ws[0], (ws[1] if inst.glu else None)
+    comb = [r for r in res if isinstance(r, Combined) and r.value is None][:1]
+    rest = [_val(r) for r in res if not (comb and r is comb[0])]
+    shape = (*xr.shape[:-1], w.shape[0])
+    fit = all(tuple(r.shape) == shape and r.dtype == xr.dtype for r in rest + comb) and len(rest) <= 2
+    if w3 is not None:
+        fit = fit and tuple(w3.shape) == tuple(w.shape) and _no_grad(w3)
+    if _gemv_ok(xr, w, *rest) and fit:
+        return gemv_k.gemv(xr, w, w3, res=rest, norm=nrm_arg, comb=(comb[0].y, comb[0].inv) if comb else None)
+    if comb and w3 is None and _no_grad(xr, w, *rest) and fit and xr.dtype != torch.float64:
+        # prefill: cuBLAS for the linear, then its residual adds and the MoE combine in one pass
+        xv = _prologue(inst, xr, nrm) if inst.norm != "none" else _val(x)
+        y = torch.nn.functional.linear(xv, w.to(xv.dtype))
+        return gemv_k.combine_add(y, rest, comb[0].y, comb[0].inv)
+    return NotImplemented
+
+
+#: when ``decode_linear`` declines (its decomposition runs), as ``k3ir check`` shows it
+DECODE_LINEAR_FALLBACK = (f"decomposition at run time above {gemv_k.MAX_ROWS} rows (a sum with a deferred MoE combine: "
+                          "cuBLAS + one combine_add pass), for float64 or autograd inputs, off CUDA "
+                          "(without TRITON_INTERPRET=1)")
+
+
+def table(exe) -> LoweringTable:
+    out = LoweringTable({
+        "k3.linear": linear, "k3.decode_linear": decode_linear, "k3.moe_dispatch": moe_dispatch,
+        "k3.grouped_matmul": grouped_matmul, "k3.moe_combine": moe_combine, "k3.rmsnorm": rmsnorm,
+        "k3.attn_res_fused": attn_res_fused, "k3.mla": make_mla(exe)})
+    out.falls_back("k3.decode_linear", when=DECODE_LINEAR_FALLBACK)
+    return out
 
 
 def _uses(fn) -> dict[int, list]:
@@ -277,13 +316,6 @@ def plan(fn) -> dict[int, tuple]:
         if op.name not in ("k3.situ_glu", "k3.swiglu"):
             continue
         g, u = (producer.get(id(v)) for v in op.operands[:2])
-        if (op.name == "k3.swiglu" and g is not None and u is not None and g.name == u.name == "k3.linear"
-                and g is not u and g.operands[0] is u.operands[0] and id(g) not in out and id(u) not in out
-                and len(uses.get(id(g.results[0]), [])) == 1 and len(uses.get(id(u.results[0]), [])) == 1):
-            out[id(g)] = ("skip",)          # shared-expert / dense MLP gate and up: one launch at decode
-            out[id(u)] = ("skip",)
-            out[id(op)] = ("lin_glu", g, u)
-            continue
         if (g is None or u is None or g.name != "k3.grouped_matmul" or u.name != "k3.grouped_matmul"
                 or g.operands[0] is not u.operands[0] or g.operands[1] is not u.operands[1]
                 or g.attrs.get("quant", "none") != u.attrs.get("quant", "none")
@@ -302,44 +334,15 @@ def plan(fn) -> dict[int, tuple]:
                 out[id(comb[0])] = ("combine",)
                 chain += [d, comb[0]]
         moe_decode.plan_routed(g, chain, producer, uses, out)
-    for op in fn.ops:      # linear -> add (-> add): the residual additions in the linear's epilogue
-        if op.name != "k3.linear" or id(op) in out:
-            continue
-        chain, cur = [], op
-        while len(chain) < 2:
-            us = uses.get(id(cur.results[0]), [])
-            if len(us) != 1 or us[0] is None or us[0].name != "k3.add" or id(us[0]) in out:
-                break
-            a = us[0]
-            if a.operands[0] is a.operands[1]:
-                break
-            chain.append(a)
-            cur = a
-        if chain:
-            for o in [op] + chain[:-1]:
-                out[id(o)] = ("skip",)
-            out[id(chain[-1])] = ("lin_add", op, chain)
-    # linears of one input whose weights are parameters (MLA q and kv_a): one gemv over the concatenated
-    # weights at decode size, run at the first of them (later weights are read from the parameters)
     pname = {id(o.results[0]): o.attrs["name"] for o in fn.ops if o.name == "k3.param"}
-    groups: dict[int, list] = {}
+    # the combine of pre-scaled expert rows added by a k3.decode_linear (fuse-decode-linear): summed in its epilogue
     for op in fn.ops:
-        if op.name == "k3.linear" and id(op) not in out and id(op.operands[1]) in pname:
-            groups.setdefault(id(op.operands[0]), []).append(op)
-    for ops in groups.values():
-        if len(ops) > 1:
-            out[id(ops[0])] = ("lin_cat", ops, [pname[id(o.operands[1])] for o in ops])
-            for o in ops[1:]:
-                out[id(o)] = ("cat_member",)
-    # the combine of pre-scaled expert rows added by a lin_add chain: summed in that gemv's epilogue
-    for act in list(out.values()):
-        if act[0] != "lin_add":
+        if op.name != "k3.decode_linear" or not op.attrs.get("residuals"):
             continue
-        for a in act[2]:
-            for v in a.operands:
-                p = producer.get(id(v))
-                if p is not None and out.get(id(p)) == ("combine",) and len(uses.get(id(v), [])) == 1:
-                    out[id(p)] = ("combine", "lazy")
+        for v in op.operands[len(op.operands) - int(op.attrs["residuals"]):]:
+            p = producer.get(id(v))
+            if p is not None and out.get(id(p)) == ("combine",) and len(uses.get(id(v), [])) == 1:
+                out[id(p)] = ("combine", "lazy")
     # MLA decode: concat(rmsnorm(slice(a, 0:R)), slice(a, R:)) as the cache row -> into the MLA prologue kernel
     for op in fn.ops:
         if op.name != "k3.concat" or id(op) in out or len(op.operands) != 2:
@@ -349,30 +352,24 @@ def plan(fn) -> dict[int, tuple]:
         if (len(us) == 1 and us[0] is not None and us[0].name == "k3.mla" and us[0].operands[1] is op.results[0]
                 and nrm is not None and nrm.name == "k3.rmsnorm" and len(uses.get(id(nrm.results[0]), [])) == 1):
             out[id(op)] = ("kvcat",)
-    # a KDA layer whose output feeds only ops (no function return): at decode its gated head norm may be
-    # deferred into the consumer's gemv prologue (GateNormed; executable.fused_kda with decode.split)
-    for op in fn.ops:
-        if op.name == "k3.fused_kda" and id(op) not in out:
-            us = uses.get(id(op.results[0]), [])
-            if us and all(c is not None for c in us) and not any(v is op.results[0] for v in fn.returns):
-                out[id(op)] = ("kda_out",)
     # an RMSNorm whose every consumer can norm the raw row itself (gemv prologue, KDA decode projections)
     for op in fn.ops:
         if op.name == "k3.rmsnorm" and id(op) not in out:
             us = uses.get(id(op.results[0]), [])
             if us and all(_norm_consumer(c, op.results[0], out) for c in us):
                 out[id(op)] = ("norm",)
-    # the shared expert's gate/up (lin_glu, parameter weights) on a router front's input: computed in the
-    # front's first launch at decode (dispatch.route_glu_dispatch): ("route", dispatch, swiglu, gate, up, gate/up names)
+    # the shared expert's gate/up (a k3.decode_linear with glu, parameter weights) on a router front's input: computed
+    # in the front's first launch at decode (dispatch.route_glu_dispatch): ("route", dispatch, glu op, gate/up names)
     for op in fn.ops:
-        act = out.get(id(op))
-        if act is None or act[0] != "lin_glu" or not (id(act[1].operands[1]) in pname and id(act[2].operands[1]) in pname):
+        a = op.attrs
+        if (op.name != "k3.decode_linear" or not a.get("glu") or a.get("norm", "none") != "none"
+                or a.get("residuals", 0) or not all(id(w) in pname for w in op.operands[1:3])):
             continue
         for r in fn.ops:
             ra = out.get(id(r))
-            if ra is not None and ra[0] == "route" and len(ra) == 2 and r.operands[0] is act[1].operands[0]:
-                out[id(r)] = ("route", ra[1], op, act[1], act[2], pname[id(act[1].operands[1])],
-                              pname[id(act[2].operands[1])])
+            if ra is not None and ra[0] == "route" and len(ra) == 2 and r.operands[0] is op.operands[0]:
+                out[id(r)] = ("route", ra[1], op, pname[id(op.operands[1])], pname[id(op.operands[2])])
+                out[id(op)] = ("front_glu",)
                 break
     return out
 
@@ -383,9 +380,11 @@ def _norm_consumer(c, r, out) -> bool:
         return False
     act = out.get(id(c), (None,))[0]
     if c.name == "k3.linear":
-        return act in (None, "skip", "lin_cat", "cat_member")
-    if c.name == "k3.fused_kda":
-        return act in (None, "kda_out")
+        return True
+    if c.name == "k3.decode_linear":
+        return c.attrs.get("norm", "none") == "none"
+    if c.name in ("k3.fused_kda", "k3.fused_kda_ungated"):
+        return act is None
     return (c.name, act) in (("k3.router", "route"), ("k3.moe_dispatch", "routed"), ("k3.concat", "kvcat"))
 
 
@@ -407,7 +406,9 @@ class PlanInterpreter(Interpreter):
 
     def eval_op(self, op, vals):
         """Deferred values (Lazy) are materialized for every op but the KDA layer's input row."""
-        keep = {"k3.fused_kda": 0, "k3.mla": 1}.get(op.name, -1)
+        if op.name == "k3.decode_linear":       # its lowering fuses a deferred norm or combine (else decomposes)
+            return super().eval_op(op, vals)
+        keep = {"k3.fused_kda": 0, "k3.fused_kda_ungated": 0, "k3.mla": 1}.get(op.name, -1)
         return super().eval_op(op, [v if i == keep else _val(v) for i, v in enumerate(vals)])
 
     def exec_op(self, op, env, observe=True):
@@ -417,17 +418,8 @@ class PlanInterpreter(Interpreter):
         kind = act[0]
         if kind == "skip":
             return
-        if kind == "kda_out":         # the plan's permission travels on the op instance (no module state)
-            object.__setattr__(self._op_inst(op), "defer_gated", self.observe is None)
-            return super().exec_op(op, env, observe)
-        if kind == "lin_glu" and id(op.results[0]) in env:    # computed by its MoE front (route_glu_dispatch)
-            return
-        if kind in ("lin_glu", "lin_add"):
-            return self._gemv_chain(op, act, env, observe)
-        if kind == "lin_cat":
-            return self._lin_cat(op, act, env, observe)
-        if kind == "cat_member":
-            if id(op.results[0]) in env:          # computed by its group's gemv
+        if kind == "front_glu":
+            if id(op.results[0]) in env:          # computed by its MoE front (route_glu_dispatch)
                 return
             return super().exec_op(op, env, observe)
         if kind == "kvcat":
@@ -496,16 +488,6 @@ class PlanInterpreter(Interpreter):
             outs = self.post(op, outs)
         env[id(op.results[0])] = outs[0]
 
-    def _op_inst(self, op):
-        """The op instance ``eval_op`` passes to the op's implementation (made and cached here if new)."""
-        inst = self._inst.get(id(op))
-        if inst is None:
-            from k3ir.opdef import get_opdef
-            inst = get_opdef(op.name)(op.attrs, [v.type for v in op.operands])
-            object.__setattr__(inst, "call", self.run)
-            self._inst[id(op)] = inst
-        return inst
-
     def _store(self, op, outs, env, observe):
         if self.post is not None:
             outs = self.post(op, outs)
@@ -514,59 +496,9 @@ class PlanInterpreter(Interpreter):
         for r, v in zip(op.results, outs):
             env[id(r)] = v
 
-    def _gemv_chain(self, op, act, env, observe):
-        """A deferred linear chain (plan ``lin_glu``/``lin_add``) in one gemv launch when the rows fit,
-        else its ops one by one."""
-        if act[0] == "lin_glu":
-            g, u = act[1], act[2]
-            x, w, w3 = env[id(g.operands[0])], env[id(g.operands[1])], env[id(u.operands[1])]
-            xr, nrm = _norm_args(x)
-            if _gemv_ok(xr, w, w3) and tuple(w3.shape) == tuple(w.shape):
-                return self._store(op, [gemv_k.gemv(xr, w, w3, norm=nrm)], env, observe)
-            deferred = [g, u]
-        else:
-            lin, chain = act[1], act[2]
-            x, w = env[id(lin.operands[0])], env[id(lin.operands[1])]
-            prev, res = lin.results[0], []
-            for a in chain:
-                other = a.operands[1] if a.operands[0] is prev else a.operands[0]
-                res.append(env[id(other)])
-                prev = a.results[0]
-            xr, nrm = _norm_args(x)
-            comb = [r for r in res if isinstance(r, Combined) and r.value is None][:1]
-            rest = [_val(r) for r in res if not (comb and r is comb[0])]
-            if _gemv_ok(xr, w, *rest) and all(tuple(r.shape) == (*x.shape[:-1], w.shape[0]) and r.dtype == x.dtype
-                                             for r in rest + comb):
-                y = gemv_k.gemv(xr, w, res=rest, norm=nrm, comb=(comb[0].y, comb[0].inv) if comb else None)
-                return self._store(op, [y], env, observe)
-            if comb and len(rest) <= 2 and _no_grad(x, w, *rest) and all(
-                    tuple(r.shape) == (*x.shape[:-1], w.shape[0]) and r.dtype == x.dtype for r in rest + comb):
-                # prefill: cuBLAS for the linear, then its residual adds and the MoE combine in one pass
-                xv = _val(x)
-                y = torch.nn.functional.linear(xv, w.to(xv.dtype))
-                return self._store(op, [gemv_k.combine_add(y, rest, comb[0].y, comb[0].inv)], env, observe)
-            deferred = [lin, *chain[:-1]]
-        for o in deferred:
-            super().exec_op(o, env, observe)
-        return super().exec_op(op, env, observe)
-
-    def _lin_cat(self, op, act, env, observe):
-        """The linears of one input (plan ``lin_cat``) as one gemv over their concatenated weights when the
-        rows fit; else the first linear alone (the others run in place)."""
-        ops, names = act[1], act[2]
-        x = env[id(op.operands[0])]
-        ws = [env[id(o.operands[1])] if id(o.operands[1]) in env else self.get_param(n) for o, n in zip(ops, names)]
-        xr, nrm = _norm_args(x)
-        if _gemv_ok(xr, *ws) and all(w.dim() == 2 and w.shape[1] == xr.shape[-1] for w in ws):
-            y = gemv_k.gemv(xr, gemv_k.cat_weights(ws, xr.dtype), norm=nrm)
-            for o, part in zip(ops, torch.split(y, [w.shape[0] for w in ws], dim=-1)):
-                self._store(o, [part], env, observe)
-            return
-        return super().exec_op(op, env, observe)
-
     def _route(self, op, d, env, observe, glu=()):
         """Router + dispatch of a decode-size batch in two launches (``dispatch.route_dispatch``), or with the
-        shared expert's gate/up ``glu = (swiglu, gate linear, up linear, their weight names)`` in the same two
+        shared expert's gate/up ``glu = (its k3.decode_linear with glu, gate and up weight names)`` in the same two
         (``route_glu_dispatch``, when the RMSNorm is deferred and ``TritonConfig.decode.front_split``), or, with
         ``decode.routed_glu`` and a plan ``("routed", glu)``, only the first of them (``router_glu_front``: the
         routed experts' GLU launch routes, moe_decode.routed_glu); other sizes, float64 and routers without a fitting
@@ -582,9 +514,9 @@ class PlanInterpreter(Interpreter):
                 or not disp_k.route_supported(rows, E, k) or not _no_grad(x, w, bias)):
             return super().exec_op(op, env, observe)
         if fuse and glu:
-            gop, g_op, u_op, gname, uname = glu
-            w1, w3 = (env[id(o.operands[1])] if id(o.operands[1]) in env else self.get_param(n)
-                      for o, n in ((g_op, gname), (u_op, uname)))
+            gop, gname, uname = glu
+            w1, w3 = (env[id(v)] if id(v) in env else self.get_param(n)
+                      for v, n in ((gop.operands[1], gname), (gop.operands[2], uname)))
             args = (x, w, bias, k, E, bool(a.get("renormalize", True)), float(a.get("routed_scaling_factor", 1.0)),
                     float(a.get("eps", 1e-20)), (xl.w, xl.eps), w1, w3)
             if disp_k.split_supported(rows, E, k, x, w1, w3, w) and _no_grad(w1, w3):

@@ -36,12 +36,15 @@ def table() -> LoweringTable:
     own["k3.mla"] = lowering.make_mla
     out = LoweringTable()
     for part in (TABLE, KERNELS, own):
-        conditions = getattr(part, "conditions", {})
+        conditions, fallbacks = getattr(part, "conditions", {}), getattr(part, "fallbacks", {})
         for name, impl in part.items():
             out[name] = impl
             out.conditions.pop(name, None)
+            out.fallbacks.pop(name, None)
             if name in conditions:
                 out.conditions[name] = conditions[name]
+            if name in fallbacks:
+                out.fallbacks[name] = fallbacks[name]
     return out
 
 

@@ -8,6 +8,7 @@ decomposes back into model/core ops for backends without a kernel.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import numpy as np
 
@@ -73,6 +74,8 @@ class FusedKDA(Op):
     qk_eps = Attr(float, 1e-6, "L2 norm eps of q and k")
     chunk_size = Attr(int, 64)
     mode = Attr(str, "chunk", choices=("chunk", "recurrent"))
+    #: whether result 0 has the gated head norm applied (``k3.fused_kda_ungated`` leaves it to its consumer)
+    GATED: ClassVar[bool] = True
 
     @classmethod
     def group_operands(cls, operands):
@@ -152,6 +155,8 @@ class FusedKDA(Op):
         gz = _ref("k3.linear", {}, x, gate_w[0])
         if not self.full_rank_gate:
             gz = _ref("k3.linear", {}, gz, gate_w[1])
+        if not self.GATED:             # k3.fused_kda_ungated: o before the gated head norm, and its gate input
+            return (np.reshape(o, (B, T, H * D)), *new, s_out, gz)
         o = _ref("k3.gated_rmsnorm", {"eps": self.eps}, o, np.reshape(gz, (B, T, H, D)), o_norm)
         return (np.reshape(o, (B, T, H * D)), *new, s_out)
 
@@ -172,6 +177,8 @@ class FusedKDA(Op):
         gz = b.linear(x, gate_w[0])
         if not self.full_rank_gate:
             gz = b.linear(gz, gate_w[1])
+        if not self.GATED:
+            return (b.reshape(o, shape=[0, 0, H * D]), *new, s_out, gz)
         o = b.gated_rmsnorm(o, b.reshape(gz, shape=[0, 0, H, D]), o_norm, eps=self.eps)
         return (b.reshape(o, shape=[0, 0, H * D]), *new, s_out)
 
@@ -181,6 +188,23 @@ class FusedKDA(Op):
         HD, K = H * D, numel((ot[4].shape[2],), env)
         proj = 3 * HD * d + D * d + HD * D + H * d + (HD * d if self.full_rank_gate else D * d + HD * D)
         return B * T * (2.0 * proj + 2.0 * 3 * HD * K + 8.0 * H * D * D + H)   # + the beta sigmoid
+
+
+@op("k3.fused_kda_ungated", "fused")
+class FusedKDAUngated(FusedKDA):
+    """``k3.fused_kda`` with its output norm left to the consumer (made by ``fuse-kda-output`` for a decode
+    layer whose output only feeds ``k3.decode_linear``s, which apply it in their prologue: ``norm="gated"``).
+
+    Operands and attributes as ``k3.fused_kda``. Results: o ``[B,T,H*D]`` *before* the per-head gated
+    RMSNorm of SPEC.md 3.6, the new conv states q/k/v and recurrent state, then ``gate [B,T,H*D]`` (the
+    output-gate pre-activation ``gz``: ``x g_proj^T``, or ``(x g_a^T) g_b^T``). ``k3.gated_rmsnorm`` of
+    (o, gate) per head with weight ``o_norm`` and ``eps`` gives ``k3.fused_kda``'s result 0."""
+    gate = Result()
+    GATED = False
+
+    def infer(self, *args):
+        out = super().infer(*args)
+        return [*out, out[0]]
 
 
 # ---- MoE ---------------------------------------------------------------------------------

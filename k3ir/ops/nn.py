@@ -250,3 +250,116 @@ class SwiGLU(Op):
 
     def flops(self, ot, rt, env):
         return 4.0 * numel(rt[0].shape, env)
+
+
+#: ``k3.decode_linear`` prologues (``norm``): none, RMSNorm of the row, gated head RMSNorm of the row
+DECODE_NORMS = ("none", "rms", "gated")
+
+
+@op("k3.decode_linear", "fused")
+class DecodeLinear(Op):
+    """A linear with the prologue and epilogue one decode-step weight-streaming GEMV computes
+    (made by the ``fuse-decode-linear`` pass; SPEC.md 3.6 for the gated norm, 5 for SwiGLU).
+
+    x ``[..., K]``; ``args`` = the weights, then the norm operands, then the residuals:
+
+    - weights ``[N_i, K]``: ``splits`` of them (one result each: linears of one input in one pass over
+      x), or two with ``glu`` (gate, up: one result ``silu(x' W^T) * (x' W3^T)``);
+    - ``norm="rms"``: weight ``[K]``, ``x' = rmsnorm(x, w, eps)``; ``norm="gated"``: weight ``[V]``
+      and gate ``[..., K]`` (V divides K), ``x'`` = the per-head RMSNorm of x over heads of V columns
+      times ``sigmoid(gate)`` (the KDA output norm, ``k3.gated_rmsnorm``); ``"none"``: ``x' = x``;
+    - ``residuals`` tensors ``[..., N]`` added to the (single) result left to right.
+
+    Results: ``[..., N_i]`` in x's dtype, one per split. Equal to its decomposition (rmsnorm /
+    gated_rmsnorm, linear, swiglu, add) in float64."""
+    x = Operand()
+    args = Operand("weights, norm weight (and gate), residuals", variadic=True)
+    out = Result("one per split")
+    norm = Attr(str, "none", choices=DECODE_NORMS)
+    eps = Attr(float, 1e-6)
+    glu = Attr(bool, False, "two weights (gate, up): SwiGLU of their products")
+    splits = Attr(int, 1, "weights whose products are separate results")
+    residuals = Attr(int, 0, "tensors added to the result")
+
+    def parts(self, args):
+        """(weights, norm operands, residuals) of the flat ``args``."""
+        nw = 2 if self.glu else self.splits
+        nn_ = {"none": 0, "rms": 1, "gated": 2}[self.norm]
+        require(len(args) == nw + nn_ + self.residuals,
+                f"k3.decode_linear takes {nw} weights, {nn_} norm operands and {self.residuals} residuals "
+                f"after x; got {len(args)} operands")
+        return list(args[:nw]), list(args[nw:nw + nn_]), list(args[nw + nn_:])
+
+    def verify(self):
+        require(self.splits >= 1, f"splits must be >= 1, got {self.splits}")
+        require(not (self.glu and self.splits != 1), "glu takes one split")
+        require(self.residuals >= 0 and (self.residuals == 0 or self.splits == 1),
+                "residuals need one result (splits=1)")
+
+    def infer(self, x, args):
+        x = tensor(x, "x")
+        self.verify()
+        ws, nrm, res = self.parts(args)
+        K = str(x.shape[-1])
+        for i, w in enumerate(ws):
+            w = tensor(w, f"weight {i}")
+            require(w.rank == 2 and str(w.shape[1]) == K, f"weight {i} {w} does not fit input {x} (want [N, {K}])")
+        if self.glu:
+            require([str(s) for s in ws[0].shape] == [str(s) for s in ws[1].shape],
+                    f"glu gate {ws[0]} and up {ws[1]} differ")
+        if self.norm == "rms":
+            require(nrm[0].rank == 1 and str(nrm[0].shape[0]) == K, f"norm weight {nrm[0]} must be [{K}]")
+        elif self.norm == "gated":
+            w, g = tensor(nrm[0], "norm weight"), tensor(nrm[1], "gate")
+            require(w.rank == 1 and isinstance(w.shape[0], int) and isinstance(x.shape[-1], int)
+                    and x.shape[-1] % w.shape[0] == 0, f"gated norm weight {w} must be [V] with V dividing {K}")
+            require([str(s) for s in g.shape] == [str(s) for s in x.shape], f"gate {g} must match {x}")
+        outs = [x.with_shape(x.shape[:-1] + (w.shape[0],)) for w in (ws[:1] if self.glu else ws)]
+        for i, r in enumerate(res):
+            r = tensor(r, f"residual {i}")
+            require([str(s) for s in r.shape] == [str(s) for s in outs[0].shape],
+                    f"residual {i} {r} must match the result {outs[0]}")
+        return outs
+
+    def reference(self, x, *args):
+        from ..opdef import get_opdef
+        ws, nrm, res = self.parts(args)
+        x = f64(x)
+        if self.norm == "rms":
+            x = get_opdef("k3.rmsnorm")({"eps": self.eps}).reference(x, nrm[0])
+        elif self.norm == "gated":
+            V = np.asarray(nrm[0]).size
+            xh = x.reshape(*x.shape[:-1], -1, V)
+            gz = f64(nrm[1]).reshape(xh.shape)
+            x = get_opdef("k3.gated_rmsnorm")({"eps": self.eps}).reference(xh, gz, nrm[0]).reshape(x.shape)
+        if self.glu:
+            ys = [silu(x @ f64(ws[0]).T) * (x @ f64(ws[1]).T)]
+        else:
+            ys = [x @ f64(w).T for w in ws]
+        for r in res:
+            ys[0] = ys[0] + f64(r)
+        return ys[0] if len(ys) == 1 else tuple(ys)
+
+    def decompose(self, b, x, args):
+        ws, nrm, res = self.parts(args)
+        if self.norm == "rms":
+            x = b.rmsnorm(x, nrm[0], eps=self.eps)
+        elif self.norm == "gated":
+            V = int(nrm[0].type.shape[0])
+            lead = [0] * (x.type.rank - 1)
+            xh = b.reshape(x, shape=lead + [-1, V])
+            x = b.reshape(b.gated_rmsnorm(xh, b.reshape(nrm[1], shape=lead + [-1, V]), nrm[0], eps=self.eps),
+                          shape=lead + [-1])
+        if self.glu:
+            ys = [b.swiglu(b.linear(x, ws[0]), b.linear(x, ws[1]))]
+        else:
+            ys = [b.linear(x, w) for w in ws]
+        for r in res:
+            ys[0] = b.add(ys[0], r)
+        return ys[0] if len(ys) == 1 else tuple(ys)
+
+    def flops(self, ot, rt, env):
+        K = numel((ot[0].shape[-1],), env)
+        rows = numel(ot[0].shape[:-1], env)
+        n = sum(numel((w.shape[0],), env) for w in ot[1:1 + (2 if self.glu else self.splits)])
+        return 2.0 * rows * K * n

@@ -286,7 +286,7 @@ def test_check_shows_phases_that_ran_and_the_target_description(capsys):
     assert desc["kind"] == "cuda" and desc["limits"] == {"shared_memory_per_block_bytes": 232448}
     assert any(f.startswith("programmatic dependent launch") for f in desc["features"])
     assert any(f.startswith("wgmma") for f in desc["features"])
-    assert [p["name"] for p in rep["phases"]] == ["fuse", "quantize", "specialize", "cleanup"]
+    assert [p["name"] for p in rep["phases"]] == ["fuse", "quantize", "specialize", "decode", "cleanup"]
     m = k3ir.load("k3-tiny")
     kda = sum(1 for f in m.functions.values() for op in f.ops if op.name == "k3.kda")
     ran = {p["pass"]: p for p in rep["passes"]}

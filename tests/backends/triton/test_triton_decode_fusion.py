@@ -1,4 +1,5 @@
-"""Decode-step fusions of the triton target (lowering.plan, executable.fused_kda) on a tiny Kimi Linear:
+"""Decode-step fusions of the triton target (k3.decode_linear from fuse-decode-linear, lowering.plan,
+executable.fused_kda) on a tiny Kimi Linear:
 RMSNorm deferred into the gemv prologue (KDA projections, MLA q/kv_a, dense MLP), the MLA q and kv_a
 linears in one gemv over concatenated weights, the MoE combine summed in the shared-expert down gemv,
 the KDA low-rank up-projections in one launch. Logits against the float64 reference backend, launches
@@ -73,8 +74,12 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches(decode_tun
     m = k3ir.load("kimi-linear-6p6b", KL)
     exe = k3ir.compile(m, target="triton", dtype="float32", device="cpu")
     acts = collections.Counter(a[0] if a[0] != "combine" else "combine_" + str(a[1:]) for a in exe.plans["decode"].values())
-    # 3 KDA input norms, the MLA input and latent norms, the dense MLP norm, 3 MoE norms (router consumers)
-    assert acts["norm"] == 9 and acts["lin_cat"] == 1 and acts["combine_('lazy',)"] == 3 and acts["kvcat"] == 1
+    # 3 KDA input norms, the MLA latent norm, 3 MoE norms (router consumers); the MLA input norm (q and kv_a in one
+    # k3.decode_linear) and the dense MLP norm (its SwiGLU) are the decode_linears' prologues in the IR
+    assert acts["norm"] == 7 and acts["combine_('lazy',)"] == 3 and acts["kvcat"] == 1
+    dl = collections.Counter((o.attrs["norm"], o.attrs["glu"], o.attrs["splits"], o.attrs["residuals"])
+                             for o in exe.module.functions["decode"].ops if o.name == "k3.decode_linear")
+    assert dl[("rms", False, 2, 0)] == 1 and dl[("rms", True, 1, 0)] == 1 and dl[("none", True, 1, 0)] == 3
     ref = Session(k3ir.compile(m, target="reference"))
     tri = Session(exe, params=ref.params)
     ids = np.random.default_rng(0).integers(3, 500, (2, 7))

@@ -1,5 +1,5 @@
-"""Regenerate the golden pass files: ``python tests/passes/golden/make_golden.py`` writes, for each
-pass, ``<pass>/input.k3`` (a small module) and ``<pass>/expected.k3`` (the pass's output).
+"""Regenerate the golden pass files: ``python tests/passes/golden/make_golden.py [CASE ...]`` writes, for each
+pass (or only the named cases), ``<pass>/input.k3`` (a small module) and ``<pass>/expected.k3`` (the pass's output).
 Review the diff by eye before committing: the goldens pin the printed form of each rewrite;
 the numerics tests (tests/passes/test_passes*.py) check the values."""
 from __future__ import annotations
@@ -25,13 +25,19 @@ K3_SMALL = dict(KIMI_LINEAR_SMALL, **{
     "mla_use_output_gate": True, "q_lora_rank": 16,
 })
 
-#: pass -> (config overrides, functions, pass spec run before it, pass spec)
+#: the triton pipeline's passes before its decode phase
+_BEFORE_DECODE = "fuse-kda-chunks,fuse-moe-dispatch,fuse-attn-res,absorb-mla"
+
+#: pass -> (config overrides, functions, pass specs run before it (comma-separated), pass spec)
 CASES = {
     "fuse-kda-chunks": (KIMI_LINEAR_SMALL, ("decode",), None, "fuse-kda-chunks"),
     "fuse-kda-chunks-k3": (K3_SMALL, ("prefill",), None, "fuse-kda-chunks"),
     "fuse-moe-dispatch": (K3_SMALL, ("forward",), None, "fuse-moe-dispatch{capacity_factor=1.25}"),
     "quantize-experts": (K3_SMALL, ("forward",), "fuse-moe-dispatch", "quantize-experts{format=mxfp4}"),
     "absorb-mla": (KIMI_LINEAR_SMALL, ("decode",), None, "absorb-mla"),
+    "fuse-decode-linear": (K3_SMALL, ("decode",), _BEFORE_DECODE, "fuse-decode-linear"),
+    "fuse-decode-linear-kimi-linear": (KIMI_LINEAR_SMALL, ("decode",), _BEFORE_DECODE, "fuse-decode-linear"),
+    "fuse-kda-output": (KIMI_LINEAR_SMALL, ("decode",), _BEFORE_DECODE + ",fuse-decode-linear", "fuse-kda-output"),
     "fuse-attn-res": (K3_SMALL, ("forward",), None, "fuse-attn-res"),
     "shard": (dict(K3_SMALL, **{"num_attention_heads": 2, "num_key_value_heads": 2, "linear_attn_config.num_heads": 2}),
               ("prefill",), None, "shard{ep=2,tp=2}"),
@@ -48,18 +54,22 @@ def small_module(overrides: dict, functions):
     return m
 
 
-def main() -> int:
+def main(names=()) -> int:
+    """Write the cases ``names`` (all when empty)."""
     from k3ir.passes import run_pipeline
+    from k3ir.passes.manager import split_specs
 
     import k3ir
     for case, (overrides, functions, before, spec) in CASES.items():
+        if names and case not in names:
+            continue
         d = os.path.join(HERE, case)
         if overrides is None:                      # hand-written input (cse, dce)
             m = k3ir.parse_file(os.path.join(d, "input.k3"))
         else:
             m = small_module(overrides, functions)
             if before:
-                run_pipeline(m, [before])
+                run_pipeline(m, split_specs(before))
             os.makedirs(d, exist_ok=True)
             with open(os.path.join(d, "input.k3"), "w") as f:
                 f.write(k3ir.print_module(m))
@@ -73,4 +83,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, HERE)
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
