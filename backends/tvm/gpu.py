@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from functools import cache
 from typing import Any
 
 from k3ir.errors import K3BackendError
@@ -189,6 +190,20 @@ def schedule_kernels(mod, target, report: GpuBuildReport, deny: set[tuple[str, s
     return mod
 
 
+@cache
+def _rocm_intrinsics() -> None:
+    """``log1p`` on ROCm: TVM 0.27 lowers it to the libm name ``log1pf``, which the AMDGPU device libraries do not
+    define (ld.lld: undefined symbol: log1pf); ``__ocml_log1p_f32`` / ``_f64`` / ``_f16`` are the OCML names."""
+    from tvm import tirx
+    from tvm.tirx.op import register_intrin_lowering
+
+    def log1p(op):
+        dt = str(getattr(op, "dtype", None) or op.ty)        # TVM 0.27 spells a PrimExpr's dtype ``.ty``
+        bits = {"float32": "f32", "float64": "f64", "float16": "f16"}.get(dt)
+        return op if bits is None else tirx.call_pure_extern(dt, f"__ocml_log1p_{bits}", op.args[0])
+    register_intrin_lowering("tirx.log1p", target="rocm", f=log1p, level=99)
+
+
 def _pipeline_module(kind: str):
     from tvm.relax.backend.cuda import pipeline as cuda
     from tvm.relax.backend.gpu_generic import pipeline as generic
@@ -259,6 +274,8 @@ def build_gpu(module, kind: str, arch: str = "", dtype: str = "float32", functio
     import tvm
     t0 = time.perf_counter()
     target = gpu_target(kind, arch)
+    if kind == "rocm":
+        _rocm_intrinsics()
     report = GpuBuildReport(kind=kind, arch=arch or GPU_KINDS[kind][0])
     if functions is None:
         functions = [f for f in ("prefill", "decode") if f in module.functions] or ["forward"]
