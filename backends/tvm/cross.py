@@ -199,10 +199,6 @@ def register_cross_targets() -> None:
 
     from k3ir.passes.pipelines import pipeline_for
 
-    def function_support(module, name):
-        from .lower import function_problem
-        return function_problem(module, name)
-
     for kind in GPU_KINDS:
         def build(module, dtype: str = "float32", device: str = "cpu", kind=kind):
             from .artifact_gpu import TVMGpuExecutable
@@ -227,7 +223,6 @@ def register_cross_targets() -> None:
             name=f"tvm-{kind}", description=f"Apache TVM Relax for {kind}: the whole model, dlight-scheduled "
             f"(builds here; runs on a {kind} device from its artifact)", build=build, pipeline=pipeline_for("tvm"),
             table=table, available=available, dtypes=("float32",), load_artifact=load,
-            function_support=function_support,
             target_description=TargetDescription(kind=kind, toolchain="Apache TVM Relax/TIR with dlight GPU "
                                                  "schedules and k3ir's hand-scheduled KDA and MoE kernels")))
 
