@@ -20,42 +20,6 @@ from k3ir.ir import Module
 
 from .. import Executable
 
-#: file suffix of the generated device source per kind (``--emit-source``)
-SOURCE_SUFFIX = {"cuda": ".cu", "rocm": ".s", "metal": ".metal", "opencl": ".cl", "webgpu": ".wgsl"}
-
-
-def write_library(ex, kind: str, out_dir: str, stem: str, emit_source: bool = False) -> dict[str, str]:
-    """Export built executable ``ex`` of GPU ``kind`` into ``out_dir`` as ``<stem>.so`` (``<stem>.tar`` of objects
-    for webgpu, linked into wasm by the web runtime's toolchain); with ``emit_source`` also ``<stem><suffix>``, the
-    device source. Returns {"library": name[, "source": name]}."""
-    from .gpu import _device_kind, _device_modules
-    os.makedirs(out_dir, exist_ok=True)
-    files: dict[str, str] = {}
-    sources: dict[str, str] = {}
-    if kind == "webgpu":
-        from tvm.support import tar
-        lib = f"{stem}.tar"
-        ex.export_library(os.path.join(out_dir, lib), fcompile=tar.tar)
-    elif kind == "cuda":
-        from .cubin import make_fpack_imports
-        lib = f"{stem}.so"
-        ex.export_library(os.path.join(out_dir, lib), fpack_imports=make_fpack_imports(sources=sources))
-    else:
-        lib = f"{stem}.so"
-        ex.export_library(os.path.join(out_dir, lib))
-    files["library"] = lib
-    if emit_source:
-        if kind != "cuda":
-            for i, d in enumerate(_device_modules(ex, _device_kind(kind))):
-                fmt = "asm" if kind == "rocm" else ""
-                sources[f"{kind}_{i}"] = d.inspect_source(fmt) if fmt else d.inspect_source()
-        text = "\n".join(sources.values())
-        name = f"{stem}{SOURCE_SUFFIX[kind]}"
-        with open(os.path.join(out_dir, name), "w") as f:
-            f.write(text)
-        files["source"] = name
-    return files
-
 
 class TVMGpuExecutable(Executable):
     """A module built for TVM GPU ``kind`` here, to run elsewhere: ``build_all`` builds it (child process) and

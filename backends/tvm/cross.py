@@ -80,16 +80,6 @@ def cross_report() -> dict[str, str]:
 
 
 # ---- the GPU kinds: whole-model builds (gpu.py), probes, registration -----------------------------------------
-def rocm_path() -> str | None:
-    """A ROCm folder whose ``amdgcn/bitcode`` holds the device libraries: ``$ROCM_PATH``, ``/opt/rocm``, or Debian's
-    ``rocm-device-libs`` location (``/usr/lib/x86_64-linux-gnu``); None when none has them."""
-    import os
-    for c in (os.environ.get("ROCM_PATH", ""), "/opt/rocm", "/usr/lib/x86_64-linux-gnu"):
-        if c and os.path.isdir(os.path.join(c, "amdgcn", "bitcode")):
-            return c
-    return None
-
-
 def find_lld() -> str | None:
     """The ``ld.lld`` TVM's ROCm build links with: its LLVM's major version first (``ld.lld-22``; Debian's
     default lld 14 fails on its code objects with "unknown abi version"), then plain ``ld.lld``."""
@@ -144,6 +134,7 @@ def _probe_toolchain(kind: str) -> tuple[str | None, str]:
         ver = m.group(0) if m else ""
         return None, f"{nvcc} ({ver or 'version unknown'}) -> fatbin of sm_90a + sm_80 cubins"
     if kind == "rocm":
+        from .gpu import rocm_path
         lld, rp = find_lld(), rocm_path()
         if lld is None:
             return "ld.lld not found (apt-get install lld-22: TVM's LLVM 22 needs its own lld)", ""

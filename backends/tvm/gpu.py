@@ -190,6 +190,15 @@ def schedule_kernels(mod, target, report: GpuBuildReport, deny: set[tuple[str, s
     return mod
 
 
+def rocm_path() -> str | None:
+    """A ROCm folder whose ``amdgcn/bitcode`` holds the device libraries: ``$ROCM_PATH``, ``/opt/rocm``, or Debian's
+    ``rocm-device-libs`` location (``/usr/lib/x86_64-linux-gnu``); None when none has them."""
+    for c in (os.environ.get("ROCM_PATH", ""), "/opt/rocm", "/usr/lib/x86_64-linux-gnu"):
+        if c and os.path.isdir(os.path.join(c, "amdgcn", "bitcode")):
+            return c
+    return None
+
+
 @cache
 def _rocm_intrinsics() -> None:
     """``log1p`` on ROCm: TVM 0.27 lowers it to the libm name ``log1pf``, which the AMDGPU device libraries do not
@@ -329,6 +338,43 @@ def device_function_names(dev) -> list[str]:
         return []
 
 
+# ---- the library ----------------------------------------------------------------------------------------
+#: file suffix of the generated device source per kind (``--emit-source``)
+SOURCE_SUFFIX = {"cuda": ".cu", "rocm": ".s", "metal": ".metal", "opencl": ".cl", "webgpu": ".wgsl"}
+
+
+def write_library(ex, kind: str, out_dir: str, stem: str, emit_source: bool = False) -> dict[str, str]:
+    """Export built executable ``ex`` of GPU ``kind`` into ``out_dir`` as ``<stem>.so`` (``<stem>.tar`` of objects
+    for webgpu, linked into wasm by the web runtime's toolchain); with ``emit_source`` also ``<stem><suffix>``, the
+    device source. Returns {"library": name[, "source": name]}."""
+    os.makedirs(out_dir, exist_ok=True)
+    files: dict[str, str] = {}
+    sources: dict[str, str] = {}
+    if kind == "webgpu":
+        from tvm.support import tar
+        lib = f"{stem}.tar"
+        ex.export_library(os.path.join(out_dir, lib), fcompile=tar.tar)
+    elif kind == "cuda":
+        from .cubin import make_fpack_imports
+        lib = f"{stem}.so"
+        ex.export_library(os.path.join(out_dir, lib), fpack_imports=make_fpack_imports(sources=sources))
+    else:
+        lib = f"{stem}.so"
+        ex.export_library(os.path.join(out_dir, lib))
+    files["library"] = lib
+    if emit_source:
+        if kind != "cuda":
+            for i, d in enumerate(_device_modules(ex, _device_kind(kind))):
+                fmt = "asm" if kind == "rocm" else ""
+                sources[f"{kind}_{i}"] = d.inspect_source(fmt) if fmt else d.inspect_source()
+        text = "\n".join(sources.values())
+        name = f"{stem}{SOURCE_SUFFIX[kind]}"
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(text)
+        files["source"] = name
+    return files
+
+
 # ---- building in a child process ----------------------------------------------------------------------------
 def _child(argv: list[str]) -> int:
     """``python -m k3ir.backends.tvm.gpu SPEC.json``: build one kind and write the library (+ report) where the
@@ -343,7 +389,6 @@ def _child(argv: list[str]) -> int:
         with open(log_path, "a") as f:
             f.write(json.dumps([kernel, rule]) + "\n")
     deny = {(x[0], x[1]) for x in spec.get("deny", [])}
-    from .artifact_gpu import write_library
     try:
         ex, params, report = build_gpu(module, spec["kind"], spec["arch"], spec["dtype"], spec.get("functions"),
                                        deny, log=log)
@@ -382,7 +427,6 @@ def build_kind_subprocess(module, kind: str, arch: str, out_dir: str, stem: str,
                 json.dump(spec, f)
             env = dict(os.environ)
             if kind == "rocm" and "ROCM_PATH" not in env:
-                from .cross import rocm_path
                 env["ROCM_PATH"] = rocm_path() or "/opt/rocm"     # where TVM looks for amdgcn/bitcode
             proc = subprocess.run([sys.executable, "-m", "k3ir.backends.tvm.gpu", spath], capture_output=True,
                                   text=True, timeout=timeout, check=False, env=env)
