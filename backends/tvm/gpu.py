@@ -278,7 +278,7 @@ def build_gpu(module, kind: str, arch: str = "", dtype: str = "float32", functio
               deny: set[tuple[str, str]] = frozenset(), log=None):
     """Build ``functions`` (default prefill+decode, else forward) of the pass-run ``module`` for GPU ``kind``/
     ``arch``: (relax VMExecutable, {function: parameter names}, GpuBuildReport). For cuda the executable's
-    device code is still CUDA source here (``cubin.embed_fatbin`` compiles it when the library is written).
+    device code is still CUDA source here (``cubin.make_fpack_imports`` compiles it when the library is written).
     Raises K3BackendError naming the kind and the failing step."""
     import tvm
     t0 = time.perf_counter()
