@@ -299,7 +299,7 @@ def _rows(t) -> int | None:
 
 #: module attribute -> the ops that make a decoder layer one of that kind
 LAYER_KINDS: dict[str, tuple[str, ...]] = {"kda_layers": ("k3.kda", "k3.fused_kda", "k3.fused_kda_ungated"),
-                                          "mla_layers": ("k3.mla",)}
+                                          "mla_layers": ("k3.mla", "k3.mla_kv_norm")}
 _KIND_WORDS = {"kda_layers": "a KDA", "mla_layers": "an MLA"}
 
 

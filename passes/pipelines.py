@@ -24,7 +24,7 @@ PHASES: dict[str, list[str]] = {
     "fuse": ["fuse-kda-chunks", "fuse-moe-dispatch", "fuse-attn-res"],
     "quantize": ["quantize-experts"],
     "specialize": ["absorb-mla"],
-    "decode": ["fuse-decode-linear", "fuse-kda-output"],
+    "decode": ["fuse-decode-linear", "fuse-kda-output", "fuse-mla-kv-norm"],
     "cleanup": ["cse", "dce"],
 }
 

@@ -208,10 +208,17 @@ def _decode_linear(r):
             ([x, w1, _pos(r, (4,)), _x(r, (2, 1, 8)), res[1]], {}, {"norm": "gated", "residuals": 1})]
 
 
+def _mla_kv_norm(r):
+    attrs = {"heads": 2, "nope": 3, "rope": 2, "v_dim": 3, "scale": 0.4, "absorbed": True, "eps": 1e-5}
+    q, lat, kr, nw, w = _x(r, (2, 1, 2, 5)), _x(r, (2, 1, 4)), _x(r, (2, 1, 2)), _pos(r, (4,)), _x(r, (12, 4))
+    return [([q, lat, kr, nw, w], {}, attrs),
+            ([q, lat, kr, nw, w, _x(r, (2, 3, 6))], {5: StateType("mla_cache", (4, 2))}, attrs)]
+
+
 FUSED_CASES: dict[str, Callable[[np.random.Generator], list[Case]]] = {
     "k3.moe_dispatch": _moe_dispatch, "k3.grouped_matmul": _grouped_matmul, "k3.moe_combine": _moe_combine,
     "k3.attn_res_store": _attn_res_store, "k3.attn_res_fused": _attn_res_fused,
-    "k3.decode_linear": _decode_linear,
+    "k3.decode_linear": _decode_linear, "k3.mla_kv_norm": _mla_kv_norm,
 }
 
 _COLLECTIVE = ("needs a process group (a world of ranks); covered by tests/ir/test_collectives.py and "

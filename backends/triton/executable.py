@@ -215,6 +215,11 @@ KERNELS = {
 }
 
 
+#: when an entry of ``KERNELS`` returns NotImplemented (the interpreter then runs the op's decomposition)
+KERNEL_FALLBACKS = {"k3.fused_kda_ungated": "decomposition at run time unless a decode step (T = 1, recurrent) "
+                                            "without autograd, not float64, L2 eps 1e-6"}
+
+
 #: ops whose kernels evaluate the KDA gate ``lb * sigmoid(a (z + dt_bias))`` (see ``interpreter_guard``)
 GATE_OPS = ("k3.kda", "k3.fused_kda", "k3.fused_kda_ungated")
 

@@ -73,19 +73,6 @@ class Routed(Lazy):
         return disp_k.dispatch_front(self.front)[1][0]
 
 
-class KVCat(Lazy):
-    """``concat(rmsnorm(latent), rope)`` of an MLA decode step not yet computed: the MLA prologue kernel
-    norms the latent and writes both into the cache row (mla.mla_decode_absorbed ``kv_norm=``)."""
-
-    def __init__(self, lat: Prenormed, rope):
-        self.lat, self.rope = lat, rope
-        self.shape = (*rope.shape[:-1], lat.shape[-1] + rope.shape[-1])
-        self.dtype, self.device = rope.dtype, rope.device
-
-    def _compute(self):
-        return torch.cat([self.lat.materialize(), self.rope.to(self.lat.dtype)], dim=-1)
-
-
 def _val(v):
     """A Lazy as its materialized tensor (computed now if needed); anything else as is."""
     if isinstance(v, Lazy):
@@ -143,15 +130,39 @@ def attn_res_fused(inst, w, r, buf, pref):
     return norm_k.attn_res_fused(w, r, buf, pref, inst.n_blocks, inst.eps)
 
 
+def _absorbed_decode(exe, inst, q, kv, w, c, lengths, kv_norm=None):
+    """One absorbed MLA decode step (T == 1) in three launches: q absorbed into the latent + the cache row
+    written, attention, merge + W_uv (mla.mla_decode_absorbed). kv ``[B,1,R+P]``, or None with ``kv_norm =
+    (latent [B,1,R], k_rope [B,1,P], norm weight [R], eps)``: the row normed and concatenated in the prologue
+    kernel. Returns (o, the cache with the row). Under a CUDA-graph decode (``exe.graph_ctx``) the cache
+    operand is a preallocated buffer and the valid length lives on the device."""
+    H, n, vd = inst.heads, inst.nope, inst.v_dim
+    wq = w.to(q.dtype)
+    ctx = getattr(exe, "graph_ctx", None)
+    if ctx is not None:                          # graph mode: c is the static buffer
+        full, pos, nlen = c, ctx["pos"], ctx["nlen"]
+    else:
+        L = 0 if c is None else c.shape[1]
+        width = kv.shape[2] if kv_norm is None else kv_norm[0].shape[2] + kv_norm[1].shape[2]
+        full = torch.empty(q.shape[0], L + 1, width, device=q.device, dtype=torch.float32)
+        if c is not None:
+            full[:, :L].copy_(c)
+        pos = torch.full((1,), L, dtype=torch.int64, device=q.device)
+        nlen = torch.full((1,), L + 1, dtype=torch.int32, device=q.device)
+    if kv_norm is not None:       # the latent RMSNorm and the concat with the rope key in the prologue kernel
+        lat, rope, nw, eps = kv_norm
+        o = mla_k.mla_decode_absorbed(q, lat, wq, full, pos, nlen, H, n, vd, inst.scale, lengths,
+                                      kv_norm=(rope, nw, eps))
+    else:
+        o = mla_k.mla_decode_absorbed(q, kv, wq, full, pos, nlen, H, n, vd, inst.scale, lengths)
+    return o, full
+
+
 def make_mla(exe):
     """``k3.mla`` (SPEC.md 4): prefill through the flash kernel on up-projected keys, decode
-    (absorbed, T == 1) through the latent-cache kernel. Under a CUDA-graph decode (``exe.graph_ctx``)
-    the cache operand is a preallocated buffer and the valid length lives on the device."""
+    (absorbed, T == 1) through the latent-cache kernel (``_absorbed_decode``). Under a CUDA-graph decode
+    (``exe.graph_ctx``) the cache operand is a preallocated buffer and the valid length lives on the device."""
     def mla(inst, q, kv, w, c=None, lengths=None):
-        fused_kv = (isinstance(kv, KVCat) and kv.value is None and inst.absorbed and q.shape[1] == 1
-                    and q.dim() == 4 and q.dtype != torch.float64 and _no_grad(q, w))
-        if isinstance(kv, Lazy) and not fused_kv:
-            kv = kv.materialize()
         if q.dtype == torch.float64:
             return _torch_impl("k3.mla")(inst, q, kv, w, c, lengths)
         H, n, vd = inst.heads, inst.nope, inst.v_dim
@@ -160,24 +171,8 @@ def make_mla(exe):
         wh = w.to(q.dtype).reshape(H, n + vd, R)
         w_uk, w_uv = wh[:, :n], wh[:, n:]
         ctx = getattr(exe, "graph_ctx", None)
-        if inst.absorbed and T == 1 and (fused_kv or _no_grad(q, kv, w)) and q.dim() == 4:
-            # three launches: q absorbed into the latent + cache row write, attention, merge + W_uv
-            wq = w.to(q.dtype)
-            if ctx is not None:                          # graph mode: c is the static buffer
-                full, pos, nlen = c, ctx["pos"], ctx["nlen"]
-            else:
-                L = 0 if c is None else c.shape[1]
-                full = torch.empty(kv.shape[0], L + 1, kv.shape[2], device=q.device, dtype=torch.float32)
-                if c is not None:
-                    full[:, :L].copy_(c)
-                pos = torch.full((1,), L, dtype=torch.int64, device=q.device)
-                nlen = torch.full((1,), L + 1, dtype=torch.int32, device=q.device)
-            if fused_kv:       # the latent RMSNorm and the concat with the rope key in the prologue kernel
-                o = mla_k.mla_decode_absorbed(q, kv.lat.x, wq, full, pos, nlen, H, n, vd, inst.scale, lengths,
-                                              kv_norm=(kv.rope, kv.lat.w, kv.lat.eps))
-            else:
-                o = mla_k.mla_decode_absorbed(q, kv, wq, full, pos, nlen, H, n, vd, inst.scale, lengths)
-            return o, full
+        if inst.absorbed and T == 1 and _no_grad(q, kv, w) and q.dim() == 4:
+            return _absorbed_decode(exe, inst, q, kv, w, c, lengths)
         if inst.absorbed and T == 1:
             qt = torch.einsum("bhn,hnr->bhr", q[:, 0, :, :n], w_uk)
             qr = q[:, 0, :, n:]
@@ -197,6 +192,19 @@ def make_mla(exe):
         v = torch.einsum("bsr,hvr->bshv", ckv, w_uv)
         return mla_k.mla_prefill(q, kn, kr, v, inst.scale, lengths), full
     return mla
+
+
+def make_mla_kv_norm(exe):
+    """``k3.mla_kv_norm`` (ops/mla.py): an absorbed decode step of at most ``gemv.MAX_ROWS`` rows (no autograd,
+    CUDA or the interpreter) through ``_absorbed_decode`` with the latent norm in the prologue kernel; anything
+    else returns NotImplemented (the decomposition: rmsnorm, concat, k3.mla)."""
+    def mla_kv_norm(inst, q, lat, rope, nw, w, c=None, lengths=None):
+        if (inst.absorbed and q.dim() == 4 and q.shape[1] == 1 and q.dtype != torch.float64 and lat.dim() == 3
+                and rope.dim() == 3 and 0 < lat.numel() // lat.shape[-1] <= gemv_k.MAX_ROWS
+                and (q.is_cuda or interpreting()) and _no_grad(q, w, lat, rope, nw)):
+            return _absorbed_decode(exe, inst, q, None, w, c, lengths, kv_norm=(lat, rope, nw, inst.eps))
+        return NotImplemented
+    return mla_kv_norm
 
 
 def _no_grad(*ts) -> bool:
@@ -281,8 +289,10 @@ def table(exe) -> LoweringTable:
     out = LoweringTable({
         "k3.linear": linear, "k3.decode_linear": decode_linear, "k3.moe_dispatch": moe_dispatch,
         "k3.grouped_matmul": grouped_matmul, "k3.moe_combine": moe_combine, "k3.rmsnorm": rmsnorm,
-        "k3.attn_res_fused": attn_res_fused, "k3.mla": make_mla(exe)})
+        "k3.attn_res_fused": attn_res_fused, "k3.mla": make_mla(exe), "k3.mla_kv_norm": make_mla_kv_norm(exe)})
     out.falls_back("k3.decode_linear", when=DECODE_LINEAR_FALLBACK)
+    out.falls_back("k3.mla_kv_norm", when=f"decomposition at run time unless an absorbed decode step of at most "
+                                         f"{gemv_k.MAX_ROWS} rows (not float64, no autograd, CUDA or TRITON_INTERPRET=1)")
     return out
 
 
@@ -343,15 +353,6 @@ def plan(fn) -> dict[int, tuple]:
             p = producer.get(id(v))
             if p is not None and out.get(id(p)) == ("combine",) and len(uses.get(id(v), [])) == 1:
                 out[id(p)] = ("combine", "lazy")
-    # MLA decode: concat(rmsnorm(slice(a, 0:R)), slice(a, R:)) as the cache row -> into the MLA prologue kernel
-    for op in fn.ops:
-        if op.name != "k3.concat" or id(op) in out or len(op.operands) != 2:
-            continue
-        us = uses.get(id(op.results[0]), [])
-        nrm = producer.get(id(op.operands[0]))
-        if (len(us) == 1 and us[0] is not None and us[0].name == "k3.mla" and us[0].operands[1] is op.results[0]
-                and nrm is not None and nrm.name == "k3.rmsnorm" and len(uses.get(id(nrm.results[0]), [])) == 1):
-            out[id(op)] = ("kvcat",)
     # an RMSNorm whose every consumer can norm the raw row itself (gemv prologue, KDA decode projections)
     for op in fn.ops:
         if op.name == "k3.rmsnorm" and id(op) not in out:
@@ -385,7 +386,7 @@ def _norm_consumer(c, r, out) -> bool:
         return c.attrs.get("norm", "none") == "none"
     if c.name in ("k3.fused_kda", "k3.fused_kda_ungated"):
         return act is None
-    return (c.name, act) in (("k3.router", "route"), ("k3.moe_dispatch", "routed"), ("k3.concat", "kvcat"))
+    return (c.name, act) in (("k3.router", "route"), ("k3.moe_dispatch", "routed"))
 
 
 class PlanInterpreter(Interpreter):
@@ -408,7 +409,7 @@ class PlanInterpreter(Interpreter):
         """Deferred values (Lazy) are materialized for every op but the KDA layer's input row."""
         if op.name == "k3.decode_linear":       # its lowering fuses a deferred norm or combine (else decomposes)
             return super().eval_op(op, vals)
-        keep = {"k3.fused_kda": 0, "k3.fused_kda_ungated": 0, "k3.mla": 1}.get(op.name, -1)
+        keep = {"k3.fused_kda": 0, "k3.fused_kda_ungated": 0}.get(op.name, -1)
         return super().eval_op(op, [v if i == keep else _val(v) for i, v in enumerate(vals)])
 
     def exec_op(self, op, env, observe=True):
@@ -420,14 +421,6 @@ class PlanInterpreter(Interpreter):
             return
         if kind == "front_glu":
             if id(op.results[0]) in env:          # computed by its MoE front (route_glu_dispatch)
-                return
-            return super().exec_op(op, env, observe)
-        if kind == "kvcat":
-            a, b = env[id(op.operands[0])], env[id(op.operands[1])]
-            ax = int(op.attrs.get("axis", -1))
-            if (isinstance(a, Prenormed) and a.value is None and isinstance(b, torch.Tensor)
-                    and ax in (-1, b.dim() - 1) and a.x.dim() == b.dim()):
-                env[id(op.results[0])] = KVCat(a, b)
                 return
             return super().exec_op(op, env, observe)
         if kind == "norm":

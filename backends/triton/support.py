@@ -31,9 +31,10 @@ def table() -> LoweringTable:
     the conditions of the merged tables."""
     from ..torch.ops import TABLE
     from . import lowering
-    from .executable import KERNELS
+    from .executable import KERNEL_FALLBACKS, KERNELS
     own = lowering.table(None)
     own["k3.mla"] = lowering.make_mla
+    own["k3.mla_kv_norm"] = lowering.make_mla_kv_norm
     out = LoweringTable()
     for part in (TABLE, KERNELS, own):
         conditions, fallbacks = getattr(part, "conditions", {}), getattr(part, "fallbacks", {})
@@ -45,6 +46,7 @@ def table() -> LoweringTable:
                 out.conditions[name] = conditions[name]
             if name in fallbacks:
                 out.fallbacks[name] = fallbacks[name]
+    out.fallbacks.update(KERNEL_FALLBACKS)
     return out
 
 

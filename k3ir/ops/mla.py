@@ -132,3 +132,52 @@ class MLA(Op):
         return expand + B * T * 2 * H * keys * (n + r + vd)
 
 
+
+
+@op("k3.mla_kv_norm", "fused")
+class MLAKVNorm(Op):
+    """``k3.mla`` whose cache row is built from the raw latent (made by ``fuse-mla-kv-norm`` for absorbed MLA):
+    ``kv = concat(rmsnorm(latent, kv_norm, eps), k_rope)`` on the last axis, then ``k3.mla(q, kv, w_kvb,
+    cache_in, lengths)`` (SPEC.md 4). latent ``[B,T,R]`` (the ``kv_a`` output's first R columns, before
+    ``kv_a_layernorm``), k_rope ``[B,T,P]``, kv_norm ``[R]``; the other operands, attributes and results as
+    ``k3.mla``. The Triton decode kernel norms the latent and writes the row in its prologue."""
+    q = Operand()
+    latent = Operand()
+    k_rope = Operand()
+    kv_norm = Operand()
+    w_kvb = Operand()
+    cache_in = Operand(optional=True)
+    lengths = Operand(optional=True)
+    out = Result()
+    cache_out = Result()
+    heads = Attr(int)
+    nope = Attr(int)
+    rope = Attr(int)
+    v_dim = Attr(int)
+    scale = Attr(float)
+    absorbed = Attr(bool, False)
+    eps = Attr(float, 1e-6, "kv_a_layernorm eps")
+
+    def _mla(self):
+        return MLA({k: v for k, v in self.attrs.items() if k != "eps"})
+
+    def infer(self, q, lat, kr, nw, w, c=None, lengths=None):
+        lat, kr, nw = tensor(lat, "latent"), tensor(kr, "k_rope"), tensor(nw, "kv_norm")
+        require(lat.rank == 3 and kr.rank == 3 and [str(s) for s in lat.shape[:2]] == [str(s) for s in kr.shape[:2]]
+                and lat.dtype == kr.dtype, f"latent {lat} and k_rope {kr} must be [B,T,R] and [B,T,P] of one dtype")
+        require(nw.rank == 1 and str(nw.shape[0]) == str(lat.shape[2]), f"kv_norm {nw} must be [{lat.shape[2]}]")
+        kv = lat.with_shape(lat.shape[:2] + (int(lat.shape[2]) + int(kr.shape[2]),))
+        return self._mla().infer(q, kv, w, c, lengths)
+
+    def reference(self, q, lat, kr, nw, w, c=None, lengths=None):
+        lat = f64(lat)
+        normed = lat / np.sqrt(np.mean(lat * lat, axis=-1, keepdims=True) + self.eps) * f64(nw)
+        return self._mla().reference(q, np.concatenate([normed, f64(kr)], axis=-1), w, c, lengths)
+
+    def decompose(self, b, q, lat, kr, nw, w, c=None, lengths=None):
+        kv = b.concat(b.rmsnorm(lat, nw, eps=self.eps), kr, axis=2)
+        attrs = {k: v for k, v in self.attrs.items() if k in MLA._attrs}
+        return b.op("k3.mla", q, kv, w, c, lengths, **attrs)
+
+    def flops(self, ot, rt, env):
+        return self._mla().flops([ot[0], None, ot[4]], rt, env) + 4.0 * numel(ot[1].shape, env)

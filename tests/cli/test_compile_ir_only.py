@@ -78,19 +78,19 @@ def test_ir_only_without_output_says_nothing_was_written(capsys, tmp_path, monke
 
 def test_triton_decode_phase_dump_shows_the_decode_fused_ops(capsys, tmp_path):
     """``k3ir compile k3-tiny --target triton --ir-only --dump-ir DIR``: the decode phase's dumps hold the ops the
-    decode-step kernels run (k3.decode_linear, k3.fused_kda_ungated) in the decode function; the dump before
+    decode-step kernels run (k3.decode_linear, k3.fused_kda_ungated, k3.mla_kv_norm) in the decode function; the dump before
     that phase has none, and the prefill function keeps k3.fused_kda (the KDA output pass is for decode steps)."""
     dump = tmp_path / "dump"
     rc, _, err = run_cli(capsys, "compile", "k3-tiny", "--target", "triton", "--ir-only", "--dump-ir", str(dump))
     assert rc == 0, err
     files = sorted(os.listdir(dump))
-    assert [f.split("-", 1)[1] for f in files if "-decode." in f] == ["decode.fuse-decode-linear.k3",
-                                                                     "decode.fuse-kda-output.k3"]
+    assert [f.split("-", 1)[1] for f in files if "-decode." in f] == [
+        "decode.fuse-decode-linear.k3", "decode.fuse-kda-output.k3", "decode.fuse-mla-kv-norm.k3"]
     before = k3ir.parse_file(str(dump / next(f for f in files if f.endswith("specialize.absorb-mla.k3"))))
     after = k3ir.parse_file(str(dump / files[-1]))
     assert not any(o.name == "k3.decode_linear" for o in before.ops())
     decode = {o.name for o in after.functions["decode"].ops}
-    assert {"k3.decode_linear", "k3.fused_kda_ungated"} <= decode
+    assert {"k3.decode_linear", "k3.fused_kda_ungated", "k3.mla_kv_norm"} <= decode and "k3.mla" not in decode
     norms = {o.attrs["norm"] for o in after.functions["decode"].ops if o.name == "k3.decode_linear"}
     assert norms == {"none", "rms", "gated"}
     assert "k3.fused_kda_ungated" not in {o.name for o in after.functions["prefill"].ops}

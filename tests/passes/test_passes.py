@@ -121,10 +121,13 @@ def test_kimi_k3_triton_pipeline():
     assert pre["k3.fused_kda"] == 69 == len(cfg.kda_layers) and pre["k3.moe_dispatch"] == 92
     assert pre["k3.grouped_matmul"] == 3 * 92 and pre["k3.moe_combine"] == 92
     assert not any(o.name in ("k3.kda", "k3.moe") for o in m.ops())
-    assert {o.attrs["mode"] for o in m.functions["decode"].walk("k3.fused_kda")} == {"recurrent"}
+    # decode: each KDA layer recurrent; with its output norm in o_proj's k3.decode_linear (decode phase) or not
+    kda_dec = [o for n in ("k3.fused_kda", "k3.fused_kda_ungated") for o in m.functions["decode"].walk(n)]
+    assert {o.attrs["mode"] for o in kda_dec} == {"recurrent"} and len(kda_dec) == 69
     assert {o.attrs["mode"] for o in m.functions["prefill"].walk("k3.fused_kda")} == {"chunk"}
     assert {o.attrs["quant"] for o in m.ops("k3.grouped_matmul")} == {"mxfp4"}
-    assert all(o.attrs["absorbed"] for o in m.functions["decode"].walk("k3.mla")) and dec["k3.mla"] == 24
+    mla_dec = [o for n in ("k3.mla", "k3.mla_kv_norm") for o in m.functions["decode"].walk(n)]
+    assert all(o.attrs["absorbed"] for o in mla_dec) and len(mla_dec) == 24 and dec["k3.mla_kv_norm"] > 0
     # bytes: routed experts (92 MoE layers x 3 x 896 x 3584 x 3072) go from 2 to 0.5 + 1/32 bytes
     routed = 92 * 3 * 896 * 3584 * 3072
     after = report(m)

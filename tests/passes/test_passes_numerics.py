@@ -166,7 +166,7 @@ def test_fuse_moe_dispatch_float64_torch_matches_reference():
 @pytest.mark.parametrize("key", MODELS)
 def test_decode_phase_keeps_logits(key):
     """The triton pipeline's ``decode`` phase (fuse-decode-linear: k3.decode_linear; fuse-kda-output:
-    k3.fused_kda_ungated + norm="gated") leaves the float64 logits of forward, prefill and decode as the reference
+    k3.fused_kda_ungated + norm="gated"; fuse-mla-kv-norm: k3.mla_kv_norm) leaves the float64 logits of forward, prefill and decode as the reference
     pipeline gives them (SPEC.md 11: rel < 1e-10), run as the ops' references and as their decompositions into
     core ops."""
     from k3ir.backends.reference import ReferenceExecutable
@@ -175,12 +175,13 @@ def test_decode_phase_keeps_logits(key):
     dl = [o for o in exe.module.ops() if o.name == "k3.decode_linear"]
     assert {o.attrs["norm"] for o in dl} >= {"rms", "none"} and any(o.attrs["residuals"] for o in dl)
     assert any(o.attrs["splits"] > 1 for o in dl) and (key == "k3-tiny" or any(o.attrs["glu"] for o in dl))
-    assert "gated" in {o.attrs["norm"] for o in dl} and any(o.name == "k3.fused_kda_ungated" for o in exe.module.ops())
+    names = {o.name for o in exe.module.ops()}
+    assert "gated" in {o.attrs["norm"] for o in dl} and {"k3.fused_kda_ungated", "k3.mla_kv_norm"} <= names
     want = _run_all(_session(m, pipeline_for("reference")), m)
     for i, (a, b) in enumerate(zip(_run_all(Session(exe), m), want)):
         assert rel_err(a, b) < 1e-10, f"{key}: output {i} rel err {rel_err(a, b):.2e}"
     core = ReferenceExecutable(exe.module, "float64", "cpu", core_only=True)
-    assert "k3.decode_linear" not in core.table and "k3.fused_kda_ungated" not in core.table
+    assert not {"k3.decode_linear", "k3.fused_kda_ungated", "k3.mla_kv_norm"} & set(core.table)
     ids = _ids(m, 2, 6)
     ref, dec = Session(exe), Session(core)
     lp, st = ref.prefill(ids[:, :5])

@@ -38,6 +38,7 @@ CASES = {
     "fuse-decode-linear": (K3_SMALL, ("decode",), _BEFORE_DECODE, "fuse-decode-linear"),
     "fuse-decode-linear-kimi-linear": (KIMI_LINEAR_SMALL, ("decode",), _BEFORE_DECODE, "fuse-decode-linear"),
     "fuse-kda-output": (KIMI_LINEAR_SMALL, ("decode",), _BEFORE_DECODE + ",fuse-decode-linear", "fuse-kda-output"),
+    "fuse-mla-kv-norm": (K3_SMALL, ("decode",), _BEFORE_DECODE + ",fuse-decode-linear", "fuse-mla-kv-norm"),
     "fuse-attn-res": (K3_SMALL, ("forward",), None, "fuse-attn-res"),
     "shard": (dict(K3_SMALL, **{"num_attention_heads": 2, "num_key_value_heads": 2, "linear_attn_config.num_heads": 2}),
               ("prefill",), None, "shard{ep=2,tp=2}"),
