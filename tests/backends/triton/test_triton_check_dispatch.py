@@ -2,7 +2,7 @@
 ``TRITON_INTERPRET=1`` on a CPU machine): every op implementation the triton executable calls is one ``check``
 claims native (or a native leaf of a decomposition); the decode-phase op ``k3.decode_linear`` runs its kernel at
 batch 1 and its decomposition above ``gemv.MAX_ROWS`` rows, which ``check`` and ``k3ir ops`` state beside its
-native entry."""
+native entry; likewise k3.mla_kv_norm, while k3.fused_kda_ungated runs its decode kernels at both sizes."""
 from __future__ import annotations
 
 import os
@@ -72,6 +72,8 @@ def test_triton_decode_dispatches_what_check_claims_batch1():
     seen, rep = _decode_dispatch(1)
     assert {name for name, _ in seen} <= _claimed(rep)
     assert seen["k3.decode_linear", "native"] > 0 and seen["k3.decode_linear", "fallback"] == 0
+    for name in ("k3.mla_kv_norm", "k3.fused_kda_ungated"):      # the other decode-phase ops: their kernels too
+        assert seen[name, "native"] > 0 and seen[name, "fallback"] == 0, name
     row = next(r for r in rep.rows if r.op == "k3.decode_linear")
     assert row.status == NATIVE and "above 4 rows" in row.why and {"k3.linear", "k3.add"} <= set(row.via)
 
@@ -85,5 +87,6 @@ def test_triton_decode_falls_back_where_check_says_batch5():
     assert {name for name, _ in seen} <= _claimed(rep)
     assert seen["k3.decode_linear", "fallback"] > 0 and seen["k3.decode_linear", "native"] == 0
     assert seen["k3.linear", "native"] > 0 and seen["k3.add", "native"] > 0
+    assert seen["k3.mla_kv_norm", "fallback"] > 0 and seen["k3.mla", "native"] > 0      # its decomposition's k3.mla
     tri = next(b for b in op_info("k3.decode_linear").backends if b.backend == "triton")
     assert tri.status == "native" and "above 4 rows" in tri.reason
