@@ -1,11 +1,15 @@
-"""Lowerings of the MoE, MLA and norm ops to the Triton kernels, plus the MoE fusion plan.
+"""Lowerings of the MoE, MLA, norm and decode-phase ops to the Triton kernels, plus the MoE fusion plan.
 
-``table(exe)`` gives op name -> ``impl(inst, *operands)`` for the triton executable. ``plan(fn)``
-finds, per function, the routed-expert chains made by ``fuse-moe-dispatch``
-(``grouped_matmul`` gate + up -> ``situ_glu``/``swiglu`` -> ``grouped_matmul`` down -> ``moe_combine``)
-and ``PlanInterpreter`` runs them as two grouped-GEMM launches (gate/up with the GLU fused; down
-with the combine weight fused) and one combine launch. float64 modules keep the torch
-implementations everywhere.
+``table(exe)`` gives op name -> ``impl(inst, *operands)`` for the triton executable, among them the ops of the
+triton pipeline's ``decode`` phase (``k3.decode_linear``, ``k3.mla_kv_norm``; ``k3.fused_kda_ungated`` is in
+executable.py), whose implementations return NotImplemented for the sizes their kernels do not take (the
+interpreter then runs the op's decomposition). ``plan(fn)`` still finds, per function, the MoE fusions not yet
+declared as ops: the routed-expert chains made by ``fuse-moe-dispatch`` (``grouped_matmul`` gate + up ->
+``situ_glu``/``swiglu`` -> ``grouped_matmul`` down -> ``moe_combine``), run by ``PlanInterpreter`` as two
+grouped-GEMM launches (gate/up with the GLU fused; down with the combine weight fused) and one combine
+launch or the combine summed in a ``k3.decode_linear`` epilogue; the router + dispatch front (with the
+shared expert's SwiGLU ``k3.decode_linear``); and the RMSNorms deferred into the KDA layer or that front.
+float64 modules keep the torch implementations everywhere.
 """
 from __future__ import annotations
 
