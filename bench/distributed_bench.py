@@ -584,6 +584,7 @@ def _rank_params_as_given():
 
 def cmd_plan(a) -> int:
     ctx = Ctx(a, "distributed_plan")
+    from k3ir.passes import run_pipeline
     from k3ir.runtime.distributed import DistributedSession, init_mesh, shard
 
     import k3ir
@@ -593,7 +594,9 @@ def cmd_plan(a) -> int:
     batch = a.batch
     dt = a.dtype or ("bfloat16" if ctx.cuda else "float32")
     m = k3ir.load(name, ov or None)
-    facts = kplan.model_facts(m, context=seq)
+    mq = m.clone()                       # as `k3ir plan`: the planner counts the experts in the config's format
+    run_pipeline(mq, "fuse-moe-dispatch,quantize-experts")
+    facts = kplan.model_facts(mq, context=seq)
     gpu = kplan.GPUS["h200"] if hasattr(kplan, "GPUS") else None
     for lay in a.layouts.split(","):
         sizes = {"ep": 1, "cp": 1, "tp": 1, "dp": 1, lay: 2}
@@ -630,7 +633,7 @@ def cmd_plan(a) -> int:
         tokens = batch * seq
         planned_comm = float(sum(pd["comm_prefill"].values())) * tokens / (sizes["ep"] * sizes["dp"])
         no_ws = planned - mem.get("workspace", 0.0)
-        row = {"section": "plan", "model": name, "overrides": ov, "layout": sizes, "seq": seq, "batch": batch,
+        row = {"section": "plan", "model": name, "overrides": ov, "expert_format": facts.expert_format, "layout": sizes, "seq": seq, "batch": batch,
                "dtype": dt, "prefill_chunk_per_rank": chunk, "ep_capacity": cap, "plan_memory": mem, "plan_per_rank_bytes": planned,
                "plan_per_rank_without_workspace": no_ws, "measured_peak_allocated_per_rank": peaks,
                "rank0_param_bytes": weights,
