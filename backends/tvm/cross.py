@@ -127,8 +127,8 @@ def _probe_toolchain(kind: str) -> tuple[str | None, str]:
         from .cubin import find_nvcc
         nvcc = find_nvcc()
         if nvcc is None:
-            return ("nvcc not found: install the CUDA toolkit or pip install 'k3ir[cuda-toolchain]' "
-                    "(nvidia-cuda-nvcc, nvidia-nvvm, nvidia-cuda-crt, nvidia-cuda-runtime 13.0.88)"), ""
+            return ("nvcc not found: install the CUDA toolkit, or pip install nvidia-cuda-nvcc==13.0.88 "
+                    "nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-cuda-runtime==13.0.88"), ""
         import re
         m = re.search(r"release [\d.]+, V[\d.]+", _version_text([nvcc, "--version"]))
         ver = m.group(0) if m else ""
