@@ -21,7 +21,7 @@ from k3ir.backends.tvm.config import TvmConfig, get_tvm_config, tvm_config
 from k3ir.errors import K3ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGE_DIRS = ("k3ir", "frontend", "passes", "backends", "runtime")
+PACKAGE_DIRS = ("k3ir", "frontend", "passes", "backends", "runtime", "cli")
 DOCS = ("docs/config.md", "docs/gpu.md")
 
 
