@@ -19,19 +19,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "bench", "distributed_bench.py")
 
 
-def run(item: str, out, *args: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def run(item: str, out, *args: str, tiny: bool = True, timeout: float = 300) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0",
+           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     env.pop("OUT", None)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT,
-                        item, "--tiny", "--out", str(out), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300, check=False)
+                        item, *(["--tiny"] if tiny else []), "--out", str(out), *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout, check=False)
     assert p.returncode == 0, f"{item}: rc {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     assert p.stdout.rstrip().splitlines()[-1].startswith("|"), "the table is printed last"
     with open(out) as f:
         d = json.load(f)
     m = d["meta"]
-    assert m["benchmark"] == f"distributed_{item}" and m["world"] == 2 and m["backend"] == "gloo"
-    assert m["commit"] and m["date"] and m["tiny"] is True
+    assert m["benchmark"] == f"distributed_{item}" and m["world"] == 2
+    assert m["backend"] == ("gloo" if tiny else "nccl") and m["tiny"] is tiny
+    assert m["commit"] and m["date"]
     return d
 
 
@@ -49,6 +51,19 @@ def test_equality_rows(tmp_path):
         assert r["dtype"] == "float32" and r["tol"] == 1e-5
         assert r["equal"] is True and r["greedy_tokens_equal"] is True
         assert 0 <= r["prefill_rel"] < 1e-5 and 0 <= r["decode_rel"] < 1e-5
+
+
+@pytest.mark.gpu
+def test_equality_on_two_gpus_with_nccl_and_triton(tmp_path):
+    """Issue 24 item 1 on two GPUs: NCCL, triton target, float32 and bf16 (tolerances of SPEC.md 11)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    d = run("equality", tmp_path / "eq.json", tiny=False, timeout=600)
+    rows = d["rows"]
+    assert len(rows) == 12 and {r["dtype"] for r in rows} == {"float32", "bfloat16"}
+    for r in rows:
+        assert r["target"] == "triton" and r["equal"] is True, r
 
 
 def test_kcp_prefill_rows(tmp_path):
