@@ -12,11 +12,22 @@ from collections.abc import Callable
 from k3ir.errors import K3Error
 from k3ir.registration import import_builtin
 
-from .compile import apply_passes
 from .common import (
-    UsageError, check_prompt, check_seed, console, count, device_type, human, human_bytes, load_model, model_arg,
-    parse_overrides, print_step, quiet_stdout,
+    UsageError,
+    check_prompt,
+    check_seed,
+    console,
+    count,
+    device_type,
+    human,
+    human_bytes,
+    load_model,
+    model_arg,
+    parse_overrides,
+    print_step,
+    quiet_stdout,
 )
+from .compile import apply_passes
 
 #: modules adding subcommands (each defines ``register(subparsers)``); every ``cli/*.py`` module with a
 #: ``register`` is listed (tests/test_layering.py checks it)
@@ -143,7 +154,7 @@ def cmd_backends(args) -> int:
                   ", ".join(b.pipeline) or "-", b.description)
     console().print(t)
     if any(x.name == "tvm-cuda" for x in list_backends()):
-        from k3ir.backends.tvm.cross import kind_report      # the TVM GPU kinds, from probes of this machine
+        from k3ir.backends.tvm.cross import kind_report  # the TVM GPU kinds, from probes of this machine
         g = Table(title="TVM kinds")
         for c in ("target", "builds the whole model", "runs here"):
             g.add_column(c)

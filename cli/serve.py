@@ -39,9 +39,10 @@ _SIZE_FLAGS = {"block_size": "--block-size", "num_blocks": "--num-blocks", "max_
 
 
 def _setup(args):
-    from .compile import check_dtype
     from k3ir.runtime.engine import build_engine, engine_size_problem
     from k3ir.runtime.tokenizer import load_tokenizer
+
+    from .compile import check_dtype
     check_seed(args.init_seed, "--init-seed")
     check_seed(getattr(args, "seed", None))
     why = engine_size_problem(args.block_size, args.num_blocks, args.max_batch, names=_SIZE_FLAGS)

@@ -113,7 +113,7 @@ class TVMExecutable(Executable):
         with progress(f"tvm: lowering and building @{label.replace('+', ' @')} for llvm "
                       f"(opt-level {opt_level()})") as timing:       # the tvm import included (seconds when cold)
             import tvm
-            from tvm.runtime.vm import VirtualMachine     # the runtime's VM: loads with TVM_USE_RUNTIME_LIB=1 too
+            from tvm.runtime.vm import VirtualMachine  # the runtime's VM: loads with TVM_USE_RUNTIME_LIB=1 too
             key = self._key(group)
             if key not in _COMPILED and key in self._loaded:
                 _COMPILED[key] = self._loaded[key]

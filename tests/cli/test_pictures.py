@@ -5,8 +5,7 @@ import re
 import shutil
 
 import pytest
-from k3ir.cli import pictures
-from k3ir.cli import main
+from k3ir.cli import main, pictures
 
 import k3ir
 

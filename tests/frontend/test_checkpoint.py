@@ -8,9 +8,9 @@ import struct
 import numpy as np
 import pytest
 import torch
+from k3ir.cli import main
 from k3ir.frontend.keymap import is_routed_expert
 from k3ir.runtime import Session
-from k3ir.cli import main
 from k3ir.runtime.params import init_params
 from safetensors.torch import load_file, save_file
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import kimi_linear_tiny, write_config
 
 import k3ir
 from k3ir.accounting import report
 from k3ir.errors import K3ConfigError
-from helpers import kimi_linear_tiny, write_config
 
 P = "language_model.model."
 

@@ -7,8 +7,8 @@ import re
 
 import numpy as np
 import pytest
-from k3ir.runtime import Session, init_params
 from k3ir.cli import main
+from k3ir.runtime import Session, init_params
 
 import k3ir
 from k3ir.errors import K3RuntimeError

@@ -10,6 +10,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import rel_err
 from k3ir.frontend.vision import VisionSpec, build_encode_images, preprocess_image, vision_spec
 
 import k3ir
@@ -18,7 +19,6 @@ from k3ir.errors import K3RuntimeError
 from k3ir.ir import Function, Module
 from k3ir.opdef import get_opdef
 from k3ir.types import TensorType
-from conftest import rel_err
 
 SMALL = VisionSpec(hidden=32, layers=2, heads=2, intermediate=40, patch=4, pos_h=8, pos_w=8, pos_t=4,
                    merge=(2, 2), mm_hidden=32, text_hidden=24)

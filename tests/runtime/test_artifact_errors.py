@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 from conftest import run_cli
-from k3ir.runtime import Session
 from k3ir.cli import main
+from k3ir.runtime import Session
 
 import k3ir
 from k3ir.errors import K3RuntimeError

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import rel_err
-from k3ir.runtime import Session, init_params
 from helpers import kimi_linear_tiny, write_config
+from k3ir.runtime import Session, init_params
 
 import k3ir
 from k3ir.errors import K3RuntimeError
