@@ -55,6 +55,46 @@ def llvm_target():
                               "num-cores": len(os.sched_getaffinity(0))})
 
 
+#: x86 SIMD extensions an llvm build for this host's CPU may use; an artifact records those of its build host
+#: and refuses to load where one is missing (the kernels would die with SIGILL)
+SIMD_FLAGS = ("sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512cd", "avx512bw",
+              "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile")
+
+
+def host_simd_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str] | None:
+    """The ``SIMD_FLAGS`` this machine's CPU has (from ``cpuinfo``'s first ``flags`` line), or None where the file
+    is not there or has no flags line (not Linux, not x86): then nothing is recorded or checked."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [x for x in SIMD_FLAGS if x in have]
+    except OSError:
+        return None
+    return None
+
+
+def check_simd_flags(man: dict, directory: str, cpuinfo: str = "/proc/cpuinfo") -> None:
+    """Raise ``K3RuntimeError`` when the artifact in ``directory`` was built for its build host's CPU (manifest
+    ``simd_flags``, written when ``TvmConfig.mcpu`` is empty) and this CPU lacks one of those extensions, or when
+    ``simd_flags`` is not a list of names."""
+    from k3ir.errors import K3RuntimeError
+    need = man.get("simd_flags")
+    if need is not None and not (isinstance(need, list) and all(isinstance(x, str) for x in need)):
+        raise K3RuntimeError(f"{directory}/manifest.json: 'simd_flags' must be a list of CPU flag names, "
+                             f"got {json.dumps(need)[:80]}")
+    have = host_simd_flags(cpuinfo)
+    if not need or have is None:
+        return
+    missing = [x for x in need if x not in have]
+    if missing:
+        raise K3RuntimeError(
+            f"{directory}: the TVM libraries were compiled for a CPU ({man.get('mcpu', '?')}) with "
+            f"{', '.join(missing)}, which this CPU lacks; rebuild the artifact on this machine, or build it for a "
+            f"common CPU with K3IR_TVM_MCPU (e.g. x86-64-v2) (docs/config.md)")
+
+
 def _available() -> str | None:
     import importlib.util
     if importlib.util.find_spec("tvm") is None:
@@ -203,19 +243,22 @@ class TVMExecutable(Executable):
             arrays[k] = np.ascontiguousarray(a.astype(np.float32) if a.dtype.kind == "f" else a)
         save_file(arrays, os.path.join(directory, "weights.safetensors"))
         files["weights"] = "weights.safetensors"
+        extra = {} if get_tvm_config().mcpu else {"simd_flags": host_simd_flags()}   # built for this host's CPU
         write_manifest(directory, self.module, "tvm", self.dtype, files, opt_level=opt_level(),
-                       mcpu=str(llvm_target().attrs["mcpu"]))
+                       mcpu=str(llvm_target().attrs["mcpu"]), **extra)
         return directory
 
 
 def load_executable(directory: str, man: dict, module: Module) -> TVMExecutable:
     """Reopen an artifact written by ``TVMExecutable.save`` from its checked manifest ``man`` and IR ``module``
     (``artifact.read_manifest``): ``tvm.runtime.load_module`` of each library, no lowering and no
-    compilation. The libraries are native code (docs/artifacts.md)."""
+    compilation. The libraries are native code (docs/artifacts.md); one built for its build host's CPU is refused,
+    with a ``K3RuntimeError``, where this CPU lacks a SIMD extension it may use (``check_simd_flags``)."""
     import tvm
     from safetensors.numpy import load_file
 
     from ..artifact import artifact_file
+    check_simd_flags(man, directory)
     exe = TVMExecutable(module, man["dtype"], "cpu")
     files = man["files"]
     for key in files:

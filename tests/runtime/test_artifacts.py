@@ -2,6 +2,8 @@
 reopens the TVM libraries without lowering or compiling, with the saved weights."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from conftest import rel_err
@@ -46,3 +48,30 @@ def test_tvm_artifact_reloads_without_compiling(tvm_artifact, monkeypatch):
 def test_load_rejects_a_non_artifact(tmp_path):
     with pytest.raises(k3ir.K3RuntimeError, match="not a compiled artifact"):
         Session.load(str(tmp_path))
+
+
+def test_tvm_artifact_built_for_this_cpu_is_refused_where_an_extension_is_missing(tvm_artifact, tmp_path):
+    """The manifest records this host's SIMD extensions; a copy claiming one this CPU lacks is refused by
+    ``Session.load`` with one error naming it (instead of SIGILL in a kernel)."""
+    import json
+    import shutil
+
+    from k3ir.backends.tvm import SIMD_FLAGS, host_simd_flags
+    from k3ir.runtime import Session
+
+    from k3ir.errors import K3RuntimeError
+    d, _ = tvm_artifact
+    have = host_simd_flags()
+    if have is None:
+        pytest.skip("no /proc/cpuinfo flags on this machine")
+    with open(os.path.join(d, "manifest.json")) as f:
+        man = json.load(f)
+    assert man["simd_flags"] == have
+    lacking = [x for x in SIMD_FLAGS if x not in have]
+    if not lacking:
+        pytest.skip("this CPU has every listed extension")
+    copy = shutil.copytree(d, tmp_path / "art")
+    man["simd_flags"] = have + lacking[:1]
+    (copy / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(K3RuntimeError, match=rf"{lacking[0]}, which this CPU lacks; rebuild"):
+        Session.load(str(copy))
