@@ -174,7 +174,8 @@ def _regs(seen):
     """Registers/spills of the KDA forward kernels compiled since the last call."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "probes"))
     from gpu_diag import compiled_kernels
-    from k3ir.backends.triton import kda_fwd_kernels, kda_kernels
+    from k3ir.backends.triton.kda import fwd as kda_kernels
+    from k3ir.backends.triton.kda import fwd_intra as kda_fwd_kernels
     out = []
     for mod in (kda_fwd_kernels, kda_kernels):
         for name, ck in compiled_kernels(mod):
@@ -340,7 +341,7 @@ def precompile(specs, jobs, timeout):
 def warm(spec):
     """``--warm-variant B,H,D|gate|variant``: one forward at T = 128 with that variant's TritonConfig.kda (fills Triton's cache)."""
     from k3ir.backends.triton.config import triton_config
-    from k3ir.backends.triton.kda import kda_forward_kernels
+    from k3ir.backends.triton.kda.chunk import kda_forward_kernels
     dims, gate, name = spec.split("|")
     B, H, D = (int(n) for n in dims.split(","))
     with triton_config(kda={n: o for n, o, _ in VARIANTS}[name]):
@@ -518,7 +519,7 @@ def compare_rows(args):
 
     from benchlib import Report, fmt_ms, interleaved, print_table
     from k3ir.backends.triton import kda_forward
-    from k3ir.backends.triton.kda import kda_forward_kernels
+    from k3ir.backends.triton.kda.chunk import kda_forward_kernels
     rep = Report("kda_forward", args.out, sys.argv)
     if not args.warm:
         rep.ceilings()
@@ -729,7 +730,7 @@ def main():
     if DEV != "cuda":
         ap.error("--sweep needs a CUDA GPU (it reads compiled kernels' registers)")
     from benchlib import Report
-    from k3ir.backends.triton.kda import kda_forward_kernels
+    from k3ir.backends.triton.kda.chunk import kda_forward_kernels
     rep = Report("kda_sweep", args.out, sys.argv)
     rep.ceilings()
     CEIL.update(copy_Bps=rep.copy_Bps, matmul_flops=rep.matmul_flops)

@@ -160,7 +160,7 @@ def grads(leaves):
 
 def fwd_saved(x, lb):
     """The forward's intermediates as ``kda_forward``'s autograd hands them to the backward (``bwd_reuse``)."""
-    from k3ir.backends.triton import kda as KF
+    from k3ir.backends.triton.kda import chunk as KF
     _, _, inter = KF.kda_forward_kernels(*(x[k] for k in NAMES), lower_bound=lb, return_intermediates=True,
                                          store_ai=True)
     return KF.saved_for_backward(inter)
@@ -168,7 +168,7 @@ def fwd_saved(x, lb):
 
 def per_launch(x, lb, do, n=3, reuse=False):
     """ms per backward launch (each timed alone); ``reuse``: given the forward's intermediates (no prep)."""
-    from k3ir.backends.triton.kda_bwd import kda_backward
+    from k3ir.backends.triton.kda.bwd import kda_backward
     sv = fwd_saved(x, lb) if reuse else None
     if SMOKE:
         kda_backward(*(x[k] for k in NAMES), None, do, None, lb, saved=sv)
@@ -183,7 +183,8 @@ def regs_rows():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "probes"))
     from gpu_diag import compiled_kernels
-    from k3ir.backends.triton import kda_bwd_intra, kda_bwd_kernels
+    from k3ir.backends.triton.kda import bwd_intra as kda_bwd_intra
+    from k3ir.backends.triton.kda import bwd_kernels as kda_bwd_kernels
     rows = []
     for mod in (kda_bwd_kernels, kda_bwd_intra):
         for name, ck in compiled_kernels(mod):
@@ -236,7 +237,7 @@ def check_intermediates(x, lb, do, heads=2, reuse=False):
     {buffer: rel err}. Bisects a wrong gradient to its launch (prelude: G bn qn kn; prep: Ai P w u qg kg; fwd_h:
     h vn; bwd_dh: dh dvn; bwd_wy: dAq dAk). ``reuse``: G Ai P w u qg kg come from the forward (``bwd_reuse``)."""
     import torch
-    from k3ir.backends.triton.kda_bwd import kda_backward
+    from k3ir.backends.triton.kda.bwd import kda_backward
     dbg: dict = {}
     kda_backward(*(x[k] for k in NAMES), None, do, None, lb, debug=dbg, saved=fwd_saved(x, lb) if reuse else None)
     sync()
@@ -291,7 +292,7 @@ def check_intermediates(x, lb, do, heads=2, reuse=False):
 def job_acc(name, lb, cu=None, tune=None, fla=None, inter=False, variants=(), ref64=False, inter_reuse=False):
     import torch
     from k3ir.backends.triton import kda_forward
-    from k3ir.backends.triton.kda_torch import kda_chunk_torch
+    from k3ir.backends.triton.kda.naive import kda_chunk_torch
     _scope(_tuning(tune)).__enter__()                 # for the whole job (its own process)
     N = None if cu is None else len(cu) - 1
     if SMOKE and cu is not None:

@@ -49,7 +49,7 @@ def gpu_params(module, seed=0, std=0.02):
 def section_check(smoke):
     import k3ir.backends.torch.ops
     from k3ir.backends.torch.fused import dequantize
-    from k3ir.backends.triton import moe
+    from k3ir.backends.triton.moe import grouped as moe
     from k3ir.runtime import Session
 
     import k3ir

@@ -57,7 +57,7 @@ def moe_layer_module(name: str, tokens: int, quant: str = "mxfp4"):
 def compare(tiny: bool, out: str, repeats: int = 3, warm: bool = False, parts: str = "bf16,mxfp4") -> dict:
     """The same-run comparison of the module docstring. Returns the report's data (``benchlib.Report``)."""
     from benchlib import Report, fmt_ms, interleaved, print_table
-    from k3ir.backends.triton import moe
+    from k3ir.backends.triton.moe import grouped as moe
     gpu = torch.cuda.is_available()
     dev, dt = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
     E, D, I, k = (8, 64, 64, 2) if tiny else (896, 3584, 3072, 16)
@@ -143,7 +143,8 @@ def compare(tiny: bool, out: str, repeats: int = 3, warm: bool = False, parts: s
 def _mxfp4_rows(rep, tiny, repeats, warm, dev, dt, E, D, I, k, gen):
     """MXFP4 at 256 tokens (16 with ``tiny``): the expert block alone, then the whole layer (module docstring)."""
     from benchlib import interleaved, random_params
-    from k3ir.backends.triton import moe, moe_layout
+    from k3ir.backends.triton.moe import grouped as moe
+    from k3ir.backends.triton.moe import layout as moe_layout
 
     import k3ir
     T = 16 if tiny else 256

@@ -87,7 +87,7 @@ def sweep(smoke, only=(), budget=80.0):
     Stops starting cases after ``budget`` seconds."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "probes"))
     from gpu_diag import compiled_kernels
-    from k3ir.backends.triton import moe
+    from k3ir.backends.triton.moe import grouped as moe
     t_start = time.perf_counter()
     rep = current_report()
 

@@ -18,10 +18,10 @@ __all__ = ["gated_rmsnorm", "kda_decode", "kda_forward", "short_conv"]
 
 def __getattr__(name: str):
     if name == "kda_forward":
-        from .kda import kda_forward
+        from .kda.chunk import kda_forward
         return kda_forward
     if name in ("kda_decode", "short_conv", "gated_rmsnorm"):
-        from . import layer
+        from .kda import layer
         return getattr(layer, name)
     raise AttributeError(name)
 

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from ..torch import TorchExecutable
-from . import layer
 from .config import get_triton_config, triton_config
-from .kda import MIN_LOWER_BOUND, eager_gate_check, kda_forward
+from .kda import layer
+from .kda.chunk import MIN_LOWER_BOUND, eager_gate_check, kda_forward
 
 #: the KDA gate flags of the run in progress (``TritonExecutable._run_eager``): a list the KDA lowerings append
 #: ``[N, H]`` int32 device tensors to, or None outside a run
@@ -257,7 +257,7 @@ class TritonExecutable(TorchExecutable):
         from . import lowering
         self.target = "triton"
         self.table = {**self.table, **KERNELS, **lowering.table(self)}
-        from .mla_tiled import long_prefill
+        from .mla.tiled import long_prefill
         self.table["k3.mla"] = long_prefill(self.table["k3.mla"])      # past mla.prefill_key_tile keys: key tiles
         from . import interpreting
         if interpreting():
@@ -277,7 +277,7 @@ class TritonExecutable(TorchExecutable):
         are permuted into ``moe_layout``'s fragment layout (in place when the tensor is this executable's copy)."""
         out = {k: v.contiguous() for k, v in super().prepare_params(arrays).items()}
         if self.compute != torch.float64:     # MXFP4 experts: the one fragment layout both MoE kernels read
-            from .moe_layout import prepare_params
+            from .moe.layout import prepare_params
             prepare_params(self.module, out, arrays)
         return out
 

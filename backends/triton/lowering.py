@@ -17,13 +17,14 @@ import torch
 
 from ..interpreter import Interpreter
 from ..lowering import LoweringTable
-from . import dispatch as disp_k
 from . import gemv as gemv_k
-from . import interpreting, moe_decode
-from . import mla as mla_k
-from . import moe as moe_k
+from . import interpreting
 from . import norm as norm_k
 from .config import get_triton_config
+from .mla import attn as mla_k
+from .moe import decode as moe_decode
+from .moe import dispatch as disp_k
+from .moe import grouped as moe_k
 
 
 class Lazy:
@@ -242,7 +243,7 @@ def _prologue(inst, x, nrm):
     if inst.norm == "rms":
         return norm_k.rmsnorm(x, nrm[0], inst.eps)
     if inst.norm == "gated":
-        from .layer import gated_rmsnorm
+        from .kda.layer import gated_rmsnorm
         V = nrm[0].numel()
         xh = x.reshape(*x.shape[:-1], -1, V)
         return gated_rmsnorm(xh, nrm[1].reshape(xh.shape).to(x.dtype), nrm[0], inst.eps).reshape(x.shape)

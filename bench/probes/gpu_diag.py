@@ -55,7 +55,12 @@ def compiled_kernels(mod):
 
 
 def section_regs():
-    from k3ir.backends.triton import kda, kda_kernels, layer_kernels, mla, moe, norm
+    from k3ir.backends.triton import norm
+    from k3ir.backends.triton.kda import chunk as kda
+    from k3ir.backends.triton.kda import fwd as kda_kernels
+    from k3ir.backends.triton.kda import layer_kernels
+    from k3ir.backends.triton.mla import attn as mla
+    from k3ir.backends.triton.moe import grouped as moe
     dev = "cuda"
     B, T, H, D = 1, 4096, 32, 128
     g = torch.Generator(device=dev).manual_seed(0)
@@ -610,8 +615,8 @@ def section_front(iters=20, dev="cuda"):
     then dispatch_kernel) against three launches (route_dispatch with the norm + the shared-expert gemv) at the Kimi
     Linear shapes (D 2048, 64 experts, top-8, shared 1024, bf16): agreement over ``iters`` random rows per batch,
     then us per call of each path from a CUDA graph of 50 calls."""
-    from k3ir.backends.triton import dispatch as dk
     from k3ir.backends.triton import gemv as gk
+    from k3ir.backends.triton.moe import dispatch as dk
     torch.manual_seed(0)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     D, E, k, NS = 2048, 64, 8, 1024

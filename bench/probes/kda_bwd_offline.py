@@ -47,7 +47,9 @@ class _Rec:
 
 def record(B=1, T=32768, H=32, D=128, lb=-5.0, varlen=False, dtype=torch.bfloat16):
     """The launches of ``kda_backward`` at this shape: [(jit fn, grid, args, kwargs)]."""
-    from k3ir.backends.triton import kda_bwd, kda_bwd_intra, kda_bwd_kernels
+    from k3ir.backends.triton.kda import bwd as kda_bwd
+    from k3ir.backends.triton.kda import bwd_intra as kda_bwd_intra
+    from k3ir.backends.triton.kda import bwd_kernels as kda_bwd_kernels
     log: list = []
     mods = (kda_bwd_kernels, kda_bwd_intra)
     saved = {}
@@ -80,8 +82,8 @@ LAUNCH = {"kda_bwd_prelude_kernel": "prelude", "kda_bwd_prep_kernel": "prep", "k
 def compile_launch(fn, args, kw, sass_dir=None):
     """Compile one recorded launch (with ``DISABLE_MMA_V3`` when ``TritonConfig.kda_bwd.mma_v2`` names it):
     (registers, spill bytes, shared bytes, warps)."""
-    from k3ir.backends.triton import kda_bwd
     from k3ir.backends.triton.config import get_triton_config
+    from k3ir.backends.triton.kda import bwd as kda_bwd
     v2 = {x.strip() for x in str(get_triton_config().kda_bwd.mma_v2 or "").split(",")}
     with kda_bwd._no_wgmma(LAUNCH.get(fn.__name__) in v2):
         return _compile_launch(fn, args, kw, sass_dir)

@@ -61,8 +61,8 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kda_prep_probe.json"))
     a = ap.parse_args()
-    from k3ir.backends.triton import kda_bwd
-    from k3ir.backends.triton import kda_bwd_kernels as kb
+    from k3ir.backends.triton.kda import bwd as kda_bwd
+    from k3ir.backends.triton.kda import bwd_kernels as kb
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dt = getattr(torch, a.dtype) if dev == "cuda" else torch.float32
     B, T, H, D, lb = 1, a.T, a.H, a.D, -5.0

@@ -16,7 +16,7 @@ import sys
 import tempfile
 
 import triton
-from k3ir.backends.triton import kda_fwd_kernels as kf
+from k3ir.backends.triton.kda import fwd_intra as kf
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -127,7 +127,7 @@ def gcum(bk=32, warps=4, gate=0, h=32, flags=False):
 
 
 def gcum_rows(bk=128, warps=1, gate=0, h=32, fast_log=False, rb=16, flags=False):
-    from k3ir.backends.triton import kda_kernels as kk
+    from k3ir.backends.triton.kda import fwd as kk
     names = ["g", "A_log", "dt_bias", "Gbuf", "gC", "cu_seqlens", "chunk_indices", "T", "lb", "flags"]
     types = ["*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "i32", "fp32", "*i32"]
     const = {"H": h, "K": 128, "BT": 64, "BK": bk, "GATE": gate, "IS_VARLEN": False, "FAST_LOG": bool(fast_log), "RB": rb,
@@ -136,7 +136,7 @@ def gcum_rows(bk=128, warps=1, gate=0, h=32, fast_log=False, rb=16, flags=False)
 
 
 def recur(bv=32, warps=4, stages=2, h=32, io="bf16"):
-    from k3ir.backends.triton import kda_kernels as kk
+    from k3ir.backends.triton.kda import fwd as kk
     names = ["w", "u", "qg", "kg", "Aqk", "gC", "o", "h0", "ht", "cu_seqlens", "chunk_offsets", "T"]
     types = [f"*{io}"] * 5 + ["*fp32", "*bf16", "*fp32", "*fp32", "*i32", "*i32", "i32"]
     const = {"H": h, "K": 128, "V": 128, "BT": 64, "BV": bv, "USE_H0": False, "STORE_HT": True, "IS_VARLEN": False,
@@ -145,7 +145,7 @@ def recur(bv=32, warps=4, stages=2, h=32, io="bf16"):
 
 
 def wu_flat(bk=32, bv=32, warps=4, h=32, xb="fp32", store_qk=False):
-    from k3ir.backends.triton import kda_kernels as kk
+    from k3ir.backends.triton.kda import fwd as kk
     names = ["q", "k", "v", "Xb", "rq", "rk", "w", "u", "qg", "kg", "Gbuf", "cu_seqlens", "chunk_indices", "T",
              "qn", "kn"]
     types = (["*bf16"] * 3 + [f"*{xb}", "*fp32", "*fp32"] + ["*bf16"] * 4 + ["*fp32", "*i32", "*i32", "i32"]

@@ -10,7 +10,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from k3ir.backends.triton import dispatch, gemv, layer_kernels, mla, norm
+from k3ir.backends.triton import gemv, norm
+from k3ir.backends.triton.kda import layer_kernels
+from k3ir.backends.triton.mla import attn as mla
+from k3ir.backends.triton.moe import dispatch
 from kda_regs_offline import _compile
 
 SMEM = 232448

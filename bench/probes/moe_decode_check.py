@@ -50,8 +50,9 @@ def main() -> int:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from k3ir.backends.triton import dispatch as dk
-    from k3ir.backends.triton import moe, moe_decode
+    from k3ir.backends.triton.moe import decode as moe_decode
+    from k3ir.backends.triton.moe import dispatch as dk
+    from k3ir.backends.triton.moe import grouped as moe
     dev, dt = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
     torch.manual_seed(0)
     D, E, k, I, NS = (64, 16, 4, 32, 32) if a.small else (2048, 64, 8, 1024, 1024)

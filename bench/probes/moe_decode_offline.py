@@ -15,7 +15,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton
-from k3ir.backends.triton import dispatch, moe, moe_decode
+from k3ir.backends.triton.moe import decode as moe_decode
+from k3ir.backends.triton.moe import dispatch
+from k3ir.backends.triton.moe import grouped as moe
 from kda_regs_offline import ptxas_stats
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource

@@ -1,5 +1,5 @@
 # ruff: noqa: BLE001
-"""GPU check + timing of the ONE MXFP4 expert layout (backends/triton/moe_layout.py, issue 6), < 60 s.
+"""GPU check + timing of the ONE MXFP4 expert layout (backends/triton/moe/layout.py, issue 6), < 60 s.
 
 The K3 MoE layer (E 896, top-16, D 3584, I 3072; random MXFP4 bytes, scale bytes 118..122) with its experts
 permuted IN PLACE into the fragment layout, read by the Gluon kernel (default from ``gluon_min_rows`` = 1 row
@@ -152,7 +152,7 @@ def _empty_frag(dev):
     specialise exactly as the k3 section's. (A stride-0 expand of one expert is refused: the kernels address
     expert e at e * N * K / 8 words, so it read out of bounds: the illegal address of the 06:31 run.)"""
     import torch
-    from k3ir.backends.triton import moe_layout as L
+    from k3ir.backends.triton.moe import layout as L
     out = []
     for n, k in SHAPES:
         w = torch.empty(E, n, k // 2, device=dev, dtype=torch.uint8)
@@ -180,7 +180,7 @@ def _force(kern):
 def sec_warm(i):
     """Compile group i (see the module docstring) by launching on real-size uninitialised weights."""
     import torch
-    from k3ir.backends.triton import moe
+    from k3ir.backends.triton.moe import grouped as moe
     dev = DEV
     t0 = time.perf_counter()
     x = torch.randn(SIZES[2], D, device=dev, dtype=getattr(torch, DT))
@@ -206,8 +206,8 @@ def sec_warm(i):
         moe.moe_combine(y, None, inv)
         del hh, y
     if i == 0 and DEV == "cuda":       # the Gluon config variants of the decode sizes (row grid, as T = 1)
-        from k3ir.backends.triton import moe_gluon as G
-        from k3ir.backends.triton import moe_layout as L
+        from k3ir.backends.triton.moe import gluon as G
+        from k3ir.backends.triton.moe import layout as L
         _, inv, off = _route(1, dev)
         p1, p3, p2 = (L.lookup(w, s) for w, s in ps)
         for tag, cfg in GLUON_VARIANTS:
@@ -228,8 +228,8 @@ GLUON_VARIANTS = (("MR1 (BW 64)", {"MR": 1}), ("ST3 (cp.async ring)", {"ST": 3})
 
 def sec_k3(old=True):
     import torch
-    from k3ir.backends.triton import moe
-    from k3ir.backends.triton import moe_layout as L
+    from k3ir.backends.triton.moe import grouped as moe
+    from k3ir.backends.triton.moe import layout as L
     dev = DEV
     t0 = time.perf_counter()
     ws, ss = _weights(dev)
@@ -277,8 +277,8 @@ def sec_k3(old=True):
 
 def _k3_case(T, ws, ss, dev, kerns=None, timed=True, tag=""):
     import torch
-    from k3ir.backends.triton import moe
     from k3ir.backends.triton.config import get_triton_config
+    from k3ir.backends.triton.moe import grouped as moe
     order, inv, off = _route(T, dev)
     x = torch.randn(T, D, device=dev, dtype=getattr(torch, DT))
     xs = x[order // TOPK].contiguous()
@@ -327,9 +327,9 @@ def _k3_case(T, ws, ss, dev, kerns=None, timed=True, tag=""):
 def _gluon_variants(T, ws, ss, xs, off, cw, inv, h_ref):
     """Layer time of Gluon configs with more bytes in flight per SM (BW 64: twice the programs; a 3-slot cp.async
     ring: two K steps ahead) at decode sizes: would a Gluon config beat the Triton kernel there instead?"""
-    from k3ir.backends.triton import moe
-    from k3ir.backends.triton import moe_gluon as G
-    from k3ir.backends.triton import moe_layout as L
+    from k3ir.backends.triton.moe import gluon as G
+    from k3ir.backends.triton.moe import grouped as moe
+    from k3ir.backends.triton.moe import layout as L
     p1, p3, p2 = (L.lookup(w, s) for w, s in zip(ws, ss))
     for tag, cfg in GLUON_VARIANTS:
         try:

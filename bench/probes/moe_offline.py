@@ -24,7 +24,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: moe_sweep
 
 import triton
-from k3ir.backends.triton import moe
+from k3ir.backends.triton.moe import grouped as moe
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -135,7 +135,7 @@ def compile_gluon(glu: bool, two: bool, cfg: dict, N: int, K: int, rowgrid: bool
     """Compile ``moe_gluon.mx_gemm_kernel`` for sm_90 (Triton 3.6 = the device's); regs, spills, smem and the
     innermost K loop's SASS: instructions, opcode counts, instructions per weight element (an HMMA m16n8k16
     consumes 8 weight elements per thread for each 8 tokens)."""
-    from k3ir.backends.triton import moe_gluon as G
+    from k3ir.backends.triton.moe import gluon as G
     from triton.experimental.gluon._runtime import GluonASTSource
     c = G.config_for(N, K, cfg)
     types = ["*bf16", "*i64"] + ["*i32"] * 6 + ["*bf16", None if glu else "*fp32", "i32", "fp32", "fp32"]

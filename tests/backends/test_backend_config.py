@@ -195,8 +195,8 @@ print(json.dumps(sorted(Recording.seen)))
 """
 
 _BACKEND_MODULES = ["k3ir.backends", "k3ir.backends.config", "k3ir.backends.triton", "k3ir.backends.triton.config",
-                    "k3ir.backends.triton.gemv", "k3ir.backends.triton.moe", "k3ir.backends.triton.dispatch",
-                    "k3ir.backends.triton.mla", "k3ir.backends.triton.kda", "k3ir.backends.triton.kda_bwd",
+                    "k3ir.backends.triton.gemv", "k3ir.backends.triton.moe.grouped", "k3ir.backends.triton.moe.dispatch",
+                    "k3ir.backends.triton.mla.attn", "k3ir.backends.triton.kda.chunk", "k3ir.backends.triton.kda.bwd",
                     "k3ir.backends.triton.executable", "k3ir.backends.triton.lowering", "k3ir.backends.tvm",
                     "k3ir.backends.tvm.config", "k3ir.backends.mlir", "k3ir.backends.mlir.config"]
 
@@ -224,7 +224,7 @@ def test_no_wgmma_sets_disable_mma_v3_only_inside_and_restores(monkeypatch):
     absence) back afterwards, also when the block raises."""
     pytest.importorskip("torch")
     pytest.importorskip("triton")
-    from k3ir.backends.triton.kda_bwd import _no_wgmma
+    from k3ir.backends.triton.kda.bwd import _no_wgmma
     monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
     with _no_wgmma(True):
         assert os.environ["DISABLE_MMA_V3"] == "1"

@@ -22,9 +22,9 @@ pytest.importorskip("triton")
 
 from conftest import rel_err
 from k3ir.backends.triton import kda_decode, kda_forward
-from k3ir.backends.triton import mla as mla_k
-from k3ir.backends.triton import moe as moe_k
-from k3ir.backends.triton.dispatch import moe_dispatch
+from k3ir.backends.triton.mla import attn as mla_k
+from k3ir.backends.triton.moe import grouped as moe_k
+from k3ir.backends.triton.moe.dispatch import moe_dispatch
 
 from k3ir.errors import K3KernelInputError, K3RuntimeError
 from k3ir.ops.kda import kda_gate_ref, kda_recurrent

@@ -161,7 +161,7 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches(decode_tun
 def test_route_dispatch_with_the_rmsnorm_fused_matches_float64(B, k, E, D):
     """route_dispatch(norm=...): the MoE layer's RMSNorm in the router front (partial sums of x^2 per
     split, rstd applied to the logits and the copied rows) against the float64 norm, router and dispatch."""
-    from k3ir.backends.triton.dispatch import route_dispatch
+    from k3ir.backends.triton.moe.dispatch import route_dispatch
 
     from k3ir.opdef import get_opdef
     from k3ir.ops.moe import router_ref
@@ -186,7 +186,7 @@ def test_route_dispatch_with_the_rmsnorm_fused_matches_float64(B, k, E, D):
 def test_mla_decode_absorbed_matches_float64_attention(B, L, splits_cap, kvn):
     """mla_decode_absorbed (q absorbed into the latent + cache-row write, attention, merge + W_uv) against
     float64 attention over the up-projected keys/values of the cache with the step's row appended."""
-    from k3ir.backends.triton.mla import mla_decode_absorbed
+    from k3ir.backends.triton.mla.attn import mla_decode_absorbed
     g = torch.Generator().manual_seed(B * L)
     H, N, P, VD, R = 3, 16, 8, 12, 32
     q = torch.randn(B, 1, H * (N + P) + 5, generator=g)[..., :H * (N + P)].reshape(B, 1, H, N + P)   # strided rows
@@ -222,7 +222,7 @@ def test_moe_front_two_launches_matches_float64_and_route_dispatch(B, k, E, D, N
     """route_glu_dispatch (router_glu_kernel: router partial logits + shared-expert SwiGLU gate/up of the
     RMSNorm-ed rows in one launch, then dispatch_kernel) against the float64 norm, router, dispatch and SwiGLU,
     and against route_dispatch (the same experts, rows and sorted x; weights up to the fp32 summation order)."""
-    from k3ir.backends.triton import dispatch as disp
+    from k3ir.backends.triton.moe import dispatch as disp
 
     from k3ir.opdef import get_opdef
     from k3ir.ops.moe import router_ref
@@ -256,7 +256,7 @@ def test_kda_decode_with_the_low_rank_up_projections_matches_float64(lb):
     """layer.kda_decode(lowrank=...) (TritonConfig.decode.lowrank_in_decode): the decay ``fa w_fb^T`` and the
     output gate ``ga w_gb^T`` computed inside the decode kernel (rank 64 in two steps, V split in blocks)
     against float64 up-projections, gate, recurrent step and the pool update at the rows' slots."""
-    from k3ir.backends.triton.layer import kda_decode
+    from k3ir.backends.triton.kda.layer import kda_decode
 
     from k3ir.ops.kda import kda_gate_ref, kda_recurrent
     g = torch.Generator().manual_seed(3)

@@ -152,7 +152,7 @@ def test_gemv_gated_norm_prologue_matches_float64(M, H, V, N):
     sigmoid(gz) (SPEC.md 3.6) before the product, against float64 (fp32 rows; bf16 rows vs the
     standalone gated_rmsnorm kernel then the gemv)."""
     from k3ir.backends.triton.gemv import gemv
-    from k3ir.backends.triton.layer import gated_rmsnorm
+    from k3ir.backends.triton.kda.layer import gated_rmsnorm
     g = torch.Generator().manual_seed(M * H + V)
     K = H * V
     o = (3 * torch.randn(M, K, generator=g)).to(DEV)

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from conftest import rel_err
 from k3ir.backends.triton import kda_decode, kda_forward, short_conv
-from k3ir.backends.triton.layer import gated_rmsnorm
+from k3ir.backends.triton.kda.layer import gated_rmsnorm
 
 from k3ir.errors import K3RuntimeError
 from k3ir.ops.kda import kda_gate_ref, kda_recurrent
@@ -231,7 +231,7 @@ def test_precomputed_gate_forward():
 def test_forward_intermediates(lb):
     """The intermediates of one chunk with zero initial state: ``u = Xb V``, ``o = P u``,
     ``gC = exp(sum of the log-decays)``, ``rk = 1/|k|``, against float64 from the inputs."""
-    from k3ir.backends.triton.kda import kda_forward_kernels
+    from k3ir.backends.triton.kda.chunk import kda_forward_kernels
     x = make(1, 50, 2, 16, lb=lb, seed=31, h0=False)
     _o, _, it = kda_forward_kernels(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
                                     lower_bound=lb, return_intermediates=True)
@@ -254,7 +254,7 @@ def test_recur_block_rule():
     """``kda.recur_block``: BV (and stages) of the recurrence from waves (hand-computed: 132 SMs, V = 128;
     waves = ceil(V / BV * nh / (132 * ctas)), times the table's step cost; default table: BV 32 cost 1, BV 64 1.22,
     3 stages, 1 CTA per SM)."""
-    from k3ir.backends.triton.kda import recur_block
+    from k3ir.backends.triton.kda.chunk import recur_block
     assert recur_block(96, 128, 132, "waves") == (64, 3)       # 384 programs = 3 waves vs 192 = 2 (2.44 < 3)
     assert recur_block(32, 128, 132, "waves") == (32, 3)       # 128 vs 64 programs: 1 wave each
     assert recur_block(64, 128, 132, "waves") == (64, 3)       # 256 = 2 waves vs 128 = 1
@@ -274,7 +274,7 @@ def test_recur_block_rule():
 def test_forward_value_blocks(variant, tuning, monkeypatch):
     """The recurrence split into 8, 2 or (``bv_rule`` "waves" on 2 SMs: 2 waves at BV 64 vs 4 at BV 32) 2 value
     blocks of V = 128, T = 70, initial state: o and the final state against float64."""
-    from k3ir.backends.triton import kda as kd
+    from k3ir.backends.triton.kda import chunk as kd
     monkeypatch.setattr(kd, "_sm_count", lambda dev: 2)
     assert kd.recur_block(2, 128, 2, "waves") == (64, 3)
     tuning.update(variant)

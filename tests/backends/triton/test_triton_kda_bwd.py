@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from conftest import rel_err
 from k3ir.backends.triton import kda_forward
-from k3ir.backends.triton.kda_bwd import kda_backward
+from k3ir.backends.triton.kda.bwd import kda_backward
 from test_triton_kda import DEV, GPU, GRAD_NAMES, make, ref_torch64
 
 TOL = {n: (3e-3 if GPU else (5e-5 if n in ("A_log", "dt_bias") else 1e-5)) for n in GRAD_NAMES}
@@ -149,8 +149,8 @@ def test_backward_runs_under_the_forward_config(monkeypatch):
     """The backward takes the TritonConfig of its forward (autograd may run it on another thread): a forward inside
     ``triton_config(kda_bwd={"mode": "torch"})`` with ``backward()`` outside it never launches the Triton
     backward (``kda_bwd.kda_backward``), and the reverse launches it once."""
-    from k3ir.backends.triton import kda_bwd as KB
     from k3ir.backends.triton.config import triton_config
+    from k3ir.backends.triton.kda import bwd as KB
     calls = []
     real = KB.kda_backward
     monkeypatch.setattr(KB, "kda_backward", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -193,7 +193,7 @@ def test_autograd_reuse_on_and_off(monkeypatch, fwd_tuning, lb, cu, T):
     no prelude launch) and with the recompute (``bwd_reuse`` False, both launched): both against float64
     autograd, and the two within fp32 rounding of each other. Both gates, T not a multiple of 64, varlen with an
     empty and a 1-token sequence, initial state and final-state gradient."""
-    from k3ir.backends.triton import kda_bwd_kernels as KBK
+    from k3ir.backends.triton.kda import bwd_kernels as KBK
     x = make(1, T, 2, 16, N=None if cu is None else len(cu) - 1, lb=lb, seed=50 + T)
     w, ws = _weights(x, cu, 51 + T)
     want = _ref(x, w, ws, cu)
@@ -222,8 +222,8 @@ def test_saved_intermediates_match_prep(monkeypatch, lb, cu, T):
     backward's prep / prelude launches compute (``kda_backward(debug=...)``): same definitions (P with the
     q scale and the diagonal, Ai unscaled with zero upper blocks, kg with the last valid row's G, qn with the q
     scale), on valid rows; the backward given them skips the prep and prelude launches and matches the recompute."""
-    from k3ir.backends.triton import kda as KF
-    from k3ir.backends.triton import kda_bwd_kernels as KBK
+    from k3ir.backends.triton.kda import bwd_kernels as KBK
+    from k3ir.backends.triton.kda import chunk as KF
     x = make(1, T, 2, 16, N=None if cu is None else len(cu) - 1, lb=lb, seed=60 + T)
     w, ws = _weights(x, cu, 61)
     cut = None if cu is None else torch.tensor(cu, device=DEV)
@@ -259,7 +259,7 @@ def test_reuse_falls_back_without_the_inverse(fwd_tuning):
     nothing extra and the backward recomputes: gradients still right."""
     fwd_tuning["inv"] = "akk"
     x = make(1, 40, 2, 16, lb=-5.0, seed=71)
-    from k3ir.backends.triton import kda as KF
+    from k3ir.backends.triton.kda import chunk as KF
     _, _, inter = KF.kda_forward_kernels(*(x[n] for n in GRAD_NAMES[:7]), -5.0, None, False, None,
                                          return_intermediates=True, store_ai=True)
     assert KF.saved_for_backward(inter) is None
@@ -298,7 +298,7 @@ def test_no_out_of_bounds_access(monkeypatch, bwd_tuning, B, T, D, lb, cu):
     outside a buffer (the guards stay NaN), no read outside one or of an unwritten element (the gradients stay
     finite and match float64 autograd). Tails: T not a multiple of 64 or 16; varlen with an empty and a
     1-token sequence; D=128 in four K slices."""
-    from k3ir.backends.triton import kda_bwd as KB
+    from k3ir.backends.triton.kda import bwd as KB
     if T == 1000:
         bwd_tuning["k3_exact"] = ""         # the long case on the dense K3 tiles (the D=128 case takes the default)
     made: list = []

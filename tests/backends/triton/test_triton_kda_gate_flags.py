@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 from _tiny_models import KIMI_LINEAR_TINY
 from k3ir.backends.triton.config import triton_config
-from k3ir.backends.triton.kda import kda_forward
+from k3ir.backends.triton.kda.chunk import kda_forward
 from k3ir.runtime import Session
 from k3ir.runtime.engine import build_engine
 from k3ir.runtime.sampler import SamplingParams

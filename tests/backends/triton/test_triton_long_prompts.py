@@ -20,8 +20,8 @@ from _tiny_models import KIMI_LINEAR_TINY
 from conftest import rel_err
 from helpers import AllocationPeak
 from k3ir.backends.triton import lowering
-from k3ir.backends.triton import mla_tiled as mt
 from k3ir.backends.triton.config import triton_config
+from k3ir.backends.triton.mla import tiled as mt
 from k3ir.runtime import Session
 
 import k3ir

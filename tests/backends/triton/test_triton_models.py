@@ -106,7 +106,7 @@ def test_gpu_models_match_torch_backend(name):
 
 
 def test_router_kernel_matches_reference_and_breaks_ties_low():
-    from k3ir.backends.triton.layer import router
+    from k3ir.backends.triton.kda.layer import router
 
     from k3ir.ops.moe import router_ref
     g = torch.Generator().manual_seed(0)
@@ -126,7 +126,7 @@ def test_router_kernel_matches_reference_and_breaks_ties_low():
 def test_mla_decode_split_rows_match_softmax(splits, lens):
     """The latent-cache decode kernel with the rows split over programs (flash-decoding, a second
     launch merges the partial sums) against softmax attention in float64; splits may hold no row."""
-    from k3ir.backends.triton.mla import mla_decode
+    from k3ir.backends.triton.mla.attn import mla_decode
     g = torch.Generator().manual_seed(splits)
     B, H, R, P, L, cap = 2, 3, 32, 16, 37, 64
     qt, qr = torch.randn(B, H, R, generator=g), torch.randn(B, H, P, generator=g)
@@ -147,7 +147,7 @@ def test_mla_decode_split_rows_match_softmax(splits, lens):
 def test_dispatch_kernel_matches_reference(B, T, k, E, D):
     """The counting-sort dispatch (one launch for a single slot block, hist/scan/scatter for several)
     against the float64 ``k3.moe_dispatch`` reference: same rows, offsets, inverse and weights."""
-    from k3ir.backends.triton.dispatch import moe_dispatch
+    from k3ir.backends.triton.moe.dispatch import moe_dispatch
 
     from k3ir.opdef import get_opdef
     g = torch.Generator().manual_seed(B * T + k)
@@ -167,7 +167,7 @@ def test_dispatch_kernel_matches_reference(B, T, k, E, D):
 def test_route_dispatch_matches_router_and_dispatch_reference(B, k, E, D):
     """Decode MoE front in two launches (split router logits, then top-k + dispatch) against the float64
     router and dispatch references."""
-    from k3ir.backends.triton.dispatch import route_dispatch
+    from k3ir.backends.triton.moe.dispatch import route_dispatch
 
     from k3ir.opdef import get_opdef
     from k3ir.ops.moe import router_ref

@@ -18,8 +18,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from conftest import rel_err
-from k3ir.backends.triton import moe, norm
+from k3ir.backends.triton import norm
 from k3ir.backends.triton.config import get_triton_config, triton_config
+from k3ir.backends.triton.moe import grouped as moe
 
 from k3ir import quant as Q
 from k3ir.opdef import get_opdef
@@ -428,7 +429,7 @@ def test_use_gluon_row_window(monkeypatch):
     the Triton kernel and 32 rows the Gluon one; the default (1) gives every row count to Gluon."""
     import types
 
-    from k3ir.backends.triton import moe
+    from k3ir.backends.triton.moe import grouped as moe
     monkeypatch.setattr(moe, "interpreting", lambda: False)
     x = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
     pk = object()

@@ -51,8 +51,9 @@ def test_routed_glu_equals_dispatch_then_grouped_glu(B, k, E, D, I, act, use_xn,
     routed_glu_kernel. Router outputs, offsets, inv, combine weights must be equal bit for bit, and the GLU rows too
     when the routed GLU norms the raw rows (xn False); with router_glu_kernel's normalised rows (xn True, one-pass
     rstd) within fp32 rounding. Expert ids, GLU rows and those normalised rows also against float64."""
-    from k3ir.backends.triton import dispatch as disp
-    from k3ir.backends.triton import moe, moe_decode
+    from k3ir.backends.triton.moe import decode as moe_decode
+    from k3ir.backends.triton.moe import dispatch as disp
+    from k3ir.backends.triton.moe import grouped as moe
 
     from k3ir.ops.moe import router_ref
     decode_tuning["routed_glu"] = True
@@ -95,8 +96,8 @@ def test_routed_glu_equals_dispatch_then_grouped_glu(B, k, E, D, I, act, use_xn,
 
 def test_routed_glu_switch_and_limits(decode_tuning):
     """Off with decode.routed_glu False, more than MAX_ROWS tokens, packed or float64 weights, no GLU."""
-    from k3ir.backends.triton import dispatch as disp
-    from k3ir.backends.triton import moe_decode
+    from k3ir.backends.triton.moe import decode as moe_decode
+    from k3ir.backends.triton.moe import dispatch as disp
     decode_tuning["routed_glu"] = True
     x, nw, wr, bias, s1, s3, w1, w3 = _layer(1, 2, 8, 32, 8, 16, seed=1)
     f, _ = disp.router_glu_front(x, wr, bias, 2, 8, True, 1.0, 1e-20, (nw, 1e-5), s1, s3)
@@ -171,8 +172,8 @@ def test_rank_topk_picks_as_route_topk(B, k, E, decode_tuning):
     """TritonConfig.decode.rank_topk (expert ranks instead of k argmax rounds) on the same fronts: the same expert ids,
     offsets and inv, weights to fp32 rounding, GLU rows within fp32 rounding; scores with exact ties (equal router
     rows and a zero bias: lower expert first) included; the routed GLU and dispatch_front agree bit for bit."""
-    from k3ir.backends.triton import dispatch as disp
-    from k3ir.backends.triton import moe_decode
+    from k3ir.backends.triton.moe import decode as moe_decode
+    from k3ir.backends.triton.moe import dispatch as disp
     x, nw, wr, bias, s1, s3, w1, w3 = _layer(B, k, E, 48, 8, 16, seed=E + k)
     wr[E // 2:] = wr[: E - E // 2].clone()             # pairs of equal logits: ties broken by the lower expert
     bias.zero_()

@@ -1,4 +1,4 @@
-"""The Gluon MXFP4 kernel's prepare-time permutation and decode (backends/triton/moe_gluon.py, issue 6).
+"""The Gluon MXFP4 kernel's prepare-time permutation and decode (backends/triton/moe/gluon.py, issue 6).
 
 The interpreter does not run Gluon, so the CPU tests emulate exactly what each thread computes: the
 fragment words and scale words of ``pack_mxfp4``, the scale-word -> multiplier bit ops of ``_decode`` and
@@ -22,8 +22,8 @@ from conftest import rel_err
 
 from k3ir import quant as Q
 
-G = pytest.importorskip("k3ir.backends.triton.moe_gluon")
-L = pytest.importorskip("k3ir.backends.triton.moe_layout")
+G = pytest.importorskip("k3ir.backends.triton.moe.gluon")
+L = pytest.importorskip("k3ir.backends.triton.moe.layout")
 
 
 def _bf(bits):
@@ -164,7 +164,7 @@ def test_gluon_kernel_matches_dequantised_matmul(act, smax):
     """The Gluon kernel (GLU and plain + row scale, one and two multipliers, experts of 0..19 rows) against
     bf16 dequantise-then-matmul on the GPU (tolerance SPEC 11 bf16). Scale bytes up to 200 reach the two-multiplier
     path without overflow (at 254 the weights themselves are inf in bf16 and the comparison is nan)."""
-    from k3ir.backends.triton import moe
+    from k3ir.backends.triton.moe import grouped as moe
     dev = "cuda"
     rng = np.random.default_rng(1)
     E, N, K = 6, 256, 512
@@ -203,7 +203,8 @@ def test_triton_kernels_read_the_fragment_layout(config, act, smax):
     float64 dequantise-then-matmul: experts of 0, 1, 5, 17, 40 rows (not multiples of the row tiles), GLU and
     plain with row scale, one and two scale multipliers (scale bytes up to 200). CPU: the exact integer decode
     under the interpreter; GPU: the PTX decode (Triton kernel forced: mxfp4_kernel "triton")."""
-    from k3ir.backends.triton import moe, moe_layout
+    from k3ir.backends.triton.moe import grouped as moe
+    from k3ir.backends.triton.moe import layout as moe_layout
     rng = np.random.default_rng(5)
     cnt = np.array([0, 1, 5, 17, 40])
     E, N, K = len(cnt), 48, 128
@@ -242,7 +243,8 @@ def test_to_fragments_in_place_one_copy_and_guards(monkeypatch):
     equal to the out-of-place packing; the tensors become FragTensor (the marker grouped_matmul reads), a weight
     written after its permutation is refused, unmarked tensors stay in the original layout (Triton byte decode),
     and prepared tensors are never permuted twice."""
-    from k3ir.backends.triton import moe, moe_layout
+    from k3ir.backends.triton.moe import grouped as moe
+    from k3ir.backends.triton.moe import layout as moe_layout
     rng = np.random.default_rng(6)
     p, s = _mx(rng, 5, 32, 128, 200)
     ref = moe_layout.pack_mxfp4(torch.from_numpy(p), torch.from_numpy(s))
@@ -279,7 +281,7 @@ def test_executable_permutes_experts_once_and_matches_torch():
     """A small K3 model (expert K = N = 64, MXFP4 experts) on the triton target: prepare_params puts every routed
     expert tensor in the fragment layout (the caller's arrays untouched), and the forward logits equal the torch
     target's (float32, SPEC 11)."""
-    from k3ir.backends.triton import moe_layout
+    from k3ir.backends.triton.moe import layout as moe_layout
     from k3ir.runtime import Session
     from k3ir.runtime.params import init_params
 
@@ -324,7 +326,8 @@ def test_copies_of_fragment_weights_are_read_right_or_refused():
 
     from k3ir.backends.torch import ops  # noqa: F401  (import order: ops before fused)
     from k3ir.backends.torch.fused import dequantize
-    from k3ir.backends.triton import moe, moe_layout
+    from k3ir.backends.triton.moe import grouped as moe
+    from k3ir.backends.triton.moe import layout as moe_layout
 
     from k3ir.errors import K3Error
     rng = np.random.default_rng(11)
@@ -366,7 +369,9 @@ def test_stride0_or_strided_fragment_weights_are_refused():
     passed, an illegal memory access on the H200 -- or a row slice is refused at the Python level with a
     FragmentLayoutError (moe.grouped_matmul, moe_gluon.grouped_matmul with MXPacked views, moe_layout.mark)
     instead of reading out of bounds; a contiguous copy of the expanded view is read correctly."""
-    from k3ir.backends.triton import moe, moe_gluon, moe_layout
+    from k3ir.backends.triton.moe import gluon as moe_gluon
+    from k3ir.backends.triton.moe import grouped as moe
+    from k3ir.backends.triton.moe import layout as moe_layout
     rng = np.random.default_rng(12)
     p, s = _mx(rng, 1, 32, 128, 128)
     w, sc = moe_layout.prepare(torch.from_numpy(p.copy()), torch.from_numpy(s.copy()))
@@ -392,7 +397,7 @@ def test_prepared_weights_refuse_host_copies_and_checkpoints(tmp_path):
     """Prepared (fragment-layout) expert bytes never reach NumPy: ``.numpy()``, ``np.asarray`` and ``.tolist()``
     raise, so ``k3ir.save`` of a triton session's params cannot write the permuted bytes as packed E2M1 pairs
     (it did silently before)."""
-    from k3ir.backends.triton import moe_layout
+    from k3ir.backends.triton.moe import layout as moe_layout
     from k3ir.runtime import init_params
 
     import k3ir

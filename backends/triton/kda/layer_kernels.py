@@ -6,8 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemv import gdc_launch_dependents, gdc_wait
-from .kda_common import gate_pre_act, rnorm
+from ..gemv import gdc_launch_dependents, gdc_wait
+from .common import gate_pre_act, rnorm
 
 
 @triton.jit(do_not_specialize=["T"])   # any prefill length: one compile

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import moe as moe_k
+from . import grouped as moe_k
 from .dispatch import Front, route_rows, route_slots, store_offsets
-from .moe import ACT_IDS, _epilogue_t, _w_tile_t
+from .grouped import ACT_IDS, _epilogue_t, _w_tile_t
 
 #: the most tokens a step may have for the routed GLU (every slot of the step is in each program's routing tile)
 MAX_ROWS = 4
@@ -114,7 +114,7 @@ def config(f: Front, N: int) -> tuple:
 def routed_supported(f: Front, w1: torch.Tensor, w3: torch.Tensor, act: str) -> bool:
     """Whether ``routed_glu`` takes this front and these expert weights: ``TritonConfig.decode.routed_glu``, at most
     MAX_ROWS tokens, float (unquantised) ``[E, N, D]`` weights of one shape, a GLU activation, x not float64."""
-    from .config import get_triton_config
+    from ..config import get_triton_config
     R, D = f.x.shape
     return (get_triton_config().decode.routed_glu and 0 < R <= MAX_ROWS and act in ACT_IDS and act != "none"
             and f.x.dtype in (torch.bfloat16, torch.float16, torch.float32)

@@ -15,12 +15,12 @@ import itertools
 
 import torch
 
-from . import checks as C
-from . import kda_fwd_kernels as kf
-from . import kda_kernels as kk
-from .config import RECUR_TABLE, TRITON, get_triton_config
-from .kda_torch import kda_chunk_torch
-from .smem_fit import fit_stages
+from .. import checks as C
+from ..config import RECUR_TABLE, TRITON, get_triton_config
+from ..smem_fit import fit_stages
+from . import fwd as kk
+from . import fwd_intra as kf
+from .naive import kda_chunk_torch
 
 BT, BC = 64, 16
 #: dtype overrides of the intermediates ({'w': ..., 'qk': ..., 'A': ...}); default: q's dtype, as fla
@@ -454,7 +454,7 @@ class _KDAFunction(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, extra):
         if _bwd_mode() != "torch":     # the chunked Triton backward (kda_bwd); kda_bwd.mode "torch": recompute
-            from .kda_bwd import kda_backward
+            from .bwd import kda_backward
             res = kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, ctx.lower_bound,
                                ctx.scale, cu_seqlens, ctx.gate, saved=dict(zip(ctx.saved_keys, extra)) or None)
             return (*res, None, None, None, None, None, None)

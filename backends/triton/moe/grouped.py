@@ -25,11 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import checks as C
-from . import interpreting
-from .config import get_triton_config
-from .gemv import gdc_launch_dependents, gdc_wait, pdl_kwargs
-from .moe_asm import (  # noqa: F401 (@jit globals)
+from .. import checks as C
+from .. import interpreting
+from ..config import get_triton_config
+from ..gemv import gdc_launch_dependents, gdc_wait, pdl_kwargs
+from .asm import (  # noqa: F401 (@jit globals)
     _ASM_OK,
     MX_ASM1,
     MX_ASM2,
@@ -41,8 +41,8 @@ from .moe_asm import (  # noqa: F401 (@jit globals)
     _mx_asm,
     _mx_asm_word,
 )
-from .moe_layout import _w_tile_frag, lookup
-from .moe_plan import (  # noqa: F401 (moe.plan, moe.smem_bytes, ... are this module's API)
+from .layout import _w_tile_frag, lookup
+from .plan import (  # noqa: F401 (moe.plan, moe.smem_bytes, ... are this module's API)
     PREFILL_BF16,
     SMEM_DEFAULT,
     _config,
@@ -404,7 +404,7 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, scal
         if (pk is None) != (pk3 is None) or (pk is not None and glu and pk.two != pk3.two):
             raise ValueError("grouped_matmul: both GLU weights must be in the same MXFP4 layout (moe_layout.prepare)")
         if mxfp4_decode is None and _use_gluon(x, R, E, pk, N):
-            from . import moe_gluon as mg
+            from . import gluon as mg
             mcfg = get_triton_config().moe
             small = mcfg.gluon_small if R < mcfg.gluon_small_rows else None
             return mg.grouped_matmul(x, offsets, pk, pw3=pk3 if glu else None, act=act, b1=b1, b2=b2,

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import checks as C
-from . import interpreting
-from .config import get_triton_config
-from .mla import _p2, mla_prefill_kernel
+from .. import checks as C
+from .. import interpreting
+from ..config import get_triton_config
+from .attn import _p2, mla_prefill_kernel
 
 
 def mla_prefill_tile(q, kn, kr, v, scale: float, lengths, key_start: int, total_keys: int):

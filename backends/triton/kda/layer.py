@@ -5,9 +5,9 @@ import torch
 
 from k3ir.errors import K3RuntimeError
 
-from . import checks as C
+from .. import checks as C
+from ..gemv import pdl_kwargs
 from . import layer_kernels as lk
-from .gemv import pdl_kwargs
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, silu: bool = True):
@@ -155,7 +155,7 @@ def router(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, ren
     iout = torch.empty(R, top_k, dtype=torch.int64, device=x.device)
     sout = torch.empty(R, E, dtype=torch.float32, device=x.device)
     if R:
-        from . import interpreting
+        from .. import interpreting
         BR, BK = (16, 32) if interpreting() else (16, 128)
         EP = max(16, 1 << (E - 1).bit_length())
         ieee = xx.dtype == torch.float32 or w.dtype == torch.float32

@@ -26,12 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import checks as C
-from . import interpreting
-from .config import get_triton_config
-from .gemv import _x_tile, gdc_launch_dependents, gdc_wait, pdl_kwargs
-from .gemv import config as gemv_config
-from .layer_kernels import route_topk
+from .. import checks as C
+from .. import interpreting
+from ..config import get_triton_config
+from ..gemv import _x_tile, gdc_launch_dependents, gdc_wait, pdl_kwargs
+from ..gemv import config as gemv_config
+from ..kda.layer_kernels import route_topk
 
 #: ``TritonConfig.decode`` (config.py) fields of the MoE decode front:
 #: ``front_split``: the router partial logits and the shared expert's gate/up gemv in one launch

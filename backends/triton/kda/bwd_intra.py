@@ -7,8 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kda_bwd_kernels import _Grow, _ldG
-from .kda_common import chunk_rows, head_decay, l2norm_rows_bwd, ld_row, ld_vec, ldf, ldT, softplus, st
+from .bwd_kernels import _Grow, _ldG
+from .common import chunk_rows, head_decay, l2norm_rows_bwd, ld_row, ld_vec, ldf, ldT, softplus, st
 
 
 # ---------------------------------------------------------------- 6. intra-chunk backward

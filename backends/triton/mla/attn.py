@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import checks as C
-from . import interpreting
-from .config import get_triton_config
-from .gemv import gdc_launch_dependents, gdc_wait, pdl_kwargs
+from .. import checks as C
+from .. import interpreting
+from ..config import get_triton_config
+from ..gemv import gdc_launch_dependents, gdc_wait, pdl_kwargs
 
 
 @triton.jit(do_not_specialize=["T", "S", "K0", "SK"])   # lengths: one compile (alignment comes from DN+DR)

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 # the fragment-word layout, its packing and its PTX decode live in moe_layout (the Triton kernels read it too)
-from .moe_layout import DEC1, DEC2, MXPacked, check_packed, pack_mxfp4  # noqa: F401
+from .layout import DEC1, DEC2, MXPacked, check_packed, pack_mxfp4  # noqa: F401
 
 
 # --- the kernel -------------------------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import kda_kernels as kk
-from .kda_common import (
+from . import fwd as kk
+from .common import (
     beta_rows,
     chunk_locate,
     chunk_rows,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kda_common import (
+from .common import (
     GATE_LOWER_BOUND,  # noqa: F401 - re-exported
     GATE_PRECOMPUTED,  # noqa: F401
     GATE_SOFTPLUS,  # noqa: F401

@@ -117,7 +117,7 @@ def _asm_verified(dec: str, device) -> bool:
     x = torch.eye(128, device=device, dtype=torch.bfloat16)
     off = torch.tensor([0, 128], device=device)
     try:
-        from .moe import grouped_matmul
+        from .grouped import grouped_matmul
         got = grouped_matmul(x, off, torch.from_numpy(packed).to(device), torch.from_numpy(sc).to(device), "mxfp4",
                              config=("t", 64, 16, 16, 128, 4, 2), mxfp4_decode=dec).cpu()
         ok = bool(torch.equal(got.float(), want.float()))        # by value: a dot sums -0 to +0

@@ -17,10 +17,10 @@ import threading
 
 import torch
 
-from . import kda_bwd_intra as ki
-from . import kda_bwd_kernels as kb
-from .config import get_triton_config
-from .smem_fit import fit_stages
+from ..config import get_triton_config
+from ..smem_fit import fit_stages
+from . import bwd_intra as ki
+from . import bwd_kernels as kb
 
 BT, BC = 64, 16
 #: storage dtype overrides: 'h' (states per chunk), 'dh', 'vn' (v'), 'dvn', 'w' (w, u, qg, kg, q/k
