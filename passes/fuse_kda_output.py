@@ -13,7 +13,7 @@ from k3ir.ir import Module
 from .manager import Pass, PassResult, register_pass
 from .rewrite import Rewriter
 
-#: operand index of ``o_norm`` in ``k3.fused_kda`` (x, then ops/fused.py KDA_WEIGHTS)
+#: operand index of ``o_norm`` in ``k3.fused_kda`` (x, then ops/kda.py KDA_WEIGHTS)
 _O_NORM = 12
 
 

@@ -176,7 +176,7 @@ CORE_CASES: dict[str, Callable[[np.random.Generator], list[Case]]] = {
     "k3.state_zero": _state_zero, "k3.state_load": _state_load, "k3.state_store": _state_store, "k3.rope_2d_table": _rope_2d_table,
 }
 
-# ---- fused ops (k3ir/ops/fused.py): made by the fusion passes, given here with the layouts they build ----
+# ---- fused ops (beside their families in k3ir/ops/): made by the fusion passes, given here with the layouts they build ----
 def _moe_dispatch(r):
     idx = np.stack([r.permutation(4)[:2] for _ in range(6)]).reshape(2, 3, 2)
     return [([_x(r, (2, 3, 5)), r.uniform(size=(2, 3, 2)), idx], {}, {"num_experts": 4})]

@@ -1,4 +1,4 @@
-"""PyTorch implementations of the fused ops made by the passes (k3ir/ops/fused.py).
+"""PyTorch implementations of the fused ops made by the passes (k3ir/ops/kda.py, moe.py, residual.py).
 Autograd-safe (no in-place writes on inputs); accumulation in fp32 or wider."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from k3ir.ops.fused import capacity_for
+from k3ir.ops.moe import capacity_for
 
 from . import kda as K
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .collectives import TABLE as COLLECTIVES  # sharded modules (passes/shard.py); bound to a mesh by the executable
-from .fused import FUSED  # the fused ops made by the passes (k3ir/ops/fused.py)
+from .fused import FUSED  # the fused ops made by the passes (k3ir/ops/kda.py, moe.py, residual.py)
 from .kda import (
     gated_rmsnorm,
     kda,

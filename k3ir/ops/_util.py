@@ -66,3 +66,9 @@ def numel(shape, env) -> int:
     for d in shape:
         n *= eval_dim(d, env)
     return n
+
+
+def op_ref(name: str, attrs: dict, *args):
+    """The float64 reference of op ``name`` (used to compose fused ops' references exactly)."""
+    from ..opdef import get_opdef
+    return get_opdef(name)(attrs).reference(*args)

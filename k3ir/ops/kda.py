@@ -1,9 +1,12 @@
-"""Kimi Delta Attention (SPEC.md section 3): the decay gate and the gated delta-rule recurrence.
+"""Kimi Delta Attention (SPEC.md section 3): the decay gate and the gated delta-rule recurrence, and the fused
+whole-layer ops the passes make (``k3.fused_kda``, ``k3.fused_kda_ungated``).
 
 ``kda_recurrent`` (token by token) is the oracle; ``kda_chunked`` is the chunked form that fused
 kernels implement, kept here in float64 so tests can check one against the other.
 """
 from __future__ import annotations
+
+from typing import ClassVar
 
 import numpy as np
 
@@ -12,6 +15,7 @@ from ..ir import Function
 from ..opdef import Attr, Op, Operand, Result, op, require, state, tensor
 from ..types import StateType, TensorType
 from ._util import f64, numel, sigmoid, softplus
+from ._util import op_ref as _ref
 
 
 def kda_gate_ref(z, A_log, dt_bias, form: str, lower_bound: float = -5.0):
@@ -200,3 +204,189 @@ def _kda_step_function(module, H: int, K: int, V: int, scale: float) -> Function
     if module is not None:
         module.add_function(fn)
     return fn
+
+
+# ---- fused KDA (made by passes/fuse_kda*.py) -----------------------------------------------------------
+# Fused ops are made by the fusion passes (passes/); each one's float64 reference composes the references of
+# the ops it replaces, in the same order, so a fused module equals the unfused one to float64 rounding
+# (SPEC.md 11); each decomposes back into model/core ops for backends without a kernel.
+#: fixed operands of k3.fused_kda before the variadic output-gate weights and states
+KDA_WEIGHTS = ("w_q", "w_k", "w_v", "conv_q", "conv_k", "conv_v", "w_fa", "w_fb", "A_log", "dt_bias",
+               "w_b", "o_norm")
+
+
+@op("k3.fused_kda", "fused")
+class FusedKDA(Op):
+    """One whole KDA layer (SPEC.md 3) between the input norm and ``o_proj``.
+
+    Operands: x ``[B,T,d]`` (``input_layernorm`` output); ``w_q, w_k, w_v [H*D, d]``; conv taps
+    ``conv_q/k/v [H*D, 1, K]``; ``w_fa [D, d]``, ``w_fb [H*D, D]`` (decay pre-activation);
+    ``A_log`` (first H entries per head), ``dt_bias f32[H*D]``; ``w_b [H, d]`` (beta logit);
+    ``o_norm [D]``; the output-gate weights (``g_proj [H*D, d]`` when ``full_rank_gate``, else
+    ``g_a_proj [D, d]``, ``g_b_proj [H*D, D]``); optionally the four states
+    ``!conv_state<H*D,K-1>`` x3 (q, k, v) and ``!kda_state<H,D,D>``.
+    Results: ``o [B,T,H*D]`` (gated, normed, before ``o_proj``), new conv states q/k/v, new
+    recurrent state (fp32). ``mode="chunk"`` (prefill/forward: chunked WY form, chunk_size) or
+    ``"recurrent"`` (decode, T == 1: one delta step with the states in place); both compute the
+    same function."""
+    x = Operand()
+    w_q = Operand()
+    w_k = Operand()
+    w_v = Operand()
+    conv_q = Operand()
+    conv_k = Operand()
+    conv_v = Operand()
+    w_fa = Operand()
+    w_fb = Operand()
+    A_log = Operand()
+    dt_bias = Operand()
+    w_b = Operand()
+    o_norm = Operand()
+    gate_w = Operand("g_proj, or g_a_proj and g_b_proj", variadic=True)
+    states = Operand("conv q, k, v and recurrent state (all or none)", variadic=True)
+    out = Result()
+    conv_q_out = Result()
+    conv_k_out = Result()
+    conv_v_out = Result()
+    state_out = Result()
+    heads = Attr(int)
+    head_dim = Attr(int)
+    scale = Attr(float)
+    gate = Attr(str, choices=("lower_bound", "softplus"))
+    lower_bound = Attr(float, -5.0)
+    full_rank_gate = Attr(bool)
+    eps = Attr(float, 1e-6, "head RMSNorm eps (rms_norm_eps)")
+    qk_eps = Attr(float, 1e-6, "L2 norm eps of q and k")
+    chunk_size = Attr(int, 64)
+    mode = Attr(str, "chunk", choices=("chunk", "recurrent"))
+    #: whether result 0 has the gated head norm applied (``k3.fused_kda_ungated`` leaves it to its consumer)
+    GATED: ClassVar[bool] = True
+
+    @classmethod
+    def group_operands(cls, operands):
+        n = len(operands)
+        fixed = 1 + len(KDA_WEIGHTS)
+        require(n in (fixed + 1, fixed + 2, fixed + 5, fixed + 6),
+                f"k3.fused_kda takes {fixed} operands, 1-2 gate weights and 0 or 4 states; got {n}")
+        n_states = 4 if n >= fixed + 5 else 0
+        out = {"x": operands[0]}
+        out.update(zip(KDA_WEIGHTS, operands[1:fixed]))
+        out["gate_w"] = list(operands[fixed:n - n_states])
+        out["states"] = list(operands[n - n_states:])
+        return out
+
+    def _split(self, args):
+        fixed = 1 + len(KDA_WEIGHTS)
+        ng = 1 if self.full_rank_gate else 2
+        return args[:fixed], list(args[fixed:fixed + ng]), list(args[fixed + ng:])
+
+    def infer(self, x, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_fa, w_fb, A_log, dt_bias, w_b, o_norm,
+              gate_w, states):
+        x = tensor(x, "x")
+        H, D = self.heads, self.head_dim
+        HD = H * D
+        require(x.rank == 3, f"x must be [B,T,d], got {x}")
+        d = x.shape[2]
+        for name, w, want in (("w_q", w_q, (HD, d)), ("w_k", w_k, (HD, d)), ("w_v", w_v, (HD, d)),
+                              ("w_fa", w_fa, (D, d)), ("w_fb", w_fb, (HD, D)), ("w_b", w_b, (H, d)),
+                              ("o_norm", o_norm, (D,)), ("dt_bias", dt_bias, (HD,))):
+            require([str(s) for s in tensor(w, name).shape] == [str(s) for s in want],
+                    f"{name} must be {list(want)}, got {w}")
+        K = None
+        for name, c in (("conv_q", conv_q), ("conv_k", conv_k), ("conv_v", conv_v)):
+            c = tensor(c, name)
+            require(c.rank == 3 and c.shape[0] == HD and c.shape[1] == 1, f"{name} must be [{HD},1,K], got {c}")
+            require(K is None or c.shape[2] == K, "conv kernels differ")
+            K = c.shape[2]
+        want_g = [(HD, d)] if self.full_rank_gate else [(D, d), (HD, D)]
+        require(len(gate_w) == len(want_g),
+                f"full_rank_gate={self.full_rank_gate} wants {len(want_g)} gate weights, got {len(gate_w)}")
+        for w, want in zip(gate_w, want_g):
+            require([str(s) for s in w.shape] == [str(s) for s in want], f"gate weight must be {list(want)}, got {w}")
+        conv_st = StateType("conv_state", (HD, int(K) - 1))
+        kda_st = StateType("kda_state", (H, D, D))
+        if states:
+            require(len(states) == 4, "states: conv q, k, v and the recurrent state, or none")
+            for s in states[:3]:
+                require(s == conv_st, f"conv state {s} does not match {conv_st}")
+            require(states[3] == kda_st, f"state {states[3]} does not match {kda_st}")
+        if self.mode == "recurrent":
+            require(x.shape[1] == 1, f"mode=recurrent needs T == 1, got {x}")
+        return [x.with_shape((x.shape[0], x.shape[1], HD)), conv_st, conv_st, conv_st, kda_st]
+
+    def verify(self):
+        require(self.heads > 0 and self.head_dim > 0, "heads and head_dim must be positive")
+        require(self.chunk_size > 0 and self.chunk_size % 16 == 0, "chunk_size must be a positive multiple of 16")
+        require(self.gate != "lower_bound" or self.lower_bound < 0, f"lower_bound must be negative, got "
+                f"{self.lower_bound}")
+
+    def reference(self, *args):
+        (x, w_q, w_k, w_v, c_q, c_k, c_v, w_fa, w_fb, A_log, dt_bias, w_b, o_norm), gate_w, states = self._split(args)
+        H, D = self.heads, self.head_dim
+        x = f64(x)
+        B, T = x.shape[:2]
+        st = list(states) if states else [None] * 4
+        ys, new = [], []
+        for w, c, s in zip((w_q, w_k, w_v), (c_q, c_k, c_v), st[:3]):
+            y, s_new = _ref("k3.short_conv", {"activation": "silu"}, _ref("k3.linear", {}, x, w), c, s)
+            ys.append(np.reshape(y, (B, T, H, D)))
+            new.append(s_new)
+        q = _ref("k3.l2norm", {"eps": self.qk_eps}, ys[0])
+        k = _ref("k3.l2norm", {"eps": self.qk_eps}, ys[1])
+        z = _ref("k3.linear", {}, _ref("k3.linear", {}, x, w_fa), w_fb)
+        g = kda_gate_ref(np.reshape(z, (B, T, H, D)), A_log, dt_bias, self.gate, self.lower_bound)
+        beta = _ref("k3.sigmoid", {}, _ref("k3.linear", {}, x, w_b))
+        o, s_out = kda_recurrent(q, k, ys[2], g, beta, self.scale, st[3])
+        gz = _ref("k3.linear", {}, x, gate_w[0])
+        if not self.full_rank_gate:
+            gz = _ref("k3.linear", {}, gz, gate_w[1])
+        if not self.GATED:             # k3.fused_kda_ungated: o before the gated head norm, and its gate input
+            return (np.reshape(o, (B, T, H * D)), *new, s_out, gz)
+        o = _ref("k3.gated_rmsnorm", {"eps": self.eps}, o, np.reshape(gz, (B, T, H, D)), o_norm)
+        return (np.reshape(o, (B, T, H * D)), *new, s_out)
+
+    def decompose(self, b, x, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_fa, w_fb, A_log, dt_bias, w_b, o_norm,
+                  gate_w, states):
+        H, D = self.heads, self.head_dim
+        st = list(states) if states else [None] * 4
+        ys, new = [], []
+        for w, c, s in zip((w_q, w_k, w_v), (conv_q, conv_k, conv_v), st[:3]):
+            y, s_new = b.op("k3.short_conv", b.linear(x, w), c, s, activation="silu")
+            ys.append(b.reshape(y, shape=[0, 0, H, D]))
+            new.append(s_new)
+        q, k = b.l2norm(ys[0], eps=self.qk_eps), b.l2norm(ys[1], eps=self.qk_eps)
+        z = b.reshape(b.linear(b.linear(x, w_fa), w_fb), shape=[0, 0, H, D])
+        g = b.kda_gate(z, A_log, dt_bias, form=self.gate, lower_bound=self.lower_bound)
+        beta = b.sigmoid(b.cast(b.linear(x, w_b), dtype="f32"))
+        o, s_out = b.op("k3.kda", q, k, ys[2], g, beta, st[3], scale=self.scale, chunk_size=self.chunk_size)
+        gz = b.linear(x, gate_w[0])
+        if not self.full_rank_gate:
+            gz = b.linear(gz, gate_w[1])
+        if not self.GATED:
+            return (b.reshape(o, shape=[0, 0, H * D]), *new, s_out, gz)
+        o = b.gated_rmsnorm(o, b.reshape(gz, shape=[0, 0, H, D]), o_norm, eps=self.eps)
+        return (b.reshape(o, shape=[0, 0, H * D]), *new, s_out)
+
+    def flops(self, ot, rt, env):
+        B, T, d = (numel((s,), env) for s in ot[0].shape)
+        H, D = self.heads, self.head_dim
+        HD, K = H * D, numel((ot[4].shape[2],), env)
+        proj = 3 * HD * d + D * d + HD * D + H * d + (HD * d if self.full_rank_gate else D * d + HD * D)
+        return B * T * (2.0 * proj + 2.0 * 3 * HD * K + 8.0 * H * D * D + H)   # + the beta sigmoid
+
+
+@op("k3.fused_kda_ungated", "fused")
+class FusedKDAUngated(FusedKDA):
+    """``k3.fused_kda`` with its output norm left to the consumer (made by ``fuse-kda-output`` for a decode
+    layer whose output only feeds ``k3.decode_linear``s, which apply it in their prologue: ``norm="gated"``).
+
+    Operands and attributes as ``k3.fused_kda``. Results: o ``[B,T,H*D]`` *before* the per-head gated
+    RMSNorm of SPEC.md 3.6, the new conv states q/k/v and recurrent state, then ``gate [B,T,H*D]`` (the
+    output-gate pre-activation ``gz``: ``x g_proj^T``, or ``(x g_a^T) g_b^T``). ``k3.gated_rmsnorm`` of
+    (o, gate) per head with weight ``o_norm`` and ``eps`` gives ``k3.fused_kda``'s result 0."""
+    gate = Result()
+    GATED = False
+
+    def infer(self, *args):
+        out = super().infer(*args)
+        return [*out, out[0]]

@@ -1,9 +1,13 @@
-"""Router and routed experts (SPEC.md sections 5-6)."""
+"""Router and routed experts (SPEC.md sections 5-6), and the fused MoE ops the passes make: dispatch, grouped GEMM
+over all experts, combine (SPEC.md 5-7)."""
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
-from ..opdef import Attr, Op, Operand, Result, op, require, tensor
+from ..errors import K3BackendError
+from ..opdef import Attr, Op, Operand, Result, get_opdef, op, require, tensor
 from ..types import TensorType
 from ._util import f64, numel, sigmoid, silu
 
@@ -162,3 +166,200 @@ def qb_update(scores, bias, top_k: int, rule: str = "quantile", sign_step: float
     else:
         raise ValueError(f"unknown QB rule '{rule}' (want quantile, margin, sign or none)")
     return c - c.mean()
+
+
+# ---- fused MoE (made by passes/fuse_moe*.py) -----------------------------------------------------------
+# Fused ops are made by the fusion passes (passes/); each one's float64 reference composes the references of
+# the ops it replaces, in the same order, so a fused module equals the unfused one to float64 rounding
+# (SPEC.md 11); each decomposes back into model/core ops for backends without a kernel.
+def capacity_for(tokens: int, top_k: int, num_experts: int, capacity: int, factor: float) -> int:
+    """Static per-expert capacity: ``capacity`` if set, else ``ceil(factor * m k / n)`` (the QB
+    target load ``m k / n`` times ``factor``, SPEC.md 6); 0 means no static capacity."""
+    if capacity > 0:
+        return capacity
+    if factor <= 0:
+        return 0
+    return max(1, math.ceil(factor * tokens * top_k / num_experts))
+
+
+def _rows(w: TensorType):
+    """The flattened row count ``R`` of ``[B,T,k]``, spelled as ``k3.reshape(shape=[-1])`` does."""
+    return get_opdef("k3.reshape")({"shape": [-1]}).infer(w)[0].shape[0]
+
+
+@op("k3.moe_dispatch", "fused")
+class MoEDispatch(Op):
+    """Sort the routed copies of the tokens by expert (stable: ties keep token-slot order).
+
+    x ``[B,T,D]``, weights ``f32[B,T,k]`` (combine weights from ``k3.router``), indices
+    ``i64[B,T,k]``. Returns ``x_sorted [R,D]`` (``R = B*T*k``; row r is the token of slot
+    ``perm[r]``), ``offsets i64[E+1]`` (expert e owns rows ``offsets[e]:offsets[e+1]``),
+    ``inv_perm i64[B,T,k]`` (slot -> sorted row) and ``comb_w f32[R]`` (weights in sorted order).
+    ``capacity``/``capacity_factor``: a static per-expert row capacity kernels may assume
+    (``capacity_for``); when a batch exceeds it the kernels take the exact ragged path, so the
+    values never depend on it (no token is dropped)."""
+    x = Operand()
+    weights = Operand()
+    indices = Operand()
+    x_sorted = Result()
+    offsets = Result()
+    inv_perm = Result()
+    comb_w = Result()
+    num_experts = Attr(int)
+    capacity = Attr(int, 0)
+    capacity_factor = Attr(float, 0.0)
+
+    def infer(self, x, w, idx):
+        x, w, idx = tensor(x, "x"), tensor(w, "weights"), tensor(idx, "indices")
+        require(x.rank == 3 and w.rank == 3, f"x {x} and weights {w} must be [B,T,*]")
+        require(idx.dtype in ("i64", "i32") and [str(s) for s in idx.shape] == [str(s) for s in w.shape],
+                f"indices {idx} must be integer and match weights {w}")
+        require([str(s) for s in w.shape[:2]] == [str(s) for s in x.shape[:2]], f"weights {w} do not fit x {x}")
+        R = _rows(w)
+        return [TensorType(x.dtype, (R, x.shape[2])), TensorType("i64", (self.num_experts + 1,)),
+                TensorType("i64", w.shape), TensorType("f32", (R,))]
+
+    def verify(self):
+        require(self.num_experts > 0 and self.capacity >= 0 and self.capacity_factor >= 0,
+                "num_experts > 0, capacity >= 0 and capacity_factor >= 0")
+
+    def reference(self, x, w, idx):
+        x, w = f64(x), f64(w)
+        k = w.shape[-1]
+        flat = np.asarray(idx, dtype=np.int64).reshape(-1)
+        require(flat.size == 0 or (flat.min() >= 0 and flat.max() < self.num_experts), "expert index out of range")
+        order = np.argsort(flat, kind="stable")                    # sorted row -> slot
+        inv = np.empty_like(order)
+        inv[order] = np.arange(order.size)
+        counts = np.bincount(flat, minlength=self.num_experts)
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        xs = x.reshape(-1, x.shape[-1])[order // k]
+        return xs, offsets, inv.reshape(w.shape), w.reshape(-1)[order]
+
+    def decompose(self, b, x, w, idx):
+        # shape-polymorphic, O(R^2): sorted positions from one_hot/cumsum per axis, then the
+        # sort as a 0/1 permutation matrix (exact in float: each row picks one value)
+        E = self.num_experts
+        D = x.type.shape[2]
+        oh = b.one_hot(idx, depth=E)                                                 # [B,T,k,E]
+        tok = b.reduce_sum(oh, axes=[2])                                             # [B,T,E]
+        in_tok = b.sub(b.cumsum(oh, axis=2), oh)
+        in_row = b.sub(b.cumsum(tok, axis=1), tok)
+        row = b.reduce_sum(tok, axes=[1])                                            # [B,E]
+        in_batch = b.sub(b.cumsum(row, axis=0), row)
+        counts = b.reduce_sum(row, axes=[0])                                         # [E]
+        csum = b.cumsum(counts, axis=0)
+        rank = b.add(b.add(in_tok, b.reshape(in_row, shape=[0, 0, 1, -1])), b.reshape(in_batch, shape=[0, 1, 1, -1]))
+        pos = b.reduce_sum(b.mul(b.add(rank, b.sub(csum, counts)), oh), axes=[-1])  # [B,T,k] slot -> row
+        flat = b.reshape(pos, shape=[-1])                                            # [R]
+        ar = b.sub(b.cumsum(b.add(b.mul(flat, 0.0), 1.0), axis=0), 1.0)             # arange(R)
+        d = b.sub(b.reshape(flat, shape=[1, -1]), b.reshape(ar, shape=[-1, 1]))      # [row, slot]
+        P = b.sub(1.0, b.minimum(b.maximum(d, b.neg(d)), 1.0))
+        ones = b.add(b.mul(b.reshape(b.cast(w, dtype="f32"), shape=[0, 0, 0, 1]), 0.0), 1.0)   # [B,T,k,1]
+        xrep = b.reshape(b.mul(b.reshape(b.cast(x, dtype="f32"), shape=[0, 0, 1, D]), ones), shape=[-1, D])
+        xs = b.cast(b.matmul(P, xrep), dtype=x.type.dtype)
+        zero = b.reshape(b.mul(b.reduce_sum(counts, axes=[0], keepdims=True), 0.0), shape=[1])
+        offsets = b.cast(b.concat(zero, csum, axis=0), dtype="i64")
+        comb = b.reshape(b.matmul(P, b.reshape(b.cast(w, dtype="f32"), shape=[-1, 1])), shape=[-1])
+        return xs, offsets, b.cast(pos, dtype="i64"), comb
+
+
+QUANT_FORMATS = ("none", "mxfp4", "int4")
+
+
+def dequantize(quant: str, packed, scales) -> np.ndarray:
+    """Float64 weights from packed codes and group-32 scales (SPEC.md 7) via ``k3ir.quant``."""
+    from .. import quant as q
+    if quant == "mxfp4":
+        return q.mxfp4_dequantize(np.asarray(packed).astype(np.uint8), np.asarray(scales).astype(np.uint8))
+    return q.int4_dequantize(np.asarray(packed).astype(np.int64).astype(np.int32), np.asarray(scales))
+
+
+@op("k3.grouped_matmul", "fused")
+class GroupedMatmul(Op):
+    """All experts in one op: ``y[r] = x[r] W_e^T`` for the rows ``offsets[e]:offsets[e+1]``.
+
+    x ``[R,K]`` (sorted by expert), offsets ``i64[E+1]``, w ``[E,N,K]`` (``quant="none"``) or
+    packed ``mxfp4[E,N,K]`` / ``int4[E,N,K]`` (run-time arrays ``u8[E,N,K/2]`` / ``i32[E,N,K/8]``)
+    with ``scales [E,N,K/32]`` (E8M0 bytes / float). Returns ``[R,N]`` in x's dtype; a quantised
+    product equals dequantise-then-matmul (SPEC.md 7). ``capacity``: see ``k3.moe_dispatch``."""
+    x = Operand()
+    offsets = Operand()
+    w = Operand()
+    scales = Operand(optional=True)
+    out = Result()
+    quant = Attr(str, "none", choices=QUANT_FORMATS)
+    capacity = Attr(int, 0)
+    capacity_factor = Attr(float, 0.0)
+
+    def infer(self, x, offsets, w, scales=None):
+        x, w = tensor(x, "x"), tensor(w, "w")
+        require(x.rank == 2, f"x must be [R,K], got {x}")
+        require(offsets.dtype in ("i64", "i32") and offsets.rank == 1, f"offsets must be integer [E+1], got {offsets}")
+        require(w.rank == 3 and str(w.shape[2]) == str(x.shape[1]), f"w {w} must be [E,N,{x.shape[1]}]")
+        require(isinstance(offsets.shape[0], str) or offsets.shape[0] == int(w.shape[0]) + 1,
+                f"offsets {offsets} must be [E+1] for w {w}")
+        if self.quant == "none":
+            require(scales is None, "quant=none takes no scales")
+        else:
+            require(w.dtype == self.quant, f"quant={self.quant} needs w typed {self.quant}, got {w}")
+            require(scales is not None and scales.rank == 3 and scales.shape[:2] == w.shape[:2]
+                    and int(scales.shape[2]) * 32 == int(w.shape[2]), f"scales must be [E,N,K/32], got {scales}")
+        return [TensorType(x.dtype, (x.shape[0], w.shape[1]))]
+
+    def reference(self, x, offsets, w, scales=None):
+        x = f64(x)
+        W = f64(w) if self.quant == "none" else dequantize(self.quant, w, scales)
+        off = np.asarray(offsets, dtype=np.int64)
+        y = np.zeros((x.shape[0], W.shape[1]))
+        for e in range(W.shape[0]):
+            if off[e + 1] > off[e]:
+                y[off[e]:off[e + 1]] = x[off[e]:off[e + 1]] @ W[e].T
+        return y
+
+    def decompose(self, b, x, offsets, w, scales=None):
+        if self.quant != "none":
+            raise K3BackendError(f"k3.grouped_matmul with quant={self.quant} has no decomposition (needs bit "
+                                 "unpacking): this target must lower it, or compile with --quantize none")
+        E = int(w.type.shape[0])
+        off = b.cast(offsets, dtype="f32")
+        ar = b.sub(b.cumsum(b.add(b.mul(b.reduce_sum(b.cast(x, dtype="f32"), axes=[1]), 0.0), 1.0), axis=0), 1.0)
+        lo = b.reshape(b.slice(off, axis=0, start=0, end=E), shape=[1, E])
+        hi = b.reshape(b.slice(off, axis=0, start=1), shape=[1, E])
+        r = b.reshape(ar, shape=[-1, 1])
+        # [lo <= r < hi] for integers: clamp(r - lo + 1, 0, 1) * clamp(hi - r, 0, 1)
+        ge = b.minimum(b.maximum(b.add(b.sub(r, lo), 1.0), 0.0), 1.0)
+        lt = b.minimum(b.maximum(b.sub(hi, r), 0.0), 1.0)
+        sel = b.mul(ge, lt)                                                          # [R,E]
+        y = b.einsum(sel, b.cast(x, dtype="f32"), b.cast(w, dtype="f32"), equation="re,rk,enk->rn")
+        return b.cast(y, dtype=x.type.dtype)
+
+    def flops(self, ot, rt, env):
+        return 2.0 * numel(rt[0].shape, env) * numel((ot[0].shape[1],), env)
+
+
+@op("k3.moe_combine", "fused")
+class MoECombine(Op):
+    """Weighted un-permute: ``out[t] = sum_j comb_w[inv[t,j]] * y[inv[t,j]]``.
+    y ``[R,D]`` (expert outputs in sorted order), comb_w ``f32[R]``, inv_perm ``i64[B,T,k]``.
+    Returns ``[B,T,D]`` in y's dtype."""
+    y = Operand()
+    comb_w = Operand()
+    inv_perm = Operand()
+    out = Result()
+
+    def infer(self, y, comb_w, inv):
+        y, inv = tensor(y, "y"), tensor(inv, "inv_perm")
+        require(y.rank == 2 and comb_w.rank == 1, f"y {y} must be [R,D], comb_w [R]")
+        require(inv.rank == 3 and inv.dtype in ("i64", "i32"), f"inv_perm must be integer [B,T,k], got {inv}")
+        return [TensorType(y.dtype, (inv.shape[0], inv.shape[1], y.shape[1]))]
+
+    def reference(self, y, comb_w, inv):
+        y, c = f64(y), f64(comb_w)
+        inv = np.asarray(inv, dtype=np.int64)
+        return np.sum(c[inv][..., None] * y[inv], axis=-2)
+
+    def decompose(self, b, y, comb_w, inv):
+        rows = b.take(y, inv)                                                      # [B,T,k,D]
+        w = b.reshape(b.take(b.reshape(comb_w, shape=[-1, 1]), inv), shape=[0, 0, -1])   # [B,T,k]
+        return b.cast(b.einsum(w, rows, equation="btk,btkd->btd"), dtype=y.type.dtype)

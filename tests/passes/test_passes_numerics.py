@@ -13,7 +13,7 @@ from k3ir.runtime import Session
 from k3ir.runtime.params import init_params
 
 import k3ir
-from k3ir.ops.fused import dequantize
+from k3ir.ops.moe import dequantize
 
 MODELS = ("k3-tiny", "kimi-linear-tiny")
 _CACHE: dict = {}
@@ -123,7 +123,7 @@ def test_torch_grouped_matmul_capacity_paths(rng):
 
     from k3ir.backends.torch.fused import grouped_matmul
 
-    from k3ir.ops.fused import GroupedMatmul
+    from k3ir.ops.moe import GroupedMatmul
     E, N, K = 4, 5, 32
     counts = np.array([3, 0, 6, 2])
     off = np.concatenate([[0], np.cumsum(counts)])

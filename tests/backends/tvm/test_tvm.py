@@ -85,7 +85,7 @@ def test_grouped_matmul_dequantises_packed_experts(quant, rng):
     from tvm import relax
 
     from k3ir import quant as q
-    from k3ir.ops.fused import GroupedMatmul
+    from k3ir.ops.moe import GroupedMatmul
     E, N, K, R = 3, 8, 64, 10
     w = rng.normal(size=(E, N, K))
     packed, scales = q.mxfp4_quantize(w) if quant == "mxfp4" else q.int4_quantize(w.astype(np.float32))
