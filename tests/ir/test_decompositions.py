@@ -20,11 +20,9 @@ from k3ir.opdef import all_ops
 from k3ir.types import TensorType
 from k3ir.verify import verify_function, verify_module
 
-#: ops with a decomposition that are not model ops and are deliberately not covered here: k3.fused_kda (one
-#: whole KDA layer, operands laid out by the fuse-kda pass) is checked by the pass tests against the ops it fuses,
-#: k3.fused_kda_ungated (the same layer before its output norm) by tests/passes/test_passes_numerics.py
-#: (test_decode_phase_keeps_logits: its decomposition against its reference in a decode step)
-SKIP: set[str] = {"k3.fused_kda", "k3.fused_kda_ungated"}
+#: ops with a decomposition that are not model ops and are deliberately not covered here (none: every fused op
+#: has a case in tests/op_cases.py)
+SKIP: set[str] = set()
 TOL = 1e-10
 
 
