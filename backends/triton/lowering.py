@@ -17,6 +17,7 @@ import torch
 
 from ..interpreter import Interpreter
 from ..lowering import LoweringTable
+from . import attn_res as attn_res_k
 from . import gemv as gemv_k
 from . import interpreting
 from . import norm as norm_k
@@ -132,7 +133,7 @@ def rmsnorm(inst, x, w):
 def attn_res_fused(inst, w, r, buf, pref):
     if pref.dtype == torch.float64:
         return _torch_impl("k3.attn_res_fused")(inst, w, r, buf, pref)
-    return norm_k.attn_res_fused(w, r, buf, pref, inst.n_blocks, inst.eps)
+    return attn_res_k.attn_res_fused(w, r, buf, pref, inst.n_blocks, inst.eps)
 
 
 def _absorbed_decode(exe, inst, q, kv, w, c, lengths, kv_norm=None):

@@ -55,7 +55,7 @@ def compiled_kernels(mod):
 
 
 def section_regs():
-    from k3ir.backends.triton import norm
+    from k3ir.backends.triton import attn_res, norm
     from k3ir.backends.triton.kda import chunk as kda
     from k3ir.backends.triton.kda import fwd as kda_kernels
     from k3ir.backends.triton.kda import layer_kernels
@@ -83,7 +83,7 @@ def section_regs():
     moe.grouped_matmul(xs, off, p1, s1, "mxfp4", w3=p1, scales3=s1, act="situ")
     torch.cuda.synchronize()
     print(f"\n{'kernel':<28} {'regs':>5} {'spill B':>8} {'smem B':>8} {'warps':>5} {'stages':>6}")
-    for mod in (kda_kernels, layer_kernels, moe, mla, norm):
+    for mod in (kda_kernels, layer_kernels, moe, mla, norm, attn_res):
         for name, ck in compiled_kernels(mod):
             md = ck.metadata
             print(f"{name:<28} {getattr(ck, 'n_regs', -1):>5} {getattr(ck, 'n_spills', -1):>8} "

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from conftest import rel_err
-from k3ir.backends.triton import norm
+from k3ir.backends.triton import attn_res, norm
 from k3ir.backends.triton.config import get_triton_config, triton_config
 from k3ir.backends.triton.moe import grouped as moe
 
@@ -397,7 +397,7 @@ def test_rmsnorm_and_attn_res_match_reference():
     w, r = rng.standard_normal((1, 40)), rng.uniform(0.5, 1.5, 40)
     for nb in (1, 3):
         want = _ref("k3.attn_res_fused", {"n_blocks": nb, "eps": 1e-6}, w, r, buf, pref)
-        got = norm.attn_res_fused(t(w), t(r), t(buf).to(ACT_DT), t(pref).to(ACT_DT), nb, 1e-6)
+        got = attn_res.attn_res_fused(t(w), t(r), t(buf).to(ACT_DT), t(pref).to(ACT_DT), nb, 1e-6)
         assert rel_err(got.double().cpu().numpy(), want) < TOL
 
 
