@@ -1,8 +1,11 @@
 """Run an exported K3-family model with bare onnxruntime: prefill from zero state, then greedy decode.
 
-    k3ir export k3-tiny --format onnx --function prefill -o prefill.onnx     # + prefill.onnx.data
-    k3ir export k3-tiny --format onnx --function decode -o decode.onnx       # + decode.onnx.data
-    python docs/onnx_decode.py prefill.onnx decode.onnx 5 17 42
+    k3ir export k3-tiny --format onnx -o tiny.onnx                          # one graph for prefill and decode
+    python docs/onnx_decode.py tiny.onnx --prompt 5 17 42
+
+    k3ir export k3-tiny --format onnx --function prefill -o prefill.onnx     # or one graph per function
+    k3ir export k3-tiny --format onnx --function decode -o decode.onnx
+    python docs/onnx_decode.py prefill.onnx --decode decode.onnx --prompt 5 17 42
 
 Inputs are ``input_ids`` (int64 ``[B,T]``) then one tensor per state; outputs are ``logits``
 (``[B,T,V]``) then ``present.<state>`` in the same order (``k3ir export --describe`` lists them).
@@ -11,7 +14,7 @@ Only numpy and onnxruntime are needed here.
 """
 from __future__ import annotations
 
-import sys
+import argparse
 
 import numpy as np
 import onnxruntime as ort
@@ -42,4 +45,10 @@ def generate(prefill_path: str, decode_path: str, prompt: list[int], steps: int 
 
 
 if __name__ == "__main__":
-    print(generate(sys.argv[1], sys.argv[2], [int(t) for t in sys.argv[3:]] or [1, 2, 3]))
+    ap = argparse.ArgumentParser(description="greedy decode of an exported K3-family ONNX model with onnxruntime")
+    ap.add_argument("model", help="the exported graph (prefill, or prefill and decode in one)")
+    ap.add_argument("--decode", help="a separate decode graph (default: MODEL)")
+    ap.add_argument("--prompt", type=int, nargs="+", default=[1, 2, 3], help="prompt token ids (default: 1 2 3)")
+    ap.add_argument("--steps", type=int, default=8, help="tokens to generate (default: 8)")
+    a = ap.parse_args()
+    print(generate(a.model, a.decode or a.model, a.prompt, a.steps))

@@ -310,6 +310,26 @@ def test_docs_onnx_decode_script_gives_torchs_greedy_tokens(tmp_path):
     assert got == want[0].tolist()
 
 
+def test_docs_onnx_decode_script_runs_one_exported_file_from_the_command_line(tmp_path):
+    """``python docs/onnx_decode.py MODEL --prompt ...`` on the default export (one graph for prefill and
+    decode) prints the torch session's greedy tokens; without MODEL it prints a usage line, no traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from k3ir.backends.onnx.export import export_onnx
+    m, _, torch, _ = _sessions("kimi-linear-tiny", 27)
+    export_onnx(m, str(tmp_path / "tiny.onnx"), weights="external", params=init_params(m, seed=3))
+    script = str(Path(__file__).resolve().parents[3] / "docs" / "onnx_decode.py")
+    r = subprocess.run([sys.executable, script, str(tmp_path / "tiny.onnx"), "--prompt", "5", "17", "42", "--steps",
+                        "5"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    _, want = _greedy(torch, np.asarray([[5, 17, 42]], np.int64), 5)
+    assert r.stdout.strip() == str(want[0].tolist())
+    r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "usage:" in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("opset", [27, 20])
 def test_float16_moe_loop_runs_and_matches_reference(opset):
     """float16 compute (onnxruntime's CPU ScatterND has no float16 add-reduction: the expert loop
