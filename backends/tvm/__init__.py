@@ -44,13 +44,24 @@ def opt_level() -> int:
 
 def llvm_target():
     """The ``llvm`` target of the CPU builds: ``TvmConfig.opt_level``, ``TvmConfig.mcpu`` (empty: this machine's
-    CPU as LLVM names it) and this machine's core count (the parallel loops' thread pool)."""
+    CPU as LLVM names it) and this machine's core count (the parallel loops' thread pool). Raises
+    ``K3ConfigError`` for an ``mcpu`` LLVM does not know (LLVM itself would warn and build for ``generic``)."""
     import os
 
     import tvm
     from tvm.target import codegen
 
-    mcpu = get_tvm_config().mcpu or codegen.llvm_get_system_cpu()
+    mcpu = get_tvm_config().mcpu
+    if mcpu and not codegen.llvm_is_valid_cpu(mcpu, codegen.llvm_get_system_triple()):
+        import difflib
+
+        from k3ir.errors import K3ConfigError
+        names = [str(c) for c in codegen.llvm_get_cpu_archlist(tvm.target.Target("llvm"))]
+        near = difflib.get_close_matches(mcpu, names, n=3)
+        raise K3ConfigError(f"TvmConfig.mcpu / K3IR_TVM_MCPU={mcpu!r}: not a CPU LLVM knows for "
+                            f"{codegen.llvm_get_system_triple()}" + (f" (did you mean {', '.join(near)}?)" if near else "")
+                            + "; e.g. x86-64-v2, x86-64-v3, znver4, sapphirerapids, or empty for this machine's CPU")
+    mcpu = mcpu or codegen.llvm_get_system_cpu()
     return tvm.target.Target({"kind": "llvm", "opt-level": opt_level(), "mcpu": mcpu,
                               "num-cores": len(os.sched_getaffinity(0))})
 

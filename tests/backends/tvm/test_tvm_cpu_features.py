@@ -45,3 +45,18 @@ def test_a_malformed_flags_entry_is_named(tmp_path, bad):
     with pytest.raises(K3RuntimeError, match=r"art/manifest.json: 'simd_flags' must be a list"):
         check_simd_flags({"simd_flags": bad}, "art", _cpuinfo(tmp_path, AVX2_HOST))
 
+
+
+@pytest.mark.parametrize("mcpu, hint", [("haswel", "did you mean haswell?"), ("notacpu", "e.g. x86-64-v2")])
+def test_an_unknown_mcpu_is_a_config_error_before_building(mcpu, hint):
+    """LLVM would warn and build for ``generic`` while the manifest said ``mcpu``: refused up front instead."""
+    pytest.importorskip("tvm")
+    from k3ir.backends.tvm import llvm_target
+    from k3ir.backends.tvm.config import tvm_config
+
+    from k3ir.errors import K3ConfigError
+    with tvm_config(mcpu=mcpu), pytest.raises(K3ConfigError, match=rf"K3IR_TVM_MCPU='{mcpu}': not a CPU LLVM knows"
+                                                                     rf".*{hint}"):
+        llvm_target()
+    with tvm_config(mcpu="x86-64-v2"):
+        assert str(llvm_target().attrs["mcpu"]) == "x86-64-v2"
