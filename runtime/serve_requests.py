@@ -137,13 +137,20 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+class TextPart(_Strict):
+    """One part of a message's ``content`` in OpenAI's list form: ``{"type": "text", "text": ...}`` (the only part
+    type a text model takes; an image or audio part is a 400 naming it)."""
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(_Strict):
-    """A message: ``content`` (a string; an assistant message with ``tool_calls`` may leave it out or
-    null), ``name``, an assistant's ``tool_calls``, a tool result's ``tool_call_id``. The OpenAI client's
+    """A message: ``content`` (a string, or a list of text parts joined in order; an assistant message with
+    ``tool_calls`` may leave it out or null), ``name``, an assistant's ``tool_calls``, a tool result's ``tool_call_id``. The OpenAI client's
     own null fields of an assistant message it returned (``refusal``, ``annotations``, ``audio``,
     ``function_call``) are accepted as null."""
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -181,7 +188,7 @@ def check_fields(body: CommonRequest) -> None:
 def check_chat(body: ChatRequest) -> None:
     """``check_fields``, then ``max_completion_tokens`` folded into ``max_tokens`` (APIError 400 when
     both are given and differ), every message's fields and text checked (``check_strings``; a message
-    without content, ``tool_calls`` off an assistant message, ``tool_call_id`` missing from a tool
+    without content, ``tool_calls`` off an assistant message, (content given as text parts is joined first), ``tool_call_id`` missing from a tool
     message or on another one: 400 naming the field), tools and ``tool_choice`` checked (a function
     declared twice, a call asked for without tools or naming a function not among them: 400)."""
     check_fields(body)
@@ -192,6 +199,8 @@ def check_chat(body: ChatRequest) -> None:
         body.max_tokens = body.max_completion_tokens
     for i, m in enumerate(body.messages):
         where = f"messages.{i}"
+        if isinstance(m.content, list):          # OpenAI's list of parts: the text parts, joined
+            m.content = "".join(part.text for part in m.content)
         if m.content is None and not (m.role == "assistant" and m.tool_calls):
             raise APIError(400, f"{where}: a {m.role} message needs 'content' (a string)", "invalid_request",
                            f"{where}.content")

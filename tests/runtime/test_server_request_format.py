@@ -68,3 +68,19 @@ def test_non_json_content_type_names_the_header(api, ctype):
 def test_json_that_is_not_an_object(api):
     r = api.post("/v1/completions", json=[1])
     assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"]
+
+
+def test_content_as_text_parts_equals_the_joined_string(api):
+    """OpenAI's list form of ``content`` (text parts): the same greedy answer as the parts joined into one
+    string; an image part is a 400 naming the field."""
+    def ask(content):
+        r = api.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                   "max_tokens": 6, "temperature": 0})
+        return r
+    joined = ask("Kimi compiles fast")
+    parts = ask([{"type": "text", "text": "Kimi "}, {"type": "text", "text": "compiles fast"}])
+    assert joined.status_code == parts.status_code == 200, parts.text
+    assert parts.json()["choices"][0]["message"] == joined.json()["choices"][0]["message"]
+    assert parts.json()["usage"]["prompt_tokens"] == joined.json()["usage"]["prompt_tokens"]
+    bad = ask([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])
+    assert bad.status_code == 400 and "messages.0.content" in bad.json()["error"]["message"], bad.text
