@@ -82,9 +82,9 @@ class KdaConfig:
 
 @dataclass(frozen=True)
 class KdaBwdConfig:
-    """The chunked KDA backward's launches (``kda_bwd.kda_backward``; ``bench/bench_kda_bwd.py`` sweeps them)."""
-    mode: str = setting("triton", "'triton' (the chunked kernels of kda_bwd) or 'torch' (autograd through the "
-                        "kda_torch recompute, for bisecting)", env="K3IR_KDA_BWD", parse=lambda s: s.strip().lower())
+    """The chunked KDA backward's launches (``kda/bwd.py``: ``kda_backward``; ``bench/bench_kda_bwd.py`` sweeps them)."""
+    mode: str = setting("triton", "'triton' (the chunked kernels of kda/bwd.py) or 'torch' (autograd through the "
+                        "kda/naive.py recompute, for bisecting)", env="K3IR_KDA_BWD", parse=lambda s: s.strip().lower())
     bk_prep: int = setting(32, "K slice of prep (>= 32 on the dense diagonal path: 16-wide tf32 slices were wrong "
                            "on the H200)")
     bk_wy: int = setting(32, "K slice of bwd_wy")
@@ -114,8 +114,8 @@ class KdaBwdConfig:
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """The grouped expert GEMMs (``moe.py``, ``moe_gluon.py``)."""
-    mxfp4_kernel: str = setting("gluon", "MXFP4 experts in the fragment layout at few rows: 'gluon' (moe_gluon, "
+    """The grouped expert GEMMs (``moe/grouped.py``, ``moe/gluon.py``)."""
+    mxfp4_kernel: str = setting("gluon", "MXFP4 experts in the fragment layout at few rows: 'gluon' (moe/gluon.py, "
                                 "CUDA bf16 only) or 'triton' (the Triton kernels for every row count)")
     gluon_max_rows: int = setting(16, "the Gluon kernel serves up to this many rows per expert on average")
     gluon_min_rows: int = setting(1, "fewer rows take the Triton kernels")
@@ -162,7 +162,7 @@ class MlaConfig:
                                     env="K3IR_MLA_PREFILL", parse=parse_ints)
     prefill_key_tile: int = setting(4096, "a prefill over more keys (cache + new tokens) than this up-projects "
                                     "and attends to them in tiles of this many keys, merged by log-sum-exp "
-                                    "(mla_tiled.py: memory linear in the prompt)")
+                                    "(mla/tiled.py: memory linear in the prompt)")
 
 
 @dataclass(frozen=True)

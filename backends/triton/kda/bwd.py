@@ -1,4 +1,4 @@
-"""Driver of the chunked KDA backward kernels (``kda_bwd_kernels``, ``kda_bwd_intra``; SPEC.md 3): gradients of
+"""Driver of the chunked KDA backward kernels (``bwd_kernels``, ``bwd_intra``; SPEC.md 3): gradients of
 ``kda_forward``'s (o, final state) with respect to q, k, v, g (raw), beta (raw logit), A_log,
 dt_bias and the initial state, for both gates, variable-length batches and ``gate="precomputed"``.
 
@@ -114,7 +114,7 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
     when ``TritonConfig.kda.bwd_reuse``): ``w, qg, kg`` ``[B,T,H,K]``, ``u`` ``[B,T,H,V]``, ``P`` (the forward's
     ``Aqk``: q scale and diagonal included) and ``Ai`` (``(I+Akk)^-1`` unscaled, all blocks, zeros above the
     diagonal) ``[B,T,H,64]``, optionally ``G`` (fp32 in-chunk cumsum ``[B,T,H,K]``, valid rows); same
-    definitions as the prep launch computes (module docstring of ``kda_bwd_kernels``). With all of
+    definitions as the prep launch computes (module docstring of ``bwd_kernels``). With all of
     ``SAVED_KEYS`` present the prep launch is skipped (six launches) and, with ``G``, the prelude does not read
     g; with ``qn`` (q L2-normalised times the scale) and ``kn`` (k L2-normalised) ``[B,T,H,K]`` and ``G`` too, the
     prelude is skipped (five Triton launches; bn = ``sigmoid(beta)`` by torch, launch name "bn"); a buffer in another dtype than this function would allocate is converted. Missing keys: recompute."""

@@ -1,4 +1,4 @@
-"""Triton kernels of the chunked KDA backward, part 2 (SPEC.md 3; notation in ``kda_bwd_kernels``):
+"""Triton kernels of the chunked KDA backward, part 2 (SPEC.md 3; notation in ``bwd_kernels``):
 ``bwd_intra`` (the dq/dk/dG/dbeta terms of dAkk and dP per 16-row sub-chunk and K slice) and
 ``chain`` (reverse in-chunk cumsum of dG, gate and L2-norm chain rules, dA_log/dt_bias partial sums).
 """

@@ -4,7 +4,7 @@ Notation per chunk (rows i, j; channels c): q, k after the L2 norm (q scaled), G
 cumulative log-decay, beta after the sigmoid, ``Akk_ij = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)``
 (j < i), ``Ai = (I + Akk)^-1``, ``w = Ai (beta exp(G) k)``, ``u = Ai (beta v)``, ``P`` the causal
 q.k product (j <= i), ``v' = u - w S``, ``o = qg S + P v'``, ``S' = exp(G_C) S + kg^T v'`` with
-``qg = q exp(G)``, ``kg = k exp(G_C - G)``. Seven launches (``kda_bwd.py`` drives them):
+``qg = q exp(G)``, ``kg = k exp(G_C - G)``. Seven launches (``bwd.py`` drives them):
 
 1. ``prelude``: L2 norms, scale, gate (SPEC.md 3.4), beta sigmoid, G (chunk-local cumsum).
 2. ``prep``: recompute Akk and P (decays factorised around a row of each 16-row sub-chunk, every
@@ -16,8 +16,8 @@ q.k product (j <= i), ``v' = u - w S``, ``o = qg S + P v'``, ``S' = exp(G_C) S +
    ``dv' = P^T do + kg dS'``; stores dS' per chunk and dv'; dS at the start is dh0.
 5. ``bwd_wy``: per chunk, dP, dv, the inter-chunk dq/dk/dG, the WY terms (dAi -> dAkk =
    -(Ai^T dAi Ai^T) strictly lower), the dbeta terms of u and w.
-6. ``bwd_intra`` (in ``kda_bwd_intra.py``): per 16-row sub-chunk and K slice, the dq/dk/dG/dbeta terms of dAkk and dP.
-7. ``chain`` (``kda_bwd_intra.py``): the reverse in-chunk cumsum of dG and the gate, L2-norm chain rules; per-chunk
+6. ``bwd_intra`` (in ``bwd_intra.py``): per 16-row sub-chunk and K slice, the dq/dk/dG/dbeta terms of dAkk and dP.
+7. ``chain`` (``bwd_intra.py``): the reverse in-chunk cumsum of dG and the gate, L2-norm chain rules; per-chunk
    partial sums for dA_log and dt_bias.
 
 Rows past a sequence end load as zeros (G as the last valid row's G), so padding never reaches
@@ -87,7 +87,7 @@ def _diag_exact(aI, GI, kp, G, row0, r0, nv, i_h, c0, Gl, H: tl.constexpr, K: tl
 
 @triton.jit
 def _st_blk(ptr, blk, row0, r0, c0, nv, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """``st`` of a ``BC x BC`` block (``kda_common.st_blk`` adds ``c0`` to the columns first: other SASS)."""
+    """``st`` of a ``BC x BC`` block (``common.st_blk`` adds ``c0`` to the columns first: other SASS)."""
     st(ptr, blk, row0, r0, nv, i_h, c0, H, BT, BC, BC)
 
 

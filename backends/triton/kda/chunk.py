@@ -1,9 +1,9 @@
 """``kda_forward``: the fused chunked KDA (SPEC.md 3) on Triton kernels, with autograd.
 
-The forward runs four Triton launches by default (``kda_fwd_kernels``: gate cumsum, A/P/inverse, then w/u; then
-the recurrence in ``kda_kernels``; ``kda.intra = "fused"``: the older one-launch intra kernel);
-the backward runs the chunked Triton kernels of ``kda_bwd`` (``kda_bwd.mode = "torch"``, ``K3IR_KDA_BWD``: autograd through the
-differentiable PyTorch form ``kda_torch``). By default (``kda.bwd_reuse``) the forward keeps w, u, qg, kg,
+The forward runs four Triton launches by default (``fwd_intra``: gate cumsum, A/P/inverse, then w/u; then
+the recurrence in ``fwd``; ``kda.intra = "fused"``: the older one-launch intra kernel);
+the backward runs the chunked Triton kernels of ``bwd`` (``kda_bwd.mode = "torch"``, ``K3IR_KDA_BWD``: autograd through the
+differentiable PyTorch form ``naive``). By default (``kda.bwd_reuse``) the forward keeps w, u, qg, kg,
 P, (I+Akk)^-1, G and the normalised q, k for the backward, which then skips its prep and prelude launches: +2.25 kB
 of activation memory per token-head at K = V = 128 in bf16 (w, u, qg, kg, qn, kn 6*K*2 B; P, Ai 2*64*2 B; G K*4 B);
 ``kda.bwd_reuse = False`` keeps only the inputs and recomputes them.
@@ -26,7 +26,7 @@ BT, BC = 64, 16
 #: dtype overrides of the intermediates ({'w': ..., 'qk': ..., 'A': ...}); default: q's dtype, as fla
 INTERMEDIATE_DTYPES: dict = {}
 #: ``TritonConfig.kda`` (config.py), the launch choices (``bench/bench_kda.py --sweep`` sweeps them). ``intra``: "split" (``kda_akk_kernel`` then
-#: ``kda_wu_kernel``, kda_fwd_kernels.py) or "fused" (the one-launch ``kda_intra_kernel``); ``bk``/``warps``/
+#: ``kda_wu_kernel``, fwd_intra.py) or "fused" (the one-launch ``kda_intra_kernel``); ``bk``/``warps``/
 #: ``stages``: K-slice width, warps and pipeline stages of the A/P/inverse launch; ``order``: its loop order,
 #: "strip" (per 16-row strip the whole K loop: few live registers, k/G slices re-read per strip) or "k" (one
 #: K loop accumulating all four strips); ``wu_bk``, ``wu_bv``,
@@ -39,11 +39,11 @@ INTERMEDIATE_DTYPES: dict = {}
 #: (softplus, precomputed: 200 registers uncapped = 1 CTA per SM; 128 = 2 CTAs; None: no cap); ``exact_bk``:
 #: its K slice for unbounded gates (32: 0 B spill under the 128 cap with the split inverse); ``inv``: "split" (the
 #: (I+A)^-1 blocks in ``kda_inv_kernel`` on ``inv_warps`` warps) or "akk" (at the end of the akk launch);
-#: ``gcum_mode``: "tile" (``kda_gcum_kernel``) or "rows" (``kda_kernels.kda_gcum_rows_kernel``: running sum per
+#: ``gcum_mode``: "tile" (``kda_gcum_kernel``) or "rows" (``fwd.kda_gcum_rows_kernel``: running sum per
 #: thread over ``gcum_rows_rb``-row load batches, ``gcum_rows_bk`` columns on ``gcum_rows_warps`` warps; offline
 #: 4-6x fewer instructions); ``fast_log``: softplus log by lg2.approx (rows mode only);
 #: ``wu_prefetch``: the w/u loops unrolled with loads one slice ahead; ``wu_mode``: "loop" (``kda_wu_kernel``) or
-#: "flat" (``kda_kernels.kda_wu_flat_kernel``: one program per slice on ``wu_flat_warps`` warps); ``diag_main``:
+#: "flat" (``fwd.kda_wu_flat_kernel``: one program per slice on ``wu_flat_warps`` warps); ``diag_main``:
 #: unbounded gates put a sub-chunk's diagonal block into the strip's dot on K slices whose decay span is <= 80
 #: (akk ``EXACT=2``; 88% of the slices on bench_kda's random softplus gates). Not yet timed.
 #: See bench/KDA_NOTES.md.
@@ -67,14 +67,14 @@ INTERMEDIATE_DTYPES: dict = {}
 #: or ``warps``, cap ``clamp_maxnreg``) with a per-channel reference ``min(Gs, Ge + 80)`` (factors within exp(80) and
 #: exp(span - 80)) on channels whose 16-row decay span is <= ``clamp_thr``; the channels past it (rare: 0.4% of the
 #: sub-chunks on bench_kda's random gates) are left out of the strip dots' row operands and their share of the strip is
-#: added exactly in a branch of the same launch (``kda_fwd_kernels._fix_strip``: dots off the diagonal, element-wise on
+#: added exactly in a branch of the same launch (``fwd_intra._fix_strip``: dots off the diagonal, element-wise on
 #: it). Needs ``gcum`` and ``order`` "strip"; the precomputed gate keeps the exact path.
 #: ``recur_stages`` 3 (same sweep): recurrence 1.06 -> 0.75 ms at B1 T32768 H32 (0.67 -> 0.47 at B8 T4096).
 
 
 def _bwd_mode() -> str:
-    """``TritonConfig.kda_bwd.mode`` (``K3IR_KDA_BWD``): ``triton`` (default, the chunked kernels of ``kda_bwd``)
-    or ``torch`` (autograd through the ``kda_torch`` recompute, for bisecting)."""
+    """``TritonConfig.kda_bwd.mode`` (``K3IR_KDA_BWD``): ``triton`` (default, the chunked kernels of ``bwd``)
+    or ``torch`` (autograd through the ``naive`` recompute, for bisecting)."""
     return get_triton_config().kda_bwd.mode
 
 
@@ -403,7 +403,7 @@ def saved_for_backward(inter: dict) -> dict | None:
     also skips its prelude); None when the forward path did not produce them all (the fused
     intra kernel, the inverse inside the akk launch, T = 0): the backward then recomputes them.
 
-    Same definitions as the backward's prep launch (checked against ``kda_bwd_kernels``): P includes the q
+    Same definitions as the backward's prep launch (checked against ``bwd_kernels``): P includes the q
     scale and the diagonal (zeros above); qg = q_n scale exp(G); kg = k_n exp(G_last - G) with the last valid
     row's G in a partial chunk; w = Ai (beta exp(G) k_n); u = Ai (beta v); G the in-chunk cumsum in fp32
     (padding rows unwritten in both: every backward read masks them); all token-indexed, so varlen chunk
@@ -490,7 +490,7 @@ def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     ``initial_state`` fp32 ``[N,H,K,V]`` (key rows); ``cu_seqlens`` int ``[N+1]`` with B = 1 for
     variable-length batches (states never cross sequences). ``gate="precomputed"`` takes g as the
     log-decay (<= 0), beta after the sigmoid and q, k as given (the ``k3.kda`` op).
-    The unbounded log-decays (softplus, precomputed) are floored at ``kda_common.G_FLOOR`` = -40 per token
+    The unbounded log-decays (softplus, precomputed) are floored at ``common.G_FLOOR`` = -40 per token
     (``exp(-40) = 4e-18``, far below fp32 resolution next to the state; without it a raw softplus input of 1e4 lost
     1e-4 relative accuracy to fp32 cancellation of the in-chunk gate sums, and +inf gave NaN).
     Returns (o ``[B,T,H,V]`` in v's dtype: the recurrence output before the head norm and output

@@ -1,5 +1,5 @@
-"""``@triton.jit`` helpers shared by the chunked KDA kernels (SPEC.md 3): ``kda_kernels``, ``kda_fwd_kernels``,
-``kda_bwd_kernels``, ``kda_bwd_intra`` and the decode step in ``layer_kernels``.
+"""``@triton.jit`` helpers shared by the chunked KDA kernels (SPEC.md 3): ``fwd``, ``fwd_intra``,
+``bwd_kernels``, ``bwd_intra`` and the decode step in ``layer_kernels``.
 
 * where a chunk or a sequence lies in the flattened rows (fixed length ``T`` or varlen ``cu_seqlens``);
 * the gate activation (SPEC.md 3.4: lower-bound sigmoid, softplus, or a precomputed log-decay) and the L2 norm

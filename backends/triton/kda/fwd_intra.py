@@ -1,6 +1,6 @@
 """Split chunked KDA forward (SPEC.md 3): three intra-chunk launches with small live tiles.
 
-``kda_forward_kernels`` runs these three, then ``kda_kernels.kda_recur_kernel``:
+``kda_forward_kernels`` runs these three, then ``fwd.kda_recur_kernel``:
 
 * ``kda_gcum_kernel`` (one program per chunk, head and 32-column K slice): the gate (SPEC.md 3.4) and
   its cumulative sum inside the chunk, written once as fp32 ``G`` (``Gbuf``) and ``exp(G_C)``; the two

@@ -17,7 +17,7 @@ tile, so no atomics and nothing depends on the run (CUDA-graph capturable, deter
 * ``route_glu_dispatch`` (``TritonConfig.decode.front_split``, the default): decode front of a MoE layer with a shared expert
   in two launches, ``router_glu_kernel`` (router partial logits + the shared expert's gate/up), then
   ``dispatch_kernel``; with ``TritonConfig.decode.routed_glu`` only the first (``router_glu_front``): the routed experts'
-  GLU launch routes (moe_decode.py). (A one-launch front with a last-block-done top-k tail, ``moe_front_kernel``,
+  GLU launch routes (decode.py). (A one-launch front with a last-block-done top-k tail, ``moe_front_kernel``,
   was measured slower on the H200 (16.25 us vs 12.82 for three launches) and removed.)
 """
 from __future__ import annotations
