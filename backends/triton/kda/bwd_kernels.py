@@ -87,7 +87,7 @@ def _diag_exact(aI, GI, kp, G, row0, r0, nv, i_h, c0, Gl, H: tl.constexpr, K: tl
 
 @triton.jit
 def _st_blk(ptr, blk, row0, r0, c0, nv, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """``st`` of a ``BC x BC`` block (``common.st_blk`` adds ``c0`` to the columns first: other SASS)."""
+    """``st`` of a ``BC x BC`` block (``kda_common.st_blk`` adds ``c0`` to the columns first: other SASS)."""
     st(ptr, blk, row0, r0, nv, i_h, c0, H, BT, BC, BC)
 
 
