@@ -187,8 +187,10 @@ class Engine:
             raise K3RuntimeError(f"prompt holds token id {bad[0]} outside the vocabulary 0..{self.vocab - 1}")
         need = -(-(len(ids) + params.max_tokens) // self.bs)
         if need > self.pool.num_blocks:
-            raise K3RuntimeError(f"request needs {need} blocks of {self.bs} tokens (prompt {len(ids)} + max_tokens "
-                                 f"{params.max_tokens}) but the pool has {self.pool.num_blocks}")
+            room = self.pool.num_blocks * self.bs
+            raise K3RuntimeError(f"prompt {len(ids)} + max_tokens {params.max_tokens} tokens do not fit the pool of "
+                                 f"{room} tokens ({self.pool.num_blocks} blocks of {self.bs}): max_tokens can be at "
+                                 f"most {max(room - len(ids), 0)} for this prompt (or give the pool more blocks)")
         return Request(ids, params, request_id or f"req-{next(_ids)}", on_event, keep_logits)
 
     def enqueue(self, req: Request) -> Request:

@@ -29,6 +29,17 @@ def test_generate_takes_threads(capsys):
     assert rc == 2 and "--threads must be >= 1, got 0" in err
 
 
+
+def test_max_tokens_past_the_pool_says_the_largest_allowed(capsys):
+    """A ``--max-tokens`` the pool cannot hold: one line in tokens, with the largest value that fits this prompt
+    (pool of ``--num-blocks`` x ``--block-size`` tokens; the byte-level prompt "x" is 2 ids with BOS)."""
+    rc, _, err = run_cli(capsys, "generate", "k3-tiny", "--prompt", "x", "--max-tokens", "100000000",
+                         "--block-size", "64", "--num-blocks", "4")
+    assert "Traceback" not in err
+    line = one_line_error(err.splitlines()[-1])           # after the random-weights warning
+    assert rc == 2 and "do not fit the pool of 256 tokens (4 blocks of 64)" in line
+    assert "max_tokens can be at most 254 for this prompt" in line
+
 # ---- a reader that goes away: generate | head ---------------------------------------------------------------
 class _ClosedAfter:
     """A stdout whose reader goes away after ``n`` writes (each later write raises EPIPE)."""
