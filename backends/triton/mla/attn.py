@@ -31,7 +31,7 @@ def mla_prefill_kernel(q, kn, kr, v, o, lse, lens, T, S, K0, SK, H, scale,
     """q [B,T,H,DN+DR], kn [B,SK,H,DN], kr [B,SK,DR], v [B,SK,H,DV]: keys K0 .. K0+SK-1 of the S keys
     (one tile of them, or all: K0 = 0, SK = S) -> o [B,T,H,DV] (softmax over the tile's keys) and, with
     HAS_LSE, the fp32 log-sum-exp of each row's scores over the tile, lse [B,T,H] (about -1e30 where the tile
-    holds none of the row's keys), to merge tiles (tiled.py)."""
+    holds none of the row's keys), to merge tiles (mla_tiled.py)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     b64 = b.to(tl.int64)
