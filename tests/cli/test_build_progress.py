@@ -49,7 +49,7 @@ def slow_tvm_build(monkeypatch):
     tvm = pytest.importorskip("tvm")
     from k3ir.backends import tvm as tb
     from k3ir.backends.tvm import lower
-    from tvm import relax
+    from tvm.runtime import vm as runtime_vm
 
     def build_relax(module, group, dtype):
         time.sleep(SLOW)
@@ -57,7 +57,7 @@ def slow_tvm_build(monkeypatch):
     monkeypatch.setattr(tb, "_COMPILED", {})
     monkeypatch.setattr(lower, "build_relax", build_relax)
     monkeypatch.setattr(tvm, "compile", lambda mod, target=None: "vm executable")
-    monkeypatch.setattr(relax, "VirtualMachine", lambda ex, dev: {"forward": 1, "prefill": 2, "decode": 3})
+    monkeypatch.setattr(runtime_vm, "VirtualMachine", lambda ex, dev: {"forward": 1, "prefill": 2, "decode": 3})
 
 
 @pytest.fixture
