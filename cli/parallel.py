@@ -51,10 +51,14 @@ def leave_if_mesh_rank(rc: int) -> None:
 
 
 def parallel_args(p: argparse.ArgumentParser) -> None:
-    """Add ``--ep --cp --tp --dp`` (each an int, default 1) to ``p``."""
+    """Add ``--ep --cp --tp --dp`` (each an int, default 1) and ``--ep-capacity`` (default 0) to ``p``."""
     g = p.add_argument_group("parallelism (start with torchrun, one process per rank; docs/distributed.md)")
     for a, what in (("ep", "expert"), ("cp", "KDA context"), ("tp", "tensor"), ("dp", "data")):
         g.add_argument(f"--{a}", type=int, default=1, help=f"{what}-parallel ranks (default 1)")
+    g.add_argument("--ep-capacity", type=int, default=0, metavar="C",
+                   help="EP rows per expert per source rank (the shard pass's static capacity; rows past it are "
+                        "dropped, docs/distributed.md); default 0: every row of the batch, lossless. k3ir plan "
+                        "assumes ceil(tokens x top-k / experts)")
 
 
 def parallel_sizes(args: Any, command: str) -> dict[str, int] | None:
@@ -66,6 +70,8 @@ def parallel_sizes(args: Any, command: str) -> dict[str, int] | None:
     for a, n in sizes.items():
         if n < 1:
             raise UsageError(f"--{a} must be >= 1, got {n}")
+    if getattr(args, "ep_capacity", 0) < 0:
+        raise UsageError(f"--ep-capacity must be >= 0 (0: every row, lossless), got {args.ep_capacity}")
     want = sizes["ep"] * sizes["cp"] * sizes["tp"] * sizes["dp"]
     world = os.environ.get("WORLD_SIZE")
     flags = " ".join(f"--{a} {n}" for a, n in sizes.items() if n > 1)
@@ -155,7 +161,8 @@ def generate_on_mesh(args: Any, sizes: dict[str, int], show) -> int:
         params = getattr(module, "weights", None)     # a checkpoint's lazy weights: each rank reads its blocks
         if params is None:
             params = init_params(module, args.init_seed)
-        exe = k3ir.compile(shard(module, mesh), target=args.target, dtype=args.dtype, device=device, mesh=mesh)
+        exe = k3ir.compile(shard(module, mesh, capacity=args.ep_capacity), target=args.target, dtype=args.dtype,
+                           device=device, mesh=mesh)
         sess = DistributedSession(exe, params)
         rows = np.tile(np.asarray(ids, dtype=np.int64)[None], (sizes["ep"] * sizes["dp"], 1))
         head = len(ids) - len(ids) % sizes["cp"]
@@ -241,7 +248,8 @@ def run_on_mesh(args: Any, sizes: dict[str, int], print_report) -> int:
             print_report(report(big), con)
         t1 = time.perf_counter()
         layout = " ".join(f"{a}={n}" for a, n in sizes.items())
-        exe = k3ir.compile(shard(tiny, mesh), target=args.target, device=args.device, mesh=mesh)
+        exe = k3ir.compile(shard(tiny, mesh, capacity=args.ep_capacity), target=args.target, device=args.device,
+                           mesh=mesh)
         sess = DistributedSession(exe, init_params(tiny, args.seed))
         if rank0:
             print_step(con, "2. compiled", f" {args.tiny} sharded {layout} for target '{exe.target}' on "

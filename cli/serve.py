@@ -161,8 +161,8 @@ def _serve_on_mesh(args, sizes: dict[str, int], limits, api_key: str | None) -> 
     try:
         # no host tier: the engines of all ranks must make the same batches, step for step
         engine = build_mesh_engine(module, mesh, target=args.target, dtype=args.dtype, device=args.device,
-                                   seed=args.init_seed, block_size=args.block_size, num_blocks=args.num_blocks,
-                                   max_batch=args.max_batch)
+                                   seed=args.init_seed, capacity=args.ep_capacity, block_size=args.block_size,
+                                   num_blocks=args.num_blocks, max_batch=args.max_batch)
         if dist.get_rank() == 0:
             app = create_app(engine, tok, args.served_name or module.name, limits, api_key=api_key,
                              runner=MeshEngineThread(engine))

@@ -300,7 +300,8 @@ def _train(args) -> int:
         from k3ir.runtime.distributed import shard
         from k3ir.runtime.params import init_params
         params = getattr(module, "weights", None)     # a checkpoint's lazy weights: each rank reads its blocks
-        exe = k3ir.compile(shard(module, ranks.mesh), target="torch", dtype="float32", device=device, mesh=ranks.mesh)
+        exe = k3ir.compile(shard(module, ranks.mesh, capacity=args.ep_capacity), target="torch", dtype="float32",
+                           device=device, mesh=ranks.mesh)
         tr = Trainer(exe, cfg, params=params if params is not None else init_params(module, cfg.seed))
     try:
         return _run(args, ranks, tr, cfg, ckpt, out, module, data, data_path, run, why)

@@ -29,10 +29,11 @@ log = logging.getLogger("k3ir.serve")
 
 
 def build_mesh_engine(module, mesh: Any, target: str = "torch", dtype: str | None = None, device: str = "cpu",
-                      params: Any = None, seed: int = 0, **engine_kw) -> Engine:
+                      params: Any = None, seed: int = 0, capacity: int = 0, **engine_kw) -> Engine:
     """``build_engine`` for one rank of ``mesh``: ``@prefill_varlen`` added, the ``shard`` pass for the
     mesh's sizes, compiled with ``mesh=``, this rank's blocks of ``params`` (the unsharded weights or a
-    checkpoint's lazy ones; None: ``init_params(module, seed)``). Raises K3RuntimeError for cp > 1."""
+    checkpoint's lazy ones; None: ``init_params(module, seed)``); ``capacity`` as ``distributed.shard``'s (EP
+    rows per expert per source rank, 0: lossless). Raises K3RuntimeError for cp > 1."""
     from k3ir.frontend.model import add_varlen_function
 
     import k3ir
@@ -47,7 +48,7 @@ def build_mesh_engine(module, mesh: Any, target: str = "torch", dtype: str | Non
         params = getattr(module, "weights", None)
     if params is None:
         params = init_params(module, seed)
-    exe = k3ir.compile(shard(add_varlen_function(module.clone()), mesh), target=target, dtype=dtype, device=device,
+    exe = k3ir.compile(shard(add_varlen_function(module.clone()), mesh, capacity=capacity), target=target, dtype=dtype, device=device,
                        mesh=mesh)
     return Engine(Session(exe, params=shard_params(exe.module, params, coords)), **engine_kw)
 

@@ -56,7 +56,10 @@ def _one_process(prompt: str, sampling: str) -> str:
 
 # "Kimi " is 6 tokens with BOS; "Kimi K" is 7, so under cp=2 its last token goes through a decode step;
 # sampled: the same seeded generator on the same gathered logits on every rank
-@pytest.mark.parametrize("flags,prompt,sampling", [("--ep 2", "Kimi ", ""), ("--tp 2", "Kimi ", ""),
+# --ep-capacity 6: a row holds 6 tokens and a token picks distinct experts, so 6 rows per expert per source rank
+# never drop one (the static send buffer is lossless at that size)
+@pytest.mark.parametrize("flags,prompt,sampling", [("--ep 2", "Kimi ", ""), ("--ep 2 --ep-capacity 6", "Kimi ", ""),
+                                                   ("--tp 2", "Kimi ", ""),
                                                    ("--cp 2", "Kimi ", ""), ("--cp 2", "Kimi K", ""),
                                                    ("--dp 2", "Kimi", SAMPLED)])
 def test_torchrun_generate_prints_the_one_process_text(flags, prompt, sampling):
@@ -105,6 +108,8 @@ def test_parallel_size_below_one_is_refused(monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main([*BASE, "--prompt", "Kimi ", "--tp", "0"]) == 2
     assert "--tp must be >= 1, got 0" in capsys.readouterr().err
+    assert main([*BASE, "--prompt", "Kimi ", "--ep-capacity", "-1"]) == 2
+    assert "--ep-capacity must be >= 0 (0: every row, lossless), got -1" in capsys.readouterr().err
 
 
 def test_prompt_shorter_than_cp_is_refused(monkeypatch, capsys):
