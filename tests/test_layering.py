@@ -67,7 +67,6 @@ KNOWN_CIRCLES = {
     ("k3ir.backends.interpreter", "k3ir.backends.lowering"),
     ("k3ir.backends.triton", "k3ir.backends.triton.executable"),
     ("k3ir.backends.triton", "k3ir.backends.triton.kda.layer"),
-    ("k3ir.backends.triton.moe.asm", "k3ir.backends.triton.moe.grouped"),
     ("k3ir.backends.tvm", "k3ir.backends.tvm.cross"),
 }
 

@@ -1,4 +1,5 @@
-"""Inline PTX of the Triton MXFP4 decodes used by ``moe._w_tile_t`` (QUANT 3-6), kept apart from the kernels.
+"""Inline PTX of the Triton MXFP4 decodes used by ``grouped._w_tile_t`` (QUANT 3-6), kept apart from the kernels
+(the choice between them and their on-device check live in ``grouped.py``).
 
 E2M1 nibble n = s e1 e0 m placed as bf16 bits ((n&7)<<6) | ((n&8)<<12) is exactly fp4(n) * 2^-126 (a bf16
 subnormal when e1e0 = 0), so a decode is integer bit moves plus bf16x2 multiplies by the E8M0 block scale
@@ -6,12 +7,7 @@ subnormal when e1e0 = 0), so a decode is integer bit moves plus bf16x2 multiplie
 """
 from __future__ import annotations
 
-import logging
-
-import torch
 import triton.language as tl
-
-_log = logging.getLogger(__name__)
 
 # E2M1 nibble n = s e1 e0 m placed as bf16 bits ((n&7)<<6) | ((n&8)<<12) is exactly fp4(n) * 2^-126 (a
 # bf16 subnormal when e1e0 = 0), so a decode is integer bit moves plus one bf16x2 fma by 2^(s-1)
@@ -60,72 +56,3 @@ MX_ASM2 = tl.constexpr(_mx_asm(True))
 MX_ASM1 = tl.constexpr(_mx_asm(False))
 MX_WORD2 = tl.constexpr(_mx_asm_word(True))
 MX_WORD1 = tl.constexpr(_mx_asm_word(False))
-
-
-# --- choice and on-device check of the byte-layout decodes (moe.grouped_matmul, mxfp4_decode) -----------------
-MXFP4_DECODES = {"exact": 1, "asm": 3, "asm1": 4, "word": 5, "word1": 6}
-_SMALL_SCALES = None          # WeakIdKeyDictionary: scale tensor -> (version, all bytes <= 128)
-
-
-def _auto_decode(*scales) -> str:
-    """"asm1" (one bf16x2 multiply: exact while every E8M0 byte is <= 128, i.e. block scales <= 2) when all
-    ``scales`` qualify, else "asm" (two multiplies, exact for 0..254). Checked once per scale tensor and
-    version (one reduction and host sync); while a CUDA graph is being captured an unchecked tensor
-    takes "asm"."""
-    global _SMALL_SCALES
-    if _SMALL_SCALES is None:
-        from torch.utils.weak import WeakIdKeyDictionary
-        _SMALL_SCALES = WeakIdKeyDictionary()
-    ok = True
-    for sc in scales:
-        hit = _SMALL_SCALES.get(sc)
-        if hit is None or hit[0] != sc._version:
-            if sc.is_cuda and torch.cuda.is_current_stream_capturing():
-                return "asm"
-            hit = (sc._version, bool((sc.max() <= 128).item()) if sc.numel() else True)
-            _SMALL_SCALES[sc] = hit
-        ok = ok and hit[1]
-    dec = "asm1" if ok else "asm"
-    dev = scales[0].device
-    if dev.type == "cuda" and not _asm_verified(dec, dev):
-        return "exact"
-    return dec
-
-
-_ASM_OK: dict = {}     # (decode, device index) -> the asm decode matched the reference decoder on this device
-
-
-def _asm_verified(dec: str, device) -> bool:
-    """Once per decode and device: an expert of 64 x 128 MXFP4 weights (every byte value, scale bytes 2..252,
-    or 2..128 for asm1) times the identity must give the reference decoder's values bit for bit; if not
-    (e.g. a PTX assembler that flushes bf16 subnormals), "auto" falls back to the exact fp32 decode and
-    a warning says so. While a CUDA graph is captured an unverified decode is trusted (warm-up runs
-    verify it first)."""
-    key = (dec, device.index if device.index is not None else torch.cuda.current_device())
-    if key in _ASM_OK:
-        return _ASM_OK[key]
-    if torch.cuda.is_current_stream_capturing():
-        return True
-    import numpy as np
-
-    from k3ir import quant as Q
-    rng = np.random.default_rng(0)
-    packed = np.arange(64 * 64).astype(np.uint8).reshape(1, 64, 64)
-    sc = rng.integers(2, 129 if dec == "asm1" else 253, (1, 64, 4)).astype(np.uint8)
-    sc[0, 0] = [2, 128, 128 if dec == "asm1" else 252, 100]
-    want = torch.from_numpy(Q.mxfp4_dequantize(packed, sc)[0].T.astype(np.float32)).to(torch.bfloat16)
-    x = torch.eye(128, device=device, dtype=torch.bfloat16)
-    off = torch.tensor([0, 128], device=device)
-    try:
-        from .grouped import grouped_matmul
-        got = grouped_matmul(x, off, torch.from_numpy(packed).to(device), torch.from_numpy(sc).to(device), "mxfp4",
-                             config=("t", 64, 16, 16, 128, 4, 2), mxfp4_decode=dec).cpu()
-        ok = bool(torch.equal(got.float(), want.float()))        # by value: a dot sums -0 to +0
-        bad = int((got.float() != want.float()).sum())
-    except Exception as e:   # noqa: BLE001 - any failure of the fast path falls back to the exact decode
-        ok, bad = False, repr(e)[-300:]
-    if not ok:
-        _log.warning("MXFP4 %s decode does not match the reference on %s (%s mismatches): using the exact "
-                     "fp32 decode", dec, device, bad)
-    _ASM_OK[key] = ok
-    return ok
