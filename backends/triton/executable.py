@@ -38,8 +38,13 @@ def _torch_impl(name):
     return TABLE[name]
 
 
+def kernel_head_dims(*dims: int) -> bool:
+    """Whether the KDA kernels take these head dims (each a power of two >= 16; ``kda_forward`` refuses others)."""
+    return all(d >= 16 and not d & (d - 1) for d in dims)
+
+
 def kda(inst, q, k, v, g, beta, s=None):
-    if q.dtype == torch.float64:
+    if q.dtype == torch.float64 or not kernel_head_dims(k.shape[-1], v.shape[-1]):
         return _torch_impl("k3.kda")(inst, q, k, v, g, beta, s)
     return kda_forward(q, k, v, g.float(), beta.float(), None, None, initial_state=s, output_final_state=True,
                        scale=inst.scale, gate="precomputed", flags=_gate_flags(g, q.shape[0], q.shape[2]))
@@ -114,7 +119,8 @@ def fused_kda(inst, *args):
         xr, nrm = x, None
     lb = inst.lower_bound if inst.gate == "lower_bound" else None
     # the kernels fix the L2 eps at SPEC's 1e-6; the chunked kernels take K3 gate bounds down to -5 (kda.py)
-    if x.dtype == torch.float64 or inst.qk_eps != 1e-6 or (not decode and lb is not None and lb < MIN_LOWER_BOUND):
+    if (x.dtype == torch.float64 or inst.qk_eps != 1e-6 or not kernel_head_dims(inst.head_dim)
+            or (not decode and lb is not None and lb < MIN_LOWER_BOUND)):
         return _torch_impl("k3.fused_kda")(inst, *args) if inst.GATED else NotImplemented
     if not inst.GATED and not decode:      # k3.fused_kda_ungated: the kernels below only for a decode step
         return NotImplemented
@@ -217,7 +223,13 @@ KERNELS = {
 
 #: when an entry of ``KERNELS`` returns NotImplemented (the interpreter then runs the op's decomposition)
 KERNEL_FALLBACKS = {"k3.fused_kda_ungated": "decomposition at run time unless a decode step (T = 1, recurrent) "
-                                            "without autograd, not float64, L2 eps 1e-6"}
+                                            "without autograd, not float64, L2 eps 1e-6, head dim a power of two "
+                                            ">= 16",
+                    "k3.kda": "the torch implementation at run time when a head dim is not a power of two >= 16 "
+                              "(or float64)",
+                    "k3.fused_kda": "the torch implementation at run time when the head dim is not a power of two "
+                                    ">= 16, the L2 eps is not 1e-6, a lower-bound gate is below the kernels' "
+                                    "minimum (or float64)"}
 
 
 #: ops whose kernels evaluate the KDA gate ``lb * sigmoid(a (z + dt_bias))`` (see ``interpreter_guard``)

@@ -46,8 +46,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
                        "of static batch 2 raises AttributeError ('NoneType' object has no attribute 'values', "
                        "lower.py shape() after the cache concat); with q/kv of batch 'B' it agrees "
                        "(test_tvm_mla_cache_symbolic_batch)",
-    ("k3.kda", "triton"): "triton's table claims k3.kda unconditionally but its kernel refuses head dim K=4 "
-                          "(K3KernelInputError: K must be a power of two >= 16)",
 }
 
 
