@@ -207,7 +207,7 @@ def test_request_validation(tiny):
         eng.make_request([])
     with pytest.raises(K3RuntimeError, match="outside the vocabulary"):
         eng.make_request([1, 999])
-    with pytest.raises(K3RuntimeError, match="needs 3 blocks"):
+    with pytest.raises(K3RuntimeError, match=r"prompt 100 \+ max_tokens 60 tokens do not fit the pool of 128 tokens \(2 blocks of 64\): max_tokens can be at most 28"):
         eng.make_request([1] * 100, SamplingParams(max_tokens=60))
     with pytest.raises(K3RuntimeError, match="top_p"):
         SamplingParams(top_p=0)
