@@ -72,6 +72,29 @@ def write_atomic(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def publish_checkpoint(tmp: Path, root: Path, name: str, dirs: tuple[Path, ...]) -> Path:
+    """Put the finished checkpoint folder ``tmp`` in place as ``root/name`` and point ``root/LATEST`` at it:
+    every file of ``tmp`` and the folders ``dirs`` fsynced, then a rename (an existing ``root/name`` moved aside
+    first and removed after), the root folder fsynced, ``LATEST`` written atomically. Returns ``root/name``."""
+    for f in sorted(tmp.rglob("*")):                   # everything on disk before the rename
+        if f.is_file():
+            with open(f, "rb+") as fh:
+                os.fsync(fh.fileno())
+    for d in dirs:
+        _fsync_dir(d)
+    final = root / name
+    if final.exists():
+        old = root / f".{name}.old-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
+    write_atomic(root / LATEST, (name + "\n").encode())
+    return final
+
+
 def expand(module, tensors: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Parameter name -> tensor  to  checkpoint key -> contiguous CPU tensor (stacked experts
     split along their first axis with ``ParamDecl.keys()``)."""
@@ -143,7 +166,6 @@ def save_checkpoint(out_dir: str | Path, trainer, extra: dict | None = None) -> 
     root.mkdir(parents=True, exist_ok=True)
     remove_leftovers(root)
     name = f"step-{trainer.step:06d}"
-    final = root / name
     tmp = root / f".{name}.tmp-{os.getpid()}"
     tmp.mkdir()
     m = trainer.module
@@ -174,22 +196,7 @@ def save_checkpoint(out_dir: str | Path, trainer, extra: dict | None = None) -> 
         with open(tmp / fname, "wb") as f:
             f.write(data)
     write_manifest(tmp)
-    for f in sorted(tmp.rglob("*")):                   # everything on disk before the rename
-        if f.is_file():
-            with open(f, "rb+") as fh:
-                os.fsync(fh.fileno())
-    _fsync_dir(tmp / STATE_DIR)
-    _fsync_dir(tmp)
-    if final.exists():
-        old = root / f".{name}.old-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(root)
-    write_atomic(root / LATEST, (name + "\n").encode())
-    return final
+    return publish_checkpoint(tmp, root, name, (tmp / STATE_DIR, tmp))
 
 
 def _pid_alive(pid: int) -> bool:

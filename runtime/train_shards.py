@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from itertools import product
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from k3ir.frontend.run_pointer import LATEST
 
 from k3ir.errors import K3CheckpointError
 from k3ir.ops.collective import MESH_AXES
@@ -38,12 +36,11 @@ from .train_checkpoint import (
     CONFIG_FILE,
     META_FILE,
     STATE_DIR,
-    _fsync_dir,
+    publish_checkpoint,
     read_meta,
     remove_leftovers,
     resolve_checkpoint,
     verify_checkpoint,
-    write_atomic,
     write_manifest,
 )
 from .train_mesh import rank_of
@@ -118,21 +115,7 @@ def save_sharded_checkpoint(out_dir: str | Path, trainer, extra: dict | None = N
         if cfg is not None and getattr(cfg, "raw", None):
             (tmp / CONFIG_FILE).write_text(json.dumps(cfg.raw, indent=2))
         write_manifest(tmp, extra={"mesh": dict(trainer.mesh.sizes)})
-        for f in sorted(tmp.rglob("*")):
-            if f.is_file():
-                with open(f, "rb+") as fh:
-                    os.fsync(fh.fileno())
-        for d in (tmp / SHARD_DIR, tmp / STATE_DIR, tmp):
-            _fsync_dir(d)
-        if final.exists():
-            old = root / f".{name}.old-{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(root)
-        write_atomic(root / LATEST, (name + "\n").encode())
+        publish_checkpoint(tmp, root, name, (tmp / SHARD_DIR, tmp / STATE_DIR, tmp))
     dist.barrier()                                   # no rank goes on before the checkpoint is in place
     return final
 
