@@ -13,6 +13,8 @@ from k3ir.errors import K3BackendError
 from k3ir.ir import Module, Operation
 from k3ir.registration import import_builtin
 
+from .artifact_write import save_ir_artifact
+
 _BACKENDS: dict[str, Backend] = {}
 _ALIASES: dict[str, str] = {}
 _LOADED = False
@@ -218,7 +220,6 @@ class Executable:
     def save(self, directory: str, params: dict[str, Any]) -> str:
         """Write a loadable artifact (``Session.load(directory)``). Targets that compile to code
         (onnx, mlir, tvm) override this; the default stores the compiled IR and the weights."""
-        from .artifact import save_ir_artifact
         return save_ir_artifact(self, directory, params)
 
     def __repr__(self) -> str:

@@ -2,7 +2,8 @@
 compiled IR), the target's files, and ``manifest.json``. The manifest is data: it names the registered
 target (``"target"``) whose backend reopens the directory (``Backend.load_artifact``, or
 :func:`load_ir_artifact` for targets that run the IR), the artifact format version, the files and their
-byte sizes. It never names code to import or call; docs/artifacts.md gives the trust model."""
+byte sizes. It never names code to import or call; docs/artifacts.md gives the trust model. This module reads
+and checks artifacts; ``artifact_write`` writes them (re-exported here)."""
 from __future__ import annotations
 
 import json
@@ -12,40 +13,12 @@ from typing import Any
 from k3ir.errors import K3Error, K3RuntimeError
 from k3ir.ir import Module
 
-ARTIFACT = "k3ir-artifact"
-#: the artifact layout this k3ir writes and reads; bumped whenever the manifest or the files change meaning
-#: (1: manifests that named a ``"loader"`` callable; 2: a registered target, no code named)
-FORMAT_VERSION = 2
+from .artifact_write import ARTIFACT, FORMAT_VERSION, plain_name, save_ir_artifact, write_manifest  # noqa: F401 (re-exported)
 
 #: the advice every damaged-artifact error ends with (here and in Session.load)
 DAMAGED = "the artifact is damaged; write it again with `k3ir compile ... -o DIR`"
 #: the advice for an artifact of another format version
 RECOMPILE = "compile the model again with `k3ir compile MODEL --target TARGET -o DIR`"
-
-
-def write_manifest(directory: str, module: Module, target: str, dtype: str, files: dict[str, str],
-                   data_files: tuple[str, ...] = (), **extra: Any) -> None:
-    """Write ``module.k3`` and ``manifest.json`` into ``directory`` for registered ``target`` (the backend
-    that reopens it). ``files`` maps the target's keys to file names inside ``directory`` (other string
-    values are allowed and are not paths); ``sizes`` records the byte size of ``module.k3`` and of every file
-    named in ``files`` that exists (``read_manifest`` checks them before anything is opened: a truncated
-    shared library would kill the process with SIGBUS on dlopen). ``data_files``: files the target's files refer
-    to by themselves (ONNX external data), sized too. ``extra``: more manifest entries (JSON)."""
-    from k3ir.printer import print_module
-    with open(os.path.join(directory, "module.k3"), "w") as f:
-        f.write(print_module(module))
-    names = ["module.k3"] + [v for v in files.values() if isinstance(v, str) and _plain_name(v)] + list(data_files)
-    sizes = {n: os.path.getsize(os.path.join(directory, n)) for n in names if os.path.isfile(os.path.join(directory, n))}
-    man = {"format": ARTIFACT, "format_version": FORMAT_VERSION, "target": target, "dtype": dtype, "files": files,
-           "module": "module.k3", "sizes": sizes, **extra}
-    with open(os.path.join(directory, "manifest.json"), "w") as f:
-        json.dump(man, f, indent=2)
-
-
-def _plain_name(name: str) -> bool:
-    """True for a relative path that stays inside the artifact directory (no ``..``, not absolute, no NUL)."""
-    return (bool(name) and "\x00" not in name and not os.path.isabs(name) and not name.startswith(("/", "\\"))
-            and ".." not in name.replace("\\", "/").split("/"))
 
 
 def read_manifest(directory: str) -> tuple[dict, Module]:
@@ -108,11 +81,11 @@ def check_manifest(path: str, man: Any) -> None:
     if not isinstance(sizes, dict) or not sizes:
         raise K3RuntimeError(f"{path}: key 'sizes' must map file names to byte sizes; {DAMAGED}")
     for name, size in sizes.items():
-        if not _plain_name(name):
+        if not plain_name(name):
             raise K3RuntimeError(f"{path}: key 'sizes' names {name!r}, a path outside the artifact directory")
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise K3RuntimeError(f"{path}: key 'sizes.{name}' must be a byte count, got {size!r}; {DAMAGED}")
-    if not isinstance(man.get("module"), str) or not _plain_name(man["module"]):
+    if not isinstance(man.get("module"), str) or not plain_name(man["module"]):
         raise K3RuntimeError(f"{path}: key 'module' must name the IR file inside the artifact directory, got "
                              f"{man.get('module')!r}; {DAMAGED}")
 
@@ -154,27 +127,6 @@ def open_artifact(directory: str) -> Any:
         raise K3BackendError(f"{directory}: a '{backend.name}' artifact, and target '{backend.name}' cannot run "
                              f"here: {why}")
     return (backend.load_artifact or load_ir_artifact)(directory, man, module)
-
-
-def save_ir_artifact(exe: Any, directory: str, params: dict[str, Any]) -> str:
-    """The artifact of a target that runs the IR directly (reference, torch, triton, plugins):
-    ``module.k3`` (after the pipeline), ``weights.safetensors`` and a manifest; ``Session.load``
-    rebuilds the executable from the IR without running the pipeline again."""
-    import numpy as np
-    from safetensors.numpy import save_file
-    os.makedirs(directory, exist_ok=True)
-    arrays = {}
-    for k, a in params.items():
-        if hasattr(a, "detach"):
-            a = a.detach().cpu()
-            a = a.float() if a.is_floating_point() else a
-            a = a.numpy()
-        a = np.asarray(a)
-        arrays[k] = np.ascontiguousarray(a.astype(np.float32) if a.dtype.kind == "f" else a)
-    save_file(arrays, os.path.join(directory, "weights.safetensors"))
-    write_manifest(directory, exe.module, exe.target, exe.dtype, {"weights": "weights.safetensors"},
-                   device=exe.device)
-    return directory
 
 
 def load_ir_artifact(directory: str, man: dict, module: Module, device: str | None = None):

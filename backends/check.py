@@ -34,6 +34,8 @@ from k3ir.errors import K3Error
 from k3ir.ir import Module, Operation
 from k3ir.opdef import get_opdef
 
+from .lowering import decompose_op
+
 NATIVE, CONDITIONAL, DECOMPOSED, ERROR = "native", "conditional", "decomposition", "error"
 #: the functions a check requires by default (the text model's entry points)
 DEFAULT_FUNCTIONS = ("forward", "prefill", "decode")
@@ -136,7 +138,6 @@ class _Checker:
             return ERROR, Counter(), "no native lowering and no decomposition"
         if depth > 8:
             return ERROR, Counter(), "decomposition does not terminate"
-        from .interpreter import decompose_op
         try:
             fn = decompose_op(self.module, op)
         except K3Error as e:

@@ -6,29 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from k3ir.builder import Builder
 from k3ir.errors import K3BackendError
 from k3ir.ir import Function, Module, Operation
 from k3ir.opdef import get_opdef
 
-from .lowering import native_impl
+from .lowering import decompose_op, native_impl
 
 Impl = Callable[..., Any]
-
-
-def decompose_op(module: Module | None, op: Operation) -> Function:
-    """A Function whose arguments are ``op``'s operands and whose body is its decomposition."""
-    cls = get_opdef(op.name)
-    if cls.decompose is None:
-        raise K3BackendError(f"op '{op.name}' has no lowering on this backend and no decomposition")
-    fn = Function(f"__decomp_{op.name[3:]}")
-    b = Builder(module, fn)
-    args = [b.arg(f"a{i}", v.type) for i, v in enumerate(op.operands)]
-    inst = cls(op.attrs, [v.type for v in op.operands])
-    grouped = cls.group_operands(args)
-    out = inst.decompose(b, *cls.ordered(grouped))
-    b.ret(*(out if isinstance(out, tuple) else (out,)))
-    return fn
 
 
 class Interpreter:

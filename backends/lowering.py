@@ -20,6 +20,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from k3ir.builder import Builder
+from k3ir.errors import K3BackendError
+from k3ir.ir import Function, Module, Operation
+from k3ir.opdef import get_opdef
+
 #: ``when(op) -> None | reason``
 Condition = Callable[[Any], "str | None"]
 
@@ -95,6 +100,21 @@ def native_impl(table: Any, op: Any) -> Callable[..., Any] | None:
     return impl
 
 
+def decompose_op(module: Module | None, op: Operation) -> Function:
+    """A Function whose arguments are ``op``'s operands and whose body is its decomposition."""
+    cls = get_opdef(op.name)
+    if cls.decompose is None:
+        raise K3BackendError(f"op '{op.name}' has no lowering on this backend and no decomposition")
+    fn = Function(f"__decomp_{op.name[3:]}")
+    b = Builder(module, fn)
+    args = [b.arg(f"a{i}", v.type) for i, v in enumerate(op.operands)]
+    inst = cls(op.attrs, [v.type for v in op.operands])
+    grouped = cls.group_operands(args)
+    out = inst.decompose(b, *cls.ordered(grouped))
+    b.ret(*(out if isinstance(out, tuple) else (out,)))
+    return fn
+
+
 def lower_or_decompose(emitter: Any, op: Any) -> tuple[Callable[..., Any] | None, Any]:
     """For a code-generating emitter with ``table``, ``module``, ``native``/``fallback`` counters
     and a ``_decomp`` cache: ``(impl, None)`` when the table lowers ``op`` natively (its condition,
@@ -107,6 +127,5 @@ def lower_or_decompose(emitter: Any, op: Any) -> tuple[Callable[..., Any] | None
     emitter.fallback[op.name] = emitter.fallback.get(op.name, 0) + 1
     fn = emitter._decomp.get(id(op))
     if fn is None:
-        from .interpreter import decompose_op
         fn = emitter._decomp[id(op)] = decompose_op(emitter.module, op)
     return None, fn

@@ -8,10 +8,9 @@ step on state slots in a pool (``kda_decode``). On a CPU machine they run under
 """
 from __future__ import annotations
 
-import os
-
 from .. import Backend, register_backend
 from . import support
+from .config import interpreting
 
 __all__ = ["gated_rmsnorm", "kda_decode", "kda_forward", "short_conv"]
 
@@ -24,11 +23,6 @@ def __getattr__(name: str):
         from .kda import layer
         return getattr(layer, name)
     raise AttributeError(name)
-
-
-def interpreting() -> bool:
-    """True when ``TRITON_INTERPRET=1`` (kernels run on the CPU through Triton's interpreter)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _available() -> str | None:

@@ -16,6 +16,7 @@ thread). ``decode.cuda_graphs`` is read when the executable is built. Only compi
 read the config."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,3 +190,9 @@ def triton_config(**changes: Any):
     section name -> a dict of its fields, or a whole section object); nests; restores on exit. Raises
     K3ConfigError on an unknown section or field."""
     return TRITON.override(**changes)
+
+
+def interpreting() -> bool:
+    """True when ``TRITON_INTERPRET=1`` (kernels run on the CPU through Triton's interpreter): Triton's own variable,
+    read at each call (Triton reads it when a kernel is defined), so it is not a field of ``TritonConfig``."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -34,8 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from k3ir.errors import K3RuntimeError
 
-from . import interpreting
-from .config import get_triton_config
+from .config import get_triton_config, interpreting
 
 MAX_ROWS = 4
 

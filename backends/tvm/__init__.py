@@ -30,6 +30,7 @@ from k3ir.ir import Module
 
 from .. import Backend, Executable, TargetDescription, register_backend
 from .config import get_tvm_config
+from .cross import register_cross_targets, tvm_missing
 
 _COMPILED: dict[str, tuple[Any, dict[str, list[str]]]] = {}   # key -> (VMExecutable, {function: params})
 #: entry functions compiled into one Relax module (they share most kernels: half the build time)
@@ -104,13 +105,6 @@ def check_simd_flags(man: dict, directory: str, cpuinfo: str = "/proc/cpuinfo") 
             f"{directory}: the TVM libraries were compiled for a CPU ({man.get('mcpu', '?')}) with "
             f"{', '.join(missing)}, which this CPU lacks; rebuild the artifact on this machine, or build it for a "
             f"common CPU with K3IR_TVM_MCPU (e.g. x86-64-v2) (docs/config.md)")
-
-
-def _available() -> str | None:
-    import importlib.util
-    if importlib.util.find_spec("tvm") is None:
-        return "apache-tvm is not installed (pip install 'k3ir[tvm]')"
-    return None
 
 
 def _np(a, dtype=None) -> np.ndarray:
@@ -306,9 +300,7 @@ def _pipeline() -> list[str]:
 
 register_backend(Backend(name="tvm", description="Apache TVM Relax, compiled for llvm (this CPU)",
                          build=_build, pipeline=_pipeline(), table=_table, aliases=("tvm-llvm",),
-                         function_support=_function_problem, available=_available, dtypes=("float32", "float64"), load_artifact=load_executable,
+                         function_support=_function_problem, available=tvm_missing, dtypes=("float32", "float64"), load_artifact=load_executable,
                          target_description=TargetDescription(kind="llvm", toolchain="Apache TVM Relax/TIR (tvm.compile), LLVM codegen for this CPU")))
-
-from .cross import register_cross_targets
 
 register_cross_targets()

@@ -93,6 +93,14 @@ def find_lld() -> str | None:
     return next((p for p in (shutil.which(n) for n in names) if p), None)
 
 
+def tvm_missing() -> str | None:
+    """Why no TVM target builds or runs here (apache-tvm not installed), or None; every tvm kind asks it first."""
+    import importlib.util
+    if importlib.util.find_spec("tvm") is None:
+        return "apache-tvm is not installed (pip install 'k3ir[tvm]')"
+    return None
+
+
 def _version_text(cmd: list[str]) -> str:
     """stdout of a tool's version command (empty when it does not run)."""
     import subprocess
@@ -106,8 +114,7 @@ def toolchain(kind: str) -> tuple[str | None, str]:
     """(why ``kind`` cannot build the whole model here or None, the toolchain found), from probes run once per
     process: TVM installed with the kind's codegen (``target.build.<kind>``), and for cuda ``nvcc`` (``--version``
     run), for rocm ``ld.lld`` of TVM's LLVM version and a ROCm device-library folder."""
-    from . import _available
-    why = _available()
+    why = tvm_missing()
     return (why, "") if why is not None else _probe_toolchain(kind)
 
 
@@ -201,8 +208,7 @@ def register_cross_targets() -> None:
             why = toolchain(kind)[0]
             if why is None:
                 return None
-            from . import _available
-            if _available() is not None:
+            if tvm_missing() is not None:
                 return why
             run = runs_here(kind)
             return None if run is None else f"cannot build here ({why}) and {run}"
@@ -224,8 +230,7 @@ def register_cross_targets() -> None:
                          "--iree-target vulkan-spirv"}
     for kind in ("vulkan", "c"):
         def available_demo(kind=kind) -> str:
-            from . import _available
-            why = _available()
+            why = tvm_missing()
             if why is not None:       # no TVM: nothing builds, same reason as the `tvm` row
                 return f"cross target: {why}"
             if kind in missing:

@@ -7,7 +7,7 @@ compiled module serves every batch size and length: there is no re-compilation p
 
 Lowering: ``TABLE[op name](lw, inst, *operands) -> result exprs`` (operands in declaration
 order, missing optional ones as ``None``). An op without an entry is replaced by its
-decomposition (``k3ir.backends.interpreter.decompose_op``) lowered inline, recursively; an op
+decomposition (``k3ir.backends.lowering.decompose_op``) lowered inline, recursively; an op
 with neither raises K3BackendError naming it (``k3ir check`` lists all of this up front).
 Every IR float dtype computes in the compile dtype (float32 by default); integers are int64.
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from k3ir.backends.interpreter import decompose_op
+from k3ir.backends.lowering import decompose_op
 from tvm import relax, te, tirx
 
 from k3ir.errors import K3BackendError

@@ -10,7 +10,8 @@ import math
 import numpy as np
 import pytest
 from conftest import rel_err
-from k3ir.backends.interpreter import Interpreter, decompose_op
+from k3ir.backends.interpreter import Interpreter
+from k3ir.backends.lowering import decompose_op
 from k3ir.backends.reference import ReferenceExecutable, reference_table
 from op_cases import FUSED_CASES, MODEL_CASES, VISION_CASES
 

@@ -6,6 +6,7 @@ import torch
 from k3ir.errors import K3RuntimeError
 
 from .. import checks as C
+from ..config import interpreting
 from ..gemv import pdl_kwargs
 from . import layer_kernels as lk
 
@@ -155,7 +156,6 @@ def router(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, ren
     iout = torch.empty(R, top_k, dtype=torch.int64, device=x.device)
     sout = torch.empty(R, E, dtype=torch.float32, device=x.device)
     if R:
-        from .. import interpreting
         BR, BK = (16, 32) if interpreting() else (16, 128)
         EP = max(16, 1 << (E - 1).bit_length())
         ieee = xx.dtype == torch.float32 or w.dtype == torch.float32

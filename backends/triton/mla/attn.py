@@ -18,8 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import checks as C
-from .. import interpreting
-from ..config import get_triton_config
+from ..config import get_triton_config, interpreting
 from ..gemv import gdc_launch_dependents, gdc_wait, pdl_kwargs
 
 

@@ -15,8 +15,7 @@ import torch
 import triton
 
 from .. import checks as C
-from .. import interpreting
-from ..config import get_triton_config
+from ..config import get_triton_config, interpreting
 from .attn import _p2, mla_prefill_kernel
 
 

@@ -27,8 +27,7 @@ import triton
 import triton.language as tl
 
 from .. import checks as C
-from .. import interpreting
-from ..config import get_triton_config
+from ..config import get_triton_config, interpreting
 from ..gemv import _x_tile, gdc_launch_dependents, gdc_wait, pdl_kwargs
 from ..gemv import config as gemv_config
 from ..kda.layer_kernels import route_topk

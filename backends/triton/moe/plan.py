@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import interpreting
-from ..config import get_triton_config
+from ..config import get_triton_config, interpreting
 
 
 def _config(R: int, E: int, N: int, K: int, quant: str, glu: bool):
