@@ -125,7 +125,7 @@ def cmd_serve(args) -> int:
 def _serve_on_mesh(args, sizes: dict[str, int], limits, api_key: str | None) -> int:
     """``k3ir serve`` on this rank of the mesh ``sizes`` (runtime/serve_mesh.py): rank 0 serves HTTP and
     broadcasts each engine step's admissions and cancellations, the others replay them on their engines.
-    Every rank ends with a barrier and ``destroy_process_group``. UsageError for --cp or a target without
+    Every rank ends with a barrier and ``destroy_process_group``. UsageError for a target without
     collectives."""
     import torch
     import torch.distributed as dist
@@ -137,10 +137,8 @@ def _serve_on_mesh(args, sizes: dict[str, int], limits, api_key: str | None) -> 
 
     from .compile import check_dtype
     from .parallel import joined_mesh
-    if sizes["cp"] > 1:
-        raise UsageError("serve on a mesh takes --tp, --ep and --dp; --cp (sequence segments) is not served yet")
     if args.target not in ("torch", "triton"):
-        raise UsageError(f"--target {args.target} has no collectives; --ep/--tp/--dp run on torch or triton")
+        raise UsageError(f"--target {args.target} has no collectives; --ep/--cp/--tp/--dp run on torch or triton")
     check_seed(args.init_seed, "--init-seed")
     why = engine_size_problem(args.block_size, args.num_blocks, args.max_batch, names=_SIZE_FLAGS)
     if why:

@@ -17,6 +17,10 @@ FUNCTIONS = ("forward", "prefill", "decode")
 #: (input_ids i64[B,T], cache_lengths i64[B], states...)`` where each MLA cache is right-padded
 #: and row b holds ``cache_lengths[b]`` valid tokens; see ``add_varlen_function``.
 VARLEN = "prefill_varlen"
+#: ``prefill_varlen`` again under another name, with the function attribute ``cp = "replicated"``: the
+#: ``shard`` pass keeps its sequence whole on every cp rank (serving under cp runs decode steps and prompt
+#: tails shorter than cp through it; ``add_varlen_function(..., replicated=True)``)
+VARLEN_REPLICATED = "prefill_varlen_replicated"
 #: suffix of the text functions that take ``image_features [M, d]`` after ``input_ids`` and put
 #: them at the ``media_placeholder_token_id`` positions (built with the vision pathway, SPEC.md 8)
 MEDIA_SUFFIX = "_media"
@@ -211,13 +215,20 @@ def module_attrs(cfg: ModelConfig) -> dict:
     }
 
 
-def add_varlen_function(module: Module) -> Module:
+def add_varlen_function(module: Module, replicated: bool = False) -> Module:
     """Add ``@prefill_varlen`` to a model module built by ``build_module`` (in place; no-op if
     present): like ``@prefill`` plus ``cache_lengths i64[B]`` after ``input_ids``, so rows whose
     MLA caches have different lengths (right-padded to the longest) run in one batch. Returned
-    MLA caches keep the padding: row b's valid entries are ``[:cache_lengths[b]]`` and ``[L:]``."""
+    MLA caches keep the padding: row b's valid entries are ``[:cache_lengths[b]]`` and ``[L:]``.
+    ``replicated``: also add ``@prefill_varlen_replicated``, the same function with the attribute
+    ``cp = "replicated"`` (the ``shard`` pass splits no sequence of it over cp)."""
     if VARLEN not in module.functions:
         module.add_function(_ModelBuilder(module.config, module).function(VARLEN))
+    if replicated and VARLEN_REPLICATED not in module.functions:
+        fn = _ModelBuilder(module.config, module).function(VARLEN)
+        fn.name = VARLEN_REPLICATED
+        fn.attrs["cp"] = "replicated"
+        module.add_function(fn)
     return module
 
 

@@ -34,7 +34,9 @@ rank order as ``k3ir.plan`` (tp innermost, then cp, ep, dp):
   fp32) and runs the segment again from it; MLA all-gathers the latent kv over cp (the cache is
   complete on every rank) and attends from its segment's queries over the cache entries before
   its segment (``lengths`` from ``k3.cp_lengths``) plus its own tokens, causally; final KDA / conv states come from the last segment's rank (``k3.cp_last``). Logits
-  stay split by segment. Decode steps are replicated over cp. In ``@prefill_varlen`` (right-padded
+  stay split by segment. Decode steps, and a function with the attribute ``cp = "replicated"``
+  (``@prefill_varlen_replicated``: the serving engine's decode steps and short prompt tails), are
+  replicated over cp. In ``@prefill_varlen`` (right-padded
   MLA caches) the segments are inserted after each row's valid entries for attention
   (``k3.cache_insert``) and the returned caches keep the unsharded padded layout. The media
   functions (``forward_media``, ``prefill_media``) are dropped (a warning says so).
@@ -61,6 +63,13 @@ log = logging.getLogger("k3ir.passes")
 
 #: ops a shard pass cannot rewrite (created by the fuse / quantize passes, which run after it)
 AFTER_SHARD = ("k3.fused_kda", "k3.moe_dispatch", "k3.grouped_matmul", "k3.moe_combine")
+
+
+def splits_sequence(fn: Function) -> bool:
+    """Whether the shard pass splits ``fn``'s sequences over cp: it takes a ``[B, T, ...]`` argument
+    (decode's ``[B, 1]`` is not one) and lacks the function attribute ``cp = "replicated"``."""
+    return fn.attrs.get("cp") != "replicated" and any(
+        isinstance(a.type, TensorType) and a.type.rank >= 2 and a.type.shape[1] == "T" for a in fn.args)
 
 
 def _local_type(name: str, t: TensorType, spec: dict[str, int], sizes: dict[str, int]) -> TensorType:
@@ -158,8 +167,7 @@ class _Rewrite:
         self.b = Builder(module, self.new)
         self.vmap: dict[int, Value] = {}
         #: the function's sequences are split over cp (an argument [B,T,...]); decode steps are replicated
-        self.cp_split = sizes["cp"] > 1 and any(isinstance(a.type, TensorType) and a.type.rank >= 2
-                                                and a.type.shape[1] == "T" for a in fn.args)
+        self.cp_split = sizes["cp"] > 1 and splits_sequence(fn)
 
     def run(self) -> Function:
         tp = self.sizes["tp"]

@@ -7,18 +7,27 @@ Design (simplest correct one; see bench/SERVING.md):
   block boundary. Full blocks are published under chained hashes; a new request whose prompt
   starts with cached blocks retains them and resumes from the last one's snapshot.
 - Prefill is chunked at block boundaries (a segment never crosses one, so the snapshot there is
-  exact); a decode step feeds one token. Each ``step()`` runs every running request once, grouped
-  by segment length ``T``: all decode rows share one call.
-- Rows of one call have different MLA cache lengths: with the module's ``@prefill_varlen``
+  exact) and every segment starts on the 64-token KDA chunk grid of a fresh prefill (a segment cut by
+  ``max_prefill_tokens`` ends on it), so a prefill in segments rounds like a one-shot one; a decode
+  step feeds one token. Each ``step()`` runs every running request once: prefill segments grouped by
+  length ``T`` and MLA cache length (a cache right-padded to a longer row's changes the float32 sums),
+  all decode rows in one call.
+- Decode rows of one call have different MLA cache lengths: with the module's ``@prefill_varlen``
   (``frontend.model.add_varlen_function``; ``build_engine`` adds it) caches are right-padded to
   the longest and ``k3.mla`` masks each row at its own length. Without it, rows are grouped by
   equal cache length (correct, less batching).
+- The prefix cache holds only states a chunked prefill computed: a block holding generated tokens
+  (whose states came from decode steps, rounded otherwise) is published when its request ends
+  (``stop`` or ``length``), after its generated tokens were prefilled again from the last state on the
+  chunk grid (``stats["cache_prefill_tokens"]``), so a hit equals a fresh prefill of the whole text.
 - Requests join between steps (admission reserves the blocks their prompt + ``max_tokens`` can
   need, so a running request never runs out) and leave when they hit a stop token or
   ``max_tokens``; their blocks are released (cached prefixes stay, LRU-evictable).
 - With a host tier (``host_cache_bytes`` > 0) evicted cached blocks move to host memory, and a
-  finished request leaves its tails there (the partial last block's rows and the KDA states at the
-  prompt's end and at the sequence's end), so the next turn of a chat resumes where it stopped.
+  finished request leaves its tails there: the rows of a partial block up to the last KDA chunk
+  boundary (a multiple of 64 tokens) of its prompt and of the tokens it fed, with the KDA states there
+  (the prompt's is kept by ending a prefill segment on that boundary), so the next turn of a chat
+  resumes at most 63 tokens before where it stopped, on the chunk grid of a fresh prefill.
 """
 from __future__ import annotations
 
@@ -36,7 +45,7 @@ import numpy as np
 
 from k3ir.errors import K3RuntimeError
 
-from .pool import StatePool, block_hashes
+from .pool import KDA_CHUNK, StatePool, block_hashes
 from .sampler import SamplingParams, make_generator, sample
 from .session import gate_flag_text
 
@@ -125,7 +134,8 @@ class Engine:
 
     ``block_size`` tokens per pool block (multiple of 64; default 512); ``num_blocks`` pool size
     (default: enough for ``max_batch`` requests of 2048 tokens); ``max_batch`` running requests;
-    ``max_prefill_tokens`` prompt tokens per step (at least one segment always runs);
+    ``max_prefill_tokens`` prompt tokens per step (segments it cuts end on the 64-token KDA chunk grid;
+    the first prefill segment of a step runs at least one chunk);
     ``stop_token_ids`` end every request (default: the model's ``eos_token_id``);
     ``host_cache_bytes``: byte budget of the prefix cache's host tier (0: none; see ``StatePool``).
     ``observers``: callables ``(request, token | None)`` called like each request's ``on_event``
@@ -164,7 +174,8 @@ class Engine:
         self.reserved = 0
         self._recent: list[Request] = []
         self.stats = {"steps": 0, "calls": 0, "rows": 0, "prefill_tokens": 0, "decode_tokens": 0,
-                      "finished": 0, "aborted": 0, "failed": 0}     # aborted: cancelled (client gone, stop string)
+                      "finished": 0, "aborted": 0, "failed": 0,     # aborted: cancelled (client gone, stop string)
+                      "cache_prefill_tokens": 0}    # generated tokens prefilled again for the prefix cache
         zero = session.empty_state(1)
         self._zero = {n: self._t(zero.values[n]) for n in self.pool.kda_names}
 
@@ -245,8 +256,14 @@ class Engine:
             self.running.remove(req)
         elif req.status == "waiting":
             self.waiting.remove(req)
-        if self.pool.host_bytes and req.blocks and reason != "error":
-            self._keep_tails(req)
+        if req.blocks and reason != "error":
+            if req.prompt_kda is not None:
+                self._keep_prompt_tail(req)
+            if reason in ("stop", "length"):
+                try:
+                    self._cache_generated(req)
+                except Exception:       # the answer is complete: only its caching is lost
+                    log.exception("request %s: caching its generated tokens failed", req.id)
         self.pool.release(req.blocks)
         self.reserved -= req.reserve
         req.blocks, req.reserve, req.kda, req.prompt_kda = [], 0, None, None
@@ -257,16 +274,55 @@ class Engine:
             self.stats["aborted" if reason == "abort" else "failed"] += 1
         self._emit(req, None)
 
-    def _keep_tails(self, req: Request) -> None:
-        """Leave ``req``'s tails in the pool's host tier: the state at its prompt's end and at its
-        sequence's end (tokens fed so far), each where it falls inside a block."""
-        ends = [(len(req.prompt), req.prompt_kda), (req.length, req.kda)]
-        for end, kda in ends[:1] if req.length == len(req.prompt) else ends:
-            k, n = divmod(end, self.bs)
-            if kda is None or n == 0 or end > req.length or k >= len(req.blocks):
-                continue
-            self.pool.keep_tail(req.hashes[:k], [req.fed_token(p) for p in range(k * self.bs, end)],
-                                req.blocks[k], kda)
+    def _prompt_chunk_end(self, req: Request) -> int | None:
+        """The last KDA chunk boundary of ``req``'s prompt when a host tier keeps a tail there (it lies
+        inside a block: a block boundary is the block's own snapshot), else None."""
+        if not self.pool.host_bytes:
+            return None
+        c = len(req.prompt) - len(req.prompt) % KDA_CHUNK
+        return c if c % self.bs else None
+
+    def _keep_prompt_tail(self, req: Request) -> None:
+        """Leave ``req``'s prompt-end tail in the host tier: the prompt's rows of its last partial block up
+        to the prompt's last KDA chunk boundary and the states there (``req.prompt_kda``, from a prefill)."""
+        c = self._prompt_chunk_end(req)
+        k = c // self.bs
+        if k < len(req.blocks):
+            self.pool.keep_tail(req.hashes[:k], req.prompt[k * self.bs:c], req.blocks[k], req.prompt_kda)
+
+    def _cache_generated(self, req: Request) -> None:
+        """Prefill ``req``'s fed generated tokens again, for the prefix cache only (the answer is done):
+        from the last prompt state on the KDA chunk grid (the prompt-end tail's, else the snapshot at the
+        start of the prompt's last block) up to the last block boundary (with a host tier: the last chunk
+        boundary) of the tokens fed, in block segments, writing the rows and snapshots over the decode
+        steps' in ``req``'s own blocks; then publish the full blocks and, with a host tier, keep the tail.
+        A chunked prefill's states, so a hit on them equals a fresh prefill of the whole text."""
+        P, bs, pool = len(req.prompt), self.bs, self.pool
+        end = req.length - req.length % (KDA_CHUNK if pool.host_bytes else bs)
+        if end <= P:                            # no generated token in a block or tail the cache would keep
+            return
+        if req.prompt_kda is not None:
+            pos, kda = self._prompt_chunk_end(req), req.prompt_kda
+        else:
+            pos = P - P % bs
+            kda = pool.read_snapshot(req.blocks[pos // bs - 1]) if pos else {n: z.clone() for n, z in self._zero.items()}
+        while pos < end:
+            stop = min(end, (pos // bs + 1) * bs)
+            logits, new, flagged = self._call([(req.blocks, pos, [req.fed_token(p) for p in range(pos, stop)], kda)])
+            if flagged or not bool(torch_isfinite_all(logits)):
+                log.warning("request %s: its generated tokens were not cached (non-finite states)", req.id)
+                return
+            blk = req.blocks[pos // bs]
+            for name in pool.mla_names:
+                pool.write_latents(name, blk, pos % bs, self._t(new[name])[0, pos:stop])
+            kda = {n: self._t(new[n])[0:1] for n in pool.kda_names}
+            self.stats["cache_prefill_tokens"] += stop - pos
+            pos = stop
+            if pos % bs == 0:
+                self._publish(req, blk, pos, kda)
+        if pos % bs:
+            k = pos // bs
+            pool.keep_tail(req.hashes[:k], [req.fed_token(p) for p in range(k * bs, pos)], req.blocks[k], kda)
 
     def _emit(self, req: Request, token: int | None) -> None:
         for fn in [*self.observers, req.on_event]:
@@ -290,6 +346,8 @@ class Engine:
             self.reserved += fresh
             req.length = req.cached_tokens = hit.length
             req.kda = hit.kda if hit.kda is not None else {n: z.clone() for n, z in self._zero.items()}
+            if req.length and req.length == self._prompt_chunk_end(req):
+                req.prompt_kda = {n: t.clone() for n, t in req.kda.items()}
             req.generator = make_generator(req.params.seed)
             req.status = "running"
             self.running.append(req)
@@ -302,7 +360,12 @@ class Engine:
                 items.append((req, [req.output[-1]]))
                 continue
             end = min(P, (req.length // self.bs + 1) * self.bs)
-            n = min(end - req.length, budget) if items or budget < end - req.length else end - req.length
+            c = self._prompt_chunk_end(req)
+            if c is not None and req.length < c < end:
+                end = c                         # the prompt-end tail's state is taken there
+            n = end - req.length
+            if n > budget:                      # cut on the KDA chunk grid; one chunk at least per step
+                n = budget - budget % KDA_CHUNK or (KDA_CHUNK if budget == self.max_prefill_tokens else 0)
             if n <= 0:
                 continue
             budget -= n
@@ -318,7 +381,8 @@ class Engine:
         done: list[Request] = []
         groups: dict[tuple, list] = {}
         for req, toks in self._work():
-            key = (len(toks),) if self.varlen else (len(toks), req.length)
+            decode = self.varlen and req.length >= len(req.prompt)
+            key = ("decode",) if decode else (len(toks), req.length)
             groups.setdefault(key, []).append((req, toks))
         for items in groups.values():
             try:
@@ -360,8 +424,7 @@ class Engine:
                 args.append(cache)
             else:
                 args.append(torch.cat([req.kda[name] for req, _ in items], 0))
-        fn = VARLEN if self.varlen else ("decode" if T == 1 else "prefill")
-        outs = self.exe.run(fn, args, self.session.params)
+        outs = self._call(T, args)
         logits = torch.as_tensor(outs[0])
         new = dict(zip(self.names, outs[1:]))
         self.stats["calls"] += 1
@@ -381,6 +444,13 @@ class Engine:
                 if not req.done:
                     self._finish(req, "error", f"{type(e).__name__}: {e}")
                     self._recent.append(req)
+
+    def _call(self, T: int, args: list[Any]) -> list[Any]:
+        """One model call for a group of rows of ``T`` tokens each (``args`` as the function takes them:
+        ids ``[G, T]``, with ``@prefill_varlen`` the cache lengths, then the states): the logits
+        ``[G, T', V]`` (``T' >= 1``; the last position of each row is the one sampled), then the new states."""
+        fn = VARLEN if self.varlen else ("decode" if T == 1 else "prefill")
+        return self.exe.run(fn, args, self.session.params)
 
     def _advance(self, req: Request, b: int, T: int, L: int, new: dict[str, Any], logits: Any) -> None:
         """Store row ``b``'s new states for ``req`` (``T`` tokens after the padded cache length ``L``)

@@ -8,7 +8,12 @@ makes the same batches and the collectives of each step line up.
 
 Every rank runs each step's whole batch: tp ranks split the heads and columns, ep ranks each route the
 same rows to their experts through the all-to-all (correct, redundant attention), dp ranks are replicas.
-cp is not served (the engine's prefill would have to cut its rows into segments). A request cancelled by
+Under cp (``ContextParallelEngine``) a prefill segment of a multiple of cp tokens is cut into cp contiguous
+pieces, one per cp rank (KCP, SPEC.md 3, through the sharded ``@prefill_varlen``: KDA scans its chunk
+states over the ranks, MLA all-gathers its latent kv, the final states and the whole padded MLA caches
+come back on every rank); the last position's logits are broadcast from the last cp rank. Decode steps
+and prompt tails of fewer than cp tokens run whole on every cp rank (``@prefill_varlen_replicated``), so
+each rank's pool holds the same pages and snapshots. A request cancelled by
 the HTTP side (client gone, stop string) is cancelled on every rank at the next step boundary: rank 0's
 ``abort`` only records it until the broadcast. When idle, rank 0 broadcasts an empty step every
 ``heartbeat_s`` so the other ranks never wait in a collective longer than that.
@@ -33,7 +38,8 @@ def build_mesh_engine(module, mesh: Any, target: str = "torch", dtype: str | Non
     """``build_engine`` for one rank of ``mesh``: ``@prefill_varlen`` added, the ``shard`` pass for the
     mesh's sizes, compiled with ``mesh=``, this rank's blocks of ``params`` (the unsharded weights or a
     checkpoint's lazy ones; None: ``init_params(module, seed)``); ``capacity`` as ``distributed.shard``'s (EP
-    rows per expert per source rank, 0: lossless). Raises K3RuntimeError for cp > 1."""
+    rows per expert per source rank, 0: lossless). Under cp > 1 the module also gets
+    ``@prefill_varlen_replicated`` and the engine is a ``ContextParallelEngine``."""
     from k3ir.frontend.model import add_varlen_function
 
     import k3ir
@@ -42,15 +48,63 @@ def build_mesh_engine(module, mesh: Any, target: str = "torch", dtype: str | Non
     from .params import init_params
     from .session import Session
     coords = mesh_coords(mesh)
-    if int(mesh.size(2)) > 1:          # mesh dims (dp, ep, cp, tp)
-        raise K3RuntimeError("serving on a mesh takes --tp, --ep and --dp; --cp (sequence segments) is not served")
+    cp = int(mesh.size(2))             # mesh dims (dp, ep, cp, tp)
     if params is None:
         params = getattr(module, "weights", None)
     if params is None:
         params = init_params(module, seed)
-    exe = k3ir.compile(shard(add_varlen_function(module.clone()), mesh, capacity=capacity), target=target, dtype=dtype, device=device,
-                       mesh=mesh)
-    return Engine(Session(exe, params=shard_params(exe.module, params, coords)), **engine_kw)
+    varlen = add_varlen_function(module.clone(), replicated=cp > 1)
+    exe = k3ir.compile(shard(varlen, mesh, capacity=capacity), target=target, dtype=dtype, device=device, mesh=mesh)
+    session = Session(exe, params=shard_params(exe.module, params, coords))
+    return ContextParallelEngine(session, **engine_kw) if cp > 1 else Engine(session, **engine_kw)
+
+
+class ContextParallelEngine(Engine):
+    """The ``Engine`` of one rank of a mesh with cp > 1 (see the module docstring): every cp rank is given
+    the same requests and runs the same steps. A prefill segment longer than cp tokens is cut to a
+    multiple of cp (the rest runs in the next step); a segment of a multiple of cp tokens runs as cp
+    contiguous pieces through the sharded ``@prefill_varlen``, one per cp rank, and the sampled position's
+    logits ``[G, 1, V]`` are broadcast from the last cp rank; any other segment (a decode step, a prompt
+    tail of fewer than cp tokens) runs whole through ``@prefill_varlen_replicated``. ``session``'s
+    executable is a sharded module with both functions compiled on a mesh (``build_mesh_engine``).
+    Raises K3RuntimeError when the executable lacks either function."""
+
+    def __init__(self, session, **engine_kw):
+        import torch.distributed as dist
+        from k3ir.frontend.model import VARLEN, VARLEN_REPLICATED
+
+        from .distributed import mesh_coords
+        super().__init__(session, **engine_kw)
+        missing = [f for f in (VARLEN, VARLEN_REPLICATED) if f not in self.exe.module.functions]
+        if missing or getattr(self.exe, "mesh", None) is None:
+            raise K3RuntimeError("ContextParallelEngine takes a sharded module compiled on a mesh with "
+                                 f"@{VARLEN} and @{VARLEN_REPLICATED} (build_mesh_engine makes it)"
+                                 + (f"; missing: {', '.join('@' + f for f in missing)}" if missing else ""))
+        self.cp = int(self.exe.module.attrs["mesh"]["cp"])
+        self.cp_coord = mesh_coords(self.exe.mesh)["cp"]
+        self.cp_group = self.exe.mesh.get_group("cp")
+        self.cp_last_rank = dist.get_global_rank(self.cp_group, self.cp - 1)
+        self._fns = (VARLEN, VARLEN_REPLICATED)
+
+    def _work(self) -> list[tuple[Request, list[int]]]:
+        items = []
+        for req, toks in super()._work():
+            n = len(toks)
+            items.append((req, toks[:n - n % self.cp] if n > self.cp else toks))
+        return items
+
+    def _call(self, T: int, args: list[Any]) -> list[Any]:
+        import torch
+        import torch.distributed as dist
+        sharded, whole = self._fns
+        if T % self.cp:
+            return self.exe.run(whole, args, self.session.params)
+        seg = T // self.cp
+        ids = args[0][:, self.cp_coord * seg:(self.cp_coord + 1) * seg]
+        outs = self.exe.run(sharded, [ids, *args[1:]], self.session.params)
+        last = torch.as_tensor(outs[0])[:, -1:].contiguous()
+        dist.broadcast(last, src=self.cp_last_rank, group=self.cp_group)
+        return [last, *outs[1:]]
 
 
 def _broadcast(obj: Any) -> Any:

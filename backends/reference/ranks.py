@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from k3ir.passes.shard import splits_sequence
 
 from k3ir.errors import K3BackendError
 from k3ir.ir import Function, Module
@@ -142,6 +143,7 @@ def run_sharded(full: Module, sharded: Module, function: str, args: list[Any],
     layout = mesh_of(sharded)
     ffn, sfn = full.functions[function], sharded.functions[function]
     nd = layout.ep * layout.dp
+    splits = splits_sequence(sfn)
     rank_args, rank_ps = [], []
     for r in range(layout.gpus):
         c = coords(layout, r)
@@ -152,7 +154,7 @@ def run_sharded(full: Module, sharded: Module, function: str, args: list[Any],
             if x.shape[0] % nd:
                 raise K3BackendError(f"argument %{fa.name}: batch {x.shape[0]} is not divisible by ep*dp={nd}")
             x = np.split(x, nd, axis=0)[d]
-            if layout.cp > 1 and _seq(sa.type):
+            if layout.cp > 1 and splits and _seq(sa.type):
                 if x.shape[1] % layout.cp:
                     raise K3BackendError(f"argument %{fa.name}: length {x.shape[1]} is not divisible by cp={layout.cp}")
                 x = np.split(x, layout.cp, axis=1)[c["cp"]]
@@ -178,7 +180,7 @@ def _gather(layout: Layout, ffn: Function, sfn: Function, outs: list[list[Any]])
     result = []
     for i, (fv, sv) in enumerate(zip(ffn.returns, sfn.returns)):
         t = _tp_dim(fv.type, sv.type)
-        segments = range(layout.cp) if layout.cp > 1 and _seq(sv.type) else range(1)
+        segments = range(layout.cp) if layout.cp > 1 and splits_sequence(sfn) and _seq(sv.type) else range(1)
         parts = []
         for dp_i in range(layout.dp):
             for ep_i in range(layout.ep):

@@ -1,8 +1,9 @@
-"""``k3ir serve --tp 2`` / ``--ep 2`` under torchrun (2 gloo processes, 1 thread each; runtime/serve_mesh.py):
-rank 0 serves HTTP and broadcasts each engine step's admissions and cancellations, rank 1 replays them.
-Two concurrent greedy requests get the one-process text; a stream the client drops is cancelled on both
-ranks (a later request still gets the one-process text, so the ranks' engines stayed in step); --cp is
-refused with one line."""
+"""``k3ir serve --tp 2`` / ``--ep 2`` / ``--cp 2`` under torchrun (2 gloo processes, 1 thread each;
+runtime/serve_mesh.py): rank 0 serves HTTP and broadcasts each engine step's admissions and cancellations,
+rank 1 replays them. Two concurrent greedy requests get the one-process text; a stream the client drops is
+cancelled on both ranks (a later request still gets the one-process text, so the ranks' engines stayed in
+step); a --cp that does not match the process count and a target without collectives are refused with one
+line each."""
 from __future__ import annotations
 
 import json
@@ -34,7 +35,7 @@ def _one_process_text(prompt: str, n: int) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag", ["--tp", "--ep"])
+@pytest.mark.parametrize("flag", ["--tp", "--ep", "--cp"])
 def test_torchrun_serve_answers_as_one_process(flag, tmp_path):
     """One torchrun launch serving several requests (~30 s on 2 shared cores)."""
     want = {p: _one_process_text(p, 8) for p in ("Kimi ", "The K3 ")}
@@ -84,8 +85,13 @@ def test_torchrun_serve_answers_as_one_process(flag, tmp_path):
         log.close()
 
 
-def test_serve_on_a_mesh_refuses_cp(monkeypatch, capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--cp", "3"], "ep*cp*tp*dp = 3 (--cp 3) but torchrun started 2 processes (WORLD_SIZE=2); they must be equal"),
+    (["--cp", "2", "--target", "reference"],
+     "--target reference has no collectives; --ep/--cp/--tp/--dp run on torch or triton"),
+])
+def test_serve_on_a_mesh_refuses_bad_cp(monkeypatch, capsys, argv, message):
     monkeypatch.setenv("WORLD_SIZE", "2")            # as torchrun sets it; refused before the process group starts
-    assert main(["serve", "k3-tiny", "--cp", "2", "--port", "0"]) == 2
+    assert main(["serve", "k3-tiny", "--port", "0", *argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "--cp (sequence segments) is not served" in err
+    assert "\n" not in err and message in err

@@ -83,14 +83,16 @@ def test_context_parallel_prefill_from_a_state_then_decode(key, spec, T):
         assert rel(got, st3.values[name]) < 1e-10, name
 
 
+@pytest.mark.parametrize("function", ["prefill_varlen", "prefill_varlen_replicated"])
 @pytest.mark.parametrize("spec", ["shard{cp=2}", "shard{cp=2,tp=2}"])
-def test_context_parallel_varlen_prefill(spec):
+def test_context_parallel_varlen_prefill(spec, function):
     """@prefill_varlen under KCP: rows whose MLA caches hold 2 and 5 valid entries (garbage in the
     padding) continue by 6 tokens in 2 segments; outputs and returned (padded) states equal the
-    unsharded reference."""
+    unsharded reference. @prefill_varlen_replicated (function attribute cp = "replicated") gives the
+    same on every cp rank with the whole sequence and no KCP collective."""
     from k3ir.frontend.model import add_varlen_function
     m, params, _ = unsharded("kimi-linear-tiny")
-    m = add_varlen_function(m.clone())
+    m = add_varlen_function(m.clone(), replicated=True)
     fn = m.functions["prefill_varlen"]
     rng = np.random.default_rng(7)
     ids = rng.integers(0, 256, size=(2, 6))
@@ -100,7 +102,10 @@ def test_context_parallel_varlen_prefill(spec):
         shape = (2, 5, p[0] + p[1]) if a.type.kind == "mla_cache" else (2, *p)
         args.append(0.3 * rng.standard_normal(shape))
     want = k3ir.compile(m, target="reference").run("prefill_varlen", args, params)
-    got = run_sharded(m, sharded(m, spec), "prefill_varlen", args, params)
+    m2 = sharded(m, spec)
+    kcp = [o.name for o in m2.functions[function].ops if o.name in ("k3.kcp_scan", "k3.conv_halo", "k3.cp_last")]
+    assert bool(kcp) == (function == "prefill_varlen")
+    got = run_sharded(m, m2, function, args, params)
     for i, (g, w) in enumerate(zip(got, want)):
         assert rel(g, w) < 1e-10, (i, fn.returns[i].name)
 
