@@ -123,11 +123,11 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
-def _check(ranks: list[dict], want: dict) -> None:
+def _check(ranks: list[dict], want: dict, pieces: list[int]) -> None:
+    """``pieces``: the tokens per row each rank runs in its sharded calls."""
     assert want["cached"][-1] == 64 and not want["cached"][:-1].any()       # the second round hits the cache
     for r, got in enumerate(ranks):
-        # per rank: 32-token pieces of the 64-token segments, 3 of the 6-token ones, 1 of the 3-token prompt's 2
-        assert sorted(set(got["sharded"].tolist())) == [1, 3, 18, 32], (r, got["sharded"])
+        assert sorted(set(got["sharded"].tolist())) == pieces, (r, got["sharded"])
         assert set(got["whole"].tolist()) == {1}, (r, got["whole"])            # decode steps and 1-token tails
         assert np.array_equal(got["cached"], want["cached"]), r
         for i in range(len(LENGTHS) + 1):
@@ -140,16 +140,23 @@ def _check(ranks: list[dict], want: dict) -> None:
 def test_context_parallel_serving_answers_as_one_process(tmp_path, key):
     """cp=2 (~15 s for k3-tiny on 2 shared cores; kimi-linear-tiny in the slow suite)."""
     ranks = _launch(tmp_path, key, "cp=2")
-    _check(ranks, _one_process(key))
+    # per rank: 32-token pieces of the 64-token segments, 18 of the 36 after the cache hit, 3 of the 6-token
+    # segments (the 7 after 128 tokens cut to 6), 1 of the 3-token prompt's first 2
+    _check(ranks, _one_process(key), [1, 3, 18, 32])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["cp=2,tp=2", "cp=2,ep=2"])
-def test_context_parallel_serving_with_tp_or_ep(tmp_path, spec):
-    """4 processes on k3-tiny: cp x tp (heads split inside each cp piece) and cp x ep (the experts of each
-    piece's tokens over the ep ranks); slow because 4 processes oversubscribe the 2 shared cores."""
-    ranks = _launch(tmp_path, "k3-tiny", spec, world=4, timeout=300.0)
-    _check(ranks, _one_process("k3-tiny"))
+@pytest.mark.parametrize("spec, world, pieces", [
+    ("cp=2,tp=2", 4, [1, 3, 18, 32]),
+    ("cp=2,ep=2", 4, [1, 3, 18, 32]),
+    ("cp=3", 3, [1, 2, 12, 21]),        # 64-token segments: 63 in pieces of 21, then 1 token whole
+])
+def test_context_parallel_serving_on_more_ranks(tmp_path, spec, world, pieces):
+    """k3-tiny on 3 or 4 processes: cp x tp (heads split inside each cp piece), cp x ep (the experts of
+    each piece's tokens over the ep ranks) and cp=3 (segments cut to multiples of 3); slow because the
+    processes oversubscribe the 2 shared cores."""
+    ranks = _launch(tmp_path, "k3-tiny", spec, world=world, timeout=300.0)
+    _check(ranks, _one_process("k3-tiny"), pieces)
 
 
 if __name__ == "__main__":
