@@ -145,6 +145,18 @@ def test_context_parallel_serving_answers_as_one_process(tmp_path, key):
     _check(ranks, _one_process(key), [1, 3, 18, 32])
 
 
+def test_context_parallel_engine_refuses_an_unsharded_executable():
+    from _tiny_models import load_tiny
+    from k3ir.runtime import Session
+    from k3ir.runtime.serve_mesh import ContextParallelEngine
+
+    import k3ir
+    from k3ir.errors import K3RuntimeError
+    m = load_tiny("k3-tiny")
+    with pytest.raises(K3RuntimeError, match="compiled on a mesh .*missing: @prefill_varlen, @prefill_varlen_replicated"):
+        ContextParallelEngine(Session(k3ir.compile(m, target="torch")), block_size=64)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("spec, world, pieces", [
     ("cp=2,tp=2", 4, [1, 3, 18, 32]),
