@@ -75,6 +75,17 @@ def rng():
     return np.random.default_rng(1234)
 
 
+@pytest.fixture(scope="module")
+def tvm_opt_level_0():
+    """The tvm target's LLVM builds at opt level 0 (about 3x faster, same numerics: ``TvmConfig.opt_level``) for
+    the tests of one module, through the ``tvm_config`` scope: nothing is written to ``os.environ``, so other
+    modules and subprocesses keep the shipped defaults. Modules with real TVM builds use it (``pytestmark =
+    pytest.mark.usefixtures("tvm_opt_level_0")``, or as a dependency of their module-scoped build fixtures)."""
+    from k3ir.backends.tvm.config import tvm_config
+    with tvm_config(opt_level=0):
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

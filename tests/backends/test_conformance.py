@@ -208,7 +208,7 @@ _BUILT: dict[str, _Built] = {}
 
 
 @pytest.fixture(scope="module")
-def built():
+def built(tvm_opt_level_0):
     def get(backend: str) -> _Built:
         why = get_backend(backend).available()
         if why is not None:

@@ -21,7 +21,7 @@ HAVE_FLA = importlib.util.find_spec("fla") is not None
 
 
 def run(script: str, *args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
-    # the shipped defaults: no K3IR_* switch (other test modules set some process-wide, e.g. test_tvm.py's opt level)
+    # the shipped defaults: no K3IR_* switch from the environment the suite runs in
     env = {k: v for k, v in os.environ.items() if not k.startswith("K3IR_")}
     env.update(TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
     env.pop("OUT", None)            # the scripts must not read it: --out decides

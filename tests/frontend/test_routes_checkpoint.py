@@ -5,8 +5,6 @@ the same checkpoint, prefill (T = 1, 17, 65) then one decode step. This is the r
 test of every CPU target; the per-target files test what is specific to each."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 from _tiny_models import load_tiny, prefill_decode, token_ids
@@ -16,6 +14,7 @@ from k3ir.runtime.params import init_params
 
 import k3ir
 
+pytestmark = pytest.mark.usefixtures("tvm_opt_level_0")
 ROUTES = [("torch", None), ("tvm", "tvm"), ("onnx", "onnxruntime"), ("mlir", "iree.runtime")]
 
 
@@ -33,7 +32,6 @@ def checkpoint(request, tmp_path_factory):
 def test_every_route_matches_the_reference_from_one_checkpoint(checkpoint, target, needs):
     if needs:
         pytest.importorskip(needs)
-    os.environ.setdefault("K3IR_TVM_OPT_LEVEL", "0")
     d, m, ref = checkpoint
     s = Session(k3ir.compile(k3ir.load(d), target=target))
     nxt = token_ids(int(m.attrs["vocab_size"]), 2, 1, seed=99)

@@ -15,9 +15,7 @@ pytest.importorskip("tvm")
 
 
 @pytest.fixture(scope="module")
-def tvm_artifact(tmp_path_factory):
-    import os
-    os.environ.setdefault("K3IR_TVM_OPT_LEVEL", "0")
+def tvm_artifact(tmp_path_factory, tvm_opt_level_0):
     m = k3ir.load("k3-tiny")
     exe = k3ir.compile(m, target="tvm")
     from k3ir.runtime.params import init_params

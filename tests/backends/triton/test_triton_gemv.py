@@ -77,17 +77,15 @@ def test_gemv2_two_products_one_launch():
     assert rel_err(y2.double().cpu().numpy(), (x2.double() @ w2.double().T).cpu().numpy()) < 1e-5
 
 
-def test_gemv_launch_config_covers_the_kimi_linear_shapes():
+def test_gemv_launch_config_covers_the_kimi_linear_shapes(monkeypatch):
     """GPU configs (not the interpreter's): one K step for K <= 2048 rows of x, >= 4 rows per program,
     ~8k weight elements per tile and row."""
     from k3ir.backends.triton import gemv as gm
     if gm.interpreting():
-        saved = os.environ.pop("TRITON_INTERPRET")
-        try:
+        with monkeypatch.context() as mp:
+            mp.delenv("TRITON_INTERPRET")
             cfgs = {s: gm.config(*s) for s in [(1, 6416, 2048, False), (1, 1024, 2048, True), (1, 2048, 128, False),
                                                (1, 2048, 8192, False), (4, 2048, 2048, False)]}
-        finally:
-            os.environ["TRITON_INTERPRET"] = saved
     else:
         cfgs = {s: gm.config(*s) for s in [(1, 6416, 2048, False), (1, 1024, 2048, True), (1, 2048, 128, False),
                                            (1, 2048, 8192, False), (4, 2048, 2048, False)]}

@@ -433,17 +433,13 @@ def _check_decode_step(P, B, H, K, W, lb, slot_list):
     assert all(torch.equal(c[untouched], c0[untouched]) for c, c0 in zip(cpools, cp0))
 
 
-def test_backend_registered_and_says_why_not():
+def test_backend_registered_and_says_why_not(monkeypatch):
     from k3ir.backends import get_backend
     be = get_backend("triton")
     assert "k3.fused_kda" in be.lowers() and "k3.kda" in be.lowers()
     if not GPU:
-        old = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "0"
-        try:
-            assert "TRITON_INTERPRET" in be.available()
-        finally:
-            os.environ["TRITON_INTERPRET"] = old if old is not None else "1"
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        assert "TRITON_INTERPRET" in be.available()
     else:
         assert be.available() is None
 

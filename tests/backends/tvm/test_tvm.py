@@ -1,16 +1,15 @@
 """The ``tvm`` target (Relax on llvm) against the float64 reference and the torch backend.
 
 Compiled modules are cached per process (symbolic batch/length: one build per model), and the
-suite builds with ``K3IR_TVM_OPT_LEVEL=0`` (3x faster LLVM builds, same numerics)."""
+tests build at LLVM opt level 0 (3x faster builds, same numerics) in a ``tvm_config`` scope (conftest's
+``tvm_opt_level_0``), not through the environment."""
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
-os.environ.setdefault("K3IR_TVM_OPT_LEVEL", "0")
+pytestmark = pytest.mark.usefixtures("tvm_opt_level_0")
 
 from _tiny_models import load_tiny, route_sessions, token_ids
 from conftest import rel_err
