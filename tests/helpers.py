@@ -150,3 +150,24 @@ class AllocationPeak:
     def __exit__(self, *exc):
         self.mode.__exit__(*exc)
         return False
+
+
+def edit_bytes(data: bytes, edits, span=lambda n: n, more=None) -> bytes:
+    """``data`` after the fuzz edits ``(kind, pos, n, byte)`` in order, each at ``i = pos % (len + 1)`` of the
+    bytes so far: ``flip`` one bit (``byte % 8``) of byte i, ``set`` byte i to ``byte`` (both skipped at the end),
+    ``delete`` / ``duplicate`` the ``span(n)`` bytes from i; any other kind is ``more(b, kind, i, n, byte)``, which
+    edits the bytearray ``b`` in place (the fuzz tests of the IR text and of config.json add their own kinds)."""
+    b = bytearray(data)
+    for kind, pos, n, byte in edits:
+        i = pos % (len(b) + 1)
+        if kind == "flip" and i < len(b):
+            b[i] ^= 1 << (byte % 8)
+        elif kind == "set" and i < len(b):
+            b[i] = byte
+        elif kind == "delete":
+            del b[i:i + span(n)]
+        elif kind == "duplicate":
+            b[i:i] = b[i:i + span(n)]
+        else:
+            more(b, kind, i, n, byte)
+    return bytes(b)

@@ -11,6 +11,7 @@ import json
 import logging
 import time
 
+import helpers
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -79,28 +80,21 @@ EDITS = st.lists(st.tuples(st.sampled_from(["flip", "set", "delete", "duplicate"
                            st.integers(0, 2 ** 20), st.integers(1, 6000), st.integers(0, 255)), min_size=1, max_size=3)
 
 
+def _config_edit(b: bytearray, kind: str, i: int, n: int, byte: int) -> None:
+    """The config-specific kinds: ``digits``, ``nest`` and ``utf8`` (invalid UTF-8; also a flip or set at the end)."""
+    if kind == "digits":            # a number becomes n digits long (or one is inserted)
+        j = i
+        while j < len(b) and chr(b[j]).isdigit():
+            j += 1
+        b[i:j] = b"1" + b"0" * (n - 1)
+    elif kind == "nest":
+        b[i:i] = (b"[" if byte % 2 else b'{"a": ') * (n % 200 + 1)
+    else:
+        b[i:i] = bytes([0x80 | byte % 64, 0xC3, byte])[: n % 3 + 1]
+
+
 def edit_bytes(data: bytes, edits) -> bytes:
-    b = bytearray(data)
-    for kind, pos, n, byte in edits:
-        i = pos % (len(b) + 1)
-        if kind == "flip" and i < len(b):
-            b[i] ^= 1 << (byte % 8)
-        elif kind == "set" and i < len(b):
-            b[i] = byte
-        elif kind == "delete":
-            del b[i:i + n % 64 + 1]
-        elif kind == "duplicate":
-            b[i:i] = b[i:i + n % 64 + 1]
-        elif kind == "digits":            # a number becomes n digits long (or one is inserted)
-            j = i
-            while j < len(b) and chr(b[j]).isdigit():
-                j += 1
-            b[i:j] = b"1" + b"0" * (n - 1)
-        elif kind == "nest":
-            b[i:i] = (b"[" if byte % 2 else b'{"a": ') * (n % 200 + 1)
-        else:
-            b[i:i] = bytes([0x80 | byte % 64, 0xC3, byte])[: n % 3 + 1]
-    return bytes(b)
+    return helpers.edit_bytes(data, edits, span=lambda n: n % 64 + 1, more=_config_edit)
 
 
 @given(name=st.sampled_from(BUNDLED), edits=EDITS)

@@ -12,6 +12,7 @@ import functools
 import io
 import re
 
+import helpers
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -63,21 +64,13 @@ EDITS = st.lists(st.tuples(st.sampled_from(["flip", "set", "delete", "duplicate"
                            st.integers(0, 2 ** 20), st.integers(1, 80), st.integers(0, 255)), min_size=1, max_size=4)
 
 
+def _insert(b: bytearray, kind: str, i: int, n: int, byte: int) -> None:
+    """``insert`` (and a flip or set at the end): 1 to 4 copies of ``byte`` at i."""
+    b[i:i] = bytes([byte]) * (n % 4 + 1)
+
+
 def edit_bytes(data: bytes, edits) -> bytes:
-    b = bytearray(data)
-    for kind, pos, n, byte in edits:
-        i = pos % (len(b) + 1)
-        if kind == "flip" and i < len(b):
-            b[i] ^= 1 << (byte % 8)
-        elif kind == "set" and i < len(b):
-            b[i] = byte
-        elif kind == "delete":
-            del b[i:i + n]
-        elif kind == "duplicate":
-            b[i:i] = b[i:i + n]
-        else:
-            b[i:i] = bytes([byte]) * (n % 4 + 1)
-    return bytes(b)
+    return helpers.edit_bytes(data, edits, more=_insert)
 
 
 def hostile_token(kind: str, n: int) -> str:
