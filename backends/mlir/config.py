@@ -20,7 +20,8 @@ class MlirConfig:
                                 env="K3IR_CACHE")
     moe_form: str = setting("sorted", "routed experts (``k3.moe``): ``sorted`` (rows sorted by expert, one contraction "
                             "per expert on its rows: ``backends/mlir/moe.py``) or ``dense`` (the op's decomposition: "
-                            "every token through every expert)")
+                            "every token through every expert); the fused ops of ``fuse-moe-dispatch`` (MXFP4 experts) "
+                            "always run over sorted rows")
     kda_form: str = setting("chunked", "``k3.kda`` in prefill: ``chunked`` (SPEC.md 3's chunk form, an ``scf.for`` over "
                             "chunks: ``backends/mlir/kda.py``) or ``scan`` (the decomposition: an ``scf.for`` over tokens); "
                             "one-token steps always take the recurrence")

@@ -23,7 +23,7 @@ from k3ir.types import StateType
 from ..lowering import lower_or_decompose
 from . import kda, moe  # noqa: F401  (register k3.kda and k3.moe in TABLE)
 from .lowering import TABLE
-from .values import FLOAT, Val, elem, ttype
+from .values import FLOAT, Val, elem, storage_shape, ttype
 
 
 def state_shape(t: StateType) -> list:
@@ -236,7 +236,8 @@ class MlirEmitter:
         self.params = {}
         for i, name in enumerate(used):
             decl = self.module.params[name]
-            self.params[name] = Val(f"%p{i}", elem(decl.type.dtype), tuple(int(d) for d in decl.type.shape))
+            shape = storage_shape(decl.type.dtype, (int(d) for d in decl.type.shape))   # packed experts as stored
+            self.params[name] = Val(f"%p{i}", elem(decl.type.dtype), shape)
         self.param_order[fname] = used
         for v in args:
             self.bind(v)

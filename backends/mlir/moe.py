@@ -1,5 +1,8 @@
 """MLIR lowering of the routed experts ``k3.moe`` over expert-sorted rows (``MlirConfig.moe_form="sorted"``, the
 default); ``"dense"`` keeps the op's decomposition (every token through every expert, then the combine weights).
+The fused form made by ``fuse-moe-dispatch`` (``k3.moe_dispatch`` -> ``k3.grouped_matmul`` -> ``k3.moe_combine``,
+the form ``quantize-experts`` packs) always runs over sorted rows, with MXFP4 experts kept packed (``i8`` codes and
+E8M0 scales as function arguments) and dequantised per expert right before its contraction.
 
 The sorted form: with ``R = N*k`` routed copies (slot ``r = n*k + j``), per expert counts and exclusive offsets
 (``[E]``, compare-and-count), each slot's sorted row ``pos[r] = offsets[e_r] + #{r' < r : e_r' = e_r}`` (stable),
@@ -86,23 +89,87 @@ def _sorted_rows(e: MlirEmitter, flat: Val, offsets: Val, R: str) -> tuple[Val, 
     return pv, Val(order, "i64", (R,))
 
 
-def _per_expert_matmuls(e: MlirEmitter, rows: Val, offsets: Val, counts: Val, w: Val) -> Val:
-    """``y[rows of e] = rows[rows of e] @ w[e]^T`` for each expert: the row counts and offsets read once (a host
-    readback), then per expert a dynamic ``tensor.extract_slice`` of its rows, one contraction with its whole
-    matrix, and the results concatenated in row order."""
-    E, N, K = (int(d) for d in w.shape)
-    parts = []
+def _read_index(e: MlirEmitter, v: Val, i: int) -> str:
+    """``v[i]`` of an integer vector as an ``index`` value (a host readback where IREE needs it)."""
+    return e.assign(f"arith.index_cast {e.assign(f'tensor.extract {v.name}[{e.cindex(i)}] : {v.type}', 'o')} : "
+                    f"{v.elem} to index", "o")
+
+
+def _segments(e: MlirEmitter, offsets: Val, E: int, counts: Val | None = None) -> list[tuple[str, str]]:
+    """(first row, row count) ``index`` values of each expert's segment of the sorted rows: ``offsets`` holds the E
+    exclusive starts with ``counts`` beside it, or (``counts`` None) the E+1 bounds of ``k3.moe_dispatch``."""
+    out = []
     for x in range(E):
-        lo = e.assign(f"arith.index_cast {e.assign(f'tensor.extract {offsets.name}[{e.cindex(x)}] : {offsets.type}', 'o')}"
-                      " : i64 to index", "o")
-        cnt = e.assign(f"arith.index_cast {e.assign(f'tensor.extract {counts.name}[{e.cindex(x)}] : {counts.type}', 'o')}"
-                       " : i64 to index", "o")
+        lo = _read_index(e, offsets, x)
+        cnt = _read_index(e, counts, x) if counts is not None else e.assign(
+            f"arith.subi {_read_index(e, offsets, x + 1)}, {lo} : index", "o")
+        out.append((lo, cnt))
+    return out
+
+
+def _whole_matrix(e: MlirEmitter, w: Val):
+    """``weight_of(x)`` for float experts ``w [E,N,K]``: expert x's matrix ``[N,K]``, a static slice (never per token)."""
+    N, K = (int(d) for d in w.shape[1:])
+
+    def weight_of(x: int) -> Val:
+        return Val(e.assign(f"tensor.extract_slice {w.name}[{x}, 0, 0] [1, {N}, {K}] [1, 1, 1] : {w.type} to "
+                            f"{ttype((N, K), w.elem)}", "w"), w.elem, (N, K))
+    return weight_of
+
+
+def _mxfp4_matrix(e: MlirEmitter, w: Val, scales: Val, K: int):
+    """``weight_of(x)`` for packed MXFP4 experts (SPEC.md 7): codes ``i8[E,N,K/2]`` (low nibble = even column) and
+    E8M0 scales ``i8[E,N,K/32]`` (unsigned bytes) -> expert x's ``f32[N,K]``, dequantised by one elementwise
+    ``linalg.generic`` reading byte ``k/2`` and scale ``k/32`` of its row (the producer IREE fuses into the
+    expert's contraction). The E2M1 code ``s e1 e0 m`` becomes the f32 bits directly (``e = 0``: ``m * 0.5``;
+    else ``(1 + m/2) 2^(e-1)``, sign to bit 31) and the scale byte ``b`` the f32 ``2^(b-127)`` (bits ``b << 23``;
+    ``b = 0`` is the subnormal ``2^-127``)."""
+    N = int(w.shape[1])
+    G = int(scales.shape[2])
+
+    def weight_of(x: int) -> Val:
+        wp = Val(e.assign(f"tensor.extract_slice {w.name}[{x}, 0, 0] [1, {N}, {K // 2}] [1, 1, 1] : {w.type} to "
+                          f"{ttype((N, K // 2), w.elem)}", "wq"), w.elem, (N, K // 2))
+        sp = Val(e.assign(f"tensor.extract_slice {scales.name}[{x}, 0, 0] [1, {N}, {G}] [1, 1, 1] : {scales.type} "
+                          f"to {ttype((N, G), scales.elem)}", "ws"), scales.elem, (N, G))
+
+        def dequant(a, o):
+            op = e.body_op
+            i32 = lambda c: e.cscalar(c, "i32")
+            byte = op(f"arith.extui {a[0]} : i8 to i32")
+            col = op(f"arith.index_cast {op('linalg.index 1 : index')} : index to i32")
+            shift = op(f"arith.muli {op(f'arith.andi {col}, {i32(1)} : i32')}, {i32(4)} : i32")
+            code = op(f"arith.andi {op(f'arith.shrui {byte}, {shift} : i32')}, {i32(15)} : i32")
+            ex = op(f"arith.andi {op(f'arith.shrui {code}, {i32(1)} : i32')}, {i32(3)} : i32")
+            m = op(f"arith.andi {code}, {i32(1)} : i32")
+            high = op(f"arith.shli {op(f'arith.addi {ex}, {i32(126)} : i32')}, {i32(23)} : i32")
+            normal = op(f"arith.ori {high}, {op(f'arith.shli {m}, {i32(22)} : i32')} : i32")
+            half = op(f"arith.muli {m}, {i32(126 << 23)} : i32")            # e = 0: 0.5 or 0
+            mag = op(f"arith.select {op(f'arith.cmpi eq, {ex}, {i32(0)} : i32')}, {half}, {normal} : i32")
+            sign = op(f"arith.shli {op(f'arith.andi {code}, {i32(8)} : i32')}, {i32(28)} : i32")
+            val = op(f"arith.bitcast {op(f'arith.ori {mag}, {sign} : i32')} : i32 to f32")
+            sb = op(f"arith.extui {a[1]} : i8 to i32")
+            sub = op(f"arith.cmpi eq, {sb}, {i32(0)} : i32")
+            sbits = op(f"arith.select {sub}, {i32(1 << 22)}, {op(f'arith.shli {sb}, {i32(23)} : i32')} : i32")
+            return [op(f"arith.mulf {val}, {op(f'arith.bitcast {sbits} : i32 to f32')} : f32")]
+        (wf,) = e.gen(2, ["parallel", "parallel"], [(wp, ["d0", "d1 floordiv 2"]), (sp, ["d0", "d1 floordiv 32"])],
+                      [(e.empty((N, K), FLOAT), ttype((N, K), FLOAT), FLOAT, ["d0", "d1"])], dequant)
+        return Val(wf, FLOAT, (N, K))
+    return weight_of
+
+
+def _per_expert_matmuls(e: MlirEmitter, rows: Val, segments: list[tuple[str, str]], weight_of, N: int) -> Val:
+    """``y[rows of x] = rows[rows of x] @ weight_of(x)^T`` for each expert x: per expert a dynamic
+    ``tensor.extract_slice`` of its segment (``segments``: first row, count), one contraction with its whole
+    ``[N,K]`` matrix, and the results concatenated in segment order (``[sum of counts, N]``, dynamic rows)."""
+    K = rows.shape[1]
+    parts = []
+    for x, (lo, cnt) in enumerate(segments):
         dim = f"moe_rows{x}"
         e.dims_cache[dim] = cnt
         xs = Val(e.assign(f"tensor.extract_slice {rows.name}[{lo}, 0] [{cnt}, {K}] [1, 1] : {rows.type} to "
                           f"{ttype((dim, K), rows.elem)}", "xs"), rows.elem, (dim, K))
-        we = Val(e.assign(f"tensor.extract_slice {w.name}[{x}, 0, 0] [1, {N}, {K}] [1, 1, 1] : {w.type} to "
-                          f"{ttype((N, K), w.elem)}", "w"), w.elem, (N, K))
+        we = weight_of(x)
 
         def mac(a, o, we=we):
             p = e.body_op(f"arith.mulf {a[0]}, {conv(e, a[1], we.elem, FLOAT)} : f32")
@@ -110,13 +177,18 @@ def _per_expert_matmuls(e: MlirEmitter, rows: Val, offsets: Val, counts: Val, w:
         (y,) = e.gen(3, ["parallel", "parallel", "reduction"], [(xs, ["d0", "d2"]), (we, ["d1", "d2"])],
                      [(e.filled((dim, N), FLOAT, 0.0), ttype((dim, N), FLOAT), FLOAT, ["d0", "d1"])], mac)
         parts.append(Val(y, FLOAT, (dim, N)))
-    R = rows.shape[0]
     dyn = ttype(("moe_all_rows", N), FLOAT)                 # dynamic rows (a static result trips IREE's reshapes)
     out = e.assign(f"tensor.concat dim(0) {', '.join(p.name for p in parts)} : ({', '.join(p.type for p in parts)}) "
                    f"-> {dyn}", "cat")
-    if dyn != ttype((R, N), FLOAT):
-        out = e.assign(f"tensor.cast {out} : {dyn} to {ttype((R, N), FLOAT)}", "cat")
-    return Val(out, FLOAT, (R, N))
+    return Val(out, FLOAT, ("moe_all_rows", N))
+
+
+def _as_rows(e: MlirEmitter, y: Val, R) -> Val:
+    """The concatenated segments ``y [?, N]`` typed ``[R, N]`` (a ``tensor.cast`` where R is static)."""
+    N = y.shape[1]
+    if isinstance(R, int):
+        return Val(e.assign(f"tensor.cast {y.name} : {y.type} to {ttype((R, N), FLOAT)}", "cat"), FLOAT, (R, N))
+    return Val(y.name, FLOAT, (R, N))
 
 
 @lowers("k3.moe", when=_sorted_form)
@@ -145,7 +217,8 @@ def _moe(e: MlirEmitter, op, inst, x, wts, idx, w1, w3, w2):
                   [(e.empty((R, D), xf.elem), ttype((R, D), xf.elem), xf.elem, ["d0", "d1"])], pick)
     xs = Val(xs, xf.elem, (R, D))
 
-    g, u = (_per_expert_matmuls(e, xs, offsets, counts, w) for w in (w1, w3))
+    segs = _segments(e, offsets, E, counts)
+    g, u = (_as_rows(e, _per_expert_matmuls(e, xs, segs, _whole_matrix(e, w), I), R) for w in (w1, w3))
 
     def act(a, o):
         gate, up = a
@@ -161,7 +234,7 @@ def _moe(e: MlirEmitter, op, inst, x, wts, idx, w1, w3, w2):
         return [e.body_op(f"arith.mulf {left}, {right} : f32")]
     (h,) = e.gen(2, ["parallel", "parallel"], [(g, ["d0", "d1"]), (u, ["d0", "d1"])],
                  [(e.empty((R, I), FLOAT), ttype((R, I), FLOAT), FLOAT, ["d0", "d1"])], act)
-    y = _per_expert_matmuls(e, Val(h, FLOAT, (R, I)), offsets, counts, w2)
+    y = _as_rows(e, _per_expert_matmuls(e, Val(h, FLOAT, (R, I)), segs, _whole_matrix(e, w2), D), R)
 
     def combine(a, o):
         row = _index(e, a[1], "i64")
@@ -173,3 +246,92 @@ def _moe(e: MlirEmitter, op, inst, x, wts, idx, w1, w3, w2):
                    [(reshape_to(e, wf, (N, k)), slot), (reshape_to(e, pos, (N, k)), slot)],
                    [(e.filled((N, D), FLOAT, 0.0), ttype((N, D), FLOAT), FLOAT, ["d0", "d1"])], combine)
     return reshape_to(e, Val(out, FLOAT, (N, D)), lead + (D,))
+
+
+# ---- the fused form (fuse-moe-dispatch, and quantize-experts for packed experts) -----------------------------
+@lowers("k3.moe_dispatch")
+def _moe_dispatch(e: MlirEmitter, op, inst, x, wts, idx):
+    """``k3.moe_dispatch``: the stable sort of the ``k3.moe`` lowering (counts, ranks and inverse by
+    compare-and-count): ``x_sorted [R,D]`` (rows gathered by ``order // k``), ``offsets i64[E+1]`` (exclusive
+    prefix sums of the counts, the last one R), ``inv_perm [B,T,k]`` (the sorted row of each slot) and ``comb_w
+    f32[R]`` (the weights gathered by ``order``)."""
+    E = int(inst.num_experts)
+    D = int(x.shape[-1])
+    k = int(wts.shape[-1])
+    lead = tuple(x.shape[:-1])
+    R = op.results[0].type.shape[0]
+    N = int(np.prod(lead)) if all(isinstance(d, int) for d in lead) else "*".join(
+        f"({d})" if isinstance(d, str) else str(d) for d in lead)
+    xf = reshape_to(e, x, (N, D))
+    flat = reshape_to(e, idx, (R,))
+    wf = reshape_to(e, wts, (R,))
+    counts, excl = _count_by_expert(e, flat, E)
+    pos, order = _sorted_rows(e, flat, excl, R)
+
+    def pick(a, o):
+        row = e.body_op(f"arith.divui {_index(e, a[0], 'i64')}, {e.cindex(k)} : index")
+        return [e.body_op(f"tensor.extract {xf.name}[{row}, {e.body_op('linalg.index 1 : index')}] : {xf.type}")]
+    (xs,) = e.gen(2, ["parallel", "parallel"], [(order, ["d0"])],
+                  [(e.empty((R, D), xf.elem), ttype((R, D), xf.elem), xf.elem, ["d0", "d1"])], pick)
+
+    def bounds(a, o):                                         # offsets[i] = sum_{j < i} counts[j], i = 0..E
+        lt = e.body_op(f"arith.cmpi ult, {e.body_op('linalg.index 1 : index')}, {e.body_op('linalg.index 0 : index')} "
+                       ": index")
+        zero = e.cscalar(0, "i64")
+        return [e.body_op(f"arith.addi {o[0]}, {e.body_op(f'arith.select {lt}, {a[0]}, {zero} : i64')} : i64")]
+    (offsets,) = e.gen(2, ["parallel", "reduction"], [(counts, ["d1"])],
+                       [(e.filled((E + 1,), "i64", 0), ttype((E + 1,), "i64"), "i64", ["d0"])], bounds)
+
+    def weight(a, o):
+        return [conv(e, e.body_op(f"tensor.extract {wf.name}[{_index(e, a[0], 'i64')}] : {wf.type}"), wf.elem, FLOAT)]
+    (cw,) = e.gen(1, ["parallel"], [(order, ["d0"])], [(e.empty((R,), FLOAT), ttype((R,), FLOAT), FLOAT, ["d0"])],
+                  weight)
+    inv = reshape_to(e, pos, tuple(op.results[2].type.shape))
+    return Val(xs, xf.elem, (R, D)), Val(offsets, "i64", (E + 1,)), inv, Val(cw, FLOAT, (R,))
+
+
+def _grouped_form(op) -> str | None:
+    q = op.attrs.get("quant", "none")
+    if q not in ("none", "mxfp4"):
+        return f"quant={q} is not lowered (none and mxfp4 are)"
+    return None
+
+
+@lowers("k3.grouped_matmul", when=_grouped_form)
+def _grouped_matmul(e: MlirEmitter, op, inst, x, offsets, w, scales=None):
+    """``k3.grouped_matmul`` over expert-sorted rows (expert x owns rows ``offsets[x]:offsets[x+1]``): the E+1
+    offsets read once, per expert one contraction of its row segment with its whole matrix (float, or MXFP4
+    codes and scales dequantised by ``_mxfp4_matrix`` right before it), the segments concatenated and padded
+    with zero rows before ``offsets[0]`` and after ``offsets[E]``. Never a per-token weight gather."""
+    E, N, K = (int(d) for d in op.operands[2].type.shape)
+    R = op.results[0].type.shape[0]
+    segs = _segments(e, offsets, E)
+    weight_of = _whole_matrix(e, w) if inst.quant == "none" else _mxfp4_matrix(e, w, scales, K)
+    y = _per_expert_matmuls(e, x, segs, weight_of, N)
+    lo = segs[0][0]
+    hi = e.assign(f"arith.subi {e.dim(R)}, {_read_index(e, offsets, E)} : index", "o")
+    padded = e.fresh("pad")
+    e.emit(f"{padded} = tensor.pad {y.name} low[{lo}, 0] high[{hi}, 0] {{")
+    e.emit(f"^bb0(%i0_{padded[1:]}: index, %i1_{padded[1:]}: index):")
+    e.emit(f"  tensor.yield {e.cscalar(0.0)} : f32")
+    e.emit(f"}} : {y.type} to {y.type}")
+    return _as_rows(e, Val(padded, FLOAT, y.shape), R)
+
+
+@lowers("k3.moe_combine")
+def _moe_combine(e: MlirEmitter, op, inst, y, comb_w, inv):
+    """``k3.moe_combine``: ``out[t] = sum_j comb_w[inv[t,j]] y[inv[t,j]]`` (one reduction over the k slots reading
+    rows of y by index)."""
+    B, T, _ = inv.shape
+    D = y.shape[1]
+
+    def combine(a, o):
+        row = _index(e, a[0], inv.elem)
+        c = conv(e, e.body_op(f"tensor.extract {comb_w.name}[{row}] : {comb_w.type}"), comb_w.elem, FLOAT)
+        val = e.body_op(f"tensor.extract {y.name}[{row}, {e.body_op('linalg.index 2 : index')}] : {y.type}")
+        return [e.body_op(f"arith.addf {o[0]}, {e.body_op(f'arith.mulf {c}, {conv(e, val, y.elem, FLOAT)} : f32')} "
+                          ": f32")]
+    out_shape = (B, T, D)
+    (out,) = e.gen(4, ["parallel", "parallel", "parallel", "reduction"], [(inv, ["d0", "d1", "d3"])],
+                   [(e.filled(out_shape, FLOAT, 0.0), ttype(out_shape, FLOAT), FLOAT, ["d0", "d1", "d2"])], combine)
+    return Val(out, FLOAT, out_shape)

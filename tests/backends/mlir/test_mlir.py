@@ -10,19 +10,39 @@ import pytest
 pytest.importorskip("iree.compiler")
 pytest.importorskip("iree.runtime")
 
-from _tiny_models import prefill_decode, route_sessions, token_ids
+from _tiny_models import load_tiny, prefill_decode, route_sessions, token_ids
 from conftest import rel_err
 from k3ir.backends.mlir import compile_mlir, emit_mlir
 from k3ir.runtime import Session
+from k3ir.runtime.params import init_params
 
 import k3ir
 from k3ir.builder import Builder
 from k3ir.ir import Function, Module
 from k3ir.types import TensorType
 
+MXFP4 = ["fuse-moe-dispatch", "quantize-experts{format=mxfp4}", "dce"]
+_MXFP4_ROUTES: dict = {}
+
+
+def _passes(key: str) -> list[str] | None:
+    """The pipeline a test key names: ``<model>-mxfp4`` packs the routed experts as MXFP4 (the fused MoE form)."""
+    return MXFP4 if key.endswith("-mxfp4") else None
+
 
 def _sessions(key: str):
-    return route_sessions(key, "mlir")
+    """(module, params, float64 reference, mlir Executable, mlir Session) on the same random weights (seed 3); for
+    ``<model>-mxfp4`` the module and the reference both carry the packed experts (the reference dequantises them in
+    float64, SPEC.md 7)."""
+    if not key.endswith("-mxfp4"):
+        return route_sessions(key, "mlir")
+    if key not in _MXFP4_ROUTES:
+        m = load_tiny(key[:-len("-mxfp4")])
+        exe = k3ir.compile(m, target="mlir", passes=MXFP4)
+        params = init_params(exe.module, seed=3)
+        ref = Session(k3ir.compile(m, target="reference", dtype="float64", passes=MXFP4), params=params)
+        _MXFP4_ROUTES[key] = (m, params, ref, exe, Session(exe, params=params))
+    return _MXFP4_ROUTES[key]
 
 
 def test_mlir_text_is_linalg_and_dynamic():
@@ -139,12 +159,13 @@ def test_prefill_text_chunks_kda_and_sorts_expert_rows_and_keeps_the_earlier_for
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key", ["k3-tiny", "kimi-linear-tiny"])
+@pytest.mark.parametrize("key", ["k3-tiny", "kimi-linear-tiny", "k3-tiny-mxfp4"])
 def test_prefill_lengths_and_16_decode_steps_match_reference_and_torch(key):
-    """IREE llvm-cpu (chunked KDA, sorted MoE) against the float64 reference for T in {1, 17, 65, 130}, then 16
-    greedy decode steps carrying the state from T=130: logits within 1e-4, greedy tokens equal torch's."""
+    """IREE llvm-cpu (chunked KDA, sorted MoE; packed MXFP4 experts for ``k3-tiny-mxfp4``) against the float64
+    reference for T in {1, 17, 65, 130}, then 16 greedy decode steps carrying the state from T=130: logits within
+    1e-4, greedy tokens equal torch's."""
     m, params, ref, _, sess = _sessions(key)
-    torch = Session(k3ir.compile(m, target="torch"), params=params)
+    torch = Session(k3ir.compile(m, target="torch", passes=_passes(key)), params=params)
     for T in (1, 17, 65, 130):
         ids = token_ids(m.attrs["vocab_size"], 2, T)
         got, st = sess.prefill(ids)
@@ -159,3 +180,75 @@ def test_prefill_lengths_and_16_decode_steps_match_reference_and_torch(key):
         assert rel_err(got.double().numpy(), want.double().numpy()) < 1e-4, step
         nxt = got.double().numpy()[:, -1].argmax(-1).reshape(-1, 1)
         assert np.array_equal(nxt, tl.double().numpy()[:, -1].argmax(-1).reshape(-1, 1)), step
+
+
+def _grouped_mxfp4_module(E: int, N: int, K: int) -> Module:
+    """``@forward(x [R,K], offsets i64[E+1])`` -> one ``k3.grouped_matmul`` with packed MXFP4 weights ``w`` and E8M0
+    scales ``s`` (parameters)."""
+    m = Module("grouped")
+    fn = Function("forward")
+    b = Builder(m, fn)
+    y = b.op("k3.grouped_matmul", b.arg("x", TensorType("f32", ("R", K))), b.arg("o", TensorType("i64", (E + 1,))),
+             b.param("w", TensorType("mxfp4", (E, N, K))), b.param("s", TensorType("u8", (E, N, K // 32))), quant="mxfp4")
+    b.ret(y)
+    m.add_function(fn)
+    return m
+
+
+def test_grouped_matmul_keeps_mxfp4_packed_and_dequantises_per_expert():
+    """k3.grouped_matmul with MXFP4 weights: the MLIR takes the packed codes ``i8[E,N,K/2]`` and scale bytes
+    ``i8[E,N,K/32]`` as arguments (no float ``[E,N,K]`` tensor anywhere) and dequantises each expert's matrix in a
+    ``linalg.generic`` reading byte ``k floordiv 2``; every byte value (all 16 codes in both nibbles) and scale
+    bytes 0 (the subnormal 2^-127), 1..140 run through IREE; segments that skip rows (before offsets[0], after
+    offsets[E]) give zero rows, an empty expert none: equal to the float64 reference (``k3ir.quant``'s decoder)
+    within the float32 tolerance (SPEC.md 11: 1e-5)."""
+    from k3ir.backends import get_backend
+
+    from k3ir.opdef import instantiate
+    E, N, K, R = 4, 16, 64, 11
+    rng = np.random.default_rng(8)
+    packed = rng.integers(0, 256, size=(E, N, K // 2)).astype(np.uint8)
+    packed.reshape(-1)[:256] = np.arange(256)                      # every pair of codes at least once
+    scales = rng.integers(110, 141, size=(E, N, K // 32)).astype(np.uint8)
+    scales[0, 0, 0] = 0
+    scales[1, 2, 1] = 1
+    m = _grouped_mxfp4_module(E, N, K)
+    text, order = emit_mlir(m, ["forward"])
+    head = next(ln for ln in text.splitlines() if "func.func @forward" in ln)
+    assert order["forward"] == ["w", "s"]
+    assert f"tensor<{E}x{N}x{K // 2}xi8>" in head and f"tensor<{E}x{N}x{K // 32}xi8>" in head
+    assert f"tensor<{E}x{N}x{K}xf32>" not in text and "d1 floordiv 2" in text and "d1 floordiv 32" in text
+    exe = get_backend("mlir").build(m, "float32", "cpu")
+    exe.prepare_params({"w": packed, "s": scales})
+    want_fn = instantiate(m.functions["forward"].ops[-1]).reference
+    x = rng.standard_normal((R, K))
+    for offsets in ([0, 3, 3, 8, 11], [2, 5, 5, 9, 10]):              # all rows; rows 0, 1 and 10 in no segment
+        offsets = np.array(offsets, dtype=np.int64)
+        (got,) = exe.run("forward", [x.astype(np.float32), offsets], {})
+        want = want_fn(x, offsets, packed, scales)
+        assert rel_err(exe.to_numpy(got), want) < 1e-5, offsets
+        if offsets[0]:
+            assert not np.asarray(got)[:2].any() and not np.asarray(got)[10:].any()
+
+
+def test_mxfp4_model_text_reads_expert_matrices_whole_never_per_token():
+    """k3-tiny with ``--quantize mxfp4`` (the fused MoE form) emits: every routed-expert argument is an ``i8``
+    packed tensor, read only by ``tensor.extract_slice %p[x, 0, 0] [1, ...]`` with a constant expert x (one whole
+    matrix per expert, never a per-token gather), once per expert and matrix in prefill and decode; the float
+    ``k3.moe`` form reads its expert weights the same way."""
+    import re
+    for key in ("k3-tiny-mxfp4", "k3-tiny"):
+        m, _, _, exe, _ = _sessions(key)
+        E = m.attrs["num_experts"]
+        for fn in ("prefill", "decode"):
+            text, order = emit_mlir(exe.module, [fn])
+            experts = {f"%p{i}": n for i, n in enumerate(order[fn]) if ".experts." in n and "shared" not in n}
+            layers = sum(op.name in ("k3.moe", "k3.moe_dispatch") for op in exe.module.functions[fn].ops)
+            assert layers and len(experts) == (6 if key.endswith("mxfp4") else 3) * layers, (key, fn)
+            head = next(ln for ln in text.splitlines() if f"func.func @{fn}" in ln)
+            for p, name in experts.items():
+                arg_type = re.search(rf"{p}: (tensor<[^>]*>)", head).group(1)
+                assert arg_type.endswith("xi8>") == key.endswith("mxfp4"), (name, arg_type)
+                uses = [ln for ln in text.splitlines() if re.search(rf"{p}\b", ln) and "func.func" not in ln]
+                starts = sorted(int(re.search(rf"{p}\[(\d+), 0, 0\] \[1,", u).group(1)) for u in uses)
+                assert starts == list(range(E)), (key, fn, name, uses[:2])
