@@ -1,11 +1,15 @@
 """``k3ir export``: write a model as ONNX, MLIR or a picture. A flag that does not apply to the
-format (``--weights``/``--quantize`` outside onnx, ``--iree-target`` outside mlir, ``--level`` outside
-dot/svg) is a usage error naming the flag and the format (exit 2), never silently ignored.
+format (``--weights``/``--mxfp4-form`` outside onnx, ``--quantize``/``--moe-form`` outside onnx and mlir,
+``--iree-target``/``--kda-form`` outside mlir, ``--level`` outside dot/svg), or a form the format does not
+have (``--moe-form loop`` for mlir), is a usage error naming the flag and the format (exit 2), never
+silently ignored.
 
     k3ir export kimi-k3 --format onnx --weights inputs -o k3.onnx      # structure only
     k3ir export k3-tiny --format onnx --opset 20 -o tiny20.onnx          # Scan lowering, older runtimes
     k3ir export k3-tiny --format onnx -o tiny.onnx                      # weights in tiny.onnx.data
     k3ir export k3-tiny --format mlir -o tiny.mlir --iree-target vulkan-spirv   # + tiny.vulkan-spirv.vmfb
+    k3ir export k3-tiny --format mlir --quantize mxfp4 -o tiny.mlir     # packed experts, dequantised per expert
+    k3ir export k3-tiny --format onnx --moe-form loop -o tiny.onnx      # a Loop over the experts in use
     k3ir export kimi-k3 --format html -o k3.html                        # collapsible layer view
     k3ir export k3-tiny --format svg --level op -o tiny.svg
 """
@@ -20,6 +24,32 @@ from k3ir.progress import progress
 from .common import UsageError, console, load_model, model_arg
 
 FORMATS = ("onnx", "mlir", "dot", "svg", "html")
+#: ``--moe-form`` values per format: onnx ``backends/onnx/moe.py`` (MOE_FORMS), mlir ``MlirConfig.moe_form``
+MOE_FORMS = {"onnx": ("sorted", "loop"), "mlir": ("sorted", "dense")}
+MXFP4_FORMS = ("unpack", "dequantize_linear")       # backends/onnx/export.py MXFP4_FORMS
+KDA_FORMS = ("chunked", "scan")                     # MlirConfig.kda_form
+
+
+def _check_forms(args, fmt: str, opset: int | None) -> tuple[str | None, str | None, str | None]:
+    """``(moe_form, mxfp4_form, kda_form)`` of the command line, each None when not given; UsageError (one line)
+    for a flag outside its formats or a value the format does not have."""
+    moe_form = getattr(args, "moe_form", None)
+    mxfp4_form = getattr(args, "mxfp4_form", None)
+    kda_form = getattr(args, "kda_form", None)
+    if moe_form is not None:
+        if fmt not in MOE_FORMS:
+            raise UsageError(f"--moe-form applies to --format onnx and mlir only, not --format {fmt}")
+        if moe_form not in MOE_FORMS[fmt]:
+            raise UsageError(f"--moe-form {moe_form} does not apply to --format {fmt} "
+                             f"(want {' or '.join(MOE_FORMS[fmt])})")
+    if mxfp4_form is not None:
+        if fmt != "onnx":
+            raise UsageError(f"--mxfp4-form applies to --format onnx only, not --format {fmt}")
+        if mxfp4_form == "dequantize_linear" and opset == 20:
+            raise UsageError("--mxfp4-form dequantize_linear needs opset 27 (FLOAT4E2M1, FLOAT8E8M0), not --opset 20")
+    if kda_form is not None and fmt != "mlir":
+        raise UsageError(f"--kda-form applies to --format mlir only, not --format {fmt}")
+    return moe_form, mxfp4_form, kda_form
 
 
 def _params(m):
@@ -70,11 +100,12 @@ def cmd_export(args) -> int:
         raise UsageError(f"--weights applies to --format onnx only, not --format {fmt}")
     if args.iree_target and fmt != "mlir":
         raise UsageError(f"--iree-target applies to --format mlir only, not --format {fmt}")
-    if args.quantize is not None and fmt != "onnx":      # MLIR exports keep the experts as the module has them
-        raise UsageError(f"--quantize applies to --format onnx only, not --format {fmt}")
+    if args.quantize is not None and fmt not in ("onnx", "mlir"):
+        raise UsageError(f"--quantize applies to --format onnx and mlir only, not --format {fmt}")
     opset = getattr(args, "opset", None)
     if opset is not None and fmt != "onnx":
         raise UsageError(f"--opset applies to --format onnx only, not --format {fmt}")
+    moe_form, mxfp4_form, kda_form = _check_forms(args, fmt, opset)
     ort_kernels = getattr(args, "ort_kernels", False)
     if ort_kernels and (fmt != "onnx" or opset == 20):
         raise UsageError(f"--ort-kernels applies to --format onnx at opset 27 only, not --format {fmt}"
@@ -88,15 +119,21 @@ def cmd_export(args) -> int:
     out = args.output
     if not describe:
         _check_writable([out])
-    quant = args.quantize or m.attrs.get("expert_quant", "none")
+    quant = (args.quantize or m.attrs.get("expert_quant", "none")) if fmt in ("onnx", "mlir") else "none"
     if quant not in ("none", "mxfp4"):
         raise UsageError(f"export keeps mxfp4 experts packed; '{quant}' experts are not supported (use --quantize none)")
-    if quant == "mxfp4" and fmt == "onnx":        # packed experts, dequantised inside the graph
+    if mxfp4_form is not None and quant != "mxfp4":
+        raise UsageError(f"--mxfp4-form applies to MXFP4 experts; {m.name}'s are not quantised (add --quantize mxfp4)")
+    if quant == "mxfp4" and fmt == "mlir" and moe_form == "dense":
+        raise UsageError("--moe-form dense applies to float experts; MXFP4 experts run over sorted rows in MLIR "
+                         "(drop --moe-form or add --quantize none)")
+    if quant == "mxfp4":        # packed experts, dequantised inside the graph / per expert in the MLIR
         from k3ir.passes import run_pipeline
         run_pipeline(m, ["fuse-moe-dispatch", "quantize-experts{format=mxfp4}", "dce"])
     if describe:
         from k3ir.backends.onnx.export import describe_io
-        rows = describe_io(m, args.function or "prefill", opset=opset, ort_kernels=ort_kernels)
+        rows = describe_io(m, args.function or "prefill", opset=opset, ort_kernels=ort_kernels, moe_form=moe_form,
+                           mxfp4_form=mxfp4_form or "unpack")
         for kind, name, dt, shape in rows:
             con.print(f"{kind:<6} {name:<32} {dt:<8} [{', '.join(map(str, shape))}]")
         return 0
@@ -108,7 +145,7 @@ def cmd_export(args) -> int:
         with _writing(outs), progress(f"onnx: exporting @{args.function or 'prefill'} of {m.name} to {out}"):
             info = export_onnx(m, out, function=args.function or "prefill", weights=weights,
                                params=None if weights == "inputs" else _params(m), opset=opset,
-                               ort_kernels=ort_kernels)
+                               ort_kernels=ort_kernels, moe_form=moe_form, mxfp4_form=mxfp4_form or "unpack")
         con.print(f"wrote {out}: opset {info['opset']}, {info['nodes']:,} nodes, {info['inputs']} inputs, "
                   f"{info['initializers']} initializers"
                   + (f", data in {info['external_data']}" if info["external_data"] else "")
@@ -118,8 +155,11 @@ def cmd_export(args) -> int:
         return 0
     if fmt == "mlir":
         from k3ir.backends.mlir import compile_mlir, emit_mlir
+        from k3ir.backends.mlir.config import mlir_config
         fns = [args.function] if args.function else ["prefill", "decode"]
-        with progress(f"mlir: emitting and verifying {', '.join('@' + x for x in fns)} of {m.name}") as emitted:
+        forms = {k: v for k, v in (("moe_form", moe_form), ("kda_form", kda_form)) if v is not None}
+        with (mlir_config(**forms),
+              progress(f"mlir: emitting and verifying {', '.join('@' + x for x in fns)} of {m.name}") as emitted):
             text, order = emit_mlir(m, fns)
         vm = os.path.splitext(out)[0] + f".{args.iree_target}.vmfb" if args.iree_target else None
         if vm:
@@ -172,6 +212,19 @@ def register(sub) -> None:
     p.add_argument("--iree-target", choices=("llvm-cpu", "rocm", "vulkan-spirv", "metal-spirv"),
                    help="mlir: also compile a deployable IREE module OUT.<target>.vmfb")
     p.add_argument("--quantize", choices=("none", "mxfp4"),
-                   help="onnx: routed experts as packed MXFP4 (default: what the config says)")
+                   help="onnx, mlir: routed experts as packed MXFP4, dequantised in the graph (default: what the "
+                        "config says)")
+    p.add_argument("--moe-form", choices=("sorted", "loop", "dense"),
+                   help="routed experts; onnx: sorted (default up to 256 experts: one Gemm per expert on its slice "
+                        "of the expert-sorted rows) or loop (a Loop over the experts in use; default above 256); "
+                        "mlir: sorted (default: one contraction per expert on its rows) or dense (every token "
+                        "through every expert, the earlier lowering; float experts only)")
+    p.add_argument("--mxfp4-form", choices=MXFP4_FORMS,
+                   help="onnx, MXFP4 experts: unpack (default: bit operations and the E2M1 table, runs in "
+                        "onnxruntime 1.32) or dequantize_linear (the standard FLOAT4E2M1 + blocked "
+                        "DequantizeLinear, opset 27; onnxruntime 1.32's CPU provider has no kernel for it)")
+    p.add_argument("--kda-form", choices=KDA_FORMS,
+                   help="mlir: KDA in prefill as chunked (default: SPEC.md 3's chunk form, an scf.for over "
+                        "chunks) or scan (an scf.for over tokens, the earlier lowering)")
     p.add_argument("--level", choices=("layer", "op"), help="dot/svg: layer (default) or op level")
     p.set_defaults(func=cmd_export)

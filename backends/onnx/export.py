@@ -282,14 +282,17 @@ def export_onnx(module: Module, path: str, function: str = "prefill", weights: s
 
 
 def describe_io(module: Module, function: str = "prefill", opset: int | None = None,
-                ort_kernels: bool = False) -> list[tuple[str, str, str, list]]:
+                ort_kernels: bool = False, moe_form: str | None = None,
+                mxfp4_form: str = "unpack") -> list[tuple[str, str, str, list]]:
     """The interface of the exported ``@function``: ``(direction, name, element type, shape)`` for
     every graph input (``"input"``: token ids then one per state, zero-filled for a fresh
     sequence) and output (``"output"``: ``logits`` then ``present.<state>``), weights left out.
-    Shapes use the IR's symbolic dims (``B`` batch, ``T`` new tokens, ``L`` cached tokens).
-    Raises K3BackendError for a missing function."""
+    Shapes use the IR's symbolic dims (``B`` batch, ``T`` new tokens, ``L`` cached tokens); the
+    other options as in ``OnnxExporter`` (they do not change the interface, but are checked the same way).
+    Raises K3BackendError for a missing function or a bad option."""
     onnx = _onnx()
-    model = OnnxExporter(module, weights="inputs", opset=opset, ort_kernels=ort_kernels).export_function(function)
+    model = OnnxExporter(module, weights="inputs", opset=opset, ort_kernels=ort_kernels, moe_form=moe_form,
+                         mxfp4_form=mxfp4_form).export_function(function)
     weights = set(module.params)
     rows = []
     for kind, values in (("input", model.graph.input), ("output", model.graph.output)):
