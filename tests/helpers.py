@@ -171,3 +171,43 @@ def edit_bytes(data: bytes, edits, span=lambda n: n, more=None) -> bytes:
         else:
             more(b, kind, i, n, byte)
     return bytes(b)
+
+
+def launch_gloo_workers(tmp_path, argv, world: int = 2, timeout: float = 120.0) -> list[dict]:
+    """Run ``world`` worker processes ``python *argv`` (the string ``"{out}"`` in ``argv`` becomes the rank's
+    output file ``tmp_path/rank{r}.npz``) with torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR=127.0.0.1, a free MASTER_PORT, OMP_NUM_THREADS=1, and the folder of the script ``argv[0]`` and
+    its parent on PYTHONPATH (tests/runtime/ and tests/ for the gloo tests' workers). Waits
+    up to ``timeout`` seconds for each and kills every worker still running on failure; asserts each exited 0
+    (the end of its log ``tmp_path/rank{r}.log`` in the message); returns each rank's saved arrays."""
+    import contextlib
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+    here = Path(argv[0]).resolve().parent
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    procs = []
+    with contextlib.ExitStack() as logs:
+        try:
+            for r in range(world):
+                env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                       "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
+                log = logs.enter_context(open(tmp_path / f"rank{r}.log", "w"))
+                out = str(tmp_path / f"rank{r}.npz")
+                procs.append(subprocess.Popen([sys.executable, *(out if a == "{out}" else a for a in argv)],
+                                              env=env, stdout=log, stderr=subprocess.STDOUT))
+            for p in procs:
+                p.wait(timeout=timeout)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} failed:\n" + (tmp_path / f"rank{r}.log").read_text()[-3000:]
+    return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(world)]

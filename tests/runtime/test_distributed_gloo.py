@@ -9,17 +9,14 @@ with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MAS
 timeout and kills them on failure."""
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import launch_gloo_workers
 
-HERE = Path(__file__).resolve().parent
 B, T, STEPS = 4, 10, 8
 
 
@@ -134,35 +131,9 @@ def _finish() -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
-
-
 def _launch(tmp_path: Path, key: str, spec: str, world: int = 2, timeout: float = 120.0) -> list[dict]:
     """Run ``world`` worker processes; their saved logits per rank. Kills every worker on failure."""
-    port = _free_port()
-    procs = []
-    with contextlib.ExitStack() as logs:
-        try:
-            for r in range(world):
-                env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                       "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-                log = logs.enter_context(open(tmp_path / f"rank{r}.log", "w"))
-                procs.append(subprocess.Popen([sys.executable, __file__, key, spec, str(tmp_path / f"rank{r}.npz")],
-                                              env=env, stdout=log, stderr=subprocess.STDOUT))
-            for p in procs:
-                p.wait(timeout=timeout)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n" + (tmp_path / f"rank{r}.log").read_text()[-3000:]
-    return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(world)]
+    return launch_gloo_workers(tmp_path, [__file__, key, spec, "{out}"], world, timeout)
 
 
 _ONE: dict = {}

@@ -10,17 +10,14 @@ Workers are subprocesses of this file (``python test_train_gloo.py SPEC OUT``) w
 environment, killed on a timeout."""
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import launch_gloo_workers
 
-HERE = Path(__file__).resolve().parent
 B, T = 4, 8
 CFG = {"steps": 4, "batch": B, "seq": T, "lr": 1e-2, "warmup": 0, "qb": "quantile", "clip": 1.0}
 
@@ -64,34 +61,8 @@ def _worker(spec: str, out: str, rule: str = "quantile") -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
-
-
 def _launch(tmp_path: Path, spec: str, world: int = 2, timeout: float = 180.0, rule: str = "quantile") -> list[dict]:
-    port = _free_port()
-    procs = []
-    with contextlib.ExitStack() as logs:
-        try:
-            for r in range(world):
-                env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                       "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-                log = logs.enter_context(open(tmp_path / f"rank{r}.log", "w"))
-                procs.append(subprocess.Popen([sys.executable, __file__, spec, str(tmp_path / f"rank{r}.npz"), rule],
-                                              env=env, stdout=log, stderr=subprocess.STDOUT))
-            for p in procs:
-                p.wait(timeout=timeout)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n" + (tmp_path / f"rank{r}.log").read_text()[-3000:]
-    return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(world)]
+    return launch_gloo_workers(tmp_path, [__file__, spec, "{out}", rule], world, timeout)
 
 
 _ONE: dict = {}
