@@ -5,7 +5,7 @@ import numpy as np
 
 from ..opdef import Attr, Op, Operand, Result, op, require, state, tensor
 from ..types import StateType
-from ._util import f64, numel
+from ._util import f64, numel, op_ref
 
 
 def mla_ref(q, kv, w_kvb, cache, *, heads, nope, rope, v_dim, scale, absorbed, lengths=None):
@@ -47,8 +47,20 @@ def mla_ref(q, kv, w_kvb, cache, *, heads, nope, rope, v_dim, scale, absorbed, l
     return o, full
 
 
+class _MLAAttention(Op):
+    """The results and attributes ``k3.mla`` and ``k3.mla_kv_norm`` share (each declares its own operands)."""
+    out = Result()
+    cache_out = Result()
+    heads = Attr(int)
+    nope = Attr(int)
+    rope = Attr(int)
+    v_dim = Attr(int)
+    scale = Attr(float)
+    absorbed = Attr(bool, False)
+
+
 @op("k3.mla", "model")
-class MLA(Op):
+class MLA(_MLAAttention):
     """MLA attention core (SPEC.md 4): q ``[B,T,H,nope+rope]``, kv ``[B,T,R+P]`` (normed c_kv and
     the shared k_rope), w_kvb ``[H*(nope+v), R]``, optional cache ``!mla_cache<R,P>``.
     ``score = (q_nope.k_nope + q_rope.k_rope) * scale`` (NoPE), causal softmax, ``o = sum a v``.
@@ -62,14 +74,6 @@ class MLA(Op):
     w_kvb = Operand()
     cache_in = Operand(optional=True)
     lengths = Operand(optional=True)
-    out = Result()
-    cache_out = Result()
-    heads = Attr(int)
-    nope = Attr(int)
-    rope = Attr(int)
-    v_dim = Attr(int)
-    scale = Attr(float)
-    absorbed = Attr(bool, False)
 
     def infer(self, q, kv, w, c=None, lengths=None):
         q, kv, w = tensor(q, "q"), tensor(kv, "kv"), tensor(w, "w_kvb")
@@ -132,10 +136,8 @@ class MLA(Op):
         return expand + B * T * 2 * H * keys * (n + r + vd)
 
 
-
-
 @op("k3.mla_kv_norm", "fused")
-class MLAKVNorm(Op):
+class MLAKVNorm(_MLAAttention):
     """``k3.mla`` whose cache row is built from the raw latent (made by ``fuse-mla-kv-norm`` for absorbed MLA):
     ``kv = concat(rmsnorm(latent, kv_norm, eps), k_rope)`` on the last axis, then ``k3.mla(q, kv, w_kvb,
     cache_in, lengths)`` (SPEC.md 4). latent ``[B,T,R]`` (the ``kv_a`` output's first R columns, before
@@ -148,14 +150,6 @@ class MLAKVNorm(Op):
     w_kvb = Operand()
     cache_in = Operand(optional=True)
     lengths = Operand(optional=True)
-    out = Result()
-    cache_out = Result()
-    heads = Attr(int)
-    nope = Attr(int)
-    rope = Attr(int)
-    v_dim = Attr(int)
-    scale = Attr(float)
-    absorbed = Attr(bool, False)
     eps = Attr(float, 1e-6, "kv_a_layernorm eps")
 
     def _mla(self):
@@ -170,8 +164,7 @@ class MLAKVNorm(Op):
         return self._mla().infer(q, kv, w, c, lengths)
 
     def reference(self, q, lat, kr, nw, w, c=None, lengths=None):
-        lat = f64(lat)
-        normed = lat / np.sqrt(np.mean(lat * lat, axis=-1, keepdims=True) + self.eps) * f64(nw)
+        normed = op_ref("k3.rmsnorm", {"eps": self.eps}, lat, nw)
         return self._mla().reference(q, np.concatenate([normed, f64(kr)], axis=-1), w, c, lengths)
 
     def decompose(self, b, q, lat, kr, nw, w, c=None, lengths=None):
