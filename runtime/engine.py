@@ -308,8 +308,8 @@ class Engine:
             kda = pool.read_snapshot(req.blocks[pos // bs - 1]) if pos else {n: z.clone() for n, z in self._zero.items()}
         while pos < end:
             stop = min(end, (pos // bs + 1) * bs)
-            logits, new, flagged = self._call([(req.blocks, pos, [req.fed_token(p) for p in range(pos, stop)], kda)])
-            if flagged or not bool(torch_isfinite_all(logits)):
+            logits, new, flagged = self._run_rows([(req.blocks, pos, [req.fed_token(p) for p in range(pos, stop)], kda)])
+            if flagged or not bool(logits[:, -1].isfinite().all()):
                 log.warning("request %s: its generated tokens were not cached (non-finite states)", req.id)
                 return
             blk = req.blocks[pos // bs]
@@ -404,33 +404,40 @@ class Engine:
             req.reserve -= 1
             self.reserved -= 1
 
-    def _run_group(self, items: list[tuple[Request, list[int]]]) -> None:
+    def _run_rows(self, rows: list[tuple[Sequence[int], int, list[int], dict[str, Any]]]) -> tuple[Any, dict[str, Any], list]:
+        """One model call (``_call``) for ``rows`` of (block table, cached length, ``T`` token ids each, KDA
+        states ``{name: [1, *shape]}``); the MLA caches are gathered from the pool, right-padded to the
+        longest length ``L``. Returns (logits ``[G, T', V]``, the new states by name (MLA caches ``[G, L+T,
+        R+P]``), the triton target's non-finite gate flags ``(launch, row, head)``)."""
         import torch
-        G, T = len(items), len(items[0][1])
-        lengths = [req.length for req, _ in items]
-        for req, _ in items:
-            self._ensure_block(req)
+        G, T = len(rows), len(rows[0][2])
+        lengths = [length for _, length, _, _ in rows]
         L = max(lengths)
-        args: list[Any] = [np.asarray([t for _, t in items], dtype=np.int64)]
+        args: list[Any] = [np.asarray([t for _, _, t, _ in rows], dtype=np.int64)]
         if self.varlen:
             args.append(np.asarray(lengths, dtype=np.int64))
         for name in self.names:
             if name in self.pool.pages:
                 W = self.pool.pages[name].shape[-1]
                 cache = torch.zeros(G, L, W, dtype=self.dtype, device=self.device)
-                for b, (req, _) in enumerate(items):
-                    if req.length:
-                        cache[b, :req.length] = self.pool.gather_latents(name, req.blocks, req.length)
+                for b, (blocks, length, _, _) in enumerate(rows):
+                    if length:
+                        cache[b, :length] = self.pool.gather_latents(name, blocks, length)
                 args.append(cache)
             else:
-                args.append(torch.cat([req.kda[name] for req, _ in items], 0))
+                args.append(torch.cat([kda[name] for _, _, _, kda in rows], 0))
         outs = self._call(T, args)
-        logits = torch.as_tensor(outs[0])
-        new = dict(zip(self.names, outs[1:]))
         self.stats["calls"] += 1
         self.stats["rows"] += G
         take = getattr(self.exe, "take_gate_flags", None)   # the triton target on a device: non-finite KDA gates
         flagged = take() if take is not None else []        # (a copy to the host; the rows are read next anyway)
+        return torch.as_tensor(outs[0]), dict(zip(self.names, outs[1:])), flagged
+
+    def _run_group(self, items: list[tuple[Request, list[int]]]) -> None:
+        for req, _ in items:
+            self._ensure_block(req)
+        L, T = max(req.length for req, _ in items), len(items[0][1])
+        logits, new, flagged = self._run_rows([(req.blocks, req.length, toks, req.kda) for req, toks in items])
         for b, (req, toks) in enumerate(items):
             bad = gate_flag_text([h for h in flagged if h[1] == b])
             if bad:                 # that request alone ends: its states are NaN
@@ -463,17 +470,17 @@ class Engine:
             self.pool.write_latents(name, blk, off, torch.as_tensor(new[name])[b, L:L + T])
         req.kda = {n: self._t(new[n])[b:b + 1] for n in self.pool.kda_names}
         req.length += T
-        if prefill and req.length >= len(req.prompt) and self.pool.host_bytes:
+        if prefill and req.length == self._prompt_chunk_end(req):
             req.prompt_kda = {n: t.clone() for n, t in req.kda.items()}
-        if req.length % self.bs == 0:
-            self._publish(req, blk)
+        if req.length % self.bs == 0 and req.length <= len(req.prompt):     # generated ones: _cache_generated
+            self._publish(req, blk, req.length, req.kda)
         if req.length >= len(req.prompt):
             self._sample(req, logits[b, -1])
 
-    def _publish(self, req: Request, blk: int) -> None:
-        """Snapshot the KDA states at the block boundary just reached and publish the block."""
-        self.pool.write_snapshot(blk, req.kda)
-        i = req.length // self.bs - 1
+    def _publish(self, req: Request, blk: int, end: int, kda: dict[str, Any]) -> None:
+        """Snapshot the KDA states ``kda`` at the block boundary ``end`` (a token count) and publish the block."""
+        self.pool.write_snapshot(blk, kda)
+        i = end // self.bs - 1
         if i >= len(req.hashes):           # a block of generated tokens: extend the hash chain
             toks = [req.fed_token(p) for p in range(i * self.bs, (i + 1) * self.bs)]
             salt = req.hashes[i - 1] if i else self.pool.salt

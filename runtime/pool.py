@@ -13,10 +13,12 @@ Shared blocks are always full, so they are never written again (no copy-on-write
 
 A second tier in host memory (``host_bytes`` > 0, its own byte budget, LRU) takes the cached blocks
 evicted from the device pool (their pages and their end snapshot, under the same chained hash) and
-the *tails* a finished request leaves: the rows of its last partial block and the KDA states at the
-prompt's end and at the sequence's end, keyed by the hash chain before them and their token ids
-(the state a multi-turn chat's next prompt starts from). A lookup walks the device blocks, then the
-host ones (copied back into fresh device blocks), then the longest tail that continues the chain.
+the *tails* a finished request leaves: the rows of a partial block up to a KDA chunk boundary (a
+multiple of 64 tokens: the last one of its prompt and of the tokens it fed) and the KDA states there,
+keyed by the hash chain before them and their token ids (the state a multi-turn chat's next prompt
+starts from). A tail ends on the chunk grid of a fresh prefill, so the prefill that resumes from it
+splits the rest into the same chunks a one-shot prefill does. A lookup walks the device blocks, then
+the host ones (copied back into fresh device blocks), then the longest tail that continues the chain.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def block_hashes(tokens: Sequence[int], block_size: int, salt: bytes = b"") -> l
 @dataclass
 class HostEntry:
     """One entry of the host tier: a full block (``tokens`` None; ``pages[name]`` ``[bs, R+P]``) or a tail
-    (``tokens``: its ids, ``n < bs``; ``pages[name]`` ``[n, R+P]``), with the KDA states after its last
+    (``tokens``: its ids, ``n < bs`` a multiple of the KDA chunk; ``pages[name]`` ``[n, R+P]``), with the KDA states after its last
     token (``snaps[name]`` ``[*shape]``); CPU tensors of the pool's dtype. ``chain``: the hash before it."""
     chain: bytes
     pages: dict[str, Any]
@@ -281,9 +283,14 @@ class StatePool:
     # ---- host tier ---------------------------------------------------------------------
     def keep_tail(self, hashes: Sequence[bytes], tokens: Sequence[int], block: int, kda: dict[str, Any]) -> bool:
         """Store in the host tier the tail of a sequence: its full blocks have ``hashes`` (the chain it
-        continues), ``tokens`` (``0 < n < bs`` ids) lie in ``block`` rows ``0..n``, ``kda`` the states after
-        them (``{name: [1, *shape]}``). False when there is no host tier or it does not fit."""
+        continues), ``tokens`` (``0 < n < bs`` ids, ``n`` a multiple of the KDA chunk 64) lie in ``block``
+        rows ``0..n``, ``kda`` the states a chunked prefill reached after them (``{name: [1, *shape]}``).
+        False when there is no host tier or it does not fit. Raises K3RuntimeError for an ``n`` off the
+        chunk grid (a prefill resumed there would split the rest into other chunks than a fresh one)."""
         n = len(tokens)
+        if n % KDA_CHUNK:
+            raise K3RuntimeError(f"a prefix-cache tail must end on the KDA chunk grid ({KDA_CHUNK} tokens), "
+                                 f"got {n} tokens")
         if not self.host_bytes or not 0 < n < self.block_size:
             return False
         chain = hashes[-1] if hashes else self.salt

@@ -29,10 +29,10 @@ def _scrape(client) -> dict[tuple[str, tuple], float]:
 
 
 def test_metrics_scrape_counts_requests_tokens_latency_and_pool(tiny):
-    eng = build_engine(tiny, block_size=64, num_blocks=16, max_batch=4, host_cache_bytes=1 << 20)
+    eng = build_engine(tiny, block_size=128, num_blocks=16, max_batch=4, host_cache_bytes=1 << 20)
     app = create_app(eng, load_tokenizer("k3-tiny", tiny), "k3-tiny")
     rng = np.random.default_rng(0)
-    prompt = rng.integers(0, 256, 70).tolist()                 # one full block: the second request hits it
+    prompt = rng.integers(0, 256, 200).tolist()    # the second request hits block 0 and the prompt-end tail (128..192)
     with TestClient(app) as client:
         before = _scrape(client)
         assert before[("k3ir_requests_running", ())] == 0 and ("k3ir_generation_tokens_total", ()) in before
@@ -45,14 +45,14 @@ def test_metrics_scrape_counts_requests_tokens_latency_and_pool(tiny):
     gen = sum(u["completion_tokens"] for u in outs)
     reasons = {k[1][0][1]: v for k, v in m.items() if k[0] == "k3ir_requests_total"}
     assert sum(reasons.values()) == 2 and set(reasons) <= {"length", "stop"}
-    assert m[("k3ir_prompt_tokens_total", ())] == 2 * 70
+    assert m[("k3ir_prompt_tokens_total", ())] == 2 * 200
     assert m[("k3ir_generation_tokens_total", ())] == gen
     assert m[("k3ir_time_to_first_token_seconds_count", ())] == 2
     assert m[("k3ir_inter_token_latency_seconds_count", ())] == gen - 2
     assert m[("k3ir_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == 2
     assert 0 < m[("k3ir_time_to_first_token_seconds_sum", ())] < 60
-    assert m[("k3ir_prefix_hit_tokens_total", (("tier", "device"),))] == 64
-    assert m[("k3ir_prefix_hit_tokens_total", (("tier", "host"),))] == 0
+    assert m[("k3ir_prefix_hit_tokens_total", (("tier", "device"),))] == 128
+    assert m[("k3ir_prefix_hit_tokens_total", (("tier", "host"),))] == 64
     blocks = {k[1][0][1]: v for k, v in m.items() if k[0] == "k3ir_pool_blocks"}
     assert blocks == {"free": eng.pool.num_free, "cached": eng.pool.num_cached, "referenced": 0}
     assert sum(blocks.values()) == 16 and blocks["cached"] >= 1
