@@ -47,12 +47,14 @@ def _iree_runtime():
     return rt
 
 
-def emit_mlir(module: Module, functions: list[str] | tuple[str, ...]) -> tuple[str, dict[str, list[str]]]:
+def emit_mlir(module: Module, functions: list[str] | tuple[str, ...],
+              weights: str | None = None) -> tuple[str, dict[str, list[str]]]:
     """MLIR text for ``functions`` (one ``module @k3``) and, per function, the parameter names in
-    the order of its trailing weight arguments. The text is parsed and verified with IREE's
+    the order of its trailing weight arguments. ``weights``: ``"f32"`` or ``"bf16"`` (the bf16-declared
+    parameters as bf16 arguments), None: ``MlirConfig.weights``. The text is parsed and verified with IREE's
     MLIR bindings; raises K3BackendError on an invalid module."""
     from .emit import MlirEmitter
-    em = MlirEmitter(module)
+    em = MlirEmitter(module, weights=weights)
     text = em.module_text(list(functions))
     verify_mlir(text)
     return text, em.param_order
@@ -108,7 +110,9 @@ def compile_mlir(text: str, iree_target: str = "llvm-cpu") -> bytes:
 
 
 class MlirExecutable(Executable):
-    """Runs entry functions as IREE functions on the ``local-task`` CPU driver (float32)."""
+    """Runs entry functions as IREE functions on the ``local-task`` CPU driver (float32 compute). ``weights``
+    (``MlirConfig.weights`` when built, kept for its lifetime): ``"bf16"`` passes the parameters the IR declares
+    bf16 as bf16 arrays (float values rounded to bf16 once, in ``prepare_params``)."""
 
     def __init__(self, module: Module, dtype: str = "float32", device: str = "cpu"):
         if dtype != "float32":
@@ -117,6 +121,8 @@ class MlirExecutable(Executable):
             raise K3BackendError(f"target 'mlir' runs on the CPU (IREE llvm-cpu), not '{device}'")
         super().__init__(module, "mlir", dtype, device)
         rt = _iree_runtime()
+        from .config import get_mlir_config
+        self.weights = get_mlir_config().weights
         self.config = rt.Config("local-task")
         self.vmfb: dict[tuple[str, ...], bytes] = {}
         self.param_order: dict[str, list[str]] = {}
@@ -139,7 +145,7 @@ class MlirExecutable(Executable):
         if group not in self.vmfb:
             from k3ir.progress import progress
             with progress(f"mlir: emitting and compiling @{' @'.join(group)} with IREE (llvm-cpu)") as timing:
-                text, order = emit_mlir(self.module, group)
+                text, order = emit_mlir(self.module, group, weights=self.weights)
                 self.param_order.update(order)
                 self.vmfb[group] = compile_mlir(text, "llvm-cpu")
             self.build_seconds["+".join(group)] = timing.seconds
@@ -166,12 +172,17 @@ class MlirExecutable(Executable):
         else:
             self.weights_inside = False
         rt = _iree_runtime()
+        bf16 = _bf16_params(self.module) if self.weights == "bf16" else set()
         out = {}
         for k, a in arrays.items():
             if hasattr(a, "detach"):
-                a = a.detach().cpu().numpy()
+                a = a.detach().float().cpu().numpy() if str(a.dtype) == "torch.bfloat16" else a.detach().cpu().numpy()
             a = np.asarray(a)
-            a = a.astype(np.float32) if a.dtype.kind == "f" else a
+            if k in bf16:
+                import ml_dtypes  # a dependency of iree-base-runtime
+                a = a.astype(np.float32).astype(ml_dtypes.bfloat16)
+            elif a.dtype.kind == "f":
+                a = a.astype(np.float32)
             out[k] = rt.asdevicearray(self.config.device, np.ascontiguousarray(a))
         self._arrays = {k: np.asarray(v) for k, v in arrays.items()}
         self._device_params = out
@@ -209,7 +220,7 @@ class MlirExecutable(Executable):
             raise K3BackendError("mlir executable: no weights to save (pass params or call prepare_params)")
         os.makedirs(directory, exist_ok=True)
         fns = tuple(f for f in ("forward", "prefill", "decode") if f in self.module.functions)
-        text, order = emit_mlir(self.module, fns)
+        text, order = emit_mlir(self.module, fns, weights=self.weights)
         with open(os.path.join(directory, "module.mlir"), "w") as f:
             f.write(text)
         with open(os.path.join(directory, "k3.vmfb"), "wb") as f:
@@ -221,7 +232,7 @@ class MlirExecutable(Executable):
         save_file(arrays, os.path.join(directory, "weights.safetensors"))
         write_manifest(directory, self.module, "mlir", self.dtype,
                        {"vmfb": "k3.vmfb", "mlir": "module.mlir", "weights": "weights.safetensors"},
-                       functions=list(fns), param_order=order, iree_target="llvm-cpu")
+                       functions=list(fns), param_order=order, iree_target="llvm-cpu", weights=self.weights)
         return directory
 
 
@@ -233,6 +244,7 @@ def load_executable(directory: str, man: dict, module: Module) -> MlirExecutable
 
     from ..artifact import artifact_file
     exe = MlirExecutable(module, man["dtype"])
+    exe.weights = man.get("weights", "f32")                # the argument types the module was compiled with
     with open(artifact_file(directory, man, "vmfb"), "rb") as f:
         vmfb = f.read()
     fns = tuple(man["functions"])
@@ -245,6 +257,11 @@ def load_executable(directory: str, man: dict, module: Module) -> MlirExecutable
     exe._arrays = load_file(artifact_file(directory, man, "weights"))
     exe.weights_inside = True
     return exe
+
+
+def _bf16_params(module: Module) -> set[str]:
+    """Parameters the IR declares bf16 (bf16 arguments under ``MlirConfig.weights="bf16"``)."""
+    return {n for n, d in module.params.items() if d.type.dtype == "bf16"}
 
 
 def _build(module: Module, dtype: str = "float32", device: str = "cpu") -> MlirExecutable:

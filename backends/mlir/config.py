@@ -26,6 +26,12 @@ class MlirConfig:
                             "chunks: ``backends/mlir/kda.py``) or ``scan`` (the decomposition: an ``scf.for`` over tokens); "
                             "one-token steps always take the recurrence")
     kda_chunk: int = setting(16, "chunk length of the chunked KDA (the in-chunk decays are C x C x d_k elementwise)")
+    weights: str = setting("f32", "float parameters as function arguments: ``f32`` (every float weight passed as "
+                           "float32) or ``bf16`` (the parameters the IR declares bf16 passed as bf16, half the bytes, "
+                           "and widened to f32 where they are read: inside the contractions and the embedding gather, "
+                           "once per call elsewhere; the executable rounds float32 values to bf16 when it is given "
+                           "them). IREE's llvm-cpu target compiles bf16; the module's signature changes, so each "
+                           "setting has its own IREE cache entry and artifacts record it")
 
     def __post_init__(self):
         if self.moe_form not in ("sorted", "dense"):
@@ -34,6 +40,8 @@ class MlirConfig:
             raise K3ConfigError(f"MlirConfig.kda_form={self.kda_form!r}: want 'chunked' or 'scan'")
         if self.kda_chunk < 2:
             raise K3ConfigError(f"MlirConfig.kda_chunk={self.kda_chunk}: want at least 2")
+        if self.weights not in ("f32", "bf16"):
+            raise K3ConfigError(f"MlirConfig.weights={self.weights!r}: want 'f32' or 'bf16'")
 
     def cache_dir(self) -> str:
         """``cache``, or ``~/.cache/k3ir`` when it is None."""

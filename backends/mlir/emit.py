@@ -39,11 +39,20 @@ def flit(v: float) -> str:
     return f"{float(v):.9e}"
 
 
-class MlirEmitter:
-    """Emits the functions of ``module`` as one ``module @k3``. ``table``: op name -> emitter."""
+#: ops whose lowerings read a bf16 weight as it is (widening each element where they use it: the contractions,
+#: the embedding gather, the routed experts); every other op gets its bf16 operands widened to f32 first
+BF16_READERS = frozenset({"k3.linear", "k3.lm_head", "k3.einsum", "k3.matmul", "k3.take", "k3.embedding", "k3.moe",
+                          "k3.grouped_matmul"})
 
-    def __init__(self, module: Module, table: dict | None = None):
+
+class MlirEmitter:
+    """Emits the functions of ``module`` as one ``module @k3``. ``table``: op name -> emitter; ``weights``:
+    ``"f32"`` or ``"bf16"`` (parameters declared bf16 become bf16 arguments), None: ``MlirConfig.weights``."""
+
+    def __init__(self, module: Module, table: dict | None = None, weights: str | None = None):
+        from .config import get_mlir_config
         self.module = module
+        self.weights = weights or get_mlir_config().weights
         self.table = TABLE if table is None else table
         self.lines: list[str] = []
         self.indent = 2
@@ -205,8 +214,23 @@ class MlirEmitter:
                 env[id(r)] = o
         return [env[id(v)] for v in fn.returns]
 
+    def widen(self, v: Val) -> Val:
+        """A bf16 tensor as f32 (one elementwise ``arith.extf``, emitted once per value and scope); others as they are."""
+        if v.elem != "bf16":
+            return v
+        key = ("widened", v.name)
+        if key not in self.consts:
+            n = len(v.shape)
+            (out,) = self.gen(n, ["parallel"] * n, [(v, [f"d{i}" for i in range(n)])],
+                              [(self.empty(v.shape, FLOAT), ttype(v.shape, FLOAT), FLOAT, [f"d{i}" for i in range(n)])],
+                              lambda a, o: [self.body_op(f"arith.extf {a[0]} : bf16 to f32")])
+            self.consts[key] = Val(out, FLOAT, v.shape)
+        return self.consts[key]
+
     def emit_op(self, op: Operation, ins: list[Val]) -> list[Val]:
         impl, fn = lower_or_decompose(self, op)
+        if fn is not None or op.name not in BF16_READERS:
+            ins = [self.widen(v) for v in ins]
         if fn is not None:
             return self.emit_function(fn, ins)
         out = impl(self, op, instantiate(op), *ins)
@@ -237,7 +261,8 @@ class MlirEmitter:
         for i, name in enumerate(used):
             decl = self.module.params[name]
             shape = storage_shape(decl.type.dtype, (int(d) for d in decl.type.shape))   # packed experts as stored
-            self.params[name] = Val(f"%p{i}", elem(decl.type.dtype), shape)
+            el = "bf16" if decl.type.dtype == "bf16" and self.weights == "bf16" else elem(decl.type.dtype)
+            self.params[name] = Val(f"%p{i}", el, shape)
         self.param_order[fname] = used
         for v in args:
             self.bind(v)

@@ -36,9 +36,10 @@ def conv(e: MlirEmitter, x: str, src: str, dst: str) -> str:
     """Convert a scalar inside a region between element types."""
     if src == dst:
         return x
-    fsrc, fdst = src.startswith("f"), dst.startswith("f")
+    fsrc, fdst = _is_float(src), _is_float(dst)
     if fsrc and fdst:
-        return e.body_op(f"arith.extf {x} : {src} to {dst}") if src < dst else e.body_op(
+        wider = int(src.lstrip("bf")) < int(dst.lstrip("bf"))
+        return e.body_op(f"arith.extf {x} : {src} to {dst}") if wider else e.body_op(
             f"arith.truncf {x} : {src} to {dst}")
     if not fsrc and fdst:
         op = "arith.uitofp" if src == "i1" else "arith.sitofp"
@@ -73,7 +74,7 @@ def elementwise(e: MlirEmitter, op, ins: list[Val], body, in_el: str | None = No
 
 
 def _is_float(el: str) -> bool:
-    return el.startswith("f")
+    return el.startswith("f") or el == "bf16"
 
 
 # ---- elementwise --------------------------------------------------------------------------
@@ -441,18 +442,20 @@ def _gather(e, op, inst, x, index):
 
 @lowers("k3.take", "k3.embedding")
 def _take(e, op, inst, a, b):
+    """Rows of ``table`` by ``ids`` (a bf16 table, ``MlirConfig.weights="bf16"``, is widened row by row)."""
     table, ids = (a, b) if op.name == "k3.take" else (b, a)
     rv = e.result_val(op, 0, "")
+    out = FLOAT if table.elem == "bf16" else table.elem
     r = len(ids.shape)
-    init = e.empty(rv.shape, table.elem)
+    init = e.empty(rv.shape, out)
 
     def region(args, o):
         row = e.body_op(f"arith.index_cast {args[0]} : {ids.elem} to index")
         col = e.body_op(f"linalg.index {r} : index")
-        return [e.body_op(f"tensor.extract {table.name}[{row}, {col}] : {table.type}")]
+        return [conv(e, e.body_op(f"tensor.extract {table.name}[{row}, {col}] : {table.type}"), table.elem, out)]
     (res,) = e.gen(r + 1, ["parallel"] * (r + 1), [(ids, _d(r))],
-                   [(init, ttype(rv.shape, table.elem), table.elem, _d(r + 1))], region)
-    return Val(res, table.elem, rv.shape)
+                   [(init, ttype(rv.shape, out), out, _d(r + 1))], region)
+    return Val(res, out, rv.shape)
 
 
 @lowers("k3.one_hot")

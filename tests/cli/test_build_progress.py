@@ -66,7 +66,7 @@ def slow_iree_build(monkeypatch):
     pytest.importorskip("iree.runtime")
     from k3ir.backends import mlir as mb
 
-    def emit_mlir(module, group):
+    def emit_mlir(module, group, weights=None):
         time.sleep(SLOW)
         return "module {}", {f: [] for f in group}
     monkeypatch.setattr(mb, "emit_mlir", emit_mlir)
