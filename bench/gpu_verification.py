@@ -20,8 +20,8 @@ Calls: 1 KDA forward (fla autotunes ~100 s per head count: the warm phase runs t
 MoE layer bf16; 2 Kimi Linear 6.6B decode B1 (with call 1, the minimum that makes the current table honest), KDA
 decode H32/H96, MXFP4 MoE with and without router/dispatch/latent projections; 3 KDA forward+backward (both memory
 policies, fp32-reference gradients); 4 Kimi Linear 6.6B vs transformers; 5 the gpu-marked tests; 6 serving under
-load (``serve-load``). The TVM CUDA artifact (issue item 4) is not here: it needs the TVM issue's artifacts
-and runtime libraries.
+load (``serve-load``); 7 the TVM CUDA artifacts with the TVM runtime alone (issue item 4: ``tvm_cuda_artifact.py``,
+after ``python bench/tvm_cuda_artifact.py prepare`` here; carries ``.gpuhead`` and ``.tvmgpu``, not ``.whl``).
 """
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ def _b(script, *args):
     return [PY, os.path.join(HERE, script), *args]
 
 
+#: the TVM CUDA artifacts of call 7 (``tvm_cuda_artifact.py prepare`` builds them into ``.tvmgpu/``)
+TVM_ARTIFACTS = ("kimi-linear-tiny", "k3-tiny-mxfp4")
 #: step name -> (timed command, extra args under --tiny, warm commands (run in parallel first), timeout s, JSON name
 #: under --out or None). ``{out}`` is replaced by the step's JSON path.
 STEPS = {
@@ -65,6 +67,9 @@ STEPS = {
     "gpu_tests": ([PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/",
                    "--junitxml={out}"], None, [], 540, "gpu_tests.xml"),
     "serve_load": (_b("gpu_verification.py", "serve-load", "--out", "{out}"), None, [], 560, "serve_load.json"),
+    "tvm_cuda_artifact": (_b("tvm_cuda_artifact.py", "run", "--out", "{out}"), None,
+                          [_b("tvm_cuda_artifact.py", "warm", "--only", f"{m}-{d}") for m in TVM_ARTIFACTS
+                           for d in ("float32", "bfloat16")], 480, "tvm_cuda_artifact.json"),
 }
 #: the device calls in the issue's order (each under ~9 minutes of steps)
 CALLS = {
@@ -74,6 +79,7 @@ CALLS = {
     4: ["kimi_vs_transformers"],
     5: ["gpu_tests"],
     6: ["serve_load"],
+    7: ["tvm_cuda_artifact"],
 }
 #: what the device machine installs first (wheels carried in .whl/: fla-core, transformers), then the tree (editable)
 SETUP = ("cd .gpuhead && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
@@ -81,8 +87,18 @@ SETUP = ("cd .gpuhead && python3 -m pip install -q --no-index --no-deps --no-com
          "--no-build-isolation -e . && export PYTHONUNBUFFERED=1")
 
 
+#: call 7 carries ``.tvmgpu/`` (artifacts, runtime-only TVM, the cp312 apache-tvm-ffi wheel) instead of ``.whl/``
+SETUP_TVM = ("cd .gpuhead && python3 -m pip install -q --no-deps --no-build-isolation -e . && "
+             "export PYTHONUNBUFFERED=1")
+
+
 def device_command(call: int) -> str:
-    return f"{SETUP} && python3 bench/gpu_verification.py run --call {call} --out $OUT"
+    return f"{SETUP_TVM if call == 7 else SETUP} && python3 bench/gpu_verification.py run --call {call} --out $OUT"
+
+
+def carry(call: int) -> list[str]:
+    """The ignored folders call ``call`` needs on the device."""
+    return [".gpuhead", ".tvmgpu"] if call == 7 else [".gpuhead", ".whl"]
 
 
 def cmd_plan(_a) -> int:
@@ -91,10 +107,12 @@ def cmd_plan(_a) -> int:
     print(f"Wheels in .whl/ (carried): {', '.join(wheels) or 'NONE: the fla rows would skip'}\n")
     for n, steps in CALLS.items():
         print(f"call {n}: {', '.join(steps)}  (step timeouts {sum(STEPS[s][3] for s in steps)} s; budget 540 s)")
-        print(f'  run(command="{device_command(n)}", carry=[".gpuhead", ".whl"], timeout_s=600, kind="nvidia-h200")')
+        print(f'  run(command="{device_command(n)}", carry={json.dumps(carry(n))}, timeout_s=600, kind="nvidia-h200")')
         print("  then here: python bench/gpu_verification.py collect <files_at>\n")
-    print("Not in these calls: the TVM CUDA artifact (issue item 4: needs the TVM issue's artifacts, the cp312 "
-          "apache-tvm-ffi wheel and libtvm_runtime*.so carried).")
+    tvm = os.path.join(ROOT, ".tvmgpu")
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tvm) for f in fs)
+    print("Call 7 (TVM CUDA artifacts) carries .tvmgpu/: " + (f"{size / 2**20:.1f} MiB" if size else
+                                                               "MISSING: python bench/tvm_cuda_artifact.py prepare"))
     return 0
 
 

@@ -21,9 +21,24 @@ from k3ir.ir import Module
 from .. import Executable
 
 
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """``uint16`` bit patterns of float array ``a`` rounded to bfloat16 (round to nearest, ties to even; NaN stays a
+    quiet NaN), the layout ``tvm.runtime.Tensor.copyfrom`` takes for a ``bfloat16`` tensor."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    return np.where(np.isnan(a), np.uint16(0x7FC0), r)
+
+
+def bf16_round(a: np.ndarray) -> np.ndarray:
+    """Float array ``a`` rounded to bfloat16 values, as float32 (``bf16_bits`` widened back)."""
+    return (bf16_bits(a).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
 class TVMGpuExecutable(Executable):
     """A module built for TVM GPU ``kind`` here, to run elsewhere: ``build_all`` builds it (child process) and
-    ``save`` writes the artifact. ``run`` raises: this machine has no such device."""
+    ``save`` writes the artifact. ``run`` raises: this machine has no such device. ``dtype`` float32, or bfloat16
+    (cuda): the float weights live on the device as bfloat16 and everything computes in float32 (``gpu.GPU_DTYPES``);
+    arguments, states and logits are float32 either way."""
 
     def __init__(self, module: Module, kind: str, dtype: str = "float32", arch: str = ""):
         from .gpu import GPU_KINDS
@@ -57,7 +72,7 @@ class TVMGpuExecutable(Executable):
 
     def prepare_params(self, arrays: dict[str, Any]) -> dict[str, Any]:
         """Weights as device tensors when a library is loaded (``load_gpu_artifact``), else as given; float weights
-        in the compile dtype, packed MXFP4 ``u8`` / INT4 ``i32`` as stored."""
+        in the compile dtype (bfloat16: rounded to nearest even), packed MXFP4 ``u8`` / INT4 ``i32`` as stored."""
         if not arrays and self._arrays is not None:
             arrays = self._arrays
         if self._lib is None:
@@ -69,20 +84,27 @@ class TVMGpuExecutable(Executable):
             a = a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
             decl = self.module.params.get(name)
             dt = decl.type.dtype if decl is not None else "f32"
-            want = {"mxfp4": np.uint8, "int4": np.int32, "u8": np.uint8, "i64": np.int64, "i32": np.int64}.get(dt,
-                                                                                                              self.dtype)
-            out[name] = tvm.runtime.tensor(np.ascontiguousarray(a.astype(want)), device=dev)
+            want = {"mxfp4": np.uint8, "int4": np.int32, "u8": np.uint8, "i64": np.int64, "i32": np.int64}.get(dt)
+            if want is None and self.dtype == "bfloat16":
+                t = tvm.runtime.empty(a.shape, "bfloat16", dev)
+                t.copyfrom(bf16_bits(a))
+                out[name] = t
+                continue
+            out[name] = tvm.runtime.tensor(np.ascontiguousarray(a.astype(want or "float32")), device=dev)
         return out
 
     def run(self, function: str, args: list[Any], params: dict[str, Any]) -> list[Any]:
+        """Run ``function`` of a loaded artifact: the logits as a NumPy array, the new states as device tensors
+        (``tvm.runtime.Tensor``, passed back as they are by the next call: no host round trip per step)."""
         if self._lib is not None:
             return self._run_loaded(function, args, params)
         raise K3BackendError(f"target 'tvm-{self.kind}' builds here but does not run here: write the artifact "
                              f"(k3ir compile MODEL --target tvm-{self.kind} -o DIR) and load it on a {self.kind} device")
 
     def save(self, directory: str, params: dict[str, Any] | None = None) -> str:
-        """Build and write the artifact into ``directory``: the library, ``weights.safetensors`` (float weights in
-        the compile dtype's storage, packed quantised weights as they are), ``module.k3``, ``manifest.json``."""
+        """Build and write the artifact into ``directory``: the library, ``weights.safetensors`` (float weights as
+        float32, rounded to bfloat16 values in a bfloat16 build so the file holds the weights that run; packed
+        quantised weights as they are), ``module.k3``, ``manifest.json``."""
         from safetensors.numpy import save_file
 
         from ..artifact import write_manifest
@@ -93,7 +115,9 @@ class TVMGpuExecutable(Executable):
         arrays = {}
         for k, a in params.items():
             a = a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
-            arrays[k] = np.ascontiguousarray(a.astype(np.float32) if a.dtype.kind == "f" else a)
+            if a.dtype.kind == "f":
+                a = bf16_round(a) if self.dtype == "bfloat16" else a.astype(np.float32)
+            arrays[k] = np.ascontiguousarray(a)
         save_file(arrays, os.path.join(directory, "weights.safetensors"))
         files = dict(files)
         files["weights"] = "weights.safetensors"
@@ -116,15 +140,41 @@ class TVMGpuExecutable(Executable):
             self._vm = VirtualMachine(self._lib, dev)
         targs = []
         for a, spec in zip(args, self.module.functions[function].args):
+            if isinstance(a, tvm.runtime.Tensor) and a.device == dev:      # a state this executable returned
+                targs.append(a)
+                continue
             a = a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
             ints = isinstance(spec.type, TensorType) and spec.type.dtype in ("i64", "i32")
-            targs.append(tvm.runtime.tensor(np.ascontiguousarray(a.astype(np.int64 if ints else self.dtype)), device=dev))
+            targs.append(tvm.runtime.tensor(np.ascontiguousarray(a.astype(np.int64 if ints else np.float32)), device=dev))
         res = self._vm[function](*targs, *[params[n] for n in self._names[function]])
         outs = list(res) if not hasattr(res, "numpy") else [res]
-        return [o.numpy() for o in outs]
+        return [outs[0].numpy(), *outs[1:]]
 
     def to_numpy(self, x: Any):
-        return np.asarray(x)
+        """A host array of ``x``: the logits ``run`` returns, or a state it keeps on the device."""
+        return x.numpy() if hasattr(x, "numpy") else np.asarray(x)
+
+
+def device_runtime(kind: str) -> None:
+    """Load TVM's device runtime of GPU ``kind`` (``libtvm_runtime_<kind>.so`` beside ``libtvm_runtime.so``) unless
+    its device API is registered already: ``import tvm`` loads it with the backends, which the runtime-only mode
+    (``TVM_USE_RUNTIME_LIB=1``) skips. Raises K3BackendError naming the library and why it does not load (e.g.
+    ``libcuda.so.1`` missing: no CUDA driver)."""
+    import tvm_ffi
+    if tvm_ffi.get_global_func(f"device_api.{kind}", allow_missing=True) is not None:
+        return
+    from pathlib import Path
+
+    from tvm.base import _LOADED_LIBS
+    from tvm_ffi.libinfo import load_lib_ctypes
+    name = f"tvm_runtime_{kind}"
+    here = Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent
+    try:
+        _LOADED_LIBS[name] = load_lib_ctypes("tvm", name, "RTLD_LOCAL", extra_lib_paths=[here])
+    except (OSError, RuntimeError) as e:
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise K3BackendError(f"tvm-{kind}: TVM's {kind} runtime (lib{name}.so, looked for in {here}) does not load "
+                             f"here: {why}") from e
 
 
 def load_gpu_artifact(directory: str, man: dict, module: Module) -> TVMGpuExecutable:
@@ -140,6 +190,7 @@ def load_gpu_artifact(directory: str, man: dict, module: Module) -> TVMGpuExecut
     exe = TVMGpuExecutable(module, kind, man["dtype"], man.get("arch", ""))
     if kind == "webgpu":
         raise K3BackendError("tvm-webgpu artifacts run in a browser: link the .tar with the TVM web runtime (tvmjs)")
+    device_runtime(kind)
     try:
         exe._lib = tvm.runtime.load_module(artifact_file(directory, man, "library"))
     except Exception as e:

@@ -188,7 +188,7 @@ def kind_report() -> list[tuple[str, str, str]]:
 
 def register_cross_targets() -> None:
     from .. import Backend, TargetDescription, register_backend
-    from .gpu import GPU_KINDS
+    from .gpu import GPU_DTYPES, GPU_KINDS
 
     def table():
         """The tvm target's table and conditions: the GPU and cross kinds run the same Relax lowering."""
@@ -219,7 +219,7 @@ def register_cross_targets() -> None:
         register_backend(Backend(
             name=f"tvm-{kind}", description=f"Apache TVM Relax for {kind}: the whole model, dlight-scheduled "
             f"(builds here; runs on a {kind} device from its artifact)", build=build, pipeline=pipeline_for("tvm"),
-            table=table, available=available, dtypes=("float32",), load_artifact=load,
+            table=table, available=available, dtypes=GPU_DTYPES[kind], load_artifact=load,
             target_description=TargetDescription(kind=kind, toolchain="Apache TVM Relax/TIR with dlight GPU "
                                                  "schedules and k3ir's hand-scheduled KDA and MoE kernels")))
 

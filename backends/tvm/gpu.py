@@ -37,6 +37,10 @@ GPU_KINDS: dict[str, tuple[str, ...]] = {
     "opencl": ("",),
     "webgpu": ("",),
 }
+#: compile dtypes per GPU kind: "bfloat16" keeps the float weights bfloat16 in device memory (half the bytes a decode
+#: step reads; each kernel widens them as it loads) and computes in float32 (activations, states, accumulators)
+GPU_DTYPES: dict[str, tuple[str, ...]] = {"cuda": ("float32", "bfloat16"), "rocm": ("float32",),
+                                          "metal": ("float32",), "opencl": ("float32",), "webgpu": ("float32",)}
 #: dlight GPU rules in the order they are tried per kernel (MLC-LLM's order, Fallback last)
 RULES = ("Matmul", "GEMV", "LowBatchGEMV", "Reduction", "GeneralReduction", "RMSNorm", "Fallback")
 
@@ -83,7 +87,7 @@ def gpu_target(kind: str, arch: str = ""):
 
 
 def _lowering_class():
-    from tvm import relax
+    from tvm import relax, tirx
 
     from . import gpu_kernels as G
     from . import kernels as K
@@ -91,12 +95,29 @@ def _lowering_class():
     from .table import R_
 
     class GpuLowering(RelaxLowering):
-        """RelaxLowering for GPU kinds: linear layers stay Relax matmuls (dlight's Matmul/GEMV rules schedule them),
+        """RelaxLowering for GPU kinds: linear layers are ``x W^T`` reductions over the weight as stored
+        (``gpu_kernels.nt_matmul``: no transposed copy, a bfloat16 weight widened inside; dlight's Matmul/GEMV rules
+        schedule them),
         the KDA recurrence and the MoE grouped GEMM are the hand-scheduled ``gpu_kernels``; everything else is the
-        tvm target's table unchanged."""
+        tvm target's table unchanged. ``wdt``: the dtype float parameters are declared in (``bfloat16`` in a bfloat16
+        build: each use widens them to the float32 compute dtype, fused into the reading kernel by FuseOps)."""
+
+        wdt = "float32"
+
+        def param_type(self, t):
+            ty = self.arg_type(t)
+            if self.wdt != self.fdt and str(ty.dtype) == self.fdt:
+                return relax.TensorType(list(ty.shape.values), self.wdt)
+            return ty
+
+        def weight(self, w):
+            return w if self.dtype(w) == self.wdt else self.f(w)
 
         def linear(self, x, w):
-            return self.emit(R_.matmul(self.f(x), R_.permute_dims(self.f(w))))
+            ws = self.shape(w)
+            if len(ws) != 2 or not all(isinstance(d, (int, tirx.IntImm)) for d in ws):
+                return self.emit(R_.matmul(self.f(x), R_.permute_dims(self.f(w))))
+            return self.te(G.nt_matmul, self.f(x), w, name="NT_matmul")
 
         def kernel(self, key, make):
             name = key[0]
@@ -105,8 +126,9 @@ def _lowering_class():
                 return super().kernel(("kda_recurrent_gpu", H, Kd, V), lambda: G.kda_recurrent_gpu(H, Kd, V, self.fdt))
             if name == "grouped_linear":
                 E, N, Kd = key[1:]
-                return super().kernel(("grouped_gemm_gpu", E, N, Kd, "flat"),
-                                      lambda: G.grouped_gemm_gpu(E, N, Kd, "none", self.fdt, flat=True))
+                return super().kernel(("grouped_gemm_gpu", E, N, Kd, "flat", self.wdt),
+                                      lambda: G.grouped_gemm_gpu(E, N, Kd, "none", self.fdt, flat=True,
+                                                                 w_dtype=self.wdt))
             if name == "mla_attention":                    # (H, Hk, D, P, Dv, round(scale * 1e9))
                 H, Hk, D, P, Dv, scale = key[1:]
                 return super().kernel(("mla_attention_gpu", *key[1:]),
@@ -129,8 +151,12 @@ def _lowering_class():
 
 
 def lower_gpu(module, functions: list[str], dtype: str = "float32"):
-    """(Relax IRModule, {function: parameter names}) of ``functions`` of ``module`` for a GPU kind."""
-    lw = _lowering_class()(module, dtype)
+    """(Relax IRModule, {function: parameter names}) of ``functions`` of ``module`` for a GPU kind. ``dtype``
+    float32, or bfloat16: float weights declared bfloat16, everything computed in float32 (``GPU_DTYPES``)."""
+    if dtype not in ("float32", "bfloat16"):
+        raise K3BackendError(f"tvm GPU kinds compute in float32 or bfloat16 (weights), not '{dtype}'")
+    lw = _lowering_class()(module, "float32")
+    lw.wdt = dtype
     for fn in functions:
         lw.lower_function(fn)
     return lw.get(), lw.params

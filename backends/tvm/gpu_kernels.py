@@ -85,6 +85,16 @@ def kda_recurrent_gpu(H: int, K: int, V: int, dtype: str = "float32"):
     return kda_recurrent
 
 
+def nt_matmul(x, w):
+    """TE ``y[..., n] = sum_k x[..., k] * W[n, k]`` for x ``[..., K]`` (leading dims symbolic) and a weight ``[N, K]``
+    read as stored (float32, or bfloat16 widened to x's dtype inside the reduction): a linear layer with no transposed
+    or widened copy of the weight, in the form dlight's Matmul and GEMV rules schedule."""
+    from tvm import te
+    k = te.reduce_axis((0, x.shape[-1]), name="k")
+    return te.compute((*x.shape[:-1], w.shape[0]),
+                      lambda *i: te.sum(x[(*i[:-1], k)] * w[i[-1], k].astype(x.dtype), axis=k), name="NT_matmul")
+
+
 def _e2m1_table(code, dtype):
     """E2M1 value of a 4-bit code (sign in bit 3) as a select chain (SPEC.md 7)."""
     m = code & 7
@@ -95,12 +105,14 @@ def _e2m1_table(code, dtype):
 
 
 @cache
-def grouped_gemm_gpu(E: int, N: int, K: int, quant: str = "none", dtype: str = "float32", flat: bool = False):
+def grouped_gemm_gpu(E: int, N: int, K: int, quant: str = "none", dtype: str = "float32", flat: bool = False,
+                     w_dtype: str | None = None):
     """TIR PrimFunc ``y[r, n] = sum_k x[r, k] W_e[n, k]`` for the expert e owning row r (``offsets[e] <= r <
     offsets[e+1]``). x ``[R, K]`` (R symbolic), offsets ``int64[E+1]``, y ``[R, N]``; the weight is ``[E*N, K]``
     (``flat``, the float ``grouped_linear`` call) or ``[E, N, K]`` float, or packed MXFP4 ``u8[E, N, K/2]`` with
     E8M0 scales ``u8[E, N, K/32]``, or INT4 ``i32[E, N, K/8]`` with float scales ``[E, N, K/32]`` (the buffers of
-    ``kernels.grouped_matmul``). Accumulates in float32."""
+    ``kernels.grouped_matmul``). A float weight is in ``w_dtype`` (default ``dtype``; bfloat16 in a bfloat16 build),
+    widened as it is loaded. Accumulates in float32."""
     if quant not in ("none", "mxfp4", "int4"):
         raise ValueError(f"grouped_gemm_gpu: unknown quantisation '{quant}'")
     NT = (N + NY - 1) // NY
@@ -109,7 +121,7 @@ def grouped_gemm_gpu(E: int, N: int, K: int, quant: str = "none", dtype: str = "
     PER = {"none": 1, "mxfp4": 2, "int4": 8}[quant]               # k values per packed unit
     KS = max(K // 32, 1)
     w_shape = (E * N, K) if flat else (E, N, KP)
-    w_dtype = {"none": dtype, "mxfp4": "uint8", "int4": "int32"}[quant]
+    w_dtype = {"none": w_dtype or dtype, "mxfp4": "uint8", "int4": "int32"}[quant]
     s_dtype = {"none": dtype, "mxfp4": "uint8", "int4": dtype}[quant]
 
     def wval(w, sc, e, n, u, c):

@@ -73,6 +73,16 @@ class RelaxLowering:
             shape[-1] = shape[-1] // 8
         return relax.TensorType(shape, self.rt(t.dtype))
 
+    def param_type(self, t) -> relax.TensorType:
+        """Relax type of a parameter declared with IR type ``t``: ``arg_type`` (float weights in the compute dtype;
+        ``gpu.GpuLowering`` keeps them bfloat16 in a bfloat16 build)."""
+        return self.arg_type(t)
+
+    def weight(self, w):
+        """Weight ``w`` as a hand-written kernel reads it (``grouped_linear``): in the compute dtype here; a bfloat16
+        GPU build passes it as stored and the kernel widens each element."""
+        return self.f(w)
+
     # ---- emit helpers (used by the lowering table) -----------------------------------
     def emit(self, expr) -> relax.Var:
         return self.bb.emit(expr)
@@ -133,7 +143,7 @@ class RelaxLowering:
         fn = self.module.functions[name]
         pnames = list(dict.fromkeys(op.attrs["name"] for op in fn.ops if op.name == "k3.param"))
         args = [relax.Var(a.name, self.arg_type(a.type)) for a in fn.args]
-        pvars = {p: relax.Var("p_" + "".join(c if c.isalnum() else "_" for c in p), self.arg_type(self.module.params[p].type)) for p in pnames}
+        pvars = {p: relax.Var("p_" + "".join(c if c.isalnum() else "_" for c in p), self.param_type(self.module.params[p].type)) for p in pnames}
         with self.bb.function(name, args + list(pvars.values())):
             with self.bb.dataflow():
                 env = {id(a): v for a, v in zip(fn.args, args)}

@@ -203,7 +203,7 @@ def _grouped_matmul(lw, inst, x, offsets, w, scales=None):
         if K.linear_tiles(N, Kd) is None:
             return lw.te(K.grouped_matmul, lw.f(x), off, lw.f(w), name="grouped_matmul")
         gv = lw.kernel(("grouped_linear", E, N, Kd), lambda: K.grouped_linear_kernel(E, N, Kd, lw.fdt))
-        wf = lw.emit(R_.reshape(lw.f(w), [E * N, Kd]))
+        wf = lw.emit(R_.reshape(lw.weight(w), [E * N, Kd]))
         return lw.emit(relax.call_tir(gv, [lw.f(x), off, wf], relax.TensorType([lw.shape(x)[0], N], lw.fdt)))
     sc = scales if inst.quant == "mxfp4" else lw.f(scales)
     return lw.te(K.grouped_matmul, lw.f(x), off, w, sc, inst.quant, name=f"grouped_matmul_{inst.quant}")

@@ -112,22 +112,35 @@ def test_whole_model_opencl_artifact_holds_every_device_function(tmp_path):
 
 
 @pytest.mark.slow
-def test_whole_model_cuda_artifact_embeds_sm90a_code_for_every_device_function(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_whole_model_cuda_artifact_embeds_sm90a_code_for_every_device_function(tmp_path, dtype):
     """kimi-linear-tiny built for tvm-cuda (child process) and written as an artifact: library, weights,
     manifest, CUDA source; every kernel scheduled (dlight rule, Fallback after a failure, or hand-written:
-    the KDA recurrence and the MoE grouped GEMM) and present as sm_90a and sm_80 SASS."""
+    the KDA recurrence and the MoE grouped GEMM) and present as sm_90a and sm_80 SASS; the linear layers are
+    ``NT_matmul`` kernels scheduled by dlight's Matmul rule. In bfloat16 they read ``nv_bfloat16`` weights and the
+    file holds the bfloat16-rounded weights."""
     _need("cuda")
     tool = _need_cuobjdump()
+    from k3ir.backends.tvm.artifact_gpu import bf16_round
     from k3ir.runtime.params import init_params
+    from safetensors.numpy import load_file
 
     import k3ir
     m = load_tiny("kimi-linear-tiny")
-    exe = k3ir.compile(m, target="tvm-cuda")
+    exe = k3ir.compile(m, target="tvm-cuda", dtype=dtype)
     exe.emit_source = True
     out = str(tmp_path / "art")
-    exe.save(out, init_params(exe.module, 0))
+    params = init_params(exe.module, 0)
+    exe.save(out, params)
     man = _check_cuda_artifact(out, tool)
-    assert man["target"] == "tvm-cuda" and man["arch"] == "sm_90a"
+    assert man["target"] == "tvm-cuda" and man["arch"] == "sm_90a" and man["dtype"] == dtype
+    nt = {k: r for k, r in man["kernels"].items() if k.startswith("NT_matmul")}
+    assert len(nt) > 10 and set(nt.values()) == {"Matmul"}
+    w = load_file(os.path.join(out, "weights.safetensors"))["lm_head.weight"]
+    p = np.asarray(params["lm_head.weight"], dtype=np.float32)
+    assert np.array_equal(w, bf16_round(p) if dtype == "bfloat16" else p)
+    with open(os.path.join(out, "tvm_cuda.cu")) as f:     # weight arguments of the kernels: nv_bfloat16 pointers
+        assert ("nv_bfloat16* __restrict__ p_" in f.read()) == (dtype == "bfloat16")
     assert set(os.listdir(out)) >= {"tvm_cuda.so", "tvm_cuda.cu", "weights.safetensors", "manifest.json", "module.k3"}
     kernels = man["kernels"]
     assert sum(r == "hand" for r in kernels.values()) >= 2          # kda_recurrent_gpu, grouped_gemm_gpu
@@ -220,3 +233,114 @@ def test_emit_source_is_refused_for_a_target_without_device_source(capsys):
     from conftest import one_line_error, run_cli
     rc, _, err = run_cli(capsys, "compile", "k3-tiny", "--target", "torch", "--emit-source")
     assert rc == 2 and "--emit-source" in one_line_error(err) and "tvm-<kind>" in err
+
+
+def test_bf16_bits_round_to_nearest_even_as_torch_does():
+    """``bf16_bits`` (the bfloat16 weights of a tvm-cuda bfloat16 artifact) equals torch's float32 -> bfloat16
+    conversion bit for bit: random values, ties (odd and even), values that round up into the next binade, the
+    largest finite bfloat16, infinities and NaN (a quiet NaN)."""
+    import torch
+    from k3ir.backends.tvm.artifact_gpu import bf16_bits, bf16_round
+    rng = np.random.default_rng(0)
+    edge = np.array([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3FFF8000, 0x7F7F7FFF, 0x7F7F8000, 0x80000001],
+                    dtype=np.uint32).view(np.float32)
+    a = np.concatenate([rng.standard_normal(4096).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 4096),
+                        edge, np.array([0.0, -0.0, np.inf, -np.inf, np.nan], dtype=np.float32)])
+    want = torch.from_numpy(a).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    got = bf16_bits(a)
+    nan = np.isnan(a)
+    assert np.array_equal(got[~nan], want[~nan]) and np.isnan(bf16_round(a)[nan]).all()
+    assert np.array_equal(bf16_round(a)[~nan], torch.from_numpy(a).to(torch.bfloat16).float().numpy()[~nan])
+
+
+@pytest.mark.parametrize("key", ["kimi-linear-tiny", pytest.param("k3-tiny", marks=pytest.mark.slow)])
+def test_bfloat16_gpu_lowering_computes_like_torch_on_the_rounded_weights(key):
+    """The GPU kinds' bfloat16 lowering (float weights declared bfloat16, linear layers as ``NT_matmul`` widening
+    them, float32 compute) compiled for llvm, with the CPU kernels in place of the hand-scheduled GPU ones (no GPU
+    here): prefill and a decode step equal the torch target in float32 on the bfloat16-rounded weights within
+    1e-5, and differ from it on the unrounded weights (the weights really are bfloat16)."""
+    import tvm
+    from k3ir.backends.tvm import TVMExecutable, gpu, llvm_target, lower
+    from k3ir.backends.tvm.artifact_gpu import bf16_bits, bf16_round
+    from k3ir.passes import run_pipeline
+    from k3ir.passes.pipelines import pipeline_for
+    from k3ir.runtime import Session
+    from k3ir.runtime.params import init_params
+
+    import k3ir
+
+    class CpuKernels(gpu._lowering_class()):
+        def kernel(self, key, make):
+            return lower.RelaxLowering.kernel(self, key, make)
+
+        def te(self, fn, *args, name="k3", **kw):
+            return lower.RelaxLowering.te(self, fn, *args, name=name, **kw)
+
+        def weight(self, w):
+            return self.f(w)
+
+    class Bf16Params(TVMExecutable):
+        def prepare_params(self, arrays):
+            out = {}
+            for n, a in arrays.items():
+                a = a.detach().numpy() if hasattr(a, "detach") else np.asarray(a)
+                out[n] = tvm.runtime.empty(a.shape, "bfloat16", tvm.cpu()) if a.dtype.kind == "f" else None
+                if out[n] is None:
+                    out[n] = tvm.runtime.tensor(np.ascontiguousarray(a))
+                else:
+                    out[n].copyfrom(bf16_bits(a))
+            return out
+
+    m = load_tiny(key)
+    run_pipeline(m, pipeline_for("tvm"))
+    lw = CpuKernels(m, "float32")
+    lw.wdt = "bfloat16"
+    for fn in ("prefill", "decode"):
+        lw.lower_function(fn)
+    assert any(str(v.ty.dtype) == "bfloat16" for f in lw.get().functions.values() if hasattr(f, "params")
+               for v in f.params)
+    exe = Bf16Params(m, "float32")
+    exe._loaded[exe._key(["prefill", "decode"])] = (tvm.compile(lw.get(), target=llvm_target()), lw.params)
+    params = {k: np.asarray(v) for k, v in init_params(m, 0).items()}
+    sess = Session(exe, params=params)
+    ids = token_ids(m.attrs["vocab_size"], 1, 6)
+    lo, st = sess.prefill(ids)
+    lo2, _ = sess.decode(ids[:, -1:], st)
+    errs = []
+    for weights in ({k: bf16_round(v) for k, v in params.items()}, params):
+        ref = Session(k3ir.compile(load_tiny(key), target="torch", dtype="float32"), params=weights)
+        want, st_ref = ref.prefill(ids)
+        want2, _ = ref.decode(ids[:, -1:], st_ref)
+        errs.append((rel_err(lo, want), rel_err(lo2, want2)))
+    assert max(errs[0]) < 1e-5 and min(errs[1]) > 1e-4, errs
+
+
+_DEVICE_RUNTIME_CHILD = r"""
+import json
+import tvm
+from k3ir.backends.tvm.artifact_gpu import device_runtime
+from k3ir.errors import K3BackendError
+try:
+    device_runtime("cuda")
+    print(json.dumps({"loaded": True, "runtime_only": bool(tvm.base._RUNTIME_ONLY)}))
+except K3BackendError as e:
+    print(json.dumps({"loaded": False, "error": str(e), "runtime_only": bool(tvm.base._RUNTIME_ONLY)}))
+"""
+
+
+def test_device_runtime_loads_the_cuda_runtime_library_in_runtime_only_mode():
+    """``TVM_USE_RUNTIME_LIB=1`` skips TVM's backend loading, so ``Session.load`` of a cuda artifact loads
+    ``libtvm_runtime_cuda.so`` itself (``device_runtime``): it loads where a CUDA driver is installed, and elsewhere
+    the error names the library and the missing driver library (this machine: no ``libcuda.so.1``)."""
+    import ctypes.util
+    env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1"}
+    p = subprocess.run([sys.executable, "-c", _DEVICE_RUNTIME_CHILD], capture_output=True, text=True, env=env,
+                       check=False, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    assert info["runtime_only"]
+    if ctypes.util.find_library("cuda") is None:
+        assert not info["loaded"] and "libtvm_runtime_cuda.so" in info["error"] and "libcuda.so" in info["error"]
+        assert "\n" not in info["error"]
+    else:
+        assert info["loaded"], info
