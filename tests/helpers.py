@@ -1,5 +1,7 @@
 """Helpers shared by several test files: a tiny bfloat16 kimi_linear model, the printed k3-tiny IR and small
-text edits of it. conftest.py holds the rest (``run_cli``, ``one_line_error``, ``tiny_config_file``, ``rel_err``)."""
+text edits of it, the fuzz tests' byte edits (``edit_bytes``) and the gloo tests' worker launcher
+(``launch_gloo_workers``). conftest.py holds the rest (``run_cli``, ``one_line_error``, ``tiny_config_file``,
+``rel_err``, the ``tvm_opt_level_0`` fixture)."""
 from __future__ import annotations
 
 import functools
