@@ -173,11 +173,15 @@ class MlirExecutable(Executable):
             self.weights_inside = False
         rt = _iree_runtime()
         bf16 = _bf16_params(self.module) if self.weights == "bf16" else set()
+        packed = {n: [int(x) for x in d.type.shape] for n, d in self.module.params.items() if d.type.dtype == "mxfp4"}
         out = {}
         for k, a in arrays.items():
             if hasattr(a, "detach"):
                 a = a.detach().float().cpu().numpy() if str(a.dtype) == "torch.bfloat16" else a.detach().cpu().numpy()
             a = np.asarray(a)
+            if k in packed:                       # the stored bytes as i4 codes [..., K] (two a byte, low first)
+                out[k] = _i4_view(rt, self.config.device, a, packed[k])
+                continue
             if k in bf16:
                 import ml_dtypes  # a dependency of iree-base-runtime
                 a = a.astype(np.float32).astype(ml_dtypes.bfloat16)
@@ -257,6 +261,17 @@ def load_executable(directory: str, man: dict, module: Module) -> MlirExecutable
     exe._arrays = load_file(artifact_file(directory, man, "weights"))
     exe.weights_inside = True
     return exe
+
+
+def _i4_view(rt, device, a: np.ndarray, shape: list[int]):
+    """A device buffer view ``i4[shape]`` over packed MXFP4 bytes ``a`` (``u8[..., K/2]``, low nibble = even column,
+    the order IREE packs i4 in). Raises K3BackendError when the byte count does not fit ``shape``."""
+    a = np.ascontiguousarray(np.asarray(a).astype(np.uint8, copy=False))
+    if a.size * 2 != int(np.prod(shape)):
+        raise K3BackendError(f"packed MXFP4 weights of {a.size} bytes do not fit mxfp4{shape} (want {np.prod(shape) // 2})")
+    buf = device.allocator.allocate_buffer_copy(memory_type=rt.MemoryType.DEVICE_LOCAL,
+                                                allowed_usage=rt.BufferUsage.DEFAULT, device=device, buffer=a)
+    return rt.HalBufferView(buf, shape, rt.HalElementType.INT_4)
 
 
 def _bf16_params(module: Module) -> set[str]:

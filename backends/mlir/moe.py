@@ -2,7 +2,8 @@
 default); ``"dense"`` keeps the op's decomposition (every token through every expert, then the combine weights).
 The fused form made by ``fuse-moe-dispatch`` (``k3.moe_dispatch`` -> ``k3.grouped_matmul`` -> ``k3.moe_combine``,
 the form ``quantize-experts`` packs) always runs over sorted rows, with MXFP4 experts kept packed (``i8`` codes and
-E8M0 scales as function arguments) and dequantised per expert right before its contraction.
+E8M0 scales as function arguments): a one-token step decodes each weight inside its expert's contraction, a
+longer prompt dequantises each expert's matrix once (an elementwise generic) right before its contraction.
 
 The sorted form: with ``R = N*k`` routed copies (slot ``r = n*k + j``), per expert counts and exclusive offsets
 (``[E]``, compare-and-count), each slot's sorted row ``pos[r] = offsets[e_r] + #{r' < r : e_r' = e_r}`` (stable),
@@ -117,51 +118,60 @@ def _whole_matrix(e: MlirEmitter, w: Val):
     return weight_of
 
 
-def _mxfp4_matrix(e: MlirEmitter, w: Val, scales: Val, K: int):
-    """``weight_of(x)`` for packed MXFP4 experts (SPEC.md 7): codes ``i8[E,N,K/2]`` (low nibble = even column) and
-    E8M0 scales ``i8[E,N,K/32]`` (unsigned bytes) -> expert x's ``f32[N,K]``, dequantised by one elementwise
-    ``linalg.generic`` reading byte ``k/2`` and scale ``k/32`` of its row (the producer IREE fuses into the
-    expert's contraction). The E2M1 code ``s e1 e0 m`` becomes the f32 bits directly (``e = 0``: ``m * 0.5``;
-    else ``(1 + m/2) 2^(e-1)``, sign to bit 31) and the scale byte ``b`` the f32 ``2^(b-127)`` (bits ``b << 23``;
-    ``b = 0`` is the subnormal ``2^-127``)."""
-    N = int(w.shape[1])
-    G = int(scales.shape[2])
+def _e2m1_scaled(e: MlirEmitter, code4: str, scale8: str) -> str:
+    """f32 ``E2M1(code) * 2^(scale-127)`` of an ``i4`` code and an ``i8`` E8M0 byte, inside a region (SPEC.md 7). The
+    code ``s e1 e0 m`` becomes the f32 bits directly (``e = 0``: ``m * 0.5``; else ``(1 + m/2) 2^(e-1)``, sign to bit
+    31) and the scale byte ``b`` the f32 ``2^(b-127)`` (bits ``b << 23``; ``b = 0`` is the subnormal ``2^-127``)."""
+    op = e.body_op
+    i32 = lambda c: e.cscalar(c, "i32")
+    code = op(f"arith.extui {code4} : i4 to i32")
+    ex = op(f"arith.andi {op(f'arith.shrui {code}, {i32(1)} : i32')}, {i32(3)} : i32")
+    m = op(f"arith.andi {code}, {i32(1)} : i32")
+    high = op(f"arith.shli {op(f'arith.addi {ex}, {i32(126)} : i32')}, {i32(23)} : i32")
+    normal = op(f"arith.ori {high}, {op(f'arith.shli {m}, {i32(22)} : i32')} : i32")
+    half = op(f"arith.muli {m}, {i32(126 << 23)} : i32")                    # e = 0: 0.5 or 0
+    mag = op(f"arith.select {op(f'arith.cmpi eq, {ex}, {i32(0)} : i32')}, {half}, {normal} : i32")
+    sign = op(f"arith.shli {op(f'arith.andi {code}, {i32(8)} : i32')}, {i32(28)} : i32")
+    val = op(f"arith.bitcast {op(f'arith.ori {mag}, {sign} : i32')} : i32 to f32")
+    sb = op(f"arith.extui {scale8} : i8 to i32")
+    sub = op(f"arith.cmpi eq, {sb}, {i32(0)} : i32")
+    sbits = op(f"arith.select {sub}, {i32(1 << 22)}, {op(f'arith.shli {sb}, {i32(23)} : i32')} : i32")
+    return op(f"arith.mulf {val}, {op(f'arith.bitcast {sbits} : i32 to f32')} : f32")
 
-    def weight_of(x: int) -> Val:
-        wp = Val(e.assign(f"tensor.extract_slice {w.name}[{x}, 0, 0] [1, {N}, {K // 2}] [1, 1, 1] : {w.type} to "
-                          f"{ttype((N, K // 2), w.elem)}", "wq"), w.elem, (N, K // 2))
+
+def _mxfp4_matrix(e: MlirEmitter, w: Val, scales: Val, in_contraction: bool):
+    """``weight_of(x)`` for packed MXFP4 experts: codes ``i4[E,N,K]`` (the stored bytes, two codes a byte, low nibble
+    = even column: IREE's i4 packing) and E8M0 scales ``i8[E,N,K/32]`` (unsigned bytes), expert x's matrix blocked
+    ``[N, K/32, 32]`` (block = scale group). ``in_contraction``: the codes and scales themselves (the contraction
+    decodes each weight where it multiplies it: 0.53 bytes read per weight, the form for a few rows per expert);
+    else an ``f32`` matrix dequantised by one elementwise ``linalg.generic`` (IREE runs it as its own dispatch, the
+    f32 matrix a transient buffer; each weight decoded once however many rows the expert has)."""
+    _, N, K = (int(d) for d in w.shape)
+    G = K // 32
+    blocked = (N, G, 32)
+
+    def weight_of(x: int):
+        wp = e.assign(f"tensor.extract_slice {w.name}[{x}, 0, 0] [1, {N}, {K}] [1, 1, 1] : {w.type} to "
+                      f"{ttype((N, K), w.elem)}", "wq")
+        wb = Val(e.assign(f"tensor.expand_shape {wp} [[0], [1, 2]] output_shape [{N}, {G}, 32] : "
+                          f"{ttype((N, K), w.elem)} into {ttype(blocked, w.elem)}", "wq"), w.elem, blocked)
         sp = Val(e.assign(f"tensor.extract_slice {scales.name}[{x}, 0, 0] [1, {N}, {G}] [1, 1, 1] : {scales.type} "
                           f"to {ttype((N, G), scales.elem)}", "ws"), scales.elem, (N, G))
-
-        def dequant(a, o):
-            op = e.body_op
-            i32 = lambda c: e.cscalar(c, "i32")
-            byte = op(f"arith.extui {a[0]} : i8 to i32")
-            col = op(f"arith.index_cast {op('linalg.index 1 : index')} : index to i32")
-            shift = op(f"arith.muli {op(f'arith.andi {col}, {i32(1)} : i32')}, {i32(4)} : i32")
-            code = op(f"arith.andi {op(f'arith.shrui {byte}, {shift} : i32')}, {i32(15)} : i32")
-            ex = op(f"arith.andi {op(f'arith.shrui {code}, {i32(1)} : i32')}, {i32(3)} : i32")
-            m = op(f"arith.andi {code}, {i32(1)} : i32")
-            high = op(f"arith.shli {op(f'arith.addi {ex}, {i32(126)} : i32')}, {i32(23)} : i32")
-            normal = op(f"arith.ori {high}, {op(f'arith.shli {m}, {i32(22)} : i32')} : i32")
-            half = op(f"arith.muli {m}, {i32(126 << 23)} : i32")            # e = 0: 0.5 or 0
-            mag = op(f"arith.select {op(f'arith.cmpi eq, {ex}, {i32(0)} : i32')}, {half}, {normal} : i32")
-            sign = op(f"arith.shli {op(f'arith.andi {code}, {i32(8)} : i32')}, {i32(28)} : i32")
-            val = op(f"arith.bitcast {op(f'arith.ori {mag}, {sign} : i32')} : i32 to f32")
-            sb = op(f"arith.extui {a[1]} : i8 to i32")
-            sub = op(f"arith.cmpi eq, {sb}, {i32(0)} : i32")
-            sbits = op(f"arith.select {sub}, {i32(1 << 22)}, {op(f'arith.shli {sb}, {i32(23)} : i32')} : i32")
-            return [op(f"arith.mulf {val}, {op(f'arith.bitcast {sbits} : i32 to f32')} : f32")]
-        (wf,) = e.gen(2, ["parallel", "parallel"], [(wp, ["d0", "d1 floordiv 2"]), (sp, ["d0", "d1 floordiv 32"])],
-                      [(e.empty((N, K), FLOAT), ttype((N, K), FLOAT), FLOAT, ["d0", "d1"])], dequant)
-        return Val(wf, FLOAT, (N, K))
+        if in_contraction:
+            return wb, sp
+        (wf,) = e.gen(3, ["parallel"] * 3, [(wb, ["d0", "d1", "d2"]), (sp, ["d0", "d1"])],
+                      [(e.empty(blocked, FLOAT), ttype(blocked, FLOAT), FLOAT, ["d0", "d1", "d2"])],
+                      lambda a, o: [_e2m1_scaled(e, a[0], a[1])])
+        return Val(wf, FLOAT, blocked)
     return weight_of
 
 
 def _per_expert_matmuls(e: MlirEmitter, rows: Val, segments: list[tuple[str, str]], weight_of, N: int) -> Val:
     """``y[rows of x] = rows[rows of x] @ weight_of(x)^T`` for each expert x: per expert a dynamic
     ``tensor.extract_slice`` of its segment (``segments``: first row, count), one contraction with its whole
-    ``[N,K]`` matrix, and the results concatenated in segment order (``[sum of counts, N]``, dynamic rows)."""
+    matrix (``[N,K]``; ``[N,K/32,32]`` blocked, the rows viewed ``[M,K/32,32]`` and both block axes reduced; or
+    packed MXFP4 codes and scales, decoded in the contraction's body), and the results concatenated in segment
+    order (``[sum of counts, N]``, dynamic rows)."""
     K = rows.shape[1]
     parts = []
     for x, (lo, cnt) in enumerate(segments):
@@ -170,17 +180,38 @@ def _per_expert_matmuls(e: MlirEmitter, rows: Val, segments: list[tuple[str, str
         xs = Val(e.assign(f"tensor.extract_slice {rows.name}[{lo}, 0] [{cnt}, {K}] [1, 1] : {rows.type} to "
                           f"{ttype((dim, K), rows.elem)}", "xs"), rows.elem, (dim, K))
         we = weight_of(x)
+        packed = isinstance(we, tuple)
+        wv = we[0] if packed else we
+        if len(wv.shape) == 3:                                # blocked [N, K/32, 32]: rows as [M, K/32, 32]
+            bs = (dim, wv.shape[1], wv.shape[2])
+            xs = Val(e.assign(f"tensor.expand_shape {xs.name} [[0], [1, 2]] output_shape [{cnt}, {bs[1]}, {bs[2]}] : "
+                              f"{xs.type} into {ttype(bs, xs.elem)}", "xs"), xs.elem, bs)
+            loops, iters = 4, ["parallel", "parallel", "reduction", "reduction"]
+            maps = [(xs, ["d0", "d2", "d3"]), (wv, ["d1", "d2", "d3"])] + ([(we[1], ["d1", "d2"])] if packed else [])
+        else:
+            loops, iters = 3, ["parallel", "parallel", "reduction"]
+            maps = [(xs, ["d0", "d2"]), (wv, ["d1", "d2"])]
 
-        def mac(a, o, we=we):
-            p = e.body_op(f"arith.mulf {a[0]}, {conv(e, a[1], we.elem, FLOAT)} : f32")
+        def mac(a, o, wv=wv, xs=xs, packed=packed):
+            wt = _e2m1_scaled(e, a[1], a[2]) if packed else conv(e, a[1], wv.elem, FLOAT)
+            p = e.body_op(f"arith.mulf {conv(e, a[0], xs.elem, FLOAT)}, {wt} : f32")
             return [e.body_op(f"arith.addf {o[0]}, {p} : f32")]
-        (y,) = e.gen(3, ["parallel", "parallel", "reduction"], [(xs, ["d0", "d2"]), (we, ["d1", "d2"])],
+        (y,) = e.gen(loops, iters, maps,
                      [(e.filled((dim, N), FLOAT, 0.0), ttype((dim, N), FLOAT), FLOAT, ["d0", "d1"])], mac)
         parts.append(Val(y, FLOAT, (dim, N)))
     dyn = ttype(("moe_all_rows", N), FLOAT)                 # dynamic rows (a static result trips IREE's reshapes)
     out = e.assign(f"tensor.concat dim(0) {', '.join(p.name for p in parts)} : ({', '.join(p.type for p in parts)}) "
                    f"-> {dyn}", "cat")
     return Val(out, FLOAT, ("moe_all_rows", N))
+
+
+def _few_rows(R) -> bool:
+    """True for the row count of a one-token step: no sequence dim ``T`` in its expression (decode: ``B*k`` rows),
+    or a static count up to 64."""
+    import ast
+    if isinstance(R, int):
+        return R <= 64
+    return "T" not in {n.id for n in ast.walk(ast.parse(str(R), mode="eval")) if isinstance(n, ast.Name)}
 
 
 def _as_rows(e: MlirEmitter, y: Val, R) -> Val:
@@ -301,12 +332,13 @@ def _grouped_form(op) -> str | None:
 def _grouped_matmul(e: MlirEmitter, op, inst, x, offsets, w, scales=None):
     """``k3.grouped_matmul`` over expert-sorted rows (expert x owns rows ``offsets[x]:offsets[x+1]``): the E+1
     offsets read once, per expert one contraction of its row segment with its whole matrix (float, or MXFP4
-    codes and scales dequantised by ``_mxfp4_matrix`` right before it), the segments concatenated and padded
-    with zero rows before ``offsets[0]`` and after ``offsets[E]``. Never a per-token weight gather."""
-    E, N, K = (int(d) for d in op.operands[2].type.shape)
+    by ``_mxfp4_matrix``: decoded inside the contraction for the few rows of a one-token step, ``_few_rows``, else
+    dequantised by one elementwise generic right before it), the segments concatenated and padded with zero rows
+    before ``offsets[0]`` and after ``offsets[E]``. Never a per-token weight gather."""
+    E, N = (int(d) for d in op.operands[2].type.shape[:2])
     R = op.results[0].type.shape[0]
     segs = _segments(e, offsets, E)
-    weight_of = _whole_matrix(e, w) if inst.quant == "none" else _mxfp4_matrix(e, w, scales, K)
+    weight_of = _whole_matrix(e, w) if inst.quant == "none" else _mxfp4_matrix(e, w, scales, _few_rows(R))
     y = _per_expert_matmuls(e, x, segs, weight_of, N)
     lo = segs[0][0]
     hi = e.assign(f"arith.subi {e.dim(R)}, {_read_index(e, offsets, E)} : index", "o")

@@ -8,19 +8,20 @@ FLOAT = "f32"
 
 
 def elem(ir_dtype: str) -> str:
-    """The MLIR element type of an IR dtype: floats compute in ``f32``; ``u8`` and packed ``mxfp4`` are signless
-    ``i8`` (read with unsigned ops), packed ``int4`` ``i32`` words."""
+    """The MLIR element type of an IR dtype: floats compute in ``f32``; ``u8`` is a signless ``i8`` (read with
+    unsigned ops); packed ``mxfp4`` codes are ``i4`` (IREE stores two a byte, low nibble first: the stored bytes as
+    they are); packed ``int4`` is ``i32`` words."""
     if ir_dtype in ("bf16", "f16", "f32", "f64", "fp8e4m3"):
         return FLOAT
-    return {"i64": "i64", "i32": "i32", "i8": "i8", "u8": "i8", "bool": "i1", "mxfp4": "i8", "int4": "i32"}[ir_dtype]
+    return {"i64": "i64", "i32": "i32", "i8": "i8", "u8": "i8", "bool": "i1", "mxfp4": "i4", "int4": "i32"}[ir_dtype]
 
 
 def storage_shape(ir_dtype: str, shape) -> tuple:
-    """The run-time array shape of a parameter: packed ``mxfp4[..., K]`` is ``u8[..., K/2]`` (two E2M1 codes a
-    byte), ``int4[..., K]`` is ``i32[..., K/8]`` (SPEC.md 7); other dtypes keep ``shape``."""
+    """The shape of a parameter's function argument: packed ``int4[..., K]`` is ``i32[..., K/8]`` (SPEC.md 7); the
+    others (``mxfp4`` as ``i4``, two codes a byte) keep ``shape``."""
     shape = tuple(shape)
-    if ir_dtype in ("mxfp4", "int4") and shape:
-        return shape[:-1] + (int(shape[-1]) // (2 if ir_dtype == "mxfp4" else 8),)
+    if ir_dtype == "int4" and shape:
+        return shape[:-1] + (int(shape[-1]) // 8,)
     return shape
 
 

@@ -77,8 +77,8 @@ def test_onnx_form_flags_reach_the_graph(capsys, tmp_path):
 
 
 def test_mlir_quantize_and_form_flags_reach_the_text(capsys, tmp_path):
-    """``--format mlir --quantize mxfp4``: the routed experts are packed ``i8`` function arguments, dequantised in the
-    module; ``--moe-form dense --kda-form scan``: the earlier lowering (no chunk padding, an all-expert tensor)."""
+    """``--format mlir --quantize mxfp4``: the routed experts are packed function arguments (``i4`` codes), decoded in
+    the module; ``--moe-form dense --kda-form scan``: the earlier lowering (no chunk padding, an all-expert tensor)."""
     pytest.importorskip("iree.compiler")
     texts = {}
     for name, flags in (("mxfp4", ["--quantize", "mxfp4"]), ("default", []),
@@ -89,6 +89,6 @@ def test_mlir_quantize_and_form_flags_reach_the_text(capsys, tmp_path):
         assert rc == 0, err
         texts[name] = out.read_text()
     head = next(ln for ln in texts["mxfp4"].splitlines() if "func.func @prefill" in ln)
-    assert "x16xi8>" in head and "floordiv 2" in texts["mxfp4"] and "floordiv 2" not in texts["default"]
+    assert "x32xi4>" in head and "i4 to i32" in texts["mxfp4"] and "i4 to i32" not in texts["default"]
     assert "tensor.pad" in texts["default"] and "tensor.pad" not in texts["earlier"]
     assert "x8x32xf32>" in texts["earlier"] and "x8x32xf32>" not in texts["default"]

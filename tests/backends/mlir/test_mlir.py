@@ -183,26 +183,28 @@ def test_prefill_lengths_and_16_decode_steps_match_reference_and_torch(key):
         assert np.array_equal(nxt, tl.double().numpy()[:, -1].argmax(-1).reshape(-1, 1)), step
 
 
-def _grouped_mxfp4_module(E: int, N: int, K: int) -> Module:
-    """``@forward(x [R,K], offsets i64[E+1])`` -> one ``k3.grouped_matmul`` with packed MXFP4 weights ``w`` and E8M0
-    scales ``s`` (parameters)."""
+def _grouped_mxfp4_module(E: int, N: int, K: int, rows: str) -> Module:
+    """``@forward(x [rows,K], offsets i64[E+1])`` -> one ``k3.grouped_matmul`` with packed MXFP4 weights ``w`` and E8M0
+    scales ``s`` (parameters); ``rows`` names the row dim (``T`` in it: a prompt's rows)."""
     m = Module("grouped")
     fn = Function("forward")
     b = Builder(m, fn)
-    y = b.op("k3.grouped_matmul", b.arg("x", TensorType("f32", ("R", K))), b.arg("o", TensorType("i64", (E + 1,))),
+    y = b.op("k3.grouped_matmul", b.arg("x", TensorType("f32", (rows, K))), b.arg("o", TensorType("i64", (E + 1,))),
              b.param("w", TensorType("mxfp4", (E, N, K))), b.param("s", TensorType("u8", (E, N, K // 32))), quant="mxfp4")
     b.ret(y)
     m.add_function(fn)
     return m
 
 
-def test_grouped_matmul_keeps_mxfp4_packed_and_dequantises_per_expert():
-    """k3.grouped_matmul with MXFP4 weights: the MLIR takes the packed codes ``i8[E,N,K/2]`` and scale bytes
-    ``i8[E,N,K/32]`` as arguments (no float ``[E,N,K]`` tensor anywhere) and dequantises each expert's matrix in a
-    ``linalg.generic`` reading byte ``k floordiv 2``; every byte value (all 16 codes in both nibbles) and scale
-    bytes 0 (the subnormal 2^-127), 1..140 run through IREE; segments that skip rows (before offsets[0], after
-    offsets[E]) give zero rows, an empty expert none: equal to the float64 reference (``k3ir.quant``'s decoder)
-    within the float32 tolerance (SPEC.md 11: 1e-5)."""
+@pytest.mark.parametrize("rows", ["T", "B"])
+def test_grouped_matmul_keeps_mxfp4_packed_and_dequantises_per_expert(rows):
+    """k3.grouped_matmul with MXFP4 weights: the MLIR takes the stored bytes as ``i4[E,N,K]`` codes (two a byte, low
+    nibble first, IREE's packing) and the scale bytes as ``i8[E,N,K/32]`` (no float ``[E,N,K]`` tensor anywhere);
+    prompt rows (``T``) get each expert's matrix dequantised by one elementwise generic before its contraction, the
+    rows of a one-token step (``B``) decode each weight inside the contraction (one 4-loop generic reading codes and
+    scales). Every byte value (all 16 codes in both nibbles) and scale bytes 0 (the subnormal 2^-127), 1, 110..140
+    run through IREE; segments that skip rows (before offsets[0], after offsets[E]) give zero rows, an empty expert
+    none: equal to the float64 reference (``k3ir.quant``'s decoder) within the float32 tolerance (SPEC.md 11)."""
     from k3ir.backends import get_backend
 
     from k3ir.opdef import instantiate
@@ -213,12 +215,15 @@ def test_grouped_matmul_keeps_mxfp4_packed_and_dequantises_per_expert():
     scales = rng.integers(110, 141, size=(E, N, K // 32)).astype(np.uint8)
     scales[0, 0, 0] = 0
     scales[1, 2, 1] = 1
-    m = _grouped_mxfp4_module(E, N, K)
+    m = _grouped_mxfp4_module(E, N, K, rows)
     text, order = emit_mlir(m, ["forward"])
     head = next(ln for ln in text.splitlines() if "func.func @forward" in ln)
     assert order["forward"] == ["w", "s"]
-    assert f"tensor<{E}x{N}x{K // 2}xi8>" in head and f"tensor<{E}x{N}x{K // 32}xi8>" in head
-    assert f"tensor<{E}x{N}x{K}xf32>" not in text and "d1 floordiv 2" in text and "d1 floordiv 32" in text
+    assert f"%p0: tensor<{E}x{N}x{K}xi4>" in head and f"%p1: tensor<{E}x{N}x{K // 32}xi8>" in head
+    assert f"x{K}xf32>" not in text.replace(f"?x{K}xf32>", "")          # only the rows are float [?, K]
+    generics = [ln for ln in text.splitlines() if "linalg.generic" in ln and "xi4>" in ln]
+    assert len(generics) == E
+    assert all(('"reduction"' in g) == (rows == "B") for g in generics), generics[0]
     exe = get_backend("mlir").build(m, "float32", "cpu")
     exe.prepare_params({"w": packed, "s": scales})
     want_fn = instantiate(m.functions["forward"].ops[-1]).reference
@@ -233,8 +238,8 @@ def test_grouped_matmul_keeps_mxfp4_packed_and_dequantises_per_expert():
 
 
 def test_mxfp4_model_text_reads_expert_matrices_whole_never_per_token():
-    """k3-tiny with ``--quantize mxfp4`` (the fused MoE form) emits: every routed-expert argument is an ``i8``
-    packed tensor, read only by ``tensor.extract_slice %p[x, 0, 0] [1, ...]`` with a constant expert x (one whole
+    """k3-tiny with ``--quantize mxfp4`` (the fused MoE form) emits: every routed-expert argument is a packed
+    tensor (``i4`` codes, ``i8`` scales), read only by ``tensor.extract_slice %p[x, 0, 0] [1, ...]`` with a constant expert x (one whole
     matrix per expert, never a per-token gather), once per expert and matrix in prefill and decode; the float
     ``k3.moe`` form reads its expert weights the same way."""
     for key in ("k3-tiny-mxfp4", "k3-tiny"):
@@ -248,7 +253,7 @@ def test_mxfp4_model_text_reads_expert_matrices_whole_never_per_token():
             head = next(ln for ln in text.splitlines() if f"func.func @{fn}" in ln)
             for p, name in experts.items():
                 arg_type = re.search(rf"{p}: (tensor<[^>]*>)", head).group(1)
-                assert arg_type.endswith("xi8>") == key.endswith("mxfp4"), (name, arg_type)
+                assert arg_type.endswith(("xi4>", "xi8>")) == key.endswith("mxfp4"), (name, arg_type)
                 uses = [ln for ln in text.splitlines() if re.search(rf"{p}\b", ln) and "func.func" not in ln]
                 starts = sorted(int(re.search(rf"{p}\[(\d+), 0, 0\] \[1,", u).group(1)) for u in uses)
                 assert starts == list(range(E)), (key, fn, name, uses[:2])
