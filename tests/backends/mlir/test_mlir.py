@@ -71,6 +71,23 @@ def test_mlir_artifact_save_and_session_load(tmp_path):
     assert rel_err(a[0], b[0]) < 1e-6 and rel_err(a[1], b[1]) < 1e-6
 
 
+@pytest.mark.slow
+def test_mxfp4_artifact_reopens_with_packed_experts(tmp_path):
+    """An mlir artifact of k3-tiny with MXFP4 experts keeps the packed bytes (uint8 in weights.safetensors) and, reopened
+    by ``Session.load``, hands them to IREE as i4 codes again: prefill + one decode step equal the live session's."""
+    from safetensors.numpy import load_file
+    m, _, _, exe, sess = _sessions("k3-tiny-mxfp4")
+    exe.save(str(tmp_path / "art"))
+    stored = load_file(str(tmp_path / "art" / "weights.safetensors"))
+    packed = [k for k in stored if k.endswith(".weight_packed")]
+    assert packed and all(stored[k].dtype == np.uint8 for k in packed)
+    loaded = Session.load(str(tmp_path / "art"))
+    ids = token_ids(m.attrs["vocab_size"], 1, 9)
+    nxt = token_ids(m.attrs["vocab_size"], 1, 1, seed=7)
+    a, b = prefill_decode(loaded, ids, nxt), prefill_decode(sess, ids, nxt)
+    assert rel_err(a[0], b[0]) < 1e-6 and rel_err(a[1], b[1]) < 1e-6
+
+
 def _small_module() -> Module:
     m = Module("small")
     fn = Function("forward")
