@@ -322,6 +322,7 @@ def _moe_dispatch(e: MlirEmitter, op, inst, x, wts, idx):
 
 
 def _grouped_form(op) -> str | None:
+    """MLIR lowers float and MXFP4 experts (kept packed); INT4 is not lowered."""
     q = op.attrs.get("quant", "none")
     if q not in ("none", "mxfp4"):
         return f"quant={q} is not lowered (none and mxfp4 are)"
