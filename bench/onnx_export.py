@@ -3,7 +3,10 @@ torch eager (its default pipeline: the baseline), the ONNX exports run by onnxru
 ``Scan``; opset 27 with the standard ``LinearAttention``/``CausalConvWithState``; opset 27 with ``--ort-kernels``;
 the routed experts as expert-sorted slices, the default, or as the ``Loop`` over experts) and, with ``--mlir``,
 IREE llvm-cpu (the ``mlir`` target: ``mlir``, chunked KDA and sorted MoE, the default; ``mlir-scan-dense``, the
-earlier lowering kept behind ``MlirConfig(kda_form="scan", moe_form="dense")``).
+earlier lowering kept behind ``MlirConfig(kda_form="scan", moe_form="dense")``). On request (``--variants``):
+``mlir-bf16`` (``MlirConfig(weights="bf16")``: bf16 weight arguments, so its logits differ from torch's by the bf16
+rounding of the random weights) and ``mlir-mxfp4`` (routed experts packed as MXFP4, ``--quantize mxfp4``: its
+logits differ by the quantisation).
 
     python bench/onnx_export.py                       # k3-100m, T=128, 16 decode steps
     python bench/onnx_export.py --variants torch,onnx27-ort,onnx20 --T 64
@@ -47,6 +50,8 @@ VARIANTS = {
     "onnx20-moeloop": ("onnx", (20, False, "loop")),
     "mlir": ("mlir", {}),
     "mlir-scan-dense": ("mlir", {"kda_form": "scan", "moe_form": "dense"}),
+    "mlir-bf16": ("mlir", {"weights": "bf16"}),
+    "mlir-mxfp4": ("mlir", {"passes": ["fuse-moe-dispatch", "quantize-experts{format=mxfp4}", "dce"]}),
 }
 MLIR_VARIANTS = ("mlir", "mlir-scan-dense")
 DEFAULT = "torch,onnx27-ort,onnx27-ort-moeloop,onnx27-std,onnx20,onnx20-moeloop"
@@ -60,16 +65,21 @@ def make_session(m, variant: str, params: dict) -> tuple[Session, float]:
     """A Session of ``variant`` on ``params``; returns it and its build seconds (IREE compiles here)."""
     target, settings = VARIANTS[variant]
     t = time.perf_counter()
+    if target == "mlir":                      # built, weighted, emitted and compiled now, under its MlirConfig
+        from k3ir.backends.mlir.config import mlir_config
+        with mlir_config(**{k: v for k, v in settings.items() if k != "passes"}):
+            exe = k3ir.compile(m, target=target, dtype="float32", passes=settings.get("passes"))
+            if "passes" in settings:          # MXFP4: packed from the same float weights
+                from k3ir.passes.quantize_experts import materialize
+                params = {**params, **materialize(exe.module, lambda name, _t: params[name])}
+            s = Session(exe, params={n: params[n] for n in exe.module.params})
+            exe.compile_group(("prefill", "decode"))
+        return s, time.perf_counter() - t
     exe = k3ir.compile(m, target=target, dtype="float32")
     if target == "onnx":
         exe.opset, exe.ort_kernels, exe.moe_form = settings
         exe.session_config = {"session.intra_op.allow_spinning": "0"}   # no spinning beside torch's and IREE's pools
-    s = Session(exe, params=params)
-    if target == "mlir":                      # emitted and compiled now, under its MlirConfig
-        from k3ir.backends.mlir.config import mlir_config
-        with mlir_config(**settings):
-            exe.compile_group(("prefill", "decode"))
-    return s, time.perf_counter() - t
+    return Session(exe, params=params), time.perf_counter() - t
 
 
 def prefill_seconds(s: Session, ids) -> tuple[float, np.ndarray]:
