@@ -8,7 +8,7 @@ Relax VM on this CPU through the usual ``Session`` API.
   re-compilation per shape).
 - Linear layers run as register-tiled, vectorised, parallel TIR kernels that read the ``[N, K]`` weight
   as stored; KDA as a TIR recurrence kernel vectorised over value columns; MoE as dispatch (stable sort
-  by expert) + one GEMM per expert over its sorted rows (MXFP4/INT4: a gather-GEMM dequantising inside)
+  by expert) + one GEMM per expert over its sorted rows (MXFP4/INT4: dequantised in the register tile)
   + combine; MLA and AttnRes as Relax ops. Kernels are compiled for this machine's CPU
   (``TvmConfig.mcpu``).
   Ops without a native lowering fall back to their decomposition (``k3ir check --target tvm``).

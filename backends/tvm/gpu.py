@@ -129,6 +129,10 @@ def _lowering_class():
                 return super().kernel(("grouped_gemm_gpu", E, N, Kd, "flat", self.wdt),
                                       lambda: G.grouped_gemm_gpu(E, N, Kd, "none", self.fdt, flat=True,
                                                                  w_dtype=self.wdt))
+            if name == "grouped_quant":                    # packed MXFP4/INT4 experts: (E, N, K, quant)
+                E, N, Kd, quant = key[1:]
+                return super().kernel(("grouped_gemm_gpu", E, N, Kd, quant),
+                                      lambda: G.grouped_gemm_gpu(E, N, Kd, quant, self.fdt))
             if name == "mla_attention":                    # (H, Hk, D, P, Dv, round(scale * 1e9))
                 H, Hk, D, P, Dv, scale = key[1:]
                 return super().kernel(("mla_attention_gpu", *key[1:]),

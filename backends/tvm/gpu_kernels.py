@@ -21,7 +21,7 @@ from functools import cache
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .kernels import _E2M1
+from .kernels import e2m1_select
 
 #: weight rows per block (threadIdx.y) and lanes over K (threadIdx.x) of the grouped GEMM
 NY = 4
@@ -95,15 +95,6 @@ def nt_matmul(x, w):
                       lambda *i: te.sum(x[(*i[:-1], k)] * w[i[-1], k].astype(x.dtype), axis=k), name="NT_matmul")
 
 
-def _e2m1_table(code, dtype):
-    """E2M1 value of a 4-bit code (sign in bit 3) as a select chain (SPEC.md 7)."""
-    m = code & 7
-    val = T.Cast(dtype, 0.0)
-    for i in range(7, 0, -1):
-        val = T.Select(m == i, T.Cast(dtype, _E2M1[i]), val)
-    return T.Select((code & 8) != 0, -val, val)
-
-
 @cache
 def grouped_gemm_gpu(E: int, N: int, K: int, quant: str = "none", dtype: str = "float32", flat: bool = False,
                      w_dtype: str | None = None):
@@ -131,7 +122,7 @@ def grouped_gemm_gpu(E: int, N: int, K: int, quant: str = "none", dtype: str = "
             byte = T.Cast("int32", w[e, n, u])
             code = T.Select(c == 0, byte & 15, byte >> 4)
             scale = T.exp2(T.Cast(acc_t, T.Cast("int32", sc[e, n, (u * 2 + c) // 32]) - 127))
-            return _e2m1_table(code, acc_t) * scale
+            return e2m1_select(code, acc_t) * scale
         word = w[e, n, u]
         qv = ((word >> T.Cast("int32", c * 4)) & 15) - 8
         return T.Cast(acc_t, qv) * T.Cast(acc_t, sc[e, n, (u * 8 + c) // 32])

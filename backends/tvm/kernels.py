@@ -17,7 +17,9 @@ Semantics follow SPEC.md exactly as the float64 references in ``k3ir/ops`` do:
 - ``topk``: largest-k with ties broken toward the lower index (rank counting; O(E^2) per row).
 - ``moe_dispatch`` / ``grouped_matmul`` / ``moe_combine``: MoE with a stable sort by expert,
   a gather-GEMM over sorted rows (expert id from the offsets; MXFP4/INT4 dequantised in the
-  inner loop, SPEC.md 7) and the weighted un-permute.
+  inner loop, SPEC.md 7) and the weighted un-permute. ``grouped_quant_kernel`` is the scheduled form of the
+  packed one (as ``grouped_linear_kernel``, each weight tile dequantised once into registers and shared by the
+  tile's rows); the TE ``grouped_matmul`` remains for widths it does not take.
 """
 from __future__ import annotations
 
@@ -147,6 +149,121 @@ def grouped_linear_kernel(E: int, N: int, K: int, dtype: str = "float32"):
             for m in range(cnt % MT):
                 row(x, w, y, acc1, lo + cnt // MT * MT + m, e * N + f // E * N1, 1, e * N)
     return grouped_linear
+
+
+def quant_tiles(K: int) -> bool:
+    """Whether ``grouped_quant_kernel`` takes packed experts of width K: whole scale groups (K % 32 == 0)."""
+    return K % 32 == 0
+
+
+#: K lanes of the quantised grouped GEMM's tile (half an MXFP4/INT4 scale group of 32)
+QVL = 16
+
+
+def e2m1_select(code, dtype):
+    """E2M1 value of 4-bit ``code`` (sign in bit 3) in TVMScript: a select chain LLVM vectorises (SPEC.md 7)."""
+    m = code & 7
+    val = T.Cast(dtype, 0.0)
+    for i in range(7, 0, -1):
+        val = T.Select(m == i, T.Cast(dtype, _E2M1[i]), val)
+    return T.Select((code & 8) != 0, -val, val)
+
+
+def _quant_tile_macro(dtype: str, K: int, NT: int, quant: str):
+    """TVMScript macro ``tile(x, w, sc, y, acc, wt, r0, e, n0, MR)``: rows ``r0:r0+MR`` of x times rows
+    ``n0:n0+NT`` of expert e's packed weight into ``y[r, n0 + j]``. Per block of QVL k values, the NT weight rows are
+    dequantised once into ``wt`` (codes to values, times the block's scale: one ``exp2`` per row and block) and
+    then used by all MR rows; acc a local ``[MT, NT, QVL]`` buffer, wt ``[NT, QVL + 1]`` (the scale last)."""
+    KO = K // QVL
+    per = 2 if quant == "mxfp4" else 8
+
+    def deq(w, e, n, ko, v):
+        unit = w[e, n, ko * (QVL // per) + v // per]
+        if quant == "mxfp4":
+            byte = T.Cast("int32", unit)
+            return e2m1_select(T.Select(v % 2 == 0, byte & 15, byte >> 4), dtype)
+        return T.Cast(dtype, ((unit >> T.Cast("int32", v % 8 * 4)) & 15) - 8)
+
+    def scale(sc, e, n, ko):
+        s = sc[e, n, ko * QVL // 32]
+        if quant == "mxfp4":
+            return T.exp2(T.Cast(dtype, T.Cast("int32", s) - 127))
+        return T.Cast(dtype, s)
+
+    @T.macro
+    def tile(x, w, sc, y, acc, wt, r0, e, n0, MR):
+        for mi in T.unroll(MR):
+            for ni in T.unroll(NT):
+                for v in T.vectorized(QVL):
+                    acc[mi, ni, v] = T.Cast(dtype, 0)
+        for ko in range(KO):
+            for ni in T.unroll(NT):
+                wt[ni, QVL] = scale(sc, e, n0 + ni, ko)
+                for v in T.vectorized(QVL):
+                    wt[ni, v] = deq(w, e, n0 + ni, ko, v) * wt[ni, QVL]
+            for mi in T.unroll(MR):
+                for ni in T.unroll(NT):
+                    for v in T.vectorized(QVL):
+                        acc[mi, ni, v] = acc[mi, ni, v] + x[r0 + mi, ko * QVL + v] * wt[ni, v]
+        for mi in T.unroll(MR):
+            for ni in T.unroll(NT):
+                for v in T.vectorized(8):
+                    acc[mi, ni, v] = acc[mi, ni, v] + acc[mi, ni, v + 8]
+                for v in T.vectorized(4):
+                    acc[mi, ni, v] = acc[mi, ni, v] + acc[mi, ni, v + 4]
+                for v in T.vectorized(2):
+                    acc[mi, ni, v] = acc[mi, ni, v] + acc[mi, ni, v + 2]
+                y[r0 + mi, n0 + ni] = acc[mi, ni, 0] + acc[mi, ni, 1]
+    return tile
+
+
+@cache
+def grouped_quant_kernel(E: int, N: int, K: int, quant: str, dtype: str = "float32"):
+    """TIR PrimFunc ``(x, offsets, w, scales) -> y``, the scheduled ``grouped_matmul`` of packed experts: x
+    ``[R, K]`` rows sorted by expert (R symbolic), offsets ``int64[E+1]``, w MXFP4 ``u8[E, N, K/2]`` with E8M0
+    scales ``u8[E, N, K/32]`` or INT4 ``i32[E, N, K/8]`` with float scales ``[E, N, K/32]`` (SPEC.md 7), y ``[R, N]``.
+    As ``grouped_linear_kernel``: one GEMM per expert over its rows (tiles of MT rows, then the leftover rows one at
+    a time over blocks of 8 weight rows), parallel over (weight-row block, expert), so only experts with rows read
+    their weights, with the dequantisation fused into the tile (``_quant_tile_macro``): no dequantised copy of the
+    experts. Needs ``quant_tiles(K)``."""
+    NT = _lanes(N, (4, 2, 1))
+    N1 = _lanes(N, (8, 4, 2, 1))
+    KP = K // (2 if quant == "mxfp4" else 8)
+    KS = K // 32
+    if quant not in ("mxfp4", "int4") or not quant_tiles(K):
+        raise ValueError(f"grouped_quant_kernel: quant {quant!r} with K={K} (needs mxfp4/int4 and K % 32 == 0)")
+    w_dtype = "uint8" if quant == "mxfp4" else "int32"
+    s_dtype = "uint8" if quant == "mxfp4" else dtype
+    tile = _quant_tile_macro(dtype, K, NT, quant)
+    row = _quant_tile_macro(dtype, K, N1, quant)
+
+    @T.prim_func(private=True)
+    def grouped_quant(x_h: T.handle, o_h: T.handle, w_h: T.handle, s_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        R = T.int64()
+        x = T.match_buffer(x_h, (R, K), dtype)
+        off = T.match_buffer(o_h, (E + 1,), "int64")
+        w = T.match_buffer(w_h, (E, N, KP), w_dtype)
+        sc = T.match_buffer(s_h, (E, N, KS), s_dtype)
+        y = T.match_buffer(y_h, (R, N), dtype)
+        if R >= MT:
+            for f in T.parallel(N // NT * E):
+                acc = T.alloc_buffer((MT, NT, QVL), dtype, scope="local")
+                wt = T.alloc_buffer((NT, QVL + 1), dtype, scope="local")
+                e = f % E
+                lo = off[e]
+                cnt = off[e + 1] - lo
+                for mb in range(cnt // MT):
+                    tile(x, w, sc, y, acc, wt, lo + mb * MT, e, f // E * NT, MT)
+        for f in T.parallel(N // N1 * E):
+            acc1 = T.alloc_buffer((1, N1, QVL), dtype, scope="local")
+            wt1 = T.alloc_buffer((N1, QVL + 1), dtype, scope="local")
+            e = f % E
+            lo = off[e]
+            cnt = off[e + 1] - lo
+            for m in range(cnt % MT):
+                row(x, w, sc, y, acc1, wt1, lo + cnt // MT * MT + m, e, f // E * N1, 1)
+    return grouped_quant
 
 
 @cache

@@ -206,7 +206,12 @@ def _grouped_matmul(lw, inst, x, offsets, w, scales=None):
         wf = lw.emit(R_.reshape(lw.weight(w), [E * N, Kd]))
         return lw.emit(relax.call_tir(gv, [lw.f(x), off, wf], relax.TensorType([lw.shape(x)[0], N], lw.fdt)))
     sc = scales if inst.quant == "mxfp4" else lw.f(scales)
-    return lw.te(K.grouped_matmul, lw.f(x), off, w, sc, inst.quant, name=f"grouped_matmul_{inst.quant}")
+    E, N = (int(d) for d in lw.shape(w)[:2])
+    Kd = int(lw.shape(x)[-1])
+    if not K.quant_tiles(Kd):
+        return lw.te(K.grouped_matmul, lw.f(x), off, w, sc, inst.quant, name=f"grouped_matmul_{inst.quant}")
+    gv = lw.kernel(("grouped_quant", E, N, Kd, inst.quant), lambda: K.grouped_quant_kernel(E, N, Kd, inst.quant, lw.fdt))
+    return lw.emit(relax.call_tir(gv, [lw.f(x), off, w, sc], relax.TensorType([lw.shape(x)[0], N], lw.fdt)))
 
 
 @lowers("k3.moe_combine")
