@@ -24,9 +24,11 @@ On the device (``gpu_verification.py`` call 7, or by hand from the ``.gpuhead`` 
 ``TVM_USE_RUNTIME_LIB=1`` and that folder first on ``PYTHONPATH``. Per artifact: ``Session.load``; the process must
 have ``libtvm_runtime`` mapped and no ``libtvm_compiler``; prefill ``--prompt`` tokens then ``--check-steps`` decode
 steps fed the torch target's greedy tokens, each step's logits against the torch target on the same device, dtype
-and weights (relative L2 error, SPEC.md 11: within 1e-4 float32, 5e-3 bfloat16) and against torch in float32 on the
-artifact's weights (a bfloat16 artifact computes in float32 on bfloat16 weights: this one shows the kernels' own
-error); then prefill (B1, ``--prefill`` tokens) and greedy decode (``--decode`` steps) tokens/s of tvm-cuda, torch and
+and weights (relative L2 error, SPEC.md 11; the issue asks 1e-4 float32, 5e-3 bfloat16: ``issue_tol_met``) and
+against torch in float32 (TF32 off) on the artifact's weights (``ok``: within 1e-4). A bfloat16 artifact computes in
+float32 on bfloat16 weights, so the second shows its kernels' own error, while the first also holds torch's bfloat16
+rounding of its activations (``torch_bf16_vs_torch_f32``: on the CPU 1e-2 to 4e-2 for these models, above 5e-3);
+then prefill (B1, ``--prefill`` tokens) and greedy decode (``--decode`` steps) tokens/s of tvm-cuda, torch and
 triton on the same weights, ``--repeats`` interleaved runs each (median, min, max). One JSON (``benchlib.Report``).
 ``run --device cpu`` runs the same path on llvm artifacts (``prepare --target tvm``): the CPU test of the script.
 """
@@ -250,7 +252,10 @@ def cmd_measure(a) -> int:
     import torch
     sys.path.insert(0, HERE)
     from benchlib import Report, spread
+    torch.backends.cuda.matmul.allow_tf32 = False      # the torch reference in exact float32 (cuDNN's conv
+    torch.backends.cudnn.allow_tf32 = False            # would otherwise take TF32, about 1e-3)
     rep = Report("tvm_cuda_artifact", a.out, sys.argv)
+    rep.data["meta"]["torch_tf32"] = False
     rep.data["meta"]["runtime"] = _runtime_status(a.site)
     print("runtime:", rep.data["meta"]["runtime"], flush=True)
     arts = sorted(d for d in glob.glob(os.path.join(a.dir, "artifacts", "*")) if os.path.isdir(d))
@@ -273,9 +278,12 @@ def cmd_measure(a) -> int:
             vocab = sess["tvm"].vocab or 256
             ids = np.random.default_rng(0).integers(0, min(vocab, 256), (1, a.prompt))
             errs: dict = {r: [] for r in routes if r.startswith("torch")}
+            torch_own: list = []        # torch bfloat16 against torch float32 on the same weights: torch's bf16 error
             (got, st), outs = sess["tvm"].prefill(ids), {r: sess[r].prefill(ids) for r in errs}
             for r, e in errs.items():
                 e.append(_rel(got, outs[r][0]))
+            if dt != "float32":
+                torch_own.append(_rel(outs[f"torch:{dt}"][0], outs["torch:float32"][0]))
             states = {r: outs[r][1] for r in errs}
             tokens = []
             for _ in range(a.check_steps):
@@ -286,9 +294,14 @@ def cmd_measure(a) -> int:
                 states = {r: outs[r][1] for r in errs}
                 for r, e in errs.items():
                     e.append(_rel(got, outs[r][0]))
+                if dt != "float32":
+                    torch_own.append(_rel(outs[f"torch:{dt}"][0], outs["torch:float32"][0]))
             row["rel_err"] = {r: {"max": max(v), "prefill": v[0], "decode": v[1:]} for r, v in errs.items()}
+            if torch_own:
+                row["torch_bf16_vs_torch_f32"] = {"max": max(torch_own), "prefill": torch_own[0]}
             row["tol"] = TOL[dt]
-            row["ok"] = row["rel_err"][f"torch:{dt}"]["max"] < TOL[dt]
+            row["issue_tol_met"] = row["rel_err"][f"torch:{dt}"]["max"] < TOL[dt]
+            row["ok"] = row["rel_err"]["torch:float32"]["max"] < TOL["float32"]
             row["greedy_tokens"] = tokens
             ok = ok and row["ok"] and not row["runtime"]["libtvm_compiler_mapped"]
             pids = np.random.default_rng(1).integers(0, min(vocab, 256), (1, a.prefill))
@@ -311,16 +324,17 @@ def cmd_measure(a) -> int:
         rep.add(row)
         if a.device == "cuda":
             torch.cuda.empty_cache()
-    print("\n| artifact | err vs torch (same dtype) | tol | tvm prefill tok/s | tvm decode tok/s | others decode tok/s |")
-    print("|---|---|---|---|---|---|")
+    print("\n| artifact | err vs torch f32 | err vs torch (same dtype) | tol | tvm prefill tok/s | tvm decode tok/s | "
+          "others decode tok/s |")
+    print("|---|---|---|---|---|---|---|")
     for r in rep.data["rows"]:
         if "error" in r:
-            print(f"| {r['artifact']} | ERROR {r['error'][:80]} | | | | |")
+            print(f"| {r['artifact']} | ERROR {r['error'][:80]} | | | | | |")
             continue
         tp = r["tokens_per_s"]
         others = ", ".join(f"{k} {v['decode']['median']:.0f}" for k, v in tp.items() if k != "tvm")
         err = r["rel_err"]["torch:" + r["dtype"]]["max"]
-        print(f"| {r['artifact']} | {err:.2e} | {r['tol']:g} | "
+        print(f"| {r['artifact']} | {r['rel_err']['torch:float32']['max']:.2e} | {err:.2e} | {r['tol']:g} | "
               f"{tp['tvm']['prefill']['median']:.0f} | {tp['tvm']['decode']['median']:.0f} | {others} |")
     return 0 if ok and rep.data["rows"] else 1
 
