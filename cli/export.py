@@ -19,15 +19,18 @@ import contextlib
 import os
 import time
 
+from k3ir.backends.mlir.config import KDA_FORMS
+from k3ir.backends.mlir.config import MOE_FORMS as MLIR_MOE_FORMS
+from k3ir.backends.onnx.export import MXFP4_FORMS
+from k3ir.backends.onnx.moe import MOE_FORMS as ONNX_MOE_FORMS
+
 from k3ir.progress import progress
 
 from .common import UsageError, console, load_model, model_arg
 
 FORMATS = ("onnx", "mlir", "dot", "svg", "html")
-#: ``--moe-form`` values per format: onnx ``backends/onnx/moe.py`` (MOE_FORMS), mlir ``MlirConfig.moe_form``
-MOE_FORMS = {"onnx": ("sorted", "loop"), "mlir": ("sorted", "dense")}
-MXFP4_FORMS = ("unpack", "dequantize_linear")       # backends/onnx/export.py MXFP4_FORMS
-KDA_FORMS = ("chunked", "scan")                     # MlirConfig.kda_form
+#: ``--moe-form`` values per format (the exporters' own lists)
+MOE_FORMS = {"onnx": ONNX_MOE_FORMS, "mlir": MLIR_MOE_FORMS}
 
 
 def _check_forms(args, fmt: str, opset: int | None) -> tuple[str | None, str | None, str | None]:
@@ -214,7 +217,7 @@ def register(sub) -> None:
     p.add_argument("--quantize", choices=("none", "mxfp4"),
                    help="onnx, mlir: routed experts as packed MXFP4, dequantised in the graph (default: what the "
                         "config says)")
-    p.add_argument("--moe-form", choices=("sorted", "loop", "dense"),
+    p.add_argument("--moe-form", choices=tuple(dict.fromkeys(ONNX_MOE_FORMS + MLIR_MOE_FORMS)),
                    help="routed experts; onnx: sorted (default up to 256 experts: one Gemm per expert on its slice "
                         "of the expert-sorted rows) or loop (a Loop over the experts in use; default above 256); "
                         "mlir: sorted (default: one contraction per expert on its rows) or dense (every token "

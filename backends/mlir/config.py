@@ -11,6 +11,10 @@ from k3ir.errors import K3ConfigError
 
 from ..config import ScopedConfig, setting
 
+MOE_FORMS = ("sorted", "dense")       #: ``MlirConfig.moe_form`` values
+KDA_FORMS = ("chunked", "scan")       #: ``MlirConfig.kda_form`` values
+WEIGHT_DTYPES = ("f32", "bf16")       #: ``MlirConfig.weights`` values
+
 
 @dataclass(frozen=True)
 class MlirConfig:
@@ -34,13 +38,13 @@ class MlirConfig:
                            "setting has its own IREE cache entry and artifacts record it")
 
     def __post_init__(self):
-        if self.moe_form not in ("sorted", "dense"):
+        if self.moe_form not in MOE_FORMS:
             raise K3ConfigError(f"MlirConfig.moe_form={self.moe_form!r}: want 'sorted' or 'dense'")
-        if self.kda_form not in ("chunked", "scan"):
+        if self.kda_form not in KDA_FORMS:
             raise K3ConfigError(f"MlirConfig.kda_form={self.kda_form!r}: want 'chunked' or 'scan'")
         if self.kda_chunk < 2:
             raise K3ConfigError(f"MlirConfig.kda_chunk={self.kda_chunk}: want at least 2")
-        if self.weights not in ("f32", "bf16"):
+        if self.weights not in WEIGHT_DTYPES:
             raise K3ConfigError(f"MlirConfig.weights={self.weights!r}: want 'f32' or 'bf16'")
 
     def cache_dir(self) -> str:
