@@ -49,6 +49,8 @@ class TVMGpuExecutable(Executable):
         self.report = None
         self.build_seconds: dict[str, float] = {}
         self._lib = None                                 # the loaded library (load_gpu_artifact)
+        #: the artifact's weights are in ``_arrays``: ``Session`` without params uses them (not a random init)
+        self.weights_inside = False
         self._names: dict[str, list[str]] = {}
         self._arrays: dict[str, np.ndarray] | None = None
         self._vm = None
@@ -73,8 +75,10 @@ class TVMGpuExecutable(Executable):
     def prepare_params(self, arrays: dict[str, Any]) -> dict[str, Any]:
         """Weights as device tensors when a library is loaded (``load_gpu_artifact``), else as given; float weights
         in the compile dtype (bfloat16: rounded to nearest even), packed MXFP4 ``u8`` / INT4 ``i32`` as stored."""
-        if not arrays and self._arrays is not None:
+        if self.weights_inside and not arrays:
             arrays = self._arrays
+        else:
+            self.weights_inside = False
         if self._lib is None:
             return dict(arrays)
         import tvm
@@ -202,4 +206,5 @@ def load_gpu_artifact(directory: str, man: dict, module: Module) -> TVMGpuExecut
             names = json.loads(value)
             exe._names.update(names)
     exe._arrays = load_file(artifact_file(directory, man, "weights"))
+    exe.weights_inside = True
     return exe

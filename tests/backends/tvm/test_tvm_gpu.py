@@ -254,18 +254,22 @@ def test_bf16_bits_round_to_nearest_even_as_torch_does():
 
 
 @pytest.mark.parametrize("key", ["kimi-linear-tiny", pytest.param("k3-tiny", marks=pytest.mark.slow)])
-def test_bfloat16_gpu_lowering_computes_like_torch_on_the_rounded_weights(key):
+def test_bfloat16_gpu_lowering_and_loader_compute_like_torch_on_the_rounded_weights(key, tmp_path):
     """The GPU kinds' bfloat16 lowering (float weights declared bfloat16, linear layers as ``NT_matmul`` widening
     them, float32 compute) compiled for llvm, with the CPU kernels in place of the hand-scheduled GPU ones (no GPU
-    here): prefill and a decode step equal the torch target in float32 on the bfloat16-rounded weights within
-    1e-5, and differ from it on the unrounded weights (the weights really are bfloat16)."""
+    here), written as a GPU artifact whose device is the CPU and reopened by ``Session.load`` (the GPU loader: the
+    artifact's weights uploaded as bfloat16, states kept as device tensors between steps): prefill and two decode
+    steps equal the torch target in float32 on the bfloat16-rounded weights within 1e-5, and differ from it on the
+    unrounded weights (the weights really are bfloat16)."""
     import tvm
-    from k3ir.backends.tvm import TVMExecutable, gpu, llvm_target, lower
-    from k3ir.backends.tvm.artifact_gpu import bf16_bits, bf16_round
+    from k3ir.backends.artifact import write_manifest
+    from k3ir.backends.tvm import gpu, llvm_target, lower
+    from k3ir.backends.tvm.artifact_gpu import bf16_round
     from k3ir.passes import run_pipeline
     from k3ir.passes.pipelines import pipeline_for
     from k3ir.runtime import Session
     from k3ir.runtime.params import init_params
+    from safetensors.numpy import save_file
 
     import k3ir
 
@@ -279,18 +283,6 @@ def test_bfloat16_gpu_lowering_computes_like_torch_on_the_rounded_weights(key):
         def weight(self, w):
             return self.f(w)
 
-    class Bf16Params(TVMExecutable):
-        def prepare_params(self, arrays):
-            out = {}
-            for n, a in arrays.items():
-                a = a.detach().numpy() if hasattr(a, "detach") else np.asarray(a)
-                out[n] = tvm.runtime.empty(a.shape, "bfloat16", tvm.cpu()) if a.dtype.kind == "f" else None
-                if out[n] is None:
-                    out[n] = tvm.runtime.tensor(np.ascontiguousarray(a))
-                else:
-                    out[n].copyfrom(bf16_bits(a))
-            return out
-
     m = load_tiny(key)
     run_pipeline(m, pipeline_for("tvm"))
     lw = CpuKernels(m, "float32")
@@ -299,19 +291,27 @@ def test_bfloat16_gpu_lowering_computes_like_torch_on_the_rounded_weights(key):
         lw.lower_function(fn)
     assert any(str(v.ty.dtype) == "bfloat16" for f in lw.get().functions.values() if hasattr(f, "params")
                for v in f.params)
-    exe = Bf16Params(m, "float32")
-    exe._loaded[exe._key(["prefill", "decode"])] = (tvm.compile(lw.get(), target=llvm_target()), lw.params)
-    params = {k: np.asarray(v) for k, v in init_params(m, 0).items()}
-    sess = Session(exe, params=params)
+    art = str(tmp_path / "art")
+    os.makedirs(art)
+    tvm.compile(lw.get(), target=llvm_target()).export_library(os.path.join(art, "lib.so"))
+    params = {k: np.asarray(v, dtype=np.float32) for k, v in init_params(m, 1).items()}   # not Session's seed-0 init
+    save_file({k: bf16_round(v) for k, v in params.items()}, os.path.join(art, "weights.safetensors"))
+    write_manifest(art, m, "tvm-cuda", "bfloat16", {"library": "lib.so", "weights": "weights.safetensors",
+                                                    "names:prefill|decode": json.dumps(lw.params)}, kind="cpu",
+                   arch="host")
+    sess = Session.load(art)
     ids = token_ids(m.attrs["vocab_size"], 1, 6)
     lo, st = sess.prefill(ids)
-    lo2, _ = sess.decode(ids[:, -1:], st)
+    assert all(isinstance(v, tvm.runtime.Tensor) for v in st.values.values())
+    lo2, st = sess.decode(ids[:, -1:], st)
+    lo3, _ = sess.decode(ids[:, -2:-1], st)
     errs = []
     for weights in ({k: bf16_round(v) for k, v in params.items()}, params):
         ref = Session(k3ir.compile(load_tiny(key), target="torch", dtype="float32"), params=weights)
         want, st_ref = ref.prefill(ids)
-        want2, _ = ref.decode(ids[:, -1:], st_ref)
-        errs.append((rel_err(lo, want), rel_err(lo2, want2)))
+        want2, st_ref = ref.decode(ids[:, -1:], st_ref)
+        want3, _ = ref.decode(ids[:, -2:-1], st_ref)
+        errs.append((rel_err(lo, want), rel_err(lo2, want2), rel_err(lo3, want3)))
     assert max(errs[0]) < 1e-5 and min(errs[1]) > 1e-4, errs
 
 
