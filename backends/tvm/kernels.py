@@ -160,8 +160,13 @@ def quant_tiles(K: int) -> bool:
 QVL = 16
 
 
+#: the E2M1 magnitudes of codes 0..7 (SPEC.md 7)
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
 def e2m1_select(code, dtype):
-    """E2M1 value of 4-bit ``code`` (sign in bit 3) in TVMScript: a select chain LLVM vectorises (SPEC.md 7)."""
+    """E2M1 value of 4-bit ``code`` (sign in bit 3) as a select chain LLVM vectorises (SPEC.md 7): TIR expressions,
+    used in TVMScript kernels (``grouped_quant_kernel``, ``gpu_kernels.grouped_gemm_gpu``) and TE (``grouped_matmul``)."""
     m = code & 7
     val = T.Cast(dtype, 0.0)
     for i in range(7, 0, -1):
@@ -509,17 +514,6 @@ def moe_dispatch(x, w, flat, num_experts: int, k: int):
     return xs, offsets, pos, cw
 
 
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def _e2m1(code, dtype):
-    m = code & 7
-    val = tirx.const(0.0, dtype)
-    for i in range(7, 0, -1):
-        val = tirx.Select(m == i, tirx.const(_E2M1[i], dtype), val)
-    return tirx.Select((code & 8) != 0, -val, val)
-
-
 def grouped_matmul(x, offsets, w, scales=None, quant: str = "none"):
     """y ``[R,N]``: row r (sorted by expert) times ``W_e^T`` for the expert e whose rows
     ``offsets[e]:offsets[e+1]`` hold r. w ``[E,N,K]`` float, or packed MXFP4 ``u8[E,N,K/2]``
@@ -541,7 +535,7 @@ def grouped_matmul(x, offsets, w, scales=None, quant: str = "none"):
             byte = w[e, n, kk // 2].astype("int32")
             code = tirx.Select(kk % 2 == 0, byte & 15, byte >> 4)
             scale = tirx.exp2((scales[e, n, kk // 32].astype("int32") - 127).astype(dt))
-            return _e2m1(code, dt) * scale
+            return e2m1_select(code, dt) * scale
         word = w[e, n, kk // 8]
         q = ((word >> ((kk % 8) * 4).astype("int32")) & 15) - 8
         return q.astype(dt) * scales[e, n, kk // 32].astype(dt)
