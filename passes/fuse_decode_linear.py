@@ -9,8 +9,8 @@
    ``kv_a`` / gate, the dense gate and up, the latent-MoE down and shared gate/up): one op, one result
    per linear;
 4. ``norm="rms"``: an ``rmsnorm`` whose every use is the input of one of the ops above moves into
-   their prologue and goes away (a norm also read by a lone linear stays: that linear keeps its
-   separate norm launch).
+   their prologue and goes away (a norm also read by a lone linear, a KDA layer or a router stays here:
+   ``fuse-decode-norm`` and ``fuse-moe-front`` move it later).
 
 A value returned by the function, or read twice, is never folded. Every function is rewritten (the
 Triton lowering runs these ops as one GEMV launch when the rows fit, ``gemv.MAX_ROWS``, and as the

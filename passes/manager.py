@@ -28,7 +28,7 @@ PASSES: dict[str, type[Pass]] = {}
 #: is listed (tests/test_layering.py checks it)
 BUILTIN_PASSES = ("dce", "cse", "fuse_kda_chunks", "fuse_moe_dispatch", "quantize_experts", "absorb_mla",
                   "fuse_attn_res", "shard", "fuse_decode_linear",
-                  "fuse_kda_output", "fuse_mla_kv_norm")
+                  "fuse_kda_output", "fuse_mla_kv_norm", "fuse_moe_experts", "fuse_moe_front", "fuse_decode_norm")
 
 
 @dataclass

@@ -24,7 +24,8 @@ PHASES: dict[str, list[str]] = {
     "fuse": ["fuse-kda-chunks", "fuse-moe-dispatch", "fuse-attn-res"],
     "quantize": ["quantize-experts"],
     "specialize": ["absorb-mla"],
-    "decode": ["fuse-decode-linear", "fuse-kda-output", "fuse-mla-kv-norm"],
+    "decode": ["fuse-decode-linear", "fuse-kda-output", "fuse-mla-kv-norm", "fuse-moe-experts", "fuse-moe-front",
+               "fuse-decode-norm"],
     "cleanup": ["cse", "dce"],
 }
 

@@ -205,7 +205,31 @@ def _decode_linear(r):
     return [([x, w1, *res], {}, {"residuals": 2}),
             ([x, w1, w2, _pos(r, (8,)), res[0]], {}, {"norm": "rms", "eps": 1e-5, "glu": True, "residuals": 1}),
             ([x, w1, w3, _pos(r, (8,))], {}, {"norm": "rms", "splits": 2}),
-            ([x, w1, _pos(r, (4,)), _x(r, (2, 1, 8)), res[1]], {}, {"norm": "gated", "residuals": 1})]
+            ([x, w1, _pos(r, (4,)), _x(r, (2, 1, 8)), res[1]], {}, {"norm": "gated", "residuals": 1}),
+            # the MoE combine of pre-scaled expert rows [4, 6] (slots -> rows inv [2, 1, 2]) in the epilogue
+            ([x, w1, res[0], _x(r, (4, 6)), r.permutation(4).reshape(2, 1, 2)], {}, {"residuals": 1, "combine": True})]
+
+
+def _moe_experts(r):
+    """Rows sorted over 4 experts (expert 1 empty), gate/up [4, 3, 5], down [4, 4, 3]; comb_w [6], inv [1, 3, 2]."""
+    rows, off = _x(r, (6, 5)), np.array([0, 2, 2, 5, 6])
+    w1, w3, w2 = _x(r, (4, 3, 5)), _x(r, (4, 3, 5)), _x(r, (4, 4, 3))
+    cw, inv = r.uniform(size=6), r.permutation(6).reshape(1, 3, 2)
+    return [([rows, off, w1, w3, w2, cw, inv], {}, {"act": "situ"}),
+            ([rows, off, w1, w3, w2, cw], {}, {"act": "silu", "combine": False}),
+            ([_x(r, (6, 3)), off, w2, cw, inv], {}, {"glu": False})]
+
+
+def _moe_front(r):
+    """Router of 4 experts (top 2) over x [2, 3, 5]; with the RMSNorm, the shared SwiGLU [3, 5] and the routed
+    GLU [4, 3, 5]."""
+    x, w, bias = _x(r, (2, 3, 5)), _x(r, (4, 5)), _x(r, (4,), 0.1)
+    nw, s1, s3, w1, w3 = _pos(r, (5,)), _x(r, (3, 5)), _x(r, (3, 5)), _x(r, (4, 3, 5)), _x(r, (4, 3, 5))
+    base = {"top_k": 2, "num_experts": 4}
+    return [([x, w, bias], {}, base),
+            ([x, w, bias, nw], {}, {**base, "norm": "rms", "norm_eps": 1e-5, "routed_scaling_factor": 2.5}),
+            ([x, w, bias, nw, s1, s3, w1, w3], {}, {**base, "norm": "rms", "shared_glu": True, "routed_glu": True,
+                                                   "act": "situ"})]
 
 
 def _mla_kv_norm(r):
@@ -235,13 +259,17 @@ def _fused_kda(r):
              "full_rank_gate": False, "eps": 1e-5, "chunk_size": 16}
     return [([x, *ws, *low_rank], {}, attrs),
             ([x, *ws, *full, *sts], st(1), {**attrs, "gate": "softplus", "full_rank_gate": True}),
-            ([x[:, :1], *ws, *low_rank, *sts], st(2), {**attrs, "mode": "recurrent"})]
+            ([x[:, :1], *ws, *low_rank, *sts], st(2), {**attrs, "mode": "recurrent"}),
+            # the layer's input RMSNorm inside (norm="rms": its weight [d] last)
+            ([x[:, :1] * 3, *ws, *full, *sts, _pos(r, (d,))], st(1),
+             {**attrs, "mode": "recurrent", "full_rank_gate": True, "norm": "rms", "norm_eps": 1e-5})]
 
 
 FUSED_CASES: dict[str, Callable[[np.random.Generator], list[Case]]] = {
     "k3.moe_dispatch": _moe_dispatch, "k3.grouped_matmul": _grouped_matmul, "k3.moe_combine": _moe_combine,
     "k3.attn_res_store": _attn_res_store, "k3.attn_res_fused": _attn_res_fused,
-    "k3.decode_linear": _decode_linear, "k3.mla_kv_norm": _mla_kv_norm,
+    "k3.decode_linear": _decode_linear, "k3.mla_kv_norm": _mla_kv_norm, "k3.moe_experts": _moe_experts,
+    "k3.moe_front": _moe_front,
     "k3.fused_kda": _fused_kda, "k3.fused_kda_ungated": _fused_kda,
 }
 

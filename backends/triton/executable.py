@@ -102,7 +102,6 @@ def fused_kda(inst, *args):
     """One KDA layer (SPEC.md 3): projections in torch, then 3 conv launches, the fused chunked
     forward (or, for ``mode="recurrent"``, the one-launch decode step) and the epilogue launch."""
     from .gemv import cat_weights, fits, gemv, gemv2
-    from .lowering import Lazy, _norm_args
     if not inst.GATED and (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
                                                            for a in args)):
         return NotImplemented        # k3.fused_kda_ungated: a decode step only (no autograd)
@@ -111,12 +110,18 @@ def fused_kda(inst, *args):
     ws = [w_q, w_k, w_v, w_fa, w_b, gate_w[0]]
     decode = (inst.mode == "recurrent" and x.shape[1] == 1 and st[3] is not None and x.dtype != torch.float64
               and inst.qk_eps == 1e-6)
-    xr, nrm = _norm_args(x)          # x may be a deferred RMSNorm (lowering.Prenormed): normed in the gemv
+    # norm="rms" (fuse-decode-norm): x is the raw row of the layer's input RMSNorm, normed in the projection gemv's
+    # prologue at a decode step the gemv takes, else by the standalone kernel first (the torch fallback norms it
+    # itself)
+    nw = inst.input_norm(args)
+    xr, nrm = x, None
     fused_in = decode and _gemv_ready(xr[:, 0], ws[0])
-    if isinstance(x, Lazy) and not fused_in:
-        x = x.materialize()
-        args = (x, *args[1:])
-        xr, nrm = x, None
+    if nw is not None:
+        if fused_in:
+            nrm = (nw, inst.norm_eps)
+        elif x.dtype != torch.float64:
+            from .norm import rmsnorm
+            x = xr = rmsnorm(x, nw, inst.norm_eps)
     lb = inst.lower_bound if inst.gate == "lower_bound" else None
     # the kernels fix the L2 eps at SPEC's 1e-6; the chunked kernels take K3 gate bounds down to -5 (kda.py)
     if (x.dtype == torch.float64 or inst.qk_eps != 1e-6 or not kernel_head_dims(inst.head_dim)
@@ -259,9 +264,9 @@ def interpreter_guard(name: str, impl):
 
 
 class TritonExecutable(TorchExecutable):
-    """Runs the module op by op like the torch executable; KDA, MoE (grouped GEMMs with the GLU
-    and combine weight fused, lowering.py), MLA, RMSNorm and AttnRes ops go to the Triton
-    kernels. On CUDA the ``decode`` function runs as a captured CUDA graph (graphs.py; set
+    """Runs the module op by op like the torch executable; KDA, MoE (``k3.moe_front``, ``k3.moe_experts``
+    and the dispatch/grouped/combine ops, lowering.py), MLA, RMSNorm, AttnRes and the decode phase's fused
+    ops go to the Triton kernels. On CUDA the ``decode`` function runs as a captured CUDA graph (graphs.py; set
     ``cuda_graphs = False`` to run it eagerly)."""
 
     def __init__(self, module, dtype: str, device: str, mesh=None):
@@ -275,7 +280,6 @@ class TritonExecutable(TorchExecutable):
         if interpreting():
             self.table.update({n: interpreter_guard(n, self.table[n]) for n in GATE_OPS})
         self.graph_ctx = None
-        self.plans = {name: lowering.plan(f) for name, f in module.functions.items()}
         # TritonConfig.decode.cuda_graphs False (K3IR_CUDA_GRAPHS=0) runs decode eagerly (to bisect graph capture vs
         # kernels; bench/MOE_NOTES.md); read when the executable is built
         self.cuda_graphs = (self.tdev.type == "cuda" and "decode" in module.functions
@@ -294,8 +298,8 @@ class TritonExecutable(TorchExecutable):
         return out
 
     def _run_eager(self, function, targs, params):
-        from .lowering import PlanInterpreter
-        interp = PlanInterpreter(self.module, self.table, params.__getitem__, post=self._post, plans=self.plans)
+        from ..interpreter import Interpreter
+        interp = Interpreter(self.module, self.table, params.__getitem__, post=self._post)
         pending: list = []
         token = _GATE_FLAGS.set(pending)
         try:

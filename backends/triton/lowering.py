@@ -1,21 +1,22 @@
-"""Lowerings of the MoE, MLA, norm and decode-phase ops to the Triton kernels, plus the MoE fusion plan.
+"""Lowerings of the MoE, MLA, norm and decode-phase ops to the Triton kernels: the triton executable's one table.
 
-``table(exe)`` gives op name -> ``impl(inst, *operands)`` for the triton executable, among them the ops of the
-triton pipeline's ``decode`` phase (``k3.decode_linear``, ``k3.mla_kv_norm``; ``k3.fused_kda_ungated`` is in
-executable.py), whose implementations return NotImplemented for the sizes their kernels do not take (the
-interpreter then runs the op's decomposition). ``plan(fn)`` still finds, per function, the MoE fusions not yet
-declared as ops: the routed-expert chains made by ``fuse-moe-dispatch`` (``grouped_matmul`` gate + up ->
-``situ_glu``/``swiglu`` -> ``grouped_matmul`` down -> ``moe_combine``), run by ``PlanInterpreter`` as two
-grouped-GEMM launches (gate/up with the GLU fused; down with the combine weight fused) and one combine
-launch or the combine summed in a ``k3.decode_linear`` epilogue; the router + dispatch front (with the
-shared expert's SwiGLU ``k3.decode_linear``); and the RMSNorms deferred into the KDA layer or that front.
-float64 modules keep the torch implementations everywhere.
+``table(exe)`` gives op name -> ``impl(inst, *operands)``, among them the fused ops of the triton pipeline's
+``decode`` phase (passes/pipelines.py), each the IR form of what one group of decode-step kernels computes:
+``k3.decode_linear`` (fuse-decode-linear, fuse-decode-norm: the weight-streaming GEMV with its norm prologue,
+SwiGLU, residual and MoE-combine epilogue), ``k3.mla_kv_norm`` (fuse-mla-kv-norm), ``k3.moe_experts``
+(fuse-moe-experts: the grouped gate/up GLU launch, the grouped down launch with the combine weight as a row
+scale, the combine launch or the combine left to a ``k3.decode_linear`` epilogue) and ``k3.moe_front``
+(fuse-moe-front: router + dispatch in the front kernels, the layer's RMSNorm and the shared expert's SwiGLU in
+them, the routed experts' GLU launch routing the step itself); ``k3.fused_kda`` / ``k3.fused_kda_ungated`` (with
+the input norm of fuse-decode-norm) are in executable.py. An implementation checks what depends on the run-time
+values (rows <= ``gemv.MAX_ROWS``, dtypes, autograd, CUDA or ``TRITON_INTERPRET=1``) and returns NotImplemented
+where its kernels do not apply: the interpreter then runs the op's decomposition (``LoweringTable.falls_back``
+records when, for ``k3ir check``). float64 modules keep the torch implementations everywhere.
 """
 from __future__ import annotations
 
 import torch
 
-from ..interpreter import Interpreter
 from ..lowering import LoweringTable
 from . import attn_res as attn_res_k
 from . import gemv as gemv_k
@@ -26,64 +27,6 @@ from .mla import attn as mla_k
 from .moe import decode as moe_decode
 from .moe import dispatch as disp_k
 from .moe import grouped as moe_k
-
-
-class Lazy:
-    """A decode-step value whose kernel is deferred into its consumer's launch (``plan`` actions ``norm``
-    and ``combine``): consumers that can fuse it read its parts; any other consumer gets
-    ``materialize()`` (the standalone kernel, run once and cached)."""
-
-    shape: tuple
-    dtype: torch.dtype
-    value: torch.Tensor | None = None
-
-    def materialize(self) -> torch.Tensor:
-        if self.value is None:
-            self.value = self._compute()
-        return self.value
-
-
-class Prenormed(Lazy):
-    """``rmsnorm(x, w, eps)`` not yet computed: a gemv applies it in its prologue (gemv ``norm=``)."""
-
-    def __init__(self, x, w, eps):
-        self.x, self.w, self.eps = x, w, float(eps)
-        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
-
-    def _compute(self):
-        return norm_k.rmsnorm(self.x, self.w, self.eps)
-
-
-class Combined(Lazy):
-    """``moe_combine`` of pre-scaled expert rows not yet computed: a gemv adds it in its epilogue (``comb=``)."""
-
-    def __init__(self, y, inv):
-        self.y, self.inv = y, inv
-        self.shape, self.dtype, self.device = (*inv.shape[:-1], y.shape[-1]), y.dtype, y.device
-
-    def _compute(self):
-        return moe_k.moe_combine(self.y, None, self.inv)
-
-
-class Routed(Lazy):
-    """The sorted expert rows (``k3.moe_dispatch`` result 0) of a decode MoE front whose routing is not done yet
-    (``dispatch.Front``): the GLU launch routes it (moe_decode.routed_glu, plan ``("routed", glu)``) or, for any
-    other use, ``dispatch_front`` runs (it writes the same routing outputs the front holds)."""
-
-    def __init__(self, front):
-        self.front = front
-        self.shape = (front.x.shape[0] * front.k, front.x.shape[1])
-        self.dtype, self.device = front.x.dtype, front.x.device
-
-    def _compute(self):
-        return disp_k.dispatch_front(self.front)[1][0]
-
-
-def _val(v):
-    """A Lazy as its materialized tensor (computed now if needed); anything else as is."""
-    if isinstance(v, Lazy):
-        return v.materialize()
-    return v
 
 
 def _torch_impl(name):
@@ -222,20 +165,12 @@ def _gemv_ok(x, w, *more) -> bool:
     return (x.is_cuda or interpreting()) and gemv_k.fits(x, w) and _no_grad(x, w, *more)
 
 
-def _norm_args(x):
-    """(gemv input, gemv ``norm=``) of a linear's input: a Prenormed one is normed in the gemv prologue."""
-    if isinstance(x, Prenormed) and x.value is None:
-        return x.x, (x.w, x.eps)
-    return _val(x), None
-
-
 def linear(inst, x, w):
-    """``k3.linear``: decode-size inputs (<= gemv.MAX_ROWS rows) through the weight-streaming kernel
-    (a deferred RMSNorm of the input fused in), others through cuBLAS."""
-    xr, nrm = _norm_args(x)
-    if _gemv_ok(xr, w):
-        return gemv_k.gemv(xr, w, norm=nrm)
-    return _torch_impl("k3.linear")(inst, _val(x), w)
+    """``k3.linear``: decode-size inputs (<= gemv.MAX_ROWS rows) through the weight-streaming kernel, others
+    through cuBLAS."""
+    if _gemv_ok(x, w):
+        return gemv_k.gemv(x, w)
+    return _torch_impl("k3.linear")(inst, x, w)
 
 
 def _prologue(inst, x, nrm):
@@ -252,295 +187,155 @@ def _prologue(inst, x, nrm):
 
 
 def decode_linear(inst, x, *args):
-    """``k3.decode_linear`` (ops/nn.py) as one gemv launch (gemv.py: norm prologue, SwiGLU, residual adds
-    and a lazily combined MoE output in the epilogue, split outputs over concatenated weights) when the
-    rows fit (at most ``gemv.MAX_ROWS``, no autograd, CUDA or the interpreter); a prefill-size sum with a
-    lazily combined MoE output runs cuBLAS then one ``combine_add`` pass; anything else returns
-    NotImplemented, so the interpreter runs the op's decomposition."""
+    """``k3.decode_linear`` (ops/nn.py) as one gemv launch (gemv.py: norm prologue, SwiGLU, residual adds and
+    the MoE combine of pre-scaled expert rows (``combine``) in the epilogue, split outputs over concatenated
+    weights) when the rows fit (at most ``gemv.MAX_ROWS``, no autograd, CUDA or the interpreter); a prefill-size
+    sum with a combine runs cuBLAS then one ``combine_add`` pass; anything else returns NotImplemented, so the
+    interpreter runs the op's decomposition."""
     ws, nrm, res = inst.parts(args)
-    if inst.norm != "none":
-        xr = _val(x)
-        nrm_arg = (nrm[0], inst.eps) if inst.norm == "rms" else (nrm[0], nrm[1], inst.eps, "gated")
-    else:
-        xr, nrm_arg = _norm_args(x)          # a deferred RMSNorm of the plan (Prenormed)
+    comb = inst.combined(args)
+    nrm_arg = None
+    if inst.norm == "rms":
+        nrm_arg = (nrm[0], inst.eps)
+    elif inst.norm == "gated":
+        nrm_arg = (nrm[0], nrm[1], inst.eps, "gated")
     if inst.splits > 1:
-        if _gemv_ok(xr, *ws) and all(w.dim() == 2 and w.shape[1] == xr.shape[-1] for w in ws):
-            y = gemv_k.gemv(xr, gemv_k.cat_weights(ws, xr.dtype), norm=nrm_arg)
+        if _gemv_ok(x, *ws) and all(w.dim() == 2 and w.shape[1] == x.shape[-1] for w in ws):
+            y = gemv_k.gemv(x, gemv_k.cat_weights(ws, x.dtype), norm=nrm_arg)
             return tuple(torch.split(y, [w.shape[0] for w in ws], dim=-1))
         return NotImplemented
     w, w3 = ws[0], (ws[1] if inst.glu else None)
-    comb = [r for r in res if isinstance(r, Combined) and r.value is None][:1]
-    rest = [_val(r) for r in res if not (comb and r is comb[0])]
-    shape = (*xr.shape[:-1], w.shape[0])
-    fit = all(tuple(r.shape) == shape and r.dtype == xr.dtype for r in rest + comb) and len(rest) <= 2
+    rest = list(res)
+    shape = (*x.shape[:-1], w.shape[0])
+    fit = all(tuple(r.shape) == shape and r.dtype == x.dtype for r in rest) and len(rest) <= 2
+    if comb is not None:
+        rows, inv = comb
+        fit = (fit and (*inv.shape[:-1], rows.shape[-1]) == shape and rows.dtype == x.dtype
+               and (rows.is_cuda or interpreting()) and _no_grad(rows))
     if w3 is not None:
         fit = fit and tuple(w3.shape) == tuple(w.shape) and _no_grad(w3)
-    if _gemv_ok(xr, w, *rest) and fit:
-        return gemv_k.gemv(xr, w, w3, res=rest, norm=nrm_arg, comb=(comb[0].y, comb[0].inv) if comb else None)
-    if comb and w3 is None and _no_grad(xr, w, *rest) and fit and xr.dtype != torch.float64:
+    if _gemv_ok(x, w, *rest) and fit:
+        return gemv_k.gemv(x, w, w3, res=rest, norm=nrm_arg, comb=comb)
+    if comb is not None and w3 is None and _no_grad(x, w, *rest) and fit and x.dtype != torch.float64:
         # prefill: cuBLAS for the linear, then its residual adds and the MoE combine in one pass
-        xv = _prologue(inst, xr, nrm) if inst.norm != "none" else _val(x)
+        xv = _prologue(inst, x, nrm)
         y = torch.nn.functional.linear(xv, w.to(xv.dtype))
-        return gemv_k.combine_add(y, rest, comb[0].y, comb[0].inv)
+        return gemv_k.combine_add(y, rest, comb[0], comb[1])
     return NotImplemented
 
 
+def _shared_swiglu(x, w1, w3):
+    """The shared expert's ``k3.decode_linear`` with ``glu`` of x as the table runs it: one gemv launch, or its
+    decomposition (the linears, then torch's SwiGLU)."""
+    from k3ir.opdef import get_opdef
+    out = decode_linear(get_opdef("k3.decode_linear")({"glu": True}), x, w1, w3)
+    if out is not NotImplemented:
+        return out
+    return _torch_impl("k3.swiglu")(None, linear(None, x, w1), linear(None, x, w3))
+
+
+def moe_experts(inst, rows, offsets, *args):
+    """``k3.moe_experts`` (ops/moe.py): the gate/up GEMMs with the GLU in one grouped launch (``glu``), the down
+    GEMM with the combine weight as its row scale in one more, then the combine launch (``combine``) or the
+    scaled rows for a ``k3.decode_linear`` epilogue. float64, autograd or off CUDA (without the interpreter):
+    NotImplemented (the decomposition)."""
+    ws, cw, inv = inst.parts(args)
+    if (rows.dtype == torch.float64 or not (rows.is_cuda or interpreting())
+            or not _no_grad(rows, cw, *[t for pair in ws for t in pair])):
+        return NotImplemented
+    h = rows
+    if inst.glu:
+        (w1, s1), (w3, s3) = ws[0], ws[1]
+        h = moe_k.grouped_matmul(rows, offsets, w1, s1, inst.quant, w3=w3, scales3=s3, act=inst.act,
+                                 b1=float(inst.b1), b2=float(inst.b2))
+    w2, s2 = ws[-1]
+    y = moe_k.grouped_matmul(h, offsets, w2, s2, inst.quant, row_scale=cw)
+    return moe_k.moe_combine(y, None, inv) if inst.combine else y
+
+
+def moe_front(inst, x, wr, bias, *args):
+    """``k3.moe_front`` (ops/moe.py) through the decode front kernels (moe/dispatch.py, moe/decode.py):
+
+    - at most ``gemv.MAX_ROWS`` rows with ``norm="rms"``: the RMSNorm in the front kernels; with the shared
+      expert's SwiGLU (``dispatch.split_supported``, ``TritonConfig.decode.front_split``) ``router_glu_kernel``
+      computes it in the router's launch, then either the routed experts' GLU launch routes the step
+      (``routed_glu``, ``TritonConfig.decode.routed_glu``, at most ``moe_decode.MAX_ROWS`` rows:
+      ``moe_decode.routed_glu``; ``dispatch_front`` + the grouped GLU where it does not take the weights) or
+      ``dispatch_kernel`` does (``route_glu_dispatch``); without it ``route_dispatch(norm=...)``;
+    - other rows the router takes in one tile (``dispatch.route_supported``): the standalone RMSNorm, then
+      ``route_dispatch``; larger ones the ``k3.router`` and ``k3.moe_dispatch`` lowerings;
+
+    then the routed GLU (one grouped launch) and the shared SwiGLU (``k3.decode_linear``'s lowering) where the
+    front did not compute them. float64, autograd, another rank than ``[B,T,D]`` or off CUDA (without the
+    interpreter): NotImplemented (the decomposition)."""
+    nw, shared, routed = inst.parts(args)
+    ts = [t for t in (x, wr, bias, nw, *(shared or ()), *(routed or ())) if t is not None]
+    if x.dtype == torch.float64 or x.dim() != 3 or not (x.is_cuda or interpreting()) or not _no_grad(*ts):
+        return NotImplemented
+    B, T, _ = x.shape
+    rows, E, k = B * T, int(inst.num_experts), int(inst.top_k)
+    rsf, reps, renorm = float(inst.routed_scaling_factor), float(inst.eps), bool(inst.renormalize)
+    route_ok = int(wr.shape[0]) == E and disp_k.route_supported(rows, E, k)
+    fuse = nw is not None and 0 < rows <= gemv_k.MAX_ROWS and route_ok       # the norm in the front kernels
+    xn = norm_k.rmsnorm(x, nw, inst.norm_eps) if nw is not None and not fuse else None
+    xin = x if xn is None else xn
+    y = h = None
+    if not route_ok:
+        from .executable import router
+        rout = router(inst._router(), xin, wr, bias)
+        dout = moe_dispatch(inst._dispatch(), xin, rout[0], rout[1])
+    elif fuse and shared is not None and disp_k.split_supported(rows, E, k, x, shared[0], shared[1], wr):
+        fargs = (x, wr, bias, k, E, renorm, rsf, reps, (nw, inst.norm_eps), shared[0], shared[1])
+        dcfg = get_triton_config().decode
+        if routed is not None and dcfg.routed_glu and rows <= moe_decode.MAX_ROWS:
+            # the routing left to the routed experts' GLU launch (dispatch_front if it does not take the weights)
+            front, y = disp_k.router_glu_front(*fargs, write_xn=dcfg.routed_xn)
+            if moe_decode.routed_supported(front, routed[0], routed[1], inst.act):
+                rout, (off, inv, cw), h = moe_decode.routed_glu(front, routed[0], routed[1], inst.act,
+                                                                b1=float(inst.b1), b2=float(inst.b2))
+                dout = (h, off, inv, cw)
+            else:
+                rout, dout, _ = disp_k.dispatch_front(front)
+        else:
+            rout, dout, y, xn = disp_k.route_glu_dispatch(*fargs)      # two launches (decode.front_split)
+    else:
+        out = disp_k.route_dispatch(xin, wr, bias, k, E, renorm, rsf, reps,
+                                    norm=(nw, inst.norm_eps) if fuse else None)
+        rout, dout = out[0], out[1]
+        if fuse:
+            xn = out[2]
+    if routed is not None and h is None:
+        h = moe_k.grouped_matmul(dout[0], dout[1], routed[0], None, "none", w3=routed[1], act=inst.act,
+                                 b1=float(inst.b1), b2=float(inst.b2))
+        dout = (h, *dout[1:])
+    outs = [*rout, *dout]
+    if shared is not None:
+        outs.append(y if y is not None else _shared_swiglu(x if xn is None else xn, *shared))
+    return tuple(outs)
+
+
 #: when ``decode_linear`` declines (its decomposition runs), as ``k3ir check`` shows it
-DECODE_LINEAR_FALLBACK = (f"decomposition at run time above {gemv_k.MAX_ROWS} rows (a sum with a deferred MoE combine: "
+DECODE_LINEAR_FALLBACK = (f"decomposition at run time above {gemv_k.MAX_ROWS} rows (a sum with a MoE combine: "
                           "cuBLAS + one combine_add pass), for float64 or autograd inputs, off CUDA "
                           "(without TRITON_INTERPRET=1)")
+#: when ``moe_front`` / ``moe_experts`` decline
+MOE_FRONT_FALLBACK = ("decomposition at run time for float64 or autograd inputs, off CUDA (without "
+                      f"TRITON_INTERPRET=1); the norm and shared SwiGLU in the front kernels only up to "
+                      f"{gemv_k.MAX_ROWS} rows, the routing in the routed GLU launch up to {moe_decode.MAX_ROWS} "
+                      "rows (TritonConfig.decode.routed_glu), router + dispatch as one front while all slots fit "
+                      "one tile (else the k3.router and k3.moe_dispatch kernels)")
+MOE_EXPERTS_FALLBACK = "decomposition at run time for float64 or autograd inputs, off CUDA (without TRITON_INTERPRET=1)"
 
 
 def table(exe) -> LoweringTable:
     out = LoweringTable({
         "k3.linear": linear, "k3.decode_linear": decode_linear, "k3.moe_dispatch": moe_dispatch,
         "k3.grouped_matmul": grouped_matmul, "k3.moe_combine": moe_combine, "k3.rmsnorm": rmsnorm,
-        "k3.attn_res_fused": attn_res_fused, "k3.mla": make_mla(exe), "k3.mla_kv_norm": make_mla_kv_norm(exe)})
+        "k3.attn_res_fused": attn_res_fused, "k3.mla": make_mla(exe), "k3.mla_kv_norm": make_mla_kv_norm(exe),
+        "k3.moe_front": moe_front, "k3.moe_experts": moe_experts})
     out.falls_back("k3.decode_linear", when=DECODE_LINEAR_FALLBACK)
     out.falls_back("k3.mla_kv_norm", when=f"decomposition at run time unless an absorbed decode step of at most "
                                          f"{gemv_k.MAX_ROWS} rows (not float64, no autograd, CUDA or TRITON_INTERPRET=1)")
+    out.falls_back("k3.moe_front", when=MOE_FRONT_FALLBACK)
+    out.falls_back("k3.moe_experts", when=MOE_EXPERTS_FALLBACK)
     return out
-
-
-def _uses(fn) -> dict[int, list]:
-    uses: dict[int, list] = {}
-    for op in fn.ops:
-        for v in op.operands:
-            if v is not None:
-                uses.setdefault(id(v), []).append(op)
-    for v in fn.returns:
-        uses.setdefault(id(v), []).append(None)
-    return uses
-
-
-def plan(fn) -> dict[int, tuple]:
-    """op id -> action for the fusable MoE chains of ``fn`` (see the module docstring)."""
-    uses = _uses(fn)
-    out: dict[int, tuple] = {}
-    producer = {id(r): op for op in fn.ops for r in op.results}
-    for op in fn.ops:      # router -> moe_dispatch of the same x: one front (dispatch.route_dispatch)
-        if op.name != "k3.moe_dispatch":
-            continue
-        r = producer.get(id(op.operands[1]))
-        if (r is None or r.name != "k3.router" or op.operands[2] is not r.results[1]
-                or op.operands[0] is not r.operands[0]
-                or any(len(uses.get(id(v), [])) != 1 for v in r.results[:2])):
-            continue
-        out[id(r)] = ("route", op)
-        out[id(op)] = ("routed",)
-    for op in fn.ops:
-        if op.name not in ("k3.situ_glu", "k3.swiglu"):
-            continue
-        g, u = (producer.get(id(v)) for v in op.operands[:2])
-        if (g is None or u is None or g.name != "k3.grouped_matmul" or u.name != "k3.grouped_matmul"
-                or g.operands[0] is not u.operands[0] or g.operands[1] is not u.operands[1]
-                or g.attrs.get("quant", "none") != u.attrs.get("quant", "none")
-                or len(uses.get(id(g.results[0]), [])) != 1 or len(uses.get(id(u.results[0]), [])) != 1):
-            continue
-        out[id(g)] = ("skip",)
-        out[id(u)] = ("skip",)
-        out[id(op)] = ("glu", g, u)
-        downs = uses.get(id(op.results[0]), [])
-        chain = [g, u]
-        if len(downs) == 1 and downs[0] is not None and downs[0].name == "k3.grouped_matmul":
-            d = downs[0]
-            comb = uses.get(id(d.results[0]), [])
-            if len(comb) == 1 and comb[0] is not None and comb[0].name == "k3.moe_combine":
-                out[id(d)] = ("down", comb[0])
-                out[id(comb[0])] = ("combine",)
-                chain += [d, comb[0]]
-        moe_decode.plan_routed(g, chain, producer, uses, out)
-    pname = {id(o.results[0]): o.attrs["name"] for o in fn.ops if o.name == "k3.param"}
-    # the combine of pre-scaled expert rows added by a k3.decode_linear (fuse-decode-linear): summed in its epilogue
-    for op in fn.ops:
-        if op.name != "k3.decode_linear" or not op.attrs.get("residuals"):
-            continue
-        for v in op.operands[len(op.operands) - int(op.attrs["residuals"]):]:
-            p = producer.get(id(v))
-            if p is not None and out.get(id(p)) == ("combine",) and len(uses.get(id(v), [])) == 1:
-                out[id(p)] = ("combine", "lazy")
-    # an RMSNorm whose every consumer can norm the raw row itself (gemv prologue, KDA decode projections)
-    for op in fn.ops:
-        if op.name == "k3.rmsnorm" and id(op) not in out:
-            us = uses.get(id(op.results[0]), [])
-            if us and all(_norm_consumer(c, op.results[0], out) for c in us):
-                out[id(op)] = ("norm",)
-    # the shared expert's gate/up (a k3.decode_linear with glu, parameter weights) on a router front's input: computed
-    # in the front's first launch at decode (dispatch.route_glu_dispatch): ("route", dispatch, glu op, gate/up names)
-    for op in fn.ops:
-        a = op.attrs
-        if (op.name != "k3.decode_linear" or not a.get("glu") or a.get("norm", "none") != "none"
-                or a.get("residuals", 0) or not all(id(w) in pname for w in op.operands[1:3])):
-            continue
-        for r in fn.ops:
-            ra = out.get(id(r))
-            if ra is not None and ra[0] == "route" and len(ra) == 2 and r.operands[0] is op.operands[0]:
-                out[id(r)] = ("route", ra[1], op, pname[id(op.operands[1])], pname[id(op.operands[2])])
-                out[id(op)] = ("front_glu",)
-                break
-    return out
-
-
-def _norm_consumer(c, r, out) -> bool:
-    """Whether op ``c`` takes a deferred RMSNorm result ``r`` (a Prenormed) as its input row."""
-    if c is None or c.operands[0] is not r or any(v is r for v in c.operands[1:]):
-        return False
-    act = out.get(id(c), (None,))[0]
-    if c.name == "k3.linear":
-        return True
-    if c.name == "k3.decode_linear":
-        return c.attrs.get("norm", "none") == "none"
-    if c.name in ("k3.fused_kda", "k3.fused_kda_ungated"):
-        return act is None
-    return (c.name, act) in (("k3.router", "route"), ("k3.moe_dispatch", "routed"))
-
-
-class PlanInterpreter(Interpreter):
-    """The interpreter with the MoE fusion plan applied (``plans``: function name -> ``plan``)."""
-
-    def __init__(self, *a, plans: dict, **k):
-        super().__init__(*a, **k)
-        self.plans = plans
-
-    def run(self, fn, args):
-        f = self.module.functions[fn] if isinstance(fn, str) else fn
-        saved = getattr(self, "_plan", {})        # a nested run (an op's decomposition) keeps the caller's plan
-        self._plan = self.plans.get(f.name, {}) if f is self.module.functions.get(f.name) else {}
-        try:
-            return super().run(fn, args)
-        finally:
-            self._plan = saved
-
-    def eval_op(self, op, vals):
-        """Deferred values (Lazy) are materialized for every op but the KDA layer's input row."""
-        if op.name == "k3.decode_linear":       # its lowering fuses a deferred norm or combine (else decomposes)
-            return super().eval_op(op, vals)
-        keep = {"k3.fused_kda": 0, "k3.fused_kda_ungated": 0}.get(op.name, -1)
-        return super().eval_op(op, [v if i == keep else _val(v) for i, v in enumerate(vals)])
-
-    def exec_op(self, op, env, observe=True):
-        act = getattr(self, "_plan", {}).get(id(op))
-        if act is None:
-            return super().exec_op(op, env, observe)
-        kind = act[0]
-        if kind == "skip":
-            return
-        if kind == "front_glu":
-            if id(op.results[0]) in env:          # computed by its MoE front (route_glu_dispatch)
-                return
-            return super().exec_op(op, env, observe)
-        if kind == "norm":
-            x, w = env[id(op.operands[0])], env[id(op.operands[1])]
-            if (isinstance(x, torch.Tensor) and x.dtype != torch.float64 and x.dim() >= 2 and self.observe is None
-                    and 0 < x.numel() // x.shape[-1] <= gemv_k.MAX_ROWS and (x.is_cuda or interpreting())
-                    and _no_grad(x, w)):
-                env[id(op.results[0])] = Prenormed(x, w, op.attrs.get("eps", 1e-6))
-                return
-            return super().exec_op(op, env, observe)
-        if kind == "route":
-            return self._route(op, act[1], env, observe, act[2:])
-        if kind == "routed":
-            stash = env.pop(("routed", id(op)), None)
-            if stash is None:
-                return super().exec_op(op, env, observe)
-            return self._store(op, list(stash), env, observe)
-        val = [env.get(id(v)) if v is not None else None for v in op.operands]
-        if kind == "glu":
-            g, u = act[1], act[2]
-            gv = [env[id(v)] for v in g.operands]
-            uv = [env[id(v)] for v in u.operands]
-            x = gv[0]
-            if x.dtype == torch.float64:
-                for o in (g, u):
-                    super().exec_op(o, env, observe)
-                return super().exec_op(op, env, observe)
-            acts = {"k3.situ_glu": "situ", "k3.swiglu": "silu"}[op.name]
-            q = g.attrs.get("quant", "none")
-            if isinstance(x, Routed):
-                if x.value is None and q == "none" and moe_decode.routed_supported(x.front, gv[2], uv[2], acts):
-                    out = moe_decode.routed_glu(x.front, gv[2], uv[2], acts, b1=float(op.attrs.get("b1", 4.0)),
-                                                b2=float(op.attrs.get("b2", 25.0)))[2]
-                    return self._store(op, [out], env, observe)
-                x = x.materialize()
-            out = moe_k.grouped_matmul(x, gv[1], gv[2], gv[3] if len(gv) > 3 else None, q, w3=uv[2],
-                                       scales3=uv[3] if len(uv) > 3 else None, act=acts,
-                                       b1=float(op.attrs.get("b1", 4.0)), b2=float(op.attrs.get("b2", 25.0)))
-        elif kind == "down":
-            comb = act[1]
-            x = val[0]
-            if x.dtype == torch.float64:
-                return super().exec_op(op, env, observe)
-            out = moe_k.grouped_matmul(x, val[1], val[2], val[3] if len(val) > 3 else None,
-                                       op.attrs.get("quant", "none"), row_scale=env[id(comb.operands[1])])
-            env[("scaled", id(op.results[0]))] = True
-        else:   # combine of pre-scaled rows
-            y = val[0]
-            if y.dtype == torch.float64 or not env.get(("scaled", id(op.operands[0]))):
-                return super().exec_op(op, env, observe)
-            inv = val[2]
-            if len(act) > 1 and self.observe is None and _no_grad(y) and (y.is_cuda or interpreting()):
-                env[id(op.results[0])] = Combined(y, inv)       # summed in the lin_add launch (or materialized)
-                return
-            out = moe_k.moe_combine(y, None, inv)
-        outs = [out]
-        if self.post is not None:
-            outs = self.post(op, outs)
-        env[id(op.results[0])] = outs[0]
-
-    def _store(self, op, outs, env, observe):
-        if self.post is not None:
-            outs = self.post(op, outs)
-        if observe and self.observe is not None:
-            self.observe(op, outs)
-        for r, v in zip(op.results, outs):
-            env[id(r)] = v
-
-    def _route(self, op, d, env, observe, glu=()):
-        """Router + dispatch of a decode-size batch in two launches (``dispatch.route_dispatch``), or with the
-        shared expert's gate/up ``glu = (its k3.decode_linear with glu, gate and up weight names)`` in the same two
-        (``route_glu_dispatch``, when the RMSNorm is deferred and ``TritonConfig.decode.front_split``), or, with
-        ``decode.routed_glu`` and a plan ``("routed", glu)``, only the first of them (``router_glu_front``: the
-        routed experts' GLU launch routes, moe_decode.routed_glu); other sizes, float64 and routers without a fitting
-        tile run the two ops as usual."""
-        xl = env[id(op.operands[0])]
-        fuse = isinstance(xl, Prenormed) and xl.value is None          # the layer's RMSNorm goes into the front
-        x = xl.x if fuse else _val(xl)
-        w, bias = (_val(env[id(v)]) for v in op.operands[1:])
-        a = op.attrs
-        E, k = int(w.shape[0]), int(a["top_k"])
-        rows = x.numel() // x.shape[-1]
-        if (x.dtype == torch.float64 or x.dim() != 3 or int(d.attrs["num_experts"]) != E
-                or not disp_k.route_supported(rows, E, k) or not _no_grad(x, w, bias)):
-            return super().exec_op(op, env, observe)
-        if fuse and glu:
-            gop, gname, uname = glu
-            w1, w3 = (env[id(v)] if id(v) in env else self.get_param(n)
-                      for v, n in ((gop.operands[1], gname), (gop.operands[2], uname)))
-            args = (x, w, bias, k, E, bool(a.get("renormalize", True)), float(a.get("routed_scaling_factor", 1.0)),
-                    float(a.get("eps", 1e-20)), (xl.w, xl.eps), w1, w3)
-            if disp_k.split_supported(rows, E, k, x, w1, w3, w) and _no_grad(w1, w3):
-                dcfg = get_triton_config().decode
-                if (dcfg.routed_glu and self.observe is None and len(self._plan.get(id(d), ())) == 2
-                        and rows <= moe_decode.MAX_ROWS):
-                    # the routing is left to the GLU launch (moe_decode.routed_glu; dispatch_front if it can't)
-                    front, y = disp_k.router_glu_front(*args, write_xn=dcfg.routed_xn)
-                    xl.value = front.xn       # (None: materialized by rmsnorm if anything else reads it)
-                    rout, dout = (front.wout, front.iout, front.sout), (Routed(front), front.offsets, front.inv,
-                                                                         front.cw)
-                else:
-                    rout, dout, y, xl.value = disp_k.route_glu_dispatch(*args)    # two launches (decode.front_split)
-            else:
-                y = None
-            if y is not None:
-                env[("routed", id(d))] = dout
-                self._store(op, list(rout), env, observe)
-                self._store(gop, [y], env, observe)
-                return
-        out = disp_k.route_dispatch(x, w, bias, k, E, bool(a.get("renormalize", True)),
-                                    float(a.get("routed_scaling_factor", 1.0)), float(a.get("eps", 1e-20)),
-                                    norm=(xl.w, xl.eps) if fuse else None)
-        rout, dout = out[0], out[1]
-        if fuse:
-            xl.value = out[2]             # the normalised rows, for the layer's other consumers (shared expert)
-        env[("routed", id(d))] = dout
-        self._store(op, list(rout), env, observe)

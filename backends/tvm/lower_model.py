@@ -115,8 +115,11 @@ def _kda(lw, inst, q, k, v, g, beta, s=None):
 
 
 @lowers("k3.fused_kda")
-def _fused_kda(lw, inst, x, w_q, w_k, w_v, c_q, c_k, c_v, w_fa, w_fb, A_log, dt_bias, w_b, o_norm, gate_w, states):
+def _fused_kda(lw, inst, x, w_q, w_k, w_v, c_q, c_k, c_v, w_fa, w_fb, A_log, dt_bias, w_b, o_norm, gate_w, states,
+               x_norm=None):
     H, D = inst.heads, inst.head_dim
+    if x_norm is not None:            # the layer's input RMSNorm (norm="rms", fuse-decode-norm)
+        x = rms(lw, x, x_norm, inst.norm_eps)
     st = list(states) if states else [None] * 4
     ys, new = [], []
     for w, c, s in zip((w_q, w_k, w_v), (c_q, c_k, c_v), st[:3]):

@@ -102,16 +102,14 @@ def _log(msg):
 
 
 def _ir_ranges(on=True):
-    """Wrap every top-level IR op of the triton executable in ``record_function('ir:<op>[action]')`` so
-    the profiler attributes GPU time per IR op (``CUDA total`` of the range). ``[action]`` names a fusion
-    plan step (lowering.plan) that runs other ops' work under this op: ``k3.swiglu[glu]`` is the routed
-    experts' gate/up grouped GEMM with the GLU, ``k3.grouped_matmul[down]`` the down GEMM with the combine
-    weight, ``k3.router[route]`` router + dispatch at decode, ``k3.add[lin_add]`` a linear with its
-    residual adds, ``k3.swiglu[lin_glu]`` a shared-expert/dense gate+up. Each op is listed twice by the
-    profiler (as read from run 3): the larger row is the GPU-side range (first kernel start to last kernel end, gaps included),
-    the smaller the kernels' summed time."""
-    from k3ir.backends.triton import lowering
-    cls = lowering.PlanInterpreter
+    """Wrap every top-level IR op of the triton executable in ``record_function('ir:<op>')`` so the profiler
+    attributes GPU time per IR op (``CUDA total`` of the range). The decode fusions are IR ops of their own
+    (the triton pipeline's ``decode`` phase): ``k3.moe_front`` (router + dispatch, with the layer's norm, the
+    shared expert's gate/up and the routed GLU at decode), ``k3.moe_experts`` (grouped GLU, down with the combine
+    weight, combine), ``k3.decode_linear`` (a linear with its prologue norm, SwiGLU and residual/combine
+    epilogue). Each op is listed twice by the profiler (as read from run 3): the larger row is the GPU-side range
+    (first kernel start to last kernel end, gaps included), the smaller the kernels' summed time."""
+    from k3ir.backends.interpreter import Interpreter as cls
     if not hasattr(cls, "_orig_exec_op"):
         cls._orig_exec_op = cls.exec_op
     if not on:
@@ -123,10 +121,8 @@ def _ir_ranges(on=True):
         if depth[0] or op.name == "k3.param":
             return cls._orig_exec_op(self, op, env, observe)
         depth[0] += 1
-        act = getattr(self, "_plan", {}).get(id(op))     # a plan action runs fused work under this op's name
-        label = op.name + (f"[{act[0]}]" if act and act[0] != "skip" else "")
         try:
-            with torch.profiler.record_function(f"ir:{label}"):
+            with torch.profiler.record_function(f"ir:{op.name}"):
                 return cls._orig_exec_op(self, op, env, observe)
         finally:
             depth[0] -= 1
@@ -178,7 +174,6 @@ def section_count(model, batch, small):
     (an upper bound: a grouped GEMM is charged every expert's weights)."""
     import collections
 
-    from k3ir.backends.triton import lowering
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
     sess, exe = _session(model, small)
@@ -224,7 +219,8 @@ def section_count(model, batch, small):
         return run
     for k in kinds:
         k.run = hook(origs[k])
-    oe = lowering.PlanInterpreter.exec_op
+    from k3ir.backends.interpreter import Interpreter
+    oe = Interpreter.exec_op
 
     def exec_op(self, op, env, observe=True):
         top = cur["op"] is None
@@ -235,7 +231,7 @@ def section_count(model, batch, small):
         finally:
             if top:
                 cur["op"] = None
-    lowering.PlanInterpreter.exec_op = exec_op
+    Interpreter.exec_op = exec_op
     from k3ir.backends.triton import executable
     for n, impl in executable.KERNELS.items():       # without the interpreter's finiteness guard (CPU only)
         if n in exe.table:
@@ -256,7 +252,7 @@ def section_count(model, batch, small):
             exe._run_eager("decode", static, sess.params)
     finally:
         exe.graph_ctx = None
-        lowering.PlanInterpreter.exec_op = oe
+        Interpreter.exec_op = oe
         for k in kinds:
             k.run = origs[k]
     per_op, per_k = collections.Counter(), collections.Counter()

@@ -211,6 +211,17 @@ def _kda_step_function(module, H: int, K: int, V: int, scale: float) -> Function
 # the ops it replaces, in the same order, so a fused module equals the unfused one to float64 rounding
 # (SPEC.md 11); each decomposes back into model/core ops for backends without a kernel.
 #: fixed operands of k3.fused_kda before the variadic output-gate weights and states
+def _rank(v) -> int | None:
+    """The rank of a TensorType, an IR Value or an array (None for a state)."""
+    if isinstance(v, TensorType):
+        return v.rank
+    if isinstance(getattr(v, "type", None), (TensorType, StateType)):        # an IR Value
+        return v.type.rank if isinstance(v.type, TensorType) else None
+    if hasattr(v, "ndim"):
+        return v.ndim
+    return getattr(getattr(v, "struct_info", None), "ndim", None)        # a TVM Relax value
+
+
 KDA_WEIGHTS = ("w_q", "w_k", "w_v", "conv_q", "conv_k", "conv_v", "w_fa", "w_fb", "A_log", "dt_bias",
                "w_b", "o_norm")
 
@@ -228,7 +239,9 @@ class FusedKDA(Op):
     Results: ``o [B,T,H*D]`` (gated, normed, before ``o_proj``), new conv states q/k/v, new
     recurrent state (fp32). ``mode="chunk"`` (prefill/forward: chunked WY form, chunk_size) or
     ``"recurrent"`` (decode, T == 1: one delta step with the states in place); both compute the
-    same function."""
+    same function. ``norm="rms"`` (set by ``fuse-decode-norm``): one more operand, last, the weight
+    ``[d]`` of the layer's input RMSNorm (SPEC.md 1, eps ``norm_eps``), and x is the raw row: the layer
+    computes ``rmsnorm(x)`` first (the Triton decode step in its projection GEMV's prologue)."""
     x = Operand()
     w_q = Operand()
     w_k = Operand()
@@ -244,6 +257,7 @@ class FusedKDA(Op):
     o_norm = Operand()
     gate_w = Operand("g_proj, or g_a_proj and g_b_proj", variadic=True)
     states = Operand("conv q, k, v and recurrent state (all or none)", variadic=True)
+    x_norm = Operand("input RMSNorm weight [d] (norm='rms')", optional=True)
     out = Result()
     conv_q_out = Result()
     conv_k_out = Result()
@@ -257,6 +271,8 @@ class FusedKDA(Op):
     full_rank_gate = Attr(bool)
     eps = Attr(float, 1e-6, "head RMSNorm eps (rms_norm_eps)")
     qk_eps = Attr(float, 1e-6, "L2 norm eps of q and k")
+    norm = Attr(str, "none", choices=("none", "rms"), doc="input RMSNorm of x in the layer (operand x_norm)")
+    norm_eps = Attr(float, 1e-6, "input RMSNorm eps (norm='rms')")
     chunk_size = Attr(int, 64)
     mode = Attr(str, "chunk", choices=("chunk", "recurrent"))
     #: whether result 0 has the gated head norm applied (``k3.fused_kda_ungated`` leaves it to its consumer)
@@ -266,27 +282,45 @@ class FusedKDA(Op):
     def group_operands(cls, operands):
         n = len(operands)
         fixed = 1 + len(KDA_WEIGHTS)
+        # the input norm weight (norm="rms") is the one trailing operand of rank 1 (gate weights are
+        # matrices, states are !conv_state / !kda_state, at run time arrays of rank 3 and 4)
+        xn = operands[-1] if n > fixed + 1 and _rank(operands[-1]) == 1 else None
+        n -= xn is not None
         require(n in (fixed + 1, fixed + 2, fixed + 5, fixed + 6),
-                f"k3.fused_kda takes {fixed} operands, 1-2 gate weights and 0 or 4 states; got {n}")
+                f"k3.fused_kda takes {fixed} operands, 1-2 gate weights, 0 or 4 states and the optional input "
+                f"norm weight; got {len(operands)}")
         n_states = 4 if n >= fixed + 5 else 0
         out = {"x": operands[0]}
         out.update(zip(KDA_WEIGHTS, operands[1:fixed]))
         out["gate_w"] = list(operands[fixed:n - n_states])
-        out["states"] = list(operands[n - n_states:])
+        out["states"] = list(operands[n - n_states:n])
+        out["x_norm"] = xn
         return out
 
     def _split(self, args):
+        """(x and the 12 weights, gate weights, states) of the flat operands (the input norm weight:
+        ``input_norm``)."""
         fixed = 1 + len(KDA_WEIGHTS)
         ng = 1 if self.full_rank_gate else 2
-        return args[:fixed], list(args[fixed:fixed + ng]), list(args[fixed + ng:])
+        end = len(args) - (self.norm == "rms")
+        return args[:fixed], list(args[fixed:fixed + ng]), list(args[fixed + ng:end])
+
+    def input_norm(self, args):
+        """The input RMSNorm weight of the flat operands (``norm="rms"``), else None."""
+        return args[-1] if self.norm == "rms" else None
 
     def infer(self, x, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_fa, w_fb, A_log, dt_bias, w_b, o_norm,
-              gate_w, states):
+              gate_w, states, x_norm=None):
         x = tensor(x, "x")
         H, D = self.heads, self.head_dim
         HD = H * D
         require(x.rank == 3, f"x must be [B,T,d], got {x}")
         d = x.shape[2]
+        require((x_norm is not None) == (self.norm == "rms"),
+                f"norm={self.norm} {'needs' if self.norm == 'rms' else 'takes no'} input norm weight")
+        if x_norm is not None:
+            require(tensor(x_norm, "x_norm").rank == 1 and str(x_norm.shape[0]) == str(d),
+                    f"input norm weight {x_norm} must be [{d}]")
         for name, w, want in (("w_q", w_q, (HD, d)), ("w_k", w_k, (HD, d)), ("w_v", w_v, (HD, d)),
                               ("w_fa", w_fa, (D, d)), ("w_fb", w_fb, (HD, D)), ("w_b", w_b, (H, d)),
                               ("o_norm", o_norm, (D,)), ("dt_bias", dt_bias, (HD,))):
@@ -324,6 +358,8 @@ class FusedKDA(Op):
         (x, w_q, w_k, w_v, c_q, c_k, c_v, w_fa, w_fb, A_log, dt_bias, w_b, o_norm), gate_w, states = self._split(args)
         H, D = self.heads, self.head_dim
         x = f64(x)
+        if self.norm == "rms":
+            x = _ref("k3.rmsnorm", {"eps": self.norm_eps}, x, self.input_norm(args))
         B, T = x.shape[:2]
         st = list(states) if states else [None] * 4
         ys, new = [], []
@@ -346,8 +382,10 @@ class FusedKDA(Op):
         return (np.reshape(o, (B, T, H * D)), *new, s_out)
 
     def decompose(self, b, x, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_fa, w_fb, A_log, dt_bias, w_b, o_norm,
-                  gate_w, states):
+                  gate_w, states, x_norm=None):
         H, D = self.heads, self.head_dim
+        if x_norm is not None:
+            x = b.rmsnorm(x, x_norm, eps=self.norm_eps)
         st = list(states) if states else [None] * 4
         ys, new = [], []
         for w, c, s in zip((w_q, w_k, w_v), (conv_q, conv_k, conv_v), st[:3]):

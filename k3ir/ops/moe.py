@@ -363,3 +363,240 @@ class MoECombine(Op):
         rows = b.take(y, inv)                                                      # [B,T,k,D]
         w = b.reshape(b.take(b.reshape(comb_w, shape=[-1, 1]), inv), shape=[0, 0, -1])   # [B,T,k]
         return b.cast(b.einsum(w, rows, equation="btk,btkd->btd"), dtype=y.type.dtype)
+
+
+# ---- MoE decode-step ops (made by passes/fuse_moe_experts.py and passes/fuse_moe_front.py, triton pipeline's
+# ``decode`` phase): what the Triton decode kernels compute in one launch each, declared so --dump-ir shows it ----
+def _glu_ref(act: str, g, u, b1: float, b2: float):
+    return situ(g, u, b1, b2) if act == "situ" else silu(g) * u
+
+
+def _same(a, b) -> bool:
+    return [str(s) for s in a.shape] == [str(s) for s in b.shape]
+
+
+@op("k3.moe_experts", "fused")
+class MoEExperts(Op):
+    """The routed experts of a MoE layer after its dispatch in one op (made by ``fuse-moe-experts``; SPEC.md 5,
+    quantised weights SPEC.md 7): ``glu``: ``h = act(rows W1_e^T, rows W3_e^T)`` per expert e (the rows
+    ``offsets[e]:offsets[e+1]``; act ``situ`` (SiTU-GLU, betas b1/b2) or ``silu`` (SwiGLU)), else ``h = rows``
+    (the GLU rows an earlier op computed: ``k3.moe_front`` with ``routed_glu``); then ``y[r] = comb_w[r] *
+    (h[r] W2_e^T)``; ``combine``: the result is ``out[t] = sum_j y[inv[t, j]]`` ``[B,T,N]`` (``k3.moe_combine``),
+    else the scaled rows ``y [R,N]``, which a ``k3.decode_linear`` with ``combine`` sums into its epilogue.
+
+    rows ``[R,K]`` (float, sorted by expert: ``k3.moe_dispatch``'s x_sorted), offsets ``i64[E+1]``; ``args``:
+    (glu) w1, w3 ``[E,I,K]``, then w2 ``[E,N,I]``, each followed by its scales ``[E,*,*/32]`` when ``quant`` is
+    not ``none`` (packed as ``k3.grouped_matmul``), then comb_w ``f32[R]``, then (combine) inv_perm ``i64[B,T,k]``.
+    Results in rows' dtype. Equal to its decomposition (grouped_matmul, situ_glu/swiglu, grouped_matmul,
+    moe_combine, or the row scale) in float64."""
+    rows = Operand()
+    offsets = Operand()
+    args = Operand("expert weights (and scales), comb_w, inv_perm", variadic=True)
+    out = Result()
+    glu = Attr(bool, True, "gate/up GLU here (False: rows are the GLU rows already)")
+    combine = Attr(bool, True, "un-permute and sum (False: the scaled rows, for a decode_linear epilogue)")
+    act = Attr(str, "situ", choices=("situ", "silu"))
+    b1 = Attr(float, 4.0)
+    b2 = Attr(float, 25.0)
+    quant = Attr(str, "none", choices=QUANT_FORMATS)
+
+    def parts(self, args):
+        """([(w, scales or None)] gate, up (glu) and down, comb_w, inv_perm or None) of the flat ``args``."""
+        per = 1 if self.quant == "none" else 2
+        nw = 3 if self.glu else 1
+        want = nw * per + 1 + (1 if self.combine else 0)
+        require(len(args) == want, f"k3.moe_experts takes {nw} expert weights{' with scales' if per == 2 else ''}, "
+                                   f"comb_w{' and inv_perm' if self.combine else ''} after rows and offsets; "
+                                   f"got {len(args)} operands")
+        ws = [(args[i * per], args[i * per + 1] if per == 2 else None) for i in range(nw)]
+        return ws, args[nw * per], (args[nw * per + 1] if self.combine else None)
+
+    def _gm(self):
+        return get_opdef("k3.grouped_matmul")({"quant": self.quant})
+
+    def infer(self, rows, offsets, args):
+        rows = tensor(rows, "rows")
+        require(rows.rank == 2, f"rows must be [R,K], got {rows}")
+        ws, cw, inv = self.parts(args)
+        gm = self._gm()
+        h = rows
+        if self.glu:
+            g = gm.infer(rows, offsets, *[w for w in ws[0] if w is not None])[0]
+            u = gm.infer(rows, offsets, *[w for w in ws[1] if w is not None])[0]
+            require(_same(g, u), f"gate {ws[0][0]} and up {ws[1][0]} differ")
+            h = g
+        y = gm.infer(h, offsets, *[w for w in ws[-1] if w is not None])[0]
+        cw = tensor(cw, "comb_w")
+        require(cw.rank == 1 and str(cw.shape[0]) == str(rows.shape[0]), f"comb_w must be [{rows.shape[0]}], got {cw}")
+        if not self.combine:
+            return [y]
+        return get_opdef("k3.moe_combine")({}).infer(y, cw, tensor(inv, "inv_perm"))
+
+    def reference(self, rows, offsets, *args):
+        ws, cw, inv = self.parts(args)
+        gm = self._gm()
+        h = f64(rows)
+        if self.glu:
+            h = _glu_ref(self.act, gm.reference(h, offsets, *[w for w in ws[0] if w is not None]),
+                         gm.reference(h, offsets, *[w for w in ws[1] if w is not None]), self.b1, self.b2)
+        y = gm.reference(h, offsets, *[w for w in ws[-1] if w is not None]) * f64(cw)[:, None]
+        if not self.combine:
+            return y
+        return np.sum(y[np.asarray(inv, dtype=np.int64)], axis=-2)
+
+    def decompose(self, b, rows, offsets, args):
+        ws, cw, inv = self.parts(args)
+        h = rows
+        if self.glu:
+            g = b.op("k3.grouped_matmul", rows, offsets, *ws[0], quant=self.quant)
+            u = b.op("k3.grouped_matmul", rows, offsets, *ws[1], quant=self.quant)
+            h = b.situ_glu(g, u, b1=self.b1, b2=self.b2) if self.act == "situ" else b.swiglu(g, u)
+        y = b.op("k3.grouped_matmul", h, offsets, *ws[-1], quant=self.quant)
+        if self.combine:
+            return b.moe_combine(y, cw, inv)
+        return b.cast(b.mul(b.cast(y, dtype="f32"), b.reshape(cw, shape=[-1, 1])), dtype=rows.type.dtype)
+
+    def flops(self, ot, rt, env):
+        R, K = numel((ot[0].shape[0],), env), numel((ot[0].shape[1],), env)
+        ws = ot[2:]
+        per = 1 if self.quant == "none" else 2
+        w2 = ws[(2 if self.glu else 0) * per]
+        N, I = numel((w2.shape[1],), env), numel((w2.shape[2],), env)
+        return R * (2.0 * N * I + (4.0 * I * K + 8.0 * I if self.glu else 0.0))
+
+
+#: the decode MoE front's prologue norms (``k3.moe_front`` ``norm``)
+FRONT_NORMS = ("none", "rms")
+
+
+@op("k3.moe_front", "fused")
+class MoEFront(Op):
+    """A MoE layer's front in one op (made by ``fuse-moe-front``; SPEC.md 5): ``x' = rmsnorm(x, w_norm)``
+    (``norm="rms"``, eps ``norm_eps``; SPEC.md 1) or x, then ``k3.router`` and ``k3.moe_dispatch`` of x',
+    optionally the shared expert's SwiGLU ``silu(x' Ws1^T) * (x' Ws3^T)`` (``shared_glu``) and the routed experts'
+    gate/up GLU of the sorted rows (``routed_glu``: result 3 is ``act(x_sorted W1_e^T, x_sorted W3_e^T)``, act
+    situ/silu as ``k3.moe_experts``, instead of x_sorted).
+
+    x ``[B,T,D]``, router weight ``[E,D]``, bias ``[E]``; ``args``: (norm rms) w_norm ``[D]``, (shared_glu)
+    Ws1, Ws3 ``[NS,D]``, (routed_glu) W1, W3 ``[E,I,D]`` (unquantised). Results: router weights ``f32[B,T,k]``,
+    indices ``i64[B,T,k]``, scores ``f32[B,T,E]``; x_sorted ``[R,D]`` (or the GLU rows ``[R,I]``), offsets
+    ``i64[E+1]``, inv_perm ``i64[B,T,k]``, comb_w ``f32[R]`` (``R = B*T*k``, as ``k3.moe_dispatch``); (shared_glu)
+    ``[B,T,NS]``; float results in x's dtype. Equal to its decomposition in float64."""
+    x = Operand()
+    weight = Operand()
+    bias = Operand()
+    args = Operand("norm weight, shared gate/up, routed gate/up", variadic=True)
+    weights = Result()
+    indices = Result()
+    scores = Result()
+    rows = Result("x_sorted, or the routed GLU rows")
+    offsets = Result()
+    inv_perm = Result()
+    comb_w = Result()
+    top_k = Attr(int)
+    renormalize = Attr(bool, True)
+    routed_scaling_factor = Attr(float, 1.0)
+    eps = Attr(float, 1e-20, "router eps")
+    num_experts = Attr(int)
+    capacity = Attr(int, 0)
+    capacity_factor = Attr(float, 0.0)
+    norm = Attr(str, "none", choices=FRONT_NORMS)
+    norm_eps = Attr(float, 1e-6)
+    shared_glu = Attr(bool, False, "the shared expert's SwiGLU gate/up of x' (last result)")
+    routed_glu = Attr(bool, False, "result 3 is the routed experts' GLU of the sorted rows")
+    act = Attr(str, "silu", choices=("situ", "silu"))
+    b1 = Attr(float, 4.0)
+    b2 = Attr(float, 25.0)
+
+    def parts(self, args):
+        """(w_norm or None, (Ws1, Ws3) or None, (W1, W3) or None) of the flat ``args``."""
+        n = (self.norm == "rms") + 2 * self.shared_glu + 2 * self.routed_glu
+        require(len(args) == n, f"k3.moe_front with norm={self.norm}, shared_glu={self.shared_glu}, "
+                                f"routed_glu={self.routed_glu} takes {n} operands after x, weight and bias; "
+                                f"got {len(args)}")
+        i = int(self.norm == "rms")
+        nw = args[0] if i else None
+        shared = tuple(args[i:i + 2]) if self.shared_glu else None
+        i += 2 * self.shared_glu
+        routed = tuple(args[i:i + 2]) if self.routed_glu else None
+        return nw, shared, routed
+
+    def _router(self):
+        return get_opdef("k3.router")({"top_k": self.top_k, "renormalize": self.renormalize,
+                                       "routed_scaling_factor": self.routed_scaling_factor, "eps": self.eps})
+
+    def _dispatch(self):
+        return get_opdef("k3.moe_dispatch")({"num_experts": self.num_experts, "capacity": self.capacity,
+                                             "capacity_factor": self.capacity_factor})
+
+    def verify(self):
+        require(self.num_experts > 0 and self.capacity >= 0 and self.capacity_factor >= 0,
+                "num_experts > 0, capacity >= 0 and capacity_factor >= 0")
+
+    def infer(self, x, w, bias, args):
+        x = tensor(x, "x")
+        self.verify()
+        nw, shared, routed = self.parts(args)
+        D = str(x.shape[-1])
+        if nw is not None:
+            require(tensor(nw, "norm weight").rank == 1 and str(nw.shape[0]) == D, f"norm weight {nw} must be [{D}]")
+        rt = self._router().infer(x, w, bias)
+        require(str(rt[2].shape[-1]) == str(self.num_experts),
+                f"router weight {w} has {rt[2].shape[-1]} experts, num_experts={self.num_experts}")
+        dt = self._dispatch().infer(x, rt[0], rt[1])
+        if routed is not None:
+            w1, w3 = tensor(routed[0], "routed gate"), tensor(routed[1], "routed up")
+            require(w1.rank == 3 and _same(w1, w3) and str(w1.shape[0]) == str(self.num_experts)
+                    and str(w1.shape[2]) == D, f"routed gate/up {w1}, {w3} must be [{self.num_experts},I,{D}]")
+            dt[0] = dt[0].with_shape((dt[0].shape[0], w1.shape[1]))
+        out = [*rt, *dt]
+        if shared is not None:
+            s1, s3 = tensor(shared[0], "shared gate"), tensor(shared[1], "shared up")
+            require(s1.rank == 2 and _same(s1, s3) and str(s1.shape[1]) == D,
+                    f"shared gate/up {s1}, {s3} must be [NS,{D}]")
+            out.append(x.with_shape(x.shape[:-1] + (s1.shape[0],)))
+        return out
+
+    def reference(self, x, w, bias, *args):
+        nw, shared, routed = self.parts(args)
+        x = f64(x)
+        if nw is not None:
+            x = get_opdef("k3.rmsnorm")({"eps": self.norm_eps}).reference(x, nw)
+        rw, ri, rs = self._router().reference(x, w, bias)
+        xs, off, inv, cw = self._dispatch().reference(x, rw, ri)
+        if routed is not None:
+            gm = get_opdef("k3.grouped_matmul")({})
+            xs = _glu_ref(self.act, gm.reference(xs, off, routed[0]), gm.reference(xs, off, routed[1]),
+                          self.b1, self.b2)
+        out = [rw, ri, rs, xs, off, inv, cw]
+        if shared is not None:
+            out.append(silu(x @ f64(shared[0]).T) * (x @ f64(shared[1]).T))
+        return tuple(out)
+
+    def decompose(self, b, x, w, bias, args):
+        nw, shared, routed = self.parts(args)
+        if nw is not None:
+            x = b.rmsnorm(x, nw, eps=self.norm_eps)
+        rw, ri, rs = b.router(x, w, bias, top_k=self.top_k, renormalize=self.renormalize,
+                              routed_scaling_factor=self.routed_scaling_factor, eps=self.eps)
+        xs, off, inv, cw = b.moe_dispatch(x, rw, ri, num_experts=self.num_experts, capacity=self.capacity,
+                                          capacity_factor=self.capacity_factor)
+        if routed is not None:
+            g = b.grouped_matmul(xs, off, routed[0])
+            u = b.grouped_matmul(xs, off, routed[1])
+            xs = b.situ_glu(g, u, b1=self.b1, b2=self.b2) if self.act == "situ" else b.swiglu(g, u)
+        out = [rw, ri, rs, xs, off, inv, cw]
+        if shared is not None:
+            out.append(b.op("k3.decode_linear", x, *shared, glu=True))
+        return tuple(out)
+
+    def flops(self, ot, rt, env):
+        tokens = numel(ot[0].shape[:-1], env)
+        D, E = numel((ot[0].shape[-1],), env), numel((ot[1].shape[0],), env)
+        k = numel((rt[0].shape[-1],), env)
+        total = 2.0 * tokens * D * E
+        if self.shared_glu:
+            total += 4.0 * tokens * D * numel((rt[-1].shape[-1],), env)
+        if self.routed_glu:
+            total += 4.0 * tokens * k * D * numel((rt[3].shape[-1],), env)
+        return total

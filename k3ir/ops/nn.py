@@ -268,10 +268,13 @@ class DecodeLinear(Op):
     - ``norm="rms"``: weight ``[K]``, ``x' = rmsnorm(x, w, eps)``; ``norm="gated"``: weight ``[V]``
       and gate ``[..., K]`` (V divides K), ``x'`` = the per-head RMSNorm of x over heads of V columns
       times ``sigmoid(gate)`` (the KDA output norm, ``k3.gated_rmsnorm``); ``"none"``: ``x' = x``;
-    - ``residuals`` tensors ``[..., N]`` added to the (single) result left to right.
+    - ``residuals`` tensors ``[..., N]`` added to the (single) result left to right;
+    - ``combine``: two more operands, expert rows ``[S, N]`` and ``inv i64[..., k]`` (slot -> row), whose MoE
+      combine ``sum_j rows[inv[..., j]]`` is added last (the rows already scaled by their combine weights:
+      ``k3.moe_experts`` with ``combine=False``, made by ``fuse-moe-experts``; SPEC.md 5).
 
     Results: ``[..., N_i]`` in x's dtype, one per split. Equal to its decomposition (rmsnorm /
-    gated_rmsnorm, linear, swiglu, add) in float64."""
+    gated_rmsnorm, linear, swiglu, add, moe_combine) in float64."""
     x = Operand()
     args = Operand("weights, norm weight (and gate), residuals", variadic=True)
     out = Result("one per split")
@@ -280,21 +283,28 @@ class DecodeLinear(Op):
     glu = Attr(bool, False, "two weights (gate, up): SwiGLU of their products")
     splits = Attr(int, 1, "weights whose products are separate results")
     residuals = Attr(int, 0, "tensors added to the result")
+    combine = Attr(bool, False, "expert rows and inv_perm whose MoE combine is added last")
 
     def parts(self, args):
-        """(weights, norm operands, residuals) of the flat ``args``."""
+        """(weights, norm operands, residuals) of the flat ``args`` (the combine operands: ``combined``)."""
         nw = 2 if self.glu else self.splits
         nn_ = {"none": 0, "rms": 1, "gated": 2}[self.norm]
-        require(len(args) == nw + nn_ + self.residuals,
-                f"k3.decode_linear takes {nw} weights, {nn_} norm operands and {self.residuals} residuals "
-                f"after x; got {len(args)} operands")
-        return list(args[:nw]), list(args[nw:nw + nn_]), list(args[nw + nn_:])
+        nc = 2 if self.combine else 0
+        require(len(args) == nw + nn_ + self.residuals + nc,
+                f"k3.decode_linear takes {nw} weights, {nn_} norm operands, {self.residuals} residuals and {nc} "
+                f"combine operands after x; got {len(args)} operands")
+        return list(args[:nw]), list(args[nw:nw + nn_]), list(args[nw + nn_:len(args) - nc])
+
+    def combined(self, args):
+        """(expert rows, inv_perm) of the flat ``args`` with ``combine``, else None."""
+        return (args[-2], args[-1]) if self.combine else None
 
     def verify(self):
         require(self.splits >= 1, f"splits must be >= 1, got {self.splits}")
         require(not (self.glu and self.splits != 1), "glu takes one split")
         require(self.residuals >= 0 and (self.residuals == 0 or self.splits == 1),
                 "residuals need one result (splits=1)")
+        require(not self.combine or self.splits == 1, "combine needs one result (splits=1)")
 
     def infer(self, x, args):
         x = tensor(x, "x")
@@ -319,6 +329,13 @@ class DecodeLinear(Op):
             r = tensor(r, f"residual {i}")
             require([str(s) for s in r.shape] == [str(s) for s in outs[0].shape],
                     f"residual {i} {r} must match the result {outs[0]}")
+        if self.combine:
+            rows, inv = (tensor(t, n) for t, n in zip(self.combined(args), ("combine rows", "inv_perm")))
+            require(rows.rank == 2 and str(rows.shape[1]) == str(outs[0].shape[-1]),
+                    f"combine rows {rows} must be [S, {outs[0].shape[-1]}]")
+            require(inv.dtype in ("i64", "i32") and inv.rank == outs[0].rank
+                    and [str(s) for s in inv.shape[:-1]] == [str(s) for s in outs[0].shape[:-1]],
+                    f"inv_perm {inv} must be integer [..., k] over the result's rows {outs[0]}")
         return outs
 
     def reference(self, x, *args):
@@ -338,6 +355,9 @@ class DecodeLinear(Op):
             ys = [x @ f64(w).T for w in ws]
         for r in res:
             ys[0] = ys[0] + f64(r)
+        if self.combine:
+            rows, inv = self.combined(args)
+            ys[0] = ys[0] + np.sum(f64(rows)[np.asarray(inv, dtype=np.int64)], axis=-2)
         return ys[0] if len(ys) == 1 else tuple(ys)
 
     def decompose(self, b, x, args):
@@ -356,6 +376,10 @@ class DecodeLinear(Op):
             ys = [b.linear(x, w) for w in ws]
         for r in res:
             ys[0] = b.add(ys[0], r)
+        if self.combine:
+            rows, inv = self.combined(args)
+            ones = b.add(b.mul(b.reduce_sum(b.cast(rows, dtype="f32"), axes=[1]), 0.0), 1.0)    # f32[S] of 1
+            ys[0] = b.add(ys[0], b.moe_combine(rows, ones, inv))
         return ys[0] if len(ys) == 1 else tuple(ys)
 
     def flops(self, ot, rt, env):

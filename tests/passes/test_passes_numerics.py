@@ -166,9 +166,11 @@ def test_fuse_moe_dispatch_float64_torch_matches_reference():
 @pytest.mark.parametrize("key", MODELS)
 def test_decode_phase_keeps_logits(key):
     """The triton pipeline's ``decode`` phase (fuse-decode-linear: k3.decode_linear; fuse-kda-output:
-    k3.fused_kda_ungated + norm="gated"; fuse-mla-kv-norm: k3.mla_kv_norm) leaves the float64 logits of forward, prefill and decode as the reference
-    pipeline gives them (SPEC.md 11: rel < 1e-10), run as the ops' references and as their decompositions into
-    core ops."""
+    k3.fused_kda_ungated + norm="gated"; fuse-mla-kv-norm: k3.mla_kv_norm; fuse-moe-experts: k3.moe_experts and
+    the combine in a k3.decode_linear epilogue; fuse-moe-front: k3.moe_front with the norm, the shared and the
+    routed GLU; fuse-decode-norm: input norms in k3.decode_linear and the KDA layers) leaves the float64 logits of
+    forward, prefill and decode as the reference pipeline gives them (SPEC.md 11: rel < 1e-10), run as the ops'
+    references and as their decompositions into core ops."""
     from k3ir.backends.reference import ReferenceExecutable
     m = _model(key)
     exe = k3ir.compile(m, target="reference", passes=pipeline_for("triton"), verify_each=True)
@@ -177,11 +179,24 @@ def test_decode_phase_keeps_logits(key):
     assert any(o.attrs["splits"] > 1 for o in dl) and (key == "k3-tiny" or any(o.attrs["glu"] for o in dl))
     names = {o.name for o in exe.module.ops()}
     assert "gated" in {o.attrs["norm"] for o in dl} and {"k3.fused_kda_ungated", "k3.mla_kv_norm"} <= names
+    kda = [o for o in exe.module.ops() if o.name in ("k3.fused_kda", "k3.fused_kda_ungated")]
+    experts = [o for o in exe.module.ops() if o.name == "k3.moe_experts"]
+    assert any(o.attrs["norm"] == "rms" for o in kda) and experts
+    if key == "k3-tiny":           # latent MoE: no front (the router reads another row than the dispatch)
+        assert all(o.attrs["glu"] and o.attrs["combine"] for o in experts) and "k3.moe_front" not in names
+        assert "k3.router" in names and any(o.name == "k3.fused_kda" and o.attrs["norm"] == "rms" for o in kda)
+    else:
+        fronts = [o for o in exe.module.ops() if o.name == "k3.moe_front"]
+        assert fronts and all(o.attrs["norm"] == "rms" and o.attrs["shared_glu"] and o.attrs["routed_glu"]
+                              for o in fronts)
+        assert not any(o.attrs["glu"] or o.attrs["combine"] for o in experts)
+        assert sum(o.attrs["combine"] for o in dl) == len(experts) and "k3.router" not in names
     want = _run_all(_session(m, pipeline_for("reference")), m)
     for i, (a, b) in enumerate(zip(_run_all(Session(exe), m), want)):
         assert rel_err(a, b) < 1e-10, f"{key}: output {i} rel err {rel_err(a, b):.2e}"
     core = ReferenceExecutable(exe.module, "float64", "cpu", core_only=True)
-    assert not {"k3.decode_linear", "k3.fused_kda_ungated", "k3.mla_kv_norm"} & set(core.table)
+    assert not {"k3.decode_linear", "k3.fused_kda_ungated", "k3.mla_kv_norm", "k3.moe_front",
+                "k3.moe_experts"} & set(core.table)
     ids = _ids(m, 2, 6)
     ref, dec = Session(exe), Session(core)
     lp, st = ref.prefill(ids[:, :5])

@@ -146,19 +146,3 @@ def routed_glu(f: Front, w1: torch.Tensor, w3: torch.Tensor, act: str = "silu", 
         ACT=ACT_IDS[act], BW=BW, BT=BT, BK=BK, xn=f.xn, XN=f.xn is not None, num_warps=warps, num_stages=stages,
         **f.consts())
     return (f.wout, f.iout, f.sout), (f.offsets, f.inv, f.cw), h
-
-
-def plan_routed(g, chain, producer, uses, out) -> None:
-    """For lowering.plan: a routed dispatch (plan ``routed``) whose outputs only the GLU chain of gate ``g`` reads
-    (``chain``: the gate/up grouped GEMMs, the down GEMM, the combine) under a router whose scores nothing reads is
-    marked ``("routed", g)``: at decode the GLU launch may route the step itself (``routed_glu``)."""
-    d = producer.get(id(g.operands[0]))
-    if (d is None or out.get(id(d)) != ("routed",) or g.operands[0] is not d.results[0]
-            or g.operands[1] is not d.results[1]):
-        return
-    r = producer.get(id(d.operands[1]))
-    ids = {id(o) for o in chain}
-    if (r is None or uses.get(id(r.results[2])) or any(c is None or id(c) not in ids for v in d.results
-                                                       for c in uses.get(id(v), []))):
-        return
-    out[id(d)] = ("routed", g)

@@ -1,5 +1,5 @@
-"""Decode-step fusions of the triton target (k3.decode_linear from fuse-decode-linear, lowering.plan,
-executable.fused_kda) on a tiny Kimi Linear:
+"""Decode-step fusions of the triton target (the decode phase's fused ops: k3.decode_linear, k3.moe_front,
+k3.moe_experts, k3.fused_kda_ungated with its input norm, k3.mla_kv_norm) on a tiny Kimi Linear:
 RMSNorm deferred into the gemv prologue (KDA projections, MLA q/kv_a, dense MLP), the MLA q and kv_a
 linears in one gemv over concatenated weights, the MoE combine summed in the shared-expert down gemv,
 the KDA low-rank up-projections in one launch. Logits against the float64 reference backend, launches
@@ -73,16 +73,21 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches(decode_tun
     decode_tuning["lowrank_in_decode"] = True
     m = k3ir.load("kimi-linear-6p6b", KL)
     exe = k3ir.compile(m, target="triton", dtype="float32", device="cpu")
-    acts = collections.Counter(a[0] if a[0] != "combine" else "combine_" + str(a[1:]) for a in exe.plans["decode"].values())
-    # planned: 3 KDA input norms, 3 MoE norms (router consumers); in the IR (decode phase): the MLA input norm (q and
-    # kv_a in one k3.decode_linear), the dense MLP norm (its SwiGLU), the KDA output norms (o_proj prologues) and
-    # the MLA latent norm (k3.mla_kv_norm)
-    assert acts["norm"] == 6 and acts["combine_('lazy',)"] == 3
+    # the decode phase's IR: the 3 KDA input norms in the layers (norm="rms"), the 3 MoE norms and shared-expert
+    # SwiGLUs in their k3.moe_front, the MoE combines in the shared-expert down projections (combine), the MLA
+    # input norm (q and kv_a in one k3.decode_linear), the dense MLP norm (its SwiGLU), the KDA output norms
+    # (o_proj prologues) and the MLA latent norm (k3.mla_kv_norm)
     ops = exe.module.functions["decode"].ops
-    dl = collections.Counter((o.attrs["norm"], o.attrs["glu"], o.attrs["splits"], o.attrs["residuals"])
-                             for o in ops if o.name == "k3.decode_linear")
-    assert dl[("rms", False, 2, 0)] == 1 and dl[("rms", True, 1, 0)] == 1 and dl[("none", True, 1, 0)] == 3
-    assert dl[("gated", False, 1, 1)] == 3 and sum(o.name == "k3.mla_kv_norm" for o in ops) == 1
+    assert sum(o.name == "k3.fused_kda_ungated" and o.attrs["norm"] == "rms" for o in ops) == 3
+    fronts = [o for o in ops if o.name == "k3.moe_front"]
+    assert len(fronts) == 3 and all(o.attrs["norm"] == "rms" and o.attrs["shared_glu"] for o in fronts)
+    names = collections.Counter(o.name for o in ops)
+    assert names["k3.rmsnorm"] == 1 and names["k3.router"] == names["k3.moe_dispatch"] == 0   # the final norm
+    dl = collections.Counter((o.attrs["norm"], o.attrs["glu"], o.attrs["splits"], o.attrs["residuals"],
+                              o.attrs["combine"]) for o in ops if o.name == "k3.decode_linear")
+    assert dl[("rms", False, 2, 0, False)] == 1 and dl[("rms", True, 1, 0, False)] == 1
+    assert dl[("none", False, 1, 1, True)] == 3
+    assert dl[("gated", False, 1, 1, False)] == 3 and sum(o.name == "k3.mla_kv_norm" for o in ops) == 1
     ref = Session(k3ir.compile(m, target="reference"))
     tri = Session(exe, params=ref.params)
     ids = np.random.default_rng(0).integers(3, 500, (2, 7))

@@ -39,6 +39,16 @@ CASES = {
     "fuse-decode-linear-kimi-linear": (KIMI_LINEAR_SMALL, ("decode",), _BEFORE_DECODE, "fuse-decode-linear"),
     "fuse-kda-output": (KIMI_LINEAR_SMALL, ("decode",), _BEFORE_DECODE + ",fuse-decode-linear", "fuse-kda-output"),
     "fuse-mla-kv-norm": (K3_SMALL, ("decode",), _BEFORE_DECODE + ",fuse-decode-linear", "fuse-mla-kv-norm"),
+    "fuse-moe-experts": (K3_SMALL, ("decode",), _BEFORE_DECODE + ",fuse-decode-linear", "fuse-moe-experts"),
+    "fuse-moe-experts-kimi-linear": (KIMI_LINEAR_SMALL, ("decode",), _BEFORE_DECODE + ",fuse-decode-linear",
+                                     "fuse-moe-experts"),
+    "fuse-moe-front": (KIMI_LINEAR_SMALL, ("decode",), _BEFORE_DECODE + ",fuse-decode-linear,fuse-moe-experts",
+                       "fuse-moe-front"),
+    "fuse-decode-norm": (K3_SMALL, ("decode",), _BEFORE_DECODE + ",fuse-decode-linear,fuse-kda-output,"
+                         "fuse-mla-kv-norm,fuse-moe-experts,fuse-moe-front", "fuse-decode-norm"),
+    "fuse-decode-norm-kimi-linear": (KIMI_LINEAR_SMALL, ("decode",), _BEFORE_DECODE + ",fuse-decode-linear,"
+                                     "fuse-kda-output,fuse-mla-kv-norm,fuse-moe-experts,fuse-moe-front",
+                                     "fuse-decode-norm"),
     "fuse-attn-res": (K3_SMALL, ("forward",), None, "fuse-attn-res"),
     "shard": (dict(K3_SMALL, **{"num_attention_heads": 2, "num_key_value_heads": 2, "linear_attn_config.num_heads": 2}),
               ("prefill",), None, "shard{ep=2,tp=2}"),
