@@ -7,6 +7,7 @@ silently ignored.
     k3ir export kimi-k3 --format onnx --weights inputs -o k3.onnx      # structure only
     k3ir export k3-tiny --format onnx --opset 20 -o tiny20.onnx          # Scan lowering, older runtimes
     k3ir export k3-tiny --format onnx -o tiny.onnx                      # weights in tiny.onnx.data
+    k3ir export k3-tiny --format onnx --logits-to-keep 0 -o tiny.onnx   # logits of every position by default
     k3ir export k3-tiny --format mlir -o tiny.mlir --iree-target vulkan-spirv   # + tiny.vulkan-spirv.vmfb
     k3ir export k3-tiny --format mlir --quantize mxfp4 -o tiny.mlir     # packed experts, dequantised per expert
     k3ir export k3-tiny --format onnx --moe-form loop -o tiny.onnx      # a Loop over the experts in use
@@ -117,6 +118,12 @@ def cmd_export(args) -> int:
         raise UsageError(f"--level applies to --format dot and svg only, not --format {fmt}")
     if describe and fmt != "onnx":
         raise UsageError(f"--describe applies to --format onnx only, not --format {fmt}")
+    keep = getattr(args, "logits_to_keep", None)
+    if keep is not None and fmt != "onnx":
+        raise UsageError(f"--logits-to-keep applies to --format onnx only, not --format {fmt}")
+    if keep is not None and keep < 0:
+        raise UsageError(f"--logits-to-keep must be >= 0 (0: every position), not {keep}")
+    keep = 1 if keep is None else keep
     t0 = time.perf_counter()
     m = load_model(args)
     out = args.output
@@ -136,9 +143,12 @@ def cmd_export(args) -> int:
     if describe:
         from k3ir.backends.onnx.export import describe_io
         rows = describe_io(m, args.function or "prefill", opset=opset, ort_kernels=ort_kernels, moe_form=moe_form,
-                           mxfp4_form=mxfp4_form or "unpack")
+                           mxfp4_form=mxfp4_form or "unpack", logits_to_keep=keep)
         for kind, name, dt, shape in rows:
-            con.print(f"{kind:<6} {name:<32} {dt:<8} [{', '.join(map(str, shape))}]")
+            note = f"  optional, default {keep} (0: every position)" if name == "logits_to_keep" else ""
+            if kind == "output" and name == "logits" and "T_logits" in shape:
+                note = "  T_logits = min(T, logits_to_keep), T when 0"
+            con.print(f"{kind:<6} {name:<32} {dt:<8} [{', '.join(map(str, shape))}]{note}")
         return 0
     if fmt == "onnx":
         from k3ir.backends.onnx.export import export_onnx
@@ -148,7 +158,8 @@ def cmd_export(args) -> int:
         with _writing(outs), progress(f"onnx: exporting @{args.function or 'prefill'} of {m.name} to {out}"):
             info = export_onnx(m, out, function=args.function or "prefill", weights=weights,
                                params=None if weights == "inputs" else _params(m), opset=opset,
-                               ort_kernels=ort_kernels, moe_form=moe_form, mxfp4_form=mxfp4_form or "unpack")
+                               ort_kernels=ort_kernels, moe_form=moe_form, mxfp4_form=mxfp4_form or "unpack",
+                               logits_to_keep=keep)
         con.print(f"wrote {out}: opset {info['opset']}, {info['nodes']:,} nodes, {info['inputs']} inputs, "
                   f"{info['initializers']} initializers"
                   + (f", data in {info['external_data']}" if info["external_data"] else "")
@@ -212,6 +223,9 @@ def register(sub) -> None:
     p.add_argument("--describe", action="store_true",
                    help="onnx: print the graph's inputs and outputs (names, types, shapes; weights left out), "
                         "write nothing")
+    p.add_argument("--logits-to-keep", type=int, metavar="N",
+                   help="onnx: default of the graph input logits_to_keep: logits for the last N positions only "
+                        "(default 1, what generation needs; 0: every position); callers may feed another value")
     p.add_argument("--iree-target", choices=("llvm-cpu", "rocm", "vulkan-spirv", "metal-spirv"),
                    help="mlir: also compile a deployable IREE module OUT.<target>.vmfb")
     p.add_argument("--quantize", choices=("none", "mxfp4"),

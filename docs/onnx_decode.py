@@ -8,7 +8,8 @@
     python docs/onnx_decode.py prefill.onnx --decode decode.onnx --prompt 5 17 42
 
 Inputs are ``input_ids`` (int64 ``[B,T]``) then one tensor per state; outputs are ``logits``
-(``[B,T,V]``) then ``present.<state>`` in the same order (``k3ir export --describe`` lists them).
+(``[B,1,V]``: the last position's, the file's default ``logits_to_keep`` = 1; feed ``logits_to_keep`` = 0 for
+``[B,T,V]``) then ``present.<state>`` in the same order (``k3ir export --describe`` lists them).
 A fresh sequence feeds zero states, with 0 for a dynamic length such as the MLA cache's ``L``.
 Only numpy and onnxruntime are needed here.
 """
@@ -31,8 +32,10 @@ def zero_states(sess: ort.InferenceSession, batch: int) -> dict[str, np.ndarray]
 
 def generate(prefill_path: str, decode_path: str, prompt: list[int], steps: int = 8) -> list[int]:
     """Greedy tokens after ``prompt`` (batch of one)."""
-    prefill = ort.InferenceSession(prefill_path, providers=["CPUExecutionProvider"])
-    decode = ort.InferenceSession(decode_path, providers=["CPUExecutionProvider"])
+    so = ort.SessionOptions()
+    so.log_severity_level = 3          # no warning that the optional input logits_to_keep has a default
+    prefill = ort.InferenceSession(prefill_path, so, providers=["CPUExecutionProvider"])
+    decode = ort.InferenceSession(decode_path, so, providers=["CPUExecutionProvider"])
     names = [s.name for s in prefill.get_inputs()[1:]]
     feeds = {"input_ids": np.asarray([prompt], np.int64), **zero_states(prefill, 1)}
     logits, *states = prefill.run(None, feeds)

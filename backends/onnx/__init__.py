@@ -17,7 +17,7 @@ from k3ir.ir import Module
 
 from .. import Backend, Executable, register_backend
 from ..artifact import ARTIFACT, artifact_file, write_manifest  # noqa: F401 (re-exported)
-from .export import OnnxExporter, check_opset
+from .export import LOGITS_TO_KEEP, OnnxExporter, check_opset
 from .lowering import TABLE
 
 FUNCTIONS = ("forward", "prefill", "decode")
@@ -47,7 +47,9 @@ class OnnxExecutable(Executable):
     native kernels (``OnnxExporter``); False keeps the standard ops; ``moe_form`` (None: by expert count)
     as in ``OnnxExporter``; ``session_config``: entries for ``SessionOptions.add_session_config_entry`` (e.g.
     ``{"session.intra_op.allow_spinning": "0"}`` beside other thread pools in one process). All settable until
-    the first run."""
+    the first run. ``logits_to_keep`` (fed on every run; default 0): the trailing positions that get logits,
+    0 for all of them, so ``prefill`` returns ``[B,T,V]`` like every target; 1 for generation (the last position
+    only, the exported file's own default: ``OnnxExporter``)."""
 
     def __init__(self, module: Module, dtype: str = "float32", device: str = "cpu",
                  model_paths: dict[str, str] | None = None, opset: int | None = None):
@@ -65,6 +67,8 @@ class OnnxExecutable(Executable):
         self.ort_kernels = True
         self.moe_form: str | None = None
         self.session_config: dict[str, str] = {}
+        self.logits_to_keep = 0
+        self._keeps: dict[str, bool] = {}           # function -> its session has the logits_to_keep input
 
     def prepare_params(self, arrays: dict[str, Any]) -> dict[str, Any]:
         if self.weights_inside and not arrays:
@@ -98,7 +102,9 @@ class OnnxExecutable(Executable):
                 if self._arrays is None:
                     raise K3BackendError("onnx executable: call prepare_params before run")
                 src = self.model(function).SerializeToString()
-            self._sessions[function] = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+            sess = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+            self._keeps[function] = any(i.name == LOGITS_TO_KEEP for i in sess.get_overridable_initializers())
+            self._sessions[function] = sess
         return self._sessions[function]
 
     def run(self, function: str, args: list[Any], params: dict[str, Any]) -> list[Any]:
@@ -107,6 +113,8 @@ class OnnxExecutable(Executable):
         for spec, a in zip(sess.get_inputs(), args):
             want = np.int64 if spec.type == "tensor(int64)" else (np.float16 if "float16" in spec.type else np.float32)
             feeds[spec.name] = _to_numpy(a, want)
+        if self._keeps.get(function):
+            feeds[LOGITS_TO_KEEP] = np.asarray(self.logits_to_keep, np.int64)
         return sess.run(None, feeds)
 
     def to_numpy(self, x: Any):

@@ -44,6 +44,8 @@ from .moe import MOE_FORMS
 
 WEIGHT_MODES = ("embedded", "external", "inputs")
 MXFP4_FORMS = ("unpack", "dequantize_linear")
+#: the graph input that selects how many trailing positions get logits (``OnnxExporter``'s ``logits_to_keep``)
+LOGITS_TO_KEEP = "logits_to_keep"
 
 
 class OnnxExporter:
@@ -62,12 +64,17 @@ class OnnxExporter:
     ``mxfp4_form``: MXFP4 expert weights as ``"unpack"`` (uint8 codes and E8M0 bytes, dequantised by bit
     operations and the E2M1 table: runs in onnxruntime 1.32) or ``"dequantize_linear"`` (the standard form:
     ``FLOAT4E2M1`` weights, ``FLOAT8E8M0`` scales, blocked ``DequantizeLinear``; the same bytes; opset 27 only;
-    onnxruntime 1.32's CPU provider has no kernel for it). Raises K3BackendError."""
+    onnxruntime 1.32's CPU provider has no kernel for it). ``logits_to_keep``: the default value of the graph
+    input ``logits_to_keep`` (int64 scalar, an initializer a caller may override by feeding it): the
+    ``lm_head`` runs on the last ``logits_to_keep`` positions only (0: all of them), so ``logits`` is
+    ``[B, T_logits, V]`` with ``T_logits = min(T, logits_to_keep)`` (``T`` for 0). Default 1: a generation
+    prefill needs the last position's logits only (transformers' ``logits_to_keep``); on k3-100m the head over
+    all 128 prompt positions is 4.2 of 12.9 GFLOP. Raises K3BackendError."""
 
     def __init__(self, module: Module, dtype: str = "float32", weights: str = "embedded",
                  params: dict[str, Any] | None = None, table: dict[str, Emitter] | None = None,
                  opset: int | None = None, ort_kernels: bool = False, moe_form: str | None = None,
-                 mxfp4_form: str = "unpack"):
+                 mxfp4_form: str = "unpack", logits_to_keep: int = 1):
         if weights not in WEIGHT_MODES:
             raise K3BackendError(f"unknown weights mode '{weights}' (want one of {', '.join(WEIGHT_MODES)})")
         if dtype not in ("float32", "float16"):
@@ -82,6 +89,10 @@ class OnnxExporter:
         if mxfp4_form == "dequantize_linear" and self.opset < 27:
             raise K3BackendError("mxfp4_form='dequantize_linear' needs opset 27 (FLOAT4E2M1, FLOAT8E8M0 scales)")
         self.mxfp4_form = mxfp4_form
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, (int, np.integer)) or logits_to_keep < 0:
+            raise K3BackendError(f"logits_to_keep must be an integer >= 0 (0: every position), not {logits_to_keep!r}")
+        self.logits_to_keep = int(logits_to_keep)
+        self._keep_input: str | None = None      # the logits_to_keep graph input, once a lm_head asked for it
         self._typed_params: dict[str, int] = {}   # param -> ONNX element type other than its IR dtype's
         self.domains: set[str] = set()          # non-default operator domains the graph uses
         self.module = module
@@ -145,6 +156,17 @@ class OnnxExporter:
         else:
             self.main.initializers.append(self._initializer(name, decl))
         return name
+
+    def logits_to_keep_input(self) -> str:
+        """The main graph's ``logits_to_keep`` input (int64 scalar) with its default as an initializer of the
+        same name (ONNX's overridable initializer: a caller that does not feed it gets the default)."""
+        if self._keep_input is None:
+            onnx = _onnx()
+            name = LOGITS_TO_KEEP
+            self.main.inputs.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.INT64, []))
+            self.main.initializers.append(onnx.numpy_helper.from_array(np.array(self.logits_to_keep, np.int64), name))
+            self._keep_input = name
+        return self._keep_input
 
     def _initializer(self, name: str, decl):
         onnx = _onnx()
@@ -214,6 +236,7 @@ class OnnxExporter:
         self._typed_params = self._standard_mxfp4_params(fn) if self.mxfp4_form == "dequantize_linear" else {}
         self.native, self.fallback = {}, {}
         self.domains = set()
+        self._keep_input = None
         self.main = g = Graph(self, f"{self.module.name}.{function}")
         opened = None
         if self.weights == "external":
@@ -239,7 +262,11 @@ class OnnxExporter:
             out_names = [f"out{i}" for i in range(len(outs))]
         for name, src, v in zip(out_names, outs, fn.returns):
             g.nodes.append(onnx.helper.make_node("Identity", [src], [name]))
-            g.outputs.append(self.value_info(name, v.type))
+            info = self.value_info(name, v.type)
+            dims = info.type.tensor_type.shape.dim
+            if name == "logits" and self._keep_input is not None and len(dims) == 3 and dims[1].dim_param:
+                dims[1].dim_param = "T_logits"                      # the kept positions, not T
+            g.outputs.append(info)
         opsets = [onnx.helper.make_opsetid("", self.opset)] + [onnx.helper.make_opsetid(d, 1) for d in sorted(self.domains)]
         model = onnx.helper.make_model(g.make(), opset_imports=opsets,
                                        producer_name="k3ir", producer_version="0.1.0")
@@ -264,13 +291,13 @@ def lowering_report(module: Module, function: str = "prefill", opset: int | None
 def export_onnx(module: Module, path: str, function: str = "prefill", weights: str = "external",
                 dtype: str = "float32", params: dict[str, Any] | None = None,
                 opset: int | None = None, ort_kernels: bool = False, moe_form: str | None = None,
-                mxfp4_form: str = "unpack") -> dict[str, Any]:
+                mxfp4_form: str = "unpack", logits_to_keep: int = 1) -> dict[str, Any]:
     """Write ``@function`` of ``module`` to ``path`` (``.onnx``). ``weights="external"`` writes the
     data to ``<path>.data`` next to it; ``opset`` 27 or 20 (None: ``default_opset()``);
-    ``ort_kernels``, ``moe_form`` and ``mxfp4_form`` as in ``OnnxExporter``. Returns a summary (nodes, inputs, native/decomposed ops, opset)."""
+    ``ort_kernels``, ``moe_form``, ``mxfp4_form`` and ``logits_to_keep`` as in ``OnnxExporter``. Returns a summary (nodes, inputs, native/decomposed ops, opset)."""
     onnx = _onnx()
     x = OnnxExporter(module, dtype=dtype, weights=weights, params=params, opset=opset, ort_kernels=ort_kernels,
-                     moe_form=moe_form, mxfp4_form=mxfp4_form)
+                     moe_form=moe_form, mxfp4_form=mxfp4_form, logits_to_keep=logits_to_keep)
     ext = path + ".data" if weights == "external" else None
     model = x.export_function(function, external_path=ext)
     if weights == "embedded" and model.ByteSize() > 2_000_000_000:
@@ -283,7 +310,7 @@ def export_onnx(module: Module, path: str, function: str = "prefill", weights: s
 
 def describe_io(module: Module, function: str = "prefill", opset: int | None = None,
                 ort_kernels: bool = False, moe_form: str | None = None,
-                mxfp4_form: str = "unpack") -> list[tuple[str, str, str, list]]:
+                mxfp4_form: str = "unpack", logits_to_keep: int = 1) -> list[tuple[str, str, str, list]]:
     """The interface of the exported ``@function``: ``(direction, name, element type, shape)`` for
     every graph input (``"input"``: token ids then one per state, zero-filled for a fresh
     sequence) and output (``"output"``: ``logits`` then ``present.<state>``), weights left out.
@@ -292,7 +319,7 @@ def describe_io(module: Module, function: str = "prefill", opset: int | None = N
     Raises K3BackendError for a missing function or a bad option."""
     onnx = _onnx()
     model = OnnxExporter(module, weights="inputs", opset=opset, ort_kernels=ort_kernels, moe_form=moe_form,
-                         mxfp4_form=mxfp4_form).export_function(function)
+                         mxfp4_form=mxfp4_form, logits_to_keep=logits_to_keep).export_function(function)
     weights = set(module.params)
     rows = []
     for kind, values in (("input", model.graph.input), ("output", model.graph.output)):

@@ -228,6 +228,11 @@ def _linear(lw, inst, x, w):
 
 @lowers("k3.lm_head")
 def _lm_head(lw, inst, x, w):
+    """``x [B,T,D] @ w[V,D]^T`` on the last ``logits_to_keep`` positions of ``x`` only (the graph input of that
+    name, ``OnnxExporter.logits_to_keep``; 0 keeps all): ``Slice`` from ``-logits_to_keep`` along T."""
+    if len(lw.op.operands[0].type.shape) == 3 and lw.g is lw.x.main:
+        start = lw.g.node("Unsqueeze", [lw.g.node("Neg", [lw.x.logits_to_keep_input()]), lw.g.ints([0])])
+        x = lw.g.node("Slice", [x, start, lw.g.ints([2 ** 62]), lw.g.ints([1])])
     y = lw.g.node("MatMul", [x, lw.g.node("Transpose", [w], perm=[1, 0])])
     return lw.cast_to(y, lw.etype(0), lw.etype(0, result=True))
 

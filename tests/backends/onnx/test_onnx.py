@@ -40,7 +40,7 @@ def test_full_k3_structure_export_passes_checker():
     x = OnnxExporter(m, weights="inputs", opset=20)
     model = x.export_function("prefill")
     onnx.checker.check_model(model)
-    assert len(model.graph.initializer) == 0                       # structure only: no weight data
+    assert [i.name for i in model.graph.initializer] == ["logits_to_keep"]   # structure only: no weight data
     names = {i.name for i in model.graph.input}
     assert {p for p in m.params if p.startswith("language_model.")} <= names
     assert sum(1 for n in model.graph.node if n.op_type == "Scan") == len(m.attrs["kda_layers"])
@@ -67,7 +67,7 @@ def test_scaled_k3_with_random_weights_runs_in_onnxruntime(tmp_path):
     onnx.checker.check_model(path)
     s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     ids = token_ids(512, 1, 9)
-    (got,) = s.run(None, {"input_ids": ids})
+    (got,) = s.run(None, {"input_ids": ids, "logits_to_keep": np.asarray(0, np.int64)})     # every position
     exe = k3ir.compile(m, target="torch", passes=["dce"])                 # unquantised, like the export
     (want,) = exe.run("forward", [ids], exe.prepare_params(params))
     assert info["nodes"] > 0 and rel_err(got, want) < 1e-4
@@ -98,7 +98,7 @@ def test_weights_inputs_mode_feeds_weights(tmp_path):
     model = OnnxExporter(m, weights="inputs").export_function("forward")
     s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     ids = token_ids(m.attrs["vocab_size"], 2, 6)
-    feeds = {"input_ids": ids}
+    feeds = {"input_ids": ids, "logits_to_keep": np.asarray(0, np.int64)}                    # every position
     feeds.update({k: np.asarray(v, np.float32) for k, v in params.items()})
     (got,) = s.run(None, feeds)
     assert rel_err(got, sess.forward(ids)) < 1e-6

@@ -285,11 +285,58 @@ def test_describe_prints_the_state_interface_without_weights(tmp_path, capsys):
     assert ins["l0_kda_state"] == ("float32", ["[B,", "16,", "128,", "128]"])
     assert ins["l0_conv_q"] == ("float32", ["[B,", "2048,", "3]"])
     assert ins["l3_mla_cache"] == ("float32", ["[B,", "L,", "576]"])
+    assert ins.pop("logits_to_keep") == ("int64", ["[]", "optional,", "default", "1", "(0:", "every", "position)"])
     assert len(ins) == 1 + 4 * len(full.attrs["kda_layers"]) + (full.attrs["num_hidden_layers"] - len(full.attrs["kda_layers"]))
     assert outs == ["logits"] + [f"present.{n}" for n in ins if n != "input_ids"]
     assert not list(tmp_path.iterdir())
     assert main(["export", "k3-tiny", "--format", "mlir", "--describe", "-o", str(tmp_path / "x.mlir")]) == 2
     assert "--describe applies to --format onnx only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("opset", [27, 20])
+def test_logits_to_keep_runs_the_head_on_the_last_positions(tmp_path, opset):
+    """The exported prefill's ``logits`` by default are the last position's only (``[B,1,V]``), equal to the last
+    row of the float64 reference's ``[B,T,V]``; fed ``logits_to_keep`` = 3 the last three rows, fed 0 all T rows;
+    the present states do not change with it; ``--logits-to-keep 0`` makes every position the file's default."""
+    from k3ir.backends.onnx.export import export_onnx
+    from k3ir.cli import main
+    m, ref, _, _ = _sessions("k3-tiny", opset)
+    params = init_params(m, seed=3)
+    export_onnx(m, str(tmp_path / "p.onnx"), weights="external", params=params, opset=opset)
+    model = onnx.load(str(tmp_path / "p.onnx"))
+    onnx.checker.check_model(model, full_check=True)
+    assert model.graph.output[0].type.tensor_type.shape.dim[1].dim_param == "T_logits"
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    s = ort.InferenceSession(str(tmp_path / "p.onnx"), so, providers=["CPUExecutionProvider"])
+    ids = token_ids(m.attrs["vocab_size"], 2, 9)
+    feeds = {"input_ids": ids}
+    for spec in s.get_inputs()[1:]:
+        feeds[spec.name] = np.zeros([2 if d == "B" else (d if isinstance(d, int) else 0) for d in spec.shape],
+                                    np.float32)
+    want, want_state = ref.prefill(ids)
+    want = want.double().numpy()
+    default, *states = s.run(None, feeds)
+    assert default.shape == (2, 1, m.attrs["vocab_size"])
+    assert rel_err(default, want[:, -1:]) < 1e-4
+    three, *states3 = s.run(None, {**feeds, "logits_to_keep": np.asarray(3, np.int64)})
+    every, *states0 = s.run(None, {**feeds, "logits_to_keep": np.asarray(0, np.int64)})
+    assert three.shape[1] == 3 and every.shape[1] == 9
+    assert rel_err(three, want[:, -3:]) < 1e-4 and rel_err(every, want) < 1e-4
+    assert all(np.array_equal(a, b) and np.array_equal(a, c) for a, b, c in zip(states, states3, states0))
+    assert main(["export", "k3-tiny", "--opset", str(opset), "--weights", "inputs", "--logits-to-keep", "0",
+                 "-o", str(tmp_path / "all.onnx")]) == 0
+    keep = {i.name: i for i in onnx.load(str(tmp_path / "all.onnx")).graph.initializer}["logits_to_keep"]
+    assert onnx.numpy_helper.to_array(keep) == 0
+
+
+def test_logits_to_keep_bad_values_are_one_line_errors(capsys):
+    from k3ir.cli import main
+    from k3ir.errors import K3BackendError
+    with pytest.raises(K3BackendError, match="logits_to_keep must be an integer >= 0"):
+        OnnxExporter(load_tiny("k3-tiny"), weights="inputs", logits_to_keep=-1)
+    assert main(["export", "k3-tiny", "--describe", "--logits-to-keep", "-2"]) == 2
+    assert "--logits-to-keep must be >= 0" in capsys.readouterr().err
 
 
 def test_docs_onnx_decode_script_gives_torchs_greedy_tokens(tmp_path):
