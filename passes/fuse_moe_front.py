@@ -54,7 +54,8 @@ def _routed_experts(rw: Rewriter, router: Operation, dispatch: Operation) -> Ope
     if len(e) != 1 or e[0].name != "k3.moe_experts":
         return None
     e = e[0]
-    if (not e.attrs.get("glu") or e.attrs.get("quant", "none") != "none" or e.operands[0] is not xs
+    if (not e.attrs.get("glu") or not e.attrs.get("down", True) or e.attrs.get("quant", "none") != "none"
+            or e.operands[0] is not xs
             or e.operands[1] is not off or any(rw.is_returned(v) for v in dispatch.results)
             or producer(e.operands[2], "k3.param") is None or producer(e.operands[3], "k3.param") is None):
         return None

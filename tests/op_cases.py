@@ -217,7 +217,8 @@ def _moe_experts(r):
     cw, inv = r.uniform(size=6), r.permutation(6).reshape(1, 3, 2)
     return [([rows, off, w1, w3, w2, cw, inv], {}, {"act": "situ"}),
             ([rows, off, w1, w3, w2, cw], {}, {"act": "silu", "combine": False}),
-            ([_x(r, (6, 3)), off, w2, cw, inv], {}, {"glu": False})]
+            ([_x(r, (6, 3)), off, w2, cw, inv], {}, {"glu": False}),
+            ([rows, off, w1, w3], {}, {"act": "silu", "down": False, "combine": False})]
 
 
 def _moe_front(r):

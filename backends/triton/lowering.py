@@ -236,8 +236,8 @@ def _shared_swiglu(x, w1, w3):
 
 def moe_experts(inst, rows, offsets, *args):
     """``k3.moe_experts`` (ops/moe.py): the gate/up GEMMs with the GLU in one grouped launch (``glu``), the down
-    GEMM with the combine weight as its row scale in one more, then the combine launch (``combine``) or the
-    scaled rows for a ``k3.decode_linear`` epilogue. float64, autograd or off CUDA (without the interpreter):
+    GEMM with the combine weight as its row scale in one more (``down``), then the combine launch (``combine``)
+    or the scaled rows for a ``k3.decode_linear`` epilogue. float64, autograd or off CUDA (without the interpreter):
     NotImplemented (the decomposition)."""
     ws, cw, inv = inst.parts(args)
     if (rows.dtype == torch.float64 or not (rows.is_cuda or interpreting())
@@ -248,6 +248,8 @@ def moe_experts(inst, rows, offsets, *args):
         (w1, s1), (w3, s3) = ws[0], ws[1]
         h = moe_k.grouped_matmul(rows, offsets, w1, s1, inst.quant, w3=w3, scales3=s3, act=inst.act,
                                  b1=float(inst.b1), b2=float(inst.b2))
+    if not inst.down:
+        return h
     w2, s2 = ws[-1]
     y = moe_k.grouped_matmul(h, offsets, w2, s2, inst.quant, row_scale=cw)
     return moe_k.moe_combine(y, None, inv) if inst.combine else y

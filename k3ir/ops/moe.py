@@ -380,13 +380,16 @@ class MoEExperts(Op):
     """The routed experts of a MoE layer after its dispatch in one op (made by ``fuse-moe-experts``; SPEC.md 5,
     quantised weights SPEC.md 7): ``glu``: ``h = act(rows W1_e^T, rows W3_e^T)`` per expert e (the rows
     ``offsets[e]:offsets[e+1]``; act ``situ`` (SiTU-GLU, betas b1/b2) or ``silu`` (SwiGLU)), else ``h = rows``
-    (the GLU rows an earlier op computed: ``k3.moe_front`` with ``routed_glu``); then ``y[r] = comb_w[r] *
-    (h[r] W2_e^T)``; ``combine``: the result is ``out[t] = sum_j y[inv[t, j]]`` ``[B,T,N]`` (``k3.moe_combine``),
-    else the scaled rows ``y [R,N]``, which a ``k3.decode_linear`` with ``combine`` sums into its epilogue.
+    (the GLU rows an earlier op computed: ``k3.moe_front`` with ``routed_glu``); then (``down``) ``y[r] =
+    comb_w[r] * (h[r] W2_e^T)``; ``combine``: the result is ``out[t] = sum_j y[inv[t, j]]`` ``[B,T,N]``
+    (``k3.moe_combine``), else the scaled rows ``y [R,N]``, which a ``k3.decode_linear`` with ``combine`` sums
+    into its epilogue. ``down=False`` (with ``glu``, without ``combine``): the result is h ``[R,I]`` (a GLU whose
+    down projection is not followed by the combine, e.g. across the all-to-all of expert parallelism).
 
     rows ``[R,K]`` (float, sorted by expert: ``k3.moe_dispatch``'s x_sorted), offsets ``i64[E+1]``; ``args``:
-    (glu) w1, w3 ``[E,I,K]``, then w2 ``[E,N,I]``, each followed by its scales ``[E,*,*/32]`` when ``quant`` is
-    not ``none`` (packed as ``k3.grouped_matmul``), then comb_w ``f32[R]``, then (combine) inv_perm ``i64[B,T,k]``.
+    (glu) w1, w3 ``[E,I,K]``, then (down) w2 ``[E,N,I]``, each followed by its scales ``[E,*,*/32]`` when
+    ``quant`` is not ``none`` (packed as ``k3.grouped_matmul``), then (down) comb_w ``f32[R]``, then (combine)
+    inv_perm ``i64[B,T,k]``.
     Results in rows' dtype. Equal to its decomposition (grouped_matmul, situ_glu/swiglu, grouped_matmul,
     moe_combine, or the row scale) in float64."""
     rows = Operand()
@@ -394,22 +397,29 @@ class MoEExperts(Op):
     args = Operand("expert weights (and scales), comb_w, inv_perm", variadic=True)
     out = Result()
     glu = Attr(bool, True, "gate/up GLU here (False: rows are the GLU rows already)")
+    down = Attr(bool, True, "the down GEMM with the combine weight (False: the GLU rows are the result)")
     combine = Attr(bool, True, "un-permute and sum (False: the scaled rows, for a decode_linear epilogue)")
     act = Attr(str, "situ", choices=("situ", "silu"))
     b1 = Attr(float, 4.0)
     b2 = Attr(float, 25.0)
     quant = Attr(str, "none", choices=QUANT_FORMATS)
 
+    def verify(self):
+        require(self.down or (self.glu and not self.combine), "down=False keeps only the gate/up GLU: it needs "
+                                                              "glu=True and combine=False")
+
     def parts(self, args):
-        """([(w, scales or None)] gate, up (glu) and down, comb_w, inv_perm or None) of the flat ``args``."""
+        """([(w, scales or None)] gate, up (glu) and down (down), comb_w or None, inv_perm or None) of the flat
+        ``args``."""
+        self.verify()
         per = 1 if self.quant == "none" else 2
-        nw = 3 if self.glu else 1
-        want = nw * per + 1 + (1 if self.combine else 0)
-        require(len(args) == want, f"k3.moe_experts takes {nw} expert weights{' with scales' if per == 2 else ''}, "
-                                   f"comb_w{' and inv_perm' if self.combine else ''} after rows and offsets; "
-                                   f"got {len(args)} operands")
+        nw = (2 if self.glu else 0) + (1 if self.down else 0)
+        want = nw * per + int(self.down) + int(self.combine)
+        require(len(args) == want, f"k3.moe_experts takes {nw} expert weights{' with scales' if per == 2 else ''}"
+                                   f"{', comb_w' if self.down else ''}{' and inv_perm' if self.combine else ''} "
+                                   f"after rows and offsets; got {len(args)} operands")
         ws = [(args[i * per], args[i * per + 1] if per == 2 else None) for i in range(nw)]
-        return ws, args[nw * per], (args[nw * per + 1] if self.combine else None)
+        return ws, (args[nw * per] if self.down else None), (args[nw * per + 1] if self.combine else None)
 
     def _gm(self):
         return get_opdef("k3.grouped_matmul")({"quant": self.quant})
@@ -425,6 +435,8 @@ class MoEExperts(Op):
             u = gm.infer(rows, offsets, *[w for w in ws[1] if w is not None])[0]
             require(_same(g, u), f"gate {ws[0][0]} and up {ws[1][0]} differ")
             h = g
+        if not self.down:
+            return [h]
         y = gm.infer(h, offsets, *[w for w in ws[-1] if w is not None])[0]
         cw = tensor(cw, "comb_w")
         require(cw.rank == 1 and str(cw.shape[0]) == str(rows.shape[0]), f"comb_w must be [{rows.shape[0]}], got {cw}")
@@ -439,6 +451,8 @@ class MoEExperts(Op):
         if self.glu:
             h = _glu_ref(self.act, gm.reference(h, offsets, *[w for w in ws[0] if w is not None]),
                          gm.reference(h, offsets, *[w for w in ws[1] if w is not None]), self.b1, self.b2)
+        if not self.down:
+            return h
         y = gm.reference(h, offsets, *[w for w in ws[-1] if w is not None]) * f64(cw)[:, None]
         if not self.combine:
             return y
@@ -451,6 +465,8 @@ class MoEExperts(Op):
             g = b.op("k3.grouped_matmul", rows, offsets, *ws[0], quant=self.quant)
             u = b.op("k3.grouped_matmul", rows, offsets, *ws[1], quant=self.quant)
             h = b.situ_glu(g, u, b1=self.b1, b2=self.b2) if self.act == "situ" else b.swiglu(g, u)
+        if not self.down:
+            return h
         y = b.op("k3.grouped_matmul", h, offsets, *ws[-1], quant=self.quant)
         if self.combine:
             return b.moe_combine(y, cw, inv)
@@ -460,8 +476,11 @@ class MoEExperts(Op):
         R, K = numel((ot[0].shape[0],), env), numel((ot[0].shape[1],), env)
         ws = ot[2:]
         per = 1 if self.quant == "none" else 2
-        w2 = ws[(2 if self.glu else 0) * per]
-        N, I = numel((w2.shape[1],), env), numel((w2.shape[2],), env)
+        if self.down:
+            w2 = ws[(2 if self.glu else 0) * per]
+            N, I = numel((w2.shape[1],), env), numel((w2.shape[2],), env)
+        else:
+            N, I = 0, numel((ws[0].shape[1],), env)
         return R * (2.0 * N * I + (4.0 * I * K + 8.0 * I if self.glu else 0.0))
 
 

@@ -203,3 +203,20 @@ def test_decode_phase_keeps_logits(key):
     lq, sq = dec.prefill(ids[:, :5])
     assert rel_err(lq, lp) < 1e-10
     assert rel_err(dec.decode(ids[:, 5:], sq)[0], ref.decode(ids[:, 5:], st)[0]) < 1e-10
+
+
+def test_expert_parallel_decode_phase_keeps_logits():
+    """shard{ep=2} then the triton pipeline: the experts' GLU between the all-to-alls becomes a k3.moe_experts with
+    down=False (fuse-moe-experts); both ranks run in one process (backends/reference/ranks.py) and their float64
+    forward logits equal the unsharded reference's (SPEC.md 11: rel < 1e-10)."""
+    from k3ir.backends.reference.ranks import run_sharded
+    from k3ir.passes import run_pipeline
+    m = load_tiny("k3-tiny")
+    params = init_params(m, seed=3)
+    want = Session(k3ir.compile(m, target="reference"), params=params).forward(_ids(m, 2, 5)).double().numpy()
+    m2 = m.clone()
+    run_pipeline(m2, ["shard{ep=2}"] + pipeline_for("triton"), verify_each=True)
+    glu = [o for o in m2.functions["forward"].ops if o.name == "k3.moe_experts"]
+    assert len(glu) == 8 and all(not o.attrs["down"] and o.attrs["glu"] for o in glu)
+    (got,) = run_sharded(m, m2, "forward", [_ids(m, 2, 5)], params)
+    assert rel_err(got, want) < 1e-10

@@ -150,10 +150,13 @@ def test_one_rank_program_verifies_prints_parses_and_shows_its_collectives(tmp_p
 
 
 def test_expert_parallel_experts_are_grouped_matmuls_that_quantize_experts_packs():
-    m = sharded(load_tiny("k3-tiny"), "shard{ep=2}", pipeline_for("triton"))
+    m = sharded(load_tiny("k3-tiny"), "shard{ep=2}", pipeline_for("triton", ["fuse", "specialize"]))
     run_pipeline(m, ["quantize-experts{format=mxfp4}"], verify_each=True)
     gm = [o for o in m.functions["prefill"].ops if o.name == "k3.grouped_matmul"]
     assert gm and {o.attrs["quant"] for o in gm if o.operands[2].type.shape[-1] % 32 == 0} == {"mxfp4"}
+    run_pipeline(m, pipeline_for("triton", ["decode"]), verify_each=True)     # the GLU between the all-to-alls
+    glu = [o for o in m.functions["prefill"].ops if o.name == "k3.moe_experts"]
+    assert glu and {(o.attrs["quant"], o.attrs["down"]) for o in glu} == {("mxfp4", False)}
     packed = m.params["language_model.model.layers.1.block_sparse_moe.experts.{e}.w1.weight_packed"]
     assert packed.attrs["shard"] == {"ep": 0} and packed.type.shape[0] == 4
     assert m.params["language_model.model.layers.1.block_sparse_moe.experts.{e}.w1.weight_scale"].attrs["shard"] \

@@ -42,6 +42,8 @@ CASES = {
     "fuse-moe-experts": (K3_SMALL, ("decode",), _BEFORE_DECODE + ",fuse-decode-linear", "fuse-moe-experts"),
     "fuse-moe-experts-kimi-linear": (KIMI_LINEAR_SMALL, ("decode",), _BEFORE_DECODE + ",fuse-decode-linear",
                                      "fuse-moe-experts"),
+    "fuse-moe-experts-ep": (K3_SMALL, ("decode",), "shard{ep=2}," + _BEFORE_DECODE + ",fuse-decode-linear",
+                            "fuse-moe-experts"),
     "fuse-moe-front": (KIMI_LINEAR_SMALL, ("decode",), _BEFORE_DECODE + ",fuse-decode-linear,fuse-moe-experts",
                        "fuse-moe-front"),
     "fuse-decode-norm": (K3_SMALL, ("decode",), _BEFORE_DECODE + ",fuse-decode-linear,fuse-kda-output,"
