@@ -3,7 +3,10 @@ torch eager (its default pipeline: the baseline), the ONNX exports run by onnxru
 ``Scan``; opset 27 with the standard ``LinearAttention``/``CausalConvWithState``; opset 27 with ``--ort-kernels``;
 the routed experts as expert-sorted slices, the default, or as the ``Loop`` over experts) and, with ``--mlir``,
 IREE llvm-cpu (the ``mlir`` target: ``mlir``, chunked KDA and sorted MoE, the default; ``mlir-scan-dense``, the
-earlier lowering kept behind ``MlirConfig(kda_form="scan", moe_form="dense")``). On request (``--variants``):
+earlier lowering kept behind ``MlirConfig(kda_form="scan", moe_form="dense")``). The onnx variants run the
+exported file's default ``logits_to_keep`` = 1 (the head on the last prompt position only, what generation needs;
+torch and IREE compute all T positions); ``onnx27-ort-all`` and ``onnx20-all`` feed 0 (all T), for the like-for-like
+comparison. On request (``--variants``):
 ``mlir-bf16`` (``MlirConfig(weights="bf16")``: bf16 weight arguments, so its logits differ from torch's by the bf16
 rounding of the random weights) and ``mlir-mxfp4`` (routed experts packed as MXFP4, ``--quantize mxfp4``: its
 logits differ by the quantisation).
@@ -12,7 +15,10 @@ logits differ by the quantisation).
     python bench/onnx_export.py --variants torch,onnx27-ort,onnx20 --T 64
 
 Prefill: T tokens, batch 1; decode: ``--steps`` greedy steps after a T-token prefill, tokens/s = steps / wall time.
-Every session is built and warmed up first (IREE compiles then, not in the timings); then 3 repeats interleaved
+The copy bandwidth and float32 GEMM rate (torch, a 512-cube; ``benchlib.measure_ceilings``) are measured at the
+start of the same run. ``--profile``: after the timed rounds, one profiled prefill per onnx variant
+(``SessionOptions.enable_profiling``) gives the node time per ONNX op type, and the JSON gets the prefill's FLOPs
+per IR op type (``opdef.flops``). Every session is built and warmed up first (IREE compiles then, not in the timings); then 3 repeats interleaved
 (each variant once per round, so load from other processes spreads over all of them). onnxruntime's threads do not
 spin between runs (``session.intra_op.allow_spinning=0``), so they leave the cores to the next variant's pool;
 run with ``OMP_WAIT_POLICY=PASSIVE`` for torch's OpenMP threads likewise. Reported: median, min and max
@@ -32,7 +38,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import git_commit, result_path
+from benchlib import git_commit, measure_ceilings, result_path
 from cpu_backends import K3_100M
 from k3ir.runtime import Session
 from k3ir.runtime.params import init_param
@@ -40,21 +46,23 @@ from k3ir.runtime.params import init_param
 import k3ir
 
 MODELS = {"k3-tiny": ("k3-tiny", None), "k3-100m": ("k3-tiny", K3_100M)}
-#: variant -> (target, settings: onnx (opset, ort_kernels, moe_form) or MlirConfig changes)
+#: variant -> (target, settings: onnx (opset, ort_kernels, moe_form, logits_to_keep) or MlirConfig changes)
 VARIANTS = {
     "torch": ("torch", None),
-    "onnx27-ort": ("onnx", (27, True, "sorted")),
-    "onnx27-ort-moeloop": ("onnx", (27, True, "loop")),
-    "onnx27-std": ("onnx", (27, False, "sorted")),
-    "onnx20": ("onnx", (20, False, "sorted")),
-    "onnx20-moeloop": ("onnx", (20, False, "loop")),
+    "onnx27-ort": ("onnx", (27, True, "sorted", 1)),
+    "onnx27-ort-all": ("onnx", (27, True, "sorted", 0)),
+    "onnx27-ort-moeloop": ("onnx", (27, True, "loop", 1)),
+    "onnx27-std": ("onnx", (27, False, "sorted", 1)),
+    "onnx20": ("onnx", (20, False, "sorted", 1)),
+    "onnx20-all": ("onnx", (20, False, "sorted", 0)),
+    "onnx20-moeloop": ("onnx", (20, False, "loop", 1)),
     "mlir": ("mlir", {}),
     "mlir-scan-dense": ("mlir", {"kda_form": "scan", "moe_form": "dense"}),
     "mlir-bf16": ("mlir", {"weights": "bf16"}),
     "mlir-mxfp4": ("mlir", {"passes": ["fuse-moe-dispatch", "quantize-experts{format=mxfp4}", "dce"]}),
 }
 MLIR_VARIANTS = ("mlir", "mlir-scan-dense")
-DEFAULT = "torch,onnx27-ort,onnx27-ort-moeloop,onnx27-std,onnx20,onnx20-moeloop"
+DEFAULT = "torch,onnx27-ort,onnx27-ort-all,onnx27-ort-moeloop,onnx27-std,onnx20,onnx20-all,onnx20-moeloop"
 
 
 def load_average() -> list[float]:
@@ -77,7 +85,7 @@ def make_session(m, variant: str, params: dict) -> tuple[Session, float]:
         return s, time.perf_counter() - t
     exe = k3ir.compile(m, target=target, dtype="float32")
     if target == "onnx":
-        exe.opset, exe.ort_kernels, exe.moe_form = settings
+        exe.opset, exe.ort_kernels, exe.moe_form, exe.logits_to_keep = settings
         exe.session_config = {"session.intra_op.allow_spinning": "0"}   # no spinning beside torch's and IREE's pools
     return Session(exe, params=params), time.perf_counter() - t
 
@@ -99,6 +107,53 @@ def decode_seconds(s: Session, ids, steps: int) -> float:
     return time.perf_counter() - t
 
 
+def profile_prefill(s: Session, ids) -> dict:
+    """Node milliseconds per ONNX op type of one profiled prefill of an onnx ``Session`` (a fresh onnxruntime session of
+    the same model and options, ``enable_profiling``; one warm-up run first): ``{op_type: [ms, nodes]}``, largest first."""
+    import onnxruntime as ort
+    exe = s.exe
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    for key, value in exe.session_config.items():
+        so.add_session_config_entry(key, value)
+    so.enable_profiling = True
+    so.profile_file_prefix = os.path.join(os.path.dirname(result_path("onnx_export")), ".profile")
+    sess = ort.InferenceSession(exe.model("prefill").SerializeToString(), so, providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": np.asarray(ids, np.int64), "logits_to_keep": np.asarray(exe.logits_to_keep, np.int64)}
+    for spec in sess.get_inputs()[1:]:
+        feeds[spec.name] = np.zeros([ids.shape[0] if d == "B" else (d if isinstance(d, int) else 0)
+                                     for d in spec.shape], np.float32)
+    sess.run(None, feeds)
+    t0 = time.time_ns() // 1000
+    sess.run(None, feeds)
+    path = sess.end_profiling()
+    with open(path) as f:
+        events = json.load(f)
+    os.remove(path)
+    start = sess.get_profiling_start_time_ns() // 1000
+    out: dict[str, list] = {}
+    for e in events:                                   # node events of the second run only
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and start + e["ts"] >= t0:
+            row = out.setdefault(e["args"]["op_name"], [0.0, 0])
+            row[0] += e["dur"] / 1e3
+            row[1] += 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
+
+
+def prefill_flops(m, T: int) -> dict:
+    """FLOPs of one batch-1 prefill of ``T`` tokens per IR op type (``opdef.flops``, multiply-add = 2), largest first."""
+    from k3ir.opdef import get_opdef
+    env = {"B": 1, "T": T, "L": 0}
+    out: dict[str, float] = {}
+    for op in m.functions["prefill"].ops:
+        if op.name != "k3.param":
+            types = [v.type for v in op.operands]
+            f = get_opdef(op.name)(op.attrs, types).flops(types, [r.type for r in op.results], env) or 0.0
+            if f:
+                out[op.name] = out.get(op.name, 0.0) + f
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def stats(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}
 
@@ -111,6 +166,7 @@ def main() -> None:
     ap.add_argument("--T", type=int, default=128)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="node time per ONNX op type of each onnx variant")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/onnx_export/<date>-<commit>.json)")
     a = ap.parse_args()
     variants = a.variants.split(",") + ([v for v in MLIR_VARIANTS if v not in a.variants.split(",")] if a.mlir else [])
@@ -122,6 +178,7 @@ def main() -> None:
     params = {n: init_param(m.params[n]) for n in m.params}
     ids = np.random.default_rng(0).integers(0, 256, size=(1, a.T))
     load_before = load_average()
+    ceilings = measure_ceilings(copy_gib=0.25, mm_n=512, device="cpu")
     sessions, build = {}, {}
     for v in variants:
         sessions[v], build[v] = make_session(m, v, params)
@@ -137,15 +194,19 @@ def main() -> None:
             pre[v].append(a.T / sec)
         for v in variants:
             dec[v].append(a.steps / decode_seconds(sessions[v], ids, a.steps))
+    profiles = {v: profile_prefill(sessions[v], ids) for v in variants
+                if a.profile and VARIANTS[v][0] == "onnx"}
     ref = logits.get("torch")
     rows = []
     for v in variants:
-        err = None if ref is None else float(np.linalg.norm(logits[v] - ref) / np.linalg.norm(ref))
+        want = None if ref is None else ref[:, ref.shape[1] - logits[v].shape[1]:]     # the positions it kept
+        err = None if ref is None else float(np.linalg.norm(logits[v] - want) / np.linalg.norm(want))
         rows.append({"variant": v, "target": VARIANTS[v][0], "onnx": VARIANTS[v][1], "build_s": build[v],
-                     "prefill_tok_s": stats(pre[v]), "decode_tok_s": stats(dec[v]), "logits_rel_err_vs_torch": err})
+                     "prefill_tok_s": stats(pre[v]), "decode_tok_s": stats(dec[v]), "logits_rel_err_vs_torch": err,
+                     "logit_positions": int(logits[v].shape[1]), "profile_ms_by_op_type": profiles.get(v)})
     med = {v: (statistics.median(pre[v]), statistics.median(dec[v])) for v in variants}
     ratios = {}
-    for base in ("torch", "onnx20", "mlir-scan-dense"):
+    for base in ("torch", "onnx20", "onnx20-all", "mlir-scan-dense"):
         if base in med:
             ratios[f"vs_{base}"] = {v: {"prefill": med[v][0] / med[base][0], "decode": med[v][1] / med[base][1]}
                                     for v in variants if v != base}
@@ -155,12 +216,16 @@ def main() -> None:
               "command": "python bench/onnx_export.py " + " ".join(sys.argv[1:]),
               "load_average_before": load_before, "load_average_after": load_average(),
               "params_total": int(sum(int(np.prod(np.shape(p))) for p in params.values())),
+              "ceilings": ceilings, "prefill_flops_by_op": prefill_flops(m, a.T),
               "rows": rows, "ratios": ratios}
     for r in rows:
         p, d = r["prefill_tok_s"], r["decode_tok_s"]
         print(f"{r['variant']:20s} prefill {p['median']:8.1f} tok/s ({p['min']:.1f}-{p['max']:.1f})   "
               f"decode {d['median']:6.1f} tok/s ({d['min']:.1f}-{d['max']:.1f})   err {r['logits_rel_err_vs_torch']}")
     print(json.dumps(ratios, indent=1))
+    for v, prof in profiles.items():
+        total = sum(ms for ms, _ in prof.values())
+        print(f"{v}: node time {total:.1f} ms: " + ", ".join(f"{k} {ms:.1f} ({n})" for k, (ms, n) in list(prof.items())[:8]))
     out = a.out or result_path("onnx_export")
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
