@@ -314,7 +314,7 @@ def test_logits_to_keep_runs_the_head_on_the_last_positions(tmp_path, opset):
     for spec in s.get_inputs()[1:]:
         feeds[spec.name] = np.zeros([2 if d == "B" else (d if isinstance(d, int) else 0) for d in spec.shape],
                                     np.float32)
-    want, want_state = ref.prefill(ids)
+    want, _ = ref.prefill(ids)
     want = want.double().numpy()
     default, *states = s.run(None, feeds)
     assert default.shape == (2, 1, m.attrs["vocab_size"])
@@ -332,6 +332,7 @@ def test_logits_to_keep_runs_the_head_on_the_last_positions(tmp_path, opset):
 
 def test_logits_to_keep_bad_values_are_one_line_errors(capsys):
     from k3ir.cli import main
+
     from k3ir.errors import K3BackendError
     with pytest.raises(K3BackendError, match="logits_to_keep must be an integer >= 0"):
         OnnxExporter(load_tiny("k3-tiny"), weights="inputs", logits_to_keep=-1)
