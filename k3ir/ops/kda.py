@@ -219,7 +219,11 @@ def _rank(v) -> int | None:
         return v.type.rank if isinstance(v.type, TensorType) else None
     if hasattr(v, "ndim"):
         return v.ndim
-    return getattr(getattr(v, "struct_info", None), "ndim", None)        # a TVM Relax value
+    for typed in ("ty", "struct_info"):                                   # a TVM Relax value
+        ndim = getattr(getattr(v, typed, None), "ndim", None)
+        if ndim is not None:
+            return ndim
+    return None
 
 
 KDA_WEIGHTS = ("w_q", "w_k", "w_v", "conv_q", "conv_k", "conv_v", "w_fa", "w_fb", "A_log", "dt_bias",
