@@ -1,6 +1,7 @@
 """Helpers shared by several test files: a tiny bfloat16 kimi_linear model, the printed k3-tiny IR and small
-text edits of it, the fuzz tests' byte edits (``edit_bytes``) and the gloo tests' worker launcher
-(``launch_gloo_workers``). conftest.py holds the rest (``run_cli``, ``one_line_error``, ``tiny_config_file``,
+text edits of it, the fuzz tests' byte edits (``edit_bytes``), the gloo tests' worker launcher
+(``launch_gloo_workers``) and a TVM GPU artifact that runs on the CPU (``gpu_lowered_cpu_artifact``).
+conftest.py holds the rest (``run_cli``, ``one_line_error``, ``tiny_config_file``,
 ``rel_err``, the ``tvm_opt_level_0`` fixture)."""
 from __future__ import annotations
 
@@ -213,3 +214,48 @@ def launch_gloo_workers(tmp_path, argv, world: int = 2, timeout: float = 120.0) 
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} failed:\n" + (tmp_path / f"rank{r}.log").read_text()[-3000:]
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(world)]
+
+
+def gpu_lowered_cpu_artifact(key: str, directory: str, dtype: str = "bfloat16", seed: int = 1) -> dict:
+    """Write into ``directory`` a tvm-cuda artifact of tiny model ``key`` (``_tiny_models``) whose device is the CPU:
+    the GPU kinds' lowering (``gpu.GpuLowering``: ``NT_matmul`` linear layers, float weights declared ``dtype``)
+    with the CPU kernels in place of the hand-scheduled GPU ones, compiled for llvm, its weights (random, ``seed``;
+    rounded to bfloat16 values in a bfloat16 build) and a manifest with ``kind: cpu``, so ``Session.load`` runs
+    the GPU loader (``artifact_gpu.load_gpu_artifact``) here. Returns the unrounded float32 weights."""
+    import os
+
+    import tvm
+    from _tiny_models import load_tiny
+    from k3ir.backends.artifact import write_manifest
+    from k3ir.backends.tvm import gpu, llvm_target, lower
+    from k3ir.backends.tvm.artifact_gpu import bf16_round
+    from k3ir.passes import run_pipeline
+    from k3ir.passes.pipelines import pipeline_for
+    from k3ir.runtime.params import init_params
+    from safetensors.numpy import save_file
+
+    class CpuKernels(gpu._lowering_class()):
+        def kernel(self, key, make):
+            return lower.RelaxLowering.kernel(self, key, make)
+
+        def te(self, fn, *args, name="k3", **kw):
+            return lower.RelaxLowering.te(self, fn, *args, name=name, **kw)
+
+        def weight(self, w):
+            return self.f(w)
+
+    m = load_tiny(key)
+    run_pipeline(m, pipeline_for("tvm"))
+    lw = CpuKernels(m, "float32")
+    lw.wdt = dtype
+    for fn in ("prefill", "decode"):
+        lw.lower_function(fn)
+    os.makedirs(directory, exist_ok=True)
+    tvm.compile(lw.get(), target=llvm_target()).export_library(os.path.join(directory, "lib.so"))
+    params = {k: np.asarray(v, dtype=np.float32) for k, v in init_params(m, seed).items()}
+    save_file({k: bf16_round(v) if dtype == "bfloat16" else v for k, v in params.items()},
+              os.path.join(directory, "weights.safetensors"))
+    write_manifest(directory, m, "tvm-cuda", dtype, {"library": "lib.so", "weights": "weights.safetensors",
+                                                     "names:prefill|decode": json.dumps(lw.params)}, kind="cpu",
+                   arch="host")
+    return params

@@ -177,8 +177,8 @@ def device_runtime(kind: str) -> None:
         _LOADED_LIBS[name] = load_lib_ctypes("tvm", name, "RTLD_LOCAL", extra_lib_paths=[here])
     except (OSError, RuntimeError) as e:
         why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise K3BackendError(f"tvm-{kind}: TVM's {kind} runtime (lib{name}.so, looked for in {here}) does not load "
-                             f"here: {why}") from e
+        raise K3BackendError(f"tvm-{kind}: TVM's {kind} runtime lib{name}.so does not load here ({why}; looked for "
+                             f"in {here})") from e
 
 
 def load_gpu_artifact(directory: str, man: dict, module: Module) -> TVMGpuExecutable:

@@ -120,9 +120,12 @@ def toolchain(kind: str) -> tuple[str | None, str]:
 
 @cache
 def _probe_toolchain(kind: str) -> tuple[str | None, str]:
+    import tvm
     import tvm_ffi
 
     from .gpu import GPU_KINDS, gpu_target
+    if tvm.base._RUNTIME_ONLY:            # TVM_USE_RUNTIME_LIB=1, or no libtvm_compiler.so: artifacts run, none build
+        return "TVM is loaded runtime-only (TVM_USE_RUNTIME_LIB=1 or no libtvm_compiler.so): nothing builds here", ""
     if kind in GPU_KINDS:
         gpu_target(kind)                  # a kind's codegen registers when its first target is made
     if tvm_ffi.get_global_func(f"target.build.{kind}", allow_missing=True) is None:
@@ -160,14 +163,20 @@ def _probe_toolchain(kind: str) -> tuple[str | None, str]:
 
 @cache
 def runs_here(kind: str) -> str | None:
-    """None when a ``kind`` device is present here (TVM runtime device query), else why not."""
+    """None when a ``kind`` device is present here (TVM runtime device query, after loading the kind's device runtime
+    library where TVM did not: runtime-only mode), else why not."""
     if kind == "webgpu":
         return "WebGPU kernels run in a browser through the TVM web runtime (tvmjs)"
     try:
         import tvm
+
+        from .artifact_gpu import device_runtime
+        device_runtime(kind)
         dev = tvm.device(kind, 0)
         if dev.exist:
             return None
+    except K3BackendError as e:         # its runtime library does not load: the message names it and why
+        return str(e).removeprefix(f"tvm-{kind}: ")[:160]
     except Exception as e:  # noqa: BLE001  (the device runtime library may not load without its driver)
         return f"no {kind} runtime here ({str(e).strip().splitlines()[-1][:80] if str(e).strip() else type(e).__name__})"
     return f"no {kind} device here"

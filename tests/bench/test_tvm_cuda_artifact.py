@@ -65,11 +65,15 @@ def test_gpu_verification_call_7_carries_the_tvm_folder():
 
 
 @pytest.mark.slow
-def test_run_path_on_an_llvm_artifact_with_the_packed_runtime_only(tmp_path):
-    """``run --device cpu`` on an llvm artifact of kimi-linear-tiny: the packed TVM installed into a fresh folder is
-    the one imported, in runtime-only mode with no compiler library mapped; logits within 1e-4 of the torch target
-    on the artifact's weights; tokens/s of both routes with 3 repeats (median between min and max)."""
+def test_run_path_on_cpu_artifacts_with_the_packed_runtime_only(tmp_path):
+    """``run --device cpu`` on an llvm artifact of kimi-linear-tiny (float32): the packed TVM installed into a fresh
+    folder is the one imported, in runtime-only mode with no compiler library mapped. ``measure`` (the full TVM:
+    in runtime-only mode a tvm-cuda artifact needs a CUDA device to pass ``Session.load``'s target check) on a
+    bfloat16 tvm-cuda artifact whose device is the CPU (``helpers.gpu_lowered_cpu_artifact``: the GPU loader and
+    the bfloat16 rows). Logits within 1e-4 of torch float32 on each artifact's weights; the bfloat16 row also
+    compares with torch bfloat16 and records torch's own bfloat16 error; tokens/s of each route with 3 repeats."""
     from _tiny_models import load_tiny
+    from helpers import gpu_lowered_cpu_artifact
     from k3ir.backends.tvm.config import tvm_config
     from k3ir.runtime.params import init_params
 
@@ -79,22 +83,35 @@ def test_run_path_on_an_llvm_artifact_with_the_packed_runtime_only(tmp_path):
     with tvm_config(opt_level=0):
         exe = k3ir.compile(load_tiny("kimi-linear-tiny"), target="tvm")
         exe.save(str(art), init_params(exe.module, 0))
+    gpu_lowered_cpu_artifact("kimi-linear-tiny", str(d / "artifacts" / "kimi-linear-tiny-bfloat16"))
     tca.pack_tvm_runtime(str(d / "tvm-runtime.tar.gz"))
-    out = tmp_path / "r.json"
-    p = subprocess.run([sys.executable, os.path.join(BENCH, "tvm_cuda_artifact.py"), "run", "--dir", str(d), "--out",
-                        str(out), "--device", "cpu", "--site", str(tmp_path / "site"), "--prefill", "8", "--decode",
-                        "2", "--check-steps", "3"], capture_output=True, text=True, check=False, cwd=ROOT, env=_env(),
-                       timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    with open(out) as f:
-        rep = json.load(f)
-    rt = rep["meta"]["runtime"]
-    assert rt["runtime_only"] and rt["tvm_from_site"] and not rt["libtvm_compiler_mapped"] and rt["libtvm_runtime_mapped"]
-    [row] = rep["rows"]
-    assert row["artifact"] == "kimi-linear-tiny-float32" and row["ok"] and "error" not in row
-    errs = row["rel_err"]["torch:float32"]
-    assert errs["max"] < 1e-4 and len(errs["decode"]) == 3 and len(row["greedy_tokens"]) == 3
-    assert set(row["tokens_per_s"]) == {"tvm", "torch:float32"}
-    for route in row["tokens_per_s"].values():
-        for s in route.values():
-            assert len(s["runs"]) == 3 and s["min"] <= s["median"] <= s["max"] and s["min"] > 0
+    rows = []
+    for cmd, name in (("run", "kimi-linear-tiny-float32"), ("measure", "kimi-linear-tiny-bfloat16")):
+        out = tmp_path / f"{name}.json"
+        p = subprocess.run([sys.executable, os.path.join(BENCH, "tvm_cuda_artifact.py"), cmd, "--dir", str(d), "--out",
+                            str(out), "--device", "cpu", "--site", str(tmp_path / "site"), "--prefill", "8", "--decode",
+                            "2", "--check-steps", "3", "--only", name], capture_output=True, text=True, check=False,
+                           cwd=ROOT, env=_env(), timeout=900)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        with open(out) as f:
+            rep = json.load(f)
+        rt = rep["meta"]["runtime"]
+        if cmd == "run":
+            assert rt["runtime_only"] and rt["tvm_from_site"] and rt["libtvm_runtime_mapped"]
+            assert not rt["libtvm_compiler_mapped"]
+        rows += rep["rows"]
+    f32, bf16 = rows
+    assert (bf16["artifact"], f32["artifact"]) == ("kimi-linear-tiny-bfloat16", "kimi-linear-tiny-float32")
+    for row, dt in ((f32, "float32"), (bf16, "bfloat16")):
+        assert "error" not in row and row["ok"] and row["dtype"] == dt, row.get("error")
+        errs = row["rel_err"]["torch:float32"]
+        assert errs["max"] < 1e-4 and len(errs["decode"]) == 3 and len(row["greedy_tokens"]) == 3
+        assert set(row["tokens_per_s"]) == {"tvm", f"torch:{dt}"}
+        for route in row["tokens_per_s"].values():
+            for s in route.values():
+                assert len(s["runs"]) == 3 and s["min"] <= s["median"] <= s["max"] and s["min"] > 0
+    assert f32["target"] == "tvm" and f32["issue_tol_met"] and "torch_bf16_vs_torch_f32" not in f32
+    assert bf16["target"] == "tvm-cuda" and bf16["tol"] == 5e-3
+    own = bf16["torch_bf16_vs_torch_f32"]["max"]     # torch's bfloat16 activations against its float32 ones
+    assert own > 1e-3 and bf16["rel_err"]["torch:bfloat16"]["max"] > 1e-3
+    assert bf16["issue_tol_met"] == (bf16["rel_err"]["torch:bfloat16"]["max"] < 5e-3)

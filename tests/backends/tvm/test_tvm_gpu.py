@@ -262,43 +262,15 @@ def test_bfloat16_gpu_lowering_and_loader_compute_like_torch_on_the_rounded_weig
     steps equal the torch target in float32 on the bfloat16-rounded weights within 1e-5, and differ from it on the
     unrounded weights (the weights really are bfloat16)."""
     import tvm
-    from k3ir.backends.artifact import write_manifest
-    from k3ir.backends.tvm import gpu, llvm_target, lower
+    from helpers import gpu_lowered_cpu_artifact
     from k3ir.backends.tvm.artifact_gpu import bf16_round
-    from k3ir.passes import run_pipeline
-    from k3ir.passes.pipelines import pipeline_for
     from k3ir.runtime import Session
-    from k3ir.runtime.params import init_params
-    from safetensors.numpy import save_file
 
     import k3ir
 
-    class CpuKernels(gpu._lowering_class()):
-        def kernel(self, key, make):
-            return lower.RelaxLowering.kernel(self, key, make)
-
-        def te(self, fn, *args, name="k3", **kw):
-            return lower.RelaxLowering.te(self, fn, *args, name=name, **kw)
-
-        def weight(self, w):
-            return self.f(w)
-
-    m = load_tiny(key)
-    run_pipeline(m, pipeline_for("tvm"))
-    lw = CpuKernels(m, "float32")
-    lw.wdt = "bfloat16"
-    for fn in ("prefill", "decode"):
-        lw.lower_function(fn)
-    assert any(str(v.ty.dtype) == "bfloat16" for f in lw.get().functions.values() if hasattr(f, "params")
-               for v in f.params)
     art = str(tmp_path / "art")
-    os.makedirs(art)
-    tvm.compile(lw.get(), target=llvm_target()).export_library(os.path.join(art, "lib.so"))
-    params = {k: np.asarray(v, dtype=np.float32) for k, v in init_params(m, 1).items()}   # not Session's seed-0 init
-    save_file({k: bf16_round(v) for k, v in params.items()}, os.path.join(art, "weights.safetensors"))
-    write_manifest(art, m, "tvm-cuda", "bfloat16", {"library": "lib.so", "weights": "weights.safetensors",
-                                                    "names:prefill|decode": json.dumps(lw.params)}, kind="cpu",
-                   arch="host")
+    params = gpu_lowered_cpu_artifact(key, art)       # seed 1: not the seed-0 init a Session draws without weights
+    m = load_tiny(key)
     sess = Session.load(art)
     ids = token_ids(m.attrs["vocab_size"], 1, 6)
     lo, st = sess.prefill(ids)
