@@ -184,6 +184,28 @@ def _runtime_status(site: str) -> dict:
             "libtvm_compiler_mapped": "libtvm_compiler" in maps, "libtvm_runtime_mapped": "libtvm_runtime" in maps}
 
 
+def preload_cudart() -> str | None:
+    """Load ``libcudart.so.13`` (which ``libtvm_runtime_cuda.so`` links) globally when the dynamic linker would not
+    find it by itself: from the nvidia pip wheels torch brings (``nvidia/*/lib``) or ``/usr/local/cuda``. Returns the
+    path loaded, or None (already loadable, or none found: then ``Session.load`` names what is missing)."""
+    import ctypes
+    try:
+        ctypes.CDLL("libcudart.so.13", mode=ctypes.RTLD_GLOBAL)
+        return None
+    except OSError:
+        pass
+    found = [p for d in sys.path if os.path.isdir(os.path.join(d, "nvidia"))
+             for p in glob.glob(os.path.join(d, "nvidia", "*", "lib", "libcudart.so.13"))]
+    found += glob.glob("/usr/local/cuda*/lib*/libcudart.so.13")
+    for path in found:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return path
+        except OSError:
+            continue
+    return None
+
+
 def _sessions(man: dict, art: str, device: str, routes: list[str]):
     """The artifact's Session and the comparison Sessions (name -> Session) on its weights."""
     from k3ir.runtime import Session
@@ -256,6 +278,8 @@ def cmd_measure(a) -> int:
     torch.backends.cudnn.allow_tf32 = False            # would otherwise take TF32, about 1e-3)
     rep = Report("tvm_cuda_artifact", a.out, sys.argv)
     rep.data["meta"]["torch_tf32"] = False
+    if a.device == "cuda":
+        rep.data["meta"]["cudart_preloaded"] = preload_cudart()
     rep.data["meta"]["runtime"] = _runtime_status(a.site)
     print("runtime:", rep.data["meta"]["runtime"], flush=True)
     arts = sorted(d for d in glob.glob(os.path.join(a.dir, "artifacts", "*")) if os.path.isdir(d))

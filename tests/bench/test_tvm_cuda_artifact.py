@@ -64,6 +64,29 @@ def test_gpu_verification_call_7_carries_the_tvm_folder():
     assert 'carry=[".gpuhead", ".whl"]' in next(ln for ln in p.stdout.splitlines() if "--call 1" in ln)
 
 
+def test_cudart_is_preloaded_from_the_nvidia_wheels_when_not_on_the_linker_path(tmp_path, monkeypatch):
+    """``preload_cudart``: nothing to do when ``libcudart.so.13`` loads by name; otherwise the first
+    ``nvidia/*/lib/libcudart.so.13`` on ``sys.path`` (torch's CUDA wheels) is loaded globally; None when none loads."""
+    import ctypes
+    lib = tmp_path / "nvidia" / "cu13" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libcudart.so.13").write_bytes(b"")
+    loaded = []
+
+    def fake_cdll(name, mode=0):
+        if name == "libcudart.so.13" or name not in wanted:
+            raise OSError(f"{name}: cannot open shared object file")
+        loaded.append((name, mode))
+        return object()
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    monkeypatch.setattr(ctypes, "CDLL", fake_cdll)
+    wanted = {str(lib / "libcudart.so.13")}
+    assert tca.preload_cudart() == str(lib / "libcudart.so.13") and loaded == [(str(lib / "libcudart.so.13"),
+                                                                                ctypes.RTLD_GLOBAL)]
+    wanted = set()
+    assert tca.preload_cudart() is None
+
+
 @pytest.mark.slow
 def test_run_path_on_cpu_artifacts_with_the_packed_runtime_only(tmp_path):
     """``run --device cpu`` on an llvm artifact of kimi-linear-tiny (float32): the packed TVM installed into a fresh
