@@ -9,7 +9,9 @@ of the memory roofline (active weight bytes + state bytes read per token, over t
 Models: ``k3-100m`` (the K3_100M overrides of k3-tiny: hidden 512, 16 experts top-4, vocab 32000, 104.6 M
 parameters) on random weights (seed 0), and ``kimi-linear-250m`` (transformers' ``KimiLinearConfig`` of issue 18,
 248.6 M parameters): random weights saved by ``save_pretrained`` to ``--ckpt-dir`` and loaded by ``k3ir.load`` so
-transformers and k3ir run the same checkpoint. Routes run one after another (each built, warmed up, timed 3 times,
+transformers and k3ir run the same checkpoint; ``k3-tiny`` and ``kimi-linear-tiny`` (the same two forms at tiny
+size) check the script. Each row also holds ``logits_rel_err``: its prefill's last logits against the first
+route's (torch), on the same ids. Routes run one after another (each built, warmed up, timed 3 times,
 then freed); build time is reported apart (``build_s``, not in the timings). A new route is one entry of ``ROUTES``:
 a function ``(ModelSpec) -> runner`` whose runner has ``prefill(ids) -> (logits, state)`` and
 ``decode(ids, state) -> (logits, state)`` (logits ``[1, T, vocab]``, anything with ``.argmax``-able last row).
@@ -64,26 +66,39 @@ def _random(key: str, name: str, overrides: dict | None) -> ModelSpec:
     return ModelSpec(key, m, {n: init_param(m.params[n]) for n in m.params})
 
 
-def kimi_linear_250m(args) -> ModelSpec:
-    """The issue's KimiLinearConfig with transformers' random init (seed 0), saved once with ``save_pretrained``
-    under ``args.ckpt_dir`` (reused when present) and loaded by k3ir from there."""
+#: a KimiLinearConfig of kimi-linear-tiny's sizes (``tests/_tiny_models.py``): the script's check at tiny size, every
+#: route (transformers too) on one saved checkpoint, not a benchmark
+KIMI_LINEAR_TINY_HF = {
+    "vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 2,
+    "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_token": 2,
+    "num_shared_experts": 1, "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 2, "head_dim": 16,
+                           "short_conv_kernel_size": 4}}
+
+
+def kimi_linear_checkpoint(key: str, config: dict, args) -> ModelSpec:
+    """KimiLinearConfig ``config`` with transformers' random init (seed 0), saved once with ``save_pretrained`` under
+    ``args.ckpt_dir/key`` (reused when present) and loaded by k3ir from there."""
     import k3ir
-    d = os.path.join(args.ckpt_dir, "kimi-linear-250m")
+    d = os.path.join(args.ckpt_dir, key)
     if not os.path.exists(os.path.join(d, "config.json")):
         import torch
         from transformers import KimiLinearConfig, KimiLinearForCausalLM
         torch.manual_seed(0)
         model = KimiLinearForCausalLM(KimiLinearConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                                       **KIMI_LINEAR_250M)).eval()
+                                                       **config)).eval()
         model.save_pretrained(d)
         del model
-    return ModelSpec("kimi-linear-250m", k3ir.load(d), None, ckpt=d)
+    return ModelSpec(key, k3ir.load(d), None, ckpt=d)
 
 
-#: model key -> ModelSpec maker (k3-tiny: a quick check of the script itself, not a benchmark)
-MODELS: dict[str, Callable[[Any], ModelSpec]] = {"k3-100m": lambda a: _random("k3-100m", "k3-tiny", K3_100M),
-                                                 "kimi-linear-250m": kimi_linear_250m,
-                                                 "k3-tiny": lambda a: _random("k3-tiny", "k3-tiny", None)}
+#: model key -> ModelSpec maker (k3-tiny, kimi-linear-tiny: quick checks of the script itself, not benchmarks)
+MODELS: dict[str, Callable[[Any], ModelSpec]] = {
+    "k3-100m": lambda a: _random("k3-100m", "k3-tiny", K3_100M),
+    "kimi-linear-250m": lambda a: kimi_linear_checkpoint("kimi-linear-250m", KIMI_LINEAR_250M, a),
+    "k3-tiny": lambda a: _random("k3-tiny", "k3-tiny", None),
+    "kimi-linear-tiny": lambda a: kimi_linear_checkpoint("kimi-linear-tiny", KIMI_LINEAR_TINY_HF, a)}
 
 
 # ---- routes -----------------------------------------------------------------------------------------------------
@@ -149,12 +164,18 @@ def _next_token(logits) -> np.ndarray:
     return last.argmax(-1).astype(np.int64)
 
 
+def _host(logits) -> np.ndarray:
+    return logits.detach().cpu().double().numpy() if hasattr(logits, "detach") else np.asarray(logits, np.float64)
+
+
 def bench_route(runner, T: int, steps: int, repeats: int, vocab: int) -> dict:
     """Warm-up (one prefill, two decode steps), then ``repeats`` times: a timed prefill of T tokens and ``steps``
-    timed greedy decode steps from its state. Returns prefill/decode tokens/s, each ``{median, min, max, runs}``."""
+    timed greedy decode steps from its state. Returns prefill/decode tokens/s, each ``{median, min, max, runs}``,
+    and ``logits``: the warm-up prefill's last-position logits ``[vocab]`` (float64), to compare the routes."""
     from benchlib import spread
     ids = np.random.default_rng(0).integers(3, min(vocab, 256), size=(1, T)).astype(np.int64)
     logits, state = runner.prefill(ids)
+    first = _host(logits)[0, -1]
     for _ in range(2):
         logits, state = runner.decode(_next_token(logits), state)
     pre, dec = [], []
@@ -166,7 +187,7 @@ def bench_route(runner, T: int, steps: int, repeats: int, vocab: int) -> dict:
         for _ in range(steps):
             logits, state = runner.decode(_next_token(logits), state)
         dec.append(steps / (time.perf_counter() - t))
-    return {"prefill_tok_s": spread(pre), "decode_tok_s": spread(dec)}
+    return {"prefill_tok_s": spread(pre), "decode_tok_s": spread(dec), "logits": first}
 
 
 def decode_bytes(module, T: int, steps: int) -> dict:
@@ -206,6 +227,7 @@ def main() -> None:
     bw = rep.copy_Bps
     for key in a.models.split(","):
         spec = MODELS[key](a)
+        first_logits = None         # the first route's (torch by default): every route computes the same logits
         need = decode_bytes(spec.module, a.T, a.steps)
         vocab = spec.module.attrs["vocab_size"]
         for route in a.routes.split(","):
@@ -224,6 +246,11 @@ def main() -> None:
                 runner = None
                 gc.collect()
             dec = res["decode_tok_s"]["median"]
+            logits = res.pop("logits")
+            if first_logits is None:
+                first_logits = (route, logits)
+            res["logits_rel_err"] = {"vs": first_logits[0], "value": float(
+                np.linalg.norm(logits - first_logits[1]) / max(np.linalg.norm(first_logits[1]), 1e-30))}
             rep.add({"model": key, "route": route, "build_s": build, **res,
                      "decode_roofline_tok_s": bw / need["total"], "decode_roofline_fraction": dec * need["total"] / bw,
                      "decode_bytes_per_token": need, "loadavg_1m": [load0, os.getloadavg()[0]]})
