@@ -38,6 +38,7 @@ import argparse
 import glob
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -120,14 +121,15 @@ def cmd_prepare(a) -> int:
         for dt in a.dtypes.split(","):
             dst = os.path.join(out, "artifacts", f"{name}-{dt}")
             cmd = compile_command(name, dt, a.target, dst)
-            print("$ k3ir " + " ".join(cmd[3:]), flush=True)
+            shown = "k3ir " + shlex.join(cmd[3:])
+            print("$ " + shown, flush=True)
             t = time.time()
             env = {k: v for k, v in os.environ.items() if not k.startswith("K3IR_")}     # the shipped defaults
             p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, env=env)
             if p.returncode != 0:
                 print(p.stdout[-2000:], p.stderr[-2000:], file=sys.stderr)
                 return 1
-            info["artifacts"][f"{name}-{dt}"] = {"command": "k3ir " + " ".join(cmd[3:]), "s": round(time.time() - t, 1),
+            info["artifacts"][f"{name}-{dt}"] = {"command": shown, "s": round(time.time() - t, 1),
                                                  "bytes": folder_bytes(dst)}
     info["runtime"] = pack_tvm_runtime(os.path.join(out, "tvm-runtime.tar.gz"))
     if a.download:
