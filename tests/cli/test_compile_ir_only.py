@@ -78,14 +78,17 @@ def test_ir_only_without_output_says_nothing_was_written(capsys, tmp_path, monke
 
 def test_triton_decode_phase_dump_shows_the_decode_fused_ops(capsys, tmp_path):
     """``k3ir compile k3-tiny --target triton --ir-only --dump-ir DIR``: the decode phase's dumps hold the ops the
-    decode-step kernels run (k3.decode_linear, k3.fused_kda_ungated, k3.mla_kv_norm) in the decode function; the dump before
-    that phase has none, and the prefill function keeps k3.fused_kda (the KDA output pass is for decode steps)."""
+    decode-step kernels run (k3.decode_linear, k3.fused_kda_ungated, k3.mla_kv_norm, k3.moe_experts, the KDA
+    input norms in the layers) in the decode function; the dump before that phase has none, and the prefill
+    function keeps k3.fused_kda (the KDA output pass is for decode steps). k3-tiny's latent MoE has no
+    k3.moe_front: its router reads the norm, its dispatch the latent."""
     dump = tmp_path / "dump"
     rc, _, err = run_cli(capsys, "compile", "k3-tiny", "--target", "triton", "--ir-only", "--dump-ir", str(dump))
     assert rc == 0, err
     files = sorted(os.listdir(dump))
     assert [f.split("-", 1)[1] for f in files if "-decode." in f] == [
-        "decode.fuse-decode-linear.k3", "decode.fuse-kda-output.k3", "decode.fuse-mla-kv-norm.k3"]
+        "decode.fuse-decode-linear.k3", "decode.fuse-kda-output.k3", "decode.fuse-mla-kv-norm.k3",
+        "decode.fuse-moe-experts.k3", "decode.fuse-moe-front.k3", "decode.fuse-decode-norm.k3"]
     before = k3ir.parse_file(str(dump / next(f for f in files if f.endswith("specialize.absorb-mla.k3"))))
     after = k3ir.parse_file(str(dump / files[-1]))
     assert not any(o.name == "k3.decode_linear" for o in before.ops())
@@ -94,3 +97,7 @@ def test_triton_decode_phase_dump_shows_the_decode_fused_ops(capsys, tmp_path):
     norms = {o.attrs["norm"] for o in after.functions["decode"].ops if o.name == "k3.decode_linear"}
     assert norms == {"none", "rms", "gated"}
     assert "k3.fused_kda_ungated" not in {o.name for o in after.functions["prefill"].ops}
+    ops = after.functions["decode"].ops
+    assert sum(o.name == "k3.moe_experts" and o.attrs["glu"] and o.attrs["combine"] for o in ops) == 8
+    assert not any(o.name in ("k3.grouped_matmul", "k3.moe_combine", "k3.moe_front") for o in ops)
+    assert any(o.name == "k3.fused_kda" and o.attrs["norm"] == "rms" for o in ops)

@@ -165,24 +165,6 @@ def test_cli_compile_dump_and_print(tmp_path, capsys):
     assert "unknown pass 'bogus'" in capsys.readouterr().err
 
 
-def test_cli_triton_dump_shows_the_decode_fusions(tmp_path, capsys):
-    """``k3ir compile k3-tiny --target triton --ir-only --dump-ir DIR``: the decode phase's dumps hold the fused ops
-    its kernels run (k3-tiny's latent MoE has no k3.moe_front: its router reads the norm, the dispatch the latent)."""
-    from k3ir.cli import main
-    assert main(["compile", "k3-tiny", "--target", "triton", "--ir-only", "--dump-ir", str(tmp_path)]) == 0
-    capsys.readouterr()
-    files = sorted(os.listdir(tmp_path))
-    decode = [f for f in files if "-decode." in f]
-    assert [f.split(".")[1] for f in decode] == ["fuse-decode-linear", "fuse-kda-output", "fuse-mla-kv-norm",
-                                                 "fuse-moe-experts", "fuse-moe-front", "fuse-decode-norm"]
-    m = k3ir.parse_file(str(tmp_path / files[-1]))
-    ops = m.functions["decode"].ops
-    assert sum(o.name == "k3.moe_experts" and o.attrs["glu"] and o.attrs["combine"] for o in ops) == 8
-    assert not any(o.name in ("k3.grouped_matmul", "k3.moe_combine") for o in ops)
-    assert any(o.name == "k3.fused_kda" and o.attrs["norm"] == "rms" for o in ops)
-    assert any(o.name == "k3.decode_linear" and o.attrs["norm"] == "rms" and o.attrs["splits"] == 1 for o in ops)
-
-
 def test_cli_inspect_after_passes(capsys):
     from k3ir.cli import main
     assert main(["inspect", "k3-tiny", "--json"]) == 0
