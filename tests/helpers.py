@@ -5,6 +5,7 @@ conftest.py holds the rest (``run_cli``, ``one_line_error``, ``tiny_config_file`
 ``rel_err``, the ``tvm_opt_level_0`` fixture)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 
@@ -259,3 +260,38 @@ def gpu_lowered_cpu_artifact(key: str, directory: str, dtype: str = "bfloat16", 
                                                      "names:prefill|decode": json.dumps(lw.params)}, kind="cpu",
                    arch="host")
     return params
+
+
+def kernel_name(fn) -> str:
+    """The name of a Triton kernel object (a ``JITFunction`` or the interpreter's ``InterpretedFunction``)."""
+    return getattr(getattr(fn, "fn", None), "__name__", None) or getattr(fn, "__name__", "?")
+
+
+@contextlib.contextmanager
+def triton_launches(wrap):
+    """Within the block every Triton kernel launch (``JITFunction.run``, and ``InterpretedFunction.run`` under
+    ``TRITON_INTERPRET=1``) goes through ``wrap(launch, fn, args, warmup, kw)``, which calls ``launch()`` (the real
+    launch) and returns what it returns: ``fn`` is the kernel (``kernel_name(fn)``), ``args`` its positional launch
+    arguments, ``warmup`` Triton's flag (True: compile only), ``kw`` the other keyword arguments (``grid`` and
+    ``warmup`` left out). The original ``run`` methods are back on exit, exception included. Counts launches in
+    tests/backends/triton and launches and compiles in bench/probes/gpu_diag.py."""
+    import triton
+    kinds = [triton.runtime.jit.JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        kinds.append(InterpretedFunction)
+    except ImportError:
+        pass
+    origs = {k: k.run for k in kinds}
+
+    def hook(orig):
+        def run(self, *args, grid, warmup, **kw):
+            return wrap(lambda: orig(self, *args, grid=grid, warmup=warmup, **kw), self, args, warmup, kw)
+        return run
+    for k in kinds:
+        k.run = hook(origs[k])
+    try:
+        yield
+    finally:
+        for k in kinds:
+            k.run = origs[k]

@@ -24,6 +24,7 @@ of the prefill shapes and decode B1/B32 (``TRITON_INTERPRET=1 ... --sections com
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -32,6 +33,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: bench_models, benchlib
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
+from helpers import kernel_name, triton_launches  # tests/helpers.py: the Triton launch hook the tests count with
 
 
 def compiled_kernels(mod):
@@ -197,28 +200,17 @@ def section_count(model, batch, small):
             if not cur["kern"] and name not in skip:
                 log.append(("torch", name, cur["op"], sum(nb(a) for a in tree_leaves((args, kwargs, out)))))
             return out
-    import triton
-    kinds = [triton.runtime.jit.JITFunction]
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-        kinds.append(InterpretedFunction)
-    except ImportError:
-        pass
-    origs = {k: k.run for k in kinds}
 
-    def hook(orig):
-        def run(self, *args, grid, warmup, **kw):
-            if not warmup:
-                name = getattr(getattr(self, "fn", None), "__name__", None) or getattr(self, "__name__", "?")
-                log.append(("triton", name, cur["op"], sum(nb(a) for a in args)))
-            cur["kern"] += 1
-            try:
-                return orig(self, *args, grid=grid, warmup=warmup, **kw)
-            finally:
-                cur["kern"] -= 1
-        return run
-    for k in kinds:
-        k.run = hook(origs[k])
+    def logged(launch, fn, args, warmup, kw):
+        if not warmup:
+            log.append(("triton", kernel_name(fn), cur["op"], sum(nb(a) for a in args)))
+        cur["kern"] += 1
+        try:
+            return launch()
+        finally:
+            cur["kern"] -= 1
+    hooked = contextlib.ExitStack()
+    hooked.enter_context(triton_launches(logged))
     from k3ir.backends.interpreter import Interpreter
     oe = Interpreter.exec_op
 
@@ -253,8 +245,7 @@ def section_count(model, batch, small):
     finally:
         exe.graph_ctx = None
         Interpreter.exec_op = oe
-        for k in kinds:
-            k.run = origs[k]
+        hooked.close()
     per_op, per_k = collections.Counter(), collections.Counter()
     byt = collections.Counter()
     for kind, name, op, b in log:
@@ -290,35 +281,18 @@ def count_compiles(work, label=""):
     """Run ``work()`` with every Triton launch recorded; returns {kernel: set of specialisation keys}: an
     estimate of the compiles a cold cache pays on the GPU (works under TRITON_INTERPRET=1)."""
     import collections
-
-    import triton
-    kinds = [triton.runtime.jit.JITFunction]
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-        kinds.append(InterpretedFunction)
-    except ImportError:
-        pass
     seen = collections.defaultdict(set)
-    origs = {k: k.run for k in kinds}
 
-    def hook(orig):
-        def run(self, *args, grid, warmup, **kw):
-            name = getattr(getattr(self, "fn", None), "__name__", None) or getattr(self, "__name__", "?")
-            dns = set(getattr(self, "kwargs", {}).get("do_not_specialize") or ())       # interpreter
-            dns |= {p.name for p in getattr(self, "params", ()) if getattr(p, "do_not_specialize", False)}
-            names = getattr(self, "arg_names", None) or [p.name for p in getattr(self, "params", ())]
-            key = tuple("int" if i < len(names) and names[i] in dns and isinstance(a, int) else _spec(a)
-                        for i, a in enumerate(args))
-            seen[name].add((key, tuple(sorted((k, _spec(v)) for k, v in kw.items()))))
-            return orig(self, *args, grid=grid, warmup=warmup, **kw)
-        return run
-    for k in kinds:
-        k.run = hook(origs[k])
-    try:
+    def record(launch, fn, args, warmup, kw):
+        dns = set(getattr(fn, "kwargs", {}).get("do_not_specialize") or ())       # interpreter
+        dns |= {p.name for p in getattr(fn, "params", ()) if getattr(p, "do_not_specialize", False)}
+        names = getattr(fn, "arg_names", None) or [p.name for p in getattr(fn, "params", ())]
+        key = tuple("int" if i < len(names) and names[i] in dns and isinstance(a, int) else _spec(a)
+                    for i, a in enumerate(args))
+        seen[kernel_name(fn)].add((key, tuple(sorted((k, _spec(v)) for k, v in kw.items()))))
+        return launch()
+    with triton_launches(record):
         work()
-    finally:
-        for k in kinds:
-            k.run = origs[k]
     return seen
 
 

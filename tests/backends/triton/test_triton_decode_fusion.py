@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from conftest import rel_err
+from helpers import kernel_name, triton_launches
 from k3ir.backends.triton.config import triton_config
 from k3ir.runtime import Session
 
@@ -33,28 +34,14 @@ KL = {"num_hidden_layers": 4, "hidden_size": 256, "vocab_size": 512, "num_expert
 
 def _count_launches(work):
     """{kernel name: launches} of the Triton kernels ``work()`` runs."""
-    kinds = [triton.runtime.jit.JITFunction]
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-        kinds.append(InterpretedFunction)
-    except ImportError:
-        pass
     seen = collections.Counter()
-    origs = {k: k.run for k in kinds}
 
-    def hook(orig):
-        def run(self, *args, grid, warmup, **kw):
-            if not warmup:
-                seen[getattr(getattr(self, "fn", None), "__name__", None) or getattr(self, "__name__", "?")] += 1
-            return orig(self, *args, grid=grid, warmup=warmup, **kw)
-        return run
-    for k in kinds:
-        k.run = hook(origs[k])
-    try:
+    def count(launch, fn, args, warmup, kw):
+        if not warmup:
+            seen[kernel_name(fn)] += 1
+        return launch()
+    with triton_launches(count):
         work()
-    finally:
-        for k in kinds:
-            k.run = origs[k]
     return seen
 
 
