@@ -316,3 +316,32 @@ def test_device_runtime_loads_the_cuda_runtime_library_in_runtime_only_mode():
         assert "\n" not in info["error"]
     else:
         assert info["loaded"], info
+
+
+@pytest.mark.parametrize("V,T", [(24, 5), (136, 1)])
+def test_gpu_kda_kernel_with_its_threads_run_in_turn_equals_the_recurrence(V, T, rng):
+    """``gpu_kernels.kda_recurrent_gpu`` on the CPU: its threads share nothing (one state column each), so with every
+    ``thread_binding`` loop made a serial one (a TVMScript round trip) it runs under llvm and must equal the KDA
+    recurrence in float64 (SPEC.md 3.5: S = S*a; S += k (beta (v - k^T S))^T; o = S^T q), for V within one block
+    (24) and over two blocks with a ragged tail (136 = 128 + 8), decode (T = 1) and prefill."""
+    import re
+
+    import tvm
+    from k3ir.backends.tvm.gpu_kernels import kda_recurrent_gpu
+    H, Kd, B = 2, 16, 2
+    text = tvm.IRModule({"main": kda_recurrent_gpu(H, Kd, V).with_attr("global_symbol", "main")}).script()
+    text, n = re.subn(r'T\.thread_binding\(([^,]+?), thread="[^"]+"\)', r"T.serial(\1)", text)
+    assert n == 2                                            # blockIdx.x and threadIdx.x
+    fn = tvm.compile(tvm.script.from_source(text), target="llvm")["main"]
+    q, k = rng.normal(size=(B, T, H, Kd)), rng.normal(size=(B, T, H, Kd)) * 0.3
+    v, a = rng.normal(size=(B, T, H, V)), rng.uniform(0.5, 1.0, size=(B, T, H, Kd))
+    beta, s0 = rng.uniform(0.0, 1.0, size=(B, T, H)), rng.normal(size=(B, H, Kd, V))
+    S, want = s0.copy(), np.zeros((B, T, H, V))
+    for t in range(T):
+        S = S * a[:, t, :, :, None]
+        u = beta[:, t, :, None] * (v[:, t] - np.einsum("bhk,bhkv->bhv", k[:, t], S))
+        S = S + k[:, t, :, :, None] * u[:, :, None, :]
+        want[:, t] = np.einsum("bhkv,bhk->bhv", S, q[:, t])
+    o, s = (tvm.runtime.tensor(np.zeros(shape, np.float32)) for shape in ((B, T, H, V), (B, H, Kd, V)))
+    fn(*[tvm.runtime.tensor(x.astype(np.float32)) for x in (q, k, v, a, beta, s0)], o, s)
+    assert rel_err(o.numpy(), want) < 1e-5 and rel_err(s.numpy(), S) < 1e-5
