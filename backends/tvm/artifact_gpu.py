@@ -177,6 +177,8 @@ def device_runtime(kind: str) -> None:
         _LOADED_LIBS[name] = load_lib_ctypes("tvm", name, "RTLD_LOCAL", extra_lib_paths=[here])
     except (OSError, RuntimeError) as e:
         why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        if "Cannot find library" in why:
+            why = "not in this TVM install; the apache-tvm wheel ships the cuda one only"
         raise K3BackendError(f"tvm-{kind}: TVM's {kind} runtime lib{name}.so does not load here ({why}; looked for "
                              f"in {here})") from e
 

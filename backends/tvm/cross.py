@@ -176,7 +176,7 @@ def runs_here(kind: str) -> str | None:
         if dev.exist:
             return None
     except K3BackendError as e:         # its runtime library does not load: the message names it and why
-        return str(e).removeprefix(f"tvm-{kind}: ")[:160]
+        return str(e).removeprefix(f"tvm-{kind}: ").split("; looked for in ")[0].rstrip(":; ")[:160] + ")"
     except Exception as e:  # noqa: BLE001  (the device runtime library may not load without its driver)
         return f"no {kind} runtime here ({str(e).strip().splitlines()[-1][:80] if str(e).strip() else type(e).__name__})"
     return f"no {kind} device here"
