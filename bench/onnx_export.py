@@ -8,7 +8,8 @@ exported file's default ``logits_to_keep`` = 1 (the head on the last prompt posi
 torch and IREE compute all T positions); ``onnx27-ort-all`` and ``onnx20-all`` feed 0 (all T), for the like-for-like
 comparison. On request (``--variants``):
 ``mlir-bf16`` (``MlirConfig(weights="bf16")``: bf16 weight arguments, so its logits differ from torch's by the bf16
-rounding of the random weights) and ``mlir-mxfp4`` (routed experts packed as MXFP4, ``--quantize mxfp4``: its
+rounding of the random weights), ``mlir-last`` and ``mlir-scan-dense-last`` (``MlirConfig(logits_to_keep=1)``: the head
+on the last prompt position only, as the onnx variants by default) and ``mlir-mxfp4`` (routed experts packed as MXFP4, ``--quantize mxfp4``: its
 logits differ by the quantisation).
 
     python bench/onnx_export.py                       # k3-100m, T=128, 16 decode steps
@@ -58,6 +59,8 @@ VARIANTS = {
     "onnx20-moeloop": ("onnx", (20, False, "loop", 1)),
     "mlir": ("mlir", {}),
     "mlir-scan-dense": ("mlir", {"kda_form": "scan", "moe_form": "dense"}),
+    "mlir-last": ("mlir", {"logits_to_keep": 1}),
+    "mlir-scan-dense-last": ("mlir", {"kda_form": "scan", "moe_form": "dense", "logits_to_keep": 1}),
     "mlir-bf16": ("mlir", {"weights": "bf16"}),
     "mlir-mxfp4": ("mlir", {"passes": ["fuse-moe-dispatch", "quantize-experts{format=mxfp4}", "dce"]}),
 }
@@ -206,7 +209,7 @@ def main() -> None:
                      "logit_positions": int(logits[v].shape[1]), "profile_ms_by_op_type": profiles.get(v)})
     med = {v: (statistics.median(pre[v]), statistics.median(dec[v])) for v in variants}
     ratios = {}
-    for base in ("torch", "onnx20", "onnx20-all", "mlir-scan-dense"):
+    for base in ("torch", "onnx20", "onnx20-all", "mlir-scan-dense", "mlir-scan-dense-last"):
         if base in med:
             ratios[f"vs_{base}"] = {v: {"prefill": med[v][0] / med[base][0], "decode": med[v][1] / med[base][1]}
                                     for v in variants if v != base}

@@ -219,6 +219,7 @@ class MlirExecutable(Executable):
         from safetensors.numpy import save_file
 
         from ..artifact import write_manifest
+        from .config import get_mlir_config
         params = params if params is not None else self._arrays
         if params is None:
             raise K3BackendError("mlir executable: no weights to save (pass params or call prepare_params)")
@@ -236,7 +237,8 @@ class MlirExecutable(Executable):
         save_file(arrays, os.path.join(directory, "weights.safetensors"))
         write_manifest(directory, self.module, "mlir", self.dtype,
                        {"vmfb": "k3.vmfb", "mlir": "module.mlir", "weights": "weights.safetensors"},
-                       functions=list(fns), param_order=order, iree_target="llvm-cpu", weights=self.weights)
+                       functions=list(fns), param_order=order, iree_target="llvm-cpu", weights=self.weights,
+                       logits_to_keep=get_mlir_config().logits_to_keep)   # compiled in: [B,1,V] prefill logits if 1
         return directory
 
 

@@ -36,6 +36,10 @@ class MlirConfig:
                            "once per call elsewhere; the executable rounds float32 values to bf16 when it is given "
                            "them). IREE's llvm-cpu target compiles bf16; the module's signature changes, so each "
                            "setting has its own IREE cache entry and artifacts record it")
+    logits_to_keep: int = setting(0, "positions the ``lm_head`` runs on: 0 every one (``logits`` ``[B,T,V]``, what "
+                                  "``Session.prefill`` returns on every target) or 1 the last one only (``[B,1,V]``: a "
+                                  "generation prefill needs no more; on k3-100m the head over 128 positions is 4.2 of "
+                                  "13.4 GFLOP); compiled in, so the MLIR text and its IREE cache entry differ")
 
     def __post_init__(self):
         if self.moe_form not in MOE_FORMS:
@@ -46,6 +50,8 @@ class MlirConfig:
             raise K3ConfigError(f"MlirConfig.kda_chunk={self.kda_chunk}: want at least 2")
         if self.weights not in WEIGHT_DTYPES:
             raise K3ConfigError(f"MlirConfig.weights={self.weights!r}: want 'f32' or 'bf16'")
+        if self.logits_to_keep not in (0, 1):
+            raise K3ConfigError(f"MlirConfig.logits_to_keep={self.logits_to_keep!r}: want 0 (every position) or 1 (the last)")
 
     def cache_dir(self) -> str:
         """``cache``, or ``~/.cache/k3ir`` when it is None."""

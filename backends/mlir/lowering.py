@@ -158,9 +158,12 @@ def _constant(e, op, inst):
 
 
 # ---- contractions ---------------------------------------------------------------------------
-def contraction(e: MlirEmitter, op, operands: list[tuple[Val, str]], out: str) -> Val:
-    """Sum of products over letters not in ``out`` (einsum without ellipsis, size-1 broadcast)."""
+def contraction(e: MlirEmitter, op, operands: list[tuple[Val, str]], out: str, shape=None) -> Val:
+    """Sum of products over letters not in ``out`` (einsum without ellipsis, size-1 broadcast); the result has the
+    op's result shape, or ``shape``."""
     rv = e.result_val(op, 0, "")
+    if shape is not None:
+        rv = Val(rv.name, rv.elem, tuple(shape))
     letters = list(out)
     for _, sub in operands:
         letters += [c for c in sub if c not in letters]
@@ -204,10 +207,28 @@ def _matmul(e, op, inst, a, b):
     return contraction(e, op, [(a, sa), (b, sb)], batch + "xy")
 
 
-@lowers("k3.linear", "k3.lm_head")
+@lowers("k3.linear")
 def _linear(e, op, inst, x, w):
     lead = _LETTERS[: len(x.shape) - 1]
     return contraction(e, op, [(x, lead + "z"), (w, "yz")], lead + "y")
+
+
+@lowers("k3.lm_head")
+def _lm_head(e, op, inst, x, w):
+    """``x @ w^T``; with ``MlirConfig.logits_to_keep`` = 1 on the last position of ``x [B,T,D]`` only (a
+    ``tensor.extract_slice`` at ``T - 1``): ``[B,1,V]``."""
+    from .config import get_mlir_config
+    if get_mlir_config().logits_to_keep == 1 and len(x.shape) == 3 and x.shape[1] != 1:
+        x = e.as_tensor(x)
+        B, T, D = x.shape
+        last = e.assign(f"arith.subi {e.dim(T)}, {e.cindex(1)} : index", "d")
+        sizes = ", ".join(e.dim(d) if not isinstance(d, int) else str(d) for d in (B, 1, D))
+        t = ttype((B, 1, D), x.elem)
+        x = Val(e.assign(f"tensor.extract_slice {x.name}[0, {last}, 0] [{sizes}] [1, 1, 1] : {x.type} to {t}", "sl"),
+                x.elem, (B, 1, D))
+        rv = e.result_val(op, 0, "")
+        return contraction(e, op, [(x, "abz"), (w, "yz")], "aby", shape=(rv.shape[0], 1, rv.shape[2]))
+    return _linear(e, op, inst, x, w)
 
 
 # ---- shapes ---------------------------------------------------------------------------------

@@ -344,3 +344,45 @@ def test_k3_tiny_with_bf16_weights_matches_the_reference_on_bf16_rounded_weights
         nxt = want.double().numpy()[:, -1].argmax(-1).reshape(-1, 1)
         (got, st), (want, wst) = sess.decode(nxt, st), ref.decode(nxt, wst)
         assert rel_err(got.double().numpy(), want.double().numpy()) < 1e-4, step
+
+
+
+def test_logits_to_keep_slices_the_heads_input_in_the_text():
+    """``MlirConfig.logits_to_keep=1``: the head reads ``x[:, T-1:T]`` (one ``tensor.extract_slice`` to
+    ``[B,1,D]``) and prefill returns ``[B,1,V]``; 0 (the default) has no such slice; 2 is a config error."""
+    from k3ir.backends.mlir.config import mlir_config
+
+    from k3ir.errors import K3ConfigError
+    m = load_tiny("k3-tiny")
+    D, V = m.attrs["hidden_size"], m.attrs["vocab_size"]
+    head = rf"tensor\.extract_slice %[\w#]+\[0, %\w+, 0\] \[%\w+, 1, {D}\] \[1, 1, 1\] : tensor<\?x\?x{D}xf32> to"
+    with mlir_config(logits_to_keep=1):
+        last, _ = emit_mlir(k3ir.compile(m, target="mlir").module, ("prefill",))
+    every, _ = emit_mlir(k3ir.compile(m, target="mlir").module, ("prefill",))
+    assert len(re.findall(head, last)) == 1 and not re.findall(head, every)
+    assert f"tensor<?x1x{V}xf32>" in last.splitlines()[1] and f"tensor<?x?x{V}xf32>" in every.splitlines()[1]
+    with pytest.raises(K3ConfigError, match="logits_to_keep=2"), mlir_config(logits_to_keep=2):
+        pass
+
+
+@pytest.mark.slow
+def test_logits_to_keep_runs_the_head_on_the_last_position_only(tmp_path):
+    """``MlirConfig.logits_to_keep=1`` compiled by IREE: the prefill's logits are ``[B,1,V]``, the float64 reference's
+    last row within 1e-4; two decode steps from its state match the reference's; the artifact records the setting."""
+    from k3ir.backends.mlir.config import mlir_config
+    m, params, ref, *_ = _sessions("k3-tiny")
+    ids = token_ids(m.attrs["vocab_size"], 2, 9)
+    with mlir_config(logits_to_keep=1):
+        exe = k3ir.compile(m, target="mlir")
+        sess = Session(exe, params=params)
+        got, state = sess.prefill(ids)
+        want, ref_state = ref.prefill(ids)
+        assert tuple(got.shape) == (2, 1, m.attrs["vocab_size"])
+        assert rel_err(got.double().numpy(), want.double().numpy()[:, -1:]) < 1e-4
+        for step in range(2):
+            nxt = token_ids(m.attrs["vocab_size"], 2, 1, seed=11 + step)
+            got, state = sess.decode(nxt, state)
+            want, ref_state = ref.decode(nxt, ref_state)
+            assert rel_err(got.double().numpy(), want.double().numpy()) < 1e-4
+        exe.save(str(tmp_path / "art"))
+    assert json.loads((tmp_path / "art" / "manifest.json").read_text())["logits_to_keep"] == 1
