@@ -3,19 +3,19 @@ tvm-llvm; triton under ``TRITON_INTERPRET=1``, set for its children): one fresh 
 loads k3-tiny (random init), compiles it for the target in float32 and prefills T random tokens, through
 ``Session.prefill`` (segments of ``--chunk`` tokens, state carried) or through the serving engine
 (``--via engine``: pool blocks of ``--block`` tokens, prompt segments of at most ``--prefill-tokens``, one
-request with ``max_tokens`` 1). Targets other than
-torch build their runtime lazily (onnxruntime sessions, TVM's Relax build on first call): their child first
-runs the same path on a 64-token prompt, so the compile is done before the "before prefill" reading (the peak
-still counts it: ``ru_maxrss`` is the whole process's). Each child runs ``--threads`` threads (torch's, the
-onnxruntime session's ``intra_op_num_threads``, ``TVM_NUM_THREADS``) and reports its peak resident set
-(``ru_maxrss``, MiB), the peak of the measured prefill alone (``VmHWM`` after resetting it through
-``/proc/self/clear_refs`` just before the prefill, and the resident set then; None where the kernel refuses the
-reset) and the prefill's
-seconds; the parent prints a table last and writes ``bench/results/long_prompt_memory/<date>-<commit>[-<target>]
-[-engine].json`` (or ``--out``) with the machine, ``uptime`` before and after and the command. Linearity rule
-(bench/SERVING.md), per token: from 16k tokens on, each step's growth per extra token is at most 1.1 x the
-previous step's, ``(peak(64k) - peak(32k)) / 32k <= 1.1 x (peak(32k) - peak(16k)) / 16k`` (linear memory keeps
-the bytes per extra token constant; a quadratic term doubles them from one doubling of T to the next).
+request with ``max_tokens`` 1, temperature 0). Targets other than torch build their runtime lazily (onnxruntime
+sessions, TVM's Relax build on first call): their child first runs the same path on a 64-token prompt, so the
+compile is done before the "before prefill" reading (the peak still counts it: ``ru_maxrss`` is the whole
+process's). Each child runs ``--threads`` threads (torch's, the onnxruntime session's ``intra_op_num_threads``,
+``TVM_NUM_THREADS``) and reports its peak resident set (``ru_maxrss``, MiB), the peak of the measured prefill
+alone (``VmHWM`` after resetting it through ``/proc/self/clear_refs`` just before the prefill, and the resident
+set then; None where the kernel refuses the reset), the prefill's seconds, its pid and the greedy next token
+(argmax of the last logits). The parent prints a table last and writes
+``bench/results/long_prompt_memory/<date>-<commit>[-<target>][-engine].json`` (or ``--out``) with the machine,
+``uptime`` before and after and the command. Linearity rule (bench/SERVING.md), per token: from 16k tokens on,
+each step's growth per extra token is at most 1.1 x the previous step's,
+``(peak(64k) - peak(32k)) / 32k <= 1.1 x (peak(32k) - peak(16k)) / 16k`` (linear memory keeps the bytes per extra
+token constant; a quadratic term doubles them from one doubling of T to the next).
 
     python bench/long_prompt_memory.py                       # T = 1k .. 64k, Session.prefill, 1 thread
     python bench/long_prompt_memory.py --lengths 1024 65536 --via engine
@@ -89,22 +89,25 @@ def child(T: int, target: str, via: str, chunk: int, block: int, threads: int, p
         exe.threads = threads                   # read when its onnxruntime sessions are built (first call)
 
     def prefill(x):
+        """(ok, the greedy next token) of a prefill of ``x``."""
         if via == "session":
             logits, state = runner.prefill(x)
-            return bool(np.isfinite(np.asarray(logits[0, -1])).all()) and state.length == x.shape[1]
-        (req,) = runner.generate([x[0].tolist()], SamplingParams(max_tokens=1))
-        return req.finish_reason in ("length", "stop") and len(req.output) == 1
+            last = np.asarray(logits[0, -1], dtype=np.float64)
+            return bool(np.isfinite(last).all()) and state.length == x.shape[1], int(last.argmax())
+        (req,) = runner.generate([x[0].tolist()], SamplingParams(max_tokens=1, temperature=0))
+        return req.finish_reason in ("length", "stop") and len(req.output) == 1, int(req.output[0])
 
     if target != "torch":
         prefill(warm)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss0 = _vm_hwm_mib() if _reset_peak() else None      # right after the reset: the resident set now
     t0 = time.perf_counter()
-    ok = prefill(ids)
+    ok, token = prefill(ids)
     secs = time.perf_counter() - t0
+    hwm = _vm_hwm_mib() if rss0 is not None else None       # first: ru_maxrss read after it is at least as large
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"T": T, "target": target, "via": via, "peak_rss_mib": peak / 1024, "before_prefill_mib": base / 1024,
-            "rss_at_prefill_mib": rss0, "prefill_peak_mib": _vm_hwm_mib() if rss0 is not None else None,
+    return {"T": T, "target": target, "via": via, "pid": os.getpid(), "next_token": token, "peak_rss_mib": peak / 1024,
+            "before_prefill_mib": base / 1024, "rss_at_prefill_mib": rss0, "prefill_peak_mib": hwm,
             "prefill_s": secs, "ok": ok}
 
 
@@ -177,7 +180,9 @@ def main() -> int:
     rule = per_token_rule(peak)
     commit = git_commit()
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
-              "command": " ".join(["python", os.path.relpath(os.path.abspath(__file__))] + sys.argv[1:]),
+              "command": " ".join(["python bench/long_prompt_memory.py --target", a.target, "--via", a.via, "--lengths",
+                                   *map(str, a.lengths), "--chunk", str(a.chunk), "--block", str(a.block),
+                                   "--prefill-tokens", str(a.prefill_tokens), "--threads", str(a.threads)]),
               "machine": machine(), "uptime_start": load_start, "uptime_end": uptime(),
               "target": a.target, "via": a.via, "chunk": a.chunk, "block": a.block,
               "prefill_tokens": a.prefill_tokens, "threads": a.threads,
