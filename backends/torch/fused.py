@@ -23,8 +23,7 @@ def _lin(x: T, w: T) -> T:
 def fused_kda(inst, *args):
     (x, w_q, w_k, w_v, c_q, c_k, c_v, w_fa, w_fb, A_log, dt_bias, w_b, o_norm), gate_w, states = inst._split(args)
     if inst.norm == "rms":            # the layer's input RMSNorm (fuse-decode-norm)
-        from .ops import rmsnorm
-        x = rmsnorm(SimpleNamespace(eps=inst.norm_eps), x, inst.input_norm(args))
+        x = K.rmsnorm(SimpleNamespace(eps=inst.norm_eps), x, inst.input_norm(args))
     H, D = inst.heads, inst.head_dim
     B, Tn = x.shape[:2]
     st = list(states) if states else [None] * 4

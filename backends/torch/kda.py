@@ -1,5 +1,5 @@
 """Eager PyTorch kernels of Kimi Delta Attention and its companions (short conv, gate, L2 norm,
-gated RMSNorm), shared by the op table (``ops.py``) and the fused ops (``fused.py``). Tensors are
+RMSNorm, gated RMSNorm), shared by the op table (``ops.py``) and the fused ops (``fused.py``). Tensors are
 ``[B, T, H, D]``; the state ``[B, H, D, D]`` is float32 (float64 under a float64 compile)."""
 from __future__ import annotations
 
@@ -137,6 +137,12 @@ def kda(inst, q, k, v, g, beta, s=None):
     if q.shape[1] <= 2:
         return kda_recurrent(q, k, v, g, beta, inst.scale, s)
     return kda_chunked(q, k, v, g, beta, inst.scale, s, chunk=min(inst.chunk_size, 64))
+
+
+def rmsnorm(inst, x, w):
+    xf = _acc(x)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + inst.eps)
+    return (y * _acc(w)).to(x.dtype)
 
 
 def gated_rmsnorm(inst, x, gate, w):

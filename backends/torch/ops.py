@@ -15,9 +15,10 @@ from .kda import (
     kda_recurrent,  # noqa: F401
     kda_reference64,  # noqa: F401
     l2norm,
+    rmsnorm,
     short_conv,
 )
-from .precision import _acc, _f32
+from .precision import _f32
 from .vision import VISION, VISION_CORE  # the vision ops (SPEC.md 8)
 
 
@@ -114,12 +115,6 @@ CORE = {
 
 
 # ---- model ops ------------------------------------------------------------------------
-def rmsnorm(inst, x, w):
-    xf = _acc(x)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + inst.eps)
-    return (y * _acc(w)).to(x.dtype)
-
-
 def mla(inst, q, kv, w, c=None, lengths=None):
     from .mla_tiled import TILED_ABOVE, mla_tiled
     if kv.shape[1] + (0 if c is None else c.shape[1]) > TILED_ABOVE:     # long: no [T, L+T] score matrix
