@@ -119,10 +119,13 @@ def cmd_export(args) -> int:
     if describe and fmt != "onnx":
         raise UsageError(f"--describe applies to --format onnx only, not --format {fmt}")
     keep = getattr(args, "logits_to_keep", None)
-    if keep is not None and fmt != "onnx":
-        raise UsageError(f"--logits-to-keep applies to --format onnx only, not --format {fmt}")
+    if keep is not None and fmt not in ("onnx", "mlir"):
+        raise UsageError(f"--logits-to-keep applies to --format onnx and mlir only, not --format {fmt}")
     if keep is not None and keep < 0:
         raise UsageError(f"--logits-to-keep must be >= 0 (0: every position), not {keep}")
+    if keep is not None and fmt == "mlir" and keep > 1:
+        raise UsageError(f"--logits-to-keep for --format mlir is 0 (every position) or 1 (the last), not {keep}")
+    mlir_keep = {"logits_to_keep": keep} if fmt == "mlir" and keep is not None else {}
     keep = 1 if keep is None else keep
     t0 = time.perf_counter()
     m = load_model(args)
@@ -171,7 +174,7 @@ def cmd_export(args) -> int:
         from k3ir.backends.mlir import compile_mlir, emit_mlir
         from k3ir.backends.mlir.config import mlir_config
         fns = [args.function] if args.function else ["prefill", "decode"]
-        forms = {k: v for k, v in (("moe_form", moe_form), ("kda_form", kda_form)) if v is not None}
+        forms = {k: v for k, v in (("moe_form", moe_form), ("kda_form", kda_form)) if v is not None} | mlir_keep
         with (mlir_config(**forms),
               progress(f"mlir: emitting and verifying {', '.join('@' + x for x in fns)} of {m.name}") as emitted):
             text, order = emit_mlir(m, fns)
@@ -225,7 +228,8 @@ def register(sub) -> None:
                         "write nothing")
     p.add_argument("--logits-to-keep", type=int, metavar="N",
                    help="onnx: default of the graph input logits_to_keep: logits for the last N positions only "
-                        "(default 1, what generation needs; 0: every position); callers may feed another value")
+                        "(default 1, what generation needs; 0: every position); callers may feed another value; "
+                        "mlir: 0 (default, every position) or 1 (the last), compiled in")
     p.add_argument("--iree-target", choices=("llvm-cpu", "rocm", "vulkan-spirv", "metal-spirv"),
                    help="mlir: also compile a deployable IREE module OUT.<target>.vmfb")
     p.add_argument("--quantize", choices=("none", "mxfp4"),

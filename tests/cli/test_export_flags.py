@@ -23,6 +23,8 @@ from conftest import one_line_error, run_cli
     ("html", ["--level", "op"], "--level"),
     ("svg", ["--weights", "inputs"], "--weights"),
     ("onnx", ["--iree-target", "llvm-cpu"], "--iree-target"),
+    ("svg", ["--logits-to-keep", "1"], "--logits-to-keep"),
+    ("mlir", ["--logits-to-keep", "2"], "--logits-to-keep"),    # mlir compiles in 0 or 1 only
 ])
 def test_flag_that_does_not_apply_to_the_format_is_an_error(capsys, tmp_path, fmt, flags, flag):
     out = tmp_path / f"tiny.{fmt}"
@@ -92,3 +94,12 @@ def test_mlir_quantize_and_form_flags_reach_the_text(capsys, tmp_path):
     assert "x32xi4>" in head and "i4 to i32" in texts["mxfp4"] and "i4 to i32" not in texts["default"]
     assert "tensor.pad" in texts["default"] and "tensor.pad" not in texts["earlier"]
     assert "x8x32xf32>" in texts["earlier"] and "x8x32xf32>" not in texts["default"]
+
+
+def test_logits_to_keep_reaches_the_mlir_export(capsys, tmp_path):
+    """``--format mlir --logits-to-keep 1``: @prefill returns ``[B,1,V]`` logits; without it ``[B,T,V]``."""
+    for flags, logits in (([], "tensor<?x?x260xf32>"), (["--logits-to-keep", "1"], "tensor<?x1x260xf32>")):
+        out = tmp_path / "t.mlir"
+        rc, _, _ = run_cli(capsys, "export", "k3-tiny", "--format", "mlir", "--function", "prefill", *flags, "-o", str(out))
+        head = out.read_text().splitlines()[1]
+        assert rc == 0 and head.split("-> (")[1].startswith(logits), head[-200:]
