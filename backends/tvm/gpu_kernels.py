@@ -97,13 +97,15 @@ def nt_matmul(x, w):
 
 @cache
 def grouped_gemm_gpu(E: int, N: int, K: int, quant: str = "none", dtype: str = "float32", flat: bool = False,
-                     w_dtype: str | None = None):
+                     w_dtype: str | None = None, emulate: bool = False):
     """TIR PrimFunc ``y[r, n] = sum_k x[r, k] W_e[n, k]`` for the expert e owning row r (``offsets[e] <= r <
     offsets[e+1]``). x ``[R, K]`` (R symbolic), offsets ``int64[E+1]``, y ``[R, N]``; the weight is ``[E*N, K]``
     (``flat``, the float ``grouped_linear`` call) or ``[E, N, K]`` float, or packed MXFP4 ``u8[E, N, K/2]`` with
     E8M0 scales ``u8[E, N, K/32]``, or INT4 ``i32[E, N, K/8]`` with float scales ``[E, N, K/32]`` (the buffers of
     ``kernels.grouped_matmul``). A float weight is in ``w_dtype`` (default ``dtype``; bfloat16 in a bfloat16 build),
-    widened as it is loaded. Accumulates in float32."""
+    widened as it is loaded. Accumulates in float32. ``emulate``: the same two phases (each lane's partial sum, then
+    lane 0's row sum after the barrier) with the threads of a block run in turn, no thread bindings: a kernel llvm
+    builds, to check the GPU kernel's arithmetic on a CPU."""
     if quant not in ("none", "mxfp4", "int4"):
         raise ValueError(f"grouped_gemm_gpu: unknown quantisation '{quant}'")
     NT = (N + NY - 1) // NY
@@ -128,32 +130,56 @@ def grouped_gemm_gpu(E: int, N: int, K: int, quant: str = "none", dtype: str = "
         return T.Cast(acc_t, qv) * T.Cast(acc_t, sc[e, n, (u * 8 + c) // 32])
 
     @T.macro
-    def body(x, off, w, sc, y, R):
-        for r in T.thread_binding(R, thread="blockIdx.x"):
-            for nb in T.thread_binding(NT, thread="blockIdx.y"):
-                for ty in T.thread_binding(NY, thread="threadIdx.y"):
-                    for tx in T.thread_binding(LANES, thread="threadIdx.x"):
-                        red = T.alloc_buffer((NY, LANES), acc_t, scope="shared")
-                        part = T.alloc_buffer((1,), "int32", scope="local")
-                        acc = T.alloc_buffer((1,), acc_t, scope="local")
-                        part[0] = 0
-                        for e1 in range(E - 1):
-                            if off[e1 + 1] <= r:
-                                part[0] = part[0] + 1
-                        acc[0] = T.Cast(acc_t, 0)
-                        if nb * NY + ty < N:
-                            for uo in range((KP + LANES - 1) // LANES):
-                                if uo * LANES + tx < KP:
-                                    for c in T.unroll(PER):
-                                        acc[0] = acc[0] + T.Cast(acc_t, x[r, (uo * LANES + tx) * PER + c]) * wval(
-                                            w, sc, part[0], nb * NY + ty, uo * LANES + tx, c)
-                        red[ty, tx] = acc[0]
-                        T.tvm_storage_sync("shared")
-                        if tx == 0:
-                            for i in range(1, LANES):
-                                acc[0] = acc[0] + red[ty, i]
-                            if nb * NY + ty < N:
-                                y[r, nb * NY + ty] = T.Cast(dtype, acc[0])
+    def partial_sum(x, off, w, sc, red, part, acc, r, nb, ty, tx):     # before the barrier: one lane's slice of K
+        part[0] = 0
+        for e1 in range(E - 1):
+            if off[e1 + 1] <= r:
+                part[0] = part[0] + 1
+        acc[0] = T.Cast(acc_t, 0)
+        if nb * NY + ty < N:
+            for uo in range((KP + LANES - 1) // LANES):
+                if uo * LANES + tx < KP:
+                    for c in T.unroll(PER):
+                        acc[0] = acc[0] + T.Cast(acc_t, x[r, (uo * LANES + tx) * PER + c]) * wval(
+                            w, sc, part[0], nb * NY + ty, uo * LANES + tx, c)
+        red[ty, tx] = acc[0]
+
+    @T.macro
+    def row_sum(red, acc, y, r, nb, ty, tx):                           # after the barrier: lane 0 sums the row
+        if tx == 0:
+            acc[0] = red[ty, 0]
+            for i in range(1, LANES):
+                acc[0] = acc[0] + red[ty, i]
+            if nb * NY + ty < N:
+                y[r, nb * NY + ty] = T.Cast(dtype, acc[0])
+
+    if not emulate:
+        @T.macro
+        def body(x, off, w, sc, y, R):
+            for r in T.thread_binding(R, thread="blockIdx.x"):
+                for nb in T.thread_binding(NT, thread="blockIdx.y"):
+                    for ty in T.thread_binding(NY, thread="threadIdx.y"):
+                        for tx in T.thread_binding(LANES, thread="threadIdx.x"):
+                            red = T.alloc_buffer((NY, LANES), acc_t, scope="shared")
+                            part = T.alloc_buffer((1,), "int32", scope="local")
+                            acc = T.alloc_buffer((1,), acc_t, scope="local")
+                            partial_sum(x, off, w, sc, red, part, acc, r, nb, ty, tx)
+                            T.tvm_storage_sync("shared")
+                            row_sum(red, acc, y, r, nb, ty, tx)
+    else:
+        @T.macro
+        def body(x, off, w, sc, y, R):          # the same two phases with the threads of a block in turn (CPU)
+            for r in range(R):
+                for nb in range(NT):
+                    red = T.alloc_buffer((NY, LANES), acc_t)
+                    part = T.alloc_buffer((1,), "int32")
+                    acc = T.alloc_buffer((1,), acc_t)
+                    for ty in range(NY):
+                        for tx in range(LANES):
+                            partial_sum(x, off, w, sc, red, part, acc, r, nb, ty, tx)
+                    for ty in range(NY):
+                        for tx in range(LANES):
+                            row_sum(red, acc, y, r, nb, ty, tx)
 
     if quant == "none":
         @T.prim_func(private=True)

@@ -345,3 +345,38 @@ def test_gpu_kda_kernel_with_its_threads_run_in_turn_equals_the_recurrence(V, T,
     o, s = (tvm.runtime.tensor(np.zeros(shape, np.float32)) for shape in ((B, T, H, V), (B, H, Kd, V)))
     fn(*[tvm.runtime.tensor(x.astype(np.float32)) for x in (q, k, v, a, beta, s0)], o, s)
     assert rel_err(o.numpy(), want) < 1e-5 and rel_err(s.numpy(), S) < 1e-5
+
+
+@pytest.mark.parametrize("quant,w_dtype", [("mxfp4", None), ("int4", None), ("none", "float32"), ("none", "bfloat16")])
+def test_gpu_grouped_gemm_phases_with_threads_in_turn_equal_the_reference(quant, w_dtype, rng):
+    """``gpu_kernels.grouped_gemm_gpu(..., emulate=True)``: the GPU MoE kernel's two phases (each lane's partial sum
+    over its slice of K with the dequantisation, then lane 0's row sum after the barrier) with the threads of a block
+    in turn, built for llvm, against k3.grouped_matmul's float64 reference: MXFP4, INT4, float and bfloat16 (flat)
+    weights; an expert with no rows, N not a multiple of the 4-row block, K not a multiple of 32 lanes' units."""
+    import tvm
+    from k3ir.backends.tvm.artifact_gpu import bf16_bits, bf16_round
+    from k3ir.backends.tvm.gpu_kernels import grouped_gemm_gpu
+
+    from k3ir import quant as q
+    from k3ir.ops.moe import GroupedMatmul
+    E, N, K = 3, 6, 96
+    flat = quant == "none"
+    f = grouped_gemm_gpu(E, N, K, quant, flat=flat, w_dtype=w_dtype, emulate=True)
+    fn = tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target="llvm")["main"]
+    w = rng.normal(size=(E, N, K))
+    off = np.array([0, 3, 3, 8], np.int64)                                  # expert 1 owns no rows
+    x = rng.normal(size=(8, K)).astype(np.float32)
+    if flat:
+        wv = bf16_round(w) if w_dtype == "bfloat16" else w.astype(np.float32)
+        want = np.concatenate([x[off[e]:off[e + 1]].astype(np.float64) @ wv[e].T.astype(np.float64) for e in range(E)])
+        wt = tvm.runtime.empty((E * N, K), w_dtype, tvm.cpu())
+        wt.copyfrom(bf16_bits(w.reshape(E * N, K)) if w_dtype == "bfloat16" else wv.reshape(E * N, K))
+        args = [tvm.runtime.tensor(x), tvm.runtime.tensor(off), wt]
+    else:
+        packed, scales = q.mxfp4_quantize(w) if quant == "mxfp4" else q.int4_quantize(w.astype(np.float32))
+        scales = scales if quant == "mxfp4" else scales.astype(np.float32)
+        want = GroupedMatmul({"quant": quant}).reference(x, off, packed, scales)
+        args = [tvm.runtime.tensor(a) for a in (x, off, packed, scales)]
+    y = tvm.runtime.tensor(np.zeros((8, N), np.float32))
+    fn(*args, y)
+    assert rel_err(y.numpy(), want) < 1e-6
