@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ..torch import TorchExecutable
-from .config import get_triton_config, triton_config
+from . import lowering
+from .config import get_triton_config, interpreting, triton_config
 from .kda import layer
 from .kda.chunk import MIN_LOWER_BOUND, eager_gate_check, kda_forward
 
@@ -62,16 +63,7 @@ def gated_rmsnorm(inst, x, gate, w):
     return layer.gated_rmsnorm(x, gate.to(x.dtype), w, inst.eps)
 
 
-def router(inst, x, w, bias):
-    """``k3.router`` in one launch (layer.router) for up to 256 experts; larger routers (K3: 896)
-    keep the torch path (cuBLAS for the score matmul)."""
-    if x.dtype == torch.float64 or w.shape[0] > 256:
-        return _torch_impl("k3.router")(inst, x, w, bias)
-    return layer.router(x, w, bias, inst.top_k, inst.renormalize, inst.routed_scaling_factor, inst.eps)
-
-
 def _gemv_ready(x, w) -> bool:
-    from . import interpreting
     from .gemv import fits
     return (x.is_cuda or interpreting()) and fits(x, w) and not (torch.is_grad_enabled() and (x.requires_grad
                                                                                              or w.requires_grad))
@@ -222,7 +214,7 @@ KERNELS = {
     "k3.gated_rmsnorm": gated_rmsnorm,
     "k3.fused_kda": fused_kda,
     "k3.fused_kda_ungated": fused_kda,
-    "k3.router": router,
+    "k3.router": lowering.router,
 }
 
 
@@ -271,12 +263,10 @@ class TritonExecutable(TorchExecutable):
 
     def __init__(self, module, dtype: str, device: str, mesh=None):
         super().__init__(module, dtype, device, mesh)
-        from . import lowering
         self.target = "triton"
         self.table = {**self.table, **KERNELS, **lowering.table(self)}
         from .mla.tiled import long_prefill
         self.table["k3.mla"] = long_prefill(self.table["k3.mla"])      # past mla.prefill_key_tile keys: key tiles
-        from . import interpreting
         if interpreting():
             self.table.update({n: interpreter_guard(n, self.table[n]) for n in GATE_OPS})
         self.graph_ctx = None

@@ -20,9 +20,9 @@ import torch
 from ..lowering import LoweringTable
 from . import attn_res as attn_res_k
 from . import gemv as gemv_k
-from . import interpreting
 from . import norm as norm_k
-from .config import get_triton_config
+from .config import get_triton_config, interpreting
+from .kda import layer
 from .mla import attn as mla_k
 from .moe import decode as moe_decode
 from .moe import dispatch as disp_k
@@ -33,6 +33,14 @@ def _torch_impl(name):
     from ..torch.fused import FUSED
     from ..torch.ops import TABLE
     return {**TABLE, **FUSED}[name]
+
+
+def router(inst, x, w, bias):
+    """``k3.router`` in one launch (layer.router) for up to 256 experts; larger routers (K3: 896)
+    keep the torch path (cuBLAS for the score matmul)."""
+    if x.dtype == torch.float64 or w.shape[0] > 256:
+        return _torch_impl("k3.router")(inst, x, w, bias)
+    return layer.router(x, w, bias, inst.top_k, inst.renormalize, inst.routed_scaling_factor, inst.eps)
 
 
 def grouped_matmul(inst, x, offsets, w, scales=None):
@@ -283,7 +291,6 @@ def moe_front(inst, x, wr, bias, *args):
     xin = x if xn is None else xn
     y = h = None
     if not route_ok:
-        from .executable import router
         rout = router(inst._router(), xin, wr, bias)
         dout = moe_dispatch(inst._dispatch(), xin, rout[0], rout[1])
     elif fuse and shared is not None and disp_k.split_supported(rows, E, k, x, shared[0], shared[1], wr):
