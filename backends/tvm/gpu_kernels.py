@@ -211,13 +211,16 @@ ATT_T = 64
 
 
 @cache
-def mla_attention_gpu(H: int, Hk: int, D: int, P: int, Dv: int, scale: float, dtype: str = "float32"):
+def mla_attention_gpu(H: int, Hk: int, D: int, P: int, Dv: int, scale: float, dtype: str = "float32",
+                      emulate: bool = False):
     """TIR PrimFunc ``(q, qr, k, kr, v, lengths) -> o`` with the buffers and mask of ``kernels.attention_kernel``
     (the MLA attention core, SPEC.md 4; Hk = 1 is the absorbed decode over the latent cache, Hk = H prefill):
     q ``[B,T,H,D]``, qr ``[B,T,H,P]``, k ``[B,S,Hk,D]``, kr ``[B,S,P]``, v ``[B,S,Hk,Dv]``, lengths ``int64[B]``,
     o ``[B,T,H,Dv]``; key s is kept iff ``s <= t + S - T`` and (``s < lengths[b]`` or ``s >= S - T``). One block
     per (batch, token, head): each step scores ``ATT_T`` keys (one per thread) into shared memory, then every
-    thread updates its value columns with an online softmax (float32 running max, sum and accumulators)."""
+    thread updates its value columns with an online softmax (float32 running max, sum and accumulators).
+    ``emulate``: the same phases with a block's threads in turn, no thread bindings: a kernel llvm builds, to check
+    the GPU kernel's arithmetic on a CPU."""
     NV = (Dv + ATT_T - 1) // ATT_T
     acc_t = "float32"
     low = -3.0e38
@@ -231,10 +234,92 @@ def mla_attention_gpu(H: int, Hk: int, D: int, P: int, Dv: int, scale: float, dt
     def kept(f, L, S, s, lengths):     # k3.causal_mask with lengths (SPEC.md 4)
         return tirx.all(s < S, s <= tok(f, L) + (S - L), tirx.any(s < lengths[bat(f, L)], s >= S - L))
 
+    # The per-thread state lives in buffers indexed [slot, ...]: slot 0 of a [1, ...] local buffer on the GPU, slot tx
+    # of a [ATT_T, ...] buffer when ``emulate`` runs a block's threads in turn.
+    @T.macro
+    def start(st, acc, sl):
+        st[sl, 0] = T.Cast(acc_t, low)            # running max, running sum, score, new max
+        st[sl, 1] = T.Cast(acc_t, 0)
+        for i in T.unroll(NV):
+            acc[sl, i] = T.Cast(acc_t, 0)
+
+    @T.macro
+    def score(q, qr, k, kr, lengths, sc, st, sl, f, tx, s0, L, S):     # phase 1: key s0*ATT_T + tx into sc[tx]
+        st[sl, 2] = T.Cast(acc_t, low)
+        if kept(f, L, S, s0 * ATT_T + tx, lengths):
+            st[sl, 2] = T.Cast(acc_t, 0)
+            for d in range(D):
+                st[sl, 2] = st[sl, 2] + T.Cast(acc_t, q[bat(f, L), tok(f, L), f % H, d]) * T.Cast(
+                    acc_t, k[bat(f, L), s0 * ATT_T + tx, f % H % Hk, d])
+            for d in range(P):
+                st[sl, 2] = st[sl, 2] + T.Cast(acc_t, qr[bat(f, L), tok(f, L), f % H, d]) * T.Cast(
+                    acc_t, kr[bat(f, L), s0 * ATT_T + tx, d])
+            st[sl, 2] = st[sl, 2] * T.Cast(acc_t, scale)
+        sc[tx] = st[sl, 2]
+
+    @T.macro
+    def update(v, sc, st, acc, pj, sl, f, tx, s0, L):                 # phase 2: online softmax over the ATT_T scores
+        st[sl, 3] = st[sl, 0]
+        for j in range(ATT_T):
+            st[sl, 3] = T.max(st[sl, 3], sc[j])
+        st[sl, 1] = st[sl, 1] * T.exp(st[sl, 0] - st[sl, 3])
+        for i in T.unroll(NV):
+            acc[sl, i] = acc[sl, i] * T.exp(st[sl, 0] - st[sl, 3])
+        for j in range(ATT_T):
+            pj[sl, 0] = sc[j]                   # a register copy: shared loads cannot sit in a condition
+            if pj[sl, 0] > T.Cast(acc_t, low):
+                pj[sl, 1] = T.exp(pj[sl, 0] - st[sl, 3])
+                st[sl, 1] = st[sl, 1] + pj[sl, 1]
+                for i in T.unroll(NV):
+                    if tx + i * ATT_T < Dv:
+                        acc[sl, i] = acc[sl, i] + pj[sl, 1] * T.Cast(
+                            acc_t, v[bat(f, L), s0 * ATT_T + j, f % H % Hk, tx + i * ATT_T])
+        st[sl, 0] = st[sl, 3]
+
+    @T.macro
+    def finish(o, st, acc, sl, f, tx, L):
+        for i in T.unroll(NV):
+            if tx + i * ATT_T < Dv:
+                o[bat(f, L), tok(f, L), f % H, tx + i * ATT_T] = T.Cast(dtype, acc[sl, i] / st[sl, 1])
+
+    if not emulate:
+        @T.macro
+        def body(q, qr, k, kr, v, lengths, o, B, L, S):
+            for f in T.thread_binding(B * L * H, thread="blockIdx.x"):
+                for tx in T.thread_binding(ATT_T, thread="threadIdx.x"):
+                    sc = T.alloc_buffer((ATT_T,), acc_t, scope="shared")
+                    st = T.alloc_buffer((1, 4), acc_t, scope="local")
+                    acc = T.alloc_buffer((1, NV), acc_t, scope="local")
+                    pj = T.alloc_buffer((1, 2), acc_t, scope="local")     # key j's score, its weight
+                    start(st, acc, 0)
+                    for s0 in range((S + ATT_T - 1) // ATT_T):
+                        score(q, qr, k, kr, lengths, sc, st, 0, f, tx, s0, L, S)
+                        T.tvm_storage_sync("shared")
+                        update(v, sc, st, acc, pj, 0, f, tx, s0, L)
+                        T.tvm_storage_sync("shared")
+                    finish(o, st, acc, 0, f, tx, L)
+    else:
+        @T.macro
+        def body(q, qr, k, kr, v, lengths, o, B, L, S):     # the same phases with the threads in turn (CPU)
+            for f in range(B * L * H):
+                sc = T.alloc_buffer((ATT_T,), acc_t)
+                st = T.alloc_buffer((ATT_T, 4), acc_t)
+                acc = T.alloc_buffer((ATT_T, NV), acc_t)
+                pj = T.alloc_buffer((ATT_T, 2), acc_t)
+                for tx in range(ATT_T):
+                    start(st, acc, tx)
+                for s0 in range((S + ATT_T - 1) // ATT_T):
+                    for tx in range(ATT_T):
+                        score(q, qr, k, kr, lengths, sc, st, tx, f, tx, s0, L, S)
+                    for tx in range(ATT_T):
+                        update(v, sc, st, acc, pj, tx, f, tx, s0, L)
+                for tx in range(ATT_T):
+                    finish(o, st, acc, tx, f, tx, L)
+
     @T.prim_func(private=True)
     def mla_attention(q_h: T.handle, qr_h: T.handle, k_h: T.handle, kr_h: T.handle, v_h: T.handle,
                       n_h: T.handle, o_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": not emulate})
         B = T.int64()
         L = T.int64()
         S = T.int64()
@@ -245,47 +330,6 @@ def mla_attention_gpu(H: int, Hk: int, D: int, P: int, Dv: int, scale: float, dt
         v = T.match_buffer(v_h, (B, S, Hk, Dv), dtype)
         lengths = T.match_buffer(n_h, (B,), "int64")
         o = T.match_buffer(o_h, (B, L, H, Dv), dtype)
-        for f in T.thread_binding(B * L * H, thread="blockIdx.x"):
-            for tx in T.thread_binding(ATT_T, thread="threadIdx.x"):
-                sc = T.alloc_buffer((ATT_T,), acc_t, scope="shared")
-                st = T.alloc_buffer((4,), acc_t, scope="local")     # running max, running sum, score, new max
-                acc = T.alloc_buffer((NV,), acc_t, scope="local")
-                pj = T.alloc_buffer((2,), acc_t, scope="local")     # key j's score, its weight
-                st[0] = T.Cast(acc_t, low)
-                st[1] = T.Cast(acc_t, 0)
-                for i in T.unroll(NV):
-                    acc[i] = T.Cast(acc_t, 0)
-                for s0 in range((S + ATT_T - 1) // ATT_T):
-                    st[2] = T.Cast(acc_t, low)
-                    if kept(f, L, S, s0 * ATT_T + tx, lengths):
-                        st[2] = T.Cast(acc_t, 0)
-                        for d in range(D):
-                            st[2] = st[2] + T.Cast(acc_t, q[bat(f, L), tok(f, L), f % H, d]) * T.Cast(
-                                acc_t, k[bat(f, L), s0 * ATT_T + tx, f % H % Hk, d])
-                        for d in range(P):
-                            st[2] = st[2] + T.Cast(acc_t, qr[bat(f, L), tok(f, L), f % H, d]) * T.Cast(
-                                acc_t, kr[bat(f, L), s0 * ATT_T + tx, d])
-                        st[2] = st[2] * T.Cast(acc_t, scale)
-                    sc[tx] = st[2]
-                    T.tvm_storage_sync("shared")
-                    st[3] = st[0]
-                    for j in range(ATT_T):
-                        st[3] = T.max(st[3], sc[j])
-                    st[1] = st[1] * T.exp(st[0] - st[3])
-                    for i in T.unroll(NV):
-                        acc[i] = acc[i] * T.exp(st[0] - st[3])
-                    for j in range(ATT_T):
-                        pj[0] = sc[j]                   # a register copy: shared loads cannot sit in a condition
-                        if pj[0] > T.Cast(acc_t, low):
-                            pj[1] = T.exp(pj[0] - st[3])
-                            st[1] = st[1] + pj[1]
-                            for i in T.unroll(NV):
-                                if tx + i * ATT_T < Dv:
-                                    acc[i] = acc[i] + pj[1] * T.Cast(acc_t, v[bat(f, L), s0 * ATT_T + j, f % H % Hk, tx + i * ATT_T])
-                    st[0] = st[3]
-                    T.tvm_storage_sync("shared")
-                for i in T.unroll(NV):
-                    if tx + i * ATT_T < Dv:
-                        o[bat(f, L), tok(f, L), f % H, tx + i * ATT_T] = T.Cast(dtype, acc[i] / st[1])
+        body(q, qr, k, kr, v, lengths, o, B, L, S)
 
     return mla_attention

@@ -380,3 +380,31 @@ def test_gpu_grouped_gemm_phases_with_threads_in_turn_equal_the_reference(quant,
     y = tvm.runtime.tensor(np.zeros((8, N), np.float32))
     fn(*args, y)
     assert rel_err(y.numpy(), want) < 1e-6
+
+
+@pytest.mark.parametrize("Hk,T,S", [(2, 70, 70), (1, 1, 70), (1, 3, 9)])
+def test_gpu_mla_attention_phases_with_threads_in_turn_equal_the_reference(Hk, T, S, rng):
+    """``gpu_kernels.mla_attention_gpu(..., emulate=True)``: the GPU MLA kernel's phases (each thread scores one key
+    into shared memory; after the barrier every thread's online-softmax update of its value columns) with the threads
+    of a block in turn, built for llvm, against the float64 attention of SPEC.md 4 with k3.causal_mask's length mask:
+    prefill with per-head keys over more than one 64-key step, the absorbed decode (Hk = 1) over a cache, a cache
+    whose first row is shorter than its slots (lengths), value width over one thread's columns."""
+    import tvm
+    from k3ir.backends.tvm.gpu_kernels import mla_attention_gpu
+    B, H, D, P, Dv, scale = 2, 2, 8, 4, 80, 0.3
+    fn = tvm.compile(tvm.IRModule({"main": mla_attention_gpu(H, Hk, D, P, Dv, scale, emulate=True).with_attr(
+        "global_symbol", "main")}), target="llvm")["main"]
+    q, qr = rng.normal(size=(B, T, H, D)), rng.normal(size=(B, T, H, P))
+    k, kr, v = rng.normal(size=(B, S, Hk, D)), rng.normal(size=(B, S, P)), rng.normal(size=(B, S, Hk, Dv))
+    lengths = np.array([max(S - T - 2, 0), S - T], np.int64)               # row 0: its last 2 cache slots unused
+    want = np.zeros((B, T, H, Dv))
+    for b in range(B):
+        for t in range(T):
+            keep = [s for s in range(S) if s <= t + S - T and (s < lengths[b] or s >= S - T)]
+            for h in range(H):
+                z = np.array([scale * (q[b, t, h] @ k[b, s, h % Hk] + qr[b, t, h] @ kr[b, s]) for s in keep])
+                p = np.exp(z - z.max())
+                want[b, t, h] = (p / p.sum()) @ v[b, keep, h % Hk]
+    o = tvm.runtime.tensor(np.zeros((B, T, H, Dv), np.float32))
+    fn(*[tvm.runtime.tensor(a.astype(np.float32)) for a in (q, qr, k, kr, v)], tvm.runtime.tensor(lengths), o)
+    assert rel_err(o.numpy(), want) < 1e-5
