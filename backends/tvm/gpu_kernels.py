@@ -11,8 +11,15 @@ written with explicit thread bindings and marked ``tirx.is_scheduled`` so dlight
   of the row and of the weight row), partial sums reduced through shared memory. The expert of a row comes from
   the offsets (rows ``offsets[e]:offsets[e+1]`` belong to expert e), so only experts that own rows are read.
 
-Both take the same buffers as the CPU kernels they replace (``kernels.kda_kernel``, ``kernels.grouped_linear_kernel``
-and ``kernels.grouped_matmul``), so ``gpu.GpuLowering`` swaps them in without touching the lowering table.
+- ``mla_attention_gpu``: MLA's attention core (SPEC.md 4), one block per (batch, token, head), keys scored into
+  shared memory a step at a time, an online softmax per thread over its value columns.
+- ``nt_matmul``: the TE form of a linear layer (``x W^T`` over the weight as stored) that dlight's rules schedule.
+
+They take the same buffers as the CPU kernels they replace (``kernels.kda_kernel``, ``kernels.grouped_linear_kernel``,
+``kernels.grouped_quant_kernel``, ``kernels.attention_kernel``), so ``gpu.GpuLowering`` swaps them in without
+touching the lowering table. The MoE and MLA kernels are written as phases between their barriers (TVMScript
+macros); ``emulate=True`` runs each phase for every thread of a block in turn, without thread bindings, so llvm
+builds them and the tests check their arithmetic on a CPU.
 """
 from __future__ import annotations
 
