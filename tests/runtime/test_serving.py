@@ -177,14 +177,17 @@ def test_stop_token_ends_request(tiny, session):
     assert r.output == want[:4] and r.finish_reason == "length"
 
 
-def test_thousand_random_requests_free_every_block(tiny):
-    """1,000 requests, random prompt lengths (from a small set, so prefill rows batch) and output
-    lengths; every 10th extends a shared 64..100-token stem (prefix hits, LRU evictions)."""
+@pytest.mark.parametrize("n", [250, pytest.param(1000, marks=pytest.mark.slow)])
+def test_random_requests_free_every_block(tiny, n):
+    """``n`` requests (250 in the default suite, 1,000 with ``-m slow``: ~15 s of CPU), random prompt lengths
+    (from a small set, so prefill rows batch) and output lengths; every 10th is a 65..100-token prefix of one of
+    3 shared stems (prefix hits on their first block). Afterwards no block is referenced or leaked. Device
+    evictions and the host tier: ``test_prefix_host_tier.py``'s 1,000 requests."""
     rng = np.random.default_rng(7)
     eng = _engine(tiny, num_blocks=34, max_batch=32)
     stems = [rng.integers(0, 256, 100).tolist() for _ in range(3)]
     reqs = []
-    for i in range(1000):
+    for i in range(n):
         if i % 10 == 0:
             prompt = stems[i % 3][:int(rng.choice([65, 80, 100]))]
         else:
