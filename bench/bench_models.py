@@ -7,9 +7,22 @@ ceiling). Sections (``--sections``, comma-separated; one JSON, default ``bench/r
 - ``check``: grouped_matmul and two tiny models, triton vs torch target (correctness, no timings).
 - ``kimi``: Kimi Linear 6.6B in bf16 vs transformers' ``KimiLinearForCausalLM`` (fla kernels when importable, which
   kernels it runs recorded) on the same weights: logits controls, prefill B1 T4096 and B8 T2048 (tok/s, one
-  synchronised call per timing), decode B1 and B32 after 512 tokens (tok/s over ``steps`` steps, ours as the CUDA
-  graph, transformers eager with its cache), fraction of the HBM roofline (bytes per step: active weights + the
-  batch's recurrent, conv and MLA state, over the measured copy bandwidth). ``--no-hf``: ours alone, random weights.
+  synchronised call per timing; ours at the shipped ``Session`` default ``prefill_chunk`` 2048, so B1 T4096 runs as
+  two sequential 2048-token calls, while transformers runs one call) and, interleaved with them, the labelled variant
+  B1 T4096 at ``prefill_chunk=4096`` (one call; not the default, no headline ratio: ``variant_over_default``,
+  ``variant_over_transformers``), decode B1 and B32 after 512 tokens (tok/s over ``steps`` steps, ours as the CUDA
+  graph, transformers eager with its cache) against the HBM roofline below. ``--no-hf``: ours alone, random weights.
+- Decode roofline (``kimi`` and ``decode``): tok/s = copy bandwidth (measured at the start of the run) x B / the
+  bytes one step must read: ``bytes_per_step = 2 * (dense + sum over MoE layers of n_l * expert_l) + B * state1``,
+  bf16 weights, the embedding left out. ``dense``: every parameter outside the routed experts (attention, dense MLP,
+  routers, shared experts, norms, lm_head), read once a step at any B; ``expert_l``: one routed expert of MoE layer
+  l (w1 + w3 + w2); ``n_l``: the distinct routed experts the B rows reach in layer l; ``state1``
+  (``state_bytes_per_seq``): one sequence's KDA recurrent and conv states read and written + its MLA cache rows
+  read (prompt + 1). Headline ``roofline_tok_s``: ``n_l`` expected under uniform routing, ``E * (1 - (1 - k/E)^B)``
+  (E experts, top-k; B1: k, so the B1 roofline is ``2 * active_params + state1`` as before; 6.6B B32: 63.1 of 64).
+  ``roofline_measured_routing_tok_s``: ``n_l`` counted in the timed steps (the router's top-k indices, replayed on
+  our torch target: ``routing_hits``), bytes averaged over the steps. ``roofline_active_once_tok_s``: the active
+  parameters once a step (``2 * active_params + B * state1``, the earlier definition; too high at B > 1).
 - ``k3``: a 4-layer full-width K3 with MXFP4 experts, prefill and decode tok/s (no baseline).
 - ``decode``: Kimi Linear 6.6B decode B1 at the shipped defaults, 3 runs, against the roofline (its own JSON,
   default ``bench/results/kimi_linear_decode/<date>-<commit>.json``).
@@ -149,11 +162,13 @@ def _hf_kernels(hf):
 
 def _decode_rate(sess, B, prompt, steps, seed=0):
     """tok/s of ``steps`` decode steps of ours (the CUDA graph on a GPU) after a ``prompt``-token prefill of fixed
-    random ids (``seed``), 3 untimed steps first (capture, warm); also the graph's replay ms (``REPLAY_MS``)."""
+    random ids (``seed``), 3 untimed steps first (capture, warm), every step fed the prefill's argmax token; also the
+    graph's replay ms (``REPLAY_MS``) and the inputs (``DECODE_INPUTS``, for ``routing_hits``)."""
     V = int(sess.module.attrs["vocab_size"])
     ids = np.random.default_rng(seed).integers(3, V, (B, prompt))
     logits, st = sess.prefill(ids)
     nxt = logits[:, -1].argmax(-1, keepdim=True).cpu().numpy()
+    DECODE_INPUTS.update(batch=B, ids=ids, nxt=nxt)
     for _ in range(3):                                   # capture + warm
         logits, st = sess.decode(nxt, st)
     _sync()
@@ -173,6 +188,19 @@ def _decode_rate(sess, B, prompt, steps, seed=0):
         _sync()
         REPLAY_MS.append((time.perf_counter() - t0) / 20 * 1e3)
     return rate
+
+
+def _chunk_fn(sess, ids, chunk):
+    """One prefill of ``ids`` by ``sess`` with ``prefill_chunk = chunk`` (the session's own restored after): a
+    labelled variant of the default segmenting, same executable and weights."""
+    def fn():
+        keep = sess.prefill_chunk
+        sess.prefill_chunk = chunk
+        try:
+            sess.prefill(ids)
+        finally:
+            sess.prefill_chunk = keep
+    return fn
 
 
 def _hf_decode_rate(hf, B, prompt, steps, vocab, seed=0):
@@ -205,6 +233,76 @@ def active_params(m) -> int:
     return act
 
 
+def weight_split(m) -> dict:
+    """The parameters of ``m`` a decode step reads, split by how a batch reads them: ``dense`` (every parameter but
+    the embedding and the routed experts: attention, dense MLP, routers, shared experts, norms, lm_head; read once a
+    step at any batch size), ``expert`` (one routed expert's parameters, w1 + w3 + w2, per MoE layer in layer order),
+    ``num_experts`` E and ``top_k`` k. ``active_params(m) == dense + k * sum(expert)`` (integers)."""
+    dense, per_layer = 0, {}
+    for name, decl in m.params.items():
+        n = decl.type.numel()
+        if ".experts." in name:
+            layer = name.split(".experts.")[0]
+            per_layer[layer] = per_layer.get(layer, 0) + n // m.config.num_experts
+        elif "embed_tokens" not in name:
+            dense += n
+    return {"dense": dense, "expert": list(per_layer.values()), "num_experts": m.config.num_experts,
+            "top_k": m.config.top_k}
+
+
+def expected_experts(E: int, k: int, B: int) -> float:
+    """Expected number of distinct routed experts ``B`` rows reach in one MoE layer when each row's top-``k`` is a
+    uniform random ``k``-subset of the ``E`` experts: ``E * (1 - (1 - k/E)^B)`` (a row misses a given expert with
+    probability ``1 - k/E``). ``B == 1``: exactly ``k``. Kimi Linear 6.6B (E 64, k 8): B32 -> 63.1."""
+    return float(k) if B == 1 else E * (1.0 - (1.0 - k / E) ** B)
+
+
+def decode_step_bytes(split: dict, B: int, state1: int, experts_hit) -> float:
+    """Bytes one decode step of ``B`` rows must read, bf16 weights: ``2 * (dense + sum_l experts_hit[l] *
+    expert[l]) + B * state1``. ``split``: ``weight_split``; ``state1``: ``state_bytes_per_seq``; ``experts_hit``:
+    distinct routed experts per MoE layer (one number for every layer, or a list in layer order). With ``top_k``
+    experts a layer (B1) this is ``2 * active_params + state1``."""
+    hit = [experts_hit] * len(split["expert"]) if np.isscalar(experts_hit) else list(experts_hit)
+    if len(hit) != len(split["expert"]):
+        raise ValueError(f"decode_step_bytes: {len(hit)} expert counts for {len(split['expert'])} MoE layers")
+    return 2 * (split["dense"] + sum(h * e for h, e in zip(hit, split["expert"]))) + B * state1
+
+
+def routing_hits(m, params, B: int, prompt: int, steps: int, seed: int = 0) -> list:
+    """Distinct routed experts per MoE layer (layer order) in each of the ``steps`` timed steps of the last
+    ``_decode_rate(sess, B, prompt, steps, seed)`` (``DECODE_INPUTS``: its prompt ids and next-token ids): the same
+    prefill, 3 untimed steps and ``steps`` steps replayed on our torch target (same ``params``, dtype and device) with
+    its router's top-k indices recorded. The triton kernels route inside their launches, so routing is read from the
+    torch target; rounding may flip a near tie, the counts are of the same routing up to that. ``[steps][layers]``."""
+    from k3ir.backends.torch.ops import router
+    from k3ir.runtime import Session
+
+    import k3ir
+    if DECODE_INPUTS.get("batch") != B:
+        raise RuntimeError(f"routing_hits: no _decode_rate inputs for B{B}")
+    exe = k3ir.compile(m, target="torch", dtype=DTN, device=DEV)
+    calls: list | None = None
+
+    def recording_router(inst, x, w, bias):
+        out = router(inst, x, w, bias)
+        if calls is not None:
+            calls.append(int(torch.unique(out[1]).numel()))
+        return out
+    exe.table = {**exe.table, "k3.router": recording_router}       # this executable's own op table
+    sess = Session(exe, params=params)
+    nxt = DECODE_INPUTS["nxt"]
+    _, st = sess.prefill(DECODE_INPUTS["ids"])
+    for _ in range(3):
+        _, st = sess.decode(nxt, st)
+    calls = []
+    for _ in range(steps):
+        _, st = sess.decode(nxt, st)
+    n = len(weight_split(m)["expert"])
+    if len(calls) != steps * n:
+        raise RuntimeError(f"routing_hits: {len(calls)} router calls in {steps} steps of {n} MoE layers")
+    return [calls[i * n:(i + 1) * n] for i in range(steps)]
+
+
 def state_bytes_per_seq(sess, prompt: int) -> int:
     """Bytes of one sequence's state a decode step reads and writes after ``prompt`` tokens: recurrent and conv
     states read + written, MLA cache rows read (``prompt`` + 1)."""
@@ -218,6 +316,11 @@ def state_bytes_per_seq(sess, prompt: int) -> int:
 
 BUDGET_END = 0.0       # time.time() at which --budget ends (0: none)
 REPLAY_MS: list = []    # the last _decode_rate's CUDA-graph replay time (ms), without host work
+DECODE_INPUTS: dict = {}  # the last _decode_rate's batch, prompt ids [B, prompt] and next-token ids [B, 1]
+
+
+#: the kimi section's tiny model: top-2 of 8 experts, so a B2 decode step reaches more routed experts than a B1 step
+KL_SMALL_TOP2 = {**KL_SMALL, "num_experts_per_token": 2}
 
 
 KL4 = {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
@@ -333,15 +436,20 @@ def section_kimi(smoke, no_hf=False, warm_only="", target="triton", prewarm=True
     ``KimiLinearForCausalLM`` on the same weights (``params_from_transformers``) and the same token ids: logits
     controls, then prefill B1 T4096 / B8 T2048 and decode B1 / B32 after 512 tokens, ``repeats`` interleaved
     timings each (ours, transformers, ours, ...), tok/s median and min-max, ratio ours / transformers, fraction of
-    the HBM roofline at the copy bandwidth measured at the start of the run. ``no_hf``: ours alone on random weights.
+    the HBM roofline at the copy bandwidth measured at the start of the run (module docstring: expected-uniform and
+    measured routing). ``variants``: labelled rows of B1 T4096 at ``prefill_chunk=4096`` (one call), timed in turn
+    with the default row and transformers. ``smoke``: ``KL_SMALL_TOP2``, B1 T128 with a 64-token segment
+    (2 calls) and its 128 variant, B2 T8. ``no_hf``: ours alone on random weights.
     Helper processes (``--warm-only``, random weights, no timing) compile the B8 prefill and the decodes into the
     on-disk Triton cache while this one compiles B1 T4096; every shape then runs once here before the timings."""
     from benchlib import current_report, spread
     from k3ir.runtime import Session
 
     import k3ir
-    ov = KL_SMALL if smoke else None
-    shapes = ((1, 16), (2, 8)) if smoke else ((1, 4096), (8, 2048))
+    ov = KL_SMALL_TOP2 if smoke else None
+    shapes = ((1, 128), (2, 8)) if smoke else ((1, 4096), (8, 2048))
+    # labelled variants of a prefill shape, not the shipped default: prefill_chunk = T, one call per prefill
+    variants = {(1, 128): (128,)} if smoke else {(1, 4096): (4096,)}
     prompt, steps = (8, 2) if smoke else (512, 64)
     batches = (1, 32 if not smoke else 2)
     helpers = []
@@ -369,8 +477,10 @@ def section_kimi(smoke, no_hf=False, warm_only="", target="triton", prewarm=True
                 why="--no-hf" if no_hf else repr(e)[:300])
         hf = None
         params = gpu_params(m)
-    act = active_params(m)
-    sess = Session(k3ir.compile(m, target=target, dtype=DTN, device=DEV), params=params)
+    act, split = active_params(m), weight_split(m)
+    # --tiny: a 64-token segment (the default 2048 scaled down) so its B1 T128 prefill runs segmented, as B1 T4096 does
+    sess = Session(k3ir.compile(m, target=target, dtype=DTN, device=DEV), params=params,
+                   **({"prefill_chunk": 64} if smoke else {}))
     if warm_only:
         return _prewarm(sess, warm_only, int(m.attrs["vocab_size"]), prompt)
     rep = current_report()
@@ -379,9 +489,9 @@ def section_kimi(smoke, no_hf=False, warm_only="", target="triton", prewarm=True
                         ("triton", "torch") if target == "triton" else (target,))
     vocab = int(m.attrs["vocab_size"])
     t0 = time.perf_counter()
-    for B, T in shapes:        # compile (ours) and autotune (fla) every shape before any timing
+    for B, T in shapes:        # compile (ours) and autotune (fla) every shape and variant before any timing
         ids = np.random.default_rng(B * T).integers(3, vocab, (B, T))
-        for fn in _prefill_fns(sess, hf, ids):
+        for fn in _prefill_fns(sess, hf, ids) + tuple(_chunk_fn(sess, ids, c) for c in variants.get((B, T), ())):
             if fn is not None:
                 fn()
         row("kimi", f"warm prefill B{B} T{T}", s=time.perf_counter() - t0, compiled=n_compiled())
@@ -399,19 +509,32 @@ def section_kimi(smoke, no_hf=False, warm_only="", target="triton", prewarm=True
             h.kill()
     _wait_checks(wait_file)
     state1 = state_bytes_per_seq(sess, prompt)
+    chunk = sess.prefill_chunk
     for B, T in shapes:
         ids = np.random.default_rng(B * T).integers(3, vocab, (B, T))
         ours, theirs = _prefill_fns(sess, hf, ids)
-        runs = {"ours": [], "transformers": []}
-        for _ in range(repeats):
+        cs = variants.get((B, T), ())
+        runs = {"ours": [], "transformers": [], **{c: [] for c in cs}}
+        for _ in range(repeats):        # interleaved: ours (default), transformers, each variant
             runs["ours"].append(B * T / (_wall_ms(ours) * 1e-3))
             if theirs is not None:
                 runs["transformers"].append(B * T / (_wall_ms(theirs) * 1e-3))
-        r = {"batch": B, "tokens": T, "target": target, "tok_s": spread(runs["ours"]),
+            for c in cs:
+                runs[c].append(B * T / (_wall_ms(_chunk_fn(sess, ids, c)) * 1e-3))
+        r = {"batch": B, "tokens": T, "target": target, "prefill_chunk": chunk, "calls": -(-T // chunk),
+             "tok_s": spread(runs["ours"]),
              "transformers_tok_s": spread(runs["transformers"]) if runs["transformers"] else None}
         if r["transformers_tok_s"]:
             r["ratio_ours_over_transformers"] = r["tok_s"]["median"] / r["transformers_tok_s"]["median"]
         row("kimi", f"prefill B{B} T{T}", **r)
+        for c in cs:                    # labelled variants: no headline ratio (bench/README.md rules)
+            v = {"batch": B, "tokens": T, "target": target, "prefill_chunk": c, "calls": -(-T // c),
+                 "variant": f"not the default: prefill_chunk={c}, {-(-T // c)} call(s) per prefill (the default row: "
+                            f"prefill_chunk={chunk}, {r['calls']} calls)", "tok_s": spread(runs[c]),
+                 "variant_over_default": spread(runs[c])["median"] / r["tok_s"]["median"]}
+            if r["transformers_tok_s"]:
+                v["variant_over_transformers"] = v["tok_s"]["median"] / r["transformers_tok_s"]["median"]
+            row("kimi", f"prefill B{B} T{T} variant prefill_chunk={c}", **v)
     for B in batches:
         runs = {"ours": [], "transformers": [], "replay_ms": []}
         for _ in range(repeats):
@@ -419,13 +542,37 @@ def section_kimi(smoke, no_hf=False, warm_only="", target="triton", prewarm=True
             runs["replay_ms"] += REPLAY_MS
             if hf is not None:
                 runs["transformers"].append(_hf_decode_rate(hf, B, prompt, steps, vocab))
-        step_bytes = 2 * act + B * state1          # bf16 active weights once per step + every sequence's state
+        # roofline (module docstring): dense weights once + the distinct routed experts the B rows reach + states
+        E, k = split["num_experts"], split["top_k"]
+        n_exp = expected_experts(E, k, B)
+        step_bytes = decode_step_bytes(split, B, state1, n_exp)
         roof = rep.copy_Bps / step_bytes * B       # tok/s
+        once = 2 * act + B * state1                # active parameters once a step: a B1 step's bytes, low at B > 1
         r = {"batch": B, "prompt": prompt, "steps": steps, "target": target, "tok_s": spread(runs["ours"]),
              "graph_replay_ms": spread(runs["replay_ms"]) if runs["replay_ms"] else None,
              "transformers_tok_s": spread(runs["transformers"]) if runs["transformers"] else None,
-             "active_params": act, "state_bytes_per_seq": state1, "bytes_per_step": step_bytes,
-             "roofline_tok_s": roof, "roofline_frac": spread([x / roof for x in runs["ours"]])}
+             "active_params": act, "dense_params": split["dense"], "expert_params": split["expert"],
+             "num_experts": E, "top_k": k, "moe_layers": len(split["expert"]), "state_bytes_per_seq": state1,
+             "routed_experts_expected": n_exp, "bytes_per_step": step_bytes,
+             "roofline_tok_s": roof, "roofline_frac": spread([x / roof for x in runs["ours"]]),
+             "bytes_per_step_active_once": once, "roofline_active_once_tok_s": rep.copy_Bps / once * B}
+        if BUDGET_END and BUDGET_END - time.time() < 90:
+            r["routing_measured"] = "skipped: under 90 s of --budget left"
+        else:
+            t_r = time.perf_counter()
+            try:
+                hits = routing_hits(m, params, B, prompt, steps)
+                per_step = [decode_step_bytes(split, B, state1, h) for h in hits]
+                mb = float(np.mean(per_step))
+                r.update(routing_measured="our torch target replaying the timed steps (same weights, prompt and "
+                                          "next-token ids)",
+                         routed_experts_measured=spread([float(np.mean(h)) for h in hits]),
+                         routed_experts_measured_per_layer=[float(x) for x in np.mean(hits, axis=0)],
+                         bytes_per_step_measured_routing=mb, roofline_measured_routing_tok_s=rep.copy_Bps / mb * B,
+                         roofline_measured_routing_frac=spread([x * mb / (rep.copy_Bps * B) for x in runs["ours"]]),
+                         routing_s=time.perf_counter() - t_r)
+            except Exception as e:
+                r["routing_measured"] = f"failed: {repr(e)[:200]}"
         if r["transformers_tok_s"]:
             r["ratio_ours_over_transformers"] = r["tok_s"]["median"] / r["transformers_tok_s"]["median"]
             r["transformers_roofline_frac"] = r["transformers_tok_s"]["median"] / roof
@@ -492,7 +639,8 @@ def section_decode(smoke, out="kimi_linear_decode.json", repeats=3, target="trit
     defaults, random weights drawn on the device, bf16: a 512-token prompt (8 with smoke), then decode B1 as the
     CUDA graph. One untimed run, then ``repeats`` runs, each from a fresh prefill of the same prompt: 2 warm steps,
     then 128 timed steps (2 with smoke), tok/s over them, and the graph's replay time. Roofline: bytes per token
-    (active parameters in bf16, embeddings left out, + the recurrent and conv states read and written + the MLA cache
+    (``decode_step_bytes`` at B1: the dense parameters + top-k routed experts a MoE layer, i.e. the active
+    parameters, in bf16, embeddings left out, + the recurrent and conv states read and written + the MLA cache
     rows read) over the copy bandwidth measured at the start of the run. JSON (``benchlib.Report``) to ``out``;
     table last."""
     from benchlib import Report, fmt_ms, print_table, spread
@@ -502,7 +650,7 @@ def section_decode(smoke, out="kimi_linear_decode.json", repeats=3, target="trit
     rep = Report("kimi_linear_decode", out, sys.argv)
     rep.ceilings()
     m = k3ir.load("kimi-linear-6p6b", KL_SMALL if smoke else None)
-    act = active_params(m)
+    act, split = active_params(m), weight_split(m)
     t0 = time.perf_counter()
     sess = Session(k3ir.compile(m, target=target, dtype=DTN, device=DEV), params=gpu_params(m))
     prompt, steps = (8, 2) if smoke else (512, 128)
@@ -520,7 +668,8 @@ def section_decode(smoke, out="kimi_linear_decode.json", repeats=3, target="trit
             for n, v in st.values.items():
                 per_row = v[0].numel() * v.element_size()
                 state += per_row // v.shape[1] * (st.length + 1) if n.endswith("mla_cache") else 2 * per_row
-            info.update(setup_s=time.perf_counter() - t0, state_bytes=state, weight_bytes=2 * act)
+            info.update(setup_s=time.perf_counter() - t0, state_bytes=state, routed_experts=split["top_k"],
+                        weight_bytes=decode_step_bytes(split, 1, 0, split["top_k"]))
         sync()
         t = time.perf_counter()
         for _ in range(steps):

@@ -170,16 +170,39 @@ def test_bench_models_kimi_vs_transformers(tmp_path):
     assert "FAILED" not in rows, rows.get("FAILED")
     assert rows["logits controls full model (B2 T64)"]["torch_vs_hf"] < 1e-4     # float32, same weights
     cp = d["ceilings"]["copy_Bps"]["median"]
-    for name in ("prefill B1 T16", "prefill B2 T8", "decode B1 after 8", "decode B2 after 8"):
+    for name in ("prefill B1 T128", "prefill B2 T8", "decode B1 after 8", "decode B2 after 8"):
         r = rows[name]
         check_spread(r["tok_s"])
         check_spread(r["transformers_tok_s"])
         assert r["ratio_ours_over_transformers"] == pytest.approx(r["tok_s"]["median"]
                                                                   / r["transformers_tok_s"]["median"])
-    for B in (1, 2):
+    # the default row segments (a 64-token segment under --tiny); the labelled variant runs one call, same run
+    default, var = rows["prefill B1 T128"], rows["prefill B1 T128 variant prefill_chunk=128"]
+    assert (default["prefill_chunk"], default["calls"], var["prefill_chunk"], var["calls"]) == (64, 2, 128, 1)
+    assert var["variant"].startswith("not the default") and "ratio_ours_over_transformers" not in var
+    check_spread(var["tok_s"])
+    assert var["variant_over_default"] == pytest.approx(var["tok_s"]["median"] / default["tok_s"]["median"])
+    assert var["variant_over_transformers"] == pytest.approx(var["tok_s"]["median"]
+                                                             / default["transformers_tok_s"]["median"])
+    # roofline of the tiny model (KL_SMALL_TOP2: 3 MoE layers of 8 experts, top-2, one expert 3 x 128 x 256)
+    for B, n_exp in ((1, 2.0), (2, 3.5)):          # 8 (1 - (6/8)^B)
         r = rows[f"decode B{B} after 8"]
-        assert r["bytes_per_step"] == 2 * r["active_params"] + B * r["state_bytes_per_seq"]
+        assert (r["num_experts"], r["top_k"], r["moe_layers"], r["expert_params"]) == (8, 2, 3, [98304] * 3)
+        assert r["active_params"] == r["dense_params"] + 2 * 3 * 98304
+        assert r["routed_experts_expected"] == n_exp
+        s1 = r["state_bytes_per_seq"]
+        assert r["bytes_per_step"] == 2 * (r["dense_params"] + 3 * n_exp * 98304) + B * s1
         assert r["roofline_tok_s"] == pytest.approx(cp / r["bytes_per_step"] * B)
+        assert r["bytes_per_step_active_once"] == 2 * r["active_params"] + B * s1
+        # measured: the distinct experts of each timed step's top-k indices (B1: exactly 2; B2: 2 to 4)
+        hit = r["routed_experts_measured_per_layer"]
+        assert len(hit) == 3 and all(B * 2 >= h >= 2 for h in hit), hit
+        if B == 1:
+            assert hit == [2.0] * 3
+        assert r["bytes_per_step_measured_routing"] == pytest.approx(2 * (r["dense_params"] + sum(hit) * 98304) + B * s1)
+        assert r["roofline_measured_routing_tok_s"] == pytest.approx(cp / r["bytes_per_step_measured_routing"] * B)
+    b1 = rows["decode B1 after 8"]
+    assert b1["bytes_per_step"] == b1["bytes_per_step_active_once"] == b1["bytes_per_step_measured_routing"]
 
 
 def test_bench_models_decode(tmp_path):
@@ -190,6 +213,7 @@ def test_bench_models_decode(tmp_path):
     (r,) = d["rows"]
     check_spread(r["tok_s"])
     bpt = r["weight_bytes"] + r["state_bytes"]
+    assert r["weight_bytes"] == 2 * r["active_params"] and r["routed_experts"] == 8        # KL_SMALL: top-8 of 8
     assert r["roofline_tok_s"] == pytest.approx(d["ceilings"]["copy_Bps"]["median"] / bpt)
 
 
