@@ -93,7 +93,11 @@ class KdaBwdConfig:
     bv_rec: int = setting(32, "value block of the fwd_h / bwd_dh recurrences")
     bv_wy: int = setting(64, "value block of bwd_wy")
     w_prelude: int = setting(8, "warps of the prelude")
-    w_prep: int = setting(4, "warps of prep")
+    w_prep: int = setting(4, "warps of prep (and of prep_wu)")
+    prep_split: bool = setting(True, "recompute path: w, u, qg, kg in a launch of their own (prep_wu, one program "
+                               "per 64-wide K/V slice, chunk and head, reading Ai diag(beta) in fp32 from prep) "
+                               "instead of inside prep (offline sm_90 ptxas at 255 registers: prep spills 68 B K3 / 0 "
+                               "softplus split, 64 / 8 B single); False: the single prep launch, for A/B")
     w_rec: int = setting(4, "warps of the recurrences")
     w_wy: int = setting(4, "warps of bwd_wy")
     w_intra: int = setting(4, "warps of bwd_intra")

@@ -74,7 +74,8 @@ def record(B=1, T=32768, H=32, D=128, lb=-5.0, varlen=False, dtype=torch.bfloat1
     return log
 
 
-LAUNCH = {"kda_bwd_prelude_kernel": "prelude", "kda_bwd_prep_kernel": "prep", "kda_bwd_fwd_h_kernel": "fwd_h",
+LAUNCH = {"kda_bwd_prelude_kernel": "prelude", "kda_bwd_prep_kernel": "prep", "kda_bwd_wu_kernel": "prep_wu",
+          "kda_bwd_fwd_h_kernel": "fwd_h",
           "kda_bwd_dh_kernel": "bwd_dh", "kda_bwd_wy_kernel": "bwd_wy", "kda_bwd_intra_kernel": "bwd_intra",
           "kda_bwd_chain_kernel": "chain"}
 

@@ -2,9 +2,10 @@
 ``kda_forward``'s (o, final state) with respect to q, k, v, g (raw), beta (raw logit), A_log,
 dt_bias and the initial state, for both gates, variable-length batches and ``gate="precomputed"``.
 
-Seven launches: prelude, prep (Akk, P, (I+Akk)^-1, w, u, qg, kg), fwd_h (states per chunk and v'),
-bwd_dh (reverse state-gradient recurrence), bwd_wy, bwd_intra, chain. Six when the forward's intermediates are
-passed (``saved``; ``kda_forward``'s autograd does so by default, ``TritonConfig.kda.bwd_reuse``): no prep; five when
+Eight launches: prelude, prep (Akk, P, (I+Akk)^-1), prep_wu (w, u, qg, kg), fwd_h (states per chunk and v'),
+bwd_dh (reverse state-gradient recurrence), bwd_wy, bwd_intra, chain; seven with ``TritonConfig.kda_bwd.prep_split``
+off (w, u, qg, kg inside prep). Six when the forward's intermediates are
+passed (``saved``; ``kda_forward``'s autograd does so by default, ``TritonConfig.kda.bwd_reuse``): no prep(_wu); five when
 they include the forward's G and normalised q, k (flat w/u launch): no prelude either. ``TritonConfig.kda_bwd`` holds the launch
 choices (the bench sweeps them); ``DTYPES`` the storage dtypes of intermediates (default: q's
 dtype, as fla; fp32 for G, the 64x64 gradients and the dq/dk/dG partial sums).
@@ -115,7 +116,7 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
     ``Aqk``: q scale and diagonal included) and ``Ai`` (``(I+Akk)^-1`` unscaled, all blocks, zeros above the
     diagonal) ``[B,T,H,64]``, optionally ``G`` (fp32 in-chunk cumsum ``[B,T,H,K]``, valid rows); same
     definitions as the prep launch computes (module docstring of ``bwd_kernels``). With all of
-    ``SAVED_KEYS`` present the prep launch is skipped (six launches) and, with ``G``, the prelude does not read
+    ``SAVED_KEYS`` present the prep and prep_wu launches are skipped (six launches) and, with ``G``, the prelude does not read
     g; with ``qn`` (q L2-normalised times the scale) and ``kn`` (k L2-normalised) ``[B,T,H,K]`` and ``G`` too, the
     prelude is skipped (five Triton launches; bn = ``sigmoid(beta)`` by torch, launch name "bn"); a buffer in another dtype than this function would allocate is converted. Missing keys: recompute."""
     B, T, H, K = k.shape
@@ -188,6 +189,9 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
     # dense K3 diagonal tiles: never 16-wide tf32 K slices (wrong on the H200, see TritonConfig.kda_bwd.bk_prep)
     bk_prep = min(tu.bk_prep if EXP or prec != "tf32" else max(32, tu.bk_prep), K)
     bv_wy = min(tu.bv_wy, V)
+    split = sv is None and tu.prep_split
+    Xb = e(B, T, H, BT, d=f32) if split else Ai       # Ai diag(beta) between prep and prep_wu
+    bk_wu, bv_wu = min(64, K), min(64, V)
 
     launches = [
         ("prelude", lambda: kb.kda_bwd_prelude_kernel[(NC, H)](
@@ -195,9 +199,12 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
             H=H, K=K, BT=BT, GATE=GATE, L2NORM=not pre, BETA_SIGMOID=not pre, IS_VARLEN=VAR, STORE_G=store_g,
             num_warps=tu.w_prelude)),
         ("prep", lambda: kb.kda_bwd_prep_kernel[(NC, H)](
-            qn, kn, G, bn, v, Ai, P, w, u, qg, kg, cu, ci, T, shift,
+            qn, kn, G, bn, v, Ai, P, w, u, qg, kg, Xb, cu, ci, T, shift,
             H=H, K=K, V=V, BT=BT, BC=BC, BK=bk_prep, BV=min(tu.bk_prep, V), IS_VARLEN=VAR,
-            EXACT=EXP, PREC=prec, num_warps=tu.w_prep)),
+            EXACT=EXP, PREC=prec, WU=not split, num_warps=tu.w_prep)),
+        ("prep_wu", lambda: kb.kda_bwd_wu_kernel[(K // bk_wu + V // bv_wu, NC, H)](
+            qn, kn, G, v, Xb, w, u, qg, kg, cu, ci, T, H=H, K=K, V=V, BT=BT, BK=bk_wu, BV=bv_wu, IS_VARLEN=VAR,
+            PREC=prec, num_warps=tu.w_prep)),
         ("fwd_h", lambda: fit_stages(("fwd_h", w.dtype, prec, K, V, bv_rec, tu.w_rec), tu.stages_rec,
             lambda ns: kb.kda_bwd_fwd_h_kernel[(V // bv_rec, N * H)](
                 w, u, kg, G, h, vn, h0, cu, co, T, H=H, K=K, V=V, BT=BT, BV=bv_rec, USE_H0=h0 is not None,
@@ -221,7 +228,9 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
             H=H, K=K, BT=BT, GATE=GATE, L2NORM=not pre, IS_VARLEN=VAR, num_warps=tu.w_chain)),
     ]
     if sv is not None:          # w, u, qg, kg, P, Ai from the forward
-        launches = [x for x in launches if x[0] != "prep"]
+        launches = [x for x in launches if x[0] not in ("prep", "prep_wu")]
+    elif not split:             # w, u, qg, kg in the prep launch
+        launches = [x for x in launches if x[0] != "prep_wu"]
     if no_prelude:              # qn, kn, G from the forward too: only beta's sigmoid left of the prelude
         bfn = (lambda: bn.copy_(beta)) if pre else (lambda: torch.sigmoid(beta.float(), out=bn))
         launches = [("bn", bfn)] + [x for x in launches if x[0] != "prelude"]

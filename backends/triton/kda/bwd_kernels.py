@@ -4,13 +4,15 @@ Notation per chunk (rows i, j; channels c): q, k after the L2 norm (q scaled), G
 cumulative log-decay, beta after the sigmoid, ``Akk_ij = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)``
 (j < i), ``Ai = (I + Akk)^-1``, ``w = Ai (beta exp(G) k)``, ``u = Ai (beta v)``, ``P`` the causal
 q.k product (j <= i), ``v' = u - w S``, ``o = qg S + P v'``, ``S' = exp(G_C) S + kg^T v'`` with
-``qg = q exp(G)``, ``kg = k exp(G_C - G)``. Seven launches (``bwd.py`` drives them):
+``qg = q exp(G)``, ``kg = k exp(G_C - G)``. Eight launches (``bwd.py`` drives them):
 
 1. ``prelude``: L2 norms, scale, gate (SPEC.md 3.4), beta sigmoid, G (chunk-local cumsum).
 2. ``prep``: recompute Akk and P (decays factorised around a row of each 16-row sub-chunk, every
    off-diagonal factor <= 1; bounded gates: centred dense diagonal tiles within exp(+-8|lb|);
    unbounded gates: exact diagonal tiles column by column), ``Ai`` (16x16 Neumann inverses +
-   block substitution), and w, u, qg, kg. K is walked in slices of BK columns.
+   block substitution); K is walked in slices of BK columns. ``prep_wu`` (``kda_bwd_wu_kernel``): w, u, qg, kg
+   from ``Ai diag(beta)``, one program per 64-wide K or V slice (``TritonConfig.kda_bwd.prep_split``; off: inside
+   prep).
 3. ``fwd_h``: the state entering every chunk, h, and v' (fp32 state in registers).
 4. ``bwd_dh``: the reverse recurrence ``dS = exp(G_C) dS' + qg^T do - w^T dv'`` with
    ``dv' = P^T do + kg dS'``; stores dS' per chunk and dv'; dS at the start is dh0.
@@ -124,21 +126,22 @@ def kda_bwd_prelude_kernel(q, k, g, beta, A_log, dt_bias, qn, kn, G, bn, cu_seql
 
 # ---------------------------------------------------------------- 2. prep: Akk, P, Ai, w, u, qg, kg
 @triton.jit
-def _acc_tiles(qn, kn, G, row0, nv, i_h, c0, shift,
-               A00, A10, A11, A20, A21, A22, A30, A31, A32, A33,
-               P00, P10, P11, P20, P21, P22, P30, P31, P32, P33,
+def _acc_tiles(an, kn, G, row0, nv, i_h, c0, shift, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33,
                H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-               EXACT: tl.constexpr, PREC: tl.constexpr):
-    """Add one K slice's contribution to the ten A and ten P tiles."""
+               EXACT: tl.constexpr, PREC: tl.constexpr, A_IS_K: tl.constexpr):
+    """Add one K slice's contribution to the ten lower ``BC x BC`` tiles of ``sum_c a_ic k_jc exp(G_ic - G_jc)``
+    (``an`` = kn with ``A_IS_K``: Akk before beta, k tiles loaded once; ``an`` = qn: P), diagonal tiles in full
+    (the caller masks them)."""
     Gl = ld_row(G, row0, tl.minimum(nv, BC * 4) - 1, nv, i_h, c0, H, K, BK)
     k0 = ldf(kn, row0, 0, nv, i_h, c0, H, K, BC, BK)
     k1 = ldf(kn, row0, BC, nv, i_h, c0, H, K, BC, BK)
     k2 = ldf(kn, row0, 2 * BC, nv, i_h, c0, H, K, BC, BK)
-    k3 = ldf(kn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
-    q0 = ldf(qn, row0, 0, nv, i_h, c0, H, K, BC, BK)
-    q1 = ldf(qn, row0, BC, nv, i_h, c0, H, K, BC, BK)
-    q2 = ldf(qn, row0, 2 * BC, nv, i_h, c0, H, K, BC, BK)
-    q3 = ldf(qn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
+    if A_IS_K:
+        a1, a2 = k1, k2
+    else:
+        a1 = ldf(an, row0, BC, nv, i_h, c0, H, K, BC, BK)
+        a2 = ldf(an, row0, 2 * BC, nv, i_h, c0, H, K, BC, BK)
+    a3 = ldf(an, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
     G0 = _ldG(G, row0, 0, nv, i_h, c0, Gl, H, K, BC, BK)
     G1 = _ldG(G, row0, BC, nv, i_h, c0, Gl, H, K, BC, BK)
     G2 = _ldG(G, row0, 2 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
@@ -146,109 +149,40 @@ def _acc_tiles(qn, kn, G, row0, nv, i_h, c0, shift,
     n1 = _Grow(G, row0, BC - 1, nv, i_h, c0, Gl, H, K, BK)          # G just before sub-chunk 1
     n2 = _Grow(G, row0, 2 * BC - 1, nv, i_h, c0, Gl, H, K, BK)
     n3 = _Grow(G, row0, 3 * BC - 1, nv, i_h, c0, Gl, H, K, BK)
-    A10 += _tile(k1, G1, n1, k0, G0, PREC)
-    P10 += _tile(q1, G1, n1, k0, G0, PREC)
-    A20 += _tile(k2, G2, n2, k0, G0, PREC)
-    P20 += _tile(q2, G2, n2, k0, G0, PREC)
-    A21 += _tile(k2, G2, n2, k1, G1, PREC)
-    P21 += _tile(q2, G2, n2, k1, G1, PREC)
-    A30 += _tile(k3, G3, n3, k0, G0, PREC)
-    P30 += _tile(q3, G3, n3, k0, G0, PREC)
-    A31 += _tile(k3, G3, n3, k1, G1, PREC)
-    P31 += _tile(q3, G3, n3, k1, G1, PREC)
-    A32 += _tile(k3, G3, n3, k2, G2, PREC)
-    P32 += _tile(q3, G3, n3, k2, G2, PREC)
+    T10 += _tile(a1, G1, n1, k0, G0, PREC)
+    T20 += _tile(a2, G2, n2, k0, G0, PREC)
+    T21 += _tile(a2, G2, n2, k1, G1, PREC)
+    T30 += _tile(a3, G3, n3, k0, G0, PREC)
+    T31 += _tile(a3, G3, n3, k1, G1, PREC)
+    T32 += _tile(a3, G3, n3, k2, G2, PREC)
+    if A_IS_K:
+        a0 = k0
+    else:
+        a0 = ldf(an, row0, 0, nv, i_h, c0, H, K, BC, BK)
     if EXACT:
-        A00 += _diag_exact(k0, G0, kn, G, row0, 0, nv, i_h, c0, Gl, H, K, BC, BK)
-        P00 += _diag_exact(q0, G0, kn, G, row0, 0, nv, i_h, c0, Gl, H, K, BC, BK)
-        A11 += _diag_exact(k1, G1, kn, G, row0, BC, nv, i_h, c0, Gl, H, K, BC, BK)
-        P11 += _diag_exact(q1, G1, kn, G, row0, BC, nv, i_h, c0, Gl, H, K, BC, BK)
-        A22 += _diag_exact(k2, G2, kn, G, row0, 2 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
-        P22 += _diag_exact(q2, G2, kn, G, row0, 2 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
-        A33 += _diag_exact(k3, G3, kn, G, row0, 3 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
-        P33 += _diag_exact(q3, G3, kn, G, row0, 3 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
+        T00 += _diag_exact(a0, G0, kn, G, row0, 0, nv, i_h, c0, Gl, H, K, BC, BK)
+        T11 += _diag_exact(a1, G1, kn, G, row0, BC, nv, i_h, c0, Gl, H, K, BC, BK)
+        T22 += _diag_exact(a2, G2, kn, G, row0, 2 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
+        T33 += _diag_exact(a3, G3, kn, G, row0, 3 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
     else:   # |g| <= |lb|: anchors centred in each sub-chunk keep both factors within exp(8|lb|)
+        if A_IS_K:
+            k3 = a3
+        else:
+            k3 = ldf(kn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
         n0 = tl.zeros([BK], dtype=tl.float32) - shift
-        A00 += _tile(k0, G0, n0, k0, G0, PREC)
-        P00 += _tile(q0, G0, n0, k0, G0, PREC)
-        A11 += _tile(k1, G1, n1 - shift, k1, G1, PREC)
-        P11 += _tile(q1, G1, n1 - shift, k1, G1, PREC)
-        A22 += _tile(k2, G2, n2 - shift, k2, G2, PREC)
-        P22 += _tile(q2, G2, n2 - shift, k2, G2, PREC)
-        A33 += _tile(k3, G3, n3 - shift, k3, G3, PREC)
-        P33 += _tile(q3, G3, n3 - shift, k3, G3, PREC)
-    return A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, P00, P10, P11, P20, P21, P22, P30, P31, P32, P33
+        T00 += _tile(a0, G0, n0, k0, G0, PREC)
+        T11 += _tile(a1, G1, n1 - shift, k1, G1, PREC)
+        T22 += _tile(a2, G2, n2 - shift, k2, G2, PREC)
+        T33 += _tile(a3, G3, n3 - shift, k3, G3, PREC)
+    return T00, T10, T11, T20, T21, T22, T30, T31, T32, T33
 
 
-@triton.jit(do_not_specialize=["T"])
-def kda_bwd_prep_kernel(qn, kn, G, bn, v, Ai, P, w, u, qg, kg, cu_seqlens, chunk_indices, T, shift,
-                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr,
-                        PREC: tl.constexpr):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 64)
-    z = tl.zeros([BC, BC], dtype=tl.float32)
-    A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = z, z, z, z, z, z, z, z, z, z
-    P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = z, z, z, z, z, z, z, z, z, z
-    for c0 in range(0, K, BK):
-        A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = \
-            _acc_tiles(qn, kn, G, row0, nv, i_h, c0, shift,
-                       A00, A10, A11, A20, A21, A22, A30, A31, A32, A33,
-                       P00, P10, P11, P20, P21, P22, P30, P31, P32, P33, H, K, BC, BK, EXACT, PREC)
-    rows = tl.arange(0, BC)
-    strict = rows[:, None] > rows[None, :]
-    incl = rows[:, None] >= rows[None, :]
-    b0 = ld_vec(bn, row0, 0, nv, i_h, H, BC)
-    b1 = ld_vec(bn, row0, BC, nv, i_h, H, BC)
-    b2 = ld_vec(bn, row0, 2 * BC, nv, i_h, H, BC)
-    b3 = ld_vec(bn, row0, 3 * BC, nv, i_h, H, BC)
-    # P (causal, diagonal included)
-    _st_blk(P, tl.where(incl, P00, 0.), row0, 0, 0, nv, i_h, H, BT, BC)
-    _st_blk(P, z, row0, 0, BC, nv, i_h, H, BT, BC)
-    _st_blk(P, z, row0, 0, 2 * BC, nv, i_h, H, BT, BC)
-    _st_blk(P, z, row0, 0, 3 * BC, nv, i_h, H, BT, BC)
-    _st_blk(P, P10, row0, BC, 0, nv, i_h, H, BT, BC)
-    _st_blk(P, tl.where(incl, P11, 0.), row0, BC, BC, nv, i_h, H, BT, BC)
-    _st_blk(P, z, row0, BC, 2 * BC, nv, i_h, H, BT, BC)
-    _st_blk(P, z, row0, BC, 3 * BC, nv, i_h, H, BT, BC)
-    _st_blk(P, P20, row0, 2 * BC, 0, nv, i_h, H, BT, BC)
-    _st_blk(P, P21, row0, 2 * BC, BC, nv, i_h, H, BT, BC)
-    _st_blk(P, tl.where(incl, P22, 0.), row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC)
-    _st_blk(P, z, row0, 2 * BC, 3 * BC, nv, i_h, H, BT, BC)
-    _st_blk(P, P30, row0, 3 * BC, 0, nv, i_h, H, BT, BC)
-    _st_blk(P, P31, row0, 3 * BC, BC, nv, i_h, H, BT, BC)
-    _st_blk(P, P32, row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
-    _st_blk(P, tl.where(incl, P33, 0.), row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
-    # Akk (strictly lower, rows scaled by beta) and its inverse
-    A00 = tl.where(strict, A00, 0.) * b0[:, None]
-    A11 = tl.where(strict, A11, 0.) * b1[:, None]
-    A22 = tl.where(strict, A22, 0.) * b2[:, None]
-    A33 = tl.where(strict, A33, 0.) * b3[:, None]
-    A10 = A10 * b1[:, None]
-    A20 = A20 * b2[:, None]
-    A21 = A21 * b2[:, None]
-    A30 = A30 * b3[:, None]
-    A31 = A31 * b3[:, None]
-    A32 = A32 * b3[:, None]
-    X00, X10, X11, X20, X21, X22, X30, X31, X32, X33 = inv_blocks4(A00, A10, A11, A20, A21, A22, A30, A31, A32,
-                                                                   A33, BC, True, "ieee")
-    _st_blk(Ai, X00, row0, 0, 0, nv, i_h, H, BT, BC)
-    _st_blk(Ai, z, row0, 0, BC, nv, i_h, H, BT, BC)
-    _st_blk(Ai, z, row0, 0, 2 * BC, nv, i_h, H, BT, BC)
-    _st_blk(Ai, z, row0, 0, 3 * BC, nv, i_h, H, BT, BC)
-    _st_blk(Ai, X10, row0, BC, 0, nv, i_h, H, BT, BC)
-    _st_blk(Ai, X11, row0, BC, BC, nv, i_h, H, BT, BC)
-    _st_blk(Ai, z, row0, BC, 2 * BC, nv, i_h, H, BT, BC)
-    _st_blk(Ai, z, row0, BC, 3 * BC, nv, i_h, H, BT, BC)
-    _st_blk(Ai, X20, row0, 2 * BC, 0, nv, i_h, H, BT, BC)
-    _st_blk(Ai, X21, row0, 2 * BC, BC, nv, i_h, H, BT, BC)
-    _st_blk(Ai, X22, row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC)
-    _st_blk(Ai, z, row0, 2 * BC, 3 * BC, nv, i_h, H, BT, BC)
-    _st_blk(Ai, X30, row0, 3 * BC, 0, nv, i_h, H, BT, BC)
-    _st_blk(Ai, X31, row0, 3 * BC, BC, nv, i_h, H, BT, BC)
-    _st_blk(Ai, X32, row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
-    _st_blk(Ai, X33, row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
-    # w = Ai (beta exp(G) k), qg = q exp(G), kg = k exp(G_C - G), per K slice; u = Ai (beta v)
+@triton.jit
+def _prep_wu(qn, kn, G, v, w, u, qg, kg, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, b0, b1, b2, b3,
+             row0, nv, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+             BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """w = Ai (beta exp(G) k), qg = q exp(G), kg = k exp(G_C - G), per K slice; u = Ai (beta v), from the ten
+    inverse blocks (prep with ``WU``)."""
     for c0 in range(0, K, BK):
         Gl = ld_row(G, row0, tl.minimum(nv, BT) - 1, nv, i_h, c0, H, K, BK)
         G0 = _ldG(G, row0, 0, nv, i_h, c0, Gl, H, K, BC, BK)
@@ -278,6 +212,125 @@ def kda_bwd_prep_kernel(qn, kn, G, bn, v, Ai, P, w, u, qg, kg, cu_seqlens, chunk
                  ldf(v, row0, BC, nv, i_h, c0, H, V, BC, BV) * b1[:, None],
                  ldf(v, row0, 2 * BC, nv, i_h, c0, H, V, BC, BV) * b2[:, None],
                  ldf(v, row0, 3 * BC, nv, i_h, c0, H, V, BC, BV) * b3[:, None], row0, nv, i_h, c0, H, V, BC, BV, PREC)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_prep_kernel(qn, kn, G, bn, v, Ai, P, w, u, qg, kg, Xb, cu_seqlens, chunk_indices, T, shift,
+                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr,
+                        PREC: tl.constexpr, WU: tl.constexpr):
+    """Akk, ``Ai = (I+Akk)^-1`` and then P of one (chunk, head) (P's ten tiles accumulated after the inverse, so
+    they are never live with A's: with both live, 255 registers and 470-540 B spilled on sm_90); ``WU``: also w, u,
+    qg, kg in the same program (the ten inverse blocks live through its K and V loops); otherwise ``Xb = Ai diag(beta)`` (fp32 ``[B,T,H,BT]``, lower blocks only; the upper ones are never read) for
+    the ``kda_bwd_wu_kernel`` launch."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 64)
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = z, z, z, z, z, z, z, z, z, z
+    for c0 in range(0, K, BK):
+        A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = _acc_tiles(
+            kn, kn, G, row0, nv, i_h, c0, shift, A00, A10, A11, A20, A21, A22, A30, A31, A32, A33,
+            H, K, BC, BK, EXACT, PREC, True)
+    rows = tl.arange(0, BC)
+    strict = rows[:, None] > rows[None, :]
+    incl = rows[:, None] >= rows[None, :]
+    b0 = ld_vec(bn, row0, 0, nv, i_h, H, BC)
+    b1 = ld_vec(bn, row0, BC, nv, i_h, H, BC)
+    b2 = ld_vec(bn, row0, 2 * BC, nv, i_h, H, BC)
+    b3 = ld_vec(bn, row0, 3 * BC, nv, i_h, H, BC)
+    # Akk (strictly lower, rows scaled by beta) and its inverse
+    A00 = tl.where(strict, A00, 0.) * b0[:, None]
+    A11 = tl.where(strict, A11, 0.) * b1[:, None]
+    A22 = tl.where(strict, A22, 0.) * b2[:, None]
+    A33 = tl.where(strict, A33, 0.) * b3[:, None]
+    A10 = A10 * b1[:, None]
+    A20 = A20 * b2[:, None]
+    A21 = A21 * b2[:, None]
+    A30 = A30 * b3[:, None]
+    A31 = A31 * b3[:, None]
+    A32 = A32 * b3[:, None]
+    X00, X10, X11, X20, X21, X22, X30, X31, X32, X33 = inv_blocks4(A00, A10, A11, A20, A21, A22, A30, A31, A32,
+                                                                   A33, BC, True, "ieee")
+    _st_blk(Ai, X00, row0, 0, 0, nv, i_h, H, BT, BC)
+    _st_blk(Ai, z, row0, 0, BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, z, row0, 0, 2 * BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, z, row0, 0, 3 * BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X10, row0, BC, 0, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X11, row0, BC, BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, z, row0, BC, 2 * BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, z, row0, BC, 3 * BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X20, row0, 2 * BC, 0, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X21, row0, 2 * BC, BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X22, row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, z, row0, 2 * BC, 3 * BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X30, row0, 3 * BC, 0, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X31, row0, 3 * BC, BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X32, row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
+    _st_blk(Ai, X33, row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
+    if not WU:      # Xb = Ai diag(beta): w, u, qg, kg in the wu launch
+        _st_blk(Xb, X00 * b0[None, :], row0, 0, 0, nv, i_h, H, BT, BC)
+        _st_blk(Xb, X10 * b0[None, :], row0, BC, 0, nv, i_h, H, BT, BC)
+        _st_blk(Xb, X11 * b1[None, :], row0, BC, BC, nv, i_h, H, BT, BC)
+        _st_blk(Xb, X20 * b0[None, :], row0, 2 * BC, 0, nv, i_h, H, BT, BC)
+        _st_blk(Xb, X21 * b1[None, :], row0, 2 * BC, BC, nv, i_h, H, BT, BC)
+        _st_blk(Xb, X22 * b2[None, :], row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC)
+        _st_blk(Xb, X30 * b0[None, :], row0, 3 * BC, 0, nv, i_h, H, BT, BC)
+        _st_blk(Xb, X31 * b1[None, :], row0, 3 * BC, BC, nv, i_h, H, BT, BC)
+        _st_blk(Xb, X32 * b2[None, :], row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
+        _st_blk(Xb, X33 * b3[None, :], row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
+    else:
+        _prep_wu(qn, kn, G, v, w, u, qg, kg, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, b0, b1, b2, b3,
+                 row0, nv, i_h, H, K, V, BT, BC, BK, BV, PREC)
+    # P (causal, diagonal included): its ten tiles accumulated after the inverse, not live with A's
+    P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = z, z, z, z, z, z, z, z, z, z
+    for c0 in range(0, K, BK):
+        P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = _acc_tiles(
+            qn, kn, G, row0, nv, i_h, c0, shift, P00, P10, P11, P20, P21, P22, P30, P31, P32, P33,
+            H, K, BC, BK, EXACT, PREC, False)
+    _st_blk(P, tl.where(incl, P00, 0.), row0, 0, 0, nv, i_h, H, BT, BC)
+    _st_blk(P, z, row0, 0, BC, nv, i_h, H, BT, BC)
+    _st_blk(P, z, row0, 0, 2 * BC, nv, i_h, H, BT, BC)
+    _st_blk(P, z, row0, 0, 3 * BC, nv, i_h, H, BT, BC)
+    _st_blk(P, P10, row0, BC, 0, nv, i_h, H, BT, BC)
+    _st_blk(P, tl.where(incl, P11, 0.), row0, BC, BC, nv, i_h, H, BT, BC)
+    _st_blk(P, z, row0, BC, 2 * BC, nv, i_h, H, BT, BC)
+    _st_blk(P, z, row0, BC, 3 * BC, nv, i_h, H, BT, BC)
+    _st_blk(P, P20, row0, 2 * BC, 0, nv, i_h, H, BT, BC)
+    _st_blk(P, P21, row0, 2 * BC, BC, nv, i_h, H, BT, BC)
+    _st_blk(P, tl.where(incl, P22, 0.), row0, 2 * BC, 2 * BC, nv, i_h, H, BT, BC)
+    _st_blk(P, z, row0, 2 * BC, 3 * BC, nv, i_h, H, BT, BC)
+    _st_blk(P, P30, row0, 3 * BC, 0, nv, i_h, H, BT, BC)
+    _st_blk(P, P31, row0, 3 * BC, BC, nv, i_h, H, BT, BC)
+    _st_blk(P, P32, row0, 3 * BC, 2 * BC, nv, i_h, H, BT, BC)
+    _st_blk(P, tl.where(incl, P33, 0.), row0, 3 * BC, 3 * BC, nv, i_h, H, BT, BC)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_wu_kernel(qn, kn, G, v, Xb, w, u, qg, kg, cu_seqlens, chunk_indices, T,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    """The second half of prep (``TritonConfig.kda_bwd.prep_split``): one program per (K or V slice, chunk,
+    head), slices fastest so a chunk's ``Xb`` (fp32 ``[B,T,H,BT]``, ``Ai diag(beta)``, lower blocks) is read from
+    L2. K slices: ``w = Xb (exp(G) k)``, ``qg = q exp(G)``, ``kg = k exp(G_C - G)`` (qn, kn normalised, G the fp32
+    in-chunk cumsum, ``[B,T,H,K]``); V slices: ``u = Xb v``. Rows past the sequence end are not stored."""
+    i_s, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row0, nv = chunk_rows(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN, 64)
+    rows = tl.arange(0, BT)
+    X = ldf(Xb, row0, 0, nv, i_h, 0, H, BT, BT, BT)
+    X = tl.where(rows[None, :] <= rows[:, None], X, 0.)     # upper blocks are never written
+    if i_s < K // BK:
+        c0 = i_s * BK
+        Gl = ld_row(G, row0, tl.minimum(nv, BT) - 1, nv, i_h, c0, H, K, BK)
+        b_G = _ldG(G, row0, 0, nv, i_h, c0, Gl, H, K, BT, BK)
+        b_k = ldf(kn, row0, 0, nv, i_h, c0, H, K, BT, BK)
+        eG = tl.exp(b_G)
+        st(w, tl.dot(X, b_k * eG, input_precision=PREC), row0, 0, nv, i_h, c0, H, K, BT, BK)
+        st(kg, b_k * tl.exp(Gl[None, :] - b_G), row0, 0, nv, i_h, c0, H, K, BT, BK)
+        st(qg, ldf(qn, row0, 0, nv, i_h, c0, H, K, BT, BK) * eG, row0, 0, nv, i_h, c0, H, K, BT, BK)
+    else:
+        c0 = (i_s - K // BK) * BV
+        st(u, tl.dot(X, ldf(v, row0, 0, nv, i_h, c0, H, V, BT, BV), input_precision=PREC),
+           row0, 0, nv, i_h, c0, H, V, BT, BV)
 
 
 # ---------------------------------------------------------------- 3. forward states per chunk

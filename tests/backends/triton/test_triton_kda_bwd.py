@@ -126,6 +126,15 @@ def test_gradients_varlen(lb, cu):
     _check(make(1, cu[-1], 2, 16, N=len(cu) - 1, lb=lb, seed=9), cu=cu, seed=10)
 
 
+@pytest.mark.parametrize(("split", "lb"), [(True, -5.0), (False, -5.0), (False, None)])
+def test_gradients_prep_split_and_single_launch(bwd_tuning, split, lb):
+    """The recompute's w, u, qg, kg from the prep_wu launch (``kda_bwd.prep_split``, default) and from inside prep
+    (the A/B variant): varlen with an empty sequence, a full chunk and a tail, D=64 in two 32-wide prep slices."""
+    bwd_tuning["prep_split"] = split
+    cu = [0, 5, 5, 70, 100]
+    _check(make(1, cu[-1], 1, 64, N=len(cu) - 1, lb=lb, seed=21), cu=cu, seed=22)
+
+
 @pytest.mark.parametrize("lb", [-5.0, None])
 def test_autograd_through_kda_forward(lb):
     _check(make(1, 70, 2, 16, lb=lb, seed=13), seed=14, via=_autograd)
