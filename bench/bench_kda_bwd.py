@@ -36,8 +36,11 @@ import time
 import traceback
 
 NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
-#: DRAM bytes per token-head of each backward launch at D=128 (bench/KDA_NOTES.md; bf16 intermediates)
-KB_PER_TH = {"prelude": 1.8, "prep": 3.6, "fwd_h": 2.75, "bwd_dh": 4.35, "bwd_wy": 5.5, "bwd_intra": 4.5, "chain": 3.0}
+#: DRAM bytes per token-head of each backward launch at D=128 (bench/KDA_NOTES.md; bf16 intermediates). "prep" is
+#: the single-launch prep (``kda_bwd.prep_split`` off); split: prep reads qn, kn, G and writes Ai, P and the fp32
+#: Ai diag(beta) (~1.5 kB), prep_wu reads that, qn, kn, G, v and writes w, u, qg, kg (~2.5 kB)
+KB_PER_TH = {"prelude": 1.8, "prep": 3.6, "prep_wu": 2.5, "fwd_h": 2.75, "bwd_dh": 4.35, "bwd_wy": 5.5,
+             "bwd_intra": 4.5, "chain": 3.0}
 T0 = time.time()
 #: ``--tiny``: the child code on the CPU under TRITON_INTERPRET at toy sizes (checks the script); set by ``_set_tiny``
 SMOKE = False
@@ -473,13 +476,14 @@ def job_time(name, shape, lb, fla=None, tune=None, repeats=3, warm=False):
 def job_sweep(name, budget_s):
     import torch
     t_end = time.time() + budget_s
-    variants = [("default", {}), ("wy wgmma", {"mma_v2": ""}), ("intra diag tf32x3", {"intra_diag_prec": "tf32x3"}),
+    variants = [("default", {}), ("prep single", {"prep_split": False}), ("wy wgmma", {"mma_v2": ""}), ("intra diag tf32x3", {"intra_diag_prec": "tf32x3"}),
                 ("intra diag tf32", {"intra_diag_prec": "tf32"}), ("intra exact", {"k3_exact": "bwd_intra"}),
                 ("prep w8", {"w_prep": 8}), ("wy w8", {"w_wy": 8}),
                 ("wy bv64", {"bv_wy": 64}), ("intra w8", {"w_intra": 8}), ("intra w2", {"w_intra": 2}),
                 ("intra bk64", {"bk_intra": 64}), ("rec bv64", {"bv_rec": 64}), ("rec st3", {"stages_rec": 3}),
                 ("chain w4", {"w_chain": 4}), ("prelude w4", {"w_prelude": 4}), ("wy bk64", {"bk_wy": 64})]
-    # "wy wgmma" second: the lever left (bench/KDA_NOTES.md); a fault there ends the sweep (own process)
+    # "prep single": prep with w/u inside (kda_bwd.prep_split off) against the default prep + prep_wu
+    # "wy wgmma" third: the lever left (bench/KDA_NOTES.md); a fault there ends the sweep (own process)
     x = inputs(1, 32768, 32, 128, seed=0)
     do = torch.randn_like(x["v"])
     rows = []
@@ -570,8 +574,9 @@ def print_tables(rows, meta, copy_Bps=None):
             th = r["shape"][0] * r["shape"][1] * r["shape"][2]
             for key, label in (("kernels_ms", "bwd launches (keep)"), ("kernels_recompute_ms", "recompute launches")):
                 if r.get(key) and copy_Bps:
+                    kb = dict(KB_PER_TH, prep=1.5) if "prep_wu" in r[key] else KB_PER_TH     # split prep
                     print(" " * 18 + f"{label} ms (% of the measured copy bandwidth): " + "  ".join(
-                        f"{k} {v:.2f} ({100 * KB_PER_TH.get(k, 0) * 1e3 * th / (v * 1e-3) / copy_Bps:.0f}%)"
+                        f"{k} {v:.2f} ({100 * kb.get(k, 0) * 1e3 * th / (v * 1e-3) / copy_Bps:.0f}%)"
                         for k, v in r[key].items() if v > 0))
     sweep = [r for r in rows if r["section"] == "sweep"]
     if sweep:
