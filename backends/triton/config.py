@@ -146,16 +146,12 @@ class DecodeConfig:
     split: bool = setting(True, "KDA decode: short conv in the projection gemv's epilogue, gated head norm in the "
                           "o_proj gemv's prologue, kda_decode split over V (False: one fused kda_decode launch)",
                           env="K3IR_DECODE_SPLIT")
-    lowrank_in_decode: bool = setting(False, "with ``split``: the KDA decay/output-gate low-rank up-projections "
-                                      "inside kda_decode instead of a gemv2 launch", env="K3IR_KDA_LOWRANK")
     front_split: bool = setting(True, "MoE decode front in two launches (router_glu_kernel + dispatch_kernel) "
                                 "instead of three", env="K3IR_MOE_FRONT_SPLIT")
     routed_glu: bool = setting(True, "<= 4 tokens: the routed experts' grouped GLU launch routes the step itself "
                                "(no dispatch_kernel; needs front_split)", env="K3IR_MOE_ROUTED_GLU")
     routed_xn: bool = setting(True, "with routed_glu: the front stores the normalised rows and the routed GLU reads "
                               "them (False: it norms the raw rows itself)", env="K3IR_MOE_ROUTED_XN")
-    rank_topk: bool = setting(False, "decode fronts' top-k as expert ranks instead of k argmax rounds",
-                              env="K3IR_MOE_RANK_TOPK")
     graph_in_place: bool = setting(False, "set by the CUDA-graph decode (executable._run_eager) for its step: KDA "
                                    "states are static buffers updated in place, not copies")
 

@@ -175,10 +175,6 @@ def fused_kda(inst, *args):
 # ``TritonConfig.decode.split``: decode step of a KDA layer with the short conv in the projection gemv's epilogue and the gated head norm
 #: in the o_proj gemv's prologue (k3.fused_kda_ungated + k3.decode_linear), so ``kda_decode`` splits V over programs (False: the one
 # fused launch with conv and norm inside, BV = V; ``K3IR_DECODE_SPLIT=0`` for A/B runs)
-# ``TritonConfig.decode.lowrank_in_decode``: with ``split``, the KDA decay and output-gate low-rank up-projections run inside
-#: ``kda_decode`` (layer.kda_decode ``lowrank=``) instead of a gemv2 launch (``K3IR_KDA_LOWRANK=1``). Off by
-# default: one launch fewer per KDA layer, but the H200 A/Bs of 2026-11-30 had the Kimi Linear 6.6B B1 replay
-# 8-11 us faster without it (1.354 vs 1.365 ms at 06:32, 1.207 vs 1.215 at 07:22).
 
 
 def _decode_split(inst, xr, nrm, cat, sizes, convs, cpools, pool, w_fb, gate_w, A_log, dt_bias, o_norm, lb):
@@ -193,14 +189,8 @@ def _decode_split(inst, xr, nrm, cat, sizes, convs, cpools, pool, w_fb, gate_w, 
     cw = cat_weights(list(convs), convs[0].dtype)
     y = gemv(xr[:, 0], cat, norm=nrm, conv=(cw, cpools, slots, sizes[:3]))
     q, k, v, fa, bl, ga = torch.split(y, sizes, dim=-1)
-    R = w_fb.shape[1]
-    if get_triton_config().decode.lowrank_in_decode and R & (R - 1) == 0 and R <= 256 and w_fb.dim() == 2:
-        # the decay and output-gate up-projections inside kda_decode (no gemv2 launch)
-        o, gz = layer.kda_decode(q, k, v, fa, bl, A_log, dt_bias, pool, slots, lower_bound=lb, scale=inst.scale,
-                                 lowrank=(w_fb, ga, gate_w[1]))
-    else:
-        z, gz = gemv2(fa, w_fb, ga, gate_w[1])
-        o = layer.kda_decode(q, k, v, z, bl, A_log, dt_bias, pool, slots, lower_bound=lb, scale=inst.scale)
+    z, gz = gemv2(fa, w_fb, ga, gate_w[1])
+    o = layer.kda_decode(q, k, v, z, bl, A_log, dt_bias, pool, slots, lower_bound=lb, scale=inst.scale)
     o, gz = o.reshape(B, 1, H * D), gz.reshape(B, 1, H * D)
     if not inst.GATED:               # k3.fused_kda_ungated: the o_proj gemv applies the norm (gemv gated prologue)
         return (o, *cpools, pool, gz)

@@ -377,10 +377,8 @@ def section_decode(model, batch, small, prompt=64):
     from k3ir.backends.triton.config import get_triton_config, triton_config
     # A/B of the decode switches (TritonConfig.decode, each flipped alone, a fresh capture): K3IR_DIAG_AB=0 skips them
     for name, key in (("MoE routing in the grouped GLU launch (decode.routed_glu)", "routed_glu"),
-                      ("MoE top-k as expert ranks (decode.rank_topk)", "rank_topk"),
                       ("routed GLU reads the front's normed rows (decode.routed_xn)", "routed_xn"),
-                      ("MoE front in two launches (decode.front_split)", "front_split"),
-                      ("KDA low-rank up-proj in kda_decode (decode.lowrank_in_decode)", "lowrank_in_decode")):
+                      ("MoE front in two launches (decode.front_split)", "front_split")):
         if os.environ.get("K3IR_DIAG_AB", "1") != "1":
             continue
         default = bool(getattr(get_triton_config().decode, key))

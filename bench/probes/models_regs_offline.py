@@ -30,10 +30,6 @@ def _sig(spec):
     return names, types, const
 
 
-#: kda_decode_kernel without the low-rank up-projections (layer.kda_decode passes these explicitly)
-NO_LR = [("wfb", None), ("ga", None), ("wgb", None), ("gzo", None), ("fa_rs", "i32"), ("ga_rs", "i32"), ("LR", 0),
-         ("LRB", 32)]
-
 #: label substrings to compile (command-line arguments; all kernels when none)
 ONLY: list = []
 
@@ -136,22 +132,14 @@ def main():
              ("gz", p), ("norm_w", p), ("pool", "*fp32"), ("slots", "*i32"), ("o", p), ("scale", "fp32"),
              ("lb", "fp32"), ("eps", "fp32"), ("q_rs", "i32"), ("k_rs", "i32"), ("v_rs", "i32"), ("b_rs", "i32"),
              ("H", 16), ("K", 128), ("V", 128), ("W", 4), ("WP", 4), ("BV", 128), ("GATE", 1), ("HAS_CONV", True),
-             ("HAS_NORM", True), *NO_LR], 8)
+             ("HAS_NORM", True)], 8)
         run(f"kda_decode {dt} split BV32", layer_kernels.kda_decode_kernel,
             [("xq", p), ("xk", p), ("xv", p), ("cw_q", None), ("cw_k", None), ("cw_v", None), ("cs_q", None),
              ("cs_k", None), ("cs_v", None), ("z", p), ("beta", p), ("A_log", "*fp32"), ("dt_bias", "*fp32"),
              ("gz", None), ("norm_w", None), ("pool", "*fp32"), ("slots", "*i32"), ("o", p), ("scale", "fp32"),
              ("lb", "fp32"), ("eps", "fp32"), ("q_rs", "i32"), ("k_rs", "i32"), ("v_rs", "i32"), ("b_rs", "i32"),
              ("H", 16), ("K", 128), ("V", 128), ("W", 4), ("WP", 4), ("BV", 32), ("GATE", 1), ("HAS_CONV", False),
-             ("HAS_NORM", False), *NO_LR], 4)
-        run(f"kda_decode {dt} split BV32 lowrank 128", layer_kernels.kda_decode_kernel,
-            [("xq", p), ("xk", p), ("xv", p), ("cw_q", None), ("cw_k", None), ("cw_v", None), ("cs_q", None),
-             ("cs_k", None), ("cs_v", None), ("z", p), ("beta", p), ("A_log", "*fp32"), ("dt_bias", "*fp32"),
-             ("gz", None), ("norm_w", None), ("pool", "*fp32"), ("slots", "*i32"), ("o", p), ("scale", "fp32"),
-             ("lb", "fp32"), ("eps", "fp32"), ("q_rs", "i32"), ("k_rs", "i32"), ("v_rs", "i32"), ("b_rs", "i32"),
-             ("H", 16), ("K", 128), ("V", 128), ("W", 4), ("WP", 4), ("BV", 32), ("GATE", 1), ("HAS_CONV", False),
-             ("HAS_NORM", False), ("wfb", p), ("ga", p), ("wgb", p), ("gzo", p), ("fa_rs", "i32"), ("ga_rs", "i32"),
-             ("LR", 128), ("LRB", 32)], 4)
+             ("HAS_NORM", False)], 4)
 
 
 if __name__ == "__main__":

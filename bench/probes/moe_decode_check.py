@@ -6,9 +6,8 @@ Kimi Linear 6.6B shapes (D 2048, 64 experts, top-8, expert I 1024, shared 1024, 
   weights and the GLU rows must be equal bit for bit (counts of calls that differ are printed); with routed_xn
   (the GLU reads router_glu_kernel's normalised rows) the routing bit for bit and the GLU rows within rounding;
 * time: us per MoE step front + GLU + down (the shared-expert down gemv is the same in both paths, not included)
-  from a CUDA graph of 50 calls, and each kernel alone; then both steps, routed GLU and dispatch again with the
-  other top-k form (TritonConfig.decode.rank_topk, off by default: ``*_rank`` = expert ranks; ``old_step`` is the
-  production step with routed_glu off, ``new_step`` with it on).
+  from a CUDA graph of 50 calls, and each kernel alone (``old_step`` is the production step with routed_glu off,
+  ``new_step`` with it on).
 
     python3 bench/probes/moe_decode_check.py [--iters 50]      # ~20-40 s on an H200 (compiles included); JSON to $OUT
 
@@ -116,21 +115,7 @@ def main() -> int:
                     "router_glu_xn": _graph_us(lambda x=x: front(x, True)),
                     "grouped_down": _graph_us(lambda h=h, off=off, cw=cw: moe.grouped_matmul(h, off, w2, row_scale=cw)),
                 }
-                from k3ir.backends.triton.config import get_triton_config, triton_config
-                saved = get_triton_config().decode.rank_topk
-                # the other top-k form (dispatch.rank_topk / route_topk)
-                with triton_config(decode={"rank_topk": not saved}):
-                    tag = "rank" if not saved else "loop"
-                    ro, do, ho, yo = new(x)
-                    rn, dn, hn, yn = old(x)
-                    row[f"{tag}_agrees"] = bool(all(torch.equal(p, q) for p, q in zip((*ro, *do, ho, yo),
-                                                                                     (*rn, *dn, hn, yn))))
-                    row["us"][f"old_step_{tag}"] = _graph_us(lambda x=x: old(x))
-                    row["us"][f"new_step_{tag}"] = _graph_us(lambda x=x: new(x))
-                    row["us"][f"routed_glu_{tag}"] = _graph_us(lambda f=f: moe_decode.routed_glu(f, w1, w3, "silu"))
-                    row["us"][f"dispatch_{tag}"] = _graph_us(lambda f=f: dk.dispatch_front(f))
-                print(f"B{B}: " + ", ".join(f"{n} {v:.2f} us" for n, v in row["us"].items()) +
-                      f"; {tag} top-k: routed == dispatch path: {row[f'{tag}_agrees']}", flush=True)
+                print(f"B{B}: " + ", ".join(f"{n} {v:.2f} us" for n, v in row["us"].items()), flush=True)
         except Exception as e:      # noqa: BLE001 - a diagnostic: report and go on
             row["error"] = f"{type(e).__name__}: {e}"
             print(f"B{B}: {row['error']}", flush=True)

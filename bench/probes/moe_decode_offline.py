@@ -59,9 +59,7 @@ def main() -> int:
     bad = 0
     for dt, xb in (("bf16", 2), ("fp32", 4)):
         p = "*" + dt
-        # rank=True at R=4 is past dispatch.RANK_TILE (not launched; compiled to show why: registers / spills)
-        for R, rank, xn in ((1, False, True), (2, False, True), (4, False, True), (1, False, False),
-                            (2, False, False), (4, False, False), (1, True, True), (2, True, True), (4, True, True)):
+        for R, xn in ((1, True), (2, True), (4, True), (1, False), (2, False), (4, False)):
             cfg = moe.plan(R * K8, E, I, D, "none", True, xb)
             _, BW, BT, _, BK, warps, stages = cfg[:7]
             NSPLIT = triton.cdiv(D, 128 * triton.cdiv(D, 1024))
@@ -72,8 +70,8 @@ def main() -> int:
                     ("rsf", "fp32"), ("eps", "fp32"), ("neps", "fp32"), ("b1", "fp32"), ("b2", "fp32"),
                     ("R", 1 if R == 1 else "i32"), ("ACT", 2), ("BW", BW), ("BT", BT), ("BK", BK), ("RB", RB),
                     ("KSLOT", K8), ("KP", 8), ("EP", EP), ("RENORM", True), ("NORM", True),
-                    ("NSU", NSPLIT if RB * EP <= 1024 else 1), ("RANK", rank), ("xn", p if xn else None), ("XN", xn)]
-            bad += _run(f"routed_glu {dt} R={R} rank={rank} xn={xn} cfg={cfg}", moe_decode.routed_glu_kernel, spec,
+                    ("NSU", NSPLIT if RB * EP <= 1024 else 1), ("xn", p if xn else None), ("XN", xn)]
+            bad += _run(f"routed_glu {dt} R={R} xn={xn} cfg={cfg}", moe_decode.routed_glu_kernel, spec,
                         warps, stages) is None
         for BM, BN, BK in ((1, 2, 2048), (4, 2, 512)):      # router_glu_kernel storing the normalised rows (XN)
             bad += _run(f"router_glu xn {dt} BM{BM}", dispatch.router_glu_kernel,
@@ -93,7 +91,7 @@ def main() -> int:
                     ("TAIL2", cfg[7] if len(cfg) > 7 else 0), ("ROWGRID", True), ("EP", 64)]
             bad += _run(f"grouped_gemm_t ROWGRID {dt} glu={glu} cfg={cfg}", moe.grouped_gemm_t_kernel, spec, warps,
                         stages) is None
-        for R, rank in ((1, False), (4, False), (1, True), (2, True), (4, True)):   # dispatch_kernel ROUTE + NORM (dispatch_front)
+        for R in (1, 4):   # dispatch_kernel ROUTE + NORM (dispatch_front)
             RB = triton.next_power_of_2(R)
             BD = dispatch._bd(RB * 8, D)
             spec = [("x", p), ("idx", None), ("wts", None), ("base", None), ("offsets", "*i64"), ("xs", p),
@@ -103,8 +101,8 @@ def main() -> int:
                     ("DPP", "i32/16"),
                     ("neps", "fp32"), ("KSLOT", K8), ("KP", 8), ("RB", RB), ("BS", 1), ("EP", 64), ("BD", BD),
                     ("SINGLE", True), ("ROUTE", True), ("RENORM", True), ("NORM", True), ("PDL", False),
-                    ("NSU", 8 if RB * 64 <= 1024 else 1), ("RANK", rank)]
-            bad += _run(f"dispatch route+norm {dt} R={R} rank={rank}", dispatch.dispatch_kernel, spec,
+                    ("NSU", 8 if RB * 64 <= 1024 else 1)]
+            bad += _run(f"dispatch route+norm {dt} R={R}", dispatch.dispatch_kernel, spec,
                         dispatch._warps(RB * 8 * 64), 1) is None
     return 1 if bad else 0
 

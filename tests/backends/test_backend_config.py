@@ -58,10 +58,10 @@ def test_triton_defaults_and_environment_values():
     assert base.kda.bwd_reuse is True and base.decode.pdl is True and base.decode.gemv is None
     assert base.moe.decode_bf16 == ("t", 64, 16, 0, 128, 4, 4) and base.kda_bwd.mma_v2 == "bwd_wy"
     env = {"K3IR_PDL": "0", "K3IR_GEMV": "8,256,4", "K3IR_KDA_BWD": " Torch ", "K3IR_MOE_DECODE_BF16": "32,16,0,64,4,2",
-           "K3IR_MOE_RANK_TOPK": "1", "K3IR_CUDA_GRAPHS": "", "K3IR_MLA_PREFILL": "128,64,8,2"}
+           "K3IR_MOE_ROUTED_GLU": "0", "K3IR_CUDA_GRAPHS": "", "K3IR_MLA_PREFILL": "128,64,8,2"}
     cfg = from_env(TritonConfig, env)
     assert cfg.decode.pdl is False and cfg.decode.gemv == (8, 256, 4) and cfg.kda_bwd.mode == "torch"
-    assert cfg.moe.decode_bf16 == ("t", 32, 16, 0, 64, 4, 2) and cfg.decode.rank_topk is True
+    assert cfg.moe.decode_bf16 == ("t", 32, 16, 0, 64, 4, 2) and cfg.decode.routed_glu is False
     assert cfg.decode.cuda_graphs is True                    # an empty variable keeps the default
     assert cfg.mla.prefill == (128, 64, 8, 2)
     assert from_env(TvmConfig, {"K3IR_TVM_OPT_LEVEL": "7"}).opt_level == 3     # clamped to 0..3

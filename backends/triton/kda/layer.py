@@ -51,7 +51,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def kda_decode(q, k, v, z, beta, A_log, dt_bias, pool, slots, lower_bound=None, scale=None,
-               conv=None, norm=None, out=None, lowrank=None, check_slots: bool | None = None):
+               conv=None, norm=None, out=None, check_slots: bool | None = None):
     """One KDA decode step (T = 1) in one launch, on state slots in a pool.
 
     q, k ``[B, H*K]``, v ``[B, H*V]`` (pre-conv inputs when ``conv`` is given, else post-conv;
@@ -62,9 +62,7 @@ def kda_decode(q, k, v, z, beta, A_log, dt_bias, pool, slots, lower_bound=None, 
     bit-identical. ``lower_bound``: None (softplus gate) or negative (K3 gate).
     ``conv = (w_q, w_k, w_v, cs_q, cs_k, cs_v)``: conv weights ``[C,1,W]`` and conv-state pools
     ``[P, C, W-1]`` updated in place at the same slots. ``norm = (weight [V], gz [B, H*V], eps)``:
-    head RMSNorm then sigmoid output gate fused. ``lowrank = (w_fb [H*K, R], ga [B, R], w_gb [H*V, R])`` (R a
-    power of two, not with ``conv``/``norm``): z is the rank-R decay input ``[B, R]`` and the kernel computes the
-    decay ``z w_fb^T`` itself; it then also returns the output gate ``ga w_gb^T`` ``[B, H*V]``: (o, gz).
+    head RMSNorm then sigmoid output gate fused.
     Returns o ``[B, H*V]`` in v's dtype.
 
     Raises K3KernelInputError before the launch on a wrong shape, dtype or device of any argument, a
@@ -81,8 +79,7 @@ def kda_decode(q, k, v, z, beta, A_log, dt_bias, pool, slots, lower_bound=None, 
     B = q.shape[0]
     for name, t, shp in (("q", q, (B, H * K)), ("k", k, (B, H * K)), ("v", v, (B, H * V)), ("beta", beta, (B, H))):
         C.tensor(fn, name, t, shape=shp, dtypes=C.FLOAT_DTYPES, device=dev)
-    if lowrank is None:
-        C.tensor(fn, "z", z, shape=(B, H * K), dtypes=C.FLOAT_DTYPES, device=dev)
+    C.tensor(fn, "z", z, shape=(B, H * K), dtypes=C.FLOAT_DTYPES, device=dev)
     C.tensor(fn, "A_log", A_log, dtypes=C.FLOAT_DTYPES, device=dev, min_numel=H)
     C.tensor(fn, "dt_bias", dt_bias, dtypes=C.FLOAT_DTYPES, device=dev, numel=H * K)
     if lower_bound is not None and not float(lower_bound) < 0:
@@ -119,24 +116,12 @@ def kda_decode(q, k, v, z, beta, A_log, dt_bias, pool, slots, lower_bound=None, 
     nw, gz, eps = (norm[0], norm[1].contiguous(), float(norm[2])) if has_norm else (None, None, 0.0)
     GATE = 1 if lower_bound is None else 0
     q, k, v, beta = (_rows(t) for t in (q, k, v, beta))
-    lr = {"wfb": None, "ga": None, "wgb": None, "gzo": None, "fa_rs": 0, "ga_rs": 0, "LR": 0, "LRB": 32}
-    if lowrank is not None:
-        wfb, ga, wgb = lowrank
-        R = wfb.shape[1]
-        if has_conv or has_norm or R & (R - 1) or tuple(wfb.shape) != (H * K, R) or tuple(wgb.shape) != (H * V, R) \
-                or tuple(z.shape) != (B, R) or tuple(ga.shape) != (B, R):
-            C.fail(fn, f"low-rank decay/gate weights {tuple(wfb.shape)}, {tuple(wgb.shape)} do "
-                       f"not fit pool {tuple(pool.shape)} and inputs {tuple(z.shape)}, {tuple(ga.shape)}")
-        z, ga = _rows(z), _rows(ga)
-        gzo = torch.empty(B, H * V, dtype=v.dtype, device=v.device)
-        lr = {"wfb": wfb.to(q.dtype).contiguous(), "ga": ga, "wgb": wgb.to(q.dtype).contiguous(), "gzo": gzo,
-              "fa_rs": z.stride(0), "ga_rs": ga.stride(0), "LR": R, "LRB": min(R, 32)}
     lk.kda_decode_kernel[(V // BV, B * H)](
-        q, k, v, *cw, cs_q, cs_k, cs_v, z if lowrank is not None else z.contiguous(), beta,
+        q, k, v, *cw, cs_q, cs_k, cs_v, z.contiguous(), beta,
         A_log.reshape(-1).contiguous(), dt_bias.reshape(-1).contiguous(), gz, nw, pool, slots, o,
         float(scale), float(lower_bound or 0.0), eps, q.stride(0), k.stride(0), v.stride(0), beta.stride(0), H=H, K=K, V=V, W=W, WP=max(2, 1 << (W - 2).bit_length()), BV=BV, GATE=GATE, HAS_CONV=has_conv,
-        HAS_NORM=has_norm, num_warps=4 if BV <= 32 else 8, **lr, **pdl_kwargs(q))
-    return (o, lr["gzo"]) if lowrank is not None else o
+        HAS_NORM=has_norm, num_warps=4 if BV <= 32 else 8, **pdl_kwargs(q))
+    return o
 
 
 def router(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool = True,

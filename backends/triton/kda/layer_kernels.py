@@ -88,19 +88,14 @@ def _conv_step(x_ptr, cw, cs, row, slot, offs, C, RS, W: tl.constexpr, WP: tl.co
 def kda_decode_kernel(xq, xk, xv, cw_q, cw_k, cw_v, cs_q, cs_k, cs_v, z, beta, A_log, dt_bias, gz, norm_w,
                       pool, slots, o, scale, lb, eps, q_rs, k_rs, v_rs, b_rs,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
-                      GATE: tl.constexpr, HAS_CONV: tl.constexpr, HAS_NORM: tl.constexpr,
-                      wfb=None, ga=None, wgb=None, gzo=None, fa_rs=0, ga_rs=0, LR: tl.constexpr = 0,
-                      LRB: tl.constexpr = 32, PDL: tl.constexpr = False):
+                      GATE: tl.constexpr, HAS_CONV: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr = False):
     """One token per batch row. Program (value block, row*H + head). q/k/v ``[B, H*K|V]`` (pre-conv
     when HAS_CONV; rows ``q_rs``/``k_rs``/``v_rs`` apart), z ``[B, H*K]`` raw decay, beta ``[B, H]``
     logits (rows ``b_rs`` apart), gz ``[B, H*V]``; pool
-    ``f32[P, H, K, V]`` and conv pools ``[P, C, W-1]`` are read and written at ``slots[b]`` only.
-    LR > 0 (the low-rank up-projections here, no gemv launch): z is the rank-LR decay input ``[B, LR]`` (rows
-    ``fa_rs`` apart) and the decay is ``z wfb^T`` (wfb ``[H*K, LR]``) rounded to q's dtype; the program also
-    stores its block of the output gate ``gzo[b, v] = ga[b] . wgb[v]`` (ga ``[B, LR]`` rows ``ga_rs`` apart,
-    wgb ``[H*V, LR]``) for the o_proj prologue. LRB: rank columns per step. PDL (programmatic dependent launch,
-    gemv.PDL): the state tile (written by this layer's previous step, never by the kernels just before) and the
-    slot (a static index buffer) are loaded before ``griddepcontrol.wait``; every program waits."""
+    ``f32[P, H, K, V]`` and conv pools ``[P, C, W-1]`` are read and written at ``slots[b]`` only. PDL
+    (programmatic dependent launch, gemv.PDL): the state tile (written by this layer's previous step, never by the
+    kernels just before) and the slot (a static index buffer) are loaded before ``griddepcontrol.wait``; every
+    program waits."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     if PDL:
         gdc_launch_dependents()
@@ -125,19 +120,7 @@ def kda_decode_kernel(xq, xk, xv, cw_q, cw_k, cw_v, cs_q, cs_k, cs_v, z, beta, A
         bv = tl.load(xv + i_b * v_rs + offs_v).to(tl.float32)
     bq = bq * rnorm(tl.sum(bq * bq, 0)) * scale
     bk = bk * rnorm(tl.sum(bk * bk, 0))
-    if LR > 0:
-        zk = tl.zeros([K], dtype=tl.float32)
-        gzv = tl.zeros([BV], dtype=tl.float32)
-        for r0 in tl.static_range(0, LR, LRB):
-            rr = r0 + tl.arange(0, LRB)
-            fv = tl.load(z + i_b * fa_rs + rr).to(tl.float32)
-            zk += tl.sum(tl.load(wfb + offs_k.to(tl.int64)[:, None] * LR + rr[None, :]).to(tl.float32) * fv[None, :], 1)
-            gv = tl.load(ga + i_b * ga_rs + rr).to(tl.float32)
-            gzv += tl.sum(tl.load(wgb + offs_v.to(tl.int64)[:, None] * LR + rr[None, :]).to(tl.float32) * gv[None, :], 1)
-        tl.store(gzo + i_b * H * V + offs_v, gzv.to(gzo.dtype.element_ty))
-        x = zk.to(xq.dtype.element_ty).to(tl.float32) + tl.load(dt_bias + offs_k).to(tl.float32)
-    else:
-        x = tl.load(z + i_b * H * K + offs_k).to(tl.float32) + tl.load(dt_bias + offs_k).to(tl.float32)
+    x = tl.load(z + i_b * H * K + offs_k).to(tl.float32) + tl.load(dt_bias + offs_k).to(tl.float32)
     gk = gate_pre_act(x, tl.exp(tl.load(A_log + i_h).to(tl.float32)), lb, GATE, False)   # GATE 0 or 1
     bb = tl.sigmoid(tl.load(beta + i_b * b_rs + i_h).to(tl.float32))
     S = S * tl.exp(gk)[:, None]

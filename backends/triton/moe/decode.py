@@ -31,7 +31,7 @@ def routed_glu_kernel(x, nw, part, pss, bias, w1, w3, h, wout, iout, sout, offse
                       D, N, E, NSPLIT, rsf, eps, neps, b1, b2, R,
                       ACT: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       RB: tl.constexpr, KSLOT: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                      RENORM: tl.constexpr, NORM: tl.constexpr, NSU: tl.constexpr, RANK: tl.constexpr = False,
+                      RENORM: tl.constexpr, NORM: tl.constexpr, NSU: tl.constexpr,
                       xn=None, XN: tl.constexpr = False):
     """Program (n-strip, sorted row j): route the step's R <= RB tokens (``route_rows`` on ``part [NSPLIT, R, E]``
     and ``pss [NSPLIT, R]``; NORM is always set), then, if row j is its expert e's first sorted row,
@@ -43,7 +43,7 @@ def routed_glu_kernel(x, nw, part, pss, bias, w1, w3, h, wout, iout, sout, offse
     pid_n, j = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, EP)
     r, mr, me, sg, pw, pi, valid2, slot2, rstd = route_rows(part, pss, bias, R, D, E, NSPLIT, rsf, eps, neps,
-                                                            RB, KSLOT, KP, EP, RENORM, NORM, NSU, RANK)
+                                                            RB, KSLOT, KP, EP, RENORM, NORM, NSU)
     es, slot, wv, rs, valid, _, _ = route_slots(pi, pw, rstd, slot2, cols, RB, KP)
     # sorted row of each slot (dispatch_kernel's stable counting sort, over the slots: #{m : (e_m, m) < (e_n, n)})
     ea = tl.where(valid, es, EP)

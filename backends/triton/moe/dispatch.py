@@ -48,13 +48,6 @@ from ..kda.layer_kernels import route_topk
 #: copy does (rstd summed in one pass, not from the router's split sums: the GLU input may differ from
 #: dispatch_kernel's copy in the last bit; the routing does not). Off: the routed GLU norms the raw rows itself
 #: (bit-identical GLU), loading each K step's x tile one step ahead. ``K3IR_MOE_ROUTED_XN=0``: off.
-#: ``rank_topk``: the decode fronts' top-k (dispatch_front, routed_glu) as expert ranks (``rank_topk``; the same
-#: picks) up to RANK_TILE (``K3IR_MOE_RANK_TOPK=1``). Off: H200 A/B of 2026-11-30 09:10 (Kimi Linear 6.6B B1, routed
-#: GLU on) replay 1.297 ms vs 1.293 with route_topk, although offline SASS of routed_glu_kernel at one token has 153
-#: bar.sync in route_topk's straight-line prologue and 5 with the ranks (plus ~340 L1-hit loads, ~1k instructions).
-#: largest ``[RB, EP, EP]`` rank tile of ``rank_topk`` (RB rows, EP padded experts): larger ones keep route_topk
-#: (offline sm_90: 64 experts x 4 rows took 254-255 registers and spilled in fp32 dispatch_kernel; 2 rows 126-228)
-RANK_TILE = 8192
 
 
 @triton.jit(do_not_specialize=["R"])   # decode B1 (R = 1) and larger batches: one compile
@@ -133,16 +126,14 @@ def dispatch_scan_kernel(hist, base, offsets, NB, E, EP: tl.constexpr, HB: tl.co
 
 @triton.jit
 def route_rows(part, pss, bias, R, D, E, NSPLIT, rsf, eps, neps, RB: tl.constexpr, KSLOT: tl.constexpr,
-               KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr, NORM: tl.constexpr, NSU: tl.constexpr,
-               RANK: tl.constexpr = False):
+               KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr, NORM: tl.constexpr, NSU: tl.constexpr):
     """The router of a decode MoE front from ``part [NSPLIT, R, E]`` partial logits (fp32; NSU >= NSPLIT: the
     loads unrolled, all in flight) and, NORM, the splits' ``pss [NSPLIT, R]`` sums of x^2 (rstd = rsqrt(sum / D +
     neps) scales the logits: the layer's RMSNorm, SPEC.md 1): s = sigmoid(logits), top-KSLOT of s + bias (lower
     expert on ties), renormalised (+ eps) when RENORM and scaled by rsf (SPEC.md 5). Shared by dispatch_kernel
     (ROUTE) and moe_decode.routed_glu_kernel, so both route bit-identically. Returns (rows r ``[RB]``, their mask,
     expert mask ``[EP]``, scores ``[RB, EP]``, weights f32 ``[RB, KP]``, expert ids i32 (-1 past KSLOT / R), their
-    mask, slot numbers ``r * KSLOT + j``, rstd ``[RB]`` (1 without NORM)). RANK: the top-k as ranks (``rank_topk``,
-    three wide reductions) instead of route_topk's KSLOT rounds of three reductions; same picks."""
+    mask, slot numbers ``r * KSLOT + j``, rstd ``[RB]`` (1 without NORM))."""
     cols = tl.arange(0, EP)
     r = tl.arange(0, RB)
     mr = r < R
@@ -167,37 +158,13 @@ def route_rows(part, pss, bias, R, D, E, NSPLIT, rsf, eps, neps, RB: tl.constexp
         rstd = tl.rsqrt(ss / D + neps)
         logit = logit * rstd[:, None]
     sg = tl.sigmoid(logit)
-    if RANK:
-        pw, pi = rank_topk(sg, bias, cols, me, eps, RB, KSLOT, KP, EP, RENORM)
-    else:
-        pw, pi = route_topk(sg, bias, cols, me, eps, RB, KSLOT, KP, EP, RENORM)
+    pw, pi = route_topk(sg, bias, cols, me, eps, RB, KSLOT, KP, EP, RENORM)
     kc = tl.arange(0, KP)
     pw = pw * rsf
     valid2 = mr[:, None] & (kc < KSLOT)[None, :]
     pi = tl.where(valid2, pi, -1)
     slot2 = r[:, None] * KSLOT + kc[None, :]
     return r, mr, me, sg, pw, pi, valid2, slot2, rstd
-
-
-@triton.jit
-def rank_topk(s, bias, cols, me, eps, RB: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-              RENORM: tl.constexpr):
-    """route_topk's selection (SPEC.md 5: top-K of s + bias, lower expert first on ties, weights = s at the picks,
-    renormalised (+ eps) when RENORM) from each expert's rank ``#{c' : v[c'] > v[c] or (v[c'] == v[c], c' < c)}``:
-    pick j is the expert of rank j, so the same picks in the same order (finite scores) with three reductions over a
-    ``[RB, EP, EP]`` / ``[RB, KP, EP]`` tile instead of K rounds of three. Returns (weights, ids) ``[RB, KP]``."""
-    v = tl.where(me[None, :], s + tl.load(bias + cols, mask=me, other=0.)[None, :], -float("inf"))
-    a = v[:, :, None]
-    b = v[:, None, :]
-    ahead = (b > a) | ((b == a) & (cols[None, None, :] < cols[None, :, None]))
-    rank = tl.sum(ahead.to(tl.int32), 2)                                   # [RB, EP]
-    kc = tl.arange(0, KP)
-    hit = (rank[:, None, :] == kc[None, :, None]) & (kc < K)[None, :, None]    # [RB, KP, EP]
-    pi = tl.where((kc < K)[None, :], tl.sum(tl.where(hit, cols[None, None, :], 0), 2), -1)
-    pw = tl.sum(tl.where(hit, s[:, None, :], 0.), 2)
-    if RENORM:
-        pw = pw / (tl.sum(pw, 1) + eps)[:, None]
-    return pw, pi
 
 
 @triton.jit
@@ -232,7 +199,7 @@ def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
                     N, D, E, NSPLIT, rsf, eps, DPP, neps,
                     KSLOT: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr, BS: tl.constexpr, EP: tl.constexpr,
                     BD: tl.constexpr, SINGLE: tl.constexpr, ROUTE: tl.constexpr, RENORM: tl.constexpr,
-                    NORM: tl.constexpr, PDL: tl.constexpr = False, NSU: tl.constexpr = 1, RANK: tl.constexpr = False):
+                    NORM: tl.constexpr, PDL: tl.constexpr = False, NSU: tl.constexpr = 1):
     """Program (slot block b, column group d): sorted rows of the block's slots, then
     ``xs[pos_n, cols] = x[n // KSLOT, cols]`` for the DPP columns of group d (BD at a time); programs
     with d == 0 write ``inv`` (slot -> row) and ``cw`` (combine weight per sorted row), program
@@ -254,7 +221,7 @@ def dispatch_kernel(x, idx, wts, base, offsets, xs, inv, cw,
     cols = tl.arange(0, EP)
     if ROUTE:
         r, mr, me, sg, pw, pi, valid2, slot2, rstd = route_rows(part, pss, bias, N // KSLOT, D, E, NSPLIT, rsf, eps,
-                                                                neps, RB, KSLOT, KP, EP, RENORM, NORM, NSU, RANK)
+                                                                neps, RB, KSLOT, KP, EP, RENORM, NORM, NSU)
         if pd == 0:
             tl.store(wout + slot2, pw, mask=valid2)
             tl.store(iout + slot2, pi.to(tl.int64), mask=valid2)
@@ -524,11 +491,11 @@ class Front:
         self.xn = None      # the normalised rows [R, D] when router_glu_front wrote them (write_xn)
 
     def consts(self) -> dict:
-        """route_rows' constexprs (RB, KSLOT, KP, EP, RENORM, NORM, NSU, RANK) for this front."""
+        """route_rows' constexprs (RB, KSLOT, KP, EP, RENORM, NORM, NSU) for this front."""
         R, NSPLIT = self.part.shape[1], self.part.shape[0]
         RB, EP = _p2(R), _p2(self.E, 16)
         return {"RB": RB, "KSLOT": self.k, "KP": _p2(self.k, 2), "EP": EP, "RENORM": bool(self.renorm), "NORM": True,
-                "NSU": NSPLIT if RB * EP <= 1024 else 1, "RANK": get_triton_config().decode.rank_topk and RB * EP * EP <= RANK_TILE}
+                "NSU": NSPLIT if RB * EP <= 1024 else 1}
 
 
 def router_glu_front(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor, top_k: int, num_experts: int,

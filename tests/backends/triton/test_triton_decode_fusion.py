@@ -56,8 +56,6 @@ def decode_tuning():
 @pytest.mark.slow
 def test_kimi_linear_decode_fusions_match_reference_and_save_launches(decode_tuning):
     torch.set_num_threads(1)
-    # the counts below are with the low-rank pair inside kda_decode (its default is off since the H200 A/B)
-    decode_tuning["lowrank_in_decode"] = True
     m = k3ir.load("kimi-linear-6p6b", KL)
     exe = k3ir.compile(m, target="triton", dtype="float32", device="cpu")
     # the decode phase's IR: the 3 KDA input norms in the layers (norm="rms"), the 3 MoE norms and shared-expert
@@ -123,14 +121,14 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches(decode_tun
     assert outs[mla] is static[mla] and float(static[mla][:, L + 1:].abs().max()) == 0.0   # row L written in place
     # rmsnorm launches: the final norm only (MoE norms in the router front, MLA's latent norm in its prologue);
     # the MoE front by default (decode.front_split): router partial logits + shared
-    # gate/up in one launch, then the dispatch; gemv: KDA 3 x (projections, out: the low-rank pair in kda_decode),
+    # gate/up in one launch, then the dispatch; gemv: KDA 3 x (projections, the low-rank pair (gemv2), out),
     # MLA (q+kv_a, out), dense (glu, down), 3 x shared down
     assert launches["rmsnorm_kernel"] == 1
     # decode.routed_glu (K3IR_MOE_ROUTED_GLU=1): the grouped GLU launch routes, no dispatch_kernel
     routed = decode_tuning["routed_glu"]
     assert launches["router_glu_kernel"] == 3 and launches["dispatch_kernel"] == (0 if routed else 3)
     assert launches["routed_glu_kernel"] == (3 if routed else 0)
-    assert launches["router_partial_kernel"] == 0 and launches["gemv_kernel"] == 3 * 2 + 2 + 2 + 3
+    assert launches["router_partial_kernel"] == 0 and launches["gemv_kernel"] == 3 * 3 + 2 + 2 + 3
     assert launches["combine_kernel"] == 0
     assert launches["mla_absorb_q_kernel"] == 1 and launches["mla_decode_out_kernel"] == 1
     # decode.split: the KDA short conv in the projection gemv, the gated head norm in the o_proj gemv
@@ -141,11 +139,7 @@ def test_kimi_linear_decode_fusions_match_reference_and_save_launches(decode_tun
     with triton_config(decode={"front_split": False}):   # router_partial + dispatch + shared gate/up gemv (3 launches)
         launches = _count_launches(lambda: out.update(r=tri.decode(nxt[::-1].copy(), s_tri)))
     assert launches["router_glu_kernel"] == 0 and launches["router_partial_kernel"] == 3
-    assert launches["dispatch_kernel"] == 3 and launches["gemv_kernel"] == 3 * 2 + 2 + 2 + 3 * 2
-    assert rel_err(out["r"][0].double().numpy(), want) < 1e-4
-    with triton_config(decode={"lowrank_in_decode": False}):     # the low-rank pair in a gemv2 launch
-        launches = _count_launches(lambda: out.update(r=tri.decode(nxt[::-1].copy(), s_tri)))
-    assert launches["gemv_kernel"] == 3 * 3 + 2 + 2 + 3
+    assert launches["dispatch_kernel"] == 3 and launches["gemv_kernel"] == 3 * 3 + 2 + 2 + 3 * 2
     assert rel_err(out["r"][0].double().numpy(), want) < 1e-4
 
 
@@ -241,37 +235,3 @@ def test_moe_front_two_launches_matches_float64_and_route_dispatch(B, k, E, D, N
     (rw2, ri2, _), dout2, xn2 = disp.route_dispatch(x, w, bias, k, E, True, 2.5, 1e-20, norm=(nw, 1e-5))
     assert torch.equal(ri, ri2) and torch.equal(xn_t, xn2) and rel_err(rw.numpy(), rw2.numpy()) < 1e-6
     assert all(torch.equal(dout[i], dout2[i]) for i in (0, 1, 2))
-
-
-@pytest.mark.parametrize("lb", [-5.0, None])
-def test_kda_decode_with_the_low_rank_up_projections_matches_float64(lb):
-    """layer.kda_decode(lowrank=...) (TritonConfig.decode.lowrank_in_decode): the decay ``fa w_fb^T`` and the
-    output gate ``ga w_gb^T`` computed inside the decode kernel (rank 64 in two steps, V split in blocks)
-    against float64 up-projections, gate, recurrent step and the pool update at the rows' slots."""
-    from k3ir.backends.triton.kda.layer import kda_decode
-
-    from k3ir.ops.kda import kda_gate_ref, kda_recurrent
-    g = torch.Generator().manual_seed(3)
-    B, H, K, R, P = 3, 2, 64, 64, 5
-    C = H * K
-    slots = torch.tensor([4, 0, 2], dtype=torch.int32)
-    pool = torch.randn(P, H, K, K, generator=g)
-    pool0 = pool.clone()
-    xq, xk, xv = (torch.randn(B, C, generator=g) for _ in range(3))
-    fa, ga = torch.randn(B, R + 3, generator=g)[:, :R], torch.randn(B, R, generator=g)   # fa: strided rows
-    wfb, wgb = torch.randn(C, R, generator=g) * 0.2, torch.randn(C, R, generator=g) * 0.2
-    beta, A_log, dt = torch.randn(B, H, generator=g), torch.randn(H, generator=g), torch.randn(C, generator=g)
-    o, gz = kda_decode(xq, xk, xv, fa, beta, A_log, dt, pool, slots, lower_bound=lb, lowrank=(wfb, ga, wgb))
-    z = fa.double() @ wfb.double().T
-    assert rel_err(gz.double().numpy(), (ga.double() @ wgb.double().T).numpy()) < 1e-6
-    sl = slots.long().numpy()
-    nrm = lambda a: a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6)
-    qkv = [t.double().numpy().reshape(B, 1, H, K) for t in (xq, xk, xv)]
-    gl = kda_gate_ref(z.numpy().reshape(B, 1, H, K), A_log.double().numpy(), dt.double().numpy(),
-                      "softplus" if lb is None else "lower_bound", lb or -5.0)
-    o_r, s_r = kda_recurrent(nrm(qkv[0]), nrm(qkv[1]), qkv[2], gl, 1 / (1 + np.exp(-beta.double().numpy()[:, None])),
-                             K ** -0.5, pool0.double().numpy()[sl])
-    assert rel_err(o.double().numpy(), o_r.reshape(B, C)) < 1e-5
-    assert rel_err(pool[slots.long()].double().numpy(), s_r) < 1e-6
-    untouched = sorted(set(range(P)) - set(sl.tolist()))
-    assert torch.equal(pool[untouched], pool0[untouched])

@@ -165,32 +165,3 @@ def test_whole_model_decode_with_the_routed_glu_matches_reference_and_drops_disp
     finally:
         exe.graph_ctx = None
     assert torch.equal(outs[0], got[True, True])
-
-
-@pytest.mark.parametrize("B,k,E", [(1, 8, 64), (2, 4, 16), (1, 3, 10)])
-def test_rank_topk_picks_as_route_topk(B, k, E, decode_tuning):
-    """TritonConfig.decode.rank_topk (expert ranks instead of k argmax rounds) on the same fronts: the same expert ids,
-    offsets and inv, weights to fp32 rounding, GLU rows within fp32 rounding; scores with exact ties (equal router
-    rows and a zero bias: lower expert first) included; the routed GLU and dispatch_front agree bit for bit."""
-    from k3ir.backends.triton.moe import decode as moe_decode
-    from k3ir.backends.triton.moe import dispatch as disp
-    x, nw, wr, bias, s1, s3, w1, w3 = _layer(B, k, E, 48, 8, 16, seed=E + k)
-    wr[E // 2:] = wr[: E - E // 2].clone()             # pairs of equal logits: ties broken by the lower expert
-    bias.zero_()
-    args = (x, wr, bias, k, E, True, 2.5, 1e-20, (nw, 1e-5), s1, s3)
-    res = {}
-    for rank in (False, True):
-        decode_tuning["rank_topk"] = rank
-        f, _ = disp.router_glu_front(*args)
-        assert f.consts()["RANK"] == rank
-        res[rank] = disp.dispatch_front(f)
-        f2, _ = disp.router_glu_front(*args)
-        r2, d2, _ = moe_decode.routed_glu(f2, w1, w3, "silu")
-        for a, b in zip((*res[rank][0], *res[rank][1][1:]), (*r2, *d2)):
-            assert torch.equal(a, b), rank
-    (w0, i0, s0), (xs0, o0, inv0, c0), _ = res[False]
-    (w1_, i1, s1_), (xs1, o1, inv1, c1), _ = res[True]
-    assert torch.equal(i0, i1) and torch.equal(o0, o1) and torch.equal(inv0, inv1) and torch.equal(s0, s1_)
-    assert torch.equal(xs0, xs1)
-    assert rel_err(w1_.double().cpu().numpy(), w0.double().cpu().numpy()) < 1e-6
-    assert rel_err(c1.double().cpu().numpy(), c0.double().cpu().numpy()) < 1e-6
