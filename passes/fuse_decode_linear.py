@@ -15,6 +15,12 @@
 A value returned by the function, or read twice, is never folded. Every function is rewritten (the
 Triton lowering runs these ops as one GEMV launch when the rows fit, ``gemv.MAX_ROWS``, and as the
 decomposition otherwise), so prefill and decode take the same ops; each op equals its decomposition.
+
+``fuse-linear-splits`` is rule 3 alone, over every linear with a parameter weight (no GLU, residual or norm
+folding): the linears that read one input become one ``k3.decode_linear`` with ``splits``, one result per
+linear. The ONNX exporter lowers that op as one ``MatMul`` over the weights concatenated at export time and a
+``Split`` (``backends/onnx/lowering.py``): fewer, wider prefill GEMMs (KDA's q/k/v/gate/beta projections, MLA's
+q/kv down-projections, an MLP's gate/up).
 """
 from __future__ import annotations
 
@@ -43,11 +49,11 @@ def _only_use(rw: Rewriter, v: Value) -> Operation | None:
     return us[0] if len(us) == 1 and not rw.is_returned(v) else None
 
 
-def _groups(fn: Function, rw: Rewriter) -> list[_Group]:
+def _groups(fn: Function, rw: Rewriter, splits_only: bool = False) -> list[_Group]:
     taken: set[int] = set()
     groups: list[_Group] = []
     for op in fn.ops:                                                   # 1. SwiGLU of two linears
-        if op.name != "k3.swiglu":
+        if splits_only or op.name != "k3.swiglu":
             continue
         g, u = producer(op.operands[0], "k3.linear"), producer(op.operands[1], "k3.linear")
         if (g is None or u is None or g is u or g.operands[0] is not u.operands[0]
@@ -56,7 +62,7 @@ def _groups(fn: Function, rw: Rewriter) -> list[_Group]:
         taken.update((id(g), id(u), id(op)))
         groups.append(_Group("glu", op, [g, u], [], [], [op.results[0]], [g, u, op]))
     for op in fn.ops:                                                   # 2. residual adds
-        if op.name != "k3.linear" or id(op) in taken:
+        if splits_only or op.name != "k3.linear" or id(op) in taken:
             continue
         chain, cur = [], op
         while len(chain) < 2:
@@ -85,6 +91,8 @@ def _groups(fn: Function, rw: Rewriter) -> list[_Group]:
             continue
         taken.update(id(o) for o in ops)
         groups.append(_Group("cat", ops[0], ops, [], [], [o.results[0] for o in ops], list(ops)))
+    if splits_only:
+        return groups
     for op in fn.ops:                                                   # lone linears (rule 4 sees them)
         if op.name == "k3.linear" and id(op) not in taken:
             groups.append(_Group("one", op, [op], [], [], [op.results[0]], [op]))
@@ -94,11 +102,14 @@ def _groups(fn: Function, rw: Rewriter) -> list[_Group]:
 @register_pass("fuse-decode-linear")
 @dataclass
 class FuseDecodeLinear(Pass):
+    #: rule 3 only (``fuse-linear-splits``)
+    _splits_only = False
+
     def run(self, module: Module) -> PassResult:
         counts = {"glu": 0, "add": 0, "cat": 0, "norm": 0}
         for fn in module.functions.values():
             rw = Rewriter(module, fn)
-            groups = _groups(fn, rw)
+            groups = _groups(fn, rw, self._splits_only)
             if not groups:
                 continue
             readers: dict[int, list[_Group]] = {}                     # rmsnorm result -> groups reading it as x
@@ -106,7 +117,7 @@ class FuseDecodeLinear(Pass):
                 readers.setdefault(id(g.linears[0].operands[0]), []).append(g)
             normed: dict[int, Operation] = {}                          # id(group) -> its absorbed rmsnorm
             for op in fn.ops:                                           # 4. norms read only as linear inputs
-                if op.name != "k3.rmsnorm" or rw.is_returned(op.results[0]):
+                if self._splits_only or op.name != "k3.rmsnorm" or rw.is_returned(op.results[0]):
                     continue
                 r = op.results[0]
                 gs = readers.get(id(r), [])
@@ -160,3 +171,11 @@ class FuseDecodeLinear(Pass):
                 rw.builder.prefix, rw.builder.layer = "", None
         total = counts["glu"] + counts["add"] + counts["cat"]
         return PassResult(rewrites=total + counts["norm"], details=counts)
+
+
+@register_pass("fuse-linear-splits")
+@dataclass
+class FuseLinearSplits(FuseDecodeLinear):
+    """Rule 3 of ``fuse-decode-linear`` alone: the linears with parameter weights that read one input as one
+    ``k3.decode_linear`` with ``splits`` (the ONNX exporter's wider GEMMs; the module docstring)."""
+    _splits_only = True

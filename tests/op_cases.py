@@ -205,6 +205,7 @@ def _decode_linear(r):
     return [([x, w1, *res], {}, {"residuals": 2}),
             ([x, w1, w2, _pos(r, (8,)), res[0]], {}, {"norm": "rms", "eps": 1e-5, "glu": True, "residuals": 1}),
             ([x, w1, w3, _pos(r, (8,))], {}, {"norm": "rms", "splits": 2}),
+            ([x, w1, w3], {}, {"splits": 2}),                      # plain splits (fuse-linear-splits; onnx lowers it)
             ([x, w1, _pos(r, (4,)), _x(r, (2, 1, 8)), res[1]], {}, {"norm": "gated", "residuals": 1}),
             # the MoE combine of pre-scaled expert rows [4, 6] (slots -> rows inv [2, 1, 2]) in the epilogue
             ([x, w1, res[0], _x(r, (4, 6)), r.permutation(4).reshape(2, 1, 2)], {}, {"residuals": 1, "combine": True})]

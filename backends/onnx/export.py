@@ -128,9 +128,11 @@ class OnnxExporter:
     # ---- walking ---------------------------------------------------------------------
     def emit_function(self, g: Graph, fn: Function, arg_names: list[str]) -> list[str]:
         env: dict[int, str] = {id(a): n for a, n in zip(fn.args, arg_names)}
+        joined = self._joined_only(fn)
         for op in fn.ops:
-            if op.name == "k3.param":
-                env[id(op.results[0])] = self.param(g, op.attrs["name"])
+            if op.name == "k3.param":                   # a weight read only inside joined weights: no own initializer
+                name = op.attrs["name"]
+                env[id(op.results[0])] = name if id(op.results[0]) in joined else self.param(g, name)
                 continue
             outs = self.emit_op(g, op, [env[id(v)] for v in op.operands])
             for r, o in zip(op.results, outs):
@@ -145,6 +147,45 @@ class OnnxExporter:
         return list(out) if isinstance(out, (list, tuple)) else [out]
 
     # ---- parameters ------------------------------------------------------------------
+    def joins_weights(self, op: Operation) -> bool:
+        """Whether ``op`` is a ``k3.decode_linear`` the table lowers natively whose weights are all parameters
+        (``joined_weight`` then makes them one initializer)."""
+        from k3ir.passes.rewrite import producer
+        if op.name != "k3.decode_linear" or op.name not in self.table or self.weights == "inputs":
+            return False
+        when = getattr(self.table, "conditions", {}).get(op.name)
+        n = 2 if op.attrs.get("glu") else int(op.attrs.get("splits", 1))
+        return (when is None or when(op) is None) and all(producer(v, "k3.param") is not None
+                                                          for v in op.operands[1:1 + n])
+
+    def _joined_only(self, fn: Function) -> set[int]:
+        """ids of the parameter values of ``fn`` read only as weights of ops that ``joins_weights``."""
+        reads: dict[int, list[bool]] = {}
+        for op in fn.ops:
+            join = self.joins_weights(op)
+            n = (2 if op.attrs.get("glu") else int(op.attrs.get("splits", 1))) if join else 0
+            for i, v in enumerate(op.operands):
+                reads.setdefault(id(v), []).append(join and 1 <= i <= n)
+        returned = {id(v) for v in fn.returns}
+        return {id(op.results[0]) for op in fn.ops if op.name == "k3.param" and id(op.results[0]) not in returned
+                and reads.get(id(op.results[0])) and all(reads[id(op.results[0])])}
+
+    def joined_weight(self, g: Graph, weights: list, names: list[str]) -> str:
+        """One ``[sum N_i, K]`` weight of the ``[N_i, K]`` ``weights`` (IR values; ``names``: their ONNX names)
+        joined along axis 0: an initializer made at export time (named by the parameters joined with ``+``), or
+        a run-time ``Concat`` where a weight is not a parameter or the parameters are graph inputs."""
+        from k3ir.passes.rewrite import producer
+        ps = [producer(v, "k3.param") for v in weights]
+        if self.weights == "inputs" or any(p is None for p in ps):
+            return g.node("Concat", [self.param(g, n) if p is not None else n for p, n in zip(ps, names)], axis=0)
+        parts = [p.attrs["name"] for p in ps]
+        name = "+".join(parts)
+        if name not in self._param_names:
+            self._param_names[name] = name
+            self._used_params.extend(n for n in parts if n not in self._used_params)
+            self.main.initializers.append(self._initializer(name, None, parts=parts))
+        return name
+
     def param(self, g: Graph, name: str) -> str:
         if name in self._param_names:
             return self._param_names[name]
@@ -168,18 +209,32 @@ class OnnxExporter:
             self._keep_input = name
         return self._keep_input
 
-    def _initializer(self, name: str, decl):
+    def _initializer(self, name: str, decl, parts: list[str] | None = None):
+        """The initializer of parameter ``name`` (declaration ``decl``), or with ``parts`` (parameters of one
+        float dtype, shapes ``[N_i, ...]``) the one of their arrays joined along axis 0."""
         onnx = _onnx()
-        shape = [int(d) for d in runtime_shape(decl.type)]
-        et = self.elem(decl.type.dtype)
-        np_dt = onnx.helper.tensor_dtype_to_np_dtype(et)
+        if parts is not None:
+            decls = [self.module.params[n] for n in parts]
+            shapes = [[int(d) for d in runtime_shape(d.type)] for d in decls]
+            et = self.elem(decls[0].type.dtype)
+            np_dt = onnx.helper.tensor_dtype_to_np_dtype(et)
+            shape = [sum(s[0] for s in shapes), *shapes[0][1:]]
+
+            def array(_name, _decl):
+                return np.concatenate([np.asarray(self._array(n, d), dtype=np_dt).reshape(s)
+                                       for n, d, s in zip(parts, decls, shapes)], axis=0)
+        else:
+            shape = [int(d) for d in runtime_shape(decl.type)]
+            et = self.elem(decl.type.dtype)
+            np_dt = onnx.helper.tensor_dtype_to_np_dtype(et)
+            array = self._array
         if name in self._typed_params:                 # same bytes, typed FLOAT4E2M1 [E,N,K] / FLOAT8E8M0
             et, shape = self._typed_params[name], [int(d) for d in decl.type.shape]
             np_dt = np.uint8
         if self.weights == "external":       # data streamed to the side file, never held in the proto
             t = onnx.TensorProto(name=name, data_type=et, dims=shape)
             if name not in self._ext_index:    # functions exported into one file share the data
-                arr = np.ascontiguousarray(self._array(name, decl), dtype=np_dt)
+                arr = np.ascontiguousarray(array(name, decl), dtype=np_dt)
                 off = self._ext.tell()
                 pad = (-off) % 64
                 self._ext.write(b"\0" * pad)
@@ -193,9 +248,9 @@ class OnnxExporter:
             return t
         if name in self._typed_params:
             t = onnx.TensorProto(name=name, data_type=et, dims=shape)
-            t.raw_data = np.ascontiguousarray(self._array(name, decl), dtype=np.uint8).tobytes()
+            t.raw_data = np.ascontiguousarray(array(name, decl), dtype=np.uint8).tobytes()
             return t
-        arr = np.asarray(self._array(name, decl), dtype=np_dt).reshape(shape)
+        arr = np.asarray(array(name, decl), dtype=np_dt).reshape(shape)
         return onnx.numpy_helper.from_array(arr, name)
 
     def _array(self, name: str, decl):

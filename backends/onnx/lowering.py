@@ -226,6 +226,31 @@ def _linear(lw, inst, x, w):
     return lw.g.node("MatMul", [x, lw.g.node("Transpose", [w], perm=[1, 0])])
 
 
+def _plain_splits(op) -> str | None:
+    """``k3.decode_linear`` lowers natively as linears of one input only (``fuse-linear-splits``' form)."""
+    a = op.attrs
+    if a.get("glu") or a.get("norm", "none") != "none" or a.get("residuals", 0) or a.get("combine"):
+        return "glu, norm, residuals and combine are decomposed (the plain splits are lowered)"
+    n = int(a.get("splits", 1))
+    if any(v.type.dtype in ("mxfp4", "int4") or not isinstance(v.type.shape[0], int) for v in op.operands[1:1 + n]):
+        return "packed or dynamically shaped weights are decomposed"
+    return None
+
+
+@lowers("k3.decode_linear", when=_plain_splits)
+def _linear_splits(lw, inst, x, *ws):
+    """The linears of one input ``x [..., K]`` (weights ``[N_i, K]``, ``splits`` of them): one ``MatMul`` with
+    the weights joined along N at export time (one initializer, ``OnnxExporter.joined_weight``), then a
+    ``Split`` of the last axis into the ``[..., N_i]`` results. One wide GEMM in place of ``splits`` narrow ones."""
+    weights = lw.op.operands[1:1 + inst.splits]
+    w = lw.x.joined_weight(lw.g, list(weights), list(ws[:inst.splits]))
+    y = lw.g.node("MatMul", [x, lw.g.node("Transpose", [w], perm=[1, 0])])
+    if inst.splits == 1:
+        return y
+    sizes = [int(v.type.shape[0]) for v in weights]
+    return lw.g.node("Split", [y, lw.g.ints(sizes)], n_out=len(sizes), axis=-1)
+
+
 @lowers("k3.lm_head")
 def _lm_head(lw, inst, x, w):
     """``x [B,T,D] @ w[V,D]^T`` on the last ``logits_to_keep`` positions of ``x`` only (the graph input of that

@@ -55,7 +55,7 @@ def test_default_pipeline_keeps_logits(key):
 
 
 SINGLE = ["fuse-kda-chunks", "fuse-moe-dispatch{capacity_factor=1.0}", "fuse-attn-res", "absorb-mla", "cse", "dce",
-          "fuse-kda-chunks{chunk_size=16,mode=chunk}"]
+          "fuse-kda-chunks{chunk_size=16,mode=chunk}", "fuse-linear-splits"]
 
 
 @pytest.mark.parametrize("spec", SINGLE)

@@ -51,6 +51,7 @@ CASES = {
     "fuse-decode-norm-kimi-linear": (KIMI_LINEAR_SMALL, ("decode",), _BEFORE_DECODE + ",fuse-decode-linear,"
                                      "fuse-kda-output,fuse-mla-kv-norm,fuse-moe-experts,fuse-moe-front",
                                      "fuse-decode-norm"),
+    "fuse-linear-splits": (K3_SMALL, ("prefill",), None, "fuse-linear-splits"),
     "fuse-attn-res": (K3_SMALL, ("forward",), None, "fuse-attn-res"),
     "shard": (dict(K3_SMALL, **{"num_attention_heads": 2, "num_key_value_heads": 2, "linear_attn_config.num_heads": 2}),
               ("prefill",), None, "shard{ep=2,tp=2}"),
