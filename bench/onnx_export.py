@@ -10,7 +10,8 @@ comparison. On request (``--variants``):
 ``mlir-bf16`` (``MlirConfig(weights="bf16")``: bf16 weight arguments, so its logits differ from torch's by the bf16
 rounding of the random weights), ``mlir-last`` and ``mlir-scan-dense-last`` (``MlirConfig(logits_to_keep=1)``: the head
 on the last prompt position only, as the onnx variants by default) and ``mlir-mxfp4`` (routed experts packed as MXFP4, ``--quantize mxfp4``: its
-logits differ by the quantisation).
+logits differ by the quantisation); ``onnx27-ort-unsplit`` and ``onnx20-unsplit``: the onnx target without its
+``fuse-linear-splits`` pass (each projection its own ``MatMul``; the pipeline is ``dce`` only).
 
     python bench/onnx_export.py                       # k3-100m, T=128, 16 decode steps
     python bench/onnx_export.py --variants torch,onnx27-ort,onnx20 --T 64
@@ -47,7 +48,8 @@ from k3ir.runtime.params import init_param
 import k3ir
 
 MODELS = {"k3-tiny": ("k3-tiny", None), "k3-100m": ("k3-tiny", K3_100M)}
-#: variant -> (target, settings: onnx (opset, ort_kernels, moe_form, logits_to_keep) or MlirConfig changes)
+#: variant -> (target, settings: onnx (opset, ort_kernels, moe_form, logits_to_keep[, pass list in place of the
+#: target's pipeline]) or MlirConfig changes)
 VARIANTS = {
     "torch": ("torch", None),
     "onnx27-ort": ("onnx", (27, True, "sorted", 1)),
@@ -57,6 +59,9 @@ VARIANTS = {
     "onnx20": ("onnx", (20, False, "sorted", 1)),
     "onnx20-all": ("onnx", (20, False, "sorted", 0)),
     "onnx20-moeloop": ("onnx", (20, False, "loop", 1)),
+    # without fuse-linear-splits (each projection its own MatMul): the pipeline before the widen phase
+    "onnx27-ort-unsplit": ("onnx", (27, True, "sorted", 1, ["dce"])),
+    "onnx20-unsplit": ("onnx", (20, False, "sorted", 1, ["dce"])),
     "mlir": ("mlir", {}),
     "mlir-scan-dense": ("mlir", {"kda_form": "scan", "moe_form": "dense"}),
     "mlir-last": ("mlir", {"logits_to_keep": 1}),
@@ -86,9 +91,9 @@ def make_session(m, variant: str, params: dict) -> tuple[Session, float]:
             s = Session(exe, params={n: params[n] for n in exe.module.params})
             exe.compile_group(("prefill", "decode"))
         return s, time.perf_counter() - t
-    exe = k3ir.compile(m, target=target, dtype="float32")
+    exe = k3ir.compile(m, target=target, dtype="float32", passes=settings[4] if settings and len(settings) > 4 else None)
     if target == "onnx":
-        exe.opset, exe.ort_kernels, exe.moe_form, exe.logits_to_keep = settings
+        exe.opset, exe.ort_kernels, exe.moe_form, exe.logits_to_keep = settings[:4]
         exe.session_config = {"session.intra_op.allow_spinning": "0"}   # no spinning beside torch's and IREE's pools
     return Session(exe, params=params), time.perf_counter() - t
 
@@ -209,7 +214,8 @@ def main() -> None:
                      "logit_positions": int(logits[v].shape[1]), "profile_ms_by_op_type": profiles.get(v)})
     med = {v: (statistics.median(pre[v]), statistics.median(dec[v])) for v in variants}
     ratios = {}
-    for base in ("torch", "onnx20", "onnx20-all", "mlir-scan-dense", "mlir-scan-dense-last"):
+    for base in ("torch", "onnx20", "onnx20-all", "onnx20-unsplit", "onnx27-ort-unsplit", "mlir-scan-dense",
+                 "mlir-scan-dense-last"):
         if base in med:
             ratios[f"vs_{base}"] = {v: {"prefill": med[v][0] / med[base][0], "decode": med[v][1] / med[base][1]}
                                     for v in variants if v != base}
