@@ -170,7 +170,7 @@ class TVMExecutable(Executable):
             # the naive allocator frees each buffer when the VM drops it; the default pooled one keeps every freed
             # buffer for reuse at its exact (page-rounded) size, so a prefill in segments (cache length S growing
             # each call) kept one set of S-sized buffers per segment: memory grew with the square of the prompt
-            # (k3-tiny: +1.3 GB at 64k tokens; bench/SERVING.md). Same speed here within noise.
+            # (k3-tiny engine: +1.1 GB at 64k tokens; bench/SERVING.md). Same speed here within noise.
             vm = VirtualMachine(ex, tvm.cpu(), memory_cfg="naive")
         self.build_seconds[label] = timing.seconds
         for f in group:
