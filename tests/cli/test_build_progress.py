@@ -57,7 +57,7 @@ def slow_tvm_build(monkeypatch):
     monkeypatch.setattr(tb, "_COMPILED", {})
     monkeypatch.setattr(lower, "build_relax", build_relax)
     monkeypatch.setattr(tvm, "compile", lambda mod, target=None: "vm executable")
-    monkeypatch.setattr(runtime_vm, "VirtualMachine", lambda ex, dev: {"forward": 1, "prefill": 2, "decode": 3})
+    monkeypatch.setattr(runtime_vm, "VirtualMachine", lambda ex, dev, **kw: {"forward": 1, "prefill": 2, "decode": 3})
 
 
 @pytest.fixture
