@@ -385,24 +385,38 @@ def prepare(w: torch.Tensor, scales: torch.Tensor, inplace: bool = True, chunk: 
     return wo, so
 
 
+def _mxfp4_slots(op) -> dict[int, int]:
+    """operand index -> 2 (an MXFP4 expert weight) or 3 (its scales) of a ``k3.grouped_matmul`` (quant mxfp4:
+    operands x, offsets, w, scales) or a ``k3.moe_experts`` (quant mxfp4: rows, offsets, then each expert weight
+    followed by its scales); {} for any other op."""
+    if op.attrs.get("quant") != "mxfp4":
+        return {}
+    if op.name == "k3.grouped_matmul":
+        return {2: 2, 3: 3} if len(op.operands) > 3 else {}
+    if op.name == "k3.moe_experts":
+        nw = (2 if op.attrs.get("glu", True) else 0) + (1 if op.attrs.get("down", True) else 0)
+        return {2 + 2 * j + r: 2 + r for j in range(nw) for r in (0, 1)}
+    return {}
+
+
 def mxfp4_pairs(module) -> list[tuple[str, str]]:
-    """(weight, scales) parameter names of the module's MXFP4 grouped matmuls whose every use is a
-    ``k3.grouped_matmul`` (quant mxfp4) as its weight / scale operand (anything else keeps the original
-    layout)."""
+    """(weight, scales) parameter names of the module's MXFP4 expert weights whose every use is an MXFP4
+    ``k3.grouped_matmul`` or ``k3.moe_experts`` taking them as an expert weight and its scales (anything else keeps
+    the original layout)."""
     uses: dict = {}
     pairs: dict = {}
     for fn in module.functions.values():
         pname = {id(op.results[0]): op.attrs["name"] for op in fn.ops if op.name == "k3.param"}
         for op in fn.ops:
+            slots = _mxfp4_slots(op)
             for i, v in enumerate(op.operands):
                 n = pname.get(id(v)) if v is not None else None
                 if n is None:
                     continue
-                ok = (op.name == "k3.grouped_matmul" and op.attrs.get("quant") == "mxfp4" and i in (2, 3)
-                      and len(op.operands) > 3)
-                uses.setdefault(n, set()).add(i if ok else -1)
-                if ok and i == 2:
-                    pairs.setdefault(n, set()).add(pname.get(id(op.operands[3])))
+                kind = slots.get(i, -1)
+                uses.setdefault(n, set()).add(kind)
+                if kind == 2:
+                    pairs.setdefault(n, set()).add(pname.get(id(op.operands[i + 1])))
     out = []
     for w, ss in pairs.items():
         if len(ss) == 1 and None not in ss:
