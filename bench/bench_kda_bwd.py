@@ -81,6 +81,7 @@ JOBS = {   # name: (kind, kwargs, extra env, seconds it needs at least)
     "acc_var": ("acc", {"lb": -5.0, "cu": [0, 1, 64, 64, 65, 300, 1000, 2048],
                         "variants": [("recompute", {"bwd_reuse": False}, {}, False)]}, {"CUDA_LAUNCH_BLOCKING": "1"}, 20),
     "sweep": ("sweep", {}, {}, 15),
+    "sweep_sp": ("sweep", {"lb": None}, {}, 15),     # softplus gate: bwd_intra's dense diagonal tiles on/off
     # NEXT (candidate defaults; the 04:59 sweep's per-launch winners together): accuracy, then time
     "acc_next": ("acc", {"lb": -5.0, "tune": "NEXT"}, {"CUDA_LAUNCH_BLOCKING": "1"}, 20),
     "time_next": ("time", {"shape": [1, 32768, 32, 128], "lb": -5.0, "tune": "NEXT"}, {}, 12),
@@ -473,15 +474,19 @@ def job_time(name, shape, lb, fla=None, tune=None, repeats=3, warm=False):
     return [row] + regs_rows()
 
 
-def job_sweep(name, budget_s):
+def job_sweep(name, budget_s, lb=-5.0):
     import torch
     t_end = time.time() + budget_s
-    variants = [("default", {}), ("prep single", {"prep_split": False}), ("wy wgmma", {"mma_v2": ""}), ("intra diag tf32x3", {"intra_diag_prec": "tf32x3"}),
-                ("intra diag tf32", {"intra_diag_prec": "tf32"}), ("intra exact", {"k3_exact": "bwd_intra"}),
-                ("prep w8", {"w_prep": 8}), ("wy w8", {"w_wy": 8}),
-                ("wy bv64", {"bv_wy": 64}), ("intra w8", {"w_intra": 8}), ("intra w2", {"w_intra": 2}),
-                ("intra bk64", {"bk_intra": 64}), ("rec bv64", {"bv_rec": 64}), ("rec st3", {"stages_rec": 3}),
-                ("chain w4", {"w_chain": 4}), ("prelude w4", {"w_prelude": 4}), ("wy bk64", {"bk_wy": 64})]
+    if lb is None:      # softplus: the levers of its exact diagonal tiles and of the chain's spills
+        variants = [("default", {}), ("exact diagonals", {"intra_dense_span": -1.0}), ("prep exact", {"k3_exact": "prep"}),
+                    ("prep single", {"prep_split": False}), ("chain w8", {"w_chain": 8})]
+    else:
+        variants = [("default", {}), ("prep single", {"prep_split": False}), ("wy wgmma", {"mma_v2": ""}),
+                    ("intra diag tf32x3", {"intra_diag_prec": "tf32x3"}), ("intra diag tf32", {"intra_diag_prec": "tf32"}),
+                    ("intra exact", {"k3_exact": "bwd_intra"}), ("prep w8", {"w_prep": 8}), ("wy w8", {"w_wy": 8}),
+                    ("wy bv64", {"bv_wy": 64}), ("intra w8", {"w_intra": 8}), ("intra w2", {"w_intra": 2}),
+                    ("intra bk64", {"bk_intra": 64}), ("rec bv64", {"bv_rec": 64}), ("rec st3", {"stages_rec": 3}),
+                    ("chain w4", {"w_chain": 4}), ("prelude w4", {"w_prelude": 4}), ("wy bk64", {"bk_wy": 64})]
     # "prep single": prep with w/u inside (kda_bwd.prep_split off) against the default prep + prep_wu
     # "wy wgmma" third: the lever left (bench/KDA_NOTES.md); a fault there ends the sweep (own process)
     x = inputs(1, 32768, 32, 128, seed=0)
@@ -490,11 +495,11 @@ def job_sweep(name, budget_s):
     for vname, over in variants:
         if time.time() > t_end - 4:
             break
-        row = {"section": "sweep", "variant": vname, "over": over}
+        row = {"section": "sweep", "variant": vname, "over": over, "gate": "k3" if lb is not None else "softplus"}
         try:
             with _scope(over):
-                per_launch(x, -5.0, do, n=1)
-                row["kernels_ms"] = per_launch(x, -5.0, do)
+                per_launch(x, lb, do, n=1)
+                row["kernels_ms"] = per_launch(x, lb, do)
             row["total_ms"] = sum(row["kernels_ms"].values())
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:200]
@@ -527,7 +532,7 @@ def child(spec):
         elif kind == "time":
             rows = job_time(name, fla=fla, repeats=spec.get("repeats", 3), warm=spec.get("warm", False), **kw)
         else:
-            rows = job_sweep(name, budget_s)
+            rows = job_sweep(name, budget_s, **kw)
     except Exception as e:  # noqa: BLE001 - the parent records it
         traceback.print_exc()
         tb = [ln.strip() for ln in traceback.format_exc().splitlines() if "kda_bwd" in ln or "kda.py" in ln]
@@ -580,9 +585,9 @@ def print_tables(rows, meta, copy_Bps=None):
                         for k, v in r[key].items() if v > 0))
     sweep = [r for r in rows if r["section"] == "sweep"]
     if sweep:
-        print("\n== backward sweep (B1 T32768 H32 K3; ms per launch)")
+        print("\n== backward sweep (B1 T32768 H32, recompute; ms per launch)")
         for r in sweep:
-            print(f"{r['variant']:12} " + (f"total {r['total_ms']:7.2f}  " + "  ".join(
+            print(f"{r.get('gate', 'k3'):8} {r['variant']:16} " + (f"total {r['total_ms']:7.2f}  " + "  ".join(
                 f"{k} {v:.2f}" for k, v in r["kernels_ms"].items()) if "kernels_ms" in r else f"ERR {r.get('error')}"))
     seen = {}
     for r in rows:

@@ -112,9 +112,15 @@ class KdaBwdConfig:
                           "the first H200 run faulted after it; the GPU verification issue re-checks whether it is "
                           "still needed")
     k3_exact: str = setting("", "launches (comma list of 'prep', 'bwd_intra') taking the K3 gate through the exact "
-                            "element-wise diagonal paths ('': the dense diagonal tiles)")
+                            "element-wise diagonal paths ('': the dense diagonal tiles); with unbounded gates "
+                            "'prep' also turns off prep's dense diagonal tiles within intra_dense_span")
     intra_diag_prec: str = setting("tf32x3", "input precision of bwd_intra's dense diagonal-tile dots on bf16/fp16 "
                                    "inputs ('tf32x3', 'ieee', 'tf32')")
+    intra_dense_span: float = setting(120.0, "unbounded gates (softplus, precomputed): bwd_intra takes a sub-chunk's "
+                                      "diagonal tile as a dense dot (anchor at the middle, factors within "
+                                      "exp(+-span/2)) where every channel of its K slice decays by at most this "
+                                      "much in log over the 16 rows, else element-wise (prep: the same test at "
+                                      "min(this, 80)); negative: always element-wise")
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,8 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
     dht_ = dht.float().contiguous() if dht is not None else None
     bv_rec = min(tu.bv_rec, V)
     # dense K3 diagonal tiles: never 16-wide tf32 K slices (wrong on the H200, see TritonConfig.kda_bwd.bk_prep)
-    bk_prep = min(tu.bk_prep if EXP or prec != "tf32" else max(32, tu.bk_prep), K)
+    span_prep = -1.0 if "prep" in ex else min(80.0, float(tu.intra_dense_span))   # unbounded gates' dense diagonals
+    bk_prep = min(tu.bk_prep if (EXP and span_prep < 0) or prec != "tf32" else max(32, tu.bk_prep), K)
     bv_wy = min(tu.bv_wy, V)
     split = sv is None and tu.prep_split
     Xb = e(B, T, H, BT, d=f32) if split else Ai       # Ai diag(beta) between prep and prep_wu
@@ -201,7 +202,7 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
         ("prep", lambda: kb.kda_bwd_prep_kernel[(NC, H)](
             qn, kn, G, bn, v, Ai, P, w, u, qg, kg, Xb, cu, ci, T, shift,
             H=H, K=K, V=V, BT=BT, BC=BC, BK=bk_prep, BV=min(tu.bk_prep, V), IS_VARLEN=VAR,
-            EXACT=EXP, PREC=prec, WU=not split, num_warps=tu.w_prep)),
+            EXACT=EXP, PREC=prec, WU=not split, SPAN=span_prep, num_warps=tu.w_prep)),
         ("prep_wu", lambda: kb.kda_bwd_wu_kernel[(K // bk_wu + V // bv_wu, NC, H)](
             qn, kn, G, v, Xb, w, u, qg, kg, cu, ci, T, H=H, K=K, V=V, BT=BT, BK=bk_wu, BV=bv_wu, IS_VARLEN=VAR,
             PREC=prec, num_warps=tu.w_prep)),
@@ -222,7 +223,7 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dht, lower
             qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu, ci, T, B * T, shift,
             H=H, K=K, BT=BT, BC=BC, BK=bk_i, IS_VARLEN=VAR, EXACT=EXI, PREC=prec,
             DPREC=prec if prec == "ieee" else tu.intra_diag_prec,
-            num_warps=tu.w_intra)),
+            SPAN=-1.0 if "bwd_intra" in ex else float(tu.intra_dense_span), num_warps=tu.w_intra)),
         ("chain", lambda: ki.kda_bwd_chain_kernel[(NC, H)](
             q, k, g, A_log_, dtb_, dq, dk, dG, dq_o, dk_o, dg_o, dA_part, ddt_part, cu, ci, T, scale, lb,
             H=H, K=K, BT=BT, GATE=GATE, L2NORM=not pre, IS_VARLEN=VAR, num_warps=tu.w_chain)),

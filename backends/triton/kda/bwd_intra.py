@@ -15,7 +15,13 @@ from .common import chunk_rows, head_decay, l2norm_rows_bwd, ld_row, ld_vec, ldf
 @triton.jit(do_not_specialize=["T"])
 def kda_bwd_intra_kernel(qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu_seqlens, chunk_indices, T, NTOK, shift,
                          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                         IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr, DPREC: tl.constexpr):
+                         IS_VARLEN: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr, DPREC: tl.constexpr,
+                         SPAN: tl.constexpr):
+    """The dq/dk/dG/dbeta terms of dAkk and dP of one 16-row sub-chunk and K slice. Diagonal tile: bounded gates
+    (``EXACT`` False) as a dense dot with the decays factorised around ``G_start + shift``; ``EXACT``: where the
+    sub-chunk's largest per-channel span ``G_start - G_end`` of this K slice is <= ``SPAN`` the same dense dot with
+    the anchor at the span's middle (both factors within exp(+-SPAN/2)), else element-wise column by column
+    (finite for any gate; ``SPAN`` < 0: always)."""
     i_ci, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NS: tl.constexpr = BT // BC
     i_c, i_i = i_ci // NS, i_ci % NS
@@ -46,7 +52,26 @@ def kda_bwd_intra_kernel(qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu_seqlens, ch
         eq = tl.exp(b_G - n[None, :])
         dq2 *= eq
         dk2 *= eq
+    Gs = _Grow(G, row0, r0 - 1, nv, i_h, k0, Gl, H, K, BK)      # G before the sub-chunk (row -1 loads as 0)
     if EXACT:
+        Ge = _Grow(G, row0, r0 + BC - 1, nv, i_h, k0, Gl, H, K, BK)
+        nd = 0.5 * (Gs + Ge)
+        if SPAN < 0:    # element-wise only: the dense path is not compiled
+            dense = False
+        else:
+            dense = tl.max(Gs - Ge, 0) <= SPAN
+    else:
+        nd = Gs - shift
+        dense = True
+    if dense:
+        gq = tl.exp(b_G - nd[None, :])
+        kgk = b_k * tl.exp(nd[None, :] - b_G)
+        strict = rows[:, None] > rows[None, :]
+        aq = tl.where(strict, ldf(dAq, row0, r0, nv, i_h, r0, H, BT, BC, BC), 0.)
+        ak = tl.where(strict, ldf(dAk, row0, r0, nv, i_h, r0, H, BT, BC, BC), 0.)
+        dq2 += tl.dot(aq, kgk, input_precision=DPREC) * gq
+        dk2 += tl.dot(ak, kgk, input_precision=DPREC) * gq
+    else:
         for j in range(BC):
             kj = ld_row(kn, row0, r0 + j, nv, i_h, k0, H, K, BK)
             Gj = _Grow(G, row0, r0 + j, nv, i_h, k0, Gl, H, K, BK)
@@ -57,15 +82,6 @@ def kda_bwd_intra_kernel(qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu_seqlens, ch
             ke = kj[None, :] * e
             dq2 += aq[:, None] * ke
             dk2 += ak[:, None] * ke
-    else:
-        n = _Grow(G, row0, r0 - 1, nv, i_h, k0, Gl, H, K, BK) - shift     # row -1 loads as 0
-        gq = tl.exp(b_G - n[None, :])
-        kgk = b_k * tl.exp(n[None, :] - b_G)
-        strict = rows[:, None] > rows[None, :]
-        aq = tl.where(strict, ldf(dAq, row0, r0, nv, i_h, r0, H, BT, BC, BC), 0.)
-        ak = tl.where(strict, ldf(dAk, row0, r0, nv, i_h, r0, H, BT, BC, BC), 0.)
-        dq2 += tl.dot(aq, kgk, input_precision=DPREC) * gq
-        dk2 += tl.dot(ak, kgk, input_precision=DPREC) * gq
     dbeta = tl.sum(dk2 * b_k, 1)
     dk2 *= b_b[:, None]
     b_dG = b_q * dq2 + b_k * dk2
@@ -89,7 +105,15 @@ def kda_bwd_intra_kernel(qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu_seqlens, ch
             dkt += tl.dot(aqT, qJ * eJ, input_precision=PREC)
             dkt += tl.dot(akT, kJ * bJ[:, None] * eJ, input_precision=PREC)
         dkt *= tl.exp(n[None, :] - b_G)
-    if EXACT:
+    if dense:
+        ge = tl.exp(b_G - nd[None, :])
+        kn_ = tl.exp(nd[None, :] - b_G)
+        upper = rows[:, None] < rows[None, :]
+        aqT = tl.where(upper, ldT(dAq, row0, r0, nv, i_h, r0, H, BT, BC, BC).to(tl.float32), 0.)
+        akT = tl.where(upper, ldT(dAk, row0, r0, nv, i_h, r0, H, BT, BC, BC).to(tl.float32), 0.)
+        dkt += tl.dot(aqT, b_q * ge, input_precision=DPREC) * kn_
+        dkt += tl.dot(akT, b_k * b_b[:, None] * ge, input_precision=DPREC) * kn_
+    else:
         for i in range(BC):
             qi = ld_row(qn, row0, r0 + i, nv, i_h, k0, H, K, BK)
             ki = ld_row(kn, row0, r0 + i, nv, i_h, k0, H, K, BK)
@@ -102,15 +126,6 @@ def kda_bwd_intra_kernel(qn, kn, G, bn, dAq, dAk, dq, dk, dG, db, cu_seqlens, ch
             aq = tl.load(dAq + p_r, mask=vi, other=0.)
             ak = tl.load(dAk + p_r, mask=vi, other=0.)
             dkt += (aq[:, None] * qi[None, :] + ak[:, None] * (bi * ki)[None, :]) * e
-    else:
-        n = _Grow(G, row0, r0 - 1, nv, i_h, k0, Gl, H, K, BK) - shift     # row -1 loads as 0
-        ge = tl.exp(b_G - n[None, :])
-        kn_ = tl.exp(n[None, :] - b_G)
-        upper = rows[:, None] < rows[None, :]
-        aqT = tl.where(upper, ldT(dAq, row0, r0, nv, i_h, r0, H, BT, BC, BC).to(tl.float32), 0.)
-        akT = tl.where(upper, ldT(dAk, row0, r0, nv, i_h, r0, H, BT, BC, BC).to(tl.float32), 0.)
-        dkt += tl.dot(aqT, b_q * ge, input_precision=DPREC) * kn_
-        dkt += tl.dot(akT, b_k * b_b[:, None] * ge, input_precision=DPREC) * kn_
     b_dG -= b_k * dkt
     dkt += d[:, None] * b_q
     st(dq, ldf(dq, row0, r0, nv, i_h, k0, H, K, BC, BK) + dq2, row0, r0, nv, i_h, k0, H, K, BC, BK)

@@ -88,6 +88,22 @@ def _diag_exact(aI, GI, kp, G, row0, r0, nv, i_h, c0, Gl, H: tl.constexpr, K: tl
 
 
 @triton.jit
+def _diag_tile(aI, GI, kI, Gs, Ge, kp, G, row0, r0, nv, i_h, c0, Gl, SPAN: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+               BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """The diagonal tile of sub-chunk ``r0`` for unbounded gates: the dense ``_tile`` with the anchor at the middle
+    of the per-channel span ``Gs - Ge`` (G before the sub-chunk minus G at its last row) when no channel's span
+    exceeds ``SPAN`` (every factor, the masked upper triangle's included, within exp(SPAN)), else ``_diag_exact``
+    (0 above the diagonal)."""
+    if SPAN < 0:        # element-wise only: the dense path is not compiled
+        out = _diag_exact(aI, GI, kp, G, row0, r0, nv, i_h, c0, Gl, H, K, BC, BK)
+    elif tl.max(Gs - Ge, 0) <= SPAN:
+        out = _tile(aI, GI, 0.5 * (Gs + Ge), kI, GI, PREC)
+    else:
+        out = _diag_exact(aI, GI, kp, G, row0, r0, nv, i_h, c0, Gl, H, K, BC, BK)
+    return out
+
+
+@triton.jit
 def _st_blk(ptr, blk, row0, r0, c0, nv, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """``st`` of a ``BC x BC`` block (``kda_common.st_blk`` adds ``c0`` to the columns first: other SASS)."""
     st(ptr, blk, row0, r0, nv, i_h, c0, H, BT, BC, BC)
@@ -128,10 +144,11 @@ def kda_bwd_prelude_kernel(q, k, g, beta, A_log, dt_bias, qn, kn, G, bn, cu_seql
 @triton.jit
 def _acc_tiles(an, kn, G, row0, nv, i_h, c0, shift, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33,
                H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-               EXACT: tl.constexpr, PREC: tl.constexpr, A_IS_K: tl.constexpr):
+               EXACT: tl.constexpr, PREC: tl.constexpr, A_IS_K: tl.constexpr, SPAN: tl.constexpr):
     """Add one K slice's contribution to the ten lower ``BC x BC`` tiles of ``sum_c a_ic k_jc exp(G_ic - G_jc)``
     (``an`` = kn with ``A_IS_K``: Akk before beta, k tiles loaded once; ``an`` = qn: P), diagonal tiles in full
-    (the caller masks them)."""
+    (the caller masks them). ``EXACT`` (unbounded gates): each diagonal tile by ``_diag_tile`` (dense where the
+    sub-chunk's span <= ``SPAN``)."""
     Gl = ld_row(G, row0, tl.minimum(nv, BC * 4) - 1, nv, i_h, c0, H, K, BK)
     k0 = ldf(kn, row0, 0, nv, i_h, c0, H, K, BC, BK)
     k1 = ldf(kn, row0, BC, nv, i_h, c0, H, K, BC, BK)
@@ -159,16 +176,17 @@ def _acc_tiles(an, kn, G, row0, nv, i_h, c0, shift, T00, T10, T11, T20, T21, T22
         a0 = k0
     else:
         a0 = ldf(an, row0, 0, nv, i_h, c0, H, K, BC, BK)
+    if A_IS_K:
+        k3 = a3
+    else:
+        k3 = ldf(kn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
     if EXACT:
-        T00 += _diag_exact(a0, G0, kn, G, row0, 0, nv, i_h, c0, Gl, H, K, BC, BK)
-        T11 += _diag_exact(a1, G1, kn, G, row0, BC, nv, i_h, c0, Gl, H, K, BC, BK)
-        T22 += _diag_exact(a2, G2, kn, G, row0, 2 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
-        T33 += _diag_exact(a3, G3, kn, G, row0, 3 * BC, nv, i_h, c0, Gl, H, K, BC, BK)
+        z0 = tl.zeros([BK], dtype=tl.float32)           # G before row 0
+        T00 += _diag_tile(a0, G0, k0, z0, n1, kn, G, row0, 0, nv, i_h, c0, Gl, SPAN, H, K, BC, BK, PREC)
+        T11 += _diag_tile(a1, G1, k1, n1, n2, kn, G, row0, BC, nv, i_h, c0, Gl, SPAN, H, K, BC, BK, PREC)
+        T22 += _diag_tile(a2, G2, k2, n2, n3, kn, G, row0, 2 * BC, nv, i_h, c0, Gl, SPAN, H, K, BC, BK, PREC)
+        T33 += _diag_tile(a3, G3, k3, n3, Gl, kn, G, row0, 3 * BC, nv, i_h, c0, Gl, SPAN, H, K, BC, BK, PREC)
     else:   # |g| <= |lb|: anchors centred in each sub-chunk keep both factors within exp(8|lb|)
-        if A_IS_K:
-            k3 = a3
-        else:
-            k3 = ldf(kn, row0, 3 * BC, nv, i_h, c0, H, K, BC, BK)
         n0 = tl.zeros([BK], dtype=tl.float32) - shift
         T00 += _tile(a0, G0, n0, k0, G0, PREC)
         T11 += _tile(a1, G1, n1 - shift, k1, G1, PREC)
@@ -218,7 +236,7 @@ def _prep_wu(qn, kn, G, v, w, u, qg, kg, X00, X10, X11, X20, X21, X22, X30, X31,
 def kda_bwd_prep_kernel(qn, kn, G, bn, v, Ai, P, w, u, qg, kg, Xb, cu_seqlens, chunk_indices, T, shift,
                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT: tl.constexpr,
-                        PREC: tl.constexpr, WU: tl.constexpr):
+                        PREC: tl.constexpr, WU: tl.constexpr, SPAN: tl.constexpr):
     """Akk, ``Ai = (I+Akk)^-1`` and then P of one (chunk, head) (P's ten tiles accumulated after the inverse, so
     they are never live with A's: with both live, 255 registers and 470-540 B spilled on sm_90); ``WU``: also w, u,
     qg, kg in the same program (the ten inverse blocks live through its K and V loops); otherwise ``Xb = Ai diag(beta)`` (fp32 ``[B,T,H,BT]``, lower blocks only; the upper ones are never read) for
@@ -230,7 +248,7 @@ def kda_bwd_prep_kernel(qn, kn, G, bn, v, Ai, P, w, u, qg, kg, Xb, cu_seqlens, c
     for c0 in range(0, K, BK):
         A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = _acc_tiles(
             kn, kn, G, row0, nv, i_h, c0, shift, A00, A10, A11, A20, A21, A22, A30, A31, A32, A33,
-            H, K, BC, BK, EXACT, PREC, True)
+            H, K, BC, BK, EXACT, PREC, True, SPAN)
     rows = tl.arange(0, BC)
     strict = rows[:, None] > rows[None, :]
     incl = rows[:, None] >= rows[None, :]
@@ -286,7 +304,7 @@ def kda_bwd_prep_kernel(qn, kn, G, bn, v, Ai, P, w, u, qg, kg, Xb, cu_seqlens, c
     for c0 in range(0, K, BK):
         P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = _acc_tiles(
             qn, kn, G, row0, nv, i_h, c0, shift, P00, P10, P11, P20, P21, P22, P30, P31, P32, P33,
-            H, K, BC, BK, EXACT, PREC, False)
+            H, K, BC, BK, EXACT, PREC, False, SPAN)
     _st_blk(P, tl.where(incl, P00, 0.), row0, 0, 0, nv, i_h, H, BT, BC)
     _st_blk(P, z, row0, 0, BC, nv, i_h, H, BT, BC)
     _st_blk(P, z, row0, 0, 2 * BC, nv, i_h, H, BT, BC)

@@ -121,6 +121,21 @@ def test_gradients_softplus_strong_decay():
     _check(make(1, 40, 2, 16, lb=None, strong=True, seed=5), seed=6, tol=tol)
 
 
+def test_gradients_softplus_dense_and_exact_diagonals(bwd_tuning):
+    """The diagonal tiles of bwd_intra and prep with the softplus gate: dense where a sub-chunk's channels decay by
+    at most ``kda_bwd.intra_dense_span`` in log, element-wise elsewhere; a threshold of 50 sends some sub-chunks of
+    this input each way (checked on G), then every gradient against the float64 reference."""
+    bwd_tuning["intra_dense_span"] = 50.0
+    x = make(1, 96, 2, 16, lb=None, seed=31)
+    w, ws = _weights(x, None, 32)
+    dbg: dict = {}
+    kda_backward(*(x[n] for n in GRAD_NAMES), w, ws, None, debug=dbg)
+    G = torch.cat([torch.zeros(1, 1, 2, 16, device=DEV), dbg["G"]], 1)     # G before row 0 is 0 in each chunk
+    spans = [float((G[0, 0 if r % 64 == 0 else r] - G[0, r + 16]).max()) for r in range(0, 96, 16)]
+    assert min(spans) <= 50.0 < max(spans), spans
+    _check(x, seed=32)
+
+
 @pytest.mark.parametrize(("lb", "cu"), [(-5.0, [0, 5, 5, 75, 100]), (None, [0, 5, 5, 70])])
 def test_gradients_varlen(lb, cu):
     _check(make(1, cu[-1], 2, 16, N=len(cu) - 1, lb=lb, seed=9), cu=cu, seed=10)
