@@ -4,7 +4,8 @@ registers / spills / shared memory with the bundled ``ptxas -v`` (issue 5).
 The launches are recorded by running ``kda_backward`` on ``meta`` tensors with the kernels replaced by
 recorders, so the signatures (pointer dtypes, None arguments, constexprs, warps, stages) are exactly
 what the driver passes at the given shape; pointers get the 16-byte divisibility the JIT would see.
-Use the GPU machine's Triton (3.6) for the numbers that matter:
+Use the GPU machine's Triton (3.6) for the numbers that matter (``pip install --no-deps --target /tmp/triton36
+triton==3.6.0``; the CPU machine's Triton 3.9 writes PTX 9.4, which its bundled ptxas 8.8 refuses: regs -1):
 
     PYTHONPATH=/tmp/triton36 python bench/probes/kda_bwd_offline.py [--gate k3|softplus|both] [--varlen]
         [--tune KEY=VAL ...] [--sass DIR]
