@@ -10,8 +10,8 @@ comparison. On request (``--variants``):
 ``mlir-bf16`` (``MlirConfig(weights="bf16")``: bf16 weight arguments, so its logits differ from torch's by the bf16
 rounding of the random weights), ``mlir-last`` and ``mlir-scan-dense-last`` (``MlirConfig(logits_to_keep=1)``: the head
 on the last prompt position only, as the onnx variants by default) and ``mlir-mxfp4`` (routed experts packed as MXFP4, ``--quantize mxfp4``: its
-logits differ by the quantisation); ``onnx27-ort-unsplit`` and ``onnx20-unsplit``: the onnx target without its
-``fuse-linear-splits`` pass (each projection its own ``MatMul``; the pipeline is ``dce`` only).
+logits differ by the quantisation); ``onnx27-ort-split`` and ``onnx20-split``: the onnx target with the ``fuse-linear-splits``
+pass before its ``dce`` (the projections that read one input as one ``MatMul`` and a ``Split``).
 
     python bench/onnx_export.py                       # k3-100m, T=128, 16 decode steps
     python bench/onnx_export.py --variants torch,onnx27-ort,onnx20 --T 64
@@ -59,9 +59,9 @@ VARIANTS = {
     "onnx20": ("onnx", (20, False, "sorted", 1)),
     "onnx20-all": ("onnx", (20, False, "sorted", 0)),
     "onnx20-moeloop": ("onnx", (20, False, "loop", 1)),
-    # without fuse-linear-splits (each projection its own MatMul): the pipeline before the widen phase
-    "onnx27-ort-unsplit": ("onnx", (27, True, "sorted", 1, ["dce"])),
-    "onnx20-unsplit": ("onnx", (20, False, "sorted", 1, ["dce"])),
+    # with fuse-linear-splits (the projections that read one input as one MatMul + Split; not the target's default)
+    "onnx27-ort-split": ("onnx", (27, True, "sorted", 1, ["fuse-linear-splits", "dce"])),
+    "onnx20-split": ("onnx", (20, False, "sorted", 1, ["fuse-linear-splits", "dce"])),
     "mlir": ("mlir", {}),
     "mlir-scan-dense": ("mlir", {"kda_form": "scan", "moe_form": "dense"}),
     "mlir-last": ("mlir", {"logits_to_keep": 1}),
@@ -214,7 +214,7 @@ def main() -> None:
                      "logit_positions": int(logits[v].shape[1]), "profile_ms_by_op_type": profiles.get(v)})
     med = {v: (statistics.median(pre[v]), statistics.median(dec[v])) for v in variants}
     ratios = {}
-    for base in ("torch", "onnx20", "onnx20-all", "onnx20-unsplit", "onnx27-ort-unsplit", "mlir-scan-dense",
+    for base in ("torch", "onnx20", "onnx20-all", "onnx20-split", "onnx27-ort-split", "mlir-scan-dense",
                  "mlir-scan-dense-last"):
         if base in med:
             ratios[f"vs_{base}"] = {v: {"prefill": med[v][0] / med[base][0], "decode": med[v][1] / med[base][1]}

@@ -4,8 +4,8 @@
 The phases the built-in targets use (``PHASES``): ``fuse`` (KDA layers, MoE dispatch, AttnRes
 mixes), ``quantize`` (routed experts, when the config says so or ``--quantize`` asks),
 ``specialize`` (absorbed MLA in decode), ``decode`` (triton only: the ops of the decode-step
-kernels, e.g. ``k3.decode_linear``), ``widen`` (onnx only: the linears of one input as one
-``k3.decode_linear`` with ``splits``, one wider GEMM), ``cleanup`` (CSE, DCE). ``TARGET_PHASES`` says which
+kernels, e.g. ``k3.decode_linear``), ``widen`` (no built-in target runs it: the linears of one input
+as one ``k3.decode_linear`` with ``splits``, for the ONNX exporter's wider GEMMs), ``cleanup`` (CSE, DCE). ``TARGET_PHASES`` says which
 of them each built-in target runs; the backends declare ``phases_for(target)`` as their
 ``Backend.phases``, and a backend (a plugin) may declare phases of its own, with its own
 passes. ``pipeline_for(target)`` gives the same pipeline as one flat pass list. The
@@ -41,7 +41,7 @@ TARGET_PHASES: dict[str, tuple[str, ...]] = {
     "triton": ("fuse", "quantize", "specialize", "decode", "cleanup"),
     "tvm": _FULL,
     # exporters: KDA fused (lowered chunked or as a Loop), MoE kept dense (no sort/scatter needed)
-    "onnx": ("specialize", "widen", "cleanup"),
+    "onnx": ("specialize", "cleanup"),
     "mlir": ("specialize", "cleanup"),
 }
 

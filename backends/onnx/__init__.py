@@ -166,5 +166,5 @@ def _available() -> str | None:
 
 
 register_backend(Backend(name="onnx", description="standard ONNX (opset 27, or 20) run by onnxruntime (CPU)",
-                         build=_build, pipeline=["fuse-linear-splits", "dce"], table=_table, available=_available,
+                         build=_build, pipeline=["dce"], table=_table, available=_available,
                          functions=FUNCTIONS, dtypes=("float32", "float16"), load_artifact=load_executable))

@@ -332,7 +332,7 @@ def test_compile_help_lists_each_targets_phases(capsys):
     out = capsys.readouterr().out
     lines = {ln.split()[0]: ln.split(None, 1)[1] for ln in out.split("pipelines by phase")[1].splitlines()[1:] if ln}
     assert lines["triton"].startswith("fuse: fuse-kda-chunks, fuse-moe-dispatch, fuse-attn-res; quantize:")
-    assert lines["onnx"] == describe(get_backend("onnx").phases) == "widen: fuse-linear-splits; cleanup: dce"
+    assert lines["onnx"] == describe(get_backend("onnx").phases) == "cleanup: dce"
 
 
 def test_tvm_cross_targets_check_with_the_tvm_conditions():
