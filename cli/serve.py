@@ -7,7 +7,9 @@ import errno
 import os
 import socket
 
-from .common import UsageError, check_seed, device_type, load_model, model_arg
+import sys
+
+from .common import UsageError, check_seed, device_type, load_model, model_arg, random_weights_note
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -117,6 +119,9 @@ def cmd_serve(args) -> int:
         return _serve_on_mesh(args, sizes, limits, api_key)
     check_port(args.host, args.port)                 # before loading the model: uvicorn's bind error is a raw log
     module, tok, engine = _setup(args)
+    note = random_weights_note(module, args.model, args.init_seed)     # as generate says it, before the server starts
+    if note:
+        print(note, file=sys.stderr, flush=True)
     app = create_app(engine, tok, args.served_name or module.name, limits, api_key=api_key)
     serve(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
@@ -152,6 +157,9 @@ def _serve_on_mesh(args, sizes: dict[str, int], limits, api_key: str | None) -> 
         check_port(args.host, args.port)
     torch.set_num_threads(threads)
     module = load_model(args)
+    note = random_weights_note(module, args.model, args.init_seed)
+    if note and rank0:
+        print(note, file=sys.stderr, flush=True)
     tok = load_tokenizer(args.model, module)
     joined_mesh()
     mesh = init_mesh(**sizes, device=args.device)
