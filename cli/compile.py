@@ -19,8 +19,15 @@ from k3ir.errors import K3BackendError
 
 from .common import UsageError, console, device_type, human_bytes, load_model, model_arg
 
-FUSED_OPS = ("k3.fused_kda", "k3.moe_dispatch", "k3.grouped_matmul", "k3.moe_combine", "k3.attn_res_fused",
-             "k3.kda", "k3.moe", "k3.attn_res", "k3.mla")
+#: model ops that fusion passes rewrite: the summary counts those left unfused next to the fused ones
+UNFUSED_COMPOSITES = ("k3.kda", "k3.moe", "k3.attn_res", "k3.mla")
+
+
+def summary_ops() -> frozenset[str]:
+    """Op names the per-function summary of ``k3ir compile`` counts: every op the registry declares in the
+    ``fused`` family (what fusion passes produce, k3ir/ops) and the composites in ``UNFUSED_COMPOSITES``."""
+    from k3ir.opdef import all_ops
+    return frozenset(n for n, d in all_ops().items() if d.family == "fused") | frozenset(UNFUSED_COMPOSITES)
 
 
 def target_pipeline(target: str) -> tuple[list, object | None, str | None]:
@@ -113,7 +120,8 @@ def cmd_compile(args) -> int:
         t.add_row(str(i), r.phase or "-", r.name, str(r.rewrites), f"{r.seconds:.3f}",
                   ", ".join(f"{k}={human_bytes(v) if k.startswith('bytes') else v}" for k, v in r.details.items()))
     con.print(t)
-    counts = {fn: Counter(op.name for op in f.ops if op.name in FUSED_OPS) for fn, f in m.functions.items()}
+    shown = summary_ops()
+    counts = {fn: Counter(op.name for op in f.ops if op.name in shown) for fn, f in m.functions.items()}
     for fn, c in counts.items():
         if c:
             con.print(f"@{fn}: " + ", ".join(f"{n} {k}" for k, n in sorted(c.items())))
