@@ -151,6 +151,9 @@ def cmd_export(args) -> int:
             note = f"  optional, default {keep} (0: every position)" if name == "logits_to_keep" else ""
             if kind == "output" and name == "logits" and "T_logits" in shape:
                 note = "  T_logits = min(T, logits_to_keep), T when 0"
+            grown = next((d for d in shape if isinstance(d, str) and d.startswith("L_plus_")), None)
+            if kind == "output" and grown:
+                note = f"  {grown} = L + {grown[len('L_plus_'):]}"
             con.print(f"{kind:<6} {name:<32} {dt:<8} [{', '.join(map(str, shape))}]{note}")
         return 0
     if fmt == "onnx":

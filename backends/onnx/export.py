@@ -321,6 +321,10 @@ class OnnxExporter:
             dims = info.type.tensor_type.shape.dim
             if name == "logits" and self._keep_input is not None and len(dims) == 3 and dims[1].dim_param:
                 dims[1].dim_param = "T_logits"                      # the kept positions, not T
+            if name.startswith("present.") and isinstance(v.type, StateType):
+                for d in dims:                                      # a cache grows by the new tokens: L + T
+                    if d.dim_param == "L":
+                        d.dim_param = self._grown_length(fn)
             g.outputs.append(info)
         opsets = [onnx.helper.make_opsetid("", self.opset)] + [onnx.helper.make_opsetid(d, 1) for d in sorted(self.domains)]
         model = onnx.helper.make_model(g.make(), opset_imports=opsets,
@@ -333,6 +337,15 @@ class OnnxExporter:
             p = model.metadata_props.add()
             p.key, p.value = k, v
         return model
+
+
+    @staticmethod
+    def _grown_length(fn: Function) -> str:
+        """The symbolic length of a ``present.*`` cache output: ``L_plus_T`` (``L`` cached plus ``T`` new
+        tokens), ``L_plus_N`` where the token input's length is a static N (``L_plus_1`` for ``@decode``)."""
+        t = fn.args[0].type if fn.args else None
+        n = t.shape[1] if t is not None and not isinstance(t, StateType) and len(t.shape) >= 2 else "T"
+        return f"L_plus_{n}"
 
 
 def lowering_report(module: Module, function: str = "prefill", opset: int | None = None) -> dict[str, dict[str, int]]:
@@ -369,7 +382,8 @@ def describe_io(module: Module, function: str = "prefill", opset: int | None = N
     """The interface of the exported ``@function``: ``(direction, name, element type, shape)`` for
     every graph input (``"input"``: token ids then one per state, zero-filled for a fresh
     sequence) and output (``"output"``: ``logits`` then ``present.<state>``), weights left out.
-    Shapes use the IR's symbolic dims (``B`` batch, ``T`` new tokens, ``L`` cached tokens); the
+    Shapes use the IR's symbolic dims (``B`` batch, ``T`` new tokens, ``L`` cached tokens, ``L_plus_T`` the
+    cache after the call, ``L_plus_1`` in ``@decode``); the
     other options as in ``OnnxExporter`` (they do not change the interface, but are checked the same way).
     Raises K3BackendError for a missing function or a bad option."""
     onnx = _onnx()
