@@ -17,7 +17,7 @@ from collections import Counter
 
 from k3ir.errors import K3BackendError
 
-from .common import UsageError, console, device_type, human_bytes, load_model, model_arg
+from .common import UsageError, check_seed, console, device_type, human_bytes, load_model, model_arg
 
 #: model ops that fusion passes rewrite: the summary counts those left unfused next to the fused ones
 UNFUSED_COMPOSITES = ("k3.kda", "k3.moe", "k3.attn_res", "k3.mla")
@@ -95,6 +95,7 @@ def cmd_compile(args) -> int:
     from k3ir.verify import verify_module
     con = console()
     dtype = check_dtype(args.target, args.dtype)      # before loading: a bad --dtype fails at once, on any machine
+    check_seed(args.seed)                             # the range run, generate and train accept
     for path, flag in ((args.dump_ir, "--dump-ir"), (args.output, "-o")):
         if path:
             make_dir(path, flag)       # before the (long) pipeline, so a bad path fails at once
