@@ -96,6 +96,11 @@ def cmd_compile(args) -> int:
     con = console()
     dtype = check_dtype(args.target, args.dtype)      # before loading: a bad --dtype fails at once, on any machine
     check_seed(args.seed)                             # the range run, generate and train accept
+    if not args.no_build and not args.target.startswith("tvm-"):     # tvm-<kind>: cross targets, no device here
+        from k3ir.backends import device_problem
+        why = device_problem(args.device)              # cuda without a GPU: before the pipeline, not after it
+        if why:
+            raise UsageError(why)
     for path, flag in ((args.dump_ir, "--dump-ir"), (args.output, "-o")):
         if path:
             make_dir(path, flag)       # before the (long) pipeline, so a bad path fails at once
