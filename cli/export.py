@@ -129,6 +129,11 @@ def cmd_export(args) -> int:
     keep = 1 if keep is None else keep
     t0 = time.perf_counter()
     m = load_model(args)
+    if fmt == "onnx" and args.function in m.functions:     # one that is missing gets the exporter's own error
+        from k3ir.backends import get_backend
+        why = get_backend("onnx").function_problem(m, args.function)     # as k3ir check --target onnx says it
+        if why:
+            raise UsageError(f"--function {args.function}: {why}")
     out = args.output
     if not describe:
         _check_writable([out])
