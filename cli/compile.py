@@ -235,7 +235,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", default=None,
                    help="compute dtype for the build: float32, bfloat16, float16 or float64, as the target supports "
                         "(default: the target's own, float32; reference computes only in float64)")
-    p.add_argument("--device", default="cpu", type=device_type)
+    p.add_argument("--device", default="cpu", type=device_type, help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--seed", type=int, default=0, help="random-init seed when the model has no weights")
     p.add_argument("--emit-source", action="store_true",
                    help="tvm-<kind> GPU targets: also write the generated device source (.cu, .s, .metal, .cl, "

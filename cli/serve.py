@@ -207,7 +207,8 @@ def register(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longest prompt in tokens (default: the model's max_position_embeddings bounded by the "
                         "pool's capacity, --num-blocks x --block-size less one)")
-    p.add_argument("--max-output-tokens", type=int, default=1024)
+    p.add_argument("--max-output-tokens", type=int, default=1024,
+                   help="largest max_tokens a request may ask for (default 1024; more gets 400)")
     p.add_argument("--max-concurrent", type=int, default=64, help="requests in flight (default 64; more get 429)")
     p.add_argument("--max-stop-strings", type=int, default=16, help="stop strings per request (default 16)")
     p.add_argument("--max-stop-chars", type=int, default=4096,
