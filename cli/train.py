@@ -1,7 +1,7 @@
 """``k3ir train``: next-token training of a K3-family model on byte-level text with Quantile
 Balancing, a progress bar, atomic checkpoints, resume and a loss/balance plot.
 
-    k3ir train                                   # k3-tiny, bundled text, 300 steps, into runs/k3-tiny-<time>/
+    k3ir train                                   # k3-tiny, bundled text, 300 steps, into runs/k3-tiny-<date>-<time>/
     k3ir train k3-tiny --steps 300 --qb sign --out runs/sign
     k3ir train --resume runs/sign                # continue from its latest checkpoint, writing into runs/sign
     k3ir train --resume runs/sign --steps 500    # extend a run: the 200 added steps at lr * min_lr_ratio

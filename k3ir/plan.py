@@ -437,6 +437,6 @@ def refusal(f: ModelFacts, plans: list[Plan], gpu: GPU, gpus: int, fixed: dict[s
            f"{over / 1e9:,.1f} GB more than the {gpu.hbm_bytes / 1e9:,.0f} GB a {gpu.name} has")
     total = gpus * gpu.hbm_bytes
     if f.weight_bytes > total:
-        msg += (f" (the weights alone are {f.weight_bytes / 1e12:,.2f} TB, {gpus} GPUs hold "
+        msg += (f" (the weights alone are {f.weight_bytes / 1e12:,.2f} TB, {gpus} GPU{'' if gpus == 1 else 's'} hold{'s' if gpus == 1 else ''} "
                 f"{total / 1e12:,.2f} TB)")
     return msg
