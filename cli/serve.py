@@ -6,7 +6,6 @@ import argparse
 import errno
 import os
 import socket
-
 import sys
 
 from .common import UsageError, check_seed, device_type, load_model, model_arg, random_weights_note

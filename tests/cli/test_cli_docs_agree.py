@@ -15,7 +15,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
 def _section(command: str) -> str:
     text = DOCS.read_text()
-    m = re.search(rf"^## `{command}`.*?(?=^## |\Z)", text, re.S | re.M)
+    m = re.search(rf"^## `{command}`.*?(?=^## |\Z)", text, re.DOTALL | re.MULTILINE)
     assert m, command
     return m.group(0)
 

@@ -17,7 +17,7 @@ def test_compile_refuses_out_of_range_seed(capsys, seed):
 def test_compile_seed_bounds_match_run(capsys):
     rc, _, err = run_cli(capsys, "run", "k3-tiny", "--seed", "-1")
     assert rc == 2 and "--seed must be >= 0 and < 2**63, got -1" in one_line_error(err)
-    rc, out, err = run_cli(capsys, "compile", "k3-tiny", "--target", "torch", "--seed", str(2**63 - 1), "--ir-only")
+    rc, _, err = run_cli(capsys, "compile", "k3-tiny", "--target", "torch", "--seed", str(2**63 - 1), "--ir-only")
     assert rc == 0, err
 
 

@@ -17,7 +17,7 @@ def test_ir_only_summary_counts_every_fused_op(capsys, tmp_path):
     assert rc == 0, err
     m = k3ir.parse_file(os.path.join(tmp_path, "module.k3"))
     fused = {n for n, d in all_ops().items() if d.family == "fused"}
-    line = re.search(r"^@decode: (.*?)\n(?=@|parameters:)", out, re.S | re.M).group(1)     # rich wraps long lines
+    line = re.search(r"^@decode: (.*?)\n(?=@|parameters:)", out, re.DOTALL | re.MULTILINE).group(1)     # rich wraps long lines
     shown = {name: int(n) for n, name in re.findall(r"(\d+)\s+(k3\.\w+)", line)}
     want = {k: n for k, n in Counter(op.name for op in m.functions["decode"].ops).items() if k in fused}
     # the decode phase of the triton pipeline produced these (fuse-decode-linear, fuse-kda-output, ...)

@@ -7,7 +7,7 @@ from conftest import run_cli
 
 def _served(monkeypatch):
     """Replace uvicorn's loop by a recorder: the CLI builds the app, then returns at once."""
-    import k3ir.runtime.server as server
+    from k3ir.runtime import server
     calls = []
     monkeypatch.setattr(server, "serve", lambda app, **kw: calls.append(kw))
     return calls
