@@ -1,7 +1,7 @@
 """Quantile Balancing (QB, SPEC.md section 6) for training: one selection-bias update per MoE
 layer after every step, from that step's router scores.
 
-The update rules themselves are the float64 reference ``k3ir.ops.moe.qb_update`` (``quantile``,
+The update rules themselves are the float64 reference ``k3ir.balancing.qb_update`` (``quantile``,
 ``margin``, DeepSeek-V3 ``sign``, ``none``). This module adds what a training run needs around
 them: finding each MoE layer's router and bias parameter, measuring the step's expert loads
 (max-load / mean-load per layer), and a histogram form of the column statistics for data-parallel
@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from k3ir.balancing import expert_load, qb_update
 from k3ir.errors import K3Error, K3RuntimeError
 from k3ir.ir import Module
-from k3ir.ops.moe import expert_load, qb_update
 
 log = logging.getLogger("k3ir.train.qb")
 

@@ -8,9 +8,9 @@ import pytest
 from conftest import rel_err
 from k3ir.backends.reference import ReferenceExecutable
 
+from k3ir.balancing import qb_update
 from k3ir.builder import Builder
 from k3ir.ir import Function, Module
-from k3ir.ops.moe import qb_update
 from k3ir.types import StateType, TensorType
 
 

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from k3ir.runtime.qb import hist_ranges, hist_rank_value, load_balance, local_histograms, qb_update_hist
 
-from k3ir.ops.moe import qb_update
+from k3ir.balancing import qb_update
 
 # Figure 5's case: m = 8 tokens, n = 4 experts, k = 1, so q = 8 * 1 / 4 = 2. Each row is
 # a_i + (margins of row i), a_i the row's 2nd largest score (the (k+1)-th), chosen so the scores

@@ -28,7 +28,7 @@ from k3ir.runtime.train_data import ByteBatches, read_bytes
 from k3ir.runtime.trainer import TrainConfig, Trainer, decays, lr_at
 
 import k3ir
-from k3ir.ops.moe import qb_update
+from k3ir.balancing import qb_update
 
 
 @pytest.fixture(scope="module")

@@ -159,7 +159,7 @@ def test_qb_rules_on_two_gloo_ranks_use_the_global_batch(tmp_path, spec, rule):
     from k3ir.runtime.trainer import TrainConfig, Trainer
 
     import k3ir
-    from k3ir.ops.moe import qb_update
+    from k3ir.balancing import qb_update
     m = load_tiny("k3-tiny")
     tr = Trainer(k3ir.compile(m, target="torch", dtype="float32"), TrainConfig(**{**CFG, "qb": rule}),
                  params=init_params(m, seed=3))
