@@ -227,7 +227,7 @@ def register_cross_targets() -> None:
             return load_gpu_artifact(directory, man, module)
         register_backend(Backend(
             name=f"tvm-{kind}", description=f"Apache TVM Relax for {kind}: the whole model, dlight-scheduled "
-            f"(builds here; runs on a {kind} device from its artifact)", build=build, pipeline=pipeline_for("tvm"),
+            f"(an artifact that runs on a {kind} device)", build=build, pipeline=pipeline_for("tvm"),
             table=table, available=available, dtypes=GPU_DTYPES[kind], load_artifact=load,
             target_description=TargetDescription(kind=kind, toolchain="Apache TVM Relax/TIR with dlight GPU "
                                                  "schedules and k3ir's hand-scheduled KDA and MoE kernels")))
@@ -246,7 +246,7 @@ def register_cross_targets() -> None:
                 return f"cross target: TVM cannot build {kind} code here ({missing[kind]})"
             return (f"cross target: TVM builds {kind} code here but it does not run here "
                     f"(k3ir.backends.tvm.cross.emit_source('{kind}'))")
-        register_backend(Backend(name=f"tvm-{kind}", description=f"Apache TVM Relax for {kind} (build only)",
+        register_backend(Backend(name=f"tvm-{kind}", description=f"Apache TVM for {kind}: one demo kernel",
                                  build=build_demo, pipeline=pipeline_for("tvm"), table=table, available=available_demo,
                                  target_description=TargetDescription(kind=kind, toolchain="Apache TVM Relax/TIR "
                                                                       "(one demo kernel)")))
