@@ -35,9 +35,18 @@ def i64(v) -> tirx.PrimExpr:
     return tirx.const(int(v), I64) if isinstance(v, int) else v
 
 
+def rows(off, e):
+    """Rows of expert ``e`` in a kernel's ``offsets`` buffer, as an expression: kernels index with expressions, not
+    TVMScript assignments, which become per-iteration workspace buffers inside a parallel loop."""
+    return off[e + 1] - off[e]
+
+
 #: register tile of the linear kernels: MT activation rows x NT weight rows, each a VL-lane partial sum
 #: (MT*NT*VL*4 bytes must stay under TVM's 1 KiB stack-allocation limit, or the tile becomes a heap workspace
-#: allocated per parallel iteration)
+#: allocated per parallel iteration). The CPU kernels' tiles are ``global``-scope buffers: TVM's LowerTVMBuiltin puts
+#: only those on the stack (an ``alloc_buffer(..., scope="local")`` on the CPU is a ``TVMBackendAllocWorkspace``
+#: call per parallel iteration, and its accumulator lives in heap memory, not registers: the per-expert decode GEMM
+#: ran 7.7x slower so)
 MT = 3
 
 
@@ -102,12 +111,12 @@ def linear_kernel(N: int, K: int, dtype: str = "float32"):
         y = T.match_buffer(y_h, (M, N), dtype)
         if M >= MT:
             for nb in T.parallel(N // NT):
-                acc = T.alloc_buffer((MT, NT, VL), dtype, scope="local")
+                acc = T.alloc_buffer((MT, NT, VL), dtype)
                 for mb in range(M // MT):
                     tile(x, w, y, acc, mb * MT, nb * NT, MT, 0)
         if M % MT > 0:
             for nb in T.parallel(N // N1):
-                acc1 = T.alloc_buffer((1, N1, VL), dtype, scope="local")
+                acc1 = T.alloc_buffer((1, N1, VL), dtype)
                 for m in range(M % MT):
                     row(x, w, y, acc1, M // MT * MT + m, nb * N1, 1, 0)
     return linear
@@ -135,19 +144,14 @@ def grouped_linear_kernel(E: int, N: int, K: int, dtype: str = "float32"):
         y = T.match_buffer(y_h, (R, N), dtype)
         if R >= MT:
             for f in T.parallel(N // NT * E):
-                acc = T.alloc_buffer((MT, NT, VL), dtype, scope="local")
-                e = f % E
-                lo = off[e]
-                cnt = off[e + 1] - lo
-                for mb in range(cnt // MT):
-                    tile(x, w, y, acc, lo + mb * MT, e * N + f // E * NT, MT, e * N)
+                acc = T.alloc_buffer((MT, NT, VL), dtype)
+                for mb in range(rows(off, f % E) // MT):
+                    tile(x, w, y, acc, off[f % E] + mb * MT, f % E * N + f // E * NT, MT, f % E * N)
         for f in T.parallel(N // N1 * E):
-            acc1 = T.alloc_buffer((1, N1, VL), dtype, scope="local")
-            e = f % E
-            lo = off[e]
-            cnt = off[e + 1] - lo
-            for m in range(cnt % MT):
-                row(x, w, y, acc1, lo + cnt // MT * MT + m, e * N + f // E * N1, 1, e * N)
+            acc1 = T.alloc_buffer((1, N1, VL), dtype)
+            for m in range(rows(off, f % E) % MT):
+                row(x, w, y, acc1, off[f % E] + rows(off, f % E) // MT * MT + m, f % E * N + f // E * N1, 1,
+                    f % E * N)
     return grouped_linear
 
 
@@ -253,21 +257,15 @@ def grouped_quant_kernel(E: int, N: int, K: int, quant: str, dtype: str = "float
         y = T.match_buffer(y_h, (R, N), dtype)
         if R >= MT:
             for f in T.parallel(N // NT * E):
-                acc = T.alloc_buffer((MT, NT, QVL), dtype, scope="local")
-                wt = T.alloc_buffer((NT, QVL + 1), dtype, scope="local")
-                e = f % E
-                lo = off[e]
-                cnt = off[e + 1] - lo
-                for mb in range(cnt // MT):
-                    tile(x, w, sc, y, acc, wt, lo + mb * MT, e, f // E * NT, MT)
+                acc = T.alloc_buffer((MT, NT, QVL), dtype)
+                wt = T.alloc_buffer((NT, QVL + 1), dtype)
+                for mb in range(rows(off, f % E) // MT):
+                    tile(x, w, sc, y, acc, wt, off[f % E] + mb * MT, f % E, f // E * NT, MT)
         for f in T.parallel(N // N1 * E):
-            acc1 = T.alloc_buffer((1, N1, QVL), dtype, scope="local")
-            wt1 = T.alloc_buffer((N1, QVL + 1), dtype, scope="local")
-            e = f % E
-            lo = off[e]
-            cnt = off[e + 1] - lo
-            for m in range(cnt % MT):
-                row(x, w, sc, y, acc1, wt1, lo + cnt // MT * MT + m, e, f // E * N1, 1)
+            acc1 = T.alloc_buffer((1, N1, QVL), dtype)
+            wt1 = T.alloc_buffer((N1, QVL + 1), dtype)
+            for m in range(rows(off, f % E) % MT):
+                row(x, w, sc, y, acc1, wt1, off[f % E] + rows(off, f % E) // MT * MT + m, f % E, f // E * N1, 1)
     return grouped_quant
 
 
@@ -280,6 +278,28 @@ def kda_kernel(H: int, K: int, V: int, dtype: str = "float32"):
     in L1 through time and every update is a VL-lane vector operation."""
     VL = _lanes(V, (16, 8, 4, 2, 1))
     NB = V // VL
+
+    @T.macro
+    def slab(q, k, v, a, beta, s0, o, s, acc, L, b, h, j):   # b, h, j: expressions of f (see ``rows``)
+        for i in range(K):
+            for c in T.vectorized(VL):
+                s[b, h, i, j + c] = s0[b, h, i, j + c]
+        for t in range(L):
+            for c in T.vectorized(VL):
+                acc[0, c] = T.Cast(dtype, 0)
+            for i in range(K):
+                for c in T.vectorized(VL):
+                    s[b, h, i, j + c] = s[b, h, i, j + c] * a[b, t, h, i]
+                    acc[0, c] = acc[0, c] + s[b, h, i, j + c] * k[b, t, h, i]
+            for c in T.vectorized(VL):
+                acc[0, c] = (v[b, t, h, j + c] - acc[0, c]) * beta[b, t, h]
+                acc[1, c] = T.Cast(dtype, 0)
+            for i in range(K):
+                for c in T.vectorized(VL):
+                    s[b, h, i, j + c] = s[b, h, i, j + c] + k[b, t, h, i] * acc[0, c]
+                    acc[1, c] = acc[1, c] + s[b, h, i, j + c] * q[b, t, h, i]
+            for c in T.vectorized(VL):
+                o[b, t, h, j + c] = acc[1, c]
 
     @T.prim_func(private=True)
     def kda_recurrent(q_h: T.handle, k_h: T.handle, v_h: T.handle, a_h: T.handle, b_h: T.handle,
@@ -296,29 +316,8 @@ def kda_kernel(H: int, K: int, V: int, dtype: str = "float32"):
         o = T.match_buffer(o_h, (B, L, H, V), dtype)
         s = T.match_buffer(s_h, (B, H, K, V), dtype)
         for f in T.parallel(B * H * NB):
-            acc = T.alloc_buffer((2, VL), dtype, scope="local")
-            b = f // (H * NB)
-            h = f // NB % H
-            j = f % NB * VL
-            for i in range(K):
-                for c in T.vectorized(VL):
-                    s[b, h, i, j + c] = s0[b, h, i, j + c]
-            for t in range(L):
-                for c in T.vectorized(VL):
-                    acc[0, c] = T.Cast(dtype, 0)
-                for i in range(K):
-                    for c in T.vectorized(VL):
-                        s[b, h, i, j + c] = s[b, h, i, j + c] * a[b, t, h, i]
-                        acc[0, c] = acc[0, c] + s[b, h, i, j + c] * k[b, t, h, i]
-                for c in T.vectorized(VL):
-                    acc[0, c] = (v[b, t, h, j + c] - acc[0, c]) * beta[b, t, h]
-                    acc[1, c] = T.Cast(dtype, 0)
-                for i in range(K):
-                    for c in T.vectorized(VL):
-                        s[b, h, i, j + c] = s[b, h, i, j + c] + k[b, t, h, i] * acc[0, c]
-                        acc[1, c] = acc[1, c] + s[b, h, i, j + c] * q[b, t, h, i]
-                for c in T.vectorized(VL):
-                    o[b, t, h, j + c] = acc[1, c]
+            acc = T.alloc_buffer((2, VL), dtype)
+            slab(q, k, v, a, beta, s0, o, s, acc, L, f // (H * NB), f // NB % H, f % NB * VL)
 
     return kda_recurrent
 
@@ -335,6 +334,40 @@ def attention_kernel(H: int, Hk: int, D: int, P: int, Dv: int, scale: float, dty
     VD, VP = _lanes(D, (16, 8, 4, 2, 1)), _lanes(P, (16, 8, 4, 2, 1))
     low = tirx.min_value(dtype)
 
+    @T.macro
+    def one(q, qr, k, kr, v, lengths, o, st, pd, pp, L, S, b, t, h, hk):   # b, t, h, hk: expressions of f
+        for c in T.vectorized(Dv):
+            o[b, t, h, c] = T.Cast(dtype, 0)
+        st[0] = low
+        st[1] = T.Cast(dtype, 0)
+        for s in range(S):
+            if s <= t + (S - L) and (s < lengths[b] or s >= S - L):
+                for c in T.vectorized(VD):
+                    pd[c] = T.Cast(dtype, 0)
+                for d in range(D // VD):
+                    for c in T.vectorized(VD):
+                        pd[c] = pd[c] + q[b, t, h, d * VD + c] * k[b, s, hk, d * VD + c]
+                for c in T.vectorized(VP):
+                    pp[c] = T.Cast(dtype, 0)
+                for d in range(P // VP):
+                    for c in T.vectorized(VP):
+                        pp[c] = pp[c] + qr[b, t, h, d * VP + c] * kr[b, s, d * VP + c]
+                st[2] = T.Cast(dtype, 0)
+                for c in range(VD):
+                    st[2] = st[2] + pd[c]
+                for c in range(VP):
+                    st[2] = st[2] + pp[c]
+                st[2] = st[2] * T.Cast(dtype, scale)
+                st[3] = T.max(st[0], st[2])
+                st[4] = T.exp(st[0] - st[3])
+                st[2] = T.exp(st[2] - st[3])          # the score's weight
+                st[1] = st[1] * st[4] + st[2]
+                st[0] = st[3]
+                for c in T.vectorized(Dv):
+                    o[b, t, h, c] = o[b, t, h, c] * st[4] + st[2] * v[b, s, hk, c]
+        for c in T.vectorized(Dv):
+            o[b, t, h, c] = o[b, t, h, c] / st[1]
+
     @T.prim_func(private=True)
     def mla_attention(q_h: T.handle, qr_h: T.handle, k_h: T.handle, kr_h: T.handle, v_h: T.handle,
                       n_h: T.handle, o_h: T.handle):
@@ -350,44 +383,10 @@ def attention_kernel(H: int, Hk: int, D: int, P: int, Dv: int, scale: float, dty
         lengths = T.match_buffer(n_h, (B,), "int64")
         o = T.match_buffer(o_h, (B, L, H, Dv), dtype)
         for f in T.parallel(B * L * H):
-            st = T.alloc_buffer((3,), dtype, scope="local")         # running max, running sum, score
-            pd = T.alloc_buffer((VD,), dtype, scope="local")
-            pp = T.alloc_buffer((VP,), dtype, scope="local")
-            b = f // (L * H)
-            t = f // H % L
-            h = f % H
-            hk = h % Hk
-            for c in T.vectorized(Dv):
-                o[b, t, h, c] = T.Cast(dtype, 0)
-            st[0] = low
-            st[1] = T.Cast(dtype, 0)
-            for s in range(S):
-                if s <= t + (S - L) and (s < lengths[b] or s >= S - L):
-                    for c in T.vectorized(VD):
-                        pd[c] = T.Cast(dtype, 0)
-                    for d in range(D // VD):
-                        for c in T.vectorized(VD):
-                            pd[c] = pd[c] + q[b, t, h, d * VD + c] * k[b, s, hk, d * VD + c]
-                    for c in T.vectorized(VP):
-                        pp[c] = T.Cast(dtype, 0)
-                    for d in range(P // VP):
-                        for c in T.vectorized(VP):
-                            pp[c] = pp[c] + qr[b, t, h, d * VP + c] * kr[b, s, d * VP + c]
-                    st[2] = T.Cast(dtype, 0)
-                    for c in range(VD):
-                        st[2] = st[2] + pd[c]
-                    for c in range(VP):
-                        st[2] = st[2] + pp[c]
-                    st[2] = st[2] * T.Cast(dtype, scale)
-                    m_new = T.max(st[0], st[2])
-                    corr = T.exp(st[0] - m_new)
-                    p = T.exp(st[2] - m_new)
-                    st[1] = st[1] * corr + p
-                    st[0] = m_new
-                    for c in T.vectorized(Dv):
-                        o[b, t, h, c] = o[b, t, h, c] * corr + p * v[b, s, hk, c]
-            for c in T.vectorized(Dv):
-                o[b, t, h, c] = o[b, t, h, c] / st[1]
+            st = T.alloc_buffer((5,), dtype)         # running max, running sum, score, new max, correction
+            pd = T.alloc_buffer((VD,), dtype)
+            pp = T.alloc_buffer((VP,), dtype)
+            one(q, qr, k, kr, v, lengths, o, st, pd, pp, L, S, f // (L * H), f // H % L, f % H, f % H % Hk)
 
     return mla_attention
 
