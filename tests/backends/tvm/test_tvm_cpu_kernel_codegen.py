@@ -10,8 +10,8 @@ import pytest
 
 tvm = pytest.importorskip("tvm")
 
-from k3ir.backends.tvm import kernels as K  # noqa: E402
-from k3ir.backends.tvm import llvm_target  # noqa: E402
+from k3ir.backends.tvm import kernels as K
+from k3ir.backends.tvm import llvm_target
 
 KERNELS = {
     "linear": lambda: K.linear_kernel(512, 256),
