@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k3ir.ir import Function, Module, Operation
+from k3ir.opdef import instantiate
 
 from .manager import Pass, PassResult, register_pass
 from .rewrite import Rewriter, producer
@@ -106,9 +107,7 @@ class FuseMoEFront(Pass):
                 x = r.operands[0]
                 nrm = producer(x, "k3.rmsnorm")
                 shared = _shared_glu(rw, x, r, d) if nrm is not None and not rw.is_returned(x) else False
-                attrs = {k: r.attrs[k] for k in ("top_k", "renormalize", "routed_scaling_factor", "eps")
-                         if k in r.attrs}
-                attrs.update({k: d.attrs[k] for k in ("num_experts", "capacity", "capacity_factor") if k in d.attrs})
+                attrs = {**instantiate(r).router_attrs(), **instantiate(d).dispatch_attrs()}
                 args: list = []
                 if shared is not False:                          # 1. the norm into the front
                     attrs.update(norm="rms", norm_eps=float(nrm.attrs.get("eps", 1e-6)))

@@ -29,10 +29,9 @@ def situ(g, u, b1, b2):
     return b1 * np.tanh(g / b1) * sigmoid(g) * (b2 * np.tanh(u / b2))
 
 
-@op("k3.router", "model")
-class Router(Op):
-    """MoE router (fp32): x ``[B,T,d]``, weight ``[E,d]``, bias ``[E]`` (QB / e_score_correction).
-    Returns (weights ``f32[B,T,k]``, indices ``i64[B,T,k]``, scores ``f32[B,T,E]``)."""
+class _Routing(Op):
+    """The operands, results and attributes ``k3.router`` and ``k3.moe_front`` share (SPEC.md 5); each op
+    declares the rest. ``router_attrs`` are the attributes a ``k3.router`` of the same routing takes."""
     x = Operand()
     weight = Operand()
     bias = Operand()
@@ -42,7 +41,16 @@ class Router(Op):
     top_k = Attr(int)
     renormalize = Attr(bool, True)
     routed_scaling_factor = Attr(float, 1.0)
-    eps = Attr(float, 1e-20)
+    eps = Attr(float, 1e-20, "added to the sum of the selected scores (renormalize)")
+
+    def router_attrs(self) -> dict:
+        return {k: getattr(self, k) for k in _Routing._attrs}
+
+
+@op("k3.router", "model")
+class Router(_Routing):
+    """MoE router (fp32): x ``[B,T,d]``, weight ``[E,d]``, bias ``[E]`` (QB / e_score_correction).
+    Returns (weights ``f32[B,T,k]``, indices ``i64[B,T,k]``, scores ``f32[B,T,E]``)."""
 
     def infer(self, x, w, bias):
         x, w, bias = tensor(x, "x"), tensor(w, "weight"), tensor(bias, "bias")
@@ -148,8 +156,23 @@ def _rows(w: TensorType):
     return get_opdef("k3.reshape")({"shape": [-1]}).infer(w)[0].shape[0]
 
 
+class _DispatchAttrs(Op):
+    """The attributes ``k3.moe_dispatch`` and ``k3.moe_front`` share, and their check; ``dispatch_attrs`` are
+    the attributes a ``k3.moe_dispatch`` of the same dispatch takes."""
+    num_experts = Attr(int)
+    capacity = Attr(int, 0)
+    capacity_factor = Attr(float, 0.0)
+
+    def verify(self):
+        require(self.num_experts > 0 and self.capacity >= 0 and self.capacity_factor >= 0,
+                "num_experts > 0, capacity >= 0 and capacity_factor >= 0")
+
+    def dispatch_attrs(self) -> dict:
+        return {k: getattr(self, k) for k in _DispatchAttrs._attrs}
+
+
 @op("k3.moe_dispatch", "fused")
-class MoEDispatch(Op):
+class MoEDispatch(_DispatchAttrs):
     """Sort the routed copies of the tokens by expert (stable: ties keep token-slot order).
 
     x ``[B,T,D]``, weights ``f32[B,T,k]`` (combine weights from ``k3.router``), indices
@@ -166,9 +189,6 @@ class MoEDispatch(Op):
     offsets = Result()
     inv_perm = Result()
     comb_w = Result()
-    num_experts = Attr(int)
-    capacity = Attr(int, 0)
-    capacity_factor = Attr(float, 0.0)
 
     def infer(self, x, w, idx):
         x, w, idx = tensor(x, "x"), tensor(w, "weights"), tensor(idx, "indices")
@@ -179,10 +199,6 @@ class MoEDispatch(Op):
         R = _rows(w)
         return [TensorType(x.dtype, (R, x.shape[2])), TensorType("i64", (self.num_experts + 1,)),
                 TensorType("i64", w.shape), TensorType("f32", (R,))]
-
-    def verify(self):
-        require(self.num_experts > 0 and self.capacity >= 0 and self.capacity_factor >= 0,
-                "num_experts > 0, capacity >= 0 and capacity_factor >= 0")
 
     def reference(self, x, w, idx):
         x, w = f64(x), f64(w)
@@ -450,7 +466,7 @@ FRONT_NORMS = ("none", "rms")
 
 
 @op("k3.moe_front", "fused")
-class MoEFront(Op):
+class MoEFront(_DispatchAttrs, _Routing):
     """A MoE layer's front in one op (made by ``fuse-moe-front``; SPEC.md 5): ``x' = rmsnorm(x, w_norm)``
     (``norm="rms"``, eps ``norm_eps``; SPEC.md 1) or x, then ``k3.router`` and ``k3.moe_dispatch`` of x',
     optionally the shared expert's SwiGLU ``silu(x' Ws1^T) * (x' Ws3^T)`` (``shared_glu``) and the routed experts'
@@ -462,24 +478,11 @@ class MoEFront(Op):
     indices ``i64[B,T,k]``, scores ``f32[B,T,E]``; x_sorted ``[R,D]`` (or the GLU rows ``[R,I]``), offsets
     ``i64[E+1]``, inv_perm ``i64[B,T,k]``, comb_w ``f32[R]`` (``R = B*T*k``, as ``k3.moe_dispatch``); (shared_glu)
     ``[B,T,NS]``; float results in x's dtype. Equal to its decomposition in float64."""
-    x = Operand()
-    weight = Operand()
-    bias = Operand()
     args = Operand("norm weight, shared gate/up, routed gate/up", variadic=True)
-    weights = Result()
-    indices = Result()
-    scores = Result()
     rows = Result("x_sorted, or the routed GLU rows")
     offsets = Result()
     inv_perm = Result()
     comb_w = Result()
-    top_k = Attr(int)
-    renormalize = Attr(bool, True)
-    routed_scaling_factor = Attr(float, 1.0)
-    eps = Attr(float, 1e-20, "router eps")
-    num_experts = Attr(int)
-    capacity = Attr(int, 0)
-    capacity_factor = Attr(float, 0.0)
     norm = Attr(str, "none", choices=FRONT_NORMS)
     norm_eps = Attr(float, 1e-6)
     shared_glu = Attr(bool, False, "the shared expert's SwiGLU gate/up of x' (last result)")
@@ -502,16 +505,10 @@ class MoEFront(Op):
         return nw, shared, routed
 
     def _router(self):
-        return get_opdef("k3.router")({"top_k": self.top_k, "renormalize": self.renormalize,
-                                       "routed_scaling_factor": self.routed_scaling_factor, "eps": self.eps})
+        return Router(self.router_attrs())
 
     def _dispatch(self):
-        return get_opdef("k3.moe_dispatch")({"num_experts": self.num_experts, "capacity": self.capacity,
-                                             "capacity_factor": self.capacity_factor})
-
-    def verify(self):
-        require(self.num_experts > 0 and self.capacity >= 0 and self.capacity_factor >= 0,
-                "num_experts > 0, capacity >= 0 and capacity_factor >= 0")
+        return MoEDispatch(self.dispatch_attrs())
 
     def infer(self, x, w, bias, args):
         x = tensor(x, "x")
@@ -557,10 +554,8 @@ class MoEFront(Op):
         nw, shared, routed = self.parts(args)
         if nw is not None:
             x = b.rmsnorm(x, nw, eps=self.norm_eps)
-        rw, ri, rs = b.router(x, w, bias, top_k=self.top_k, renormalize=self.renormalize,
-                              routed_scaling_factor=self.routed_scaling_factor, eps=self.eps)
-        xs, off, inv, cw = b.moe_dispatch(x, rw, ri, num_experts=self.num_experts, capacity=self.capacity,
-                                          capacity_factor=self.capacity_factor)
+        rw, ri, rs = b.router(x, w, bias, **self.router_attrs())
+        xs, off, inv, cw = b.moe_dispatch(x, rw, ri, **self.dispatch_attrs())
         if routed is not None:
             g = b.grouped_matmul(xs, off, routed[0])
             u = b.grouped_matmul(xs, off, routed[1])
