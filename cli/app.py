@@ -13,6 +13,8 @@ from k3ir.errors import K3Error
 from k3ir.registration import import_builtin
 
 from .common import (
+    CommandLineParser,
+    SubcommandParser,
     UsageError,
     check_prompt,
     check_seed,
@@ -225,9 +227,9 @@ def cmd_run(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     import k3ir
-    p = argparse.ArgumentParser(prog="k3ir", description="A compiler for the Kimi K3 model family.")
+    p = CommandLineParser(prog="k3ir", description="A compiler for the Kimi K3 model family.")
     p.add_argument("--version", action="version", version=f"k3ir {k3ir.__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=SubcommandParser)
 
     s = sub.add_parser("inspect", help="parameters, active parameters, FLOPs and state per layer kind")
     model_arg(s)

@@ -14,6 +14,29 @@ class UsageError(K3Error):
     """Bad command-line input."""
 
 
+class CommandLineParser(argparse.ArgumentParser):
+    """The ``k3ir`` parser: a bad argument (an invalid choice, a value its ``type`` refuses, a missing or unknown
+    flag) exits with code 2 and one stderr line naming the (sub)command and the argument, with a pointer to its
+    help instead of the usage block (``k3ir run: error: argument --seed: invalid int value: 'x'; see 'k3ir run
+    --help'``). ``--help`` prints as argparse does."""
+
+    def error(self, message: str):
+        text = " ".join(str(message).split())          # one line, whatever the message held
+        self.exit(2, f"{self.prog}: error: {text}; see '{self.prog} --help'\n")
+
+
+class SubcommandParser(CommandLineParser):
+    """A subcommand's parser (``add_subparsers(parser_class=SubcommandParser)``): arguments it does not know are an
+    error of this subcommand, reported with its name (argparse would hand them back to the top-level parser,
+    which reports them as ``k3ir: error: unrecognized arguments``)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 #: seeds every command (and the server's ``seed`` field) accepts: 0 <= seed < 2**63
 SEED_LIMIT = 2 ** 63
 

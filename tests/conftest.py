@@ -56,6 +56,19 @@ def one_line_error(err: str) -> str:
     return err
 
 
+def usage_error(capsys, *argv) -> str:
+    """The stderr line of ``k3ir argv`` refused while its arguments are parsed, after checking: exit code 2, nothing
+    on stdout, one line and no usage block or traceback."""
+    from k3ir.cli import main
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "", (e.value.code, out, err)
+    assert len(err.splitlines()) == 1 and "usage:" not in err and "Traceback" not in err, err
+    return err.strip()
+
+
 def tiny_config_file(tmp_path, section: str, key: str, value) -> str:
     """Path of a copy of the bundled k3-tiny config.json (``tmp_path/c_bad.json``) with ``[section][key] =
     value`` (``section`` "" for the top level); json.dumps writes NaN / Infinity as Python does."""

@@ -1,9 +1,83 @@
 """CLI input errors that argparse or the file readers catch: a binary file where text is expected, an unusable
-``--device``; each is exit 2 with one line and no traceback."""
+``--device``, a value a flag's type or choices refuse, an unknown flag; each is exit 2 with one line and no
+traceback. Parse errors name the subcommand that received the argument: ``k3ir CMD: error: argument FLAG: ...;
+see 'k3ir CMD --help'``, without argparse's usage block."""
 from __future__ import annotations
 
+import argparse
+
 import pytest
+from conftest import usage_error
 from k3ir.cli import main
+from k3ir.cli.app import build_parser
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    p = build_parser()
+    return next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def _first_option(parser: argparse.ArgumentParser, want) -> str | None:
+    return next((a.option_strings[-1] for a in parser._actions if a.option_strings and want(a)), None)
+
+
+COMMANDS = sorted(_subcommands())
+INT_FLAGS = [(c, f) for c in COMMANDS if (f := _first_option(_subcommands()[c], lambda a: a.type is int))]
+CHOICE_FLAGS = [(c, f) for c in COMMANDS if (f := _first_option(_subcommands()[c], lambda a: a.choices))]
+
+
+def test_every_command_is_covered():
+    """The parametrisations below reach each subcommand: the unknown flag all of them, a non-integer most."""
+    assert {"inspect", "print", "backends", "run", "compile", "check", "export", "train", "generate", "serve", "plan",
+            "ops"} <= set(COMMANDS)
+    assert {"run", "compile", "train", "generate", "serve", "plan"} <= {c for c, _ in INT_FLAGS}
+    assert {"inspect", "compile", "export", "train"} <= {c for c, _ in CHOICE_FLAGS}
+
+
+@pytest.mark.parametrize("command, flag", INT_FLAGS)
+def test_non_integer_is_one_line_naming_the_command_and_flag(capsys, command, flag):
+    line = usage_error(capsys, command, flag, "x")
+    assert line == f"k3ir {command}: error: argument {flag}: invalid int value: 'x'; see 'k3ir {command} --help'"
+
+
+@pytest.mark.parametrize("command, flag", CHOICE_FLAGS)
+def test_bad_choice_is_one_line_naming_the_command_and_flag(capsys, command, flag):
+    line = usage_error(capsys, command, flag, "zzz")
+    assert line.startswith(f"k3ir {command}: error: argument {flag}: invalid choice: 'zzz' (choose from "), line
+    assert line.endswith(f"; see 'k3ir {command} --help'"), line
+
+
+def _required(parser: argparse.ArgumentParser) -> list[str]:
+    """The flags ``parser`` requires, each with a placeholder value (so the error shown is the one under test)."""
+    return [x for a in parser._actions if a.required and a.option_strings
+            for x in (a.option_strings[-1], "1" if a.type is int else "x")]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_unknown_flag_is_reported_by_the_command_that_got_it(capsys, command):
+    line = usage_error(capsys, command, *_required(_subcommands()[command]), "--no-such-flag")
+    assert line == f"k3ir {command}: error: unrecognized arguments: --no-such-flag; see 'k3ir {command} --help'"
+
+
+def test_top_level_errors_name_k3ir(capsys):
+    assert usage_error(capsys, "--no-such-flag") == ("k3ir: error: unrecognized arguments: --no-such-flag; "
+                                                     "see 'k3ir --help'")
+    line = usage_error(capsys, "compiel")
+    assert line.startswith("k3ir: error: argument COMMAND: invalid choice: 'compiel' (choose from 'inspect', "), line
+
+
+def test_missing_value_and_required_flag(capsys):
+    assert usage_error(capsys, "compile", "k3-tiny", "--target") == ("k3ir compile: error: argument --target: "
+                                                                     "expected one argument; see 'k3ir compile --help'")
+    assert usage_error(capsys, "check", "k3-tiny") == ("k3ir check: error: the following arguments are required: "
+                                                       "--target; see 'k3ir check --help'")
+
+
+def test_help_keeps_the_usage_block(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: k3ir run [-h]") and "--max-new-tokens" in out
 
 
 def test_binary_file_is_one_line_error(tmp_path, capsys):
@@ -21,8 +95,5 @@ def test_binary_file_is_one_line_error(tmp_path, capsys):
 def test_unusable_device_is_a_usage_error_before_any_work(capsys, device, words):
     """``--device`` tpu/mps/meta/CPU: exit 2 with one line from argparse, before any pass runs (no torch
     traceback)."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as ex:                 # argparse: usage line + one error line, exit 2
-        main(["compile", "k3-tiny", "--target", "torch", "--device", device])
-    err = capsys.readouterr().err
-    assert ex.value.code == 2 and f"argument --device: {words}" in err and "Traceback" not in err
+    line = usage_error(capsys, "compile", "k3-tiny", "--target", "torch", "--device", device)
+    assert line.startswith(f"k3ir compile: error: argument --device: {words}"), line
