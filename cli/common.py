@@ -207,12 +207,26 @@ def human_bytes(n: float) -> str:
     return f"{n:,.0f} B"
 
 
+#: width of the console when stdout is not a terminal and ``COLUMNS`` is unset: wide enough that no table row or
+#: line of text is wrapped, so piped output (``k3ir backends | grep cuda``) keeps one row per line
+PIPE_WIDTH = 100_000
+
+
 def console():
+    """The rich Console commands print to (stdout; no markup, no highlighting). On a terminal it is as wide as the
+    terminal, at least 110 columns; piped or redirected it does not wrap (``PIPE_WIDTH``); ``COLUMNS`` set in the
+    environment gives the width in both cases (at least 110)."""
+    import os
     import shutil
 
     from rich.console import Console
     # markup off: user paths and install hints like 'k3ir[tvm]' contain square brackets
-    return Console(highlight=False, markup=False, width=max(110, shutil.get_terminal_size((110, 24)).columns))
+    con = Console(highlight=False, markup=False)
+    if con.is_terminal or os.environ.get("COLUMNS", "").strip().isdigit():
+        con.width = max(110, shutil.get_terminal_size((110, 24)).columns)
+    else:
+        con.width = PIPE_WIDTH
+    return con
 
 
 def print_step(con, head: str, rest: str) -> None:
