@@ -25,6 +25,7 @@ from .common import (
     human_bytes,
     load_model,
     model_arg,
+    native_stderr_hidden,
     parse_overrides,
     print_step,
     quiet_stdout,
@@ -145,25 +146,46 @@ def cmd_print(args) -> int:
 
 
 def cmd_backends(args) -> int:
+    """Two tables: every registered target (aliases, pipeline, description), then what the probes of this machine
+    say for each: whether it builds the whole model here and whether it runs here, each ``yes`` or ``no (why)``."""
     from k3ir.backends import list_backends
     from rich.table import Table
+    backends = list_backends()         # registers the built-in targets and plugins (a broken plugin warns here)
     t = Table(title="registered targets")
-    for c in ("target", "aliases", "available here", "pipeline", "description"):
+    for c in ("target", "aliases", "pipeline", "description"):
         t.add_column(c)
-    for b in list_backends():
-        why = b.available()
-        t.add_row(b.name, ", ".join(b.aliases), "yes" if why is None else f"no: {why}",
-                  ", ".join(b.pipeline) or "-", b.description)
-    console().print(t)
-    if any(x.name == "tvm-cuda" for x in list_backends()):
-        from k3ir.backends.tvm.cross import kind_report  # the TVM GPU kinds, from probes of this machine
-        g = Table(title="TVM kinds")
-        for c in ("target", "builds the whole model", "runs here"):
-            g.add_column(c)
-        for row in kind_report():
-            g.add_row(*row)
-        console().print(g)
+    for b in backends:
+        t.add_row(b.name, ", ".join(b.aliases), ", ".join(b.pipeline) or "-", b.description)
+    with native_stderr_hidden("probing the targets"):      # TVM's C++ log lines while it makes rocm/cuda targets
+        rows = target_status(backends)
+    g = Table(title="on this machine (probes)")
+    for c in ("target", "builds the whole model", "runs here"):
+        g.add_column(c)
+    for row in rows:
+        g.add_row(*row)
+    con = console()
+    con.print(t)
+    con.print(g)
     return 0
+
+
+def target_status(backends) -> list[tuple[str, str, str]]:
+    """(target, "builds the whole model: yes | no (why)", "runs here: yes | no (why)") per backend, from probes of
+    this machine. The TVM kinds report both separately (``backends.tvm.cross.kind_report``: the toolchain probe, and
+    the TVM runtime's device query); every other target builds and runs in the same process, so its one probe,
+    ``Backend.available()``, answers both."""
+    kinds: dict[str, tuple[str, str, str]] = {}
+    if any(b.name == "tvm-cuda" for b in backends):
+        from k3ir.backends.tvm.cross import kind_report
+        kinds = {row[0]: row for row in kind_report()}
+    rows = []
+    for b in backends:
+        if b.name in kinds:
+            rows.append(kinds[b.name])
+            continue
+        why = b.available()
+        rows.append((b.name, "yes", "yes") if why is None else (b.name, f"no ({why})", "no (same reason)"))
+    return rows
 
 
 DEFAULT_PROMPT = "Kimi K3 compiles "

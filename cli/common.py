@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from k3ir.errors import K3Error
@@ -90,6 +92,42 @@ def quiet_stdout() -> None:
         os.close(fd)
     except (OSError, ValueError, AttributeError):      # stdout without a file descriptor (captured in tests)
         pass
+
+
+@contextmanager
+def native_stderr_hidden(what: str) -> Iterator[None]:
+    """Keep what native code writes to file descriptor 2 while the block runs off the user's stderr: C++ libraries
+    log there directly (TVM prints ``Warning: Unable to detect ROCm version`` when a rocm target is made while
+    ``k3ir backends`` probes). That text is logged at debug level on ``k3ir.cli`` (``what`` names the step);
+    Python's own ``sys.stderr`` writes (warnings, log records) still reach the user, through a copy of the original
+    descriptor. Errors the block raises propagate unchanged."""
+    import logging
+    import os
+    import tempfile
+    stream = sys.stderr
+    try:
+        stream.flush()
+        python_on_fd2 = stream.fileno() == 2
+    except (AttributeError, OSError, ValueError):        # a stream without a descriptor (captured in tests)
+        python_on_fd2 = False
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        if python_on_fd2:
+            sys.stderr = open(saved, "w", encoding=stream.encoding, errors=stream.errors, closefd=False,  # noqa: SIM115
+                              buffering=1)
+        try:
+            yield
+        finally:
+            if sys.stderr is not stream:
+                sys.stderr.close()
+                sys.stderr = stream
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode("utf-8", errors="replace").strip()
+            if text:
+                logging.getLogger("k3ir.cli").debug("native stderr while %s:\n%s", what, text)
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

@@ -30,9 +30,10 @@ def summary_ops() -> frozenset[str]:
     return frozenset(n for n, d in all_ops().items() if d.family == "fused") | frozenset(UNFUSED_COMPOSITES)
 
 
-def target_pipeline(target: str) -> tuple[list, object | None, str | None]:
-    """(pipeline as ``[(phase, [pass specs])]``, backend or None, why it cannot build here or None) for
-    ``target``: the backend's own phases when it declares any, else ``passes.pipelines.phases_for``."""
+def target_phases(target: str) -> tuple[list, object | None, str | None]:
+    """(pipeline as ``[(phase, [pass specs])]``, backend or None, why no backend is registered or None) for
+    ``target``: the backend's own phases when it declares any, else ``passes.pipelines.phases_for``. Runs no
+    availability probe (``compile --help`` lists every target's phases without importing TVM or a GPU stack)."""
     from k3ir.backends import get_backend
     from k3ir.passes.pipelines import PIPELINES, phases_for
     try:
@@ -42,8 +43,13 @@ def target_pipeline(target: str) -> tuple[list, object | None, str | None]:
             raise
         return phases_for(target), None, str(e)
     known = backend.name in PIPELINES or backend.name.split("-")[0] in PIPELINES
-    pipe = list(backend.phases) or (phases_for(backend.name) if known else [])
-    return pipe, backend, backend.available()
+    return list(backend.phases) or (phases_for(backend.name) if known else []), backend, None
+
+
+def target_pipeline(target: str) -> tuple[list, object | None, str | None]:
+    """``target_phases``, with why the backend cannot build here (its ``available()`` probe) or None."""
+    pipe, backend, why = target_phases(target)
+    return pipe, backend, why if backend is None else backend.available()
 
 
 def check_dtype(target: str, dtype: str) -> str:
@@ -197,12 +203,13 @@ def _build(con, backend, m, dtype: str, args) -> None:
 
 
 def phases_help() -> str:
-    """Each registered target's pipeline by phase, as ``k3ir compile --target T`` runs it (``target_pipeline``)."""
+    """Each registered target's pipeline by phase, as ``k3ir compile --target T`` runs it (``target_phases``: no
+    availability probe runs)."""
     from k3ir.backends import list_backends
     from k3ir.passes.pipelines import describe
     lines = ["pipelines by phase (what --target T runs; k3ir check --target T shows it too):"]
     for b in list_backends():
-        lines.append(f"  {b.name:<11} {describe(target_pipeline(b.name)[0])}")
+        lines.append(f"  {b.name:<11} {describe(target_phases(b.name)[0])}")
     return "\n".join(lines)
 
 
@@ -280,4 +287,5 @@ def cmd_check(args) -> int:
     return 0
 
 
-__all__ = ["UsageError", "apply_passes", "check_dtype", "cmd_check", "cmd_compile", "register", "target_pipeline"]
+__all__ = ["UsageError", "apply_passes", "check_dtype", "cmd_check", "cmd_compile", "register", "target_phases",
+           "target_pipeline"]
