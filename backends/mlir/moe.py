@@ -90,6 +90,33 @@ def _sorted_rows(e: MlirEmitter, flat: Val, offsets: Val, R: str) -> tuple[Val, 
     return pv, Val(order, "i64", (R,))
 
 
+def _tokens(lead: tuple) -> int | str:
+    """The token count ``N`` of the leading dims: an int where they are static, else their product spelled with
+    the dim names (IR dims are ints or names)."""
+    if all(isinstance(d, int) for d in lead):
+        return int(np.prod(lead)) if lead else 1
+    return "*".join(f"({d})" if isinstance(d, str) else str(d) for d in lead)
+
+
+def _sort_by_expert(e: MlirEmitter, x: Val, idx: Val, E: int, R) -> tuple[Val, Val, Val, Val, Val]:
+    """The stable sort of the ``R`` routed copies by expert (module docstring) that ``k3.moe`` and
+    ``k3.moe_dispatch`` share: x ``[..., D]``, idx ``[..., k]``. Returns counts ``i64[E]``, exclusive offsets
+    ``i64[E]``, ``pos i64[R]`` (slot -> sorted row), ``order i64[R]`` (sorted row -> slot) and the sorted rows
+    ``xs [R, D]`` in x's dtype (``xs[p] = x[order[p] / k]``)."""
+    D, k = int(x.shape[-1]), int(idx.shape[-1])
+    xf = reshape_to(e, x, (_tokens(tuple(x.shape[:-1])), D))
+    flat = reshape_to(e, idx, (R,))
+    counts, offsets = _count_by_expert(e, flat, E)
+    pos, order = _sorted_rows(e, flat, offsets, R)
+
+    def pick(a, o):
+        row = e.body_op(f"arith.divui {_index(e, a[0], 'i64')}, {e.cindex(k)} : index")
+        return [e.body_op(f"tensor.extract {xf.name}[{row}, {e.body_op('linalg.index 1 : index')}] : {xf.type}")]
+    (xs,) = e.gen(2, ["parallel", "parallel"], [(order, ["d0"])],
+                  [(e.empty((R, D), xf.elem), ttype((R, D), xf.elem), xf.elem, ["d0", "d1"])], pick)
+    return counts, offsets, pos, order, Val(xs, xf.elem, (R, D))
+
+
 def _read_index(e: MlirEmitter, v: Val, i: int) -> str:
     """``v[i]`` of an integer vector as an ``index`` value (a host readback where IREE needs it)."""
     return e.assign(f"arith.index_cast {e.assign(f'tensor.extract {v.name}[{e.cindex(i)}] : {v.type}', 'o')} : "
@@ -229,24 +256,10 @@ def _moe(e: MlirEmitter, op, inst, x, wts, idx, w1, w3, w2):
     k = int(wts.shape[-1])
     E, I = int(w1.shape[0]), int(w1.shape[1])
     lead = tuple(x.shape[:-1])
-    if all(isinstance(d, int) for d in lead):          # static shapes stay static (IR dims: ints or names)
-        N: int | str = int(np.prod(lead)) if lead else 1
-        R: int | str = N * k
-    else:
-        N = "*".join(f"({d})" if isinstance(d, str) else str(d) for d in lead)
-        R = f"{N}*{k}"
-    xf = reshape_to(e, x, (N, D))
-    flat = reshape_to(e, idx, (R,))
+    N = _tokens(lead)                                   # static shapes stay static
+    R = N * k if isinstance(N, int) else f"{N}*{k}"
     wf = reshape_to(e, wts, (R,))
-    counts, offsets = _count_by_expert(e, flat, E)
-    pos, order = _sorted_rows(e, flat, offsets, R)
-
-    def pick(a, o):
-        row = e.body_op(f"arith.divui {_index(e, a[0], 'i64')}, {e.cindex(k)} : index")
-        return [e.body_op(f"tensor.extract {xf.name}[{row}, {e.body_op('linalg.index 1 : index')}] : {xf.type}")]
-    (xs,) = e.gen(2, ["parallel", "parallel"], [(order, ["d0"])],
-                  [(e.empty((R, D), xf.elem), ttype((R, D), xf.elem), xf.elem, ["d0", "d1"])], pick)
-    xs = Val(xs, xf.elem, (R, D))
+    counts, offsets, pos, _, xs = _sort_by_expert(e, x, idx, E, R)
 
     segs = _segments(e, offsets, E, counts)
     g, u = (_as_rows(e, _per_expert_matmuls(e, xs, segs, _whole_matrix(e, w), I), R) for w in (w1, w3))
@@ -287,23 +300,9 @@ def _moe_dispatch(e: MlirEmitter, op, inst, x, wts, idx):
     prefix sums of the counts, the last one R), ``inv_perm [B,T,k]`` (the sorted row of each slot) and ``comb_w
     f32[R]`` (the weights gathered by ``order``)."""
     E = int(inst.num_experts)
-    D = int(x.shape[-1])
-    k = int(wts.shape[-1])
-    lead = tuple(x.shape[:-1])
     R = op.results[0].type.shape[0]
-    N = int(np.prod(lead)) if all(isinstance(d, int) for d in lead) else "*".join(
-        f"({d})" if isinstance(d, str) else str(d) for d in lead)
-    xf = reshape_to(e, x, (N, D))
-    flat = reshape_to(e, idx, (R,))
     wf = reshape_to(e, wts, (R,))
-    counts, excl = _count_by_expert(e, flat, E)
-    pos, order = _sorted_rows(e, flat, excl, R)
-
-    def pick(a, o):
-        row = e.body_op(f"arith.divui {_index(e, a[0], 'i64')}, {e.cindex(k)} : index")
-        return [e.body_op(f"tensor.extract {xf.name}[{row}, {e.body_op('linalg.index 1 : index')}] : {xf.type}")]
-    (xs,) = e.gen(2, ["parallel", "parallel"], [(order, ["d0"])],
-                  [(e.empty((R, D), xf.elem), ttype((R, D), xf.elem), xf.elem, ["d0", "d1"])], pick)
+    counts, _, pos, order, xs = _sort_by_expert(e, x, idx, E, R)
 
     def bounds(a, o):                                         # offsets[i] = sum_{j < i} counts[j], i = 0..E
         lt = e.body_op(f"arith.cmpi ult, {e.body_op('linalg.index 1 : index')}, {e.body_op('linalg.index 0 : index')} "
@@ -318,7 +317,7 @@ def _moe_dispatch(e: MlirEmitter, op, inst, x, wts, idx):
     (cw,) = e.gen(1, ["parallel"], [(order, ["d0"])], [(e.empty((R,), FLOAT), ttype((R,), FLOAT), FLOAT, ["d0"])],
                   weight)
     inv = reshape_to(e, pos, tuple(op.results[2].type.shape))
-    return Val(xs, xf.elem, (R, D)), Val(offsets, "i64", (E + 1,)), inv, Val(cw, FLOAT, (R,))
+    return xs, Val(offsets, "i64", (E + 1,)), inv, Val(cw, FLOAT, (R,))
 
 
 def _grouped_form(op) -> str | None:
