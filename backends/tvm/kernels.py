@@ -61,22 +61,19 @@ def linear_tiles(N: int, K: int) -> tuple[int, int] | None:
     return None if VL is None else (_lanes(N, (4, 2, 1)), VL)
 
 
-def _tile_macro(dtype: str, K: int, NT: int, VL: int):
-    """TVMScript macro ``tile(x, w, y, acc, r0, n0, MR, ybase)``: rows ``r0:r0+MR`` of x times weight rows
-    ``n0:n0+NT`` into ``y[r, n0 - ybase + j]``; acc a local ``[MT, NT, VL]`` buffer."""
-    KO = K // VL
-
+def _accumulator_macros(dtype: str, NT: int, VL: int):
+    """TVMScript macros over the local ``[MT, NT, VL]`` accumulator of a register tile (``_tile_macro``,
+    ``_quant_tile_macro``): ``clear(acc, MR)`` zeroes its first MR rows; ``store(acc, y, r0, c0, MR)`` sums each
+    of their VL-lane partial sums (VL 4, 8 or 16, by halving) into ``y[r0 + mi, c0 + ni]``."""
     @T.macro
-    def tile(x, w, y, acc, r0, n0, MR, ybase):
+    def clear(acc, MR):
         for mi in T.unroll(MR):
             for ni in T.unroll(NT):
                 for v in T.vectorized(VL):
                     acc[mi, ni, v] = T.Cast(dtype, 0)
-        for ko in range(KO):
-            for mi in T.unroll(MR):
-                for ni in T.unroll(NT):
-                    for v in T.vectorized(VL):
-                        acc[mi, ni, v] = acc[mi, ni, v] + x[r0 + mi, ko * VL + v] * w[n0 + ni, ko * VL + v]
+
+    @T.macro
+    def store(acc, y, r0, c0, MR):
         for mi in T.unroll(MR):
             for ni in T.unroll(NT):
                 if VL >= 16:
@@ -87,7 +84,25 @@ def _tile_macro(dtype: str, K: int, NT: int, VL: int):
                         acc[mi, ni, v] = acc[mi, ni, v] + acc[mi, ni, v + 4]
                 for v in T.vectorized(2):
                     acc[mi, ni, v] = acc[mi, ni, v] + acc[mi, ni, v + 2]
-                y[r0 + mi, n0 - ybase + ni] = acc[mi, ni, 0] + acc[mi, ni, 1]
+                y[r0 + mi, c0 + ni] = acc[mi, ni, 0] + acc[mi, ni, 1]
+    return clear, store
+
+
+def _tile_macro(dtype: str, K: int, NT: int, VL: int):
+    """TVMScript macro ``tile(x, w, y, acc, r0, n0, MR, ybase)``: rows ``r0:r0+MR`` of x times weight rows
+    ``n0:n0+NT`` into ``y[r, n0 - ybase + j]``; acc a local ``[MT, NT, VL]`` buffer."""
+    KO = K // VL
+    clear, store = _accumulator_macros(dtype, NT, VL)
+
+    @T.macro
+    def tile(x, w, y, acc, r0, n0, MR, ybase):
+        clear(acc, MR)
+        for ko in range(KO):
+            for mi in T.unroll(MR):
+                for ni in T.unroll(NT):
+                    for v in T.vectorized(VL):
+                        acc[mi, ni, v] = acc[mi, ni, v] + x[r0 + mi, ko * VL + v] * w[n0 + ni, ko * VL + v]
+        store(acc, y, r0, n0 - ybase, MR)
     return tile
 
 
@@ -199,12 +214,11 @@ def _quant_tile_macro(dtype: str, K: int, NT: int, quant: str):
             return T.exp2(T.Cast(dtype, T.Cast("int32", s) - 127))
         return T.Cast(dtype, s)
 
+    clear, store = _accumulator_macros(dtype, NT, QVL)
+
     @T.macro
     def tile(x, w, sc, y, acc, wt, r0, e, n0, MR):
-        for mi in T.unroll(MR):
-            for ni in T.unroll(NT):
-                for v in T.vectorized(QVL):
-                    acc[mi, ni, v] = T.Cast(dtype, 0)
+        clear(acc, MR)
         for ko in range(KO):
             for ni in T.unroll(NT):
                 wt[ni, QVL] = scale(sc, e, n0 + ni, ko)
@@ -214,15 +228,7 @@ def _quant_tile_macro(dtype: str, K: int, NT: int, quant: str):
                 for ni in T.unroll(NT):
                     for v in T.vectorized(QVL):
                         acc[mi, ni, v] = acc[mi, ni, v] + x[r0 + mi, ko * QVL + v] * wt[ni, v]
-        for mi in T.unroll(MR):
-            for ni in T.unroll(NT):
-                for v in T.vectorized(8):
-                    acc[mi, ni, v] = acc[mi, ni, v] + acc[mi, ni, v + 8]
-                for v in T.vectorized(4):
-                    acc[mi, ni, v] = acc[mi, ni, v] + acc[mi, ni, v + 4]
-                for v in T.vectorized(2):
-                    acc[mi, ni, v] = acc[mi, ni, v] + acc[mi, ni, v + 2]
-                y[r0 + mi, n0 + ni] = acc[mi, ni, 0] + acc[mi, ni, 1]
+        store(acc, y, r0, n0, MR)
     return tile
 
 
