@@ -17,7 +17,16 @@ from collections import Counter
 
 from k3ir.errors import K3BackendError
 
-from .common import UsageError, check_seed, console, device_type, human_bytes, load_model, model_arg
+from .common import (
+    UsageError,
+    check_seed,
+    console,
+    device_type,
+    human_bytes,
+    load_model,
+    model_arg,
+    native_stderr_hidden,
+)
 
 #: model ops that fusion passes rewrite: the summary counts those left unfused next to the fused ones
 UNFUSED_COMPOSITES = ("k3.kda", "k3.moe", "k3.attn_res", "k3.mla")
@@ -46,12 +55,6 @@ def target_phases(target: str) -> tuple[list, object | None, str | None]:
     return list(backend.phases) or (phases_for(backend.name) if known else []), backend, None
 
 
-def target_pipeline(target: str) -> tuple[list, object | None, str | None]:
-    """``target_phases``, with why the backend cannot build here (its ``available()`` probe) or None."""
-    pipe, backend, why = target_phases(target)
-    return pipe, backend, why if backend is None else backend.available()
-
-
 def check_dtype(target: str, dtype: str) -> str:
     """The canonical compute dtype for ``--dtype`` on ``target`` (``k3ir.backends.resolve_dtype``);
     K3BackendError naming the dtype and the target's supported ones. A pipeline-only target (no
@@ -69,10 +72,11 @@ def check_dtype(target: str, dtype: str) -> str:
 
 def apply_passes(module, target: str, passes: str | None = None, quantize: str | None = None,
                  verify_each: bool = False, dump_dir: str | None = None):
-    """Run ``passes`` (comma-separated specs) or ``target``'s pipeline on ``module`` in place.
-    Returns (results, backend or None, why-not-buildable or None)."""
+    """Run ``passes`` (comma-separated specs) or ``target``'s pipeline on ``module`` in place. Returns (results,
+    backend or None, why no backend is registered for ``target`` or None); the backend's availability is not
+    probed here (``compile`` asks it before building; ``check`` and ``inspect`` need only the pipeline)."""
     from k3ir.passes import run_pipeline
-    pipe, backend, why = target_pipeline(target)
+    pipe, backend, why = target_phases(target)
     if passes is not None:
         pipe = passes
     results: list = []
@@ -121,6 +125,9 @@ def cmd_compile(args) -> int:
     t1 = time.perf_counter()
     results, backend, why = apply_passes(m, args.target, args.passes, args.quantize, args.verify_each, args.dump_ir)
     t_pass = time.perf_counter() - t1
+    if backend is not None:
+        with native_stderr_hidden(f"probing target '{backend.name}'"):     # TVM's C++ log lines (rocm's version)
+            why = backend.available()
     if not args.verify_each:
         verify_module(m)
     bytes_after = report(m).param_bytes
@@ -287,5 +294,4 @@ def cmd_check(args) -> int:
     return 0
 
 
-__all__ = ["UsageError", "apply_passes", "check_dtype", "cmd_check", "cmd_compile", "register", "target_phases",
-           "target_pipeline"]
+__all__ = ["UsageError", "apply_passes", "check_dtype", "cmd_check", "cmd_compile", "register", "target_phases"]

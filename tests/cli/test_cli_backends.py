@@ -98,6 +98,15 @@ def test_compile_help_imports_no_tvm_and_prints_no_tvm_log():
     assert p.stdout.splitlines()[-1] == "[]", p.stdout.splitlines()[-1]
 
 
+def test_check_and_compile_print_no_tvm_log():
+    """``check`` runs the pipeline without probing the target; ``compile`` probes it with TVM's log kept off stderr
+    (tvm-rocm: making its target logs "Unable to detect ROCm version")."""
+    for args in (("check", "k3-tiny", "--target", "tvm-rocm"), ("compile", "k3-tiny", "--target", "tvm-rocm",
+                                                                 "--ir-only")):
+        p = _k3ir(*args)
+        assert p.returncode == 0 and p.stderr == "", (args, p.stderr)
+
+
 def test_native_stderr_hidden_keeps_python_stderr(capfd, caplog):
     """What is written to descriptor 2 directly (as C++ libraries do) is logged at debug level, not shown; Python's
     own stderr writes in the block still are."""
