@@ -89,6 +89,8 @@ def gpu_target(kind: str, arch: str = ""):
 def _lowering_class():
     from tvm import relax, tirx
 
+    from . import gpu_attn_res as GA
+    from . import gpu_kda as GK
     from . import gpu_kernels as G
     from . import kernels as K
     from .lower import RelaxLowering
@@ -133,11 +135,42 @@ def _lowering_class():
                 E, N, Kd, quant = key[1:]
                 return super().kernel(("grouped_gemm_gpu", E, N, Kd, quant),
                                       lambda: G.grouped_gemm_gpu(E, N, Kd, quant, self.fdt))
+            if name == "kda_chunk":                        # (H, K, V, C, min_tokens): the chunked KDA prefill
+                return super().kernel(("kda_chunk_gpu", *key[1:]),
+                                      lambda: GK.kda_chunk_gpu(*key[1:4], C=key[4], min_tokens=key[5], dtype=self.fdt))
+            if name == "attn_res":                         # (n_blocks, slots, d, round(eps * 1e12))
+                return super().kernel(("attn_res_gpu", *key[1:]),
+                                      lambda: GA.attn_res_gpu(*key[1:4], key[4] / 1e12, self.fdt))
             if name == "mla_attention":                    # (H, Hk, D, P, Dv, round(scale * 1e9))
                 H, Hk, D, P, Dv, scale = key[1:]
                 return super().kernel(("mla_attention_gpu", *key[1:]),
                                       lambda: G.mla_attention_gpu(H, Hk, D, P, Dv, scale / 1e9, self.fdt))
             return super().kernel(key, make)
+
+        def kda_call(self, q, k, v, g, beta, s):
+            """A prefill (T symbolic) runs ``gpu_kda.kda_chunk_gpu`` (chunked from ``TvmConfig.kda_chunk_min_tokens``
+            tokens, the recurrence below that, chosen at run time); a decode step (T static) the recurrence."""
+            B, Tn, H, Kd = self.shape(k)
+            if isinstance(Tn, (int, tirx.IntImm)):
+                return super().kda_call(q, k, v, g, beta, s)
+            from .config import get_tvm_config
+            cfg = get_tvm_config()
+            H, Kd, V, C = int(H), int(Kd), int(self.shape(v)[3]), cfg.kda_chunk_size
+            key = ("kda_chunk", H, Kd, V, C, max(cfg.kda_chunk_min_tokens, 0))
+            gv = self.kernel(key, lambda: GK.kda_chunk_gpu(H, Kd, V, C=C, min_tokens=key[5], dtype=self.fdt,
+                                                             emulate=True))
+            f32 = "float32"
+            out = [relax.TensorType([B, Tn, H, V], self.fdt), relax.TensorType([B, H, Kd, V], self.fdt)] + [
+                relax.TensorType([B, Tn, H, n], f32) for n in (Kd, Kd, Kd, Kd, V, C)]     # gpu_kda.WORKSPACES
+            return self.emit(relax.call_tir(gv, [q, k, v, g, beta, s], out))
+
+        def attn_res_fused(self, w, r, buf, pref, n_blocks, eps):
+            """``k3.attn_res_fused`` as ``gpu_attn_res.attn_res_gpu``: one kernel, the sources read in place."""
+            slots, d = (int(x) for x in self.shape(buf)[2:])
+            key = ("attn_res", n_blocks, slots, d, round(eps * 1e12))
+            gv = self.kernel(key, lambda: GA.attn_res_gpu(n_blocks, slots, d, key[4] / 1e12, self.fdt, emulate=True))
+            ins = [self.emit(R_.reshape(self.f(w), [-1])), self.f(r), self.f(buf), self.f(pref)]
+            return self.emit(relax.call_tir(gv, ins, relax.TensorType(self.shape(pref), self.fdt)))
 
         def te(self, fn, *args, name: str = "k3", **kw):
             if fn is K.grouped_matmul:                      # MoE expert GEMM: the hand-scheduled GPU kernel
@@ -419,9 +452,11 @@ def _child(argv: list[str]) -> int:
         with open(log_path, "a") as f:
             f.write(json.dumps([kernel, rule]) + "\n")
     deny = {(x[0], x[1]) for x in spec.get("deny", [])}
+    from .config import tvm_config
     try:
-        ex, params, report = build_gpu(module, spec["kind"], spec["arch"], spec["dtype"], spec.get("functions"),
-                                       deny, log=log)
+        with tvm_config(**spec.get("config", {})):        # the parent's TvmConfig (its scope is not inherited)
+            ex, params, report = build_gpu(module, spec["kind"], spec["arch"], spec["dtype"], spec.get("functions"),
+                                           deny, log=log)
         files = write_library(ex, spec["kind"], spec["out_dir"], spec["stem"], emit_source=spec.get("emit_source"))
     except K3BackendError as e:
         with open(spec["result"], "w") as f:
@@ -442,6 +477,8 @@ def build_kind_subprocess(module, kind: str, arch: str, out_dir: str, stem: str,
     import tempfile
 
     from k3ir.printer import print_module
+
+    from .config import get_tvm_config
     deny: list[list[str]] = []
     with tempfile.TemporaryDirectory(prefix=f"k3ir-tvm-{kind}-") as tmp:
         mpath = os.path.join(tmp, "module.k3")
@@ -451,7 +488,7 @@ def build_kind_subprocess(module, kind: str, arch: str, out_dir: str, stem: str,
             log, result = os.path.join(tmp, f"log{attempt}.jsonl"), os.path.join(tmp, f"result{attempt}.json")
             spec = {"module": mpath, "kind": kind, "arch": arch, "dtype": dtype, "functions": functions,
                     "out_dir": os.path.abspath(out_dir), "stem": stem, "log": log, "result": result, "deny": deny,
-                    "emit_source": emit_source}
+                    "emit_source": emit_source, "config": asdict(get_tvm_config())}
             spath = os.path.join(tmp, f"spec{attempt}.json")
             with open(spath, "w") as f:
                 json.dump(spec, f)

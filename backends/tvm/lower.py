@@ -28,7 +28,7 @@ from k3ir.types import StateType, TensorType
 
 from ..lowering import native_impl
 from . import kernels as K
-from . import lower_model  # noqa: F401  (model and fused ops register into TABLE)
+from . import lower_model  # model and fused ops register into TABLE
 from .table import R_, TABLE, lowers, slice_axis
 
 Lowering = Callable[..., Any]
@@ -110,6 +110,21 @@ class RelaxLowering:
 
     def kda_kernel(self, H: int, Kd: int, V: int):
         return self.kernel(("kda_recurrent", H, Kd, V), lambda: K.kda_kernel(H, Kd, V, self.fdt))
+
+    def kda_call(self, q, k, v, g, beta, s):
+        """The KDA recurrence (SPEC.md 3.5) on q (pre-scaled), k, g (log-decay) ``[B,T,H,K]``, v ``[B,T,H,V]``, beta
+        ``[B,T,H]``, s ``[B,H,K,V]``: a tuple whose fields 0 and 1 are o ``[B,T,H,V]`` and the state out
+        (``kda_kernel`` on exp(g) here; ``gpu.GpuLowering`` runs the chunked GPU kernels for a prefill)."""
+        B, Tn, H, Kd = self.shape(k)
+        V = self.shape(v)[3]
+        out = [relax.TensorType([B, Tn, H, V], self.fdt), relax.TensorType([B, H, Kd, V], self.fdt)]
+        decay = self.emit(R_.exp(g))
+        return self.emit(relax.call_tir(self.kda_kernel(int(H), int(Kd), int(V)), [q, k, v, decay, beta, s], out))
+
+    def attn_res_fused(self, w, r, buf, pref, n_blocks: int, eps: float):
+        """``k3.attn_res_fused`` (SPEC.md 2): Relax ops here (``lower_model.attn_res_fused``); ``gpu.GpuLowering``
+        runs one hand-scheduled kernel."""
+        return lower_model.attn_res_fused(self, w, r, buf, pref, n_blocks, eps)
 
     def kernel(self, key: tuple, make: Callable[[], Any]) -> relax.GlobalVar:
         """The module's PrimFunc for ``key`` (name first), added from ``make()`` on first use."""

@@ -99,13 +99,11 @@ def kda(lw, q, k, v, g, beta, s, scale: float):
     """The recurrence kernel on ``[B,T,H,*]`` tensors; s None = zero state."""
     q = lw.emit(R_.multiply(lw.f(q), lw.const(scale)))
     k, v, g, beta = (lw.f(t) for t in (k, v, g, beta))
-    B, Tn, H, Kd = lw.shape(k)
+    B, _, H, Kd = lw.shape(k)
     V = lw.shape(v)[3]
     if s is None:
         s = lw.te(lambda: K.zeros([B, H, Kd, V], lw.fdt), name="kda_zero_state")
-    out = [relax.TensorType([B, Tn, H, V], lw.fdt), relax.TensorType([B, H, Kd, V], lw.fdt)]
-    decay = lw.emit(R_.exp(g))
-    t = lw.emit(relax.call_tir(lw.kda_kernel(int(H), int(Kd), int(V)), [q, k, v, decay, beta, lw.f(s)], out))
+    t = lw.kda_call(q, k, v, g, beta, lw.f(s))
     return _get(lw, t, 0), _get(lw, t, 1)
 
 
@@ -238,11 +236,16 @@ def _attn_res(lw, inst, w, r, sources):
     return attn_mix(lw, w, r, V, inst.eps)
 
 
+def attn_res_fused(lw, w, r, buf, pref, n_blocks: int, eps: float):
+    """AttnRes over snapshots ``0..n_blocks-1`` of buf ``[B,T,S,d]`` and pref ``[B,T,d]`` as Relax ops."""
+    blocks = slice_axis(lw, lw.f(buf), 2, 0, n_blocks)
+    V = lw.emit(R_.concat([blocks, R_.expand_dims(lw.f(pref), 2)], axis=2))
+    return attn_mix(lw, w, r, V, eps)
+
+
 @lowers("k3.attn_res_fused")
 def _attn_res_fused(lw, inst, w, r, buf, pref):
-    blocks = slice_axis(lw, lw.f(buf), 2, 0, inst.n_blocks)
-    V = lw.emit(R_.concat([blocks, R_.expand_dims(lw.f(pref), 2)], axis=2))
-    return attn_mix(lw, w, r, V, inst.eps)
+    return lw.attn_res_fused(w, r, buf, pref, inst.n_blocks, inst.eps)
 
 
 @lowers("k3.attn_res_store")
