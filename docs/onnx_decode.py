@@ -7,9 +7,10 @@
     k3ir export k3-tiny --format onnx --function decode -o decode.onnx
     python docs/onnx_decode.py prefill.onnx --decode decode.onnx --prompt 5 17 42
 
-Inputs are ``input_ids`` (int64 ``[B,T]``) then one tensor per state; outputs are ``logits``
-(``[B,1,V]``: the last position's, the file's default ``logits_to_keep`` = 1; feed ``logits_to_keep`` = 0 for
-``[B,T,V]``) then ``present.<state>`` in the same order (``k3ir export --describe`` lists them).
+Inputs are ``input_ids`` (int64 ``[B,T]``) then one tensor per state, then the optional ``logits_to_keep``
+(int64 scalar, left out here); outputs are ``logits`` (``[B,1,V]``: the last position's, the file's default
+``logits_to_keep`` = 1; feed ``logits_to_keep`` = 0 for ``[B,T,V]``) then ``present.<state>`` in the same order
+(``k3ir export --describe`` lists them).
 A fresh sequence feeds zero states, with 0 for a dynamic length such as the MLA cache's ``L``.
 Only numpy and onnxruntime are needed here.
 """
@@ -21,10 +22,15 @@ import numpy as np
 import onnxruntime as ort
 
 
+def state_inputs(sess: ort.InferenceSession) -> list:
+    """The state inputs: every input after ``input_ids`` but the optional ``logits_to_keep``."""
+    return [spec for spec in sess.get_inputs()[1:] if not spec.type.startswith("optional")]
+
+
 def zero_states(sess: ort.InferenceSession, batch: int) -> dict[str, np.ndarray]:
-    """Zero-filled states for every input after ``input_ids`` (batch dim ``B``, other dynamic dims 0)."""
+    """Zero-filled states (batch dim ``B``, other dynamic dims 0)."""
     out = {}
-    for spec in sess.get_inputs()[1:]:
+    for spec in state_inputs(sess):
         shape = [batch if d == "B" else (d if isinstance(d, int) else 0) for d in spec.shape]
         out[spec.name] = np.zeros(shape, np.float16 if "float16" in spec.type else np.float32)
     return out
@@ -32,11 +38,9 @@ def zero_states(sess: ort.InferenceSession, batch: int) -> dict[str, np.ndarray]
 
 def generate(prefill_path: str, decode_path: str, prompt: list[int], steps: int = 8) -> list[int]:
     """Greedy tokens after ``prompt`` (batch of one)."""
-    so = ort.SessionOptions()
-    so.log_severity_level = 3          # no warning that the optional input logits_to_keep has a default
-    prefill = ort.InferenceSession(prefill_path, so, providers=["CPUExecutionProvider"])
-    decode = ort.InferenceSession(decode_path, so, providers=["CPUExecutionProvider"])
-    names = [s.name for s in prefill.get_inputs()[1:]]
+    prefill = ort.InferenceSession(prefill_path, providers=["CPUExecutionProvider"])
+    decode = ort.InferenceSession(decode_path, providers=["CPUExecutionProvider"])
+    names = [s.name for s in state_inputs(prefill)]
     feeds = {"input_ids": np.asarray([prompt], np.int64), **zero_states(prefill, 1)}
     logits, *states = prefill.run(None, feeds)
     tokens = []

@@ -103,7 +103,8 @@ class OnnxExecutable(Executable):
                     raise K3BackendError("onnx executable: call prepare_params before run")
                 src = self.model(function).SerializeToString()
             sess = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
-            self._keeps[function] = any(i.name == LOGITS_TO_KEEP for i in sess.get_overridable_initializers())
+            inputs = [*sess.get_inputs(), *sess.get_overridable_initializers()]   # (earlier files: an initializer)
+            self._keeps[function] = any(i.name == LOGITS_TO_KEEP for i in inputs)
             self._sessions[function] = sess
         return self._sessions[function]
 

@@ -92,7 +92,7 @@ class OnnxExporter:
         if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, (int, np.integer)) or logits_to_keep < 0:
             raise K3BackendError(f"logits_to_keep must be an integer >= 0 (0: every position), not {logits_to_keep!r}")
         self.logits_to_keep = int(logits_to_keep)
-        self._keep_input: str | None = None      # the logits_to_keep graph input, once a lm_head asked for it
+        self._keep_input: str | None = None      # the kept count (from input logits_to_keep), once a lm_head asks
         self._typed_params: dict[str, int] = {}   # param -> ONNX element type other than its IR dtype's
         self.domains: set[str] = set()          # non-default operator domains the graph uses
         self.module = module
@@ -199,14 +199,22 @@ class OnnxExporter:
         return name
 
     def logits_to_keep_input(self) -> str:
-        """The main graph's ``logits_to_keep`` input (int64 scalar) with its default as an initializer of the
-        same name (ONNX's overridable initializer: a caller that does not feed it gets the default)."""
+        """The int64 scalar the ``lm_head`` keeps: the main graph's input ``logits_to_keep`` where the caller feeds
+        it, else the file's default ``self.logits_to_keep``. The input is typed ``optional(tensor(int64))`` (ONNX
+        IR 8; a caller may leave it out) and an ``If`` on ``OptionalHasElement`` picks the fed value or a
+        ``Constant`` default. Not an initializer of the input's name (the IR's other form of a default):
+        onnxruntime logs a warning for every such initializer at every session creation (IR >= 4)."""
         if self._keep_input is None:
             onnx = _onnx()
-            name = LOGITS_TO_KEEP
-            self.main.inputs.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.INT64, []))
-            self.main.initializers.append(onnx.numpy_helper.from_array(np.array(self.logits_to_keep, np.int64), name))
-            self._keep_input = name
+            g, name, int64 = self.main, LOGITS_TO_KEEP, onnx.TensorProto.INT64
+            scalar = onnx.helper.make_tensor_type_proto(int64, [])
+            g.inputs.append(onnx.helper.make_value_info(name, onnx.helper.make_optional_type_proto(scalar)))
+            fed, default = Graph(self, f"{name}_fed"), Graph(self, f"{name}_default")
+            fed.outputs.append(onnx.helper.make_tensor_value_info(fed.node("OptionalGetElement", [name]), int64, []))
+            default.outputs.append(onnx.helper.make_tensor_value_info(default.const(self.logits_to_keep, "int64"),
+                                                                      int64, []))
+            self._keep_input = g.node("If", [g.node("OptionalHasElement", [name])], then_branch=fed.make(),
+                                      else_branch=default.make())
         return self._keep_input
 
     def _initializer(self, name: str, decl, parts: list[str] | None = None):
@@ -381,7 +389,8 @@ def describe_io(module: Module, function: str = "prefill", opset: int | None = N
                 mxfp4_form: str = "unpack", logits_to_keep: int = 1) -> list[tuple[str, str, str, list]]:
     """The interface of the exported ``@function``: ``(direction, name, element type, shape)`` for
     every graph input (``"input"``: token ids then one per state, zero-filled for a fresh
-    sequence) and output (``"output"``: ``logits`` then ``present.<state>``), weights left out.
+    sequence, then the optional ``logits_to_keep``, as its tensor's int64 ``[]``) and output (``"output"``:
+    ``logits`` then ``present.<state>``), weights left out.
     Shapes use the IR's symbolic dims (``B`` batch, ``T`` new tokens, ``L`` cached tokens, ``L_plus_T`` the
     cache after the call, ``L_plus_1`` in ``@decode``); the
     other options as in ``OnnxExporter`` (they do not change the interface, but are checked the same way).
@@ -395,7 +404,7 @@ def describe_io(module: Module, function: str = "prefill", opset: int | None = N
         for v in values:
             if v.name in weights:
                 continue
-            t = v.type.tensor_type
+            t = v.type.optional_type.elem_type.tensor_type if v.type.HasField("optional_type") else v.type.tensor_type
             shape = [d.dim_param or d.dim_value for d in t.shape.dim]
             rows.append((kind, v.name, onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name, shape))
     return rows

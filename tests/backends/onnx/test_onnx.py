@@ -40,7 +40,7 @@ def test_full_k3_structure_export_passes_checker():
     x = OnnxExporter(m, weights="inputs", opset=20)
     model = x.export_function("prefill")
     onnx.checker.check_model(model)
-    assert [i.name for i in model.graph.initializer] == ["logits_to_keep"]   # structure only: no weight data
+    assert not model.graph.initializer                                     # structure only: no weight data
     names = {i.name for i in model.graph.input}
     assert {p for p in m.params if p.startswith("language_model.")} <= names
     assert sum(1 for n in model.graph.node if n.op_type == "Scan") == len(m.attrs["kda_layers"])
