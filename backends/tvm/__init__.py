@@ -114,6 +114,16 @@ def _np(a, dtype=None) -> np.ndarray:
     return a.astype(dtype) if dtype is not None and a.dtype != dtype else a
 
 
+def _tvm_tensor(a: np.ndarray):
+    """``a`` as a ``tvm.runtime.Tensor``: without a copy when it is C-contiguous, writable and 64-byte aligned (the
+    kernels' buffers are declared 64-byte aligned: every array ``run`` returned, e.g. the states fed back each decode
+    step), else a copy."""
+    import tvm
+    if a.flags.c_contiguous and a.flags.writeable and a.ctypes.data % 64 == 0 and a.size:
+        return tvm.runtime.from_dlpack(a)
+    return tvm.runtime.tensor(np.ascontiguousarray(a))
+
+
 class TVMExecutable(Executable):
     """Relax VM functions compiled for ``llvm``; parameters are ``tvm.runtime.Tensor`` values
     (float params in the compile dtype, packed MXFP4 ``u8`` / INT4 ``i32`` kept packed).
@@ -203,17 +213,15 @@ class TVMExecutable(Executable):
         return out
 
     def run(self, function: str, args: list[Any], params: dict[str, Any]) -> list[Any]:
-        import tvm
-
         from k3ir.types import TensorType
         fn, names = self.compile(function)
         targs = []
         for a, spec in zip(args, self.module.functions[function].args):
             ints = isinstance(spec.type, TensorType) and spec.type.dtype in ("i64", "i32")
-            targs.append(tvm.runtime.tensor(np.ascontiguousarray(_np(a, np.int64 if ints else self.dtype))))
+            targs.append(_tvm_tensor(_np(a, np.int64 if ints else self.dtype)))
         res = fn(*targs, *[params[n] for n in names])
         outs = list(res) if not hasattr(res, "numpy") else [res]
-        return [o.numpy() for o in outs]
+        return [np.from_dlpack(o) for o in outs]       # views of the VM's results: the states are not copied
 
     def to_numpy(self, x: Any):
         return np.asarray(x)

@@ -207,3 +207,26 @@ def test_cross_targets_emit_device_code():
     with pytest.raises(K3BackendError, match="tvm-vulkan"):
         emit_source("vulkan")
     assert "vulkan-spirv" in get_backend("tvm-vulkan").available()
+
+
+def test_states_pass_between_steps_without_a_copy():
+    """``run`` returns views of the VM's results and takes a 64-byte aligned contiguous array back without copying
+    it (the decode state each step); an unaligned or read-only array is copied, with the same values."""
+    from k3ir.backends.tvm import _tvm_tensor
+    m = load_tiny("kimi-linear-tiny")
+    exe = k3ir.compile(m, target="tvm", dtype="float32")
+    sess = Session(exe)
+    logits, state = sess.prefill(token_ids(m.attrs["vocab_size"], 1, 5))
+    for name in state.names:
+        a = state.values[name]
+        assert a.ctypes.data % 64 == 0, name
+        assert np.shares_memory(np.from_dlpack(_tvm_tensor(a)), a), name
+    base = np.arange(17, dtype=np.float32)
+    for a in (base[1:], np.arange(16, dtype=np.float32)[::2]):
+        t = _tvm_tensor(a)
+        assert not np.shares_memory(np.from_dlpack(t), a) and np.array_equal(t.numpy(), a)
+    frozen = np.zeros(16, np.float32)
+    frozen.flags.writeable = False
+    assert np.array_equal(_tvm_tensor(frozen).numpy(), frozen)
+    nxt, _ = sess.decode(logits[:, -1:].argmax(-1), state)
+    assert bool(nxt.isfinite().all())
