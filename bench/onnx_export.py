@@ -18,9 +18,10 @@ pass before its ``dce`` (the projections that read one input as one ``MatMul`` a
 
 Prefill: T tokens, batch 1; decode: ``--steps`` greedy steps after a T-token prefill, tokens/s = steps / wall time.
 The copy bandwidth and float32 GEMM rate (torch, a 512-cube; ``benchlib.measure_ceilings``) are measured at the
-start of the same run. ``--profile``: after the timed rounds, one profiled prefill per onnx variant
-(``SessionOptions.enable_profiling``) gives the node time per ONNX op type, and the JSON gets the prefill's FLOPs
-per IR op type (``opdef.flops``). Every session is built and warmed up first (IREE compiles then, not in the timings); then 3 repeats interleaved
+start of the same run. ``--profile``: after the timed rounds, ``--repeats`` profiled prefills per onnx variant
+(``SessionOptions.enable_profiling``, on the feeds of the timed prefill) give the node time per ONNX op type (the
+median over them) and the positions their logits hold (``profile_logit_positions``, beside the timed run's
+``logit_positions``), and the JSON gets the prefill's FLOPs per IR op type (``opdef.flops``). Every session is built and warmed up first (IREE compiles then, not in the timings); then 3 repeats interleaved
 (each variant once per round, so load from other processes spreads over all of them). onnxruntime's threads do not
 spin between runs (``session.intra_op.allow_spinning=0``), so they leave the cores to the next variant's pool;
 run with ``OMP_WAIT_POLICY=PASSIVE`` for torch's OpenMP threads likewise. Reported: median, min and max
@@ -115,37 +116,42 @@ def decode_seconds(s: Session, ids, steps: int) -> float:
     return time.perf_counter() - t
 
 
-def profile_prefill(s: Session, ids) -> dict:
-    """Node milliseconds per ONNX op type of one profiled prefill of an onnx ``Session`` (a fresh onnxruntime session of
-    the same model and options, ``enable_profiling``; one warm-up run first): ``{op_type: [ms, nodes]}``, largest first."""
+def profile_prefill(s: Session, ids, runs: int) -> tuple[dict, int]:
+    """Node milliseconds per ONNX op type of ``runs`` profiled prefills of an onnx ``Session`` (a fresh onnxruntime
+    session of the same model and options, ``enable_profiling``; one warm-up run first) on the feeds of the timed
+    prefill (the executable's own, ``OnnxExecutable.feeds``: the tokens, the empty state and its ``logits_to_keep``).
+    Returns ``{op_type: [ms, nodes]}`` (ms: the median over the runs of the op type's summed node time, so one run
+    slowed by load from other processes does not make the row), largest first, and the positions the profiled runs'
+    logits hold."""
     import onnxruntime as ort
     exe = s.exe
+    state = s.empty_state(ids.shape[0])
+    feeds = exe.feeds("prefill", [np.asarray(ids, np.int64)] + [state.values[n] for n in state.names])
     so = ort.SessionOptions()
-    so.log_severity_level = 3
     for key, value in exe.session_config.items():
         so.add_session_config_entry(key, value)
     so.enable_profiling = True
     so.profile_file_prefix = os.path.join(os.path.dirname(result_path("onnx_export")), ".profile")
     sess = ort.InferenceSession(exe.model("prefill").SerializeToString(), so, providers=["CPUExecutionProvider"])
-    feeds = {"input_ids": np.asarray(ids, np.int64), "logits_to_keep": np.asarray(exe.logits_to_keep, np.int64)}
-    for spec in sess.get_inputs()[1:]:
-        feeds[spec.name] = np.zeros([ids.shape[0] if d == "B" else (d if isinstance(d, int) else 0)
-                                     for d in spec.shape], np.float32)
     sess.run(None, feeds)
-    t0 = time.time_ns() // 1000
-    sess.run(None, feeds)
+    marks = []                                         # microseconds since the epoch at the start of each run
+    for _ in range(runs):
+        marks.append(time.time_ns() // 1000)
+        logits = sess.run(None, feeds)[0]
     path = sess.end_profiling()
     with open(path) as f:
         events = json.load(f)
     os.remove(path)
     start = sess.get_profiling_start_time_ns() // 1000
-    out: dict[str, list] = {}
-    for e in events:                                   # node events of the second run only
-        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and start + e["ts"] >= t0:
-            row = out.setdefault(e["args"]["op_name"], [0.0, 0])
+    per_run: list[dict[str, list]] = [{} for _ in range(runs)]
+    for e in events:                                   # node events of the profiled runs, by run
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and start + e["ts"] >= marks[0]:
+            i = sum(1 for m in marks if start + e["ts"] >= m) - 1
+            row = per_run[i].setdefault(e["args"]["op_name"], [0.0, 0])
             row[0] += e["dur"] / 1e3
             row[1] += 1
-    return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
+    out = {op: [statistics.median(r.get(op, [0.0])[0] for r in per_run), n] for op, (_, n) in per_run[0].items()}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][0])), int(logits.shape[1])
 
 
 def prefill_flops(m, T: int) -> dict:
@@ -174,7 +180,8 @@ def main() -> None:
     ap.add_argument("--T", type=int, default=128)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--profile", action="store_true", help="node time per ONNX op type of each onnx variant")
+    ap.add_argument("--profile", action="store_true",
+                    help="node time per ONNX op type of each onnx variant (median of --repeats profiled prefills)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/onnx_export/<date>-<commit>.json)")
     a = ap.parse_args()
     variants = a.variants.split(",") + ([v for v in MLIR_VARIANTS if v not in a.variants.split(",")] if a.mlir else [])
@@ -202,16 +209,18 @@ def main() -> None:
             pre[v].append(a.T / sec)
         for v in variants:
             dec[v].append(a.steps / decode_seconds(sessions[v], ids, a.steps))
-    profiles = {v: profile_prefill(sessions[v], ids) for v in variants
+    profiles = {v: profile_prefill(sessions[v], ids, a.repeats) for v in variants
                 if a.profile and VARIANTS[v][0] == "onnx"}
     ref = logits.get("torch")
     rows = []
     for v in variants:
         want = None if ref is None else ref[:, ref.shape[1] - logits[v].shape[1]:]     # the positions it kept
         err = None if ref is None else float(np.linalg.norm(logits[v] - want) / np.linalg.norm(want))
+        prof, kept = profiles.get(v, (None, None))
         rows.append({"variant": v, "target": VARIANTS[v][0], "onnx": VARIANTS[v][1], "build_s": build[v],
                      "prefill_tok_s": stats(pre[v]), "decode_tok_s": stats(dec[v]), "logits_rel_err_vs_torch": err,
-                     "logit_positions": int(logits[v].shape[1]), "profile_ms_by_op_type": profiles.get(v)})
+                     "logit_positions": int(logits[v].shape[1]), "profile_ms_by_op_type": prof,
+                     "profile_logit_positions": kept})
     med = {v: (statistics.median(pre[v]), statistics.median(dec[v])) for v in variants}
     ratios = {}
     for base in ("torch", "onnx20", "onnx20-all", "onnx20-split", "onnx27-ort-split", "mlir-scan-dense",
@@ -232,9 +241,10 @@ def main() -> None:
         print(f"{r['variant']:20s} prefill {p['median']:8.1f} tok/s ({p['min']:.1f}-{p['max']:.1f})   "
               f"decode {d['median']:6.1f} tok/s ({d['min']:.1f}-{d['max']:.1f})   err {r['logits_rel_err_vs_torch']}")
     print(json.dumps(ratios, indent=1))
-    for v, prof in profiles.items():
+    for v, (prof, kept) in profiles.items():
         total = sum(ms for ms, _ in prof.values())
-        print(f"{v}: node time {total:.1f} ms: " + ", ".join(f"{k} {ms:.1f} ({n})" for k, (ms, n) in list(prof.items())[:8]))
+        print(f"{v}: logits of {kept} positions, node time {total:.1f} ms: "
+              + ", ".join(f"{k} {ms:.1f} ({n})" for k, (ms, n) in list(prof.items())[:8]))
     out = a.out or result_path("onnx_export")
     with open(out, "w") as f:
         json.dump(report, f, indent=1)

@@ -108,7 +108,9 @@ class OnnxExecutable(Executable):
             self._sessions[function] = sess
         return self._sessions[function]
 
-    def run(self, function: str, args: list[Any], params: dict[str, Any]) -> list[Any]:
+    def feeds(self, function: str, args: list[Any]) -> dict[str, np.ndarray]:
+        """The onnxruntime feeds of ``@function`` for ``args`` (as ``run`` takes them): each argument under its
+        input's name as that input's dtype, and ``logits_to_keep`` where the model has that input."""
         sess = self.session(function)
         feeds = {}
         for spec, a in zip(sess.get_inputs(), args):
@@ -116,7 +118,10 @@ class OnnxExecutable(Executable):
             feeds[spec.name] = _to_numpy(a, want)
         if self._keeps.get(function):
             feeds[LOGITS_TO_KEEP] = np.asarray(self.logits_to_keep, np.int64)
-        return sess.run(None, feeds)
+        return feeds
+
+    def run(self, function: str, args: list[Any], params: dict[str, Any]) -> list[Any]:
+        return self.session(function).run(None, self.feeds(function, args))
 
     def to_numpy(self, x: Any):
         return np.asarray(x)
