@@ -38,22 +38,26 @@ def test_gpu_attn_res_rejects_more_blocks_than_slots():
         attn_res_gpu(3, 2, 16, 1e-6)
 
 
-@pytest.mark.parametrize("kind", ["cuda", "metal", "opencl"])
-def test_gpu_attn_res_kernel_builds_for_the_gpu_kinds(kind):
+@pytest.mark.parametrize("kind", ["cuda", "rocm", "metal", "opencl"])
+def test_gpu_attn_res_kernel_builds_for_the_gpu_kinds(kind, monkeypatch):
     """The GPU form (one block per token, a barrier between the partial sums and their row sums) builds for ``kind``
-    at K3's width (d = 7168, nine snapshots); for cuda nvcc compiles it to sm_90a and sm_80 code."""
+    at K3's width (d = 7168, nine snapshots) (rocm: gfx942); for cuda nvcc compiles it to sm_90a and sm_80 code."""
     from k3ir.backends.tvm.cross import toolchain
     why = toolchain(kind)[0]
     if why is not None:
         pytest.skip(f"tvm-{kind} cannot build here: {why}")
+    if kind == "rocm":                                  # as build_kind_subprocess sets them up for its child
+        from k3ir.backends.tvm.gpu import _rocm_intrinsics, rocm_path
+        monkeypatch.setenv("ROCM_PATH", rocm_path() or "/opt/rocm")
+        _rocm_intrinsics()
     import tvm
     from k3ir.backends.tvm import cubin
     from k3ir.backends.tvm.gpu import gpu_target
     from k3ir.backends.tvm.gpu_attn_res import attn_res_gpu
     lib = tvm.compile(tvm.IRModule({"attn_res": attn_res_gpu(9, 9, 7168, 1e-6).with_attr("global_symbol", "attn_res")}),
                       target=gpu_target(kind))
-    [dev] = [m for m in lib.mod.imports if m.kind == kind]
-    src = dev.inspect_source()
+    [dev] = [m for m in lib.mod.imports if m.kind == {"rocm": "hip"}.get(kind, kind)]
+    src = dev.inspect_source("asm") if kind == "rocm" else dev.inspect_source()
     assert "attn_res_kernel" in src
     if kind == "cuda":
         fat = cubin.compile_fatbin(src)

@@ -93,16 +93,20 @@ def test_gpu_kda_chunk_rejects_a_chunk_size_the_thread_groups_do_not_divide():
         kda_chunk_gpu(2, 16, 16, C=20)
 
 
-@pytest.mark.parametrize("kind", ["cuda", "metal", "opencl"])
-def test_gpu_kda_chunk_kernel_builds_for_the_gpu_kinds(kind):
+@pytest.mark.parametrize("kind", ["cuda", pytest.param("rocm", marks=pytest.mark.slow), "metal", "opencl"])
+def test_gpu_kda_chunk_kernel_builds_for_the_gpu_kinds(kind, monkeypatch):
     """The GPU form (thread bindings, shared memory, the host branch on the prompt length) at K = V = 128 and the
-    default chunk of 64 builds for ``kind``: four device functions (gcum, intra, inter, the recurrence), within
-    32 KiB of shared memory per block; for cuda, nvcc compiles the generated source to sm_90a and sm_80 code that
-    holds all four (cuobjdump)."""
+    default chunk of 64 builds for ``kind`` (rocm: gfx942, 24 s here, so ``slow``): four device functions (gcum,
+    intra, inter, the recurrence), within 32 KiB of shared memory per block; for cuda, nvcc compiles the generated
+    source to sm_90a and sm_80 code that holds all four (cuobjdump)."""
     from k3ir.backends.tvm.cross import toolchain
     why = toolchain(kind)[0]
     if why is not None:
         pytest.skip(f"tvm-{kind} cannot build here: {why}")
+    if kind == "rocm":                                  # as build_kind_subprocess sets them up for its child
+        from k3ir.backends.tvm.gpu import _rocm_intrinsics, rocm_path
+        monkeypatch.setenv("ROCM_PATH", rocm_path() or "/opt/rocm")
+        _rocm_intrinsics()
     import tvm
     from k3ir.backends.tvm import cubin
     from k3ir.backends.tvm.gpu import device_function_names, gpu_target
@@ -110,9 +114,9 @@ def test_gpu_kda_chunk_kernel_builds_for_the_gpu_kinds(kind):
     assert max(shared_bytes(128, 128, 64, 32).values()) <= 32 * 1024
     lib = tvm.compile(tvm.IRModule({"kda_chunk": kda_chunk_gpu(4, 128, 128).with_attr("global_symbol", "kda_chunk")}),
                       target=gpu_target(kind))
-    [dev] = [m for m in lib.mod.imports if m.kind == kind]
+    [dev] = [m for m in lib.mod.imports if m.kind == {"rocm": "hip"}.get(kind, kind)]
     names = device_function_names(dev) or []
-    src = dev.inspect_source()
+    src = dev.inspect_source("asm") if kind == "rocm" else dev.inspect_source()
     if kind != "cuda":
         assert src.count("kda_chunk_kernel") >= 4
         return
