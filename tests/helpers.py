@@ -217,12 +217,15 @@ def launch_gloo_workers(tmp_path, argv, world: int = 2, timeout: float = 120.0) 
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(world)]
 
 
-def gpu_lowered_cpu_artifact(key: str, directory: str, dtype: str = "bfloat16", seed: int = 1) -> dict:
+def gpu_lowered_cpu_artifact(key: str, directory: str, dtype: str = "bfloat16", seed: int = 1,
+                             index_dtype: str = "int64") -> dict:
     """Write into ``directory`` a tvm-cuda artifact of tiny model ``key`` (``_tiny_models``) whose device is the CPU:
     the GPU kinds' lowering (``gpu.GpuLowering``: ``NT_matmul`` linear layers, float weights declared ``dtype``)
     with the CPU kernels in place of the hand-scheduled GPU ones, compiled for llvm, its weights (random, ``seed``;
     rounded to bfloat16 values in a bfloat16 build) and a manifest with ``kind: cpu``, so ``Session.load`` runs
-    the GPU loader (``artifact_gpu.load_gpu_artifact``) here. Returns the unrounded float32 weights."""
+    the GPU loader (``artifact_gpu.load_gpu_artifact``) here. ``index_dtype`` int32: integer tensors (token ids,
+    expert indices, MoE offsets, cache lengths) lowered as int32, as for webgpu, and recorded in the manifest, so the
+    loader feeds int32 ids. Returns the unrounded float32 weights."""
     import os
 
     import tvm
@@ -247,7 +250,7 @@ def gpu_lowered_cpu_artifact(key: str, directory: str, dtype: str = "bfloat16", 
 
     m = load_tiny(key)
     run_pipeline(m, pipeline_for("tvm"))
-    lw = CpuKernels(m, "float32")
+    lw = CpuKernels(m, "float32", index_dtype)
     lw.wdt = dtype
     for fn in ("prefill", "decode"):
         lw.lower_function(fn)
@@ -258,7 +261,7 @@ def gpu_lowered_cpu_artifact(key: str, directory: str, dtype: str = "bfloat16", 
               os.path.join(directory, "weights.safetensors"))
     write_manifest(directory, m, "tvm-cuda", dtype, {"library": "lib.so", "weights": "weights.safetensors",
                                                      "names:prefill|decode": json.dumps(lw.params)}, kind="cpu",
-                   arch="host")
+                   arch="host", index_dtype=index_dtype)
     return params
 
 

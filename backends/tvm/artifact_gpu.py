@@ -1,7 +1,9 @@
 """Artifacts of the TVM GPU kinds (``k3ir compile MODEL --target tvm-<kind> -o DIR``): the compiled library (host
 code with the device code embedded: cuda fatbins of sm_90a + sm_80 cubins, the rocm code object, metal / opencl /
-webgpu kernel source the driver compiles), ``weights.safetensors``, ``module.k3`` and ``manifest.json`` (kind,
-architecture, device functions, which kernels fell back), and with ``--emit-source`` the generated device source.
+kernel source the driver compiles; for webgpu a ``.tar`` of wasm32 objects holding the host code and the WGSL, to be
+linked into a ``.wasm`` for the TVM web runtime), ``weights.safetensors``, ``module.k3`` and ``manifest.json`` (kind,
+architecture, device functions, which kernels fell back, the integer dtype of the arguments: int32 for webgpu), and
+with ``--emit-source`` the generated device source.
 
 Each kind builds in a child process (``gpu.build_kind_subprocess``) so that a dlight rule that crashes TVM cannot
 take the compiler down. The cuda library loads with ``libtvm_runtime.so`` + ``libtvm_runtime_cuda.so`` alone
@@ -15,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from k3ir.errors import K3BackendError
+from k3ir.errors import K3BackendError, K3RuntimeError
 from k3ir.ir import Module
 
 from .. import Executable
@@ -34,17 +36,26 @@ def bf16_round(a: np.ndarray) -> np.ndarray:
     return (bf16_bits(a).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
+#: what runs a tvm-webgpu artifact (none of it is here: no WebGPU device, no emscripten)
+WEBGPU_RUNS = ("its library is a .tar of wasm32 objects (host code + WGSL kernels): link it into a .wasm with "
+               "emscripten and the TVM web runtime (tvm.contrib.tvmjs.create_tvmjs_wasm, which needs emcc and the "
+               "runtime built from TVM's web/ folder), then run it with tvmjs in a browser or another WebGPU host, "
+               "feeding int32 ids")
+
+
 class TVMGpuExecutable(Executable):
     """A module built for TVM GPU ``kind`` here, to run elsewhere: ``build_all`` builds it (child process) and
     ``save`` writes the artifact. ``run`` raises: this machine has no such device. ``dtype`` float32, or bfloat16
     (cuda): the float weights live on the device as bfloat16 and everything computes in float32 (``gpu.GPU_DTYPES``);
-    arguments, states and logits are float32 either way."""
+    arguments, states and logits are float32 either way. ``index_dtype``: the dtype of integer arguments (token ids)
+    and tensors, int64, or int32 for webgpu (``gpu.INDEX_DTYPES``; a loaded artifact's comes from its manifest)."""
 
     def __init__(self, module: Module, kind: str, dtype: str = "float32", arch: str = ""):
-        from .gpu import GPU_KINDS
+        from .gpu import GPU_KINDS, INDEX_DTYPES
         super().__init__(module, f"tvm-{kind}", dtype, kind)
         self.kind = kind
         self.arch = arch or GPU_KINDS[kind][0]
+        self.index_dtype = INDEX_DTYPES.get(kind, "int64")
         self.emit_source = False
         self.report = None
         self.build_seconds: dict[str, float] = {}
@@ -88,7 +99,8 @@ class TVMGpuExecutable(Executable):
             a = a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
             decl = self.module.params.get(name)
             dt = decl.type.dtype if decl is not None else "f32"
-            want = {"mxfp4": np.uint8, "int4": np.int32, "u8": np.uint8, "i64": np.int64, "i32": np.int64}.get(dt)
+            want = {"mxfp4": np.uint8, "int4": np.int32, "u8": np.uint8, "i64": self.index_dtype,
+                    "i32": self.index_dtype}.get(dt)
             if want is None and self.dtype == "bfloat16":
                 t = tvm.runtime.empty(a.shape, "bfloat16", dev)
                 t.copyfrom(bf16_bits(a))
@@ -108,7 +120,10 @@ class TVMGpuExecutable(Executable):
     def save(self, directory: str, params: dict[str, Any] | None = None) -> str:
         """Build and write the artifact into ``directory``: the library, ``weights.safetensors`` (float weights as
         float32, rounded to bfloat16 values in a bfloat16 build so the file holds the weights that run; packed
-        quantised weights as they are), ``module.k3``, ``manifest.json``."""
+        quantised weights as they are), ``module.k3``, ``manifest.json`` (with ``index_dtype`` and
+        ``integer_arguments``: function -> {argument: dtype} of the integer arguments the library takes; for webgpu
+        ``webgpu_required_limits``, the device limits its kernels need, after checking that the ``.tar`` carries the
+        WGSL of every device function). Raises K3BackendError when a webgpu library lacks a kernel."""
         from safetensors.numpy import save_file
 
         from ..artifact import write_manifest
@@ -123,13 +138,24 @@ class TVMGpuExecutable(Executable):
                 a = bf16_round(a) if self.dtype == "bfloat16" else a.astype(np.float32)
             arrays[k] = np.ascontiguousarray(a)
         save_file(arrays, os.path.join(directory, "weights.safetensors"))
+        extra = {}
+        if self.kind == "webgpu":       # the WGSL the .tar really carries (every device function), the limits it needs
+            from .cubin import webgpu_library_kernels, wgsl_required_limits
+            wgsl = webgpu_library_kernels(os.path.join(directory, files["library"]))
+            if set(wgsl) != set(report.device_functions):
+                raise K3BackendError(f"tvm-webgpu: {files['library']} holds {len(wgsl)} WGSL kernels, the lowered "
+                                     f"module launches {len(report.device_functions)} (missing: "
+                                     f"{', '.join(sorted(set(report.device_functions) - set(wgsl))[:5])})")
+            extra["webgpu_required_limits"] = wgsl_required_limits(wgsl)
         files = dict(files)
         files["weights"] = "weights.safetensors"
         files["names:" + "|".join(self._functions())] = json.dumps(names)
         write_manifest(directory, self.module, f"tvm-{self.kind}", self.dtype, files, kind=self.kind, arch=self.arch,
                        device_functions=report.device_functions, kernels=report.kernels,
                        fallbacks=report.fallbacks, denied_rules=report.denied_rules,
-                       build_seconds=round(report.seconds, 2))
+                       build_seconds=round(report.seconds, 2), index_dtype=report.index_dtype,
+                       integer_arguments=integer_arguments(self.module, self._functions(), report.index_dtype),
+                       **extra)
         return directory
 
     def _run_loaded(self, function: str, args: list[Any], params: dict[str, Any]) -> list[Any]:
@@ -149,7 +175,8 @@ class TVMGpuExecutable(Executable):
                 continue
             a = a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
             ints = isinstance(spec.type, TensorType) and spec.type.dtype in ("i64", "i32")
-            targs.append(tvm.runtime.tensor(np.ascontiguousarray(a.astype(np.int64 if ints else np.float32)), device=dev))
+            want = self.index_dtype if ints else np.float32
+            targs.append(tvm.runtime.tensor(np.ascontiguousarray(a.astype(want)), device=dev))
         res = self._vm[function](*targs, *[params[n] for n in self._names[function]])
         outs = list(res) if not hasattr(res, "numpy") else [res]
         return [outs[0].numpy(), *outs[1:]]
@@ -157,6 +184,14 @@ class TVMGpuExecutable(Executable):
     def to_numpy(self, x: Any):
         """A host array of ``x``: the logits ``run`` returns, or a state it keeps on the device."""
         return x.numpy() if hasattr(x, "numpy") else np.asarray(x)
+
+
+def integer_arguments(module: Module, functions: list[str], index_dtype: str) -> dict[str, dict[str, str]]:
+    """function -> {argument name: dtype} of the integer tensor arguments (token ids) of ``functions``, as the built
+    library takes them (``index_dtype``: int64, or int32 for webgpu)."""
+    from k3ir.types import TensorType
+    return {f: {a.name: index_dtype for a in module.functions[f].args
+                if isinstance(a.type, TensorType) and a.type.dtype in ("i64", "i32")} for f in functions}
 
 
 def device_runtime(kind: str) -> None:
@@ -191,11 +226,16 @@ def load_gpu_artifact(directory: str, man: dict, module: Module) -> TVMGpuExecut
     import tvm
     from safetensors.numpy import load_file
 
-    from ..artifact import artifact_file
+    from ..artifact import DAMAGED, artifact_file
     kind = man.get("kind") or man["target"].removeprefix("tvm-")
     exe = TVMGpuExecutable(module, kind, man["dtype"], man.get("arch", ""))
+    idt = man.get("index_dtype", "int64")          # artifacts written before the key existed: int64
+    if idt not in ("int64", "int32"):
+        raise K3RuntimeError(f"{os.path.join(directory, 'manifest.json')}: key 'index_dtype' is {str(idt)[:40]!r}, "
+                             f"want 'int64' or 'int32'; {DAMAGED}")
+    exe.index_dtype = idt
     if kind == "webgpu":
-        raise K3BackendError("tvm-webgpu artifacts run in a browser: link the .tar with the TVM web runtime (tvmjs)")
+        raise K3BackendError(f"tvm-webgpu artifacts do not run here: {WEBGPU_RUNS}")
     device_runtime(kind)
     try:
         exe._lib = tvm.runtime.load_module(artifact_file(directory, man, "library"))

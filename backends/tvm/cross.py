@@ -3,9 +3,10 @@
 - GPU kinds ``tvm-cuda``, ``tvm-rocm``, ``tvm-metal``, ``tvm-opencl`` (and ``tvm-webgpu``) are real targets:
   ``k3ir.compile`` returns a ``TVMGpuExecutable`` that builds the whole model (``gpu.py``) and writes an artifact
   (``artifact_gpu.py``); ``Session.load`` runs that artifact on the kind's device. ``toolchain(kind)`` probes what
-  the kind needs here (TVM's codegen; nvcc for cuda; ld.lld of TVM's LLVM and ROCm device libraries for rocm),
-  ``runs_here(kind)`` asks the TVM runtime for a device, and ``kind_report()`` is the table ``k3ir backends`` prints.
-  WebGPU builds single kernels but not the whole model (WGSL has no 64-bit integers).
+  the kind needs here (TVM's codegen; nvcc for cuda; ld.lld of TVM's LLVM and ROCm device libraries for rocm;
+  LLVM's WebAssembly backend for webgpu), ``runs_here(kind)`` asks the TVM runtime for a device (webgpu: what the
+  web runtime needs), and ``kind_report()`` is the table ``k3ir backends`` prints. WebGPU builds with int32 indices
+  (WGSL has no 64-bit integers) into WGSL kernels and wasm32 host objects, which run only through TVM's web runtime.
 - ``tvm-vulkan`` (no SPIR-V codegen in the PyPI TVM: the IREE vulkan-spirv route instead) and ``tvm-c`` keep the
   demo: ``emit_source(kind)`` builds one scheduled kernel (``y = silu(x W^T)``, 64x64) and returns its source.
 """
@@ -113,7 +114,8 @@ def _version_text(cmd: list[str]) -> str:
 def toolchain(kind: str) -> tuple[str | None, str]:
     """(why ``kind`` cannot build the whole model here or None, the toolchain found), from probes run once per
     process: TVM installed with the kind's codegen (``target.build.<kind>``), and for cuda ``nvcc`` (``--version``
-    run), for rocm ``ld.lld`` of TVM's LLVM version and a ROCm device-library folder."""
+    run), for rocm ``ld.lld`` of TVM's LLVM version and a ROCm device-library folder, for webgpu LLVM's wasm32
+    backend (the host code is WebAssembly)."""
     why = tvm_missing()
     return (why, "") if why is not None else _probe_toolchain(kind)
 
@@ -153,12 +155,12 @@ def _probe_toolchain(kind: str) -> tuple[str | None, str]:
                     "with amdgcn/bitcode)"), ""
         return None, f"{lld} + device libraries in {rp}/amdgcn/bitcode -> hsaco for gfx942, gfx90a"
     if kind == "webgpu":
-        return ("WGSL has no 64-bit integers and the lowering keeps token ids, MoE offsets and cache lengths in "
-                "int64 (CodeGenWebGPU: do not support i64); single kernels build: "
-                "k3ir.backends.tvm.cross.emit_source('webgpu')"), ""
+        if "wasm32" not in set(tvm.target.codegen.llvm_get_targets()):
+            return "TVM's LLVM has no WebAssembly backend (wasm32) for the host code", ""
+        return None, ("WGSL kernels with int32 indices (WGSL has no 64-bit integers) + wasm32 host objects in a .tar; "
+                      "linking it into a .wasm needs emscripten and TVM's web runtime")
     return None, {"metal": "Metal Shading Language source, compiled by the Metal driver at load",
-                  "opencl": "OpenCL C source, compiled by the OpenCL driver at load",
-                  "webgpu": "WGSL source in a wasm32 host module, for the TVM web runtime"}.get(kind, "")
+                  "opencl": "OpenCL C source, compiled by the OpenCL driver at load"}.get(kind, "")
 
 
 @cache
@@ -166,7 +168,7 @@ def runs_here(kind: str) -> str | None:
     """None when a ``kind`` device is present here (TVM runtime device query, after loading the kind's device runtime
     library where TVM did not: runtime-only mode), else why not."""
     if kind == "webgpu":
-        return "WebGPU kernels run in a browser through the TVM web runtime (tvmjs)"
+        return webgpu_runtime_missing()
     try:
         import tvm
 
@@ -180,6 +182,24 @@ def runs_here(kind: str) -> str | None:
     except Exception as e:  # noqa: BLE001  (the device runtime library may not load without its driver)
         return f"no {kind} runtime here ({str(e).strip().splitlines()[-1][:80] if str(e).strip() else type(e).__name__})"
     return f"no {kind} device here"
+
+
+def webgpu_runtime_missing() -> str:
+    """Why a tvm-webgpu artifact does not run here, from probes: its ``.tar`` of wasm32 objects must be linked into
+    a ``.wasm`` with emscripten (``emcc``) and TVM's web runtime (``wasm_runtime.bc``, ``tvmjs_support.bc``,
+    ``webgpu_runtime.bc``, built by ``make`` in TVM's ``web/`` folder: ``tvm.contrib.tvmjs.create_tvmjs_wasm``),
+    then run by tvmjs on a WebGPU device (a browser), which this Python process has none of."""
+    import shutil
+    missing = [] if shutil.which("emcc") else ["emscripten (emcc)"]
+    try:
+        from tvm.support.emcc import find_wasm_lib
+        if any(find_wasm_lib(n, optional=True) is None for n in ("wasm_runtime.bc", "tvmjs_support.bc",
+                                                                  "webgpu_runtime.bc")):
+            missing.append("TVM's web runtime (web/dist/wasm/*.bc: make -C web in a TVM source tree, TVM_HOME)")
+    except Exception:  # noqa: BLE001  (no TVM, or a TVM without the web support module)
+        missing.append("TVM's web runtime")
+    have = "; missing here: " + ", ".join(missing) if missing else "; emcc and the web runtime are here"
+    return f"WebGPU kernels run in a browser (or another WebGPU host) through TVM's web runtime, tvmjs{have}"
 
 
 def kind_report() -> list[tuple[str, str, str]]:

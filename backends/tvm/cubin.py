@@ -145,6 +145,29 @@ def parse_device_bytes(data: bytes) -> tuple[str, dict[str, dict], bytes]:
     return fmt, fmap, code
 
 
+def parse_webgpu_bytes(data: bytes) -> tuple[dict[str, dict], dict[str, str]]:
+    """({function name: {"args": n, "launch": [tags]}}, {function name: WGSL source}) of a webgpu device module's
+    bytes: the FunctionInfo table as ``parse_device_bytes`` reads it, then the per-kernel source map (no format
+    string: the layout TVM 0.27's WebGPU module writes and the web runtime's ``WebGPUModuleLoadFromBytes`` reads)."""
+    r = _Reader(data)
+    fmap = {}
+    for _ in range(r.u64()):
+        key = r.str().decode()
+        r.str()
+        nargs = r.u64()
+        r.raw(4 * nargs)
+        launch = [r.str().decode() for _ in range(r.u64())]
+        r.raw(4 * r.u64())
+        fmap[key] = {"args": nargs, "launch": launch}
+    smap = {}
+    for _ in range(r.u64()):
+        key = r.str().decode()
+        smap[key] = r.str().decode()
+    if r.pos != len(data):
+        raise ValueError("trailing bytes after the WGSL source map")
+    return fmap, smap
+
+
 def unpack_blob(blob: bytes) -> tuple[list[tuple[str, bytes]], list[int], list[int]]:
     """(entries [(kind, bytes)], import_tree_row_ptr, child_indices) of a packed library blob (8-byte size header,
     then TVM's ModuleSerializer stream). A ``_lib`` entry (the host DSO placeholder) has empty bytes."""
@@ -245,6 +268,83 @@ def library_blob(path: str) -> bytes:
             (n,) = struct.unpack_from("<Q", data, off)
             return data[off:off + 8 + n]
     raise K3BackendError(f"{path}: no __tvm_ffi__library_bin (not a TVM library with device code)")
+
+
+def _leb(data: bytes, pos: int) -> tuple[int, int]:
+    """(value, next position) of the unsigned LEB128 number at ``pos`` (WebAssembly's integer encoding)."""
+    v = shift = 0
+    while True:
+        b = data[pos]
+        pos += 1
+        v |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return v, pos
+
+
+def wasm_data_segments(data: bytes) -> list[bytes]:
+    """The bytes of every data segment of a WebAssembly module or object file (section 11; segment flags 0: active
+    in memory 0 with an ``i32.const`` offset, 1: passive, 2: active with a memory index; the WebAssembly core
+    spec's binary format). Raises K3BackendError when ``data`` is not WebAssembly."""
+    if data[:4] != b"\0asm":
+        raise K3BackendError("not a WebAssembly module (no \\0asm magic)")
+    pos, out = 8, []
+    while pos < len(data):
+        sid = data[pos]
+        size, pos = _leb(data, pos + 1)
+        end = pos + size
+        if sid == 11:
+            n, p = _leb(data, pos)
+            for _ in range(n):
+                flags, p = _leb(data, p)
+                if flags == 2:
+                    _, p = _leb(data, p)
+                if flags in (0, 2):           # the offset: a constant expression ending in 0x0b
+                    p = data.index(b"\x0b", p) + 1
+                length, p = _leb(data, p)
+                out.append(data[p:p + length])
+                p += length
+        pos = end
+    return out
+
+
+def webgpu_library_kernels(path: str) -> dict[str, str]:
+    """{kernel name: WGSL source} of the webgpu device module packed in the ``.tar`` a webgpu build writes
+    (``gpu.write_library``: wasm32 objects; the packed import blob, ``__tvm_ffi__library_bin``, is the data segment
+    that starts with its own size), read from the webgpu entry's function table and source map (``parse_webgpu_bytes``).
+    Raises K3BackendError when the tar holds no such blob or no webgpu module."""
+    import tarfile
+    with tarfile.open(path) as t:
+        objs = [t.extractfile(m).read() for m in t.getmembers() if m.isfile()]
+    for obj in objs:
+        if obj[:4] != b"\0asm":
+            continue
+        for seg in wasm_data_segments(obj):
+            if len(seg) >= 8 and struct.unpack_from("<Q", seg)[0] == len(seg) - 8:
+                entries, _, _ = unpack_blob(seg)
+                dev = [parse_webgpu_bytes(d) for k, d in entries if k == "webgpu"]
+                if dev:
+                    return {name: src for _, smap in dev for name, src in smap.items()}
+    raise K3BackendError(f"{path}: no packed webgpu module in its WebAssembly objects")
+
+
+def wgsl_required_limits(kernels: dict[str, str]) -> dict[str, int]:
+    """The WebGPU device limits (``GPUSupportedLimits`` names, for ``requestDevice``'s ``requiredLimits``) that running
+    every WGSL kernel of ``kernels`` ({name: source}) needs: storage buffers per shader stage, workgroup storage bytes
+    (``var<workgroup>`` arrays) and invocations per workgroup (``@workgroup_size``). WebGPU's defaults are 8, 16384
+    and 256 (W3C WebGPU, "Limits")."""
+    import re
+    size = {"f32": 4, "i32": 4, "u32": 4, "f16": 2}
+    out = {"maxStorageBuffersPerShaderStage": 0, "maxComputeWorkgroupStorageSize": 0,
+           "maxComputeInvocationsPerWorkgroup": 0}
+    for src in kernels.values():
+        wg = re.search(r"@workgroup_size\((\d+), (\d+), (\d+)\)", src)
+        shared = sum(int(n) * size.get(t, 4) for t, n in re.findall(r"var<workgroup> \w+ : array<(\w+), (\d+)>", src))
+        for key, v in (("maxStorageBuffersPerShaderStage", src.count("var<storage")),
+                       ("maxComputeWorkgroupStorageSize", shared),
+                       ("maxComputeInvocationsPerWorkgroup", int(wg[1]) * int(wg[2]) * int(wg[3]) if wg else 0)):
+            out[key] = max(out[key], v)
+    return out
 
 
 def embedded_cuda(path: str) -> list[tuple[str, dict[str, dict], bytes]]:

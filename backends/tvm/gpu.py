@@ -12,6 +12,8 @@ A rule that crashes the process (seen: dlight Matmul on metal) is caught by ``bu
 the build in a child process that logs each (kernel, rule) before trying it: when the child dies, that pair is
 denied and the build re-run.
 
+``webgpu`` lowers every integer tensor as int32 and narrows the scheduled kernels' indices to int32 (``INDEX_DTYPES``,
+``narrow_indices``: WGSL has no 64-bit integers); its library is a ``.tar`` of wasm32 objects for TVM's web runtime.
 ``cuda`` libraries carry compiled device code (``cubin.py``: nvcc to a fatbin of sm_90a and sm_80 cubins, embedded
 in the library), so a deployed artifact needs neither nvcc nor NVRTC. Sources: TVM's own pipelines in
 ``tvm.relax.backend.{cuda,rocm,gpu_generic}.pipeline`` and MLC-LLM's ``dl.ApplyDefaultSchedule`` list.
@@ -41,6 +43,10 @@ GPU_KINDS: dict[str, tuple[str, ...]] = {
 #: step reads; each kernel widens them as it loads) and computes in float32 (activations, states, accumulators)
 GPU_DTYPES: dict[str, tuple[str, ...]] = {"cuda": ("float32", "bfloat16"), "rocm": ("float32",),
                                           "metal": ("float32",), "opencl": ("float32",), "webgpu": ("float32",)}
+#: dtype of integer tensors (token ids, top-k expert indices, MoE offsets and positions, cache lengths) per GPU kind
+#: where it is not int64: WGSL has no 64-bit integers, so webgpu lowers them as int32 and narrows every index and
+#: shape variable of its kernels to int32 (``narrow_indices``); the artifact's manifest records it (``index_dtype``)
+INDEX_DTYPES: dict[str, str] = {"webgpu": "int32"}
 #: dlight GPU rules in the order they are tried per kernel (MLC-LLM's order, Fallback last)
 RULES = ("Matmul", "GEMV", "LowBatchGEMV", "Reduction", "GeneralReduction", "RMSNorm", "Fallback")
 
@@ -50,9 +56,11 @@ class GpuBuildReport:
     """What a GPU build did: ``kind`` and ``arch``; ``kernels``: PrimFunc name -> the rule that scheduled it
     (``"hand"`` for ``gpu_kernels``); ``fallbacks``: kernel -> the rules that failed on it, each ``"Rule: why"``,
     before the one in ``kernels`` (a rule in ``denied_rules`` is not listed per kernel); ``device_functions``: names of the device kernels the codegen emitted;
-    ``seconds``: wall time of lowering + scheduling + build."""
+    ``seconds``: wall time of lowering + scheduling + build; ``index_dtype``: the dtype of integer tensors (int32 for
+    webgpu, ``INDEX_DTYPES``)."""
     kind: str
     arch: str = ""
+    index_dtype: str = "int64"
     kernels: dict[str, str] = field(default_factory=dict)
     fallbacks: dict[str, list[str]] = field(default_factory=dict)
     device_functions: list[str] = field(default_factory=list)
@@ -130,11 +138,11 @@ def _lowering_class():
                 E, N, Kd = key[1:]
                 return super().kernel(("grouped_gemm_gpu", E, N, Kd, "flat", self.wdt),
                                       lambda: G.grouped_gemm_gpu(E, N, Kd, "none", self.fdt, flat=True,
-                                                                 w_dtype=self.wdt))
+                                                                 w_dtype=self.wdt, index_dtype=self.idt))
             if name == "grouped_quant":                    # packed MXFP4/INT4 experts: (E, N, K, quant)
                 E, N, Kd, quant = key[1:]
                 return super().kernel(("grouped_gemm_gpu", E, N, Kd, quant),
-                                      lambda: G.grouped_gemm_gpu(E, N, Kd, quant, self.fdt))
+                                      lambda: G.grouped_gemm_gpu(E, N, Kd, quant, self.fdt, index_dtype=self.idt))
             if name == "kda_chunk":                        # (H, K, V, C, min_tokens): the chunked KDA prefill
                 return super().kernel(("kda_chunk_gpu", *key[1:]),
                                       lambda: GK.kda_chunk_gpu(*key[1:4], C=key[4], min_tokens=key[5], dtype=self.fdt))
@@ -144,7 +152,8 @@ def _lowering_class():
             if name == "mla_attention":                    # (H, Hk, D, P, Dv, round(scale * 1e9))
                 H, Hk, D, P, Dv, scale = key[1:]
                 return super().kernel(("mla_attention_gpu", *key[1:]),
-                                      lambda: G.mla_attention_gpu(H, Hk, D, P, Dv, scale / 1e9, self.fdt))
+                                      lambda: G.mla_attention_gpu(H, Hk, D, P, Dv, scale / 1e9, self.fdt,
+                                                                  index_dtype=self.idt))
             return super().kernel(key, make)
 
         def kda_call(self, q, k, v, g, beta, s):
@@ -179,7 +188,7 @@ def _lowering_class():
                 E, N = (int(d) for d in self.shape(w)[:2])
                 Kd = int(self.shape(x)[1])
                 gv = super().kernel(("grouped_gemm_gpu", E, N, Kd, quant),
-                                    lambda: G.grouped_gemm_gpu(E, N, Kd, quant, self.fdt))
+                                    lambda: G.grouped_gemm_gpu(E, N, Kd, quant, self.fdt, index_dtype=self.idt))
                 ins = [x, off, w] + ([rest[0]] if rest else [])
                 return self.emit(relax.call_tir(gv, ins, relax.TensorType([self.shape(x)[0], N], self.fdt)))
             return super().te(fn, *args, name=name, **kw)
@@ -187,12 +196,13 @@ def _lowering_class():
     return GpuLowering
 
 
-def lower_gpu(module, functions: list[str], dtype: str = "float32"):
+def lower_gpu(module, functions: list[str], dtype: str = "float32", index_dtype: str = "int64"):
     """(Relax IRModule, {function: parameter names}) of ``functions`` of ``module`` for a GPU kind. ``dtype``
-    float32, or bfloat16: float weights declared bfloat16, everything computed in float32 (``GPU_DTYPES``)."""
+    float32, or bfloat16: float weights declared bfloat16, everything computed in float32 (``GPU_DTYPES``);
+    ``index_dtype``: integer tensors in int64, or int32 (``INDEX_DTYPES``)."""
     if dtype not in ("float32", "bfloat16"):
         raise K3BackendError(f"tvm GPU kinds compute in float32 or bfloat16 (weights), not '{dtype}'")
-    lw = _lowering_class()(module, "float32")
+    lw = _lowering_class()(module, "float32", index_dtype)
     lw.wdt = dtype
     for fn in functions:
         lw.lower_function(fn)
@@ -276,6 +286,27 @@ def _rocm_intrinsics() -> None:
     register_intrin_lowering("tirx.log1p", target="rocm", f=log1p, level=99)
 
 
+def log1p_select(x):
+    """``log1p(x)`` from ``log`` and a polynomial, as a TIR expression: where ``|x| < 1/4`` its Taylor series to
+    ``x^10`` (Horner form), elsewhere ``log(1 + x)`` (whose rounding of ``1 + x`` is then small beside ``|x|``).
+    Within 2.2e-7 relative of float64 log1p in float32 (tests). The classic ``log(u) * x / (u - 1)`` with
+    ``u = 1 + x`` does not survive: TVM's simplifier folds ``(x + 1) - 1`` to ``x``, as GPU compilers may."""
+    from tvm import tirx
+    dt = str(getattr(x, "dtype", None) or x.ty)
+    p = tirx.const(1 / 10, dt)
+    for k in range(9, 0, -1):
+        p = tirx.const(1 / k, dt) - x * p
+    return tirx.Select(tirx.abs(x) < tirx.const(0.25, dt), x * p, tirx.log(x + tirx.const(1, dt)))
+
+
+@cache
+def _webgpu_intrinsics() -> None:
+    """``log1p`` on WebGPU: WGSL has no ``log1p`` builtin and TVM 0.27 registers no WebGPU lowering for it, so it
+    would be emitted as the libm name ``log1pf`` (not WGSL); lowered as ``log1p_select``."""
+    from tvm.tirx.op import register_intrin_lowering
+    register_intrin_lowering("tirx.log1p", target="webgpu", f=lambda op: log1p_select(op.args[0]), level=99)
+
+
 def _pipeline_module(kind: str):
     from tvm.relax.backend.cuda import pipeline as cuda
     from tvm.relax.backend.gpu_generic import pipeline as generic
@@ -348,13 +379,18 @@ def build_gpu(module, kind: str, arch: str = "", dtype: str = "float32", functio
     target = gpu_target(kind, arch)
     if kind == "rocm":
         _rocm_intrinsics()
-    report = GpuBuildReport(kind=kind, arch=arch or GPU_KINDS[kind][0])
+    if kind == "webgpu":
+        _webgpu_intrinsics()
+    idt = INDEX_DTYPES.get(kind, "int64")
+    report = GpuBuildReport(kind=kind, arch=arch or GPU_KINDS[kind][0], index_dtype=idt)
     if functions is None:
         functions = [f for f in ("prefill", "decode") if f in module.functions] or ["forward"]
-    mod, params = lower_gpu(module, functions, dtype)
+    mod, params = lower_gpu(module, functions, dtype, idt)
     mod = _legalize(mod, target)
     legal = {gv.name_hint: f for gv, f in mod.functions_items()}
     mod = schedule_kernels(mod, target, report, deny, log=log)
+    if idt == "int32":
+        mod = narrow_indices(mod, kind)
     if log is not None:
         log("*", "build")
     try:
@@ -369,6 +405,8 @@ def build_gpu(module, kind: str, arch: str = "", dtype: str = "float32", functio
             report.fallbacks.setdefault(name, []).append(f"{report.kernels[name]} (build): {why}")
             mod[name] = legal[name]
         schedule_kernels(mod, target, report, deny, only={n: ("Fallback",) for n in bad}, log=log, names=set(bad))
+        if idt == "int32":
+            mod = narrow_indices(mod, kind, names=set(bad))
         try:
             ex = tvm.compile(mod, target=target, relax_pipeline=_finalize_pipeline(target))
         except Exception as e:
@@ -377,6 +415,26 @@ def build_gpu(module, kind: str, arch: str = "", dtype: str = "float32", functio
     report.device_functions = sorted({n for d in _device_modules(ex, _device_kind(kind)) for n in device_function_names(d)})
     report.seconds = time.perf_counter() - t0
     return ex, params, report
+
+
+def narrow_indices(mod, kind: str, names: set[str] | None = None):
+    """``mod`` with every PrimFunc (or those in ``names``) narrowed to int32 indices: index expressions, loop and
+    shape variables, integer constants (TVM's ``tirx.transform.ForceNarrowIndexToInt32``, which MLC-LLM runs on the
+    scheduled module of its non-CUDA kinds; the host code casts the int64 shapes the Relax VM passes). Needs every
+    integer buffer int32 already (``lower_gpu`` with ``index_dtype="int32"``). Raises K3BackendError naming a
+    kernel that still holds an int64 buffer."""
+    import tvm
+    from tvm import tirx
+    narrow = tirx.transform.ForceNarrowIndexToInt32()
+    for gv, func in list(mod.functions_items()):
+        if not isinstance(func, tirx.PrimFunc) or (names is not None and gv.name_hint not in names):
+            continue
+        try:
+            mod[gv] = narrow(tvm.IRModule({"main": func}))["main"]
+        except Exception as e:  # TVM raises an InternalError naming the int64 buffer
+            raise K3BackendError(f"tvm-{kind}: kernel '{gv.name_hint}' cannot take int32 indices: "
+                                 f"{_last_line(e)[:200]}") from e
+    return mod
 
 
 def _device_kind(kind: str) -> str:
@@ -393,10 +451,12 @@ def _last_line(e: BaseException) -> str:
 
 def device_function_names(dev) -> list[str]:
     """Kernel names of a device module, from its serialised function table (``fmt``, then the ``fmap`` of
-    FunctionInfo: name, arg types, launch tags, arg extra tags; the layout TVM's device modules share)."""
-    from .cubin import parse_device_bytes, serialize_device_module
+    FunctionInfo: name, arg types, launch tags, arg extra tags; the layout TVM's device modules share; webgpu's has no
+    ``fmt`` and a WGSL source map after the table: ``cubin.parse_webgpu_bytes``)."""
+    from .cubin import parse_device_bytes, parse_webgpu_bytes, serialize_device_module
     try:
-        return list(parse_device_bytes(serialize_device_module(dev))[1])
+        data = serialize_device_module(dev)
+        return list(parse_webgpu_bytes(data)[1] if dev.kind == "webgpu" else parse_device_bytes(data)[1])
     except Exception:  # noqa: BLE001  (a kind whose bytes are not in the shared layout)
         return []
 

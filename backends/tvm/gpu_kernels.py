@@ -28,7 +28,7 @@ from functools import cache
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .kernels import e2m1_select
+from .kernels import e2m1_select, index_as
 
 #: weight rows per block (threadIdx.y) and lanes over K (threadIdx.x) of the grouped GEMM
 NY = 4
@@ -104,12 +104,12 @@ def nt_matmul(x, w):
 
 @cache
 def grouped_gemm_gpu(E: int, N: int, K: int, quant: str = "none", dtype: str = "float32", flat: bool = False,
-                     w_dtype: str | None = None, emulate: bool = False):
+                     w_dtype: str | None = None, emulate: bool = False, index_dtype: str = "int64"):
     """TIR PrimFunc ``y[r, n] = sum_k x[r, k] W_e[n, k]`` for the expert e owning row r (``offsets[e] <= r <
-    offsets[e+1]``). x ``[R, K]`` (R symbolic), offsets ``int64[E+1]``, y ``[R, N]``; the weight is ``[E*N, K]``
-    (``flat``, the float ``grouped_linear`` call) or ``[E, N, K]`` float, or packed MXFP4 ``u8[E, N, K/2]`` with
-    E8M0 scales ``u8[E, N, K/32]``, or INT4 ``i32[E, N, K/8]`` with float scales ``[E, N, K/32]`` (the buffers of
-    ``kernels.grouped_matmul``). A float weight is in ``w_dtype`` (default ``dtype``; bfloat16 in a bfloat16 build),
+    offsets[e+1]``). x ``[R, K]`` (R symbolic), offsets ``index_dtype[E+1]`` (int64; int32 for webgpu), y ``[R, N]``;
+    the weight is ``[E*N, K]`` (``flat``, the float ``grouped_linear`` call) or ``[E, N, K]`` float, or packed MXFP4
+    ``u8[E, N, K/2]`` with E8M0 scales ``u8[E, N, K/32]``, or INT4 ``i32[E, N, K/8]`` with float scales
+    ``[E, N, K/32]`` (the buffers of ``kernels.grouped_matmul``). A float weight is in ``w_dtype`` (default ``dtype``; bfloat16 in a bfloat16 build),
     widened as it is loaded. Accumulates in float32. ``emulate``: the same two phases (each lane's partial sum, then
     lane 0's row sum after the barrier) with the threads of a block run in turn, no thread bindings: a kernel llvm
     builds, to check the GPU kernel's arithmetic on a CPU."""
@@ -140,7 +140,7 @@ def grouped_gemm_gpu(E: int, N: int, K: int, quant: str = "none", dtype: str = "
     def partial_sum(x, off, w, sc, red, part, acc, r, nb, ty, tx):     # before the barrier: one lane's slice of K
         part[0] = 0
         for e1 in range(E - 1):
-            if off[e1 + 1] <= r:
+            if off[e1 + 1] <= index_as(r, index_dtype):
                 part[0] = part[0] + 1
         acc[0] = T.Cast(acc_t, 0)
         if nb * NY + ty < N:
@@ -194,7 +194,7 @@ def grouped_gemm_gpu(E: int, N: int, K: int, quant: str = "none", dtype: str = "
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             R = T.int64()
             x = T.match_buffer(x_h, (R, K), dtype)
-            off = T.match_buffer(o_h, (E + 1,), "int64")
+            off = T.match_buffer(o_h, (E + 1,), index_dtype)
             w = T.match_buffer(w_h, w_shape, w_dtype)
             y = T.match_buffer(y_h, (R, N), dtype)
             body(x, off, w, None, y, R)
@@ -204,7 +204,7 @@ def grouped_gemm_gpu(E: int, N: int, K: int, quant: str = "none", dtype: str = "
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             R = T.int64()
             x = T.match_buffer(x_h, (R, K), dtype)
-            off = T.match_buffer(o_h, (E + 1,), "int64")
+            off = T.match_buffer(o_h, (E + 1,), index_dtype)
             w = T.match_buffer(w_h, w_shape, w_dtype)
             sc = T.match_buffer(s_h, (E, N, KS), s_dtype)
             y = T.match_buffer(y_h, (R, N), dtype)
@@ -219,10 +219,11 @@ ATT_T = 64
 
 @cache
 def mla_attention_gpu(H: int, Hk: int, D: int, P: int, Dv: int, scale: float, dtype: str = "float32",
-                      emulate: bool = False):
+                      emulate: bool = False, index_dtype: str = "int64"):
     """TIR PrimFunc ``(q, qr, k, kr, v, lengths) -> o`` with the buffers and mask of ``kernels.attention_kernel``
     (the MLA attention core, SPEC.md 4; Hk = 1 is the absorbed decode over the latent cache, Hk = H prefill):
-    q ``[B,T,H,D]``, qr ``[B,T,H,P]``, k ``[B,S,Hk,D]``, kr ``[B,S,P]``, v ``[B,S,Hk,Dv]``, lengths ``int64[B]``,
+    q ``[B,T,H,D]``, qr ``[B,T,H,P]``, k ``[B,S,Hk,D]``, kr ``[B,S,P]``, v ``[B,S,Hk,Dv]``, lengths
+    ``index_dtype[B]`` (int64; int32 for webgpu),
     o ``[B,T,H,Dv]``; key s is kept iff ``s <= t + S - T`` and (``s < lengths[b]`` or ``s >= S - T``). One block
     per (batch, token, head): each step scores ``ATT_T`` keys (one per thread) into shared memory, then every
     thread updates its value columns with an online softmax (float32 running max, sum and accumulators).
@@ -239,7 +240,8 @@ def mla_attention_gpu(H: int, Hk: int, D: int, P: int, Dv: int, scale: float, dt
         return f // H % L
 
     def kept(f, L, S, s, lengths):     # k3.causal_mask with lengths (SPEC.md 4)
-        return tirx.all(s < S, s <= tok(f, L) + (S - L), tirx.any(s < lengths[bat(f, L)], s >= S - L))
+        return tirx.all(s < S, s <= tok(f, L) + (S - L), tirx.any(index_as(s, index_dtype) < lengths[bat(f, L)],
+                                                                   s >= S - L))
 
     # The per-thread state lives in buffers indexed [slot, ...]: slot 0 of a [1, ...] local buffer on the GPU, slot tx
     # of a [ATT_T, ...] buffer when ``emulate`` runs a block's threads in turn.
@@ -335,7 +337,7 @@ def mla_attention_gpu(H: int, Hk: int, D: int, P: int, Dv: int, scale: float, dt
         k = T.match_buffer(k_h, (B, S, Hk, D), dtype)
         kr = T.match_buffer(kr_h, (B, S, P), dtype)
         v = T.match_buffer(v_h, (B, S, Hk, Dv), dtype)
-        lengths = T.match_buffer(n_h, (B,), "int64")
+        lengths = T.match_buffer(n_h, (B,), index_dtype)
         o = T.match_buffer(o_h, (B, L, H, Dv), dtype)
         body(q, qr, k, kr, v, lengths, o, B, L, S)
 

@@ -35,6 +35,13 @@ def i64(v) -> tirx.PrimExpr:
     return tirx.const(int(v), I64) if isinstance(v, int) else v
 
 
+def index_as(v, index_dtype: str):
+    """Index expression ``v`` (int64: loops over symbolic dims) in ``index_dtype``, to compare it with an integer
+    tensor's element (MoE offsets, cache lengths) in a TVMScript kernel, whose comparisons do not promote: ``v``
+    itself for int64, a cast for int32 (webgpu)."""
+    return v if index_dtype == I64 else T.Cast(index_dtype, v)
+
+
 def rows(off, e):
     """Rows of expert ``e`` in a kernel's ``offsets`` buffer, as an expression: kernels index with expressions, not
     TVMScript assignments, which become per-iteration workspace buffers inside a parallel loop."""
@@ -138,9 +145,10 @@ def linear_kernel(N: int, K: int, dtype: str = "float32"):
 
 
 @cache
-def grouped_linear_kernel(E: int, N: int, K: int, dtype: str = "float32"):
+def grouped_linear_kernel(E: int, N: int, K: int, dtype: str = "float32", index_dtype: str = I64):
     """TIR PrimFunc ``(x, offsets, w) -> y``: x ``[R, K]`` rows sorted by expert (R symbolic), offsets
-    ``int64[E+1]`` (expert e owns rows ``offsets[e]:offsets[e+1]``), w ``[E*N, K]`` (the ``[E, N, K]`` expert
+    ``index_dtype[E+1]`` (int64, or int32 for a kind without 64-bit integers; expert e owns rows
+    ``offsets[e]:offsets[e+1]``), w ``[E*N, K]`` (the ``[E, N, K]`` expert
     weights, rows flattened), y ``[R, N]``: row r times ``W_e^T``. One GEMM per expert over its rows (tiles
     of MT rows, then the leftover rows one at a time over blocks of 8 weight rows, as ``linear_kernel``), parallel
     over (weight-row block, expert): only experts with rows read their weights. Needs ``linear_tiles(N, K)``."""
@@ -154,7 +162,7 @@ def grouped_linear_kernel(E: int, N: int, K: int, dtype: str = "float32"):
         T.func_attr({"tirx.noalias": True})
         R = T.int64()
         x = T.match_buffer(x_h, (R, K), dtype)
-        off = T.match_buffer(o_h, (E + 1,), "int64")
+        off = T.match_buffer(o_h, (E + 1,), index_dtype)
         w = T.match_buffer(w_h, (E * N, K), dtype)
         y = T.match_buffer(y_h, (R, N), dtype)
         if R >= MT:
@@ -233,9 +241,9 @@ def _quant_tile_macro(dtype: str, K: int, NT: int, quant: str):
 
 
 @cache
-def grouped_quant_kernel(E: int, N: int, K: int, quant: str, dtype: str = "float32"):
+def grouped_quant_kernel(E: int, N: int, K: int, quant: str, dtype: str = "float32", index_dtype: str = I64):
     """TIR PrimFunc ``(x, offsets, w, scales) -> y``, the scheduled ``grouped_matmul`` of packed experts: x
-    ``[R, K]`` rows sorted by expert (R symbolic), offsets ``int64[E+1]``, w MXFP4 ``u8[E, N, K/2]`` with E8M0
+    ``[R, K]`` rows sorted by expert (R symbolic), offsets ``index_dtype[E+1]``, w MXFP4 ``u8[E, N, K/2]`` with E8M0
     scales ``u8[E, N, K/32]`` or INT4 ``i32[E, N, K/8]`` with float scales ``[E, N, K/32]`` (SPEC.md 7), y ``[R, N]``.
     As ``grouped_linear_kernel``: one GEMM per expert over its rows (tiles of MT rows, then the leftover rows one at
     a time over blocks of 8 weight rows), parallel over (weight-row block, expert), so only experts with rows read
@@ -257,7 +265,7 @@ def grouped_quant_kernel(E: int, N: int, K: int, quant: str, dtype: str = "float
         T.func_attr({"tirx.noalias": True})
         R = T.int64()
         x = T.match_buffer(x_h, (R, K), dtype)
-        off = T.match_buffer(o_h, (E + 1,), "int64")
+        off = T.match_buffer(o_h, (E + 1,), index_dtype)
         w = T.match_buffer(w_h, (E, N, KP), w_dtype)
         sc = T.match_buffer(s_h, (E, N, KS), s_dtype)
         y = T.match_buffer(y_h, (R, N), dtype)
@@ -329,10 +337,12 @@ def kda_kernel(H: int, K: int, V: int, dtype: str = "float32"):
 
 
 @cache
-def attention_kernel(H: int, Hk: int, D: int, P: int, Dv: int, scale: float, dtype: str = "float32"):
+def attention_kernel(H: int, Hk: int, D: int, P: int, Dv: int, scale: float, dtype: str = "float32",
+                     index_dtype: str = I64):
     """TIR PrimFunc ``(q, qr, k, kr, v, lengths) -> o``, the MLA attention core (SPEC.md 4) for both of its forms:
     q ``[B,T,H,D]`` and qr ``[B,T,H,P]`` (content and rotary query parts), k ``[B,S,Hk,D]``, kr ``[B,S,P]`` (the
-    rotary key, shared by the heads), v ``[B,S,Hk,Dv]``, lengths ``int64[B]``; Hk = H (per-head keys and values:
+    rotary key, shared by the heads), v ``[B,S,Hk,Dv]``, lengths ``index_dtype[B]`` (int64, or int32);
+    Hk = H (per-head keys and values:
     prefill) or 1 (the absorbed latent cache serves every head: decode). ``o[b,t,h] = softmax_s(scale (q.k + qr.kr))
     v`` over the keys kept by ``k3.causal_mask``: ``s <= t + S - T`` and (``s < lengths[b]`` or ``s >= S - T``).
     One online softmax per (batch, token, head), in parallel, accumulating into o; the dot products and the
@@ -347,7 +357,7 @@ def attention_kernel(H: int, Hk: int, D: int, P: int, Dv: int, scale: float, dty
         st[0] = low
         st[1] = T.Cast(dtype, 0)
         for s in range(S):
-            if s <= t + (S - L) and (s < lengths[b] or s >= S - L):
+            if s <= t + (S - L) and (index_as(s, index_dtype) < lengths[b] or s >= S - L):
                 for c in T.vectorized(VD):
                     pd[c] = T.Cast(dtype, 0)
                 for d in range(D // VD):
@@ -386,7 +396,7 @@ def attention_kernel(H: int, Hk: int, D: int, P: int, Dv: int, scale: float, dty
         k = T.match_buffer(k_h, (B, S, Hk, D), dtype)
         kr = T.match_buffer(kr_h, (B, S, P), dtype)
         v = T.match_buffer(v_h, (B, S, Hk, Dv), dtype)
-        lengths = T.match_buffer(n_h, (B,), "int64")
+        lengths = T.match_buffer(n_h, (B,), index_dtype)
         o = T.match_buffer(o_h, (B, L, H, Dv), dtype)
         for f in T.parallel(B * L * H):
             st = T.alloc_buffer((5,), dtype)         # running max, running sum, score, new max, correction
@@ -463,23 +473,24 @@ def causal_mask(x, lengths=None):
     return te.compute(x.shape, f, name="causal_mask")
 
 
-def topk(x, k: int):
-    """(values, int64 indices) of the k largest along the last axis, sorted descending; ties go
-    to the lower index (the stable order of SPEC.md 5)."""
+def topk(x, k: int, index_dtype: str = I64):
+    """(values, indices) of the k largest along the last axis, sorted descending; ties go to the lower index (the
+    stable order of SPEC.md 5). Indices and the ranks behind them in ``index_dtype`` (int64, or int32)."""
     shp = list(x.shape)
     E = shp[-1]
+    one, zero = tirx.const(1, index_dtype), tirx.const(0, index_dtype)
 
     def rank(*i):
         j = te.reduce_axis((0, E), "j")
         lead, me = i[:-1], i[-1]
         better = tirx.any(x(*lead, j) > x(*lead, me), tirx.all(x(*lead, j) == x(*lead, me), j < me))
-        return te.sum(tirx.Select(better, i64(1), i64(0)), axis=j)
+        return te.sum(tirx.Select(better, one, zero), axis=j)
     r = te.compute(shp, rank, name="topk_rank")
 
     def pick(*i):
         e = te.reduce_axis((0, E), "e")
         lead, m = i[:-1], i[-1]
-        return te.sum(tirx.Select(r(*lead, e) == m, e.astype(I64), i64(0)), axis=e)
+        return te.sum(tirx.Select(r(*lead, e) == m, e.astype(index_dtype), zero), axis=e)
     idx = te.compute(shp[:-1] + [k], pick, name="topk_idx")
     val = te.compute(idx.shape, lambda *i: x(*i[:-1], idx(*i)), name="topk_val")
     return val, idx
@@ -493,26 +504,29 @@ def one_hot(index, depth: int, dtype: str):
 
 # ---- MoE --------------------------------------------------------------------------------
 def moe_dispatch(x, w, flat, num_experts: int, k: int):
-    """x ``[R/k, D]`` (token rows, k = top_k), w ``[R]`` combine weights and flat ``int64[R]`` expert ids of
-    the R routed slots (slot = token*k + j). Returns (x_sorted ``[R,D]``, offsets ``[E+1]``,
-    pos ``[R]`` (slot -> sorted row), comb_w ``[R]``); a stable sort by expert."""
+    """x ``[R/k, D]`` (token rows, k = top_k), w ``[R]`` combine weights and flat ``[R]`` expert ids (int64, or
+    int32: offsets, positions and every count follow its dtype) of the R routed slots (slot = token*k + j).
+    Returns (x_sorted ``[R,D]``, offsets ``[E+1]``, pos ``[R]`` (slot -> sorted row), comb_w ``[R]``); a stable
+    sort by expert."""
     R = flat.shape[0]
     E = num_experts
+    idt = _dt(flat)
+    one, zero = tirx.const(1, idt), tirx.const(0, idt)
 
     def before(r):      # slots s < r routed to the same expert (stable rank within the expert)
         s = te.reduce_axis((0, R), "s")
-        return te.sum(tirx.Select(tirx.all(s < r, flat[s] == flat[r]), i64(1), i64(0)), axis=s)
+        return te.sum(tirx.Select(tirx.all(s < r, flat[s] == flat[r]), one, zero), axis=s)
     rank = te.compute((R,), before, name="moe_rank")
 
     def count(e):
         s = te.reduce_axis((0, R), "s")
-        return te.sum(tirx.Select(flat[s] < e, i64(1), i64(0)), axis=s)
+        return te.sum(tirx.Select(flat[s] < e, one, zero), axis=s)
     offsets = te.compute((E + 1,), count, name="moe_offsets")   # slots with expert < e
     pos = te.compute((R,), lambda r: offsets[flat[r]] + rank[r], name="moe_pos")
 
     def order(r):
         s = te.reduce_axis((0, R), "s")
-        return te.sum(tirx.Select(pos[s] == r, s.astype(I64), i64(0)), axis=s)
+        return te.sum(tirx.Select(pos[s] == r, s.astype(idt), zero), axis=s)
     perm = te.compute((R,), order, name="moe_order")
     xs = te.compute((R, x.shape[1]), lambda r, d: x[perm[r] // k, d], name="moe_x_sorted")
     cw = te.compute((R,), lambda r: w[perm[r]], name="moe_comb_w")
@@ -530,7 +544,7 @@ def grouped_matmul(x, offsets, w, scales=None, quant: str = "none"):
 
     def expert(r):
         e = te.reduce_axis((1, E), "e")
-        return te.sum(tirx.Select(offsets[e] <= r, i64(1), i64(0)), axis=e)
+        return te.sum(tirx.Select(offsets[e] <= r, tirx.const(1, _dt(offsets)), tirx.const(0, _dt(offsets))), axis=e)
     eid = te.compute((R,), expert, name="gmm_expert")
 
     def weight(e, n, kk):

@@ -9,7 +9,9 @@ Lowering: ``TABLE[op name](lw, inst, *operands) -> result exprs`` (operands in d
 order, missing optional ones as ``None``). An op without an entry is replaced by its
 decomposition (``k3ir.backends.lowering.decompose_op``) lowered inline, recursively; an op
 with neither raises K3BackendError naming it (``k3ir check`` lists all of this up front).
-Every IR float dtype computes in the compile dtype (float32 by default); integers are int64.
+Every IR float dtype computes in the compile dtype (float32 by default); integer tensors (token ids, top-k expert
+indices, MoE offsets and positions, cache lengths) are in ``RelaxLowering.idt``: int64 by default, int32 for a kind
+without 64-bit integers (webgpu: WGSL has none; ``gpu.INDEX_DTYPES``).
 """
 from __future__ import annotations
 
@@ -35,11 +37,15 @@ Lowering = Callable[..., Any]
 
 
 class RelaxLowering:
-    """Builds ``tvm.IRModule`` with one Relax function per requested entry function."""
+    """Builds ``tvm.IRModule`` with one Relax function per requested entry function. ``index_dtype``: the dtype of
+    every integer tensor (IR ``i64`` and ``i32``), ``"int64"`` or ``"int32"``; shape variables stay Relax ``int64``."""
 
-    def __init__(self, module: Module, dtype: str = "float32"):
+    def __init__(self, module: Module, dtype: str = "float32", index_dtype: str = "int64"):
+        if index_dtype not in ("int64", "int32"):
+            raise K3BackendError(f"tvm: index dtype must be int64 or int32, not '{index_dtype}'")
         self.module = module
         self.fdt = dtype
+        self.idt = index_dtype
         self.syms: dict[str, tirx.Var] = {}
         self.bb = relax.BlockBuilder()
         self.params: dict[str, list[str]] = {}
@@ -48,7 +54,7 @@ class RelaxLowering:
     # ---- types ---------------------------------------------------------------------
     def rt(self, ir_dtype: str) -> str:
         """Run-time dtype of an IR dtype."""
-        return {"i64": "int64", "i32": "int64", "u8": "uint8", "i8": "int8", "bool": "bool",
+        return {"i64": self.idt, "i32": self.idt, "u8": "uint8", "i8": "int8", "bool": "bool",
                 "mxfp4": "uint8", "int4": "int32"}.get(ir_dtype, self.fdt)
 
     def dim(self, d) -> Any:
@@ -361,29 +367,29 @@ def _cumsum(lw, inst, x):
 def _causal_mask(lw, inst, x, lengths=None):
     if lengths is None:
         return lw.te(K.causal_mask, lw.f(x), name="causal_mask")
-    return lw.te(K.causal_mask, lw.f(x), lw.cast(lengths, "int64"), name="causal_mask")
+    return lw.te(K.causal_mask, lw.f(x), lw.cast(lengths, lw.idt), name="causal_mask")
 
 
 @lowers("k3.topk")
 def _topk(lw, inst, x):
-    t = lw.te(K.topk, lw.f(x), inst.k, name="topk")
+    t = lw.te(K.topk, lw.f(x), inst.k, lw.idt, name="topk")
     return lw.emit(relax.TupleGetItem(t, 0)), lw.emit(relax.TupleGetItem(t, 1))
 
 
 @lowers("k3.gather")
 def _gather(lw, inst, x, index):
-    return lw.emit(R_.gather_elements(x, lw.cast(index, "int64"), axis=inst.axis))
+    return lw.emit(R_.gather_elements(x, lw.cast(index, lw.idt), axis=inst.axis))
 
 
 @lowers("k3.take", "k3.embedding")
 def _take(lw, inst, a, b):
     table, ids = (a, b) if inst.name == "k3.take" else (b, a)
-    return lw.emit(R_.take(table, lw.cast(ids, "int64"), axis=0, mode="clip"))
+    return lw.emit(R_.take(table, lw.cast(ids, lw.idt), axis=0, mode="clip"))
 
 
 @lowers("k3.one_hot")
 def _one_hot(lw, inst, index):
-    return lw.te(K.one_hot, lw.cast(index, "int64"), inst.depth, lw.rt(inst.dtype), name="one_hot")
+    return lw.te(K.one_hot, lw.cast(index, lw.idt), inst.depth, lw.rt(inst.dtype), name="one_hot")
 
 
 @lowers("k3.state_zero")

@@ -152,23 +152,23 @@ def _mla(lw, inst, q, kv, w, cache=None, lengths=None):
     B, S = lw.shape(full)[:2]
     T = lw.shape(q)[1]
     if lengths is None:
-        lengths = lw.te(lambda f: te.compute((f.shape[0],), lambda b: f.shape[1], name="full_length"), full,
-                        name="full_length")     # every key is valid: the length mask keeps all
-    lengths = lw.cast(lengths, "int64")
+        lengths = lw.te(lambda f: te.compute((f.shape[0],), lambda b: f.shape[1].astype(lw.idt), name="full_length"),
+                        full, name="full_length")     # every key is valid: the length mask keeps all
+    lengths = lw.cast(lengths, lw.idt)
     if inst.absorbed:       # the latent cache is every head's key and value: one attention per head over it
         wh = lw.emit(R_.reshape(lw.f(w), [H, n + vd, R]))
         w_uk, w_uv = slice_axis(lw, wh, 1, 0, n), slice_axis(lw, wh, 1, n, None)
         qt = ein("bthn,hnr->bthr", qn, w_uk)
         lat = lw.emit(R_.reshape(ckv, [B, S, 1, R]))
         gv = lw.kernel(("mla_attention", H, 1, R, P, R, round(inst.scale * 1e9)),
-                       lambda: K.attention_kernel(H, 1, R, P, R, inst.scale, lw.fdt))
+                       lambda: K.attention_kernel(H, 1, R, P, R, inst.scale, lw.fdt, lw.idt))
         ol = lw.emit(relax.call_tir(gv, [qt, qr, lat, kr, lat, lengths], relax.TensorType([B, T, H, R], lw.fdt)))
         o = ein("bthr,hvr->bthv", ol, w_uv)
     else:                   # per-head keys and values: one linear of the latents by the [H*(n+v), R] weight
         kv = lw.emit(R_.reshape(linear(lw, ckv, w), [B, S, H, n + vd]))
         kn, vv = slice_axis(lw, kv, 3, 0, n), slice_axis(lw, kv, 3, n, None)
         gv = lw.kernel(("mla_attention", H, H, n, P, vd, round(inst.scale * 1e9)),
-                       lambda: K.attention_kernel(H, H, n, P, vd, inst.scale, lw.fdt))
+                       lambda: K.attention_kernel(H, H, n, P, vd, inst.scale, lw.fdt, lw.idt))
         o = lw.emit(relax.call_tir(gv, [qn, qr, kn, kr, vv, lengths], relax.TensorType([B, T, H, vd], lw.fdt)))
     return o, full
 
@@ -177,7 +177,7 @@ def _mla(lw, inst, q, kv, w, cache=None, lengths=None):
 @lowers("k3.router")
 def _router(lw, inst, x, w, bias):
     s = lw.emit(R_.sigmoid(linear(lw, x, w)))
-    t = lw.te(K.topk, lw.emit(R_.add(s, lw.f(bias))), inst.top_k, name="router_topk")
+    t = lw.te(K.topk, lw.emit(R_.add(s, lw.f(bias))), inst.top_k, lw.idt, name="router_topk")
     idx = _get(lw, t, 1)
     sel = lw.emit(R_.gather_elements(s, idx, axis=-1))
     if inst.renormalize:
@@ -189,7 +189,7 @@ def _router(lw, inst, x, w, bias):
 def _moe_dispatch(lw, inst, x, w, idx):
     k = int(lw.shape(w)[2])
     xf = lw.emit(R_.reshape(lw.f(x), [-1, lw.shape(x)[2]]))
-    flat = lw.emit(R_.reshape(lw.cast(idx, "int64"), [-1]))
+    flat = lw.emit(R_.reshape(lw.cast(idx, lw.idt), [-1]))
     wf = lw.emit(R_.reshape(lw.f(w), [-1]))
     t = lw.te(K.moe_dispatch, xf, wf, flat, inst.num_experts, k, name="moe_dispatch")
     inv = lw.emit(R_.reshape(_get(lw, t, 2), lw.shape(idx)))
@@ -198,12 +198,12 @@ def _moe_dispatch(lw, inst, x, w, idx):
 
 @lowers("k3.grouped_matmul")
 def _grouped_matmul(lw, inst, x, offsets, w, scales=None):
-    off = lw.cast(offsets, "int64")
+    off = lw.cast(offsets, lw.idt)
     if inst.quant == "none":
         E, N, Kd = (int(d) for d in lw.shape(w))
         if K.linear_tiles(N, Kd) is None:
             return lw.te(K.grouped_matmul, lw.f(x), off, lw.f(w), name="grouped_matmul")
-        gv = lw.kernel(("grouped_linear", E, N, Kd), lambda: K.grouped_linear_kernel(E, N, Kd, lw.fdt))
+        gv = lw.kernel(("grouped_linear", E, N, Kd), lambda: K.grouped_linear_kernel(E, N, Kd, lw.fdt, lw.idt))
         wf = lw.emit(R_.reshape(lw.weight(w), [E * N, Kd]))
         return lw.emit(relax.call_tir(gv, [lw.f(x), off, wf], relax.TensorType([lw.shape(x)[0], N], lw.fdt)))
     sc = scales if inst.quant == "mxfp4" else lw.f(scales)
@@ -211,13 +211,14 @@ def _grouped_matmul(lw, inst, x, offsets, w, scales=None):
     Kd = int(lw.shape(x)[-1])
     if not K.quant_tiles(Kd):
         return lw.te(K.grouped_matmul, lw.f(x), off, w, sc, inst.quant, name=f"grouped_matmul_{inst.quant}")
-    gv = lw.kernel(("grouped_quant", E, N, Kd, inst.quant), lambda: K.grouped_quant_kernel(E, N, Kd, inst.quant, lw.fdt))
+    gv = lw.kernel(("grouped_quant", E, N, Kd, inst.quant),
+                   lambda: K.grouped_quant_kernel(E, N, Kd, inst.quant, lw.fdt, lw.idt))
     return lw.emit(relax.call_tir(gv, [lw.f(x), off, w, sc], relax.TensorType([lw.shape(x)[0], N], lw.fdt)))
 
 
 @lowers("k3.moe_combine")
 def _moe_combine(lw, inst, y, comb_w, inv):
-    return lw.te(K.moe_combine, lw.f(y), lw.f(comb_w), lw.cast(inv, "int64"), name="moe_combine")
+    return lw.te(K.moe_combine, lw.f(y), lw.f(comb_w), lw.cast(inv, lw.idt), name="moe_combine")
 
 
 # ---- AttnRes -------------------------------------------------------------------------

@@ -27,6 +27,24 @@ def _need(kind: str) -> None:
         pytest.skip(f"tvm-{kind} cannot build here: {why}")
 
 
+#: the WGSL built-in functions and type constructors a TVM WebGPU kernel may call (W3C WGSL, "Built-in Functions"),
+#: and the attributes (``@group(...)``) and statements (``if (...)``) that ``_unknown_wgsl_calls`` reads as calls
+WGSL_CALLABLE = frozenset((
+    "i32", "u32", "f32", "f16", "bool", "vec2", "vec3", "vec4", "array", "bitcast", "select", "fma", "exp", "exp2",
+    "log", "log2", "sqrt", "inverseSqrt", "pow", "abs", "sign", "min", "max", "clamp", "floor", "ceil", "round",
+    "trunc", "fract", "tanh", "sinh", "cosh", "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "dot",
+    "workgroupBarrier", "storageBarrier", "atomicAdd", "atomicMax", "atomicMin", "atomicLoad", "atomicStore",
+    "group", "binding", "builtin", "workgroup_size", "if", "for", "while"))
+
+
+def _unknown_wgsl_calls(src: str, kernels) -> set[str]:
+    """Names called in WGSL ``src`` that are neither WGSL built-ins (``WGSL_CALLABLE``) nor one of ``kernels``: a
+    libm name such as ``log1pf`` that TVM emits for an intrinsic without a WebGPU lowering would show here."""
+    import re
+    called = set(re.findall(r"\b([A-Za-z_]\w*)\s*(?:<[^>]*>)?\(", src))
+    return called - WGSL_CALLABLE - set(kernels)
+
+
 def _need_cuobjdump() -> str:
     tool = cubin.find_cuobjdump()
     if tool is None or cubin.find_nvdisasm() is None:
@@ -67,7 +85,9 @@ def test_kind_report_lists_every_kind_from_probes():
         assert builds.startswith(("yes (", "no (")) and runs.startswith(("yes", "no (")), (target, builds, runs)
     assert rows["tvm-vulkan"][1].startswith("no (") and "vulkan-spirv" in rows["tvm-vulkan"][1]
     assert rows["tvm-metal"][1].startswith("yes (")          # no toolchain beyond TVM: the driver compiles MSL
-    assert rows["tvm-webgpu"][1].startswith("no (") and "64-bit" in rows["tvm-webgpu"][1]
+    if toolchain("webgpu")[0] is None:                  # int32 indices: WGSL kernels + wasm32 host objects
+        assert rows["tvm-webgpu"][1].startswith("yes (") and "int32" in rows["tvm-webgpu"][1]
+    assert rows["tvm-webgpu"][2].startswith("no (") and "tvmjs" in rows["tvm-webgpu"][2]
     assert ("nvcc" in rows["tvm-cuda"][1]) == (toolchain("cuda")[0] is None)
 
 
@@ -203,10 +223,11 @@ def test_llvm_artifact_runs_with_the_tvm_runtime_only(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["k3-tiny", "kimi-linear-tiny"])
-@pytest.mark.parametrize("kind", ["cuda", "rocm", "metal", "opencl"])
+@pytest.mark.parametrize("kind", ["cuda", "rocm", "metal", "opencl", "webgpu"])
 def test_whole_model_builds_for_every_gpu_kind(tmp_path, kind, config):
     """Every GPU kind builds the whole model of both tiny configs (or skips naming the missing toolchain); the
-    library holds the device code of every kernel the lowered module launches (cuda: SASS per arch)."""
+    library holds the device code of every kernel the lowered module launches (cuda: SASS per arch; webgpu: the WGSL
+    of every device function in the packed module of the .tar's wasm32 objects, with no 64-bit integer)."""
     _need(kind)
     from k3ir.backends.tvm.gpu import GPU_KINDS, build_kind_subprocess
     from k3ir.passes import run_pipeline
@@ -224,6 +245,12 @@ def test_whole_model_builds_for_every_gpu_kind(tmp_path, kind, config):
             assert fmt == "fatbin" and set(fmap) == set(rep.device_functions)
             sass = cubin.cuobjdump_functions(fat, _need_cuobjdump())
             assert sass["sm_90a"] == set(rep.device_functions) == sass["sm_80"]
+        elif kind == "webgpu":
+            wgsl = cubin.webgpu_library_kernels(str(tmp_path / files["library"]))
+            assert rep.index_dtype == "int32" and len(rep.device_functions) > 20
+            assert set(wgsl) == set(rep.device_functions), rep.summary()
+            assert all("@compute" in w and f"fn {n}(" in w and "i64" not in w for n, w in wgsl.items())
+            assert all(f"fn {n}(" in src for n in wgsl) and not _unknown_wgsl_calls(src, wgsl)
         else:
             names = rep.device_functions or sorted(rep.kernels)
             assert names and all(n.split("_kernel")[0] in src for n in names)
@@ -347,12 +374,15 @@ def test_gpu_kda_kernel_with_its_threads_run_in_turn_equals_the_recurrence(V, T,
     assert rel_err(o.numpy(), want) < 1e-5 and rel_err(s.numpy(), S) < 1e-5
 
 
-@pytest.mark.parametrize("quant,w_dtype", [("mxfp4", None), ("int4", None), ("none", "float32"), ("none", "bfloat16")])
-def test_gpu_grouped_gemm_phases_with_threads_in_turn_equal_the_reference(quant, w_dtype, rng):
+@pytest.mark.parametrize("quant,w_dtype,idt", [("mxfp4", None, "int64"), ("int4", None, "int64"),
+                                               ("none", "float32", "int64"), ("none", "bfloat16", "int64"),
+                                               ("mxfp4", None, "int32"), ("none", "float32", "int32")])
+def test_gpu_grouped_gemm_phases_with_threads_in_turn_equal_the_reference(quant, w_dtype, idt, rng):
     """``gpu_kernels.grouped_gemm_gpu(..., emulate=True)``: the GPU MoE kernel's two phases (each lane's partial sum
     over its slice of K with the dequantisation, then lane 0's row sum after the barrier) with the threads of a block
     in turn, built for llvm, against k3.grouped_matmul's float64 reference: MXFP4, INT4, float and bfloat16 (flat)
-    weights; an expert with no rows, N not a multiple of the 4-row block, K not a multiple of 32 lanes' units."""
+    weights; an expert with no rows, N not a multiple of the 4-row block, K not a multiple of 32 lanes' units; int64
+    offsets, and the int32 offsets of the webgpu lowering."""
     import tvm
     from k3ir.backends.tvm.artifact_gpu import bf16_bits, bf16_round
     from k3ir.backends.tvm.gpu_kernels import grouped_gemm_gpu
@@ -361,10 +391,10 @@ def test_gpu_grouped_gemm_phases_with_threads_in_turn_equal_the_reference(quant,
     from k3ir.ops.moe import GroupedMatmul
     E, N, K = 3, 6, 96
     flat = quant == "none"
-    f = grouped_gemm_gpu(E, N, K, quant, flat=flat, w_dtype=w_dtype, emulate=True)
+    f = grouped_gemm_gpu(E, N, K, quant, flat=flat, w_dtype=w_dtype, emulate=True, index_dtype=idt)
     fn = tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target="llvm")["main"]
     w = rng.normal(size=(E, N, K))
-    off = np.array([0, 3, 3, 8], np.int64)                                  # expert 1 owns no rows
+    off = np.array([0, 3, 3, 8], idt)                                       # expert 1 owns no rows
     x = rng.normal(size=(8, K)).astype(np.float32)
     if flat:
         wv = bf16_round(w) if w_dtype == "bfloat16" else w.astype(np.float32)
@@ -382,21 +412,23 @@ def test_gpu_grouped_gemm_phases_with_threads_in_turn_equal_the_reference(quant,
     assert rel_err(y.numpy(), want) < 1e-6
 
 
-@pytest.mark.parametrize("Hk,T,S", [(2, 70, 70), (1, 1, 70), (1, 3, 9)])
-def test_gpu_mla_attention_phases_with_threads_in_turn_equal_the_reference(Hk, T, S, rng):
+@pytest.mark.parametrize("Hk,T,S,idt", [(2, 70, 70, "int64"), (1, 1, 70, "int64"), (1, 3, 9, "int64"),
+                                        (1, 3, 9, "int32")])
+def test_gpu_mla_attention_phases_with_threads_in_turn_equal_the_reference(Hk, T, S, idt, rng):
     """``gpu_kernels.mla_attention_gpu(..., emulate=True)``: the GPU MLA kernel's phases (each thread scores one key
     into shared memory; after the barrier every thread's online-softmax update of its value columns) with the threads
     of a block in turn, built for llvm, against the float64 attention of SPEC.md 4 with k3.causal_mask's length mask:
     prefill with per-head keys over more than one 64-key step, the absorbed decode (Hk = 1) over a cache, a cache
-    whose first row is shorter than its slots (lengths), value width over one thread's columns."""
+    whose first row is shorter than its slots (lengths; int64, and int32 as webgpu lowers them), value width over one
+    thread's columns."""
     import tvm
     from k3ir.backends.tvm.gpu_kernels import mla_attention_gpu
     B, H, D, P, Dv, scale = 2, 2, 8, 4, 80, 0.3
-    fn = tvm.compile(tvm.IRModule({"main": mla_attention_gpu(H, Hk, D, P, Dv, scale, emulate=True).with_attr(
-        "global_symbol", "main")}), target="llvm")["main"]
+    fn = tvm.compile(tvm.IRModule({"main": mla_attention_gpu(H, Hk, D, P, Dv, scale, emulate=True, index_dtype=idt)
+                                   .with_attr("global_symbol", "main")}), target="llvm")["main"]
     q, qr = rng.normal(size=(B, T, H, D)), rng.normal(size=(B, T, H, P))
     k, kr, v = rng.normal(size=(B, S, Hk, D)), rng.normal(size=(B, S, P)), rng.normal(size=(B, S, Hk, Dv))
-    lengths = np.array([max(S - T - 2, 0), S - T], np.int64)               # row 0: its last 2 cache slots unused
+    lengths = np.array([max(S - T - 2, 0), S - T], idt)                    # row 0: its last 2 cache slots unused
     want = np.zeros((B, T, H, Dv))
     for b in range(B):
         for t in range(T):
@@ -408,3 +440,128 @@ def test_gpu_mla_attention_phases_with_threads_in_turn_equal_the_reference(Hk, T
     o = tvm.runtime.tensor(np.zeros((B, T, H, Dv), np.float32))
     fn(*[tvm.runtime.tensor(a.astype(np.float32)) for a in (q, qr, k, kr, v)], tvm.runtime.tensor(lengths), o)
     assert rel_err(o.numpy(), want) < 1e-5
+
+
+
+def _int_dtypes(mod, kernels: bool = True) -> set[str]:
+    """dtypes of the integer tensors the Relax functions of ``mod`` take or bind, and with ``kernels`` the integer
+    dtypes named in the TVMScript of its PrimFuncs (buffers, variables, constants, casts: ``int32``, ``T.int64(8)``;
+    the blocks' read/write region annotations left out: metadata, not code)."""
+    import re
+
+    from tvm import relax, tirx
+    seen: set[str] = set()
+
+    def note(ty):
+        if isinstance(ty, relax.TensorType) and str(ty.dtype).startswith("int"):
+            seen.add(str(ty.dtype))
+        elif isinstance(ty, relax.TupleType):
+            for f in ty.fields:
+                note(f)
+    for _, fn in mod.functions_items():
+        if isinstance(fn, relax.Function):
+            for p in fn.params:
+                note(p.ty)
+            relax.analysis.post_order_visit(fn, lambda e: note(e.ty) if isinstance(e, relax.Var) else None)
+        elif isinstance(fn, tirx.PrimFunc) and kernels:
+            body = "\n".join(ln for ln in str(fn).splitlines() if "T.reads(" not in ln and "T.writes(" not in ln)
+            seen.update(re.findall(r"\bint(?:8|16|32|64)\b", body))     # not the read/write region annotations
+    return seen
+
+
+def test_webgpu_lowering_keeps_every_integer_in_int32():
+    """The webgpu lowering of kimi-linear-tiny (prefill + decode; gpu.INDEX_DTYPES): no int64 tensor in the Relax
+    functions (ids, router top-k indices, MoE offsets and positions, MLA cache lengths are int32) and, after TVM's
+    legalisation, dlight scheduling and ``narrow_indices``, no int64 buffer, variable or constant in any kernel (WGSL
+    has none). The int64 lowering of the other kinds is refused by ``narrow_indices``, naming a kernel."""
+    from k3ir.backends.tvm.gpu import GpuBuildReport, _legalize, gpu_target, lower_gpu, narrow_indices, schedule_kernels
+    from k3ir.passes import run_pipeline
+    from k3ir.passes.pipelines import pipeline_for
+
+    from k3ir.errors import K3BackendError
+    m = load_tiny("kimi-linear-tiny")
+    run_pipeline(m, pipeline_for("tvm"))
+    target = gpu_target("webgpu")
+    mod, _ = lower_gpu(m, ["prefill", "decode"], "float32", "int32")
+    assert _int_dtypes(mod, kernels=False) == {"int32"}
+    mod = schedule_kernels(_legalize(mod, target), target, GpuBuildReport(kind="webgpu"))
+    narrowed = narrow_indices(mod, "webgpu")
+    assert "int64" not in _int_dtypes(narrowed) and "int32" in _int_dtypes(narrowed)
+    wide, _ = lower_gpu(m, ["prefill", "decode"], "float32", "int64")
+    with pytest.raises(K3BackendError, match=r"tvm-webgpu: kernel '\w+' cannot take int32 indices"):
+        narrow_indices(_legalize(wide, target), "webgpu")
+
+
+def test_log1p_select_of_the_webgpu_lowering_is_accurate():
+    """``gpu.log1p_select`` (WGSL has no log1p: a Taylor series where |x| < 1/4, log(1 + x) elsewhere) built for llvm
+    in float32 equals NumPy's float64 log1p within 2.5e-7 relative (2 float32 ulps), from 1e-30 (where 1 + x rounds
+    to 1) to 1e6, negative values down to -0.999, and 0."""
+    import tvm
+    from k3ir.backends.tvm.gpu import log1p_select
+    from tvm import te
+    x = np.concatenate([np.geomspace(1e-30, 1e6, 400), -np.geomspace(1e-30, 0.999, 200), [0.0]]).astype(np.float32)
+    a = te.placeholder((x.size,), "float32", "a")
+    b = te.compute(a.shape, lambda i: log1p_select(a[i]), name="b")
+    f = tvm.compile(tvm.IRModule({"main": te.create_prim_func([a, b]).with_attr("global_symbol", "main")}),
+                    target="llvm")["main"]
+    out = tvm.runtime.tensor(np.zeros_like(x))
+    f(tvm.runtime.tensor(x), out)
+    want = np.log1p(x.astype(np.float64))
+    err = np.abs(out.numpy() - want) / np.maximum(np.abs(want), 1e-300)
+    assert err[want != 0].max() < 2.5e-7 and out.numpy()[x == 0].tolist() == [0.0]
+
+
+@pytest.mark.parametrize("key", ["kimi-linear-tiny", pytest.param("k3-tiny", marks=pytest.mark.slow)])
+def test_int32_index_lowering_runs_like_torch_fed_int32_ids_from_the_manifest(key, tmp_path):
+    """The webgpu lowering's int32 integers (gpu.INDEX_DTYPES) compiled for llvm with the CPU kernels in place of the
+    GPU ones, written as a GPU artifact whose manifest says ``index_dtype: int32``: ``Session.load`` feeds the ids as
+    int32 (the Relax VM checks the dtype of every argument) and prefill + two decode steps equal the torch target in
+    float32 on the same weights within 1e-5."""
+    from helpers import gpu_lowered_cpu_artifact
+    from k3ir.runtime import Session
+
+    import k3ir
+    art = str(tmp_path / "art")
+    params = gpu_lowered_cpu_artifact(key, art, dtype="float32", index_dtype="int32")
+    with open(os.path.join(art, "manifest.json")) as f:
+        assert json.load(f)["index_dtype"] == "int32"
+    sess = Session.load(art)
+    assert sess.exe.index_dtype == "int32"
+    m = load_tiny(key)
+    ids = token_ids(m.attrs["vocab_size"], 1, 6)
+    lo, st = sess.prefill(ids)
+    lo2, st = sess.decode(ids[:, -1:], st)
+    lo3, _ = sess.decode(ids[:, -2:-1], st)
+    ref = Session(k3ir.compile(load_tiny(key), target="torch", dtype="float32"), params=params)
+    want, st_ref = ref.prefill(ids)
+    want2, st_ref = ref.decode(ids[:, -1:], st_ref)
+    want3, _ = ref.decode(ids[:, -2:-1], st_ref)
+    assert max(rel_err(lo, want), rel_err(lo2, want2), rel_err(lo3, want3)) < 1e-5
+
+
+@pytest.mark.slow
+def test_compile_k3_tiny_for_webgpu_writes_the_wgsl_artifact(tmp_path, capsys):
+    """``k3ir compile k3-tiny --target tvm-webgpu -o DIR --emit-source``: the .tar's wasm32 objects carry the WGSL of
+    every device function the manifest lists (read back from the packed module), the emitted source defines each,
+    the manifest says int32 ids, and ``Session.load`` refuses with what runs the artifact instead."""
+    from conftest import run_cli
+    from k3ir.runtime import Session
+
+    from k3ir.errors import K3BackendError
+    _need("webgpu")
+    out = str(tmp_path / "art")
+    rc, _, err = run_cli(capsys, "compile", "k3-tiny", "--target", "tvm-webgpu", "-o", out, "--emit-source")
+    assert rc == 0, err
+    with open(os.path.join(out, "manifest.json")) as f:
+        man = json.load(f)
+    assert man["index_dtype"] == "int32" and man["integer_arguments"]["prefill"] == {"input_ids": "int32"}
+    assert man["files"]["library"].endswith(".tar") and man["files"]["source"].endswith(".wgsl")
+    wgsl = cubin.webgpu_library_kernels(os.path.join(out, man["files"]["library"]))
+    assert len(wgsl) > 20 and set(wgsl) == set(man["device_functions"])
+    with open(os.path.join(out, man["files"]["source"])) as f:
+        src = f.read()
+    assert all(f"fn {n}(" in src for n in wgsl) and "i64" not in src and not _unknown_wgsl_calls(src, wgsl)
+    limits = man["webgpu_required_limits"]
+    assert limits["maxComputeInvocationsPerWorkgroup"] <= 256 and limits["maxStorageBuffersPerShaderStage"] >= 3
+    with pytest.raises(K3BackendError, match="tvmjs"):
+        Session.load(out)
