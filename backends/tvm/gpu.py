@@ -170,7 +170,7 @@ def _lowering_class():
                                                              emulate=True))
             f32 = "float32"
             out = [relax.TensorType([B, Tn, H, V], self.fdt), relax.TensorType([B, H, Kd, V], self.fdt)] + [
-                relax.TensorType([B, Tn, H, n], f32) for n in (Kd, Kd, Kd, Kd, V, C)]     # gpu_kda.WORKSPACES
+                relax.TensorType([B, Tn, H, n], f32) for n in (Kd, 2 * Kd, Kd, V, C)]     # gpu_kda.WORKSPACES
             return self.emit(relax.call_tir(gv, [q, k, v, g, beta, s], out))
 
         def attn_res_fused(self, w, r, buf, pref, n_blocks, eps):

@@ -23,8 +23,7 @@ A prompt shorter than ``min_tokens`` runs the token recurrence instead (one thre
 ``gpu_kernels.kda_recurrent_gpu``, a fourth launch): every launch tests the prompt length (uniform over the grid)
 and the one not chosen does nothing (a branch on the host around the launches would enclose their barriers, which
 TVM's ThreadSync pass refuses: "Cannot insert syncs inside condition"). Workspaces (fp32, as
-``call_tir`` outputs the caller drops): G, Q exp(G), K exp(G_last - G), W ``[B,T,H,K]``, U ``[B,T,H,V]``,
-P ``[B,T,H,C]``. ``emulate=True`` runs every launch's phases with the threads of a block in turn and no thread
+``call_tir`` outputs the caller drops): ``WORKSPACES``. ``emulate=True`` runs every launch's phases with the threads of a block in turn and no thread
 bindings, so llvm builds the same arithmetic for the CPU checks.
 """
 from __future__ import annotations
@@ -38,8 +37,10 @@ NR = 4
 RY = 8
 #: key channels staged in shared memory per step of the intra launch
 KT = 16
-#: workspaces of ``kda_chunk_gpu`` after its outputs o, s: G, Q exp(G), K exp(G_last - G), W, U, P
-WORKSPACES = ("g_cum", "q_decayed", "k_decayed", "w", "u", "p")
+#: workspaces of ``kda_chunk_gpu`` after its outputs o, s: G ``[B,T,H,K]``, Q exp(G) and K exp(G_last - G) side by
+#: side ``[B,T,H,2K]`` (one buffer: the inter launch binds 8 storage buffers, WebGPU's default limit), W ``[B,T,H,K]``,
+#: U ``[B,T,H,V]``, P ``[B,T,H,C]``
+WORKSPACES = ("g_cum", "qk_decayed", "w", "u", "p")
 
 
 def shared_bytes(K: int, V: int, C: int, TV: int) -> dict[str, int]:
@@ -71,16 +72,16 @@ def kda_chunk_gpu(H: int, K: int, V: int, C: int = 64, TV: int = 32, min_tokens:
 
     # ---- launch 1: cumulative decay per channel -------------------------------------------------------------
     @T.macro
-    def gcum_channel(q, k, g, gc, qg, kd, acc, L, b, n, h, c):
+    def gcum_channel(q, k, g, gc, qk, acc, L, b, n, h, c):
         acc[0] = F(0)
         for i in range(C):
             if n * C + i < L:
                 acc[0] = acc[0] + F(g[b, n * C + i, h, c])
                 gc[b, n * C + i, h, c] = acc[0]
-                qg[b, n * C + i, h, c] = F(q[b, n * C + i, h, c]) * T.exp(acc[0])
+                qk[b, n * C + i, h, c] = F(q[b, n * C + i, h, c]) * T.exp(acc[0])
         for i in range(C):
             if n * C + i < L:
-                kd[b, n * C + i, h, c] = F(k[b, n * C + i, h, c]) * T.exp(acc[0] - gc[b, n * C + i, h, c])
+                qk[b, n * C + i, h, K + c] = F(k[b, n * C + i, h, c]) * T.exp(acc[0] - gc[b, n * C + i, h, c])
 
     # ---- launch 2: A and P by K tiles, then W and U by forward substitution ----------------------------------
     @T.macro
@@ -153,7 +154,7 @@ def kda_chunk_gpu(H: int, K: int, V: int, C: int = 64, TV: int = 32, min_tokens:
                 s[f // (H * NB), f // NB % H, ry + RY * r, col(f, tj)] = T.Cast(dtype, S[ry + RY * r, tj])
 
     @T.macro
-    def chunk_rows(qg, w, u, S, vp, oa, x, L, n, f, sl, tj, ry):     # V' = U - W S and (Q exp(G)) S, rows ry + RY r
+    def chunk_rows(qk, w, u, S, vp, oa, x, L, n, f, sl, tj, ry):     # V' = U - W S and (Q exp(G)) S, rows ry + RY r
         for r in T.unroll(C // RY):
             vp[ry + RY * r, tj] = F(0)
             if n * C + ry + RY * r < L and col(f, tj) < V:
@@ -161,11 +162,11 @@ def kda_chunk_gpu(H: int, K: int, V: int, C: int = 64, TV: int = 32, min_tokens:
                 oa[sl, r] = F(0)
                 for c in range(K):
                     x[sl, 0] = x[sl, 0] - w[f // (H * NB), n * C + ry + RY * r, f // NB % H, c] * S[c, tj]
-                    oa[sl, r] = oa[sl, r] + qg[f // (H * NB), n * C + ry + RY * r, f // NB % H, c] * S[c, tj]
+                    oa[sl, r] = oa[sl, r] + qk[f // (H * NB), n * C + ry + RY * r, f // NB % H, c] * S[c, tj]
                 vp[ry + RY * r, tj] = x[sl, 0]
 
     @T.macro
-    def chunk_out(gc, kd, p, o, S, vp, oa, x, L, n, f, sl, tj, ry):   # O += P V'; S' = exp(G_last) S + Kd^T V'
+    def chunk_out(gc, qk, p, o, S, vp, oa, x, L, n, f, sl, tj, ry):   # O += P V'; S' = exp(G_last) S + Kd^T V'
         for r in T.unroll(C // RY):
             if n * C + ry + RY * r < L and col(f, tj) < V:
                 for j in range(ry + RY * r + 1):
@@ -176,7 +177,7 @@ def kda_chunk_gpu(H: int, K: int, V: int, C: int = 64, TV: int = 32, min_tokens:
                 x[sl, 0] = T.exp(gc[f // (H * NB), T.min(n * C + C, L) - 1, f // NB % H, ry + RY * r]) * S[ry + RY * r, tj]
                 for i in range(C):
                     if n * C + i < L:
-                        x[sl, 0] = x[sl, 0] + kd[f // (H * NB), n * C + i, f // NB % H, ry + RY * r] * vp[i, tj]
+                        x[sl, 0] = x[sl, 0] + qk[f // (H * NB), n * C + i, f // NB % H, K + ry + RY * r] * vp[i, tj]
                 S[ry + RY * r, tj] = x[sl, 0]
 
     # ---- short prompts: the token recurrence, one thread per value column ---------------------------------
@@ -201,13 +202,13 @@ def kda_chunk_gpu(H: int, K: int, V: int, C: int = 64, TV: int = 32, min_tokens:
 
     if not emulate:
         @T.macro
-        def chunked(q, k, v, g, beta, s0, o, s, gc, qg, kd, w, u, p, B, L, run):
+        def chunked(q, k, v, g, beta, s0, o, s, gc, qk, w, u, p, B, L, run):
             for f in T.thread_binding(B * ((L + C - 1) // C) * H, thread="blockIdx.x"):     # (b, n, h)
                 for tc in T.thread_binding(TK, thread="threadIdx.x"):
                     acc = T.alloc_buffer((1,), f32, scope="local")
                     for e in range((K + TK - 1) // TK):
                         if run and e * TK + tc < K:
-                            gcum_channel(q, k, g, gc, qg, kd, acc, L, f // (H * ((L + C - 1) // C)),
+                            gcum_channel(q, k, g, gc, qk, acc, L, f // (H * ((L + C - 1) // C)),
                                          f // H % ((L + C - 1) // C), f % H, e * TK + tc)
             for f in T.thread_binding(B * ((L + C - 1) // C) * H, thread="blockIdx.x"):
                 for tid in T.thread_binding(NTH, thread="threadIdx.x"):
@@ -245,9 +246,9 @@ def kda_chunk_gpu(H: int, K: int, V: int, C: int = 64, TV: int = 32, min_tokens:
                             state_in(s0, S, f, tj, ry)
                         T.tvm_storage_sync("shared")
                         for n in range(T.Select(run, (L + C - 1) // C, T.int64(0))):
-                            chunk_rows(qg, w, u, S, vp, oa, x, L, n, f, 0, tj, ry)
+                            chunk_rows(qk, w, u, S, vp, oa, x, L, n, f, 0, tj, ry)
                             T.tvm_storage_sync("shared")
-                            chunk_out(gc, kd, p, o, S, vp, oa, x, L, n, f, 0, tj, ry)
+                            chunk_out(gc, qk, p, o, S, vp, oa, x, L, n, f, 0, tj, ry)
                             T.tvm_storage_sync("shared")
                         if run:
                             state_out(s, S, f, tj, ry)
@@ -262,11 +263,11 @@ def kda_chunk_gpu(H: int, K: int, V: int, C: int = 64, TV: int = 32, min_tokens:
                         recurrent_column(q, k, v, g, beta, s0, o, s, st, acc, L, f, tj)
     else:
         @T.macro
-        def chunked(q, k, v, g, beta, s0, o, s, gc, qg, kd, w, u, p, B, L, run):   # a block's threads in turn (CPU)
+        def chunked(q, k, v, g, beta, s0, o, s, gc, qk, w, u, p, B, L, run):   # a block's threads in turn (CPU)
             for f in range(T.Select(run, B * ((L + C - 1) // C) * H, T.int64(0))):
                 acc = T.alloc_buffer((1,), f32)
                 for c in range(K):
-                    gcum_channel(q, k, g, gc, qg, kd, acc, L, f // (H * ((L + C - 1) // C)),
+                    gcum_channel(q, k, g, gc, qk, acc, L, f // (H * ((L + C - 1) // C)),
                                  f // H % ((L + C - 1) // C), f % H, c)
             for f in range(T.Select(run, B * ((L + C - 1) // C) * H, T.int64(0))):
                 kc = T.alloc_buffer((C, KT), f32)
@@ -303,10 +304,10 @@ def kda_chunk_gpu(H: int, K: int, V: int, C: int = 64, TV: int = 32, min_tokens:
                 for n in range((L + C - 1) // C):
                     for ry in range(RY):
                         for tj in range(TV):
-                            chunk_rows(qg, w, u, S, vp, oa, x, L, n, f, ry * TV + tj, tj, ry)
+                            chunk_rows(qk, w, u, S, vp, oa, x, L, n, f, ry * TV + tj, tj, ry)
                     for ry in range(RY):
                         for tj in range(TV):
-                            chunk_out(gc, kd, p, o, S, vp, oa, x, L, n, f, ry * TV + tj, tj, ry)
+                            chunk_out(gc, qk, p, o, S, vp, oa, x, L, n, f, ry * TV + tj, tj, ry)
                 for ry in range(RY):
                     for tj in range(TV):
                         state_out(s, S, f, tj, ry)
@@ -320,14 +321,14 @@ def kda_chunk_gpu(H: int, K: int, V: int, C: int = 64, TV: int = 32, min_tokens:
                     recurrent_column(q, k, v, g, beta, s0, o, s, st, acc, L, f, tj)
 
     @T.macro
-    def body(q, k, v, g, beta, s0, o, s, gc, qg, kd, w, u, p, B, L):
-        chunked(q, k, v, g, beta, s0, o, s, gc, qg, kd, w, u, p, B, L, L >= min_tokens)
+    def body(q, k, v, g, beta, s0, o, s, gc, qk, w, u, p, B, L):
+        chunked(q, k, v, g, beta, s0, o, s, gc, qk, w, u, p, B, L, L >= min_tokens)
         if min_tokens > 0:
             recurrent(q, k, v, g, beta, s0, o, s, B, L, L < min_tokens)
 
     @T.prim_func(private=True)
     def kda_chunk(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle, s0_h: T.handle,
-                  o_h: T.handle, s_h: T.handle, gc_h: T.handle, qg_h: T.handle, kd_h: T.handle, w_h: T.handle,
+                  o_h: T.handle, s_h: T.handle, gc_h: T.handle, qk_h: T.handle, w_h: T.handle,
                   u_h: T.handle, p_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": not emulate})
         B = T.int64()
@@ -341,11 +342,10 @@ def kda_chunk_gpu(H: int, K: int, V: int, C: int = 64, TV: int = 32, min_tokens:
         o = T.match_buffer(o_h, (B, L, H, V), dtype)
         s = T.match_buffer(s_h, (B, H, K, V), dtype)
         gc = T.match_buffer(gc_h, (B, L, H, K), f32)
-        qg = T.match_buffer(qg_h, (B, L, H, K), f32)
-        kd = T.match_buffer(kd_h, (B, L, H, K), f32)
+        qk = T.match_buffer(qk_h, (B, L, H, 2 * K), f32)      # Q exp(G) | K exp(G_last - G)
         w = T.match_buffer(w_h, (B, L, H, K), f32)
         u = T.match_buffer(u_h, (B, L, H, V), f32)
         p = T.match_buffer(p_h, (B, L, H, C), f32)
-        body(q, k, v, g, beta, s0, o, s, gc, qg, kd, w, u, p, B, L)
+        body(q, k, v, g, beta, s0, o, s, gc, qk, w, u, p, B, L)
 
     return kda_chunk

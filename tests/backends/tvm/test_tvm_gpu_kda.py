@@ -40,8 +40,8 @@ def kda_inputs(rng, B, T, H, K, V, gate):
 
 def _run(fn, args, B, T, H, K, V, C):
     import tvm
-    outs = [np.zeros(s, np.float32) for s in ((B, T, H, V), (B, H, K, V), (B, T, H, K), (B, T, H, K), (B, T, H, K),
-                                               (B, T, H, K), (B, T, H, V), (B, T, H, C))]
+    outs = [np.zeros(s, np.float32) for s in ((B, T, H, V), (B, H, K, V), (B, T, H, K), (B, T, H, 2 * K), (B, T, H, K),
+                                               (B, T, H, V), (B, T, H, C))]      # o, s, gpu_kda.WORKSPACES
     ts = [tvm.runtime.tensor(x) for x in outs]
     fn(*[tvm.runtime.tensor(a.astype(np.float32)) for a in args], *ts)
     return ts[0].numpy(), ts[1].numpy()
