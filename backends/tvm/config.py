@@ -30,7 +30,8 @@ class TvmConfig:
                               "part of the build cache key", env="K3IR_TVM_FAST_MATH")
     kda_chunk_size: int = setting(64, "GPU kinds: tokens per chunk of the chunked KDA prefill (``gpu_kda.kda_chunk_gpu``, "
                                   "SPEC.md 3); a multiple of 8; shared memory per block grows with its square "
-                                  "(64: 24 KiB per block for K = V = 128)")
+                                  "(64: 24 KiB per block for K = V = 128); halved where the kind has less "
+                                  "(``gpu.SHARED_BYTES``: 32 on webgpu)")
     kda_chunk_min_tokens: int = setting(64, "GPU kinds: a prefill of at least this many tokens runs the chunked KDA "
                                         "kernels, a shorter one the token recurrence (chosen at run time from the prompt length; "
                                         "decode steps always run the recurrence); 0: always chunked. Default one "

@@ -47,6 +47,11 @@ GPU_DTYPES: dict[str, tuple[str, ...]] = {"cuda": ("float32", "bfloat16"), "rocm
 #: where it is not int64: WGSL has no 64-bit integers, so webgpu lowers them as int32 and narrows every index and
 #: shape variable of its kernels to int32 (``narrow_indices``); the artifact's manifest records it (``index_dtype``)
 INDEX_DTYPES: dict[str, str] = {"webgpu": "int32"}
+#: shared (workgroup) memory per block the hand-written kernels keep within, per kind: CUDA's static limit, ROCm's
+#: LDS, the 32 KiB Metal and OpenCL devices guarantee, WebGPU's default maxComputeWorkgroupStorageSize (an artifact
+#: then runs on a device requested with default limits); the chunked KDA prefill shrinks its tiles to fit
+SHARED_BYTES: dict[str, int] = {"cuda": 48 * 1024, "rocm": 64 * 1024, "metal": 32 * 1024, "opencl": 32 * 1024,
+                                "webgpu": 16 * 1024}
 #: dlight GPU rules in the order they are tried per kernel (MLC-LLM's order, Fallback last)
 RULES = ("Matmul", "GEMV", "LowBatchGEMV", "Reduction", "GeneralReduction", "RMSNorm", "Fallback")
 
@@ -113,6 +118,7 @@ def _lowering_class():
         build: each use widens them to the float32 compute dtype, fused into the reading kernel by FuseOps)."""
 
         wdt = "float32"
+        shared_bytes = SHARED_BYTES["cuda"]       # the kind's shared memory per block (``lower_gpu``)
 
         def param_type(self, t):
             ty = self.arg_type(t)
@@ -143,9 +149,10 @@ def _lowering_class():
                 E, N, Kd, quant = key[1:]
                 return super().kernel(("grouped_gemm_gpu", E, N, Kd, quant),
                                       lambda: G.grouped_gemm_gpu(E, N, Kd, quant, self.fdt, index_dtype=self.idt))
-            if name == "kda_chunk":                        # (H, K, V, C, min_tokens): the chunked KDA prefill
+            if name == "kda_chunk":                        # (H, K, V, C, TV, min_tokens): the chunked KDA prefill
                 return super().kernel(("kda_chunk_gpu", *key[1:]),
-                                      lambda: GK.kda_chunk_gpu(*key[1:4], C=key[4], min_tokens=key[5], dtype=self.fdt))
+                                      lambda: GK.kda_chunk_gpu(*key[1:4], C=key[4], TV=key[5], min_tokens=key[6],
+                                                               dtype=self.fdt))
             if name == "attn_res":                         # (n_blocks, slots, d, round(eps * 1e12))
                 return super().kernel(("attn_res_gpu", *key[1:]),
                                       lambda: GA.attn_res_gpu(*key[1:4], key[4] / 1e12, self.fdt))
@@ -164,9 +171,10 @@ def _lowering_class():
                 return super().kda_call(q, k, v, g, beta, s)
             from .config import get_tvm_config
             cfg = get_tvm_config()
-            H, Kd, V, C = int(H), int(Kd), int(self.shape(v)[3]), cfg.kda_chunk_size
-            key = ("kda_chunk", H, Kd, V, C, max(cfg.kda_chunk_min_tokens, 0))
-            gv = self.kernel(key, lambda: GK.kda_chunk_gpu(H, Kd, V, C=C, min_tokens=key[5], dtype=self.fdt,
+            H, Kd, V = int(H), int(Kd), int(self.shape(v)[3])
+            C, TV = GK.chunk_shape(Kd, V, cfg.kda_chunk_size, self.shared_bytes)
+            key = ("kda_chunk", H, Kd, V, C, TV, max(cfg.kda_chunk_min_tokens, 0))
+            gv = self.kernel(key, lambda: GK.kda_chunk_gpu(H, Kd, V, C=C, TV=TV, min_tokens=key[6], dtype=self.fdt,
                                                              emulate=True))
             f32 = "float32"
             out = [relax.TensorType([B, Tn, H, V], self.fdt), relax.TensorType([B, H, Kd, V], self.fdt)] + [
@@ -196,14 +204,17 @@ def _lowering_class():
     return GpuLowering
 
 
-def lower_gpu(module, functions: list[str], dtype: str = "float32", index_dtype: str = "int64"):
+def lower_gpu(module, functions: list[str], dtype: str = "float32", index_dtype: str = "int64",
+              shared_bytes: int = SHARED_BYTES["cuda"]):
     """(Relax IRModule, {function: parameter names}) of ``functions`` of ``module`` for a GPU kind. ``dtype``
     float32, or bfloat16: float weights declared bfloat16, everything computed in float32 (``GPU_DTYPES``);
-    ``index_dtype``: integer tensors in int64, or int32 (``INDEX_DTYPES``)."""
+    ``index_dtype``: integer tensors in int64, or int32 (``INDEX_DTYPES``); ``shared_bytes``: the kind's shared
+    memory per block (``SHARED_BYTES``)."""
     if dtype not in ("float32", "bfloat16"):
         raise K3BackendError(f"tvm GPU kinds compute in float32 or bfloat16 (weights), not '{dtype}'")
     lw = _lowering_class()(module, "float32", index_dtype)
     lw.wdt = dtype
+    lw.shared_bytes = shared_bytes
     for fn in functions:
         lw.lower_function(fn)
     return lw.get(), lw.params
@@ -385,7 +396,7 @@ def build_gpu(module, kind: str, arch: str = "", dtype: str = "float32", functio
     report = GpuBuildReport(kind=kind, arch=arch or GPU_KINDS[kind][0], index_dtype=idt)
     if functions is None:
         functions = [f for f in ("prefill", "decode") if f in module.functions] or ["forward"]
-    mod, params = lower_gpu(module, functions, dtype, idt)
+    mod, params = lower_gpu(module, functions, dtype, idt, SHARED_BYTES[kind])
     mod = _legalize(mod, target)
     legal = {gv.name_hint: f for gv, f in mod.functions_items()}
     mod = schedule_kernels(mod, target, report, deny, log=log)

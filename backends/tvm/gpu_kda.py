@@ -49,6 +49,19 @@ def shared_bytes(K: int, V: int, C: int, TV: int) -> dict[str, int]:
     return {"intra": 4 * (3 * C * KT + C * C), "inter": 4 * (K * min(V, TV) + C * min(V, TV))}
 
 
+def chunk_shape(K: int, V: int, C: int, limit: int) -> tuple[int, int]:
+    """(chunk size, value columns per inter block) for key/value widths K, V: ``C`` and 32 columns, the columns then
+    the chunk halved (down to 8 each) until both launches declare at most ``limit`` bytes of shared memory
+    (``shared_bytes``); the smallest shape when nothing fits."""
+    TV = 32
+    while max(shared_bytes(K, V, C, TV).values()) > limit and (TV > 8 or C > 8):
+        if TV > 8 and (TV >= C // 2 or C <= 8):
+            TV //= 2
+        else:
+            C //= 2
+    return C, TV
+
+
 @cache
 def kda_chunk_gpu(H: int, K: int, V: int, C: int = 64, TV: int = 32, min_tokens: int = 64, dtype: str = "float32",
                   emulate: bool = False):

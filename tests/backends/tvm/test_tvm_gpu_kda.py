@@ -87,6 +87,16 @@ def test_gpu_kda_chunk_state_carries_across_calls(rng):
     assert rel_err(np.concatenate([o1, o2], axis=1), want_o) < 1e-5 and rel_err(s2, want_s) < 1e-5
 
 
+@pytest.mark.parametrize("kind,want", [("cuda", (64, 32)), ("metal", (64, 32)), ("webgpu", (32, 16))])
+def test_gpu_kda_chunk_shape_fits_the_kinds_shared_memory(kind, want):
+    """K = V = 128 (Kimi Linear, K3): the default chunk of 64 and 32 value columns per block where 32 KiB or more is
+    there (24 + 28 KiB declared), chunks of 32 and 16 columns within WebGPU's default 16 KiB."""
+    from k3ir.backends.tvm.gpu import SHARED_BYTES
+    from k3ir.backends.tvm.gpu_kda import chunk_shape, shared_bytes
+    C, TV = chunk_shape(128, 128, 64, SHARED_BYTES[kind])
+    assert (C, TV) == want and max(shared_bytes(128, 128, C, TV).values()) <= SHARED_BYTES[kind]
+
+
 def test_gpu_kda_chunk_rejects_a_chunk_size_the_thread_groups_do_not_divide():
     from k3ir.backends.tvm.gpu_kda import kda_chunk_gpu
     with pytest.raises(ValueError, match="chunk size 20"):
