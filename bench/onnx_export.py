@@ -2,8 +2,10 @@
 torch eager (its default pipeline: the baseline), the ONNX exports run by onnxruntime (opset 20 with KDA as a
 ``Scan``; opset 27 with the standard ``LinearAttention``/``CausalConvWithState``; opset 27 with ``--ort-kernels``;
 the routed experts as expert-sorted slices, the default, or as the ``Loop`` over experts) and, with ``--mlir``,
-IREE llvm-cpu (the ``mlir`` target: ``mlir``, chunked KDA and sorted MoE, the default; ``mlir-scan-dense``, the
-earlier lowering kept behind ``MlirConfig(kda_form="scan", moe_form="dense")``). The onnx variants run the
+IREE llvm-cpu (the ``mlir`` target: ``mlir``, chunked KDA, sorted MoE and the weight contractions as named
+``linalg.matmul``, the default; ``mlir-scan-dense``, the earlier lowering entirely, kept behind
+``MlirConfig(kda_form="scan", moe_form="dense", linear_form="generic")``: token-by-token KDA, every token through
+every expert, every contraction a ``linalg.generic``; both compiled with the same IREE flags). The onnx variants run the
 exported file's default ``logits_to_keep`` = 1 (the head on the last prompt position only, what generation needs;
 torch and IREE compute all T positions); ``onnx27-ort-all`` and ``onnx20-all`` feed 0 (all T), for the like-for-like
 comparison. On request (``--variants``):
@@ -64,9 +66,10 @@ VARIANTS = {
     "onnx27-ort-split": ("onnx", (27, True, "sorted", 1, ["fuse-linear-splits", "dce"])),
     "onnx20-split": ("onnx", (20, False, "sorted", 1, ["fuse-linear-splits", "dce"])),
     "mlir": ("mlir", {}),
-    "mlir-scan-dense": ("mlir", {"kda_form": "scan", "moe_form": "dense"}),
+    "mlir-scan-dense": ("mlir", {"kda_form": "scan", "moe_form": "dense", "linear_form": "generic"}),
     "mlir-last": ("mlir", {"logits_to_keep": 1}),
-    "mlir-scan-dense-last": ("mlir", {"kda_form": "scan", "moe_form": "dense", "logits_to_keep": 1}),
+    "mlir-scan-dense-last": ("mlir", {"kda_form": "scan", "moe_form": "dense", "linear_form": "generic",
+                                      "logits_to_keep": 1}),
     "mlir-bf16": ("mlir", {"weights": "bf16"}),
     "mlir-mxfp4": ("mlir", {"passes": ["fuse-moe-dispatch", "quantize-experts{format=mxfp4}", "dce"]}),
 }

@@ -14,6 +14,7 @@ from ..config import ScopedConfig, setting
 MOE_FORMS = ("sorted", "dense")       #: ``MlirConfig.moe_form`` values
 KDA_FORMS = ("chunked", "scan")       #: ``MlirConfig.kda_form`` values
 WEIGHT_DTYPES = ("f32", "bf16")       #: ``MlirConfig.weights`` values
+LINEAR_FORMS = ("matmul", "generic")  #: ``MlirConfig.linear_form`` values
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,14 @@ class MlirConfig:
     kda_form: str = setting("chunked", "``k3.kda`` in prefill: ``chunked`` (SPEC.md 3's chunk form, an ``scf.for`` over "
                             "chunks: ``backends/mlir/kda.py``) or ``scan`` (the decomposition: an ``scf.for`` over tokens); "
                             "one-token steps always take the recurrence")
+    linear_form: str = setting("matmul", "contractions with a weight matrix (``k3.linear``, ``k3.lm_head``, a "
+                               "``k3.matmul`` of a 2-D right operand or of equal batch dims, the routed experts' "
+                               "per-expert matmuls over sorted rows, float or dequantised MXFP4): ``matmul`` (the "
+                               "leading dims collapsed into rows, ``tensor.collapse_shape``; IREE's named "
+                               "``linalg.matmul``, with a transposed-B ``indexing_maps`` for ``[N,K]`` weights, or "
+                               "``linalg.batch_matmul``; the result expanded back) or ``generic`` (one "
+                               "``linalg.generic`` contraction over every dim: the lowering before). ``k3.einsum`` "
+                               "and the other contractions are always generic")
     kda_chunk: int = setting(16, "chunk length of the chunked KDA (the in-chunk decays are C x C x d_k elementwise)")
     weights: str = setting("f32", "float parameters as function arguments: ``f32`` (every float weight passed as "
                            "float32) or ``bf16`` (the parameters the IR declares bf16 passed as bf16, half the bytes, "
@@ -46,6 +55,8 @@ class MlirConfig:
             raise K3ConfigError(f"MlirConfig.moe_form={self.moe_form!r}: want 'sorted' or 'dense'")
         if self.kda_form not in KDA_FORMS:
             raise K3ConfigError(f"MlirConfig.kda_form={self.kda_form!r}: want 'chunked' or 'scan'")
+        if self.linear_form not in LINEAR_FORMS:
+            raise K3ConfigError(f"MlirConfig.linear_form={self.linear_form!r}: want 'matmul' or 'generic'")
         if self.kda_chunk < 2:
             raise K3ConfigError(f"MlirConfig.kda_chunk={self.kda_chunk}: want at least 2")
         if self.weights not in WEIGHT_DTYPES:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .config import get_mlir_config
-from .lowering import _sigmoid, conv, lowers, reshape_to
+from .lowering import _sigmoid, conv, lowers, named_matmul, named_matmul_applies, reshape_to
 from .values import FLOAT, Val, ttype
 
 if TYPE_CHECKING:                       # annotations only: emit imports this module
@@ -198,7 +198,9 @@ def _per_expert_matmuls(e: MlirEmitter, rows: Val, segments: list[tuple[str, str
     ``tensor.extract_slice`` of its segment (``segments``: first row, count), one contraction with its whole
     matrix (``[N,K]``; ``[N,K/32,32]`` blocked, the rows viewed ``[M,K/32,32]`` and both block axes reduced; or
     packed MXFP4 codes and scales, decoded in the contraction's body), and the results concatenated in segment
-    order (``[sum of counts, N]``, dynamic rows)."""
+    order (``[sum of counts, N]``, dynamic rows). Under ``MlirConfig.linear_form="matmul"`` a float or dequantised
+    matrix (the blocked one collapsed to ``[N,K]``) takes a named ``linalg.matmul`` with the transposed-B map; the
+    packed codes always take the generic contraction that decodes them."""
     K = rows.shape[1]
     parts = []
     for x, (lo, cnt) in enumerate(segments):
@@ -209,6 +211,12 @@ def _per_expert_matmuls(e: MlirEmitter, rows: Val, segments: list[tuple[str, str
         we = weight_of(x)
         packed = isinstance(we, tuple)
         wv = we[0] if packed else we
+        if not packed and named_matmul_applies(FLOAT, xs, wv):      # linear_form="matmul": a named linalg.matmul
+            if len(wv.shape) == 3:                            # dequantised blocked [N, K/32, 32] as [N, K]
+                wv = Val(e.assign(f"tensor.collapse_shape {wv.name} [[0], [1, 2]] : {wv.type} into "
+                                  f"{ttype((N, K), wv.elem)}", "w"), wv.elem, (N, K))
+            parts.append(named_matmul(e, xs, wv, True, FLOAT))
+            continue
         if len(wv.shape) == 3:                                # blocked [N, K/32, 32]: rows as [M, K/32, 32]
             bs = (dim, wv.shape[1], wv.shape[2])
             xs = Val(e.assign(f"tensor.expand_shape {xs.name} [[0], [1, 2]] output_shape [{cnt}, {bs[1]}, {bs[2]}] : "

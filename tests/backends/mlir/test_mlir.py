@@ -115,6 +115,54 @@ def test_unknown_iree_target_is_a_clear_error():
         compile_mlir(text, "tpu")
 
 
+def _contractions_module() -> Module:
+    """``@forward(x [B,T,64], a [B,T,4,8], c [B,T,8,5])``: a ``k3.linear`` (weight ``[32,64]``), a ``k3.matmul`` by
+    a 2-D parameter ``[32,16]``, a batched ``k3.matmul`` of equal batch dims and an ``k3.einsum`` (always generic)."""
+    m = Module("contractions")
+    fn = Function("forward")
+    b = Builder(m, fn)
+    x = b.arg("x", TensorType("f32", ("B", "T", 64)))
+    a, c = b.arg("a", TensorType("f32", ("B", "T", 4, 8))), b.arg("c", TensorType("f32", ("B", "T", 8, 5)))
+    y = b.matmul(b.linear(x, b.param("w", TensorType("f32", (32, 64)))), b.param("v", TensorType("f32", (32, 16))))
+    b.ret(y, b.matmul(a, c), b.einsum(a, c, equation="btij,btjk->btik"))
+    m.add_function(fn)
+    return m
+
+
+@pytest.mark.parametrize("form", ["matmul", "generic"])
+def test_weight_contractions_as_named_matmuls_over_collapsed_rows(form, tmp_path):
+    """``MlirConfig.linear_form``: ``matmul`` collapses the leading dims (dynamic B, T) into rows and runs the named
+    ``linalg.matmul`` (the ``[N,K]`` weight through the transposed-B map) and ``linalg.batch_matmul`` (equal batch
+    dims), the einsum stays generic; ``generic`` emits no named contraction. The text differs, so the IREE cache
+    keys (by the text) differ; both equal numpy in float64 within 1e-5 for two (B, T); an unknown form is a
+    K3ConfigError."""
+    from k3ir.backends import get_backend
+    from k3ir.backends.mlir.config import mlir_config
+    m = _contractions_module()
+    with mlir_config(linear_form=form, cache=str(tmp_path)):
+        text, _ = emit_mlir(m, ["forward"])
+        exe = get_backend("mlir").build(m, "float32", "cpu")
+        if form == "matmul":
+            assert text.count("linalg.matmul") == 2 and text.count("linalg.batch_matmul") == 1
+            assert text.count("affine_map<(m, n, k) -> (n, k)>") == 1          # the weight [32, 64] as stored
+            assert "tensor.collapse_shape %a0 [[0, 1], [2]] : tensor<?x?x64xf32> into tensor<?x64xf32>" in text
+            assert text.count("linalg.generic") == 1                            # the einsum
+            with mlir_config(linear_form="generic"):
+                assert emit_mlir(m, ["forward"])[0] != text
+        else:
+            assert "linalg.matmul" not in text and "linalg.batch_matmul" not in text
+    rng = np.random.default_rng(5)
+    w, v = rng.standard_normal((32, 64)) / 8, rng.standard_normal((32, 16)) / 4
+    exe.prepare_params({"w": w, "v": v})
+    for B, T in ((2, 7), (1, 1)):
+        x, a, c = rng.standard_normal((B, T, 64)), rng.standard_normal((B, T, 4, 8)), rng.standard_normal((B, T, 8, 5))
+        got = [exe.to_numpy(o) for o in exe.run("forward", [t.astype(np.float32) for t in (x, a, c)], {})]
+        assert got[0].shape == (B, T, 16) and got[1].shape == (B, T, 4, 5)
+        assert rel_err(got[0], x @ w.T @ v) < 1e-5 and rel_err(got[1], a @ c) < 1e-5 and rel_err(got[2], a @ c) < 1e-5
+    with pytest.raises(k3ir.K3ConfigError, match="linear_form"), mlir_config(linear_form="named"):
+        pass
+
+
 def _kda_module(H: int, K: int, V: int, scale: float) -> Module:
     """``@forward(q, k, v, g, beta, state)`` -> (o, state) of one ``k3.kda`` with a symbolic batch and length."""
     from k3ir.types import StateType
@@ -237,7 +285,12 @@ def test_grouped_matmul_keeps_mxfp4_packed_and_dequantises_per_expert(rows):
     head = next(ln for ln in text.splitlines() if "func.func @forward" in ln)
     assert order["forward"] == ["w", "s"]
     assert f"%p0: tensor<{E}x{N}x{K}xi4>" in head and f"%p1: tensor<{E}x{N}x{K // 32}xi8>" in head
-    assert f"x{K}xf32>" not in text.replace(f"?x{K}xf32>", "")          # only the rows are float [?, K]
+    floats = text.replace(f"?x{K}xf32>", "").replace(f"tensor<{N}x{K}xf32>", "")
+    assert f"x{K}xf32>" not in floats                                  # the rows [?, K] and one expert's [N, K]
+    assert f"{E}x{N}x{K}xf32" not in text
+    if rows == "T":                                                    # matrix dequantised blocked, viewed [N, K]
+        assert text.count(f"tensor<{N}x{K // 32}x32xf32> into tensor<{N}x{K}xf32>") == E
+        assert text.count("linalg.matmul") == E
     generics = [ln for ln in text.splitlines() if "linalg.generic" in ln and "xi4>" in ln]
     assert len(generics) == E
     assert all(('"reduction"' in g) == (rows == "B") for g in generics), generics[0]
@@ -307,7 +360,11 @@ def test_bf16_weights_are_bf16_arguments_widened_where_read(tmp_path):
     types = dict(zip(order["forward"], re.findall(r"%p\d+: (tensor<[^>]*>)", head)))
     assert types == {"emb": "tensor<50x64xbf16>", "norm": "tensor<64xbf16>", "proj": "tensor<32x64xbf16>",
                      "bias": "tensor<32xf32>"}
-    assert text.count("arith.extf") == 3          # in the gather, in the contraction, the norm weight once
+    assert text.count("arith.extf") == 2          # in the gather, the norm weight once
+    mm = [ln for ln in text.splitlines() if "linalg.matmul" in ln]       # the named op widens where it reads
+    assert len(mm) == 1 and "tensor<?x64xf32>, tensor<32x64xbf16>)" in mm[0]
+    with mlir_config(linear_form="generic"):                            # and the generic contraction in its body
+        assert emit_mlir(m, ["forward"], weights="bf16")[0].count("arith.extf") == 3
     assert "xbf16>" not in emit_mlir(m, ["forward"], weights="f32")[0]
     with mlir_config(weights="bf16"):
         exe = get_backend("mlir").build(m, "float32", "cpu")
