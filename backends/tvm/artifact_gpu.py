@@ -51,7 +51,9 @@ class TVMGpuExecutable(Executable):
     and tensors, int64, or int32 for webgpu (``gpu.INDEX_DTYPES``; a loaded artifact's comes from its manifest)."""
 
     def __init__(self, module: Module, kind: str, dtype: str = "float32", arch: str = ""):
-        from .gpu import GPU_KINDS, INDEX_DTYPES
+        from .gpu import GPU_KINDS, INDEX_DTYPES, webgpu_problem
+        if kind == "webgpu" and webgpu_problem(module) is not None:
+            raise K3BackendError(webgpu_problem(module))
         super().__init__(module, f"tvm-{kind}", dtype, kind)
         self.kind = kind
         self.arch = arch or GPU_KINDS[kind][0]

@@ -99,6 +99,17 @@ def gpu_target(kind: str, arch: str = ""):
     return tvm.target.Target(spec, host=host)
 
 
+def webgpu_problem(module) -> str | None:
+    """Why ``module`` cannot build for webgpu, or None: WGSL storage buffers hold 32-bit (or f16) elements only, so a
+    parameter of 8-bit integers (MXFP4 expert weights and their E8M0 scales, ``u8``/``i8``) would become an invalid
+    ``array<u8>`` (naga: "no definition in scope for identifier: `u8`"). INT4 experts (``i32`` words) build."""
+    eight = sorted({p.type.dtype for p in module.params.values() if p.type.dtype in ("mxfp4", "u8", "i8")})
+    if eight:
+        return (f"tvm-webgpu: parameters of {', '.join(eight)} are 8-bit and WGSL storage has no 8-bit integers; "
+                "build webgpu from float weights or --quantize int4")
+    return None
+
+
 def _lowering_class():
     from tvm import relax, tirx
 
@@ -387,6 +398,8 @@ def build_gpu(module, kind: str, arch: str = "", dtype: str = "float32", functio
     Raises K3BackendError naming the kind and the failing step."""
     import tvm
     t0 = time.perf_counter()
+    if kind == "webgpu" and webgpu_problem(module) is not None:
+        raise K3BackendError(webgpu_problem(module))
     target = gpu_target(kind, arch)
     if kind == "rocm":
         _rocm_intrinsics()
