@@ -1,8 +1,10 @@
 """TVM GPU kinds (backends/tvm/gpu.py, cubin.py, artifact_gpu.py): the whole model built for cuda with its device
 code compiled to sm_90a + sm_80 cubins and embedded (checked with cuobjdump against the lowered module's device
-functions), the kinds' probes, and an llvm artifact run by a process that has only the TVM runtime library.
-The default suite builds opencl for kimi-linear-tiny and checks the cuda fatbin embedding on one kernel; cuda for
-the whole model and every kind of every tiny config are `slow` (minutes: nvcc on megabytes of dlight kernels)."""
+functions), the kinds' probes, and an llvm artifact run by a process that has only the TVM runtime library;
+webgpu's int32 lowering (run on the CPU against torch, and checked free of int64 after narrowing) and its WGSL
+artifact (test_tvm_webgpu_kernels.py runs the WGSL itself). The default suite builds opencl for kimi-linear-tiny and
+checks the cuda fatbin embedding on one kernel; cuda for the whole model and every kind (webgpu included) of every
+tiny config are `slow` (minutes: nvcc on megabytes of dlight kernels)."""
 from __future__ import annotations
 
 import json
