@@ -125,7 +125,8 @@ class TVMGpuExecutable(Executable):
         quantised weights as they are), ``module.k3``, ``manifest.json`` (with ``index_dtype`` and
         ``integer_arguments``: function -> {argument: dtype} of the integer arguments the library takes; for webgpu
         ``webgpu_required_limits``, the device limits its kernels need, after checking that the ``.tar`` carries the
-        WGSL of every device function). Raises K3BackendError when a webgpu library lacks a kernel."""
+        WGSL of every device function; the weights also as tvmjs's tensor cache, ``write_tvmjs_tensor_cache``). Raises
+        K3BackendError when a webgpu library lacks a kernel."""
         from safetensors.numpy import save_file
 
         from ..artifact import write_manifest
@@ -151,6 +152,8 @@ class TVMGpuExecutable(Executable):
             extra["webgpu_required_limits"] = wgsl_required_limits(wgsl)
         files = dict(files)
         files["weights"] = "weights.safetensors"
+        if self.kind == "webgpu":
+            files.update(write_tvmjs_tensor_cache(arrays, directory))
         files["names:" + "|".join(self._functions())] = json.dumps(names)
         write_manifest(directory, self.module, f"tvm-{self.kind}", self.dtype, files, kind=self.kind, arch=self.arch,
                        device_functions=report.device_functions, kernels=report.kernels,
@@ -186,6 +189,22 @@ class TVMGpuExecutable(Executable):
     def to_numpy(self, x: Any):
         """A host array of ``x``: the logits ``run`` returns, or a state it keeps on the device."""
         return x.numpy() if hasattr(x, "numpy") else np.asarray(x)
+
+
+def write_tvmjs_tensor_cache(arrays: dict[str, np.ndarray], directory: str) -> dict[str, str]:
+    """The weights once more in the tensor cache TVM's web runtime fetches (``tvmjs.fetchTensorCache``, then
+    ``getParamsFromCacheByName`` with the manifest's ``names:...`` order): ``tensor-cache.json`` and its raw
+    ``params_shard_<i>.bin`` files in ``directory`` (``tvm.contrib.tvmjs.dump_tensor_cache``, values as stored).
+    Returns their ``files`` entries (``tvmjs_tensor_cache``, ``tvmjs_shard_<i>``)."""
+    import contextlib
+    import io
+
+    from tvm.contrib import tvmjs
+    with contextlib.redirect_stdout(io.StringIO()):          # it reports its progress on stdout
+        tvmjs.dump_tensor_cache(arrays, directory, encode_format="raw", show_progress=False)
+    with open(os.path.join(directory, "tensor-cache.json")) as f:
+        shards = [r["dataPath"] for r in json.load(f)["records"]]
+    return {"tvmjs_tensor_cache": "tensor-cache.json", **{f"tvmjs_shard_{i}": p for i, p in enumerate(shards)}}
 
 
 def integer_arguments(module: Module, functions: list[str], index_dtype: str) -> dict[str, dict[str, str]]:

@@ -545,7 +545,8 @@ def test_int32_index_lowering_runs_like_torch_fed_int32_ids_from_the_manifest(ke
 def test_compile_k3_tiny_for_webgpu_writes_the_wgsl_artifact(tmp_path, capsys):
     """``k3ir compile k3-tiny --target tvm-webgpu -o DIR --emit-source``: the .tar's wasm32 objects carry the WGSL of
     every device function the manifest lists (read back from the packed module), the emitted source defines each,
-    the manifest says int32 ids, and ``Session.load`` refuses with what runs the artifact instead."""
+    the manifest says int32 ids, the tvmjs tensor cache holds the weights of weights.safetensors (read back with
+    tvm.contrib.tvmjs.load_tensor_cache), and ``Session.load`` refuses with what runs the artifact instead."""
     from conftest import run_cli
     from k3ir.runtime import Session
 
@@ -565,5 +566,13 @@ def test_compile_k3_tiny_for_webgpu_writes_the_wgsl_artifact(tmp_path, capsys):
     assert all(f"fn {n}(" in src for n in wgsl) and "i64" not in src and not _unknown_wgsl_calls(src, wgsl)
     limits = man["webgpu_required_limits"]
     assert limits["maxComputeInvocationsPerWorkgroup"] <= 256 and limits["maxStorageBuffersPerShaderStage"] >= 3
+    import tvm
+    from safetensors.numpy import load_file
+    from tvm.contrib import tvmjs
+    cache, _ = tvmjs.load_tensor_cache(out, tvm.cpu())        # the weights as the web runtime fetches them
+    weights = load_file(os.path.join(out, "weights.safetensors"))
+    names = json.loads(man["files"]["names:prefill|decode"])
+    assert set(cache) == set(weights) >= set(names["prefill"]) | set(names["decode"])
+    assert all(np.array_equal(cache[n].numpy(), weights[n]) for n in weights)
     with pytest.raises(K3BackendError, match="tvmjs"):
         Session.load(out)
