@@ -6,8 +6,9 @@ Relax VM on this CPU through the usual ``Session`` API.
   (keyed by the printed IR, dtype and TVM target): batch, sequence length and MLA cache length
   are symbolic Relax shape variables, so a compiled function serves every shape (no
   re-compilation per shape).
-- Linear layers run as register-tiled, vectorised, parallel TIR kernels that read the ``[N, K]`` weight
-  as stored; KDA as a TIR recurrence kernel vectorised over value columns; MoE as dispatch (stable sort
+- Linear layers and the per-expert GEMMs run as register-tiled, vectorised, parallel TIR kernels; a weight read
+  only by them is stored as column panels (``cpu_gemm.py``: packed from the weights when a function first runs, the
+  Relax parameter ``<name>#panels<NR>``), any other as declared, ``[N, K]``; KDA as a TIR recurrence kernel vectorised over value columns; MoE as dispatch (stable sort
   by expert) + one GEMM per expert over its sorted rows (MXFP4/INT4: dequantised in the register tile)
   + combine; MLA and AttnRes as Relax ops. Kernels are compiled for this machine's CPU
   (``TvmConfig.mcpu``).
@@ -196,21 +197,51 @@ class TVMExecutable(Executable):
         return dict(self.build_seconds)
 
     def prepare_params(self, arrays: dict[str, Any]) -> dict[str, Any]:
-        import tvm
         if self.weights_inside and not arrays:
             arrays = self._arrays or {}
         else:
             self.weights_inside = False
         self._arrays = {k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v))
                         for k, v in arrays.items()}
-        out = {}
-        for name, a in arrays.items():
-            decl = self.module.params.get(name)
-            dt = decl.type.dtype if decl is not None else "f32"
-            want = {"mxfp4": np.uint8, "int4": np.int32, "u8": np.uint8, "i64": np.int64,
-                    "i32": np.int64}.get(dt, self.dtype)
-            out[name] = tvm.runtime.tensor(np.ascontiguousarray(_np(a, want)))
-        return out
+        return {name: self._tensor(name, a) for name, a in arrays.items()}
+
+    def _tensor(self, name: str, a):
+        """Parameter ``name``'s array ``a`` as the functions take it: floats in the compile dtype, packed MXFP4 ``u8``
+        and INT4 ``i32`` as they are, integers int64."""
+        import tvm
+        decl = self.module.params.get(name)
+        dt = decl.type.dtype if decl is not None else "f32"
+        want = {"mxfp4": np.uint8, "int4": np.int32, "u8": np.uint8, "i64": np.int64,
+                "i32": np.int64}.get(dt, self.dtype)
+        return tvm.runtime.tensor(np.ascontiguousarray(_np(a, want)))
+
+    def _param(self, params: dict[str, Any], name: str):
+        """``params[name]``. A weight the functions read as panels (``cpu_gemm.panel_name``: the lowering's
+        choice, listed in an artifact's manifest) is packed on first use from the prepared weights
+        (``cpu_gemm.pack_panels``) and kept in ``params``, where it replaces the plain weight once no compiled
+        function reads that; a plain weight dropped so is made again from the prepared weights when one does."""
+        t = params.get(name)
+        if t is not None:
+            return t
+        import tvm
+
+        from .cpu_gemm import pack_panels, panel_source
+        src = panel_source(name)
+        base = src[0] if src else name
+        a = self._arrays.get(base) if self._arrays is not None else None
+        if a is None:
+            if base not in params:
+                raise K3BackendError(f"tvm executable: no weight '{base}' among the parameters (for '{name}')")
+            a = params[base].numpy()
+        if src is None:
+            t = self._tensor(name, a)
+        else:
+            a = _np(a, self.dtype)
+            t = tvm.runtime.tensor(pack_panels(a.reshape(-1, a.shape[-1]), src[1]))
+            if base in params and not any(base in names for _, names in self._vms.values()):
+                del params[base]
+        params[name] = t
+        return t
 
     def run(self, function: str, args: list[Any], params: dict[str, Any]) -> list[Any]:
         from k3ir.types import TensorType
@@ -219,7 +250,7 @@ class TVMExecutable(Executable):
         for a, spec in zip(args, self.module.functions[function].args):
             ints = isinstance(spec.type, TensorType) and spec.type.dtype in ("i64", "i32")
             targs.append(_tvm_tensor(_np(a, np.int64 if ints else self.dtype)))
-        res = fn(*targs, *[params[n] for n in names])
+        res = fn(*targs, *[self._param(params, n) for n in names])
         outs = list(res) if not hasattr(res, "numpy") else [res]
         return [np.from_dlpack(o) for o in outs]       # views of the VM's results: the states are not copied
 

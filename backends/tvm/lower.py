@@ -31,6 +31,7 @@ from k3ir.types import StateType, TensorType
 from ..lowering import native_impl
 from . import kernels as K
 from . import lower_model  # model and fused ops register into TABLE
+from .cpu_gemm import panel_candidate, panel_linear, panel_name, panel_type, plan_panels
 from .table import R_, TABLE, lowers, slice_axis
 
 Lowering = Callable[..., Any]
@@ -50,6 +51,12 @@ class RelaxLowering:
         self.bb = relax.BlockBuilder()
         self.params: dict[str, list[str]] = {}
         self._kernels: dict[tuple, relax.GlobalVar] = {}
+        #: parameters stored as panels ({name: NR}: ``cpu_gemm.plan_panels``, set by ``build_relax``); the Relax
+        #: variable of every parameter lowered so far (-> name); the panel-kernel reads of each, and their NR
+        self.panels: dict[str, int] = {}
+        self.param_vars: dict[relax.Var, str] = {}
+        self.panel_uses: dict[str, int] = {}
+        self.panel_widths: dict[str, int] = {}
 
     # ---- types ---------------------------------------------------------------------
     def rt(self, ir_dtype: str) -> str:
@@ -83,6 +90,16 @@ class RelaxLowering:
         """Relax type of a parameter declared with IR type ``t``: ``arg_type`` (float weights in the compute dtype;
         ``gpu.GpuLowering`` keeps them bfloat16 in a bfloat16 build)."""
         return self.arg_type(t)
+
+    def param_var(self, name: str) -> relax.Var:
+        """The Relax parameter of module parameter ``name``: ``param_type`` of its declaration, or its panels
+        (``cpu_gemm.panel_type``) when ``self.panels`` names it."""
+        t = self.param_type(self.module.params[name].type)
+        if name in self.panels:
+            t = panel_type(list(t.shape.values), self.panels[name], self.fdt)
+        v = relax.Var("p_" + "".join(c if c.isalnum() else "_" for c in name), t)
+        self.param_vars[v] = name
+        return v
 
     def weight(self, w):
         """Weight ``w`` as a hand-written kernel reads it (``grouped_linear``): in the compute dtype here; a bfloat16
@@ -143,6 +160,8 @@ class RelaxLowering:
         ``kernels.linear_kernel`` on x flattened to ``[M, K]`` (no weight transpose); the generic Relax matmul
         when the shapes do not fit the kernel."""
         x, w = self.f(x), self.f(w)
+        if self.param_vars.get(w) in self.panels:
+            return panel_linear(self, x, w)
         ws, xs = self.shape(w), self.shape(x)
         tiles = None
         if len(ws) == 2 and all(isinstance(d, (int, tirx.IntImm)) for d in ws):
@@ -150,6 +169,7 @@ class RelaxLowering:
             tiles = K.linear_tiles(N, Kd)
         if tiles is None:
             return self.emit(R_.matmul(x, R_.permute_dims(w)))
+        panel_candidate(self, w, N, Kd)
         M = tirx.const(1, "int64")
         for d in xs[:-1]:
             M = M * d
@@ -164,7 +184,7 @@ class RelaxLowering:
         fn = self.module.functions[name]
         pnames = list(dict.fromkeys(op.attrs["name"] for op in fn.ops if op.name == "k3.param"))
         args = [relax.Var(a.name, self.arg_type(a.type)) for a in fn.args]
-        pvars = {p: relax.Var("p_" + "".join(c if c.isalnum() else "_" for c in p), self.param_type(self.module.params[p].type)) for p in pnames}
+        pvars = {p: self.param_var(p) for p in pnames}
         with self.bb.function(name, args + list(pvars.values())):
             with self.bb.dataflow():
                 env = {id(a): v for a, v in zip(fn.args, args)}
@@ -176,8 +196,8 @@ class RelaxLowering:
                 outs = [env[id(v)] for v in fn.returns]
                 out = self.bb.emit_output(relax.Tuple(outs) if len(outs) != 1 else outs[0])
             self.bb.emit_func_output(out)
-        self.params[name] = pnames
-        return pnames
+        self.params[name] = [panel_name(p, self.panels[p]) if p in self.panels else p for p in pnames]
+        return self.params[name]
 
     def lower_op(self, op: Operation, env: dict[int, Any]) -> None:
         vals = [env[id(v)] for v in op.operands]
@@ -216,6 +236,12 @@ def build_relax(module: Module, functions: list[str], dtype: str = "float32"):
     lw = RelaxLowering(module, dtype)
     for fn in functions:
         lw.lower_function(fn)
+    panels = plan_panels(lw)
+    if panels:                          # lowered again, those weights read as panels
+        lw = RelaxLowering(module, dtype)
+        lw.panels = panels
+        for fn in functions:
+            lw.lower_function(fn)
     mod = lw.get()
     return (fast_math(mod) if get_tvm_config().fast_math else mod), lw.params
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tvm import relax, te
 
+from . import cpu_gemm
 from . import kernels as K
 from .table import R_, TABLE, lowers, slice_axis
 
@@ -200,9 +201,12 @@ def _moe_dispatch(lw, inst, x, w, idx):
 def _grouped_matmul(lw, inst, x, offsets, w, scales=None):
     off = lw.cast(offsets, lw.idt)
     if inst.quant == "none":
+        if lw.param_vars.get(w) in lw.panels:
+            return cpu_gemm.panel_grouped(lw, lw.f(x), off, w)
         E, N, Kd = (int(d) for d in lw.shape(w))
         if K.linear_tiles(N, Kd) is None:
             return lw.te(K.grouped_matmul, lw.f(x), off, lw.f(w), name="grouped_matmul")
+        cpu_gemm.panel_candidate(lw, lw.weight(w), N, Kd)
         gv = lw.kernel(("grouped_linear", E, N, Kd), lambda: K.grouped_linear_kernel(E, N, Kd, lw.fdt, lw.idt))
         wf = lw.emit(R_.reshape(lw.weight(w), [E * N, Kd]))
         return lw.emit(relax.call_tir(gv, [lw.f(x), off, wf], relax.TensorType([lw.shape(x)[0], N], lw.fdt)))

@@ -10,12 +10,15 @@ import pytest
 
 tvm = pytest.importorskip("tvm")
 
+from k3ir.backends.tvm import cpu_gemm as G
 from k3ir.backends.tvm import kernels as K
 from k3ir.backends.tvm import llvm_target
 
 KERNELS = {
     "linear": lambda: K.linear_kernel(512, 256),
     "grouped_linear": lambda: K.grouped_linear_kernel(16, 512, 256),
+    "panel_linear": lambda: G.panel_linear_kernel(512, 256, G.NR),
+    "panel_grouped": lambda: G.panel_grouped_kernel(16, 512, 256, G.NR),
     "grouped_quant_mxfp4": lambda: K.grouped_quant_kernel(16, 512, 256, "mxfp4"),
     "kda_recurrent": lambda: K.kda_kernel(4, 128, 128),
     "mla_attention": lambda: K.attention_kernel(4, 1, 128, 32, 128, 0.125),
