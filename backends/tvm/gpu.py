@@ -47,9 +47,8 @@ GPU_DTYPES: dict[str, tuple[str, ...]] = {"cuda": ("float32", "bfloat16"), "rocm
 #: where it is not int64: WGSL has no 64-bit integers, so webgpu lowers them as int32 and narrows every index and
 #: shape variable of its kernels to int32 (``narrow_indices``); the artifact's manifest records it (``index_dtype``)
 INDEX_DTYPES: dict[str, str] = {"webgpu": "int32"}
-#: shared (workgroup) memory per block the hand-written kernels keep within, per kind: CUDA's static limit, ROCm's
-#: LDS, the 32 KiB Metal and OpenCL devices guarantee, WebGPU's default maxComputeWorkgroupStorageSize (an artifact
-#: then runs on a device requested with default limits); the chunked KDA prefill shrinks its tiles to fit
+#: shared memory per block the hand-written kernels keep within: CUDA's static limit, ROCm's LDS, what Metal and
+#: OpenCL guarantee, WebGPU's default maxComputeWorkgroupStorageSize (``gpu_kda.chunk_shape`` fits its tiles to it)
 SHARED_BYTES: dict[str, int] = {"cuda": 48 * 1024, "rocm": 64 * 1024, "metal": 32 * 1024, "opencl": 32 * 1024,
                                 "webgpu": 16 * 1024}
 #: dlight GPU rules in the order they are tried per kernel (MLC-LLM's order, Fallback last)
@@ -175,30 +174,15 @@ def _lowering_class():
             return super().kernel(key, make)
 
         def kda_call(self, q, k, v, g, beta, s):
-            """A prefill (T symbolic) runs ``gpu_kda.kda_chunk_gpu`` (chunked from ``TvmConfig.kda_chunk_min_tokens``
-            tokens, the recurrence below that, chosen at run time); a decode step (T static) the recurrence."""
-            B, Tn, H, Kd = self.shape(k)
-            if isinstance(Tn, (int, tirx.IntImm)):
+            """A prefill (T symbolic) runs the chunked kernels (``gpu_kda.emit_chunked``), a decode step (T static)
+            the recurrence."""
+            if isinstance(self.shape(k)[1], (int, tirx.IntImm)):
                 return super().kda_call(q, k, v, g, beta, s)
-            from .config import get_tvm_config
-            cfg = get_tvm_config()
-            H, Kd, V = int(H), int(Kd), int(self.shape(v)[3])
-            C, TV = GK.chunk_shape(Kd, V, cfg.kda_chunk_size, self.shared_bytes)
-            key = ("kda_chunk", H, Kd, V, C, TV, max(cfg.kda_chunk_min_tokens, 0))
-            gv = self.kernel(key, lambda: GK.kda_chunk_gpu(H, Kd, V, C=C, TV=TV, min_tokens=key[6], dtype=self.fdt,
-                                                             emulate=True))
-            f32 = "float32"
-            out = [relax.TensorType([B, Tn, H, V], self.fdt), relax.TensorType([B, H, Kd, V], self.fdt)] + [
-                relax.TensorType([B, Tn, H, n], f32) for n in (Kd, 2 * Kd, Kd, V, C)]     # gpu_kda.WORKSPACES
-            return self.emit(relax.call_tir(gv, [q, k, v, g, beta, s], out))
+            return GK.emit_chunked(self, q, k, v, g, beta, s)
 
         def attn_res_fused(self, w, r, buf, pref, n_blocks, eps):
-            """``k3.attn_res_fused`` as ``gpu_attn_res.attn_res_gpu``: one kernel, the sources read in place."""
-            slots, d = (int(x) for x in self.shape(buf)[2:])
-            key = ("attn_res", n_blocks, slots, d, round(eps * 1e12))
-            gv = self.kernel(key, lambda: GA.attn_res_gpu(n_blocks, slots, d, key[4] / 1e12, self.fdt, emulate=True))
-            ins = [self.emit(R_.reshape(self.f(w), [-1])), self.f(r), self.f(buf), self.f(pref)]
-            return self.emit(relax.call_tir(gv, ins, relax.TensorType(self.shape(pref), self.fdt)))
+            """``k3.attn_res_fused`` as one hand-scheduled kernel (``gpu_attn_res.emit_attn_res``)."""
+            return GA.emit_attn_res(self, w, r, buf, pref, n_blocks, eps)
 
         def te(self, fn, *args, name: str = "k3", **kw):
             if fn is K.grouped_matmul:                      # MoE expert GEMM: the hand-scheduled GPU kernel

@@ -118,3 +118,17 @@ def attn_res_gpu(n_blocks: int, slots: int, d: int, eps: float, dtype: str = "fl
         body(w, r, buf, pref, out, B, L)
 
     return attn_res
+
+
+def emit_attn_res(lw, w, r, buf, pref, n_blocks: int, eps: float):
+    """Emit, into GPU lowering ``lw`` (``gpu.GpuLowering``), ``k3.attn_res_fused`` over buf ``[B,T,S,d]`` and pref
+    ``[B,T,d]`` as ``attn_res_gpu`` (its emulated form is the ``make`` of the kernel key, swapped for the GPU form by
+    the GPU lowering). Returns the mix ``[B,T,d]``."""
+    from tvm import relax
+
+    from .table import R_
+    slots, d = (int(x) for x in lw.shape(buf)[2:])
+    key = ("attn_res", n_blocks, slots, d, round(eps * 1e12))
+    gv = lw.kernel(key, lambda: attn_res_gpu(n_blocks, slots, d, key[4] / 1e12, lw.fdt, emulate=True))
+    ins = [lw.emit(R_.reshape(lw.f(w), [-1])), lw.f(r), lw.f(buf), lw.f(pref)]
+    return lw.emit(relax.call_tir(gv, ins, relax.TensorType(lw.shape(pref), lw.fdt)))

@@ -362,3 +362,23 @@ def kda_chunk_gpu(H: int, K: int, V: int, C: int = 64, TV: int = 32, min_tokens:
         body(q, k, v, g, beta, s0, o, s, gc, qk, w, u, p, B, L)
 
     return kda_chunk
+
+
+def emit_chunked(lw, q, k, v, g, beta, s):
+    """Emit, into GPU lowering ``lw`` (``gpu.GpuLowering``), the chunked prefill on q (pre-scaled), k, g ``[B,T,H,K]``,
+    v ``[B,T,H,V]``, beta ``[B,T,H]``, s ``[B,H,K,V]`` (T symbolic): ``kda_chunk_gpu`` with the chunk of
+    ``TvmConfig.kda_chunk_size`` fitted to ``lw.shared_bytes`` (``chunk_shape``) and
+    ``TvmConfig.kda_chunk_min_tokens``; the emulated form is the ``make`` of its kernel key, which the GPU lowering
+    swaps for the GPU form (a CPU build of the GPU lowering keeps it). Returns the ``call_tir`` tuple (o, s, ...)."""
+    from tvm import relax
+
+    from .config import get_tvm_config
+    cfg = get_tvm_config()
+    B, Tn, H, Kd = lw.shape(k)
+    H, Kd, V = int(H), int(Kd), int(lw.shape(v)[3])
+    C, TV = chunk_shape(Kd, V, cfg.kda_chunk_size, lw.shared_bytes)
+    key = ("kda_chunk", H, Kd, V, C, TV, max(cfg.kda_chunk_min_tokens, 0))
+    gv = lw.kernel(key, lambda: kda_chunk_gpu(H, Kd, V, C=C, TV=TV, min_tokens=key[6], dtype=lw.fdt, emulate=True))
+    out = [relax.TensorType([B, Tn, H, V], lw.fdt), relax.TensorType([B, H, Kd, V], lw.fdt)] + [
+        relax.TensorType([B, Tn, H, n], "float32") for n in (Kd, 2 * Kd, Kd, V, C)]      # WORKSPACES
+    return lw.emit(relax.call_tir(gv, [q, k, v, g, beta, s], out))
