@@ -238,7 +238,7 @@ class TVMExecutable(Executable):
         else:
             a = _np(a, self.dtype)
             t = tvm.runtime.tensor(pack_panels(a.reshape(-1, a.shape[-1]), src[1]))
-            if base in params and not any(base in names for _, names in self._vms.values()):
+            if base in params and base in (self._arrays or {}) and not any(base in names for _, names in self._vms.values()):
                 del params[base]
         params[name] = t
         return t

@@ -77,3 +77,18 @@ def test_lowering_stores_as_panels_only_weights_read_by_linear_kernels():
     for n, w in panels.items():
         shape = m.params[n].type.shape
         assert w == G.panel_width(shape[-2], shape[-1]) and shape[-2] % w == 0, n
+
+
+def test_executable_packs_panel_parameters_from_the_prepared_weights(rng):
+    """``TVMExecutable._param``: a ``#panels`` name is packed from the prepared weight, which then leaves the
+    parameters (no compiled function reads it) and comes back from the prepared weights when asked for."""
+    from k3ir.backends.tvm import TVMExecutable
+    m = load_tiny("k3-tiny")
+    name = "language_model.model.layers.0.self_attn.q_proj.weight"
+    w = rng.normal(size=m.params[name].type.shape).astype(np.float32)
+    exe = TVMExecutable(m)
+    params = exe.prepare_params({name: w})
+    packed = exe._param(params, G.panel_name(name, 16))
+    np.testing.assert_array_equal(packed.numpy(), G.pack_panels(w, 16))
+    assert name not in params
+    np.testing.assert_array_equal(exe._param(params, name).numpy(), w)
