@@ -9,7 +9,8 @@ every expert, every contraction a ``linalg.generic``; both compiled with the sam
 exported file's default ``logits_to_keep`` = 1 (the head on the last prompt position only, what generation needs;
 torch and IREE compute all T positions); ``onnx27-ort-all`` and ``onnx20-all`` feed 0 (all T), for the like-for-like
 comparison. On request (``--variants``):
-``mlir-bf16`` (``MlirConfig(weights="bf16")``: bf16 weight arguments, so its logits differ from torch's by the bf16
+``mlir-generic`` (``MlirConfig(linear_form="generic")``: the default lowering with the weight contractions as
+``linalg.generic``, what the named ``linalg.matmul`` adds), ``mlir-bf16`` (``MlirConfig(weights="bf16")``: bf16 weight arguments, so its logits differ from torch's by the bf16
 rounding of the random weights), ``mlir-last`` and ``mlir-scan-dense-last`` (``MlirConfig(logits_to_keep=1)``: the head
 on the last prompt position only, as the onnx variants by default) and ``mlir-mxfp4`` (routed experts packed as MXFP4, ``--quantize mxfp4``: its
 logits differ by the quantisation); ``onnx27-ort-split`` and ``onnx20-split``: the onnx target with the ``fuse-linear-splits``
@@ -70,6 +71,7 @@ VARIANTS = {
     "mlir-last": ("mlir", {"logits_to_keep": 1}),
     "mlir-scan-dense-last": ("mlir", {"kda_form": "scan", "moe_form": "dense", "linear_form": "generic",
                                       "logits_to_keep": 1}),
+    "mlir-generic": ("mlir", {"linear_form": "generic"}),
     "mlir-bf16": ("mlir", {"weights": "bf16"}),
     "mlir-mxfp4": ("mlir", {"passes": ["fuse-moe-dispatch", "quantize-experts{format=mxfp4}", "dce"]}),
 }
