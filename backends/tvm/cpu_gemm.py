@@ -53,45 +53,63 @@ def _sum_rows(acc, n, v):
     return parts[0]
 
 
-def _tile_macros(dtype: str, K: int, W: int, KU: int, KC: int):
-    """TVMScript macros over accumulators ``acc[MR, W]`` / ``[KU, W]``: ``tile(x, w, y, acc, r0, p, c0, R)`` rows
-    ``r0:r0+R`` of x times panel p into ``y[r0:r0+R, c0:c0+W]``; ``gemv(x, w, y, acc, r, p, c0)`` one row, KU
-    interleaved partial sums along K (the FMA chains overlap while the panel streams in)."""
+def _tile_macros(dtype: str, K: int, W: int, KU: int, MR: int):
+    """TVMScript macros over accumulators ``acc[MR, W]`` and ``acc1[KU, W]``: ``tile(x, w, y, acc, r0, p, c0, R)``
+    rows ``r0:r0+R`` of x (R a Python int <= MR) times panel p into ``y[r0:r0+R, c0:c0+W]``; ``rest(x, w, y, acc,
+    acc1, r0, n, p, c0)`` the same for the n < MR leftover rows (an expression): a tile of n rows, or for one row (a
+    decode) the GEMV, KU interleaved partial sums along K so the FMA chains overlap while the panel streams in."""
     @T.macro
-    def tile(x, w, y, acc, r0, p, c0, R, k0):
+    def tile(x, w, y, acc, r0, p, c0, R):
         for mi in T.unroll(R):
             for v in T.vectorized(W):
-                acc[mi, v] = T.if_then_else(k0 == 0, T.Cast(dtype, 0), y[r0 + mi, c0 + v])
-        for k in range(KC):
+                acc[mi, v] = T.Cast(dtype, 0)
+        for k in range(K):
             for mi in T.unroll(R):
                 for v in T.vectorized(W):
-                    acc[mi, v] = acc[mi, v] + x[r0 + mi, k0 + k] * w[p, k0 + k, v]
+                    acc[mi, v] = acc[mi, v] + x[r0 + mi, k] * w[p, k, v]
         for mi in T.unroll(R):
             for v in T.vectorized(W):
                 y[r0 + mi, c0 + v] = acc[mi, v]
 
     @T.macro
-    def gemv(x, w, y, acc, r, p, c0):
+    def gemv(x, w, y, acc1, r, p, c0):
         for u in T.unroll(KU):
             for v in T.vectorized(W):
-                acc[u, v] = T.Cast(dtype, 0)
+                acc1[u, v] = T.Cast(dtype, 0)
         for ko in range(K // KU):
             for u in T.unroll(KU):
                 for v in T.vectorized(W):
-                    acc[u, v] = acc[u, v] + x[r, ko * KU + u] * w[p, ko * KU + u, v]
+                    acc1[u, v] = acc1[u, v] + x[r, ko * KU + u] * w[p, ko * KU + u, v]
         for v in T.vectorized(W):
-            y[r, c0 + v] = _sum_rows(acc, KU, v)
-    return tile, gemv
+            y[r, c0 + v] = _sum_rows(acc1, KU, v)
+
+    def rest(R: int):           # rows left: n == R, else fewer
+        if R == 1:
+            @T.macro
+            def one(x, w, y, acc, acc1, r0, n, p, c0):
+                if n == 1:
+                    gemv(x, w, y, acc1, r0, p, c0)
+            return one
+        fewer = rest(R - 1)
+
+        @T.macro
+        def some(x, w, y, acc, acc1, r0, n, p, c0):
+            if n == R:
+                tile(x, w, y, acc, r0, p, c0, R)
+            else:
+                fewer(x, w, y, acc, acc1, r0, n, p, c0)
+        return some
+    return tile, rest(MR - 1)
 
 
 @cache
-def panel_linear_kernel(N: int, K: int, W: int, dtype: str = "float32", MR: int = MR, KU: int = KU, KC: int = 0):
-    KC = KC or K
+def panel_linear_kernel(N: int, K: int, W: int, dtype: str = "float32", MR: int = MR, KU: int = KU):
     """TIR PrimFunc ``(x, wp, y)``: x ``[M, K]`` (M symbolic), wp ``[N/W, K, W]`` (``pack_panels`` of the ``[N, K]``
-    weight), y ``[M, N]`` = ``x w^T``. Parallel over panels; per panel, M in tiles of MR rows, then the leftover rows
-    one at a time (decode's M = 1: each thread streams its run of whole panels). Needs ``panel_width(N, K) == W``."""
+    weight), y ``[M, N]`` = ``x w^T``. Parallel over panels; per panel, M in tiles of MR rows, then one tile of the
+    leftover rows (decode's M = 1: a GEMV, each thread streaming its run of whole panels). Needs
+    ``panel_width(N, K) == W``."""
     P = N // W
-    tile, gemv = _tile_macros(dtype, K, W, KU, KC)
+    tile, rest = _tile_macros(dtype, K, W, KU, MR)
 
     @T.prim_func(private=True)
     def panel_linear(x_h: T.handle, w_h: T.handle, y_h: T.handle):
@@ -103,24 +121,22 @@ def panel_linear_kernel(N: int, K: int, W: int, dtype: str = "float32", MR: int 
         for p in T.parallel(P):
             acc = T.alloc_buffer((MR, W), dtype)
             acc1 = T.alloc_buffer((KU, W), dtype)
-            for kb in range(K // KC):
-                for mb in range(M // MR):
-                    tile(x, w, y, acc, mb * MR, p, p * W, MR, kb * KC)
-            for m in range(M % MR):
-                gemv(x, w, y, acc1, M // MR * MR + m, p, p * W)
+            for mb in range(M // MR):
+                tile(x, w, y, acc, mb * MR, p, p * W, MR)
+            rest(x, w, y, acc, acc1, M // MR * MR, M % MR, p, p * W)
     return panel_linear
 
 
 @cache
 def panel_grouped_kernel(E: int, N: int, K: int, W: int, dtype: str = "float32", index_dtype: str = I64,
-                         MR: int = MR, KU: int = KU, KC: int = 0):
-    KC = KC or K
+                         MR: int = MR, KU: int = KU):
     """TIR PrimFunc ``(x, offsets, wp, y)``: x ``[R, K]`` rows sorted by expert (R symbolic), offsets
     ``index_dtype[E+1]`` (expert e owns rows ``offsets[e]:offsets[e+1]``), wp ``[E*N/W, K, W]`` (``pack_panels`` of
     the ``[E*N, K]`` expert rows: W divides N, so no panel spans two experts), y ``[R, N]``: row r times ``W_e^T``.
-    Parallel over (panel, expert); an expert with no rows reads no weights. Needs ``panel_width(N, K) == W``."""
+    Parallel over (panel, expert), tiles as ``panel_linear_kernel`` over each expert's rows; an expert with no rows
+    reads no weights. Needs ``panel_width(N, K) == W``."""
     P = N // W
-    tile, gemv = _tile_macros(dtype, K, W, KU, KC)
+    tile, rest = _tile_macros(dtype, K, W, KU, MR)
 
     @T.prim_func(private=True)
     def panel_grouped(x_h: T.handle, o_h: T.handle, w_h: T.handle, y_h: T.handle):
@@ -133,11 +149,10 @@ def panel_grouped_kernel(E: int, N: int, K: int, W: int, dtype: str = "float32",
         for f in T.parallel(P * E):
             acc = T.alloc_buffer((MR, W), dtype)
             acc1 = T.alloc_buffer((KU, W), dtype)
-            for kb in range(K // KC):
-                for mb in range(rows(off, f % E) // MR):
-                    tile(x, w, y, acc, off[f % E] + mb * MR, f % E * P + f // E, f // E * W, MR, kb * KC)
-            for m in range(rows(off, f % E) % MR):
-                gemv(x, w, y, acc1, off[f % E] + rows(off, f % E) // MR * MR + m, f % E * P + f // E, f // E * W)
+            for mb in range(rows(off, f % E) // MR):
+                tile(x, w, y, acc, off[f % E] + mb * MR, f % E * P + f // E, f // E * W, MR)
+            rest(x, w, y, acc, acc1, off[f % E] + rows(off, f % E) // MR * MR, rows(off, f % E) % MR,
+                 f % E * P + f // E, f // E * W)
     return panel_grouped
 
 

@@ -31,7 +31,7 @@ def test_panel_linear_covers_row_tails(N, K, W, rng):
     lin = _build(G.panel_linear_kernel(N, K, W))
     w = rng.normal(size=(N, K))
     wp = tvm.runtime.tensor(G.pack_panels(w.astype(np.float32), W))
-    for M in (1, 2, G.MR, G.MR + 1, 2 * G.MR + 3):
+    for M in range(1, 2 * G.MR + 2):
         x = rng.normal(size=(M, K))
         y = tvm.runtime.tensor(np.zeros((M, N), np.float32))
         lin(tvm.runtime.tensor(x.astype(np.float32)), wp, y)
