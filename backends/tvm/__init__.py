@@ -68,6 +68,20 @@ def llvm_target():
                               "num-cores": len(os.sched_getaffinity(0))})
 
 
+def configure_threads() -> int:
+    """Threads of TVM's CPU thread pool, set before the first run: ``TvmConfig.num_threads``, or with 0 (default) the
+    CPUs this process may run on (``os.sched_getaffinity``). TVM sizes a thread's pool when that thread first runs a
+    parallel kernel, from ``TVM_NUM_THREADS`` (then ``OMP_NUM_THREADS``), else half the hardware threads on x86 (it
+    assumes two per core: one thread on a 2-core machine, half the CPU for every kernel). So this sets
+    ``TVM_NUM_THREADS`` unless the user has. Returns the count in effect."""
+    import os
+    have = os.environ.get("TVM_NUM_THREADS")
+    if have is None:
+        have = str(get_tvm_config().num_threads or len(os.sched_getaffinity(0)))
+        os.environ["TVM_NUM_THREADS"] = have
+    return int(have) if have.isdigit() else 0
+
+
 #: x86 SIMD extensions an llvm build for this host's CPU may use; an artifact records those of its build host
 #: and refuses to load where one is missing (the kernels would die with SIGILL)
 SIMD_FLAGS = ("sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512cd", "avx512bw",
@@ -182,6 +196,7 @@ class TVMExecutable(Executable):
             # buffer for reuse at its exact (page-rounded) size, so a prefill in segments (cache length S growing
             # each call) kept one set of S-sized buffers per segment: memory grew with the square of the prompt
             # (k3-tiny engine: +1.1 GB at 64k tokens; bench/SERVING.md). Same speed here within noise.
+            configure_threads()
             vm = VirtualMachine(ex, tvm.cpu(), memory_cfg="naive")
         self.build_seconds[label] = timing.seconds
         for f in group:

@@ -28,6 +28,10 @@ class TvmConfig:
     fast_math: bool = setting(True, "float32 exp/tanh/sigmoid/silu/softmax of the Relax graph as TOPI's vectorisable "
                               "fast_exp/fast_tanh polynomials (relative error about 1e-7) instead of libm's scalar calls; "
                               "part of the build cache key", env="K3IR_TVM_FAST_MATH")
+    num_threads: int = setting(0, "threads of TVM's CPU thread pool (the parallel loops of the llvm kernels); 0: the "
+                               "CPUs this process may run on. Set as ``TVM_NUM_THREADS`` before the first run unless that "
+                               "is set already (TVM's own default is half the hardware threads on x86)",
+                               env="K3IR_TVM_NUM_THREADS")
     kda_chunk_size: int = setting(64, "GPU kinds: tokens per chunk of the chunked KDA prefill (``gpu_kda.kda_chunk_gpu``, "
                                   "SPEC.md 3); a multiple of 8; shared memory per block grows with its square "
                                   "(64: 24 KiB per block for K = V = 128); halved where the kind has less "
