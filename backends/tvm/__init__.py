@@ -240,7 +240,7 @@ class TVMExecutable(Executable):
             return t
         import tvm
 
-        from .cpu_gemm import pack_panels, panel_source
+        from .panels import pack_panels, panel_source
         src = panel_source(name)
         base = src[0] if src else name
         a = self._arrays.get(base) if self._arrays is not None else None

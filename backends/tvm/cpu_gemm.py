@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from functools import cache
 
-import numpy as np
 from tvm.script import tirx as T
 
 from .kernels import I64, rows
+from .panels import PANELS, pack_panels, panel_name, panel_source  # noqa: F401  (re-exported)
 
 #: activation rows of the prefill register tile, weight columns per panel (MR*NR float32 accumulators: 768 bytes,
 #: under TVM's 1 KiB stack limit), and the GEMV's independent partial sums along K (KU*NR: 512 bytes)
@@ -34,15 +34,6 @@ def panel_width(N: int, K: int, dtype: str = "float32") -> int | None:
     if dtype != "float32" or K % KU:
         return None
     return next((w for w in (NR, 16) if N % w == 0), None)
-
-
-def pack_panels(w: np.ndarray, nr: int) -> np.ndarray:
-    """``[N, K]`` -> ``[N/nr, K, nr]``: panel p, row k, lane j = ``w[p*nr + j, k]`` (C-contiguous). Raises
-    ValueError when N is not a multiple of nr."""
-    n, k = w.shape
-    if n % nr:
-        raise ValueError(f"pack_panels: {n} weight rows are not a multiple of the panel width {nr}")
-    return np.ascontiguousarray(w.reshape(n // nr, nr, k).transpose(0, 2, 1))
 
 
 def _sum_rows(acc, n, v):
@@ -157,22 +148,6 @@ def panel_grouped_kernel(E: int, N: int, K: int, W: int, dtype: str = "float32",
 
 
 # ---- parameters stored as panels ---------------------------------------------------------
-#: suffix of a parameter stored as ``NR``-column panels: the Relax function's parameter ``"<name>#panels<NR>"`` is
-#: ``pack_panels`` of parameter ``<name>`` (its rows flattened to ``[-1, K]``); the executable derives it from the
-#: weights when a function first runs (``TVMExecutable.run``), and an artifact's manifest lists these names
-PANELS = "#panels"
-
-
-def panel_name(name: str, nr: int) -> str:
-    return f"{name}{PANELS}{nr}"
-
-
-def panel_source(name: str) -> tuple[str, int] | None:
-    """(parameter, NR) of a ``panel_name``, or None for a plain parameter name."""
-    base, sep, nr = name.rpartition(PANELS)
-    return (base, int(nr)) if sep and nr.isdigit() else None
-
-
 def panel_candidate(lw, w, N: int, K: int) -> int | None:
     """NR when ``w`` is a parameter of the function being lowered, read as it is declared (no cast), whose ``[N, K]``
     rows fit ``panel_width``: noted in ``lw.panel_uses`` (``plan_panels`` keeps the parameters whose every use is
