@@ -181,10 +181,14 @@ def test_plugin_condition_decides_what_runs(plugin_dir, monkeypatch, vocab, nati
     assert rel_err(np.asarray(got), np.asarray(want)) < 1e-4
 
 
-def test_a_backend_declaring_only_lowers_still_works():
+def test_a_backend_declaring_only_lowers_still_works(monkeypatch):
     """The older plugin form ``Backend(..., lowers=lambda: set(TABLE))`` (a plain dict, no conditions):
-    its ops are native, the rest decompose, and ``check_module`` classifies them."""
+    its ops are native, the rest decompose, and ``check_module`` classifies them. Registered for this test only."""
     from k3ir.backends import Backend, register_backend
+
+    from k3ir import backends
+    backends.list_backends()
+    monkeypatch.setattr(backends, "_BACKENDS", dict(backends._BACKENDS))
     from k3ir.backends.check import check_module
     from k3ir.backends.reference import ReferenceExecutable
     core = {n for n, c in k3ir.opdef.all_ops().items() if c.family == "core"}

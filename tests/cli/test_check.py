@@ -160,12 +160,17 @@ def _counting_backend(name: str, counts: dict):
                                     table=lambda: table, dtypes=("float64",)))
 
 
-def test_check_matches_what_runs_for_a_conditional_entry():
+def test_check_matches_what_runs_for_a_conditional_entry(monkeypatch):
     """A backend whose ``k3.linear`` is native only for narrow weights: ``check`` lists the wide instances
     as conditional (with the reason, expanded to transpose + matmul), and a run calls the native
-    implementation exactly for the instances ``check`` calls native; the logits equal the reference's."""
+    implementation exactly for the instances ``check`` calls native; the logits equal the reference's. The backend
+    is registered for this test only (the registry is process-wide: ``k3ir backends`` is compared with it)."""
     from k3ir.runtime import Session
     from k3ir.runtime.params import init_params
+
+    from k3ir import backends
+    backends.list_backends()                                       # the built-in targets first
+    monkeypatch.setattr(backends, "_BACKENDS", dict(backends._BACKENDS))
     counts: dict = {}
     _counting_backend("test-conditional-linear", counts)
     m = k3ir.load("k3-tiny")
