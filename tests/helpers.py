@@ -265,6 +265,20 @@ def gpu_lowered_cpu_artifact(key: str, directory: str, dtype: str = "bfloat16", 
     return params
 
 
+def gpu_kind_or_skip(kind: str, monkeypatch) -> None:
+    """Skip the test, naming the reason, when TVM cannot build for GPU ``kind`` here (``cross.toolchain``); for rocm,
+    set up ROCM_PATH and the ROCm intrinsics in this process as ``gpu.build_kind_subprocess`` does for its child."""
+    import pytest
+    from k3ir.backends.tvm.cross import toolchain
+    why = toolchain(kind)[0]
+    if why is not None:
+        pytest.skip(f"tvm-{kind} cannot build here: {why}")
+    if kind == "rocm":
+        from k3ir.backends.tvm.gpu import _rocm_intrinsics, rocm_path
+        monkeypatch.setenv("ROCM_PATH", rocm_path() or "/opt/rocm")
+        _rocm_intrinsics()
+
+
 def kernel_name(fn) -> str:
     """The name of a Triton kernel object (a ``JITFunction`` or the interpreter's ``InterpretedFunction``)."""
     return getattr(getattr(fn, "fn", None), "__name__", None) or getattr(fn, "__name__", "?")

@@ -22,6 +22,8 @@ from conftest import rel_err
 from k3ir.backends.tvm import cubin
 from k3ir.backends.tvm.cross import kind_report, toolchain
 
+from k3ir.ops.kda import kda_recurrent
+
 
 def _need(kind: str) -> None:
     why = toolchain(kind)[0]
@@ -365,12 +367,7 @@ def test_gpu_kda_kernel_with_its_threads_run_in_turn_equals_the_recurrence(V, T,
     q, k = rng.normal(size=(B, T, H, Kd)), rng.normal(size=(B, T, H, Kd)) * 0.3
     v, a = rng.normal(size=(B, T, H, V)), rng.uniform(0.5, 1.0, size=(B, T, H, Kd))
     beta, s0 = rng.uniform(0.0, 1.0, size=(B, T, H)), rng.normal(size=(B, H, Kd, V))
-    S, want = s0.copy(), np.zeros((B, T, H, V))
-    for t in range(T):
-        S = S * a[:, t, :, :, None]
-        u = beta[:, t, :, None] * (v[:, t] - np.einsum("bhk,bhkv->bhv", k[:, t], S))
-        S = S + k[:, t, :, :, None] * u[:, :, None, :]
-        want[:, t] = np.einsum("bhkv,bhk->bhv", S, q[:, t])
+    want, S = kda_recurrent(q, k, v, np.log(a), beta, 1.0, s0)      # the float64 oracle, decay a = exp(g)
     o, s = (tvm.runtime.tensor(np.zeros(shape, np.float32)) for shape in ((B, T, H, V), (B, H, Kd, V)))
     fn(*[tvm.runtime.tensor(x.astype(np.float32)) for x in (q, k, v, a, beta, s0)], o, s)
     assert rel_err(o.numpy(), want) < 1e-5 and rel_err(s.numpy(), S) < 1e-5

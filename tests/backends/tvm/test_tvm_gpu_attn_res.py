@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("tvm")
 
 from conftest import rel_err
+from helpers import gpu_kind_or_skip
 
 
 @pytest.mark.parametrize("n_blocks,slots,d", [(1, 1, 24), (3, 4, 200), (9, 9, 130)])
@@ -42,14 +43,7 @@ def test_gpu_attn_res_rejects_more_blocks_than_slots():
 def test_gpu_attn_res_kernel_builds_for_the_gpu_kinds(kind, monkeypatch):
     """The GPU form (one block per token, a barrier between the partial sums and their row sums) builds for ``kind``
     at K3's width (d = 7168, nine snapshots) (rocm: gfx942); for cuda nvcc compiles it to sm_90a and sm_80 code."""
-    from k3ir.backends.tvm.cross import toolchain
-    why = toolchain(kind)[0]
-    if why is not None:
-        pytest.skip(f"tvm-{kind} cannot build here: {why}")
-    if kind == "rocm":                                  # as build_kind_subprocess sets them up for its child
-        from k3ir.backends.tvm.gpu import _rocm_intrinsics, rocm_path
-        monkeypatch.setenv("ROCM_PATH", rocm_path() or "/opt/rocm")
-        _rocm_intrinsics()
+    gpu_kind_or_skip(kind, monkeypatch)
     import tvm
     from k3ir.backends.tvm import cubin
     from k3ir.backends.tvm.gpu import gpu_target

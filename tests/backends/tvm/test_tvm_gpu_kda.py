@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("tvm")
 
 from conftest import rel_err
+from helpers import gpu_kind_or_skip
 
 
 def kda_reference(q, k, v, g, beta, s0):
@@ -109,14 +110,7 @@ def test_gpu_kda_chunk_kernel_builds_for_the_gpu_kinds(kind, monkeypatch):
     default chunk of 64 builds for ``kind`` (rocm: gfx942, 24 s here, so ``slow``): four device functions (gcum,
     intra, inter, the recurrence), within 32 KiB of shared memory per block; for cuda, nvcc compiles the generated
     source to sm_90a and sm_80 code that holds all four (cuobjdump)."""
-    from k3ir.backends.tvm.cross import toolchain
-    why = toolchain(kind)[0]
-    if why is not None:
-        pytest.skip(f"tvm-{kind} cannot build here: {why}")
-    if kind == "rocm":                                  # as build_kind_subprocess sets them up for its child
-        from k3ir.backends.tvm.gpu import _rocm_intrinsics, rocm_path
-        monkeypatch.setenv("ROCM_PATH", rocm_path() or "/opt/rocm")
-        _rocm_intrinsics()
+    gpu_kind_or_skip(kind, monkeypatch)
     import tvm
     from k3ir.backends.tvm import cubin
     from k3ir.backends.tvm.gpu import device_function_names, gpu_target

@@ -22,6 +22,8 @@ from conftest import rel_err
 from k3ir.backends.tvm import cubin
 from k3ir.backends.tvm.cross import toolchain
 
+from k3ir.ops.kda import kda_recurrent
+
 
 @pytest.fixture(scope="module")
 def device():
@@ -154,12 +156,7 @@ def test_kda_recurrence_wgsl_equals_the_recurrence(device, rng):
     q, k = rng.normal(size=(B, T, H, Kd)), rng.normal(size=(B, T, H, Kd)) * 0.3
     v, a = rng.normal(size=(B, T, H, V)), rng.uniform(0.5, 1.0, size=(B, T, H, Kd))
     beta, s0 = rng.uniform(0.0, 1.0, size=(B, T, H)), rng.normal(size=(B, H, Kd, V))
-    S, want = s0.copy(), np.zeros((B, T, H, V))
-    for t in range(T):
-        S = S * a[:, t, :, :, None]
-        u = beta[:, t, :, None] * (v[:, t] - np.einsum("bhk,bhkv->bhv", k[:, t], S))
-        S = S + k[:, t, :, :, None] * u[:, :, None, :]
-        want[:, t] = np.einsum("bhkv,bhk->bhv", S, q[:, t])
+    want, S = kda_recurrent(q, k, v, np.log(a), beta, 1.0, s0)      # the float64 oracle, decay a = exp(g)
     arrays = {n: x.astype(np.float32) for n, x in {"q": q, "k": k, "v": v, "a": a, "beta": beta, "s0": s0}.items()}
     [name] = wgsl
     out = dispatch(device, fmap, wgsl, name, {**arrays, "o": np.zeros((B, T, H, V), np.float32),
