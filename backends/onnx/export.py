@@ -264,11 +264,33 @@ class OnnxExporter:
     def _array(self, name: str, decl):
         if self.params is None:
             check_fits(8 * int(decl.type.numel()), f"random init of parameter {name}")
+            if decl.attrs.get("source"):             # quantize-experts made it from a float parameter
+                return self._quantized_init(name)
             return init_param(decl)
         a = self.params[name]
         if hasattr(a, "detach"):
             a = a.detach().cpu().float().numpy()
         return np.asarray(a)
+
+    def _quantized_init(self, name: str):
+        """Packed expert parameter ``name`` (or its scales) without bound weights: the quantisation of the random init
+        of its float source, as ``runtime.params.init_params`` makes it (so the file computes what a Session on the
+        same module computes), one expert tensor at a time."""
+        from k3ir.passes.quantize_experts import is_derived, quantize_array
+
+        from k3ir.ir import ParamDecl
+        from k3ir.types import TensorType
+        cache = self.__dict__.setdefault("_quantized", {})
+        if name not in cache:
+            for pname, pdecl in self.module.params.items():
+                if is_derived(pdecl) and pdecl.attrs.get("role") != "scale" and name in (pname, pdecl.attrs["scale"]):
+                    ftype = TensorType(pdecl.attrs.get("source_dtype", "bf16"), pdecl.type.shape)
+                    src = init_param(ParamDecl(pdecl.attrs["source"], ftype))
+                    cache[pname], cache[pdecl.attrs["scale"]] = quantize_array(pdecl.attrs["quant"], src)
+                    break
+            else:
+                raise K3BackendError(f"ONNX export: parameter '{name}' is quantised but no packed parameter names it")
+        return cache[name]
 
     def _standard_mxfp4_params(self, fn: Function) -> dict[str, int]:
         """Parameters read as MXFP4 codes / scales by ``k3.grouped_matmul`` in ``fn``: name -> FLOAT4E2M1 /

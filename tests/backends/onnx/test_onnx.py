@@ -129,6 +129,37 @@ def test_mxfp4_experts_stay_packed_with_in_graph_dequantisation():
     assert x.native.get("k3.grouped_matmul") and "BitShift" in {n.op_type for n in all_nodes(model.graph)}
 
 
+@pytest.mark.parametrize("weights", ["external", "embedded"])
+def test_mxfp4_export_without_bound_weights_holds_the_session_init(tmp_path, weights):
+    """A quantised model exported without a checkpoint (``k3ir export k3-tiny --format onnx --quantize mxfp4``): each
+    packed expert initializer holds the quantisation of its float source's random init in its packed shape
+    (``u8[E, N, K/2]``; it was the float init cast to one byte per value, which onnxruntime refused for external data
+    and which failed to reshape embedded), so the file computes what the same export of ``init_params`` computes."""
+    import onnxruntime as ort
+    from k3ir.backends.onnx.export import export_onnx
+    m = load_tiny("k3-tiny")
+    passes = ["fuse-moe-dispatch", "quantize-experts{format=mxfp4}", "dce"]
+    mod = k3ir.compile(m, target="onnx", passes=passes).module
+    params = init_params(mod)
+    outs = []
+    for name, bound in (("random", None), ("bound", params)):
+        path = str(tmp_path / f"{name}.onnx")
+        export_onnx(mod, path, function="prefill", weights=weights, params=bound)
+        model = onnx.load(path)
+        packed = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name.endswith("_packed")}
+        assert packed and all(a.shape == params[n].shape and a.dtype == np.uint8 for n, a in packed.items())
+        sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        feeds = {"input_ids": token_ids(m.attrs["vocab_size"], 1, 9)}
+        for i in sess.get_inputs()[1:]:
+            if i.type.startswith("tensor("):
+                feeds[i.name] = np.zeros([1 if not isinstance(d, int) else d for d in i.shape],
+                                         np.int64 if "int64" in i.type else np.float32)
+        outs.append((packed, sess.run(None, feeds)[0]))
+    (p0, y0), (p1, y1) = outs
+    assert all(np.array_equal(p0[n], p1[n]) for n in p1)
+    assert np.isfinite(y0).all() and rel_err(y0, y1) < 1e-6
+
+
 def all_nodes(graph):
     """The nodes of ``graph`` and, recursively, of its subgraphs (Loop/Scan bodies)."""
     for n in graph.node:
