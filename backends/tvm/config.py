@@ -10,8 +10,20 @@ from ..config import ScopedConfig, setting
 
 
 def _opt_level(text: str) -> int:
-    """``K3IR_TVM_OPT_LEVEL``: an integer, clamped to 0..3; raises ValueError on anything else."""
-    return min(3, max(0, int(text)))
+    """``K3IR_TVM_OPT_LEVEL``: an integer 0..3; raises ValueError on anything else."""
+    v = int(text)
+    if not 0 <= v <= 3:
+        raise ValueError(f"the LLVM optimisation level is 0..3, not {v}")
+    return v
+
+
+def _num_threads(text: str) -> int:
+    """``K3IR_TVM_NUM_THREADS``: an integer >= 0 (0: every CPU of the process); raises ValueError on anything else
+    (TVM reads a negative or non-numeric ``TVM_NUM_THREADS`` as one thread, without a word)."""
+    v = int(text)
+    if v < 0:
+        raise ValueError(f"a thread count is >= 0 (0: every CPU of this process), not {v}")
+    return v
 
 
 @dataclass(frozen=True)
@@ -31,7 +43,7 @@ class TvmConfig:
     num_threads: int = setting(0, "threads of TVM's CPU thread pool (the parallel loops of the llvm kernels); 0: the "
                                "CPUs this process may run on. Set as ``TVM_NUM_THREADS`` before the first run unless that "
                                "is set already (TVM's own default is half the hardware threads on x86)",
-                               env="K3IR_TVM_NUM_THREADS")
+                               env="K3IR_TVM_NUM_THREADS", parse=_num_threads)
     kda_chunk_size: int = setting(64, "GPU kinds: tokens per chunk of the chunked KDA prefill (``gpu_kda.kda_chunk_gpu``, "
                                   "SPEC.md 3); a multiple of 8; shared memory per block grows with its square "
                                   "(64: 24 KiB per block for K = V = 128); halved where the kind has less "

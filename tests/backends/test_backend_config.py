@@ -64,7 +64,7 @@ def test_triton_defaults_and_environment_values():
     assert cfg.moe.decode_bf16 == ("t", 32, 16, 0, 64, 4, 2) and cfg.decode.routed_glu is False
     assert cfg.decode.cuda_graphs is True                    # an empty variable keeps the default
     assert cfg.mla.prefill == (128, 64, 8, 2)
-    assert from_env(TvmConfig, {"K3IR_TVM_OPT_LEVEL": "7"}).opt_level == 3     # clamped to 0..3
+    assert from_env(TvmConfig, {"K3IR_TVM_OPT_LEVEL": "2", "K3IR_TVM_NUM_THREADS": "3"}).opt_level == 2
     assert from_env(MlirConfig, {"K3IR_CACHE": "/x"}).cache_dir() == "/x"
 
 
@@ -72,6 +72,8 @@ def test_triton_defaults_and_environment_values():
     (TritonConfig, {"K3IR_PDL": "maybe"}, "K3IR_PDL='maybe'.*pdl"),
     (TritonConfig, {"K3IR_GEMV": "8,x,4"}, "K3IR_GEMV"),
     (TvmConfig, {"K3IR_TVM_OPT_LEVEL": "fast"}, "K3IR_TVM_OPT_LEVEL='fast'.*opt_level"),
+    (TvmConfig, {"K3IR_TVM_OPT_LEVEL": "7"}, "K3IR_TVM_OPT_LEVEL='7'.*0..3"),
+    (TvmConfig, {"K3IR_TVM_NUM_THREADS": "-1"}, "K3IR_TVM_NUM_THREADS='-1'.*>= 0"),
 ])
 def test_bad_environment_value_is_a_config_error(cls, env, match):
     with pytest.raises(K3ConfigError, match=match):

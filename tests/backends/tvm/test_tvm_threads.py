@@ -38,3 +38,12 @@ def test_configured_count_and_the_users_variable(monkeypatch):
     assert _pool_threads() == 1
     monkeypatch.setenv("TVM_NUM_THREADS", "3")            # the user's setting stays
     assert configure_threads() == 3 and os.environ["TVM_NUM_THREADS"] == "3"
+
+
+def test_a_negative_count_in_a_scope_is_a_config_error(monkeypatch):
+    """TVM reads a negative ``TVM_NUM_THREADS`` as one thread without a word: ``num_threads=-1`` is refused."""
+    from k3ir.errors import K3ConfigError
+    monkeypatch.delenv("TVM_NUM_THREADS", raising=False)
+    with tvm_config(num_threads=-1), pytest.raises(K3ConfigError, match="num_threads.*>= 0"):
+        configure_threads()
+    assert "TVM_NUM_THREADS" not in os.environ
