@@ -247,7 +247,7 @@ def register_cross_targets() -> None:
             return load_gpu_artifact(directory, man, module)
         register_backend(Backend(
             name=f"tvm-{kind}", description=f"Apache TVM Relax for {kind}: the whole model, dlight-scheduled "
-            f"(an artifact that runs on a {kind} device)", build=build, pipeline=pipeline_for("tvm"),
+            f"(an artifact that runs on {'an' if kind[0] in 'aeiou' else 'a'} {kind} device)", build=build, pipeline=pipeline_for("tvm"),
             table=table, available=available, dtypes=GPU_DTYPES[kind], load_artifact=load,
             target_description=TargetDescription(kind=kind, toolchain="Apache TVM Relax/TIR with dlight GPU "
                                                  "schedules and k3ir's hand-scheduled KDA and MoE kernels")))
