@@ -245,11 +245,19 @@ def register_cross_targets() -> None:
         def load(directory, man, module, kind=kind):
             from .artifact_gpu import load_gpu_artifact
             return load_gpu_artifact(directory, man, module)
+
+        def function_support(module, function, kind=kind):
+            """Why ``@function`` of ``module`` does not build for ``kind``, or None: webgpu refuses 8-bit parameters
+            (MXFP4 experts and their scales: ``gpu.webgpu_problem``), as its build does."""
+            if kind == "webgpu":
+                from .gpu import webgpu_problem
+                return webgpu_problem(module)
+            return None
         register_backend(Backend(
             name=f"tvm-{kind}", description=f"Apache TVM Relax for {kind}: the whole model, dlight-scheduled "
             f"(an artifact that runs on {'an' if kind[0] in 'aeiou' else 'a'} {kind} device)", build=build, pipeline=pipeline_for("tvm"),
             table=table, available=available, dtypes=GPU_DTYPES[kind], load_artifact=load,
-            target_description=TargetDescription(kind=kind, toolchain="Apache TVM Relax/TIR with dlight GPU "
+            function_support=function_support, target_description=TargetDescription(kind=kind, toolchain="Apache TVM Relax/TIR with dlight GPU "
                                                  "schedules and k3ir's hand-scheduled KDA and MoE kernels")))
 
     def build_demo(module, dtype: str = "float32", device: str = "cpu"):

@@ -350,3 +350,13 @@ def test_tvm_cross_targets_check_with_the_tvm_conditions():
     rep = check_module(m, "tvm-cuda")
     assert "k3.interp_weights" in rep.functions["encode_images"] and "static dims" in rep.functions["encode_images"]
     assert not rep.failed
+
+
+def test_check_refuses_mxfp4_for_webgpu_as_compile_does(capsys):
+    """``check --target tvm-webgpu --quantize mxfp4``: the 8-bit expert parameters WGSL cannot hold make every built
+    function unsupported, with the reason ``compile`` gives; float weights check clean."""
+    pytest.importorskip("tvm")
+    rc, _, err = run_cli(capsys, "check", "k3-tiny", "--target", "tvm-webgpu", "--quantize", "mxfp4")
+    assert rc == 2 and "@prefill" in err and "8-bit" in err and "--quantize int4" in err
+    rc, _, err = run_cli(capsys, "check", "k3-tiny", "--target", "tvm-webgpu")
+    assert rc == 0, err
