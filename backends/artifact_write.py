@@ -34,6 +34,10 @@ def write_manifest(directory: str, module: Module, target: str, dtype: str, file
            "module": "module.k3", "sizes": sizes, **extra}
     with open(os.path.join(directory, "manifest.json"), "w") as f:
         json.dump(man, f, indent=2)
+    mode = os.stat(os.path.join(directory, "manifest.json")).st_mode & 0o777     # the umask's file mode
+    for n in sizes:           # safetensors writes its file 0600: an artifact copied or served as another user
+        path = os.path.join(directory, n)                                        # could not read its weights
+        os.chmod(path, os.stat(path).st_mode & 0o777 | mode)
 
 
 def plain_name(name: str) -> bool:

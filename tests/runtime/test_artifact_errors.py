@@ -104,3 +104,21 @@ def test_damaged_artifact_raises_k3error(torch_artifact, tmp_path):
         Session.load(bad3)
     assert str(ei.value).startswith(os.path.join(bad3, "weights.safetensors") + ": 1 bytes, the manifest records ")
     assert "damaged" in str(ei.value)                           # the recorded size catches it before the reader
+
+
+def test_artifact_files_take_the_umask_mode(tmp_path):
+    """Every file of an artifact is readable as the umask allows (safetensors writes its weights 0600, so a copied
+    or served artifact could not be read by another user)."""
+    import os
+    import stat
+
+    from k3ir.runtime.params import init_params
+
+    import k3ir
+    m = k3ir.load("k3-tiny")
+    exe = k3ir.compile(m, target="reference")
+    exe.save(str(tmp_path / "art"), init_params(m))
+    want = os.stat(tmp_path / "art" / "manifest.json").st_mode & 0o777
+    assert want & stat.S_IRGRP or os.umask(os.umask(0)) & stat.S_IRGRP
+    for f in os.listdir(tmp_path / "art"):
+        assert os.stat(tmp_path / "art" / f).st_mode & want == want, f
