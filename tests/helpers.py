@@ -265,6 +265,23 @@ def gpu_lowered_cpu_artifact(key: str, directory: str, dtype: str = "bfloat16", 
     return params
 
 
+def mla_attention_ref(q, qr, k, kr, v, lengths, scale: float):
+    """float64 MLA attention core of the TVM kernels (SPEC.md 4): q ``[B,T,H,D]``, qr ``[B,T,H,P]``, k ``[B,S,Hk,D]``,
+    kr ``[B,S,P]``, v ``[B,S,Hk,Dv]``, lengths ``[B]``; key s of row b is kept for token t when ``s <= t + S - T`` and
+    (``s < lengths[b]`` or ``s >= S - T``), k3.causal_mask's rule. Returns o ``[B,T,H,Dv]``."""
+    B, T, H, _ = q.shape
+    S, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    want = np.zeros((B, T, H, Dv))
+    for b in range(B):
+        for t in range(T):
+            keep = [s for s in range(S) if s <= t + S - T and (s < lengths[b] or s >= S - T)]
+            for h in range(H):
+                z = np.array([scale * (q[b, t, h] @ k[b, s, h % Hk] + qr[b, t, h] @ kr[b, s]) for s in keep])
+                p = np.exp(z - z.max())
+                want[b, t, h] = (p / p.sum()) @ v[b, keep, h % Hk]
+    return want
+
+
 def gpu_kind_or_skip(kind: str, monkeypatch) -> None:
     """Skip the test, naming the reason, when TVM cannot build for GPU ``kind`` here (``cross.toolchain``); for rocm,
     set up ROCM_PATH and the ROCm intrinsics in this process as ``gpu.build_kind_subprocess`` does for its child."""

@@ -19,6 +19,7 @@ pytest.importorskip("tvm")
 
 from _tiny_models import load_tiny, token_ids
 from conftest import rel_err
+from helpers import mla_attention_ref
 from k3ir.backends.tvm import cubin
 from k3ir.backends.tvm.cross import kind_report, toolchain
 
@@ -428,14 +429,7 @@ def test_gpu_mla_attention_phases_with_threads_in_turn_equal_the_reference(Hk, T
     q, qr = rng.normal(size=(B, T, H, D)), rng.normal(size=(B, T, H, P))
     k, kr, v = rng.normal(size=(B, S, Hk, D)), rng.normal(size=(B, S, P)), rng.normal(size=(B, S, Hk, Dv))
     lengths = np.array([max(S - T - 2, 0), S - T], idt)                    # row 0: its last 2 cache slots unused
-    want = np.zeros((B, T, H, Dv))
-    for b in range(B):
-        for t in range(T):
-            keep = [s for s in range(S) if s <= t + S - T and (s < lengths[b] or s >= S - T)]
-            for h in range(H):
-                z = np.array([scale * (q[b, t, h] @ k[b, s, h % Hk] + qr[b, t, h] @ kr[b, s]) for s in keep])
-                p = np.exp(z - z.max())
-                want[b, t, h] = (p / p.sum()) @ v[b, keep, h % Hk]
+    want = mla_attention_ref(q, qr, k, kr, v, lengths, scale)
     o = tvm.runtime.tensor(np.zeros((B, T, H, Dv), np.float32))
     fn(*[tvm.runtime.tensor(a.astype(np.float32)) for a in (q, qr, k, kr, v)], tvm.runtime.tensor(lengths), o)
     assert rel_err(o.numpy(), want) < 1e-5

@@ -19,6 +19,7 @@ pytest.importorskip("tvm")
 wgpu = pytest.importorskip("wgpu")
 
 from conftest import rel_err
+from helpers import mla_attention_ref
 from k3ir.backends.tvm import cubin
 from k3ir.backends.tvm.cross import toolchain
 
@@ -130,14 +131,7 @@ def test_mla_attention_wgsl_with_int32_lengths_equals_the_reference(device, Hk, 
     q, qr = rng.normal(size=(B, T, H, D)), rng.normal(size=(B, T, H, P))
     k, kr, v = rng.normal(size=(B, S, Hk, D)), rng.normal(size=(B, S, P)), rng.normal(size=(B, S, Hk, Dv))
     lengths = np.array([max(S - T - 2, 0), S - T], np.int32)
-    want = np.zeros((B, T, H, Dv))
-    for b in range(B):
-        for t in range(T):
-            keep = [s for s in range(S) if s <= t + S - T and (s < lengths[b] or s >= S - T)]
-            for h in range(H):
-                z = np.array([scale * (q[b, t, h] @ k[b, s, h % Hk] + qr[b, t, h] @ kr[b, s]) for s in keep])
-                p = np.exp(z - z.max())
-                want[b, t, h] = (p / p.sum()) @ v[b, keep, h % Hk]
+    want = mla_attention_ref(q, qr, k, kr, v, lengths, scale)
     arrays = {"q": q, "qr": qr, "k": k, "kr": kr, "v": v}
     arrays = {n: a.astype(np.float32) for n, a in arrays.items()}
     [name] = wgsl
