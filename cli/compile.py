@@ -205,8 +205,14 @@ def _build(con, backend, m, dtype: str, args) -> None:
             params = init_params(m, args.seed)
         with progress(f"{exe.target}: writing the artifact to {args.output}") as timing:
             exe.save(args.output, params)
+        where = "load it with Session.load"
+        if exe.target.startswith("tvm-"):                    # a GPU kind: it runs where that device is
+            from k3ir.backends.tvm.cross import runs_here
+            if runs_here(exe.target[len("tvm-"):]) is not None:
+                kind = exe.target[len("tvm-"):]
+                where = f"it runs where {'an' if kind[0] in 'aeiou' else 'a'} {kind} device is, not here: docs/deploy.md"
         con.print(f"wrote the {exe.target} artifact to {args.output} in {timing.seconds:.2f} s"
-                  f"{_build_times(exe)} (load it with Session.load)")
+                  f"{_build_times(exe)} ({where})")
 
 
 def phases_help() -> str:
