@@ -286,7 +286,7 @@ def _build(module: Module, dtype: str = "float32", device: str = "cpu") -> MlirE
 
 
 def _table():
-    from . import kda, moe  # noqa: F401  (their entries register into TABLE)
+    from . import contract, kda, moe  # noqa: F401  (their entries register into TABLE)
     from .lowering import TABLE
     return TABLE
 

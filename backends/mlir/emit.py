@@ -21,7 +21,7 @@ from k3ir.ops.state import state_tensor_type
 from k3ir.types import StateType
 
 from ..lowering import lower_or_decompose
-from . import kda, moe  # noqa: F401  (register k3.kda and k3.moe in TABLE)
+from . import contract, kda, moe  # noqa: F401  (register the contractions, k3.kda and k3.moe in TABLE)
 from .lowering import TABLE
 from .values import FLOAT, Val, elem, storage_shape, ttype
 

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .config import get_mlir_config
-from .lowering import _sigmoid, conv, lowers, named_matmul, named_matmul_applies, reshape_to
+from .contract import named_matmul, named_matmul_applies
+from .lowering import _sigmoid, conv, lowers, reshape_to
 from .values import FLOAT, Val, ttype
 
 if TYPE_CHECKING:                       # annotations only: emit imports this module
