@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ScopedConfig, parse_ints, setting
+from ..config import ScopedConfig, one_of, parse_ints, setting
 
 #: the recurrence's (BV, stages, CTAs per SM, step cost) table of ``bv_rule`` "waves" (H200 steps 1.49 us at BV 32,
 #: 1.82 at BV 64)
@@ -85,7 +85,8 @@ class KdaConfig:
 class KdaBwdConfig:
     """The chunked KDA backward's launches (``kda/bwd.py``: ``kda_backward``; ``bench/bench_kda_bwd.py`` sweeps them)."""
     mode: str = setting("triton", "'triton' (the chunked kernels of kda/bwd.py) or 'torch' (autograd through the "
-                        "kda/naive.py recompute, for bisecting)", env="K3IR_KDA_BWD", parse=lambda s: s.strip().lower())
+                        "kda/naive.py recompute, for bisecting)", env="K3IR_KDA_BWD", parse=lambda s: s.strip().lower(),
+                        check=one_of("triton", "torch"))
     bk_prep: int = setting(32, "K slice of prep (>= 32 on the dense diagonal path: 16-wide tf32 slices were wrong "
                            "on the H200)")
     bk_wy: int = setting(32, "K slice of bwd_wy")
@@ -194,7 +195,8 @@ def get_triton_config() -> TritonConfig:
 def triton_config(**changes: Any):
     """Context manager: ``get_triton_config()`` returns the current config with ``changes`` inside the block (a
     section name -> a dict of its fields, or a whole section object); nests; restores on exit. Raises
-    K3ConfigError on an unknown section or field."""
+    K3ConfigError on an unknown section or field, or a value its field cannot take (checked as the environment's
+    values are: ``decode={"pdl": "no"}`` is not a bool)."""
     return TRITON.override(**changes)
 
 

@@ -75,14 +75,9 @@ def configure_threads() -> int:
     assumes two per core: one thread on a 2-core machine, half the CPU for every kernel). So this sets
     ``TVM_NUM_THREADS`` unless the user has. Returns the count in effect."""
     import os
-
-    from k3ir.errors import K3ConfigError
     have = os.environ.get("TVM_NUM_THREADS")
     if have is None:
-        n = get_tvm_config().num_threads
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise K3ConfigError(f"TvmConfig.num_threads must be an integer >= 0 (0: every CPU of this process), "
-                                f"got {n!r}")
+        n = get_tvm_config().num_threads          # an integer >= 0: the config checks it (K3ConfigError)
         have = str(n or len(os.sched_getaffinity(0)))
         os.environ["TVM_NUM_THREADS"] = have
     return int(have) if have.isdigit() else 0

@@ -133,6 +133,72 @@ def test_unknown_field_is_a_config_error():
         pass
 
 
+@pytest.mark.parametrize(("scope", "changes", "cls", "env", "reason"), [
+    (tvm_config, {"opt_level": 7}, TvmConfig, {"K3IR_TVM_OPT_LEVEL": "7"}, "the LLVM optimisation level is 0..3, not 7"),
+    (tvm_config, {"num_threads": -1}, TvmConfig, {"K3IR_TVM_NUM_THREADS": "-1"},
+     "a thread count is >= 0 (0: every CPU of this process), not -1"),
+    (triton_config, {"kda_bwd": {"mode": "jax"}}, TritonConfig, {"K3IR_KDA_BWD": "jax"}, "want one of 'triton', 'torch'"),
+])
+def test_scope_checks_a_value_as_the_environment_does(scope, changes, cls, env, reason):
+    """A scoped override goes through the same check as the ``K3IR_*`` variable of its field: the same reason, with
+    the field and the value named (the variable too, from the environment)."""
+    with pytest.raises(K3ConfigError) as from_scope, scope(**changes):
+        pass
+    with pytest.raises(K3ConfigError) as from_environment:
+        from_env(cls, env)
+    field, value = next(iter(changes.items()))
+    while isinstance(value, dict):
+        sub, value = next(iter(value.items()))
+        field = f"{field}.{sub}"
+    assert str(from_scope.value) == f"{cls.__name__}.{field}={value!r}: {reason}"
+    var, text = next(iter(env.items()))
+    assert str(from_environment.value).startswith(f"{var}={text!r} (") and str(from_environment.value).endswith(reason)
+
+
+@pytest.mark.parametrize(("scope", "changes", "message"), [
+    (tvm_config, {"fast_math": "no"}, "TvmConfig.fast_math='no': want True or False, not str"),
+    (tvm_config, {"fast_math": 0}, "TvmConfig.fast_math=0: want True or False, not int"),
+    (tvm_config, {"opt_level": True}, "TvmConfig.opt_level=True: want an integer, not bool"),
+    (tvm_config, {"opt_level": 2.0}, "TvmConfig.opt_level=2.0: want an integer, not float"),
+    (tvm_config, {"mcpu": None}, "TvmConfig.mcpu=None: want text (a str), not NoneType"),
+    (tvm_config, {"kda_chunk_size": 7}, "TvmConfig.kda_chunk_size=7: the KDA chunk is a positive multiple"),
+    (tvm_config, {"kda_chunk_size": 0}, "TvmConfig.kda_chunk_size=0: the KDA chunk is a positive multiple"),
+    (tvm_config, {"kda_chunk_min_tokens": -1}, "TvmConfig.kda_chunk_min_tokens=-1: a token count is >= 0"),
+    (triton_config, {"decode": {"pdl": "no"}}, "TritonConfig.decode.pdl='no': want True or False, not str"),
+    (triton_config, {"decode": {"gemv": "8,256,4"}}, "TritonConfig.decode.gemv='8,256,4': want a tuple or None"),
+    (triton_config, {"kda": {"maxnreg": "128"}}, "TritonConfig.kda.maxnreg='128': want an integer or None, not str"),
+    (triton_config, {"kda": 5}, "TritonConfig.kda=5: want a KdaConfig or a mapping of its fields"),
+    (mlir_config, {"kda_chunk": "16"}, "MlirConfig.kda_chunk='16': want an integer, not str"),
+    (mlir_config, {"cache": 5}, "MlirConfig.cache=5: want text (a str) or None, not int"),
+])
+def test_scope_refuses_a_value_its_field_cannot_take(scope, changes, message):
+    """``fast_math='no'`` would be truthy and ``kda_chunk_size=7`` fails only deep in a GPU build: each is a
+    K3ConfigError when the scope is entered, and the config in effect stays as it was."""
+    before = (get_tvm_config(), get_triton_config(), get_mlir_config())
+    with pytest.raises(K3ConfigError) as e, scope(**changes):
+        pass
+    assert str(e.value).startswith(message), str(e.value)
+    assert (get_tvm_config(), get_triton_config(), get_mlir_config()) == before
+
+
+def test_scope_takes_values_of_the_fields_type(tmp_path):
+    """What a field's type takes: an int for a float field (as a float), a list for a tuple field (as a tuple), a
+    path for a text field (as its str), None where the field may be None, a whole section object."""
+    from k3ir.backends.triton.config import KdaConfig
+    with triton_config(kda={"clamp_thr": 100, "maxnreg": None}, decode={"gemv": [8, 256, 4]}) as cfg:
+        assert cfg.kda.clamp_thr == 100.0 and isinstance(cfg.kda.clamp_thr, float) and cfg.kda.maxnreg is None
+        assert cfg.decode.gemv == (8, 256, 4)
+    with mlir_config(cache=tmp_path) as cfg:
+        assert cfg.cache == str(tmp_path) and cfg.cache_dir() == str(tmp_path)
+    with tvm_config(kda_chunk_size=8, kda_chunk_min_tokens=0, fast_math=False) as cfg:
+        assert (cfg.kda_chunk_size, cfg.kda_chunk_min_tokens, cfg.fast_math) == (8, 0, False)
+    with triton_config(kda=KdaConfig(bk=16)) as cfg:
+        assert cfg.kda.bk == 16
+    with pytest.raises(K3ConfigError, match=r"TritonConfig\.kda\.bk='16': want an integer"), \
+            triton_config(kda=KdaConfig(bk="16")):
+        pass
+
+
 def test_scopes_stay_in_their_thread():
     """Two threads in different scopes at the same time each see their own; a thread started inside a scope sees
     the process default (a new thread starts with an empty context)."""

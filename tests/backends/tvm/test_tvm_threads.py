@@ -41,9 +41,11 @@ def test_configured_count_and_the_users_variable(monkeypatch):
 
 
 def test_a_negative_count_in_a_scope_is_a_config_error(monkeypatch):
-    """TVM reads a negative ``TVM_NUM_THREADS`` as one thread without a word: ``num_threads=-1`` is refused."""
+    """TVM reads a negative ``TVM_NUM_THREADS`` as one thread without a word: the scope ``num_threads=-1`` is refused
+    (by the config, as ``K3IR_TVM_NUM_THREADS=-1`` is) and nothing is set."""
     from k3ir.errors import K3ConfigError
     monkeypatch.delenv("TVM_NUM_THREADS", raising=False)
-    with tvm_config(num_threads=-1), pytest.raises(K3ConfigError, match="num_threads.*>= 0"):
+    with pytest.raises(K3ConfigError, match=r"TvmConfig\.num_threads=-1: a thread count is >= 0"), \
+            tvm_config(num_threads=-1):
         configure_threads()
     assert "TVM_NUM_THREADS" not in os.environ
