@@ -27,8 +27,10 @@ from .common import (
     model_arg,
     native_stderr_hidden,
     parse_overrides,
+    pipeline_target_type,
     print_step,
     quiet_stdout,
+    target_type,
 )
 from .compile import apply_passes
 
@@ -258,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="machine-readable report")
     s.add_argument("--context", type=int, default=4096, help="context length for FLOPs/KV (default 4096)")
     s.add_argument("--after-passes", action="store_true", help="report the module after --target's pass pipeline")
-    s.add_argument("--target", default="triton", help="target whose pipeline --after-passes runs (default triton)")
+    s.add_argument("--target", default="triton", type=pipeline_target_type,
+                   help="target whose pipeline --after-passes runs (default triton)")
     s.add_argument("--quantize", choices=("none", "mxfp4", "int4"), help="with --after-passes: expert quantisation")
     s.add_argument("--check-finite", action="store_true",
                    help="a checkpoint: also read every tensor and check for NaN/Inf (default: headers only)")
@@ -275,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("run", help="the main job: summarise Kimi K3, then run k3-tiny end to end")
     model_arg(s)
     s.add_argument("--tiny", default="k3-tiny", help="small model to compile and run (default k3-tiny)")
-    s.add_argument("--target", default="torch", help="target the tiny model is compiled for (default torch)")
+    s.add_argument("--target", default="torch", type=target_type,
+                   help="target the tiny model is compiled for (default torch)")
     s.add_argument("--device", default="cpu", type=device_type, help="cpu, cuda or cuda:N (default cpu)")
     s.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"text to generate from (default {DEFAULT_PROMPT!r})")
     s.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated greedily (default 24)")

@@ -82,6 +82,33 @@ def device_type(value: str) -> str:
     return value
 
 
+def target_type(value: str) -> str:
+    """argparse ``type`` of ``--target`` where a registered target builds the model (run, check, serve): ``value``
+    when ``k3ir.backends.get_backend`` knows it (a target or an alias), else a usage error (exit 2, one line naming
+    the value, the registered targets and a near name: ``k3ir run: error: argument --target: unknown target
+    'nosuch' (registered: ...)``) before any work starts."""
+    from k3ir.backends import get_backend
+    try:
+        get_backend(value)
+    except K3Error as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def pipeline_target_type(value: str) -> str:
+    """argparse ``type`` of ``--target`` where a target's pass pipeline is enough (compile, inspect
+    --after-passes): a registered target, or a name with a pipeline of ``k3ir.passes.pipelines.PIPELINES`` (a
+    ``tvm-<kind>`` with no registered backend runs the ``tvm`` pipeline); anything else is a usage error as in
+    ``target_type``."""
+    try:
+        return target_type(value)
+    except argparse.ArgumentTypeError:
+        from k3ir.passes.pipelines import PIPELINES
+        if value.split("-")[0] in PIPELINES:
+            return value
+        raise
+
+
 def quiet_stdout() -> None:
     """After EPIPE on stdout: point file descriptor 1 at /dev/null, so later writes and the
     interpreter's final flush do not print "Exception ignored ... BrokenPipeError"."""

@@ -26,6 +26,8 @@ from .common import (
     load_model,
     model_arg,
     native_stderr_hidden,
+    pipeline_target_type,
+    target_type,
 )
 
 #: model ops that fusion passes rewrite: the summary counts those left unfused next to the fused ones
@@ -240,7 +242,7 @@ def register(sub) -> None:
     p = sub.add_parser("compile", help="run a target's pass pipeline (dump IR per pass) and build it",
                        epilog=_PHASES_EPILOG, formatter_class=_PhasesHelp)
     model_arg(p)
-    p.add_argument("--target", default="triton", help="target name (default triton)")
+    p.add_argument("--target", default="triton", type=pipeline_target_type, help="target name (default triton)")
     p.add_argument("--passes", help="comma-separated pass list, options as name{key=value,...}")
     p.add_argument("--quantize", choices=("none", "mxfp4", "int4"), help="override the config's expert quantisation")
     p.add_argument("--dump-ir", metavar="DIR", help="write 00-input.k3, then NN-<phase>.<pass>.k3 after each pass "
@@ -265,7 +267,7 @@ def register(sub) -> None:
     p = sub.add_parser("check", help="how a target runs each op (native / conditional / decomposition) and which "
                                      "functions it can build, before compiling")
     model_arg(p)
-    p.add_argument("--target", required=True, help="target name (see k3ir backends)")
+    p.add_argument("--target", required=True, type=target_type, help="target name (see k3ir backends)")
     p.add_argument("--quantize", choices=("none", "mxfp4", "int4"), help="override the config's expert quantisation")
     p.add_argument("--function", action="append", metavar="NAME",
                    help="a function the target must run (repeatable; default forward, prefill, decode): exit 2 when "
@@ -279,9 +281,7 @@ def cmd_check(args) -> int:
     when a requested function (``--function``; default forward, prefill, decode) is unsupported: one
     of its ops has neither a native lowering nor a decomposition, or the target cannot build it.
     Other unsupported functions (e.g. the vision tower on tvm/onnx/mlir) are reported, exit 0."""
-    from k3ir.backends import get_backend
     from k3ir.backends.check import check_module, render
-    get_backend(args.target)                          # unknown target: K3BackendError, exit 2
     m = load_model(args)
     if args.function:
         bad = [f for f in args.function if f not in m.functions]

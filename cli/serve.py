@@ -8,11 +8,11 @@ import os
 import socket
 import sys
 
-from .common import UsageError, check_seed, device_type, load_model, model_arg, random_weights_note
+from .common import UsageError, check_seed, device_type, load_model, model_arg, random_weights_note, target_type
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="torch", help="backend target (default torch)")
+    p.add_argument("--target", default="torch", type=target_type, help="backend target (default torch)")
     p.add_argument("--device", default="cpu", help="device for the torch/triton targets (default cpu)", type=device_type)
     p.add_argument("--dtype", default=None, help="compute dtype (default: the target's, float32; float64 for "
                                                  "reference, which computes only in float64)")

@@ -50,7 +50,7 @@ def test_bad_choice_is_one_line_naming_the_command_and_flag(capsys, command, fla
 def _required(parser: argparse.ArgumentParser) -> list[str]:
     """The flags ``parser`` requires, each with a placeholder value (so the error shown is the one under test)."""
     return [x for a in parser._actions if a.required and a.option_strings
-            for x in (a.option_strings[-1], "1" if a.type is int else "x")]
+            for x in (a.option_strings[-1], "1" if a.type is int else "torch" if "--target" in a.option_strings else "x")]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -97,3 +97,26 @@ def test_unusable_device_is_a_usage_error_before_any_work(capsys, device, words)
     traceback)."""
     line = usage_error(capsys, "compile", "k3-tiny", "--target", "torch", "--device", device)
     assert line.startswith(f"k3ir compile: error: argument --device: {words}"), line
+
+
+TARGET_COMMANDS = [c for c in COMMANDS if _first_option(_subcommands()[c], lambda a: "--target" in a.option_strings)]
+
+
+@pytest.mark.parametrize("command", TARGET_COMMANDS)
+def test_unknown_target_is_a_usage_error_before_any_work(capsys, command):
+    """``--target nosuch``: exit 2 with argparse's one line naming the command, the value and the registered
+    targets, and nothing on stdout (``run`` printed the Kimi K3 summary before refusing it)."""
+    from k3ir.backends import list_backends
+    assert {"run", "compile", "check", "serve", "inspect"} <= set(TARGET_COMMANDS)
+    registered = ", ".join(sorted(b.name for b in list_backends()))
+    args = ["k3-tiny"] if command != "serve" else []
+    line = usage_error(capsys, command, *args, "--target", "nosuch")
+    assert line == (f"k3ir {command}: error: argument --target: unknown target 'nosuch' (registered: {registered}); "
+                    f"see 'k3ir {command} --help'")
+
+
+def test_misspelt_target_names_the_near_one(capsys):
+    line = usage_error(capsys, "run", "--target", "troch")
+    assert line.startswith("k3ir run: error: argument --target: unknown target 'troch'") and "did you mean 'torch'?" in line
+    line = usage_error(capsys, "compile", "k3-tiny", "--target", "cuda", "--no-build")
+    assert "'cuda' is a device, not a target: use target torch or triton with device 'cuda'" in line
