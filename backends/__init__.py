@@ -90,6 +90,9 @@ class Backend:
     function_support: Callable[[Module, str], str | None] | None = None
     phases: list[tuple[str, list[str]]] | None = None
     target_description: TargetDescription | None = None
+    #: the executable ``build`` returns writes the generated device source into its artifact when its
+    #: ``emit_source`` is set (``k3ir compile --emit-source``): the tvm-<kind> GPU targets
+    emits_source: bool = False
 
     def __post_init__(self) -> None:
         from k3ir.passes.pipelines import check_phases, flatten, group_phases

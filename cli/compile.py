@@ -102,12 +102,33 @@ def make_dir(path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path}: directory is not writable")
 
 
+def check_emit_source(args) -> None:
+    """UsageError unless ``--emit-source`` can do something: a target whose executable writes device source
+    (``Backend.emits_source``: the tvm-<kind> GPU targets), a build (not ``--ir-only``) and an artifact to write it
+    into (``-o``)."""
+    from k3ir.backends import get_backend
+    try:
+        emits = get_backend(args.target).emits_source
+    except K3BackendError:                            # a target with a pipeline only: it builds nothing
+        emits = False
+    if not emits:
+        raise UsageError(f"--emit-source: target '{args.target}' writes no device source (the tvm-<kind> GPU "
+                         "targets do)")
+    if args.no_build:
+        raise UsageError("--emit-source writes the device source of the build into the artifact: not with "
+                         "--ir-only/--no-build")
+    if not args.output:
+        raise UsageError("--emit-source writes the device source into the artifact: give -o DIR")
+
+
 def cmd_compile(args) -> int:
     from k3ir.accounting import report
     from k3ir.verify import verify_module
     con = console()
     dtype = check_dtype(args.target, args.dtype)      # before loading: a bad --dtype fails at once, on any machine
     check_seed(args.seed)                             # the range run, generate and train accept
+    if args.emit_source:
+        check_emit_source(args)                       # before anything is written
     if not args.no_build and not args.target.startswith("tvm-"):     # tvm-<kind>: cross targets, no device here
         from k3ir.backends import device_problem
         why = device_problem(args.device)              # cuda without a GPU: before the pipeline, not after it
@@ -186,10 +207,7 @@ def _build(con, backend, m, dtype: str, args) -> None:
     from k3ir.progress import progress
     t0 = time.perf_counter()
     exe = backend.build(m, dtype=dtype, device=args.device)
-    if getattr(args, "emit_source", False):
-        if not hasattr(exe, "emit_source"):
-            raise UsageError(f"--emit-source: target '{backend.name}' writes no device source (the tvm-<kind> GPU "
-                             "targets do)")
+    if getattr(args, "emit_source", False):           # the target emits source: check_emit_source said so
         exe.emit_source = True
     build_all = getattr(exe, "build_all", None)
     writes = bool(args.output) and hasattr(exe, "save")

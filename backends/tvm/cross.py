@@ -257,7 +257,8 @@ def register_cross_targets() -> None:
             name=f"tvm-{kind}", description=f"Apache TVM Relax for {kind}: the whole model, dlight-scheduled "
             f"(an artifact that runs on {'an' if kind[0] in 'aeiou' else 'a'} {kind} device)", build=build, pipeline=pipeline_for("tvm"),
             table=table, available=available, dtypes=GPU_DTYPES[kind], load_artifact=load,
-            function_support=function_support, target_description=TargetDescription(kind=kind, toolchain="Apache TVM Relax/TIR with dlight GPU "
+            function_support=function_support, emits_source=True,
+            target_description=TargetDescription(kind=kind, toolchain="Apache TVM Relax/TIR with dlight GPU "
                                                  "schedules and k3ir's hand-scheduled KDA and MoE kernels")))
 
     def build_demo(module, dtype: str = "float32", device: str = "cpu"):
