@@ -10,6 +10,7 @@ naming what is missing and what was written) unless ``--no-build``/``--ir-only``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -29,6 +30,7 @@ from .common import (
     pipeline_target_type,
     target_type,
 )
+from .output_dir import check_output_dir, staged_output
 
 #: model ops that fusion passes rewrite: the summary counts those left unfused next to the fused ones
 UNFUSED_COMPOSITES = ("k3.kda", "k3.moe", "k3.attn_res", "k3.mla")
@@ -134,9 +136,10 @@ def cmd_compile(args) -> int:
         why = device_problem(args.device)              # cuda without a GPU: before the pipeline, not after it
         if why:
             raise UsageError(why)
-    for path, flag in ((args.dump_ir, "--dump-ir"), (args.output, "-o")):
-        if path:
-            make_dir(path, flag)       # before the (long) pipeline, so a bad path fails at once
+    if args.dump_ir:
+        make_dir(args.dump_ir, "--dump-ir")    # before the (long) pipeline, so a bad path fails at once
+    if args.output:
+        check_output_dir(args.output)          # likewise; missing, empty or an earlier k3ir output; creates nothing
     t0 = time.perf_counter()
     m = load_model(args)
     t_load = time.perf_counter() - t0
@@ -169,28 +172,29 @@ def cmd_compile(args) -> int:
             con.print(f"@{fn}: " + ", ".join(f"{n} {k}" for k, n in sorted(c.items())))
     con.print(f"parameters: {human_bytes(bytes_before)} -> {human_bytes(bytes_after)}")
     con.print(f"load {t_load:.2f} s, passes {t_pass:.2f} s" + (f" (IR dumps in {args.dump_ir})" if args.dump_ir else ""))
+    if args.output and not args.no_build and (backend is None or why):     # -o promises an artifact
+        raise K3BackendError(f"target '{args.target}' cannot build here: {why}; nothing written to {args.output} "
+                             "(--ir-only writes just the IR there: module.k3 and passes.json)")
+    done = ""
+    with staged_output(args.output) if args.output else contextlib.nullcontext() as out:
+        if out:                                # a staging directory that becomes -o once everything is written
+            from k3ir.printer import print_module
+            with open(os.path.join(out, "module.k3"), "w") as f:
+                f.write(print_module(m))
+            with open(os.path.join(out, "passes.json"), "w") as f:
+                json.dump({"target": args.target, "bytes_before": bytes_before, "bytes_after": bytes_after,
+                           "passes": [{"name": r.name, "phase": r.phase, "rewrites": r.rewrites, "seconds": r.seconds,
+                                       "details": r.details} for r in results],
+                           "ops": {fn: dict(c) for fn, c in counts.items()}}, f, indent=2)
+        if args.no_build:
+            con.print("build skipped (--no-build/--ir-only)" + ("" if args.output else
+                      "; no -o given, so nothing was written (-o DIR writes the IR: module.k3 and passes.json)"))
+        elif backend is None or why:
+            con.print(f"note: target '{args.target}' cannot build here ({why}); ran its pipeline only")
+        else:
+            done = _build(con, backend, m, dtype, args, out)
     if args.output:
-        os.makedirs(args.output, exist_ok=True)
-        from k3ir.printer import print_module
-        with open(os.path.join(args.output, "module.k3"), "w") as f:
-            f.write(print_module(m))
-        with open(os.path.join(args.output, "passes.json"), "w") as f:
-            json.dump({"target": args.target, "bytes_before": bytes_before, "bytes_after": bytes_after,
-                       "passes": [{"name": r.name, "phase": r.phase, "rewrites": r.rewrites, "seconds": r.seconds,
-                                   "details": r.details} for r in results],
-                       "ops": {fn: dict(c) for fn, c in counts.items()}}, f, indent=2)
-        con.print(f"wrote {os.path.join(args.output, 'module.k3')} and passes.json")
-    if args.no_build:
-        con.print("build skipped (--no-build/--ir-only)" + ("" if args.output else
-                  "; no -o given, so nothing was written (-o DIR writes the IR: module.k3 and passes.json)"))
-    elif backend is None or why:
-        if args.output:        # -o promises an artifact: no silent IR-only output
-            raise K3BackendError(f"target '{args.target}' cannot build here: {why}; no runnable artifact in "
-                                 f"{args.output}, only the IR (module.k3 and passes.json); pass --ir-only to ask "
-                                 "for just that")
-        con.print(f"note: target '{args.target}' cannot build here ({why}); ran its pipeline only")
-    else:
-        _build(con, backend, m, dtype, args)
+        con.print(done or f"wrote {os.path.join(args.output, 'module.k3')} and passes.json")
     return 0
 
 
@@ -200,17 +204,19 @@ def _build_times(exe) -> str:
     return f" ({', '.join(f'@{g} {t:.1f} s' for g, t in times.items())})" if times else ""
 
 
-def _build(con, backend, m, dtype: str, args) -> None:
-    """Build ``m`` for ``backend`` and, with ``-o``, write the artifact, printing the real time of each. Targets
-    that compile lazily (tvm, mlir: ``build_all``) compile every entry function here, or while the artifact is
-    written; a spinner on a terminal's stderr shows a step that runs longer than a second."""
+def _build(con, backend, m, dtype: str, args, out: str | None) -> str:
+    """Build ``m`` for ``backend`` and, with ``-o``, write the artifact into ``out`` (the staging directory of
+    ``-o``), printing the real time of the build. Targets that compile lazily (tvm, mlir: ``build_all``) compile
+    every entry function here, or while the artifact is written; a spinner on a terminal's stderr shows a step
+    that runs longer than a second. Returns the line saying what was written (printed once ``-o`` holds it), or
+    "" when nothing was."""
     from k3ir.progress import progress
     t0 = time.perf_counter()
     exe = backend.build(m, dtype=dtype, device=args.device)
     if getattr(args, "emit_source", False):           # the target emits source: check_emit_source said so
         exe.emit_source = True
     build_all = getattr(exe, "build_all", None)
-    writes = bool(args.output) and hasattr(exe, "save")
+    writes = out is not None and hasattr(exe, "save")
     if build_all is not None and not writes:
         build_all()
         con.print(f"built {exe!r} in {time.perf_counter() - t0:.2f} s{_build_times(exe)}")
@@ -224,15 +230,16 @@ def _build(con, backend, m, dtype: str, args) -> None:
         if params is None:
             params = init_params(m, args.seed)
         with progress(f"{exe.target}: writing the artifact to {args.output}") as timing:
-            exe.save(args.output, params)
+            exe.save(out, params)
         where = "load it with Session.load"
         if exe.target.startswith("tvm-"):                    # a GPU kind: it runs where that device is
             from k3ir.backends.tvm.cross import runs_here
             if runs_here(exe.target[len("tvm-"):]) is not None:
                 kind = exe.target[len("tvm-"):]
                 where = f"it runs where {'an' if kind[0] in 'aeiou' else 'a'} {kind} device is, not here: docs/deploy.md"
-        con.print(f"wrote the {exe.target} artifact to {args.output} in {timing.seconds:.2f} s"
-                  f"{_build_times(exe)} ({where})")
+        return (f"wrote the {exe.target} artifact to {args.output} in {timing.seconds:.2f} s"
+                f"{_build_times(exe)} ({where})")
+    return ""
 
 
 def phases_help() -> str:

@@ -1,9 +1,8 @@
-"""``k3ir compile`` without a build: for a target that cannot build on this machine ``-o`` is an error that says
-what was written (the IR) and how to ask for IR only (``--ir-only`` / ``--no-build``); without ``-o`` the
-pipeline runs with a note, and ``--ir-only`` without ``-o`` says nothing was written."""
+"""``k3ir compile`` without a build: for a target that cannot build on this machine ``-o`` is an error that writes
+nothing and says how to ask for IR only (``--ir-only`` / ``--no-build``); without ``-o`` the pipeline runs with a
+note, and ``--ir-only`` without ``-o`` says nothing was written."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -26,8 +25,7 @@ def test_compile_output_for_unbuildable_target_is_an_error(capsys, tmp_path, mon
     for needle in ("target 'tvm' cannot build here", "pip install 'k3ir[tvm]'", str(out), "module.k3",
                    "passes.json", "--ir-only"):
         assert needle in line, (needle, line)
-    assert sorted(os.listdir(out)) == ["module.k3", "passes.json"]           # what the message says was written
-    assert json.loads((out / "passes.json").read_text())["target"] == "tvm"
+    assert "nothing written to" in line and not out.exists()              # -o promised an artifact: no IR alone
 
 
 @pytest.mark.parametrize("flag", ["--ir-only", "--no-build"])
