@@ -41,8 +41,9 @@ def is_k3ir_output(directory: str) -> bool:
 
 
 def _refusal(path: str, real: str, flag: str) -> str | None:
-    """Why ``real`` (``path`` resolved) cannot take a new output, or None: it exists and is not a directory, or is
-    a non-empty directory that is not a k3ir output."""
+    """Why ``real`` (``path`` resolved) cannot take a new output, or None: it exists and is not a directory, is a
+    non-empty directory that is not a k3ir output, or is a directory that cannot be moved away (a mount point; the
+    current directory or one above it, which the shell would be left in after its removal)."""
     if not os.path.exists(real):
         return None
     if not os.path.isdir(real):
@@ -54,6 +55,12 @@ def _refusal(path: str, real: str, flag: str) -> str | None:
     if entries and not is_k3ir_output(real):
         return (f"{flag} {path}: not empty and not a k3ir artifact directory (no manifest.json or passes.json of "
                 f"k3ir compile); give a new or empty directory, or remove it first")
+    replaced = "the output replaces the directory whole (written beside it, then moved in)"
+    if os.path.ismount(real):
+        return f"{flag} {path}: is a mount point and {replaced}; give a directory inside it"
+    cwd = os.path.realpath(os.getcwd())
+    if cwd == real or cwd.startswith(real.rstrip(os.sep) + os.sep):
+        return f"{flag} {path}: is the current directory or holds it, and {replaced}; give another directory"
     return None
 
 

@@ -123,3 +123,14 @@ def test_a_failed_write_leaves_the_earlier_artifact(capsys, tmp_path, monkeypatc
     assert rc == (130 if isinstance(failure, KeyboardInterrupt) else 2), err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert _staging_left(tmp_path) == []
+
+
+def test_the_current_directory_is_refused(capsys, tmp_path, monkeypatch):
+    """The output replaces ``-o`` whole: the current directory (empty here) is refused, not moved away from under
+    the shell that ran the compile."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    rc, stdout, err = run_cli(capsys, "compile", "k3-tiny", "--target", "torch", "--ir-only", "-o", ".")
+    assert rc == 2 and stdout == "" and one_line_error(err).startswith("k3ir: error: -o .: is the current directory")
+    assert list(here.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["here"]
