@@ -193,6 +193,24 @@ def target_status(backends) -> list[tuple[str, str, str]]:
 DEFAULT_PROMPT = "Kimi K3 compiles "
 
 
+def run_problem(target: str) -> str | None:
+    """Why registered ``target`` cannot compile and run a model in this process (``Backend.available()``; a
+    tvm-<kind> GPU target that builds here also needs a device of its kind: ``backends.tvm.cross.runs_here``), or
+    None."""
+    from k3ir.backends import get_backend
+    backend = get_backend(target)
+    with native_stderr_hidden(f"probing target '{backend.name}'"):     # TVM's C++ log lines (rocm's version)
+        why = backend.available()
+        if why is None and backend.emits_source:                       # built here for a device that may be elsewhere
+            from k3ir.backends.tvm.cross import runs_here
+            kind = backend.name.removeprefix("tvm-")
+            run = runs_here(kind)
+            if run is not None:
+                why = (f"builds here but does not run here ({run}): write the artifact (k3ir compile MODEL --target "
+                       f"{backend.name} -o DIR) and load it on {'an' if kind[0] in 'aeiou' else 'a'} {kind} device")
+    return why
+
+
 def cmd_run(args) -> int:
     """The main job: summarise the bundled Kimi K3 graph, then compile k3-tiny for torch and
     generate from a fixed prompt."""
@@ -209,6 +227,9 @@ def cmd_run(args) -> int:
     if args.max_new_tokens < 1:                 # as `generate --max-tokens` (checked before the big model loads)
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_seed(args.seed)
+    why = run_problem(args.target)              # before the summary: a target that cannot run here does no work
+    if why:
+        raise UsageError(f"--target {args.target}: {why}")
     con = console()
     t0 = time.perf_counter()
     big = k3ir.load(args.model, overrides=parse_overrides(args.overrides))

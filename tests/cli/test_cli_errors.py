@@ -120,3 +120,14 @@ def test_misspelt_target_names_the_near_one(capsys):
     assert line.startswith("k3ir run: error: argument --target: unknown target 'troch'") and "did you mean 'torch'?" in line
     line = usage_error(capsys, "compile", "k3-tiny", "--target", "cuda", "--no-build")
     assert "'cuda' is a device, not a target: use target torch or triton with device 'cuda'" in line
+
+
+def test_run_refuses_a_target_that_cannot_run_here_before_any_work(capsys, monkeypatch):
+    """``run --target T`` where T is registered but cannot run here (a missing pip extra, no GPU): exit 2 and one
+    line naming the flag and the reason, nothing on stdout (it printed the Kimi K3 summary and built first)."""
+    from conftest import one_line_error, run_cli
+    from k3ir.backends import get_backend
+    monkeypatch.setattr(get_backend("tvm"), "available", lambda: "apache-tvm is not installed (pip install 'k3ir[tvm]')")
+    rc, stdout, err = run_cli(capsys, "run", "--target", "tvm")
+    assert rc == 2 and stdout == ""
+    assert one_line_error(err) == "k3ir: error: --target tvm: apache-tvm is not installed (pip install 'k3ir[tvm]')"
