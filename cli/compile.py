@@ -30,7 +30,7 @@ from .common import (
     pipeline_target_type,
     target_type,
 )
-from .output_dir import check_output_dir, staged_output
+from .output_dir import check_output_dir, inside, staged_output
 
 #: model ops that fusion passes rewrite: the summary counts those left unfused next to the fused ones
 UNFUSED_COMPOSITES = ("k3.kda", "k3.moe", "k3.attn_res", "k3.mla")
@@ -136,10 +136,13 @@ def cmd_compile(args) -> int:
         why = device_problem(args.device)              # cuda without a GPU: before the pipeline, not after it
         if why:
             raise UsageError(why)
-    if args.dump_ir:
-        make_dir(args.dump_ir, "--dump-ir")    # before the (long) pipeline, so a bad path fails at once
     if args.output:
-        check_output_dir(args.output)          # likewise; missing, empty or an earlier k3ir output; creates nothing
+        check_output_dir(args.output)          # before the (long) pipeline; missing, empty or an earlier k3ir output
+        if args.dump_ir and inside(args.dump_ir, args.output):
+            raise UsageError(f"--dump-ir {args.dump_ir}: inside -o {args.output}, which the compile replaces whole "
+                             "with its output; give --dump-ir a directory outside it")
+    if args.dump_ir:
+        make_dir(args.dump_ir, "--dump-ir")    # likewise, so a bad path fails at once
     t0 = time.perf_counter()
     m = load_model(args)
     t_load = time.perf_counter() - t0

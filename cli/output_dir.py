@@ -40,6 +40,12 @@ def is_k3ir_output(directory: str) -> bool:
     return passes is not None and "target" in passes and "passes" in passes
 
 
+def inside(path: str, directory: str) -> bool:
+    """True when ``path`` is ``directory`` or lies under it (both resolved: links followed)."""
+    real, top = os.path.realpath(path), os.path.realpath(directory)
+    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
+
+
 def _refusal(path: str, real: str, flag: str) -> str | None:
     """Why ``real`` (``path`` resolved) cannot take a new output, or None: it exists and is not a directory, is a
     non-empty directory that is not a k3ir output, or is a directory that cannot be moved away (a mount point; the
@@ -58,8 +64,7 @@ def _refusal(path: str, real: str, flag: str) -> str | None:
     replaced = "the output replaces the directory whole (written beside it, then moved in)"
     if os.path.ismount(real):
         return f"{flag} {path}: is a mount point and {replaced}; give a directory inside it"
-    cwd = os.path.realpath(os.getcwd())
-    if cwd == real or cwd.startswith(real.rstrip(os.sep) + os.sep):
+    if inside(os.getcwd(), real):
         return f"{flag} {path}: is the current directory or holds it, and {replaced}; give another directory"
     return None
 

@@ -134,3 +134,14 @@ def test_the_current_directory_is_refused(capsys, tmp_path, monkeypatch):
     rc, stdout, err = run_cli(capsys, "compile", "k3-tiny", "--target", "torch", "--ir-only", "-o", ".")
     assert rc == 2 and stdout == "" and one_line_error(err).startswith("k3ir: error: -o .: is the current directory")
     assert list(here.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+
+
+def test_ir_dumps_inside_the_output_are_refused(capsys, tmp_path):
+    """``--dump-ir`` inside ``-o``: the output replacing ``-o`` whole would delete the dumps (or find them and
+    refuse the directory at the end): refused first, nothing created."""
+    out = tmp_path / "art"
+    rc, stdout, err = _compile(capsys, out, "--dump-ir", str(out / "ir"))
+    assert rc == 2 and stdout == "" and f"--dump-ir {out / 'ir'}: inside -o {out}" in one_line_error(err)
+    assert list(tmp_path.iterdir()) == []
+    rc, _, err = _compile(capsys, out, "--ir-only", "--dump-ir", str(tmp_path / "ir"))
+    assert rc == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["art", "ir"]
