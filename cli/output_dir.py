@@ -71,7 +71,7 @@ def _refusal(path: str, real: str, flag: str) -> str | None:
 
 def check_output_dir(path: str, flag: str = "-o") -> None:
     """UsageError naming ``path`` unless it can take a new output (before any work, so a bad path fails at once):
-    missing (the nearest folder above it that exists a writable directory), empty, or an earlier k3ir output; the
+    missing (the nearest existing folder above it then a writable directory), empty, or an earlier k3ir output; the
     folder holding it must be writable (the staging directory goes there). Creates nothing."""
     real = os.path.realpath(path)
     why = _refusal(path, real, flag)
