@@ -182,6 +182,32 @@ def cmd_collect(a) -> int:
     return 0
 
 
+def byte_tokenizer_checkpoint(name: str, d: str) -> str:
+    """A checkpoint folder ``d`` for the bundled config ``name`` without weights (``k3ir serve`` then draws random
+    ones): ``config.json`` and a ``tokenizer.json`` of HF ``tokenizers``' byte-level BPE without merges: prompts
+    encode to one id per UTF-8 byte (ids 0..255), and every other id of the model's vocabulary decodes to a distinct
+    lower-case ASCII word of 2-4 letters, so each generated token of the random model streams as one text event. A
+    bundled config has no tokenizer, and ``k3ir serve`` refuses a vocabulary that is not a byte vocabulary without
+    one. Returns the config.json path."""
+    import itertools
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    os.makedirs(d, exist_ok=True)
+    shutil.copyfile(os.path.join(ROOT, "frontend", "configs", f"{name}.json"), os.path.join(d, "config.json"))
+    with open(os.path.join(d, "config.json")) as f:
+        vocab_size = int(json.load(f)["vocab_size"])
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    words = ("".join(w) for n in (2, 3, 4) for w in itertools.product("abcdefghijklmnopqrstuvwxyz", repeat=n))
+    for w in words:
+        if len(vocab) >= vocab_size:
+            break
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.BPE(vocab, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(os.path.join(d, "tokenizer.json"))
+    return os.path.join(d, "config.json")
+
+
 def cmd_serve_load(a) -> int:
     """Serving on the GPU (issue item 5): ``k3ir serve`` of Kimi Linear 6.6B (random weights) on the triton target in
     bf16 on loopback, then ``bench/load_test.py`` with 32 and 128 concurrent clients for ``--duration`` seconds each
@@ -192,8 +218,13 @@ def cmd_serve_load(a) -> int:
     from benchlib import Report
     rep = Report("serve_load", a.out, sys.argv)
     port = 8731
-    srv = subprocess.Popen([PY, "-m", "k3ir.cli", "serve", a.model, "--target", "triton", "--device", "cuda",
-                            "--dtype", "bfloat16", "--port", str(port), "--max-batch", "128"], cwd=ROOT)
+    model = a.model
+    if os.path.isfile(os.path.join(ROOT, "frontend", "configs", f"{a.model}.json")):
+        model = byte_tokenizer_checkpoint(a.model, os.path.join(a.out + ".ckpt"))
+        rep.data["meta"]["tokenizer"] = "byte-level BPE, 256 ids, no merges (bundled config, random weights)"
+    srv = subprocess.Popen([PY, "-m", "k3ir.cli", "serve", model, "--served-name", a.model, "--target", "triton",
+                            "--device", "cuda", "--dtype", "bfloat16", "--port", str(port), "--max-batch", "128"],
+                           cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
     try:

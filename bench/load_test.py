@@ -82,25 +82,31 @@ def _rounded(d: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 4) for k, v in d.items()}
 
 
-async def _completion(c, body: dict, t0: float) -> tuple[int, bool, int | None, float | None]:
+async def _completion(c, body: dict, t0: float) -> tuple[int, bool, int | None, float | None, list[float]]:
     """POST ``body`` to /v1/completions through httpx client ``c``: (status, well-formed, completion tokens or
-    None for a stream, time to first SSE event)."""
+    None for a stream, time to first SSE event, gaps in seconds between successive text events of a stream: the
+    inter-token latency where each token decodes to text, as the server sends one event per non-empty delta)."""
     if not body["stream"]:
         r = await c.post("/v1/completions", json=body)
         ok = r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
-        return r.status_code, ok, r.json()["usage"]["completion_tokens"] if ok else None, None
-    first, chunks, done = None, 0, False
+        return r.status_code, ok, r.json()["usage"]["completion_tokens"] if ok else None, None, []
+    first, chunks, done, last, gaps = None, 0, False, None, []
     async with c.stream("POST", "/v1/completions", json=body) as r:
         async for line in r.aiter_lines():
             if line.startswith("data: "):
+                now = time.perf_counter()
                 if first is None:
-                    first = time.perf_counter() - t0
+                    first = now - t0
                 if line[6:].strip() == "[DONE]":
                     done = True
                     break
-                json.loads(line[6:])["choices"][0]
+                choice = json.loads(line[6:])["choices"][0]
                 chunks += 1
-    return r.status_code, r.status_code == 200 and done and chunks >= 1, None, first
+                if choice.get("text") and choice.get("finish_reason") is None:
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+    return r.status_code, r.status_code == 200 and done and chunks >= 1, None, first, gaps
 
 
 def _count_status(out: dict, status: int) -> None:
@@ -123,7 +129,7 @@ async def _well_behaved(cid: int, url: str, deadline: float, max_tokens: int, ou
                     "seed": cid * 100000 + i, "stream": i % 4 == 0}
             t0 = time.perf_counter()
             try:
-                status, ok, ntok, first = await _completion(c, body, t0)
+                status, ok, ntok, first, gaps = await _completion(c, body, t0)
             except Exception as e:  # noqa: BLE001 - every failure is an error of the run
                 out["errors"].append(f"{type(e).__name__}: {e}")
                 continue
@@ -134,6 +140,7 @@ async def _well_behaved(cid: int, url: str, deadline: float, max_tokens: int, ou
             out["latency"].append(time.perf_counter() - t0)
             if first is not None:
                 out["ttft"].append(first)
+            out["itl"].extend(gaps)
             out["requests"] += 1
             if ntok is not None:
                 out["tokens"] += ntok
@@ -301,7 +308,7 @@ async def run_load(url: str, clients: int, duration: float, max_tokens: int = 16
     roles = _roles(clients, disconnect_frac, hostile_frac, tiny_temperature_clients)
 
     def fresh() -> dict:
-        return {"latency": [], "ttft": [], "errors": [], "requests": 0, "tokens": 0, "nonstream": 0, "status": {},
+        return {"latency": [], "ttft": [], "itl": [], "errors": [], "requests": 0, "tokens": 0, "nonstream": 0, "status": {},
                 "dropped": 0, "hostile": 0, "hostile_bad": []}
     outs = {r: fresh() for r in ("well", "tiny", "disconnect", "hostile")}
     t0 = time.perf_counter()
@@ -327,6 +334,7 @@ async def run_load(url: str, clients: int, duration: float, max_tokens: int = 16
             "completion_tokens_per_s_nonstream": round(well["tokens"] / wall, 1),
             "latency_s": _rounded(_percentiles(well["latency"])),
             "ttft_stream_s": _rounded(_percentiles(well["ttft"])),
+            "inter_token_stream_s": _rounded(_percentiles(well["itl"])),
             "well_behaved_status": well["status"],
             "tiny_temperature": {"requests": tiny["requests"], "errors": len(tiny["errors"]),
                                  "error_samples": tiny["errors"][:5], "status": tiny["status"]},

@@ -33,3 +33,21 @@ def test_plan_prints_the_download_command_for_missing_wheels():
         assert "MISSING wheels" in out and "pip download" in out
     else:
         assert "MISSING wheels" not in out
+
+
+def test_serve_load_checkpoint_tokenizer_covers_the_vocabulary(tmp_path):
+    """The serving step's checkpoint for a bundled config: its tokenizer.json round-trips text through byte ids
+    (0..255) and decodes every other id of the 32000-id vocabulary to its own non-empty text, so each generated
+    token of the random model streams as one event (the inter-token latency counts every token)."""
+    import json
+    pytest = __import__("pytest")
+    pytest.importorskip("tokenizers")
+    from k3ir.runtime.tokenizer import load_tokenizer
+
+    cfg = gv.byte_tokenizer_checkpoint("kimi-linear-6p6b", str(tmp_path / "ck"))
+    vocab = json.loads((tmp_path / "ck" / "config.json").read_text())["vocab_size"]
+    tok = load_tokenizer(cfg, type("M", (), {"attrs": {"vocab_size": vocab}}))
+    ids = tok.encode("héllo, wörld")
+    assert tok.decode(ids) == "héllo, wörld" and max(ids) < 256 and len(ids) == len("héllo, wörld".encode())
+    words = [tok.decode([i]) for i in range(256, vocab)]
+    assert vocab == 32000 and all(words) and len(set(words)) == len(words)
