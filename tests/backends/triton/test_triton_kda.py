@@ -465,6 +465,54 @@ def test_gpu_forward_bf16(T, lb):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_gpu_forward_bf16_every_length_below_64(lb):
+    """SPEC section 10: odd lengths, every T in 1..63 (a partial first chunk and sub-chunk), bf16 at fla's 5e-3."""
+    for T in range(1, 64):
+        x = make(1, T, 2, 128, dtype=torch.bfloat16, lb=lb, seed=100 + T)
+        o, s = run(x)
+        o_r, s_r = _ref_torch_gpu(x)
+        assert rel_err(o, o_r) < 5e-3 and rel_err(s, s_r) < 5e-3, T
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_gpu_forward_bf16_drift_at_4096(lb):
+    """SPEC section 10 drift: at T = 4096 (64 chunks of state carried in fp32) the last 512 outputs and the final
+    state stay within fla's 5e-3 of the float64 recurrence, like the whole output."""
+    x = make(1, 4096, 4, 128, dtype=torch.bfloat16, lb=lb, seed=31)
+    o, s = run(x)
+    o_r, s_r = _ref_torch_gpu(x)
+    errs = rel_err(o, o_r), rel_err(o[:, -512:], o_r[:, -512:]), rel_err(s, s_r)
+    print(f"gpu drift T=4096 lb={lb}: o {errs[0]:.2e}, last 512 {errs[1]:.2e}, state {errs[2]:.2e}")
+    assert max(errs) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_gpu_decode_drift_bf16_256_steps(lb):
+    """SPEC section 10 (prefill-then-decode equals one longer prefill), in bf16 over 256 decode steps: a 256-token
+    chunked prefill, then 256 ``kda_decode`` steps carrying the fp32 state in a pool slot; the decode outputs and
+    the final state against the float64 recurrence over all 512 tokens, within fla's 5e-3."""
+    T0, n, H, K = 256, 256, 4, 128
+    x = make(1, T0 + n, H, K, dtype=torch.bfloat16, lb=lb, seed=29)
+    o_r, s_r = _ref_torch_gpu(x)
+    pre = {k: (v[:, :T0] if k in ("q", "k", "v", "g", "beta") else v) for k, v in x.items()}
+    _, s = run(pre)
+    pool = s.float().contiguous()
+    slots = torch.zeros(1, dtype=torch.int32, device=DEV)
+    outs = []
+    for t in range(T0, T0 + n):
+        q, k, v, z = (x[m][:, t].reshape(1, -1) for m in ("q", "k", "v", "g"))
+        o = kda_decode(q, k, v, z, x["beta"][:, t], x["A_log"], x["dt_bias"], pool, slots, lower_bound=lb)
+        outs.append(o.reshape(1, 1, H, K))
+    o_d = torch.cat(outs, 1)
+    eo, es = rel_err(o_d, o_r[:, T0:]), rel_err(pool, s_r)
+    print(f"gpu decode drift 256 steps lb={lb}: o {eo:.2e} state {es:.2e}")
+    assert eo < 5e-3 and es < 5e-3
+
+
+@pytest.mark.gpu
 def test_gpu_varlen_bf16():
     cu = [0, 1, 64, 65, 1100, 2048]
     x = make(1, 2048, 4, 128, dtype=torch.bfloat16, N=5, seed=11)
@@ -482,6 +530,41 @@ def test_gpu_gradients_bf16(lb):
         e = rel_err(a, b)
         print(f"gpu grad {n} lb={lb}: {e:.2e}")
         assert e < 8e-3, n
+
+
+_WGMMA_CHILD = """
+import json, sys, torch
+sys.path[:0] = sys.argv[1:3]
+import test_triton_kda as t
+from conftest import rel_err
+from k3ir.backends.triton.config import triton_config
+lb = None if sys.argv[3] == "None" else float(sys.argv[3])
+x = t.make(1, 1000, 4, 128, dtype=torch.bfloat16, lb=lb, seed=37)
+w = torch.randn(1, 1000, 4, 128, device=t.DEV)
+with triton_config(kda_bwd={"mma_v2": ""}):
+    got, want = t._kernel_and_reference_grads(x, lb, w)
+torch.cuda.synchronize()
+print(json.dumps({n: rel_err(a, b) for n, a, b in zip(t.GRAD_NAMES, got, want)}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_gpu_bwd_wy_with_hopper_wgmma(lb):
+    """``TritonConfig.kda_bwd.mma_v2 = ""``: bwd_wy compiled with Hopper wgmma (no ``DISABLE_MMA_V3``), the form
+    whose illegal-address fault made ``"bwd_wy"`` the default. In a child process (a fault kills the CUDA context):
+    it must run, and every gradient at (1, 1000, 4, 128) bf16 stay within fla's 8e-3 of float64 autograd."""
+    import json
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(os.path.dirname(here))
+    p = subprocess.run([sys.executable, "-c", _WGMMA_CHILD, here, tests, str(lb)], capture_output=True, text=True,
+                       timeout=600, check=False, env={k: v for k, v in os.environ.items() if k != "DISABLE_MMA_V3"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    errs = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"gpu grads with wgmma in bwd_wy lb={lb}: {errs}")
+    assert all(e < 8e-3 for e in errs.values()), errs
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
+pytest.importorskip("tvm.script", reason="needs the TVM compiler (apache-tvm), not a runtime-only tvm")
 
 from _tiny_models import load_tiny
 from conftest import rel_err

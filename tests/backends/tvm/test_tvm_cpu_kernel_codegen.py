@@ -9,6 +9,7 @@ import re
 import pytest
 
 tvm = pytest.importorskip("tvm")
+pytest.importorskip("tvm.script", reason="needs the TVM compiler (apache-tvm), not a runtime-only tvm")
 
 from k3ir.backends.tvm import cpu_gemm as G
 from k3ir.backends.tvm import kernels as K
