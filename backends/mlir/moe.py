@@ -119,8 +119,13 @@ def _sort_by_expert(e: MlirEmitter, x: Val, idx: Val, E: int, R) -> tuple[Val, V
 
 
 def _read_index(e: MlirEmitter, v: Val, i: int) -> str:
-    """``v[i]`` of an integer vector as an ``index`` value (a host readback where IREE needs it)."""
-    return e.assign(f"arith.index_cast {e.assign(f'tensor.extract {v.name}[{e.cindex(i)}] : {v.type}', 'o')} : "
+    """``v[i]`` of a non-negative integer vector as an ``index`` value, read back to the host once: the cast is
+    ``arith.index_castui``, which IREE does not clone into the dispatches that use the value (``tensor.extract`` and
+    ``arith.index_cast`` it does), so a segment's first row reaches its contraction as a push constant rather than
+    as a device read inside the dispatch; with a device-read row offset IREE 3.13's data tiling (the
+    ``MlirConfig.data_tiling`` flags) packs the whole slice on the stack and fails ("exceeded stack allocation
+    limit")."""
+    return e.assign(f"arith.index_castui {e.assign(f'tensor.extract {v.name}[{e.cindex(i)}] : {v.type}', 'o')} : "
                     f"{v.elem} to index", "o")
 
 
