@@ -2,15 +2,19 @@
 torch eager (its default pipeline: the baseline), the ONNX exports run by onnxruntime (opset 20 with KDA as a
 ``Scan``; opset 27 with the standard ``LinearAttention``/``CausalConvWithState``; opset 27 with ``--ort-kernels``;
 the routed experts as expert-sorted slices, the default, or as the ``Loop`` over experts) and, with ``--mlir``,
-IREE llvm-cpu (the ``mlir`` target: ``mlir``, chunked KDA, sorted MoE and the weight contractions as named
-``linalg.matmul``, the default; ``mlir-scan-dense``, the earlier lowering entirely, kept behind
-``MlirConfig(kda_form="scan", moe_form="dense", linear_form="generic")``: token-by-token KDA, every token through
-every expert, every contraction a ``linalg.generic``; both compiled with the same IREE flags). The onnx variants run the
+IREE llvm-cpu (the ``mlir`` target: ``mlir``, chunked KDA, sorted MoE, the weight contractions as named
+``linalg.matmul``, the weights as IREE parameter globals and prefill compiled with IREE's data tiling and
+microkernels, the default; ``mlir-scan-dense``, the earlier lowering entirely, kept behind ``MlirConfig(kda_form="scan",
+moe_form="dense", linear_form="generic", param_form="arguments", data_tiling=False)`` (``KEPT_MLIR``): token-by-token
+KDA, every token through every expert, every contraction a ``linalg.generic``, the weights as trailing arguments, no
+data tiling). The onnx variants run the
 exported file's default ``logits_to_keep`` = 1 (the head on the last prompt position only, what generation needs;
 torch and IREE compute all T positions); ``onnx27-ort-all`` and ``onnx20-all`` feed 0 (all T), for the like-for-like
 comparison. On request (``--variants``):
 ``mlir-generic`` (``MlirConfig(linear_form="generic")``: the default lowering with the weight contractions as
-``linalg.generic``, what the named ``linalg.matmul`` adds), ``mlir-bf16`` (``MlirConfig(weights="bf16")``: bf16 weight arguments, so its logits differ from torch's by the bf16
+``linalg.generic``, what the named ``linalg.matmul`` adds), ``mlir-args`` (the default lowering with
+``param_form="arguments", data_tiling=False``: what the parameter globals and data tiling add),
+``mlir-scan-dense-dt`` (the kept lowering's forms with the default's globals and data tiling), ``mlir-bf16`` (``MlirConfig(weights="bf16")``: bf16 weight arguments, so its logits differ from torch's by the bf16
 rounding of the random weights), ``mlir-last`` and ``mlir-scan-dense-last`` (``MlirConfig(logits_to_keep=1)``: the head
 on the last prompt position only, as the onnx variants by default) and ``mlir-mxfp4`` (routed experts packed as MXFP4, ``--quantize mxfp4``: its
 logits differ by the quantisation); ``onnx27-ort-split`` and ``onnx20-split``: the onnx target with the ``fuse-linear-splits``
@@ -52,6 +56,10 @@ from k3ir.runtime.params import init_param
 import k3ir
 
 MODELS = {"k3-tiny": ("k3-tiny", None), "k3-100m": ("k3-tiny", K3_100M)}
+#: the kept lowering (today's before issue 20): token-scan KDA, dense MoE, generic contractions, weights as trailing
+#: arguments, compiled without data tiling
+KEPT_MLIR = {"kda_form": "scan", "moe_form": "dense", "linear_form": "generic", "param_form": "arguments",
+             "data_tiling": False}
 #: variant -> (target, settings: onnx (opset, ort_kernels, moe_form, logits_to_keep[, pass list in place of the
 #: target's pipeline]) or MlirConfig changes)
 VARIANTS = {
@@ -67,10 +75,13 @@ VARIANTS = {
     "onnx27-ort-split": ("onnx", (27, True, "sorted", 1, ["fuse-linear-splits", "dce"])),
     "onnx20-split": ("onnx", (20, False, "sorted", 1, ["fuse-linear-splits", "dce"])),
     "mlir": ("mlir", {}),
-    "mlir-scan-dense": ("mlir", {"kda_form": "scan", "moe_form": "dense", "linear_form": "generic"}),
+    "mlir-scan-dense": ("mlir", dict(KEPT_MLIR)),
     "mlir-last": ("mlir", {"logits_to_keep": 1}),
-    "mlir-scan-dense-last": ("mlir", {"kda_form": "scan", "moe_form": "dense", "linear_form": "generic",
-                                      "logits_to_keep": 1}),
+    "mlir-scan-dense-last": ("mlir", {**KEPT_MLIR, "logits_to_keep": 1}),
+    # the default lowering with the weights as arguments and no data tiling (the default before both)
+    "mlir-args": ("mlir", {"param_form": "arguments", "data_tiling": False}),
+    # the kept lowering's MLIR forms with the default's weight globals and data tiling
+    "mlir-scan-dense-dt": ("mlir", {**KEPT_MLIR, "param_form": "globals", "data_tiling": True}),
     "mlir-generic": ("mlir", {"linear_form": "generic"}),
     "mlir-bf16": ("mlir", {"weights": "bf16"}),
     "mlir-mxfp4": ("mlir", {"passes": ["fuse-moe-dispatch", "quantize-experts{format=mxfp4}", "dce"]}),

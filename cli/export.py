@@ -183,6 +183,9 @@ def cmd_export(args) -> int:
         from k3ir.backends.mlir.config import mlir_config
         fns = [args.function] if args.function else ["prefill", "decode"]
         forms = {k: v for k, v in (("moe_form", moe_form), ("kda_form", kda_form)) if v is not None} | mlir_keep
+        # a standalone module: the weights as trailing arguments (upstream dialects only), one module of every
+        # function compiled without data tiling (decode steps do not compile with it: backends/mlir DATA_TILED_GROUPS)
+        forms |= {"param_form": "arguments", "data_tiling": False}
         with (mlir_config(**forms),
               progress(f"mlir: emitting and verifying {', '.join('@' + x for x in fns)} of {m.name}") as emitted):
             text, order = emit_mlir(m, fns)
@@ -195,7 +198,7 @@ def cmd_export(args) -> int:
                   f"weights are trailing arguments ({len(order[fns[0]])} for @{fns[0]}) ({emitted.seconds:.2f} s)")
         if args.iree_target:
             t1 = time.perf_counter()
-            data = compile_mlir(text, args.iree_target)
+            data = compile_mlir(text, args.iree_target, data_tiling=False)
             with _writing([vm]), open(vm, "wb") as f:
                 f.write(data)
             con.print(f"wrote {vm} ({len(data):,} bytes, IREE {args.iree_target}, {time.perf_counter() - t1:.1f} s)")

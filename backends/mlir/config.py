@@ -15,6 +15,7 @@ MOE_FORMS = ("sorted", "dense")       #: ``MlirConfig.moe_form`` values
 KDA_FORMS = ("chunked", "scan")       #: ``MlirConfig.kda_form`` values
 WEIGHT_DTYPES = ("f32", "bf16")       #: ``MlirConfig.weights`` values
 LINEAR_FORMS = ("matmul", "generic")  #: ``MlirConfig.linear_form`` values
+PARAM_FORMS = ("globals", "arguments")  #: ``MlirConfig.param_form`` values
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,26 @@ class MlirConfig:
                                "``linalg.generic`` contraction over every dim: the lowering before). ``k3.einsum`` "
                                "and the other contractions are always generic")
     kda_chunk: int = setting(16, "chunk length of the chunked KDA (the in-chunk decays are C x C x d_k elementwise)")
-    weights: str = setting("f32", "float parameters as function arguments: ``f32`` (every float weight passed as "
-                           "float32) or ``bf16`` (the parameters the IR declares bf16 passed as bf16, half the bytes, "
+    weights: str = setting("f32", "float parameters (globals or arguments, ``param_form``): ``f32`` (every float "
+                           "weight passed as float32) or ``bf16`` (the parameters the IR declares bf16 passed as bf16, "
+                           "half the bytes, "
                            "and widened to f32 where they are read: inside the contractions and the embedding gather, "
                            "once per call elsewhere; the executable rounds float32 values to bf16 when it is given "
                            "them). IREE's llvm-cpu target compiles bf16; the module's signature changes, so each "
                            "setting has its own IREE cache entry and artifacts record it")
+    param_form: str = setting("globals", "how the weights reach the compiled functions: ``globals`` (one "
+                              "``util.global`` per parameter initialised from the named IREE parameter "
+                              "``k3::<name>``, bound when the executable loads its module: IREE packs each weight "
+                              "into its matmul layout once at load, not at every call) or ``arguments`` (trailing "
+                              "function arguments ``%p<i>``, upstream dialects only: the form before, and the one "
+                              "``k3ir export --format mlir`` writes); changes the MLIR text (own IREE cache entry); "
+                              "artifacts record it")
+    data_tiling: bool = setting(True, "llvm-cpu: compile with IREE's data tiling and microkernels "
+                                "(``--iree-opt-data-tiling --iree-llvmcpu-enable-ukernels=all``: matmul operands "
+                                "packed into the CPU's tile layout, the mmt4d microkernel); with ``param_form="
+                                "'arguments'`` the weights are repacked at every call. Decode steps are compiled in a "
+                                "module of their own without it (IREE 3.13 does not compile them with it), and so are "
+                                "artifacts (one module). Other IREE targets ignore it; part of the IREE cache key")
     logits_to_keep: int = setting(0, "positions the ``lm_head`` runs on: 0 every one (``logits`` ``[B,T,V]``, what "
                                   "``Session.prefill`` returns on every target) or 1 the last one only (``[B,1,V]``: a "
                                   "generation prefill needs no more; on k3-100m the head over 128 positions is 4.2 of "
@@ -61,6 +76,8 @@ class MlirConfig:
             raise K3ConfigError(f"MlirConfig.kda_chunk={self.kda_chunk}: want at least 2")
         if self.weights not in WEIGHT_DTYPES:
             raise K3ConfigError(f"MlirConfig.weights={self.weights!r}: want 'f32' or 'bf16'")
+        if self.param_form not in PARAM_FORMS:
+            raise K3ConfigError(f"MlirConfig.param_form={self.param_form!r}: want 'globals' or 'arguments'")
         if self.logits_to_keep not in (0, 1):
             raise K3ConfigError(f"MlirConfig.logits_to_keep={self.logits_to_keep!r}: want 0 (every position) or 1 (the last)")
 

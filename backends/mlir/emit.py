@@ -6,8 +6,11 @@ Like the ONNX exporter and the interpreter, ops go through a lowering table (``l
 op name -> emitter) and fall back to their decomposition into core ops. Symbolic dims (``B``,
 ``T``, ``L``, ``L+T``, ``B*T``) become ``index`` values read with ``tensor.dim`` from the
 function arguments and combined with ``arith``; all tensors are dynamically shaped where the IR
-is symbolic. Parameters are trailing function arguments (``%p<i>``), so one compiled module
-serves any weights. Float tensors compute in f32.
+is symbolic. Parameters are ``%p<i>`` values: under ``MlirConfig.param_form="globals"`` (the default) loaded at
+the top of each function from a ``util.global`` initialised by the named IREE parameter ``k3::<name>``
+(``#flow.parameter.named``; IREE's util/flow dialects, bound from the weights when the module is loaded, so IREE
+can pack them into its matmul layout once at load), under ``"arguments"`` trailing function arguments (upstream
+dialects only). Either way one compiled module serves any weights. Float tensors compute in f32.
 """
 from __future__ import annotations
 
@@ -49,10 +52,14 @@ class MlirEmitter:
     """Emits the functions of ``module`` as one ``module @k3``. ``table``: op name -> emitter; ``weights``:
     ``"f32"`` or ``"bf16"`` (parameters declared bf16 become bf16 arguments), None: ``MlirConfig.weights``."""
 
-    def __init__(self, module: Module, table: dict | None = None, weights: str | None = None):
+    def __init__(self, module: Module, table: dict | None = None, weights: str | None = None,
+                 param_form: str | None = None):
         from .config import get_mlir_config
         self.module = module
         self.weights = weights or get_mlir_config().weights
+        self.param_form = param_form or get_mlir_config().param_form
+        #: parameter name -> (global symbol, tensor type) under param_form="globals", in order of first use
+        self.globals: dict[str, tuple[str, str]] = {}
         self.table = TABLE if table is None else table
         self.lines: list[str] = []
         self.indent = 2
@@ -267,9 +274,18 @@ class MlirEmitter:
         for v in args:
             self.bind(v)
         outs = self.emit_function(fn, args)
-        sig = ", ".join(f"{v.name}: {v.type}" for v in args + [self.params[n] for n in used])
         rets = [self.as_tensor(o) for o in outs]
         body = self.lines
+        if self.param_form == "globals":
+            sig = ", ".join(f"{v.name}: {v.type}" for v in args)
+            loads = []
+            for n in used:
+                v = self.params[n]
+                sym, _ = self.globals.setdefault(n, (f"@k3p{len(self.globals)}", v.type))
+                loads.append(f"    {v.name} = util.global.load {sym} : {v.type}")
+            body = loads + body
+        else:
+            sig = ", ".join(f"{v.name}: {v.type}" for v in args + [self.params[n] for n in used])
         head = [f"  func.func @{fname}({sig}) -> ({', '.join(r.type for r in rets)}) {{"]
         tail = [f"    return {', '.join(r.name for r in rets)} : {', '.join(r.type for r in rets)}", "  }"]
         return head + body + tail
@@ -280,8 +296,15 @@ class MlirEmitter:
             if f not in self.module.functions:
                 raise K3BackendError(f"module has no function '@{f}' (have: {', '.join(self.module.functions)})")
             out += self.function_text(f)
+        out[1:1] = [f'  util.global private {sym} = #flow.parameter.named<"k3"::{_mlir_string(n)}> : {t}'
+                    for n, (sym, t) in self.globals.items()]
         out.append("}")
         return "\n".join(out) + "\n"
+
+
+def _mlir_string(s: str) -> str:
+    """``s`` as an MLIR string literal (quotes and backslashes escaped)."""
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _all_param_reads(module: Module, fn: Function):
