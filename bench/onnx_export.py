@@ -106,7 +106,7 @@ def make_session(m, variant: str, params: dict) -> tuple[Session, float]:
                 from k3ir.passes.quantize_experts import materialize
                 params = {**params, **materialize(exe.module, lambda name, _t: params[name])}
             s = Session(exe, params={n: params[n] for n in exe.module.params})
-            exe.compile_group(("prefill", "decode"))
+            exe.build_all(("prefill", "decode"))
         return s, time.perf_counter() - t
     exe = k3ir.compile(m, target=target, dtype="float32", passes=settings[4] if settings and len(settings) > 4 else None)
     if target == "onnx":

@@ -8,6 +8,7 @@ IREE device arrays (``"arguments"``).
 ``load_artifact``) reopens it without recompiling (``Session.load``)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -146,6 +147,9 @@ class MlirExecutable(Executable):
         from .config import get_mlir_config
         cfg = get_mlir_config()
         self.weights, self.param_form, self.data_tiling = cfg.weights, cfg.param_form, cfg.data_tiling
+        #: the MLIR forms in effect when built (every ``MlirConfig`` field but ``cache``): a function group emitted
+        #: later (on first use, outside the caller's ``mlir_config`` scope) is emitted under them
+        self.forms = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "cache"}
         self.config = rt.Config("local-task")
         self.vmfb: dict[tuple[str, ...], bytes] = {}
         self.param_order: dict[str, list[str]] = {}
@@ -171,18 +175,22 @@ class MlirExecutable(Executable):
         tiling (``self.data_tiling``) for groups without decode."""
         if group not in self.vmfb:
             from k3ir.progress import progress
-            with progress(f"mlir: emitting and compiling @{' @'.join(group)} with IREE (llvm-cpu)") as timing:
+
+            from .config import mlir_config
+            with (mlir_config(**self.forms),
+                  progress(f"mlir: emitting and compiling @{' @'.join(group)} with IREE (llvm-cpu)") as timing):
                 text, order = emit_mlir(self.module, group, weights=self.weights, param_form=self.param_form)
                 self.param_order.update(order)
                 self.vmfb[group] = compile_mlir(text, "llvm-cpu", data_tiling=self.data_tiling and "decode" not in group)
             self.build_seconds["+".join(group)] = timing.seconds
         return self.vmfb[group]
 
-    def build_all(self) -> dict[str, float]:
-        """Compile every entry function now (otherwise on first use); returns ``build_seconds``."""
+    def build_all(self, functions: tuple[str, ...] | None = None) -> dict[str, float]:
+        """Compile the groups holding ``functions`` (None: every entry function) now, otherwise on first use;
+        returns ``build_seconds``."""
         for g in self.groups:
             group = tuple(f for f in g if f in self.module.functions)
-            if group:
+            if group and (functions is None or set(group) & set(functions)):
                 self.compile_group(group)
         return dict(self.build_seconds)
 
@@ -267,13 +275,14 @@ class MlirExecutable(Executable):
         from safetensors.numpy import save_file
 
         from ..artifact import write_manifest
-        from .config import get_mlir_config
+        from .config import mlir_config
         params = params if params is not None else self._arrays
         if params is None:
             raise K3BackendError("mlir executable: no weights to save (pass params or call prepare_params)")
         os.makedirs(directory, exist_ok=True)
         fns = tuple(f for f in ("forward", "prefill", "decode") if f in self.module.functions)
-        text, order = emit_mlir(self.module, fns, weights=self.weights, param_form=self.param_form)
+        with mlir_config(**self.forms):
+            text, order = emit_mlir(self.module, fns, weights=self.weights, param_form=self.param_form)
         with open(os.path.join(directory, "module.mlir"), "w") as f:
             f.write(text)
         with open(os.path.join(directory, "k3.vmfb"), "wb") as f:
@@ -287,7 +296,7 @@ class MlirExecutable(Executable):
                        {"vmfb": "k3.vmfb", "mlir": "module.mlir", "weights": "weights.safetensors"},
                        functions=list(fns), param_order=order, iree_target="llvm-cpu", weights=self.weights,
                        param_form=self.param_form,
-                       logits_to_keep=get_mlir_config().logits_to_keep)   # compiled in: [B,1,V] prefill logits if 1
+                       logits_to_keep=self.forms["logits_to_keep"])   # compiled in: [B,1,V] prefill logits if 1
         return directory
 
 

@@ -132,6 +132,28 @@ def test_unknown_iree_target_is_a_clear_error():
         compile_mlir(text, "tpu")
 
 
+def test_a_group_compiled_on_first_use_takes_the_forms_the_executable_was_built_with(tmp_path):
+    """An executable built under ``mlir_config(linear_form="generic")`` and first run outside that scope compiles the
+    generic text (the IREE cache then holds exactly the module of that text, none of the default form)."""
+    from k3ir.backends import get_backend
+    from k3ir.backends.mlir.config import mlir_config
+    m = _small_module()
+    with mlir_config(cache=str(tmp_path)):
+        with mlir_config(linear_form="generic"):
+            exe = get_backend("mlir").build(m, "float32", "cpu")
+            text, _ = emit_mlir(m, ["forward"])
+        rng = np.random.default_rng(4)
+        w, lin = 1 + 0.1 * rng.standard_normal(64), rng.standard_normal((32, 64)) / 8
+        exe.prepare_params({"w": w, "lin": lin})
+        x = rng.standard_normal((2, 3, 64))
+        (got,) = exe.run("forward", [x.astype(np.float32)], {})
+        files = list((tmp_path / "iree").glob("*.vmfb"))
+        assert len(files) == 1 and compile_mlir(text, "llvm-cpu") == files[0].read_bytes()
+    h = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * w @ lin.T
+    want = np.exp(h - h.max(-1, keepdims=True))
+    assert rel_err(got, want / want.sum(-1, keepdims=True)) < 1e-5
+
+
 def test_parameter_globals_with_data_tiling_equal_arguments_and_rebind_per_params_dict(tmp_path):
     """``MlirConfig(param_form="globals", data_tiling=True)`` (the default) and ``("arguments", False)`` (the form
     before) give the same outputs on the same weights, both equal to numpy in float64 within 1e-5; data tiling is in
@@ -464,7 +486,7 @@ def test_logits_to_keep_slices_the_heads_input_in_the_text():
         last, _ = emit_mlir(k3ir.compile(m, target="mlir").module, ("prefill",))
     every, _ = emit_mlir(k3ir.compile(m, target="mlir").module, ("prefill",))
     assert len(re.findall(head, last)) == 1 and not re.findall(head, every)
-    sig = lambda text: next(ln for ln in text.splitlines() if "func.func @prefill" in ln)    # noqa: E731
+    sig = lambda text: next(ln for ln in text.splitlines() if "func.func @prefill" in ln)
     assert f"tensor<?x1x{V}xf32>" in sig(last) and f"tensor<?x?x{V}xf32>" in sig(every)
     with pytest.raises(K3ConfigError, match="logits_to_keep=2"), mlir_config(logits_to_keep=2):
         pass
