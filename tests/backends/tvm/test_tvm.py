@@ -23,7 +23,7 @@ def _sessions(key: str):
     return route_sessions(key, "tvm-llvm", dtype="float32")
 
 
-@pytest.mark.parametrize("key", ["k3-tiny", "kimi-linear-tiny"])
+@pytest.mark.parametrize("key", [pytest.param("k3-tiny", marks=pytest.mark.slow), "kimi-linear-tiny"])
 def test_tvm_greedy_generation_matches_torch(key):
     m, params, _, _, sess = _sessions(key)
     torch_sess = Session(k3ir.compile(m, target="torch", dtype="float32"), params=params)

@@ -110,6 +110,7 @@ def _check_cuda_artifact(directory: str, tool: str) -> dict:
     return man
 
 
+@pytest.mark.slow
 def test_whole_model_opencl_artifact_holds_every_device_function(tmp_path):
     """The default suite's whole-model GPU build: kimi-linear-tiny for tvm-opencl (no device compiler needed, no
     rule known to crash): the library's embedded OpenCL module has exactly the device functions of the lowered
@@ -285,7 +286,8 @@ def test_bf16_bits_round_to_nearest_even_as_torch_does():
     assert np.array_equal(bf16_round(a)[~nan], torch.from_numpy(a).to(torch.bfloat16).float().numpy()[~nan])
 
 
-@pytest.mark.parametrize("key", ["kimi-linear-tiny", pytest.param("k3-tiny", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["kimi-linear-tiny", "k3-tiny"])
 def test_bfloat16_gpu_lowering_and_loader_compute_like_torch_on_the_rounded_weights(key, tmp_path):
     """The GPU kinds' bfloat16 lowering (float weights declared bfloat16, linear layers as ``NT_matmul`` widening
     them, float32 compute) compiled for llvm, with the CPU kernels in place of the hand-scheduled GPU ones (no GPU
