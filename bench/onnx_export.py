@@ -5,9 +5,9 @@ the routed experts as expert-sorted slices, the default, or as the ``Loop`` over
 IREE llvm-cpu (the ``mlir`` target: ``mlir``, chunked KDA, sorted MoE, the weight contractions as named
 ``linalg.matmul``, the weights as IREE parameter globals and prefill compiled with IREE's data tiling and
 microkernels, the default; ``mlir-scan-dense``, the earlier lowering entirely, kept behind ``MlirConfig(kda_form="scan",
-moe_form="dense", linear_form="generic", param_form="arguments", data_tiling=False)`` (``KEPT_MLIR``): token-by-token
-KDA, every token through every expert, every contraction a ``linalg.generic``, the weights as trailing arguments, no
-data tiling). The onnx variants run the
+moe_form="dense", linear_form="generic", conv_form="decomposed", param_form="arguments", data_tiling=False)``
+(``KEPT_MLIR``): token-by-token KDA, every token through every expert, every contraction a ``linalg.generic``, the
+short conv decomposed, the weights as trailing arguments, no data tiling). The onnx variants run the
 exported file's default ``logits_to_keep`` = 1 (the head on the last prompt position only, what generation needs;
 torch and IREE compute all T positions); ``onnx27-ort-all`` and ``onnx20-all`` feed 0 (all T), for the like-for-like
 comparison. On request (``--variants``):
@@ -56,10 +56,10 @@ from k3ir.runtime.params import init_param
 import k3ir
 
 MODELS = {"k3-tiny": ("k3-tiny", None), "k3-100m": ("k3-tiny", K3_100M)}
-#: the kept lowering (today's before issue 20): token-scan KDA, dense MoE, generic contractions, weights as trailing
-#: arguments, compiled without data tiling
-KEPT_MLIR = {"kda_form": "scan", "moe_form": "dense", "linear_form": "generic", "param_form": "arguments",
-             "data_tiling": False}
+#: the kept lowering (today's before issue 20): token-scan KDA, dense MoE, generic contractions, the short conv's
+#: decomposition, weights as trailing arguments, compiled without data tiling (the same MLIR text and flags as before)
+KEPT_MLIR = {"kda_form": "scan", "moe_form": "dense", "linear_form": "generic", "conv_form": "decomposed",
+             "param_form": "arguments", "data_tiling": False}
 #: variant -> (target, settings: onnx (opset, ort_kernels, moe_form, logits_to_keep[, pass list in place of the
 #: target's pipeline]) or MlirConfig changes)
 VARIANTS = {

@@ -352,7 +352,7 @@ def _build(module: Module, dtype: str = "float32", device: str = "cpu") -> MlirE
 
 
 def _table():
-    from . import contract, kda, moe  # noqa: F401  (their entries register into TABLE)
+    from . import contract, conv, kda, moe  # noqa: F401  (their entries register into TABLE)
     from .lowering import TABLE
     return TABLE
 

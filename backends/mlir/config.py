@@ -16,6 +16,7 @@ KDA_FORMS = ("chunked", "scan")       #: ``MlirConfig.kda_form`` values
 WEIGHT_DTYPES = ("f32", "bf16")       #: ``MlirConfig.weights`` values
 LINEAR_FORMS = ("matmul", "generic")  #: ``MlirConfig.linear_form`` values
 PARAM_FORMS = ("globals", "arguments")  #: ``MlirConfig.param_form`` values
+CONV_FORMS = ("taps", "decomposed")     #: ``MlirConfig.conv_form`` values
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,10 @@ class MlirConfig:
                                "``linalg.batch_matmul``; the result expanded back) or ``generic`` (one "
                                "``linalg.generic`` contraction over every dim: the lowering before). ``k3.einsum`` "
                                "and the other contractions are always generic")
+    conv_form: str = setting("taps", "``k3.short_conv`` (KDA's causal depthwise conv + SiLU): ``taps`` (the history "
+                             "and the input concatenated once, then one elementwise ``linalg.generic`` reading it at the "
+                             "K tap offsets: ``backends/mlir/conv.py``) or ``decomposed`` (the op's decomposition: one "
+                             "slice, product and sum per tap, then the SiLU; each slice a copy in IREE)")
     kda_chunk: int = setting(16, "chunk length of the chunked KDA (the in-chunk decays are C x C x d_k elementwise)")
     weights: str = setting("f32", "float parameters (globals or arguments, ``param_form``): ``f32`` (every float "
                            "weight passed as float32) or ``bf16`` (the parameters the IR declares bf16 passed as bf16, "
@@ -72,6 +77,8 @@ class MlirConfig:
             raise K3ConfigError(f"MlirConfig.kda_form={self.kda_form!r}: want 'chunked' or 'scan'")
         if self.linear_form not in LINEAR_FORMS:
             raise K3ConfigError(f"MlirConfig.linear_form={self.linear_form!r}: want 'matmul' or 'generic'")
+        if self.conv_form not in CONV_FORMS:
+            raise K3ConfigError(f"MlirConfig.conv_form={self.conv_form!r}: want 'taps' or 'decomposed'")
         if self.kda_chunk < 2:
             raise K3ConfigError(f"MlirConfig.kda_chunk={self.kda_chunk}: want at least 2")
         if self.weights not in WEIGHT_DTYPES:

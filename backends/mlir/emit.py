@@ -24,7 +24,7 @@ from k3ir.ops.state import state_tensor_type
 from k3ir.types import StateType
 
 from ..lowering import lower_or_decompose
-from . import contract, kda, moe  # noqa: F401  (register the contractions, k3.kda and k3.moe in TABLE)
+from . import contract, conv, kda, moe  # noqa: F401  (register the contractions, k3.short_conv, k3.kda, k3.moe)
 from .lowering import TABLE
 from .values import FLOAT, Val, elem, storage_shape, ttype
 

@@ -69,8 +69,9 @@ def _chunk_step_function(module, Bd, H: int, K: int, V: int, C: int) -> Function
 
 
 def _chunked_function(module, Bd, H: int, K: int, V: int, C: int, scale: float) -> Function:
-    """``@kda_chunked_*``: padded, chunked q, k ``[B,NC,C,H,K]``, v ``[B,NC,C,H,V]``, g ``[B,NC,C,H,K]``, beta
-    ``[B,NC,C,H]``, state ``[B,H,K,V]`` and the constants L (lower-triangular ones) and I ``[C,C]`` ->
+    """``@kda_chunked_*``: padded, chunked q, k ``[B,NC,C,H,K]``, v ``[B,NC,C,H,V]``, the in-chunk cumulative
+    log-decay G ``[B,NC,C,H,K]``, beta ``[B,NC,C,H]``, state ``[B,H,K,V]``, the constants L (lower-triangular ones)
+    and I ``[C,C]`` and the decay-weighted products ``Akk``, ``Aqk`` ``[B,NC,H,C,C]`` (``_decayed_scores``) ->
     (o ``[B,NC,C,H,V]``, state) in core ops (module docstring)."""
     name = f"kda_chunked_b{Bd}_h{H}_k{K}_v{V}_c{C}_s{scale!r}".replace(".", "p").replace("-", "m")
     if name in module.functions:
@@ -79,16 +80,13 @@ def _chunked_function(module, Bd, H: int, K: int, V: int, C: int, scale: float) 
     fn = Function(name)
     b = Builder(module, fn)
     q, k = b.arg("q", _f32(Bd, NC, C, H, K)), b.arg("k", _f32(Bd, NC, C, H, K))
-    v, g = b.arg("v", _f32(Bd, NC, C, H, V)), b.arg("g", _f32(Bd, NC, C, H, K))
+    v, G = b.arg("v", _f32(Bd, NC, C, H, V)), b.arg("G", _f32(Bd, NC, C, H, K))
     beta, S0 = b.arg("beta", _f32(Bd, NC, C, H)), b.arg("S", _f32(Bd, H, K, V))
     L, eye = b.arg("L", _f32(C, C)), b.arg("I", _f32(C, C))
-    G = b.einsum(L, g, equation="ij,bnjhk->bnihk")                                  # in-chunk cumulative log-decay
-    Gt = b.transpose(G, perm=[0, 1, 3, 4, 2])                                       # [B,NC,H,K,C]
-    diff = b.sub(b.reshape(Gt, shape=[0, 0, 0, 0, C, 1]), b.reshape(Gt, shape=[0, 0, 0, 0, 1, C]))
-    decay = b.exp(b.causal_mask(diff))                                              # exp(G_i - G_j), j <= i; else 0
+    Akk, Aqk = b.arg("Akk", _f32(Bd, NC, H, C, C)), b.arg("Aqk", _f32(Bd, NC, H, C, C))
     beta_i = b.reshape(b.transpose(beta, perm=[0, 1, 3, 2]), shape=[0, 0, 0, 0, 1])   # [B,NC,H,C,1]
     strict = b.sub(L, eye)
-    A = b.mul(b.mul(b.einsum(decay, k, k, equation="bnhcij,bnihc,bnjhc->bnhij"), beta_i), strict)
+    A = b.mul(b.mul(Akk, beta_i), strict)
     power = b.neg(A)
     inv = b.add(eye, power)                                                         # (I + A)^-1 = prod (I + (-A)^(2^m))
     for _ in range(max(0, math.ceil(math.log2(C)) - 1)):
@@ -98,7 +96,7 @@ def _chunked_function(module, Bd, H: int, K: int, V: int, C: int, scale: float) 
     eG = b.exp(G)
     W = b.einsum(M, b.mul(eG, k), equation="bnhij,bnjhk->bnihk")
     U = b.einsum(M, v, equation="bnhij,bnjhv->bnihv")
-    P = b.mul(b.einsum(decay, q, k, equation="bnhcij,bnihc,bnjhc->bnhij"), scale)
+    P = b.mul(Aqk, scale)
     Qg = b.mul(b.mul(eG, q), scale)
     GC = b.slice(G, axis=2, start=C - 1)                                            # [B,NC,1,H,K]
     Kd = b.mul(b.exp(b.sub(GC, G)), k)
@@ -108,6 +106,41 @@ def _chunked_function(module, Bd, H: int, K: int, V: int, C: int, scale: float) 
     b.ret(O, S1)
     module.add_function(fn)
     return fn
+
+
+def _cumulative(e: MlirEmitter, g: Val, L: Val) -> Val:
+    """The in-chunk cumulative log-decay ``G[b,n,i,h,c] = sum_j L[i,j] g[b,n,j,h,c]`` of chunked g ``[B,NC,C,H,K]``
+    (L: the lower-triangular ones ``[C,C]``), one ``linalg.generic`` contraction."""
+    def region(a, o):
+        return [e.body_op(f"arith.addf {o[0]}, {e.body_op(f'arith.mulf {a[0]}, {a[1]} : f32')} : f32")]
+    (G,) = e.gen(6, ["parallel"] * 5 + ["reduction"], [(L, ["d2", "d5"]), (g, ["d0", "d1", "d5", "d3", "d4"])],
+                 [(e.filled(g.shape, FLOAT, 0.0), g.type, FLOAT, ["d0", "d1", "d2", "d3", "d4"])], region)
+    return Val(G, FLOAT, g.shape)
+
+
+def _decayed_scores(e: MlirEmitter, G: Val, k: Val, q: Val) -> tuple[Val, Val]:
+    """``Akk[b,n,h,i,j] = sum_c k[i,c] k[j,c] exp(G[i,c] - G[j,c])`` and ``Aqk`` (q in place of the first k) for
+    ``j <= i``, 0 above the diagonal, from chunked G, k, q ``[B,NC,C,H,K]`` (rows i, j of chunk n, head h): one
+    ``linalg.generic`` with two results that computes each decay once, inside the contraction (the difference masked
+    to -inf above the diagonal before the exp: exact for either gate form), reading the last axis (K) contiguously;
+    never a ``[B,NC,H,K,C,C]`` tensor of decays. Returns (Akk, Aqk) ``[B,NC,H,C,C]``."""
+    B, N, C, H, _ = G.shape
+    shape = (B, N, H, C, C)
+    ninf = e.cscalar(float("-inf"))
+
+    def region(a, o):
+        gi, gj, ki, qi, kj = a
+        keep = e.body_op(f"arith.cmpi ule, {e.body_op('linalg.index 4 : index')}, "
+                         f"{e.body_op('linalg.index 3 : index')} : index")
+        d = e.body_op(f"arith.select {keep}, {e.body_op(f'arith.subf {gi}, {gj} : f32')}, {ninf} : f32")
+        kd = e.body_op(f"arith.mulf {kj}, {e.body_op(f'math.exp {d} : f32')} : f32")
+        return [e.body_op(f"arith.addf {o[0]}, {e.body_op(f'arith.mulf {ki}, {kd} : f32')} : f32"),
+                e.body_op(f"arith.addf {o[1]}, {e.body_op(f'arith.mulf {qi}, {kd} : f32')} : f32")]
+    row_i, row_j = ["d0", "d1", "d3", "d2", "d5"], ["d0", "d1", "d4", "d2", "d5"]
+    out = (ttype(shape, FLOAT), FLOAT, ["d0", "d1", "d2", "d3", "d4"])
+    akk, aqk = e.gen(6, ["parallel"] * 5 + ["reduction"], [(G, row_i), (G, row_j), (k, row_i), (q, row_i), (k, row_j)],
+                     [(e.filled(shape, FLOAT, 0.0),) + out, (e.filled(shape, FLOAT, 0.0),) + out], region)
+    return Val(akk, FLOAT, shape), Val(aqk, FLOAT, shape)
 
 
 def _dense_const(e: MlirEmitter, a: np.ndarray) -> Val:
@@ -151,11 +184,12 @@ def _kda(e: MlirEmitter, op, inst, q, k, v, g, beta, s=None):
     e.dims_cache["kda_padded"] = tp
     if s is None:
         s = Val(e.filled((B, H, K, V), FLOAT, 0.0), FLOAT, (B, H, K, V))
-    ins = [_chunks(e, x, pad, nc, C) for x in (q, k, v, g, beta)]
-    L = np.tril(np.ones((C, C)))
-    consts = [_dense_const(e, L), _dense_const(e, np.eye(C))]
+    qc, kc, vc, gc, bc = (_chunks(e, x, pad, nc, C) for x in (q, k, v, g, beta))
+    L, eye = _dense_const(e, np.tril(np.ones((C, C)))), _dense_const(e, np.eye(C))
+    G = _cumulative(e, gc, L)
+    akk, aqk = _decayed_scores(e, G, kc, qc)
     fn = _chunked_function(e.module, B, H, K, V, C, float(inst.scale))
-    o, state = e.emit_function(fn, ins + [s] + consts)
+    o, state = e.emit_function(fn, [qc, kc, vc, G, bc, s, L, eye, akk, aqk])
     flat_shape = (B, "kda_padded", H, V)
     flat = e.assign(f"tensor.collapse_shape {o.name} [[0], [1, 2], [3], [4]] : {o.type} into "
                     f"{ttype(flat_shape, FLOAT)}", "ck")

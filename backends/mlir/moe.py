@@ -9,9 +9,12 @@ The sorted form: with ``R = N*k`` routed copies (slot ``r = n*k + j``), per expe
 (``[E]``, compare-and-count), each slot's sorted row ``pos[r] = offsets[e_r] + #{r' < r : e_r' = e_r}`` (stable),
 its inverse ``order`` and the sorted rows ``xs[p] = x[order[p] / k]``. The counts and offsets are read back once
 (``tensor.extract``); then, unrolled over the E experts, each expert's rows are a dynamic ``tensor.extract_slice``
-of the sorted rows, multiplied by its whole gate and up matrices in one contraction each, and the results
-concatenated in row order; one activation over all rows; the same for the down projection; the combine reads row
-``pos[n*k + j]`` of each token's k copies and sums them weighted. The ranks and the inverse are O(R^2) integer
+of the sorted rows, multiplied by its whole gate and up matrices in one contraction each, the activation on those
+rows (an elementwise generic IREE fuses into the up contraction's dispatch) and the down projection, and the
+experts' down results concatenated in row order (no gate/up concatenation and no second slice of the activations,
+which cost a copy dispatch per expert); the combine reads row
+``pos[n*k + j]`` of each token's k copies and sums them weighted (one elementwise generic over ``[N, D]`` with the
+k slots unrolled, each copy's row read along D). The ranks and the inverse are O(R^2) integer
 compares (R = 512 at T = 128, top-4); the matrices run once per routed copy (no per-token weight gather, no dense
 all-expert compute). (An ``scf.for`` over experts inserting into a loop-carried tensor at data-dependent rows
 does not compile in IREE 3.13: "failed to schedule execution partitions without cyclic dependencies".)
@@ -199,51 +202,64 @@ def _mxfp4_matrix(e: MlirEmitter, w: Val, scales: Val, in_contraction: bool):
     return weight_of
 
 
-def _per_expert_matmuls(e: MlirEmitter, rows: Val, segments: list[tuple[str, str]], weight_of, N: int) -> Val:
-    """``y[rows of x] = rows[rows of x] @ weight_of(x)^T`` for each expert x: per expert a dynamic
-    ``tensor.extract_slice`` of its segment (``segments``: first row, count), one contraction with its whole
-    matrix (``[N,K]``; ``[N,K/32,32]`` blocked, the rows viewed ``[M,K/32,32]`` and both block axes reduced; or
-    packed MXFP4 codes and scales, decoded in the contraction's body), and the results concatenated in segment
-    order (``[sum of counts, N]``, dynamic rows). Under ``MlirConfig.linear_form="matmul"`` a float or dequantised
-    matrix (the blocked one collapsed to ``[N,K]``) takes a named ``linalg.matmul`` with the transposed-B map; the
-    packed codes always take the generic contraction that decodes them."""
+def _segment(e: MlirEmitter, rows: Val, x: int, lo: str, cnt: str) -> Val:
+    """Expert x's segment of the sorted rows ``rows [R,K]``: a dynamic ``tensor.extract_slice`` at (first row ``lo``,
+    ``cnt`` rows), typed ``[moe_rows<x>, K]`` (the dim bound to ``cnt``)."""
+    dim = f"moe_rows{x}"
+    e.dims_cache[dim] = cnt
     K = rows.shape[1]
-    parts = []
-    for x, (lo, cnt) in enumerate(segments):
-        dim = f"moe_rows{x}"
-        e.dims_cache[dim] = cnt
-        xs = Val(e.assign(f"tensor.extract_slice {rows.name}[{lo}, 0] [{cnt}, {K}] [1, 1] : {rows.type} to "
-                          f"{ttype((dim, K), rows.elem)}", "xs"), rows.elem, (dim, K))
-        we = weight_of(x)
-        packed = isinstance(we, tuple)
-        wv = we[0] if packed else we
-        if not packed and named_matmul_applies(FLOAT, xs, wv):      # linear_form="matmul": a named linalg.matmul
-            if len(wv.shape) == 3:                            # dequantised blocked [N, K/32, 32] as [N, K]
-                wv = Val(e.assign(f"tensor.collapse_shape {wv.name} [[0], [1, 2]] : {wv.type} into "
-                                  f"{ttype((N, K), wv.elem)}", "w"), wv.elem, (N, K))
-            parts.append(named_matmul(e, xs, wv, True, FLOAT))
-            continue
-        if len(wv.shape) == 3:                                # blocked [N, K/32, 32]: rows as [M, K/32, 32]
-            bs = (dim, wv.shape[1], wv.shape[2])
-            xs = Val(e.assign(f"tensor.expand_shape {xs.name} [[0], [1, 2]] output_shape [{cnt}, {bs[1]}, {bs[2]}] : "
-                              f"{xs.type} into {ttype(bs, xs.elem)}", "xs"), xs.elem, bs)
-            loops, iters = 4, ["parallel", "parallel", "reduction", "reduction"]
-            maps = [(xs, ["d0", "d2", "d3"]), (wv, ["d1", "d2", "d3"])] + ([(we[1], ["d1", "d2"])] if packed else [])
-        else:
-            loops, iters = 3, ["parallel", "parallel", "reduction"]
-            maps = [(xs, ["d0", "d2"]), (wv, ["d1", "d2"])]
+    return Val(e.assign(f"tensor.extract_slice {rows.name}[{lo}, 0] [{cnt}, {K}] [1, 1] : {rows.type} to "
+                        f"{ttype((dim, K), rows.elem)}", "xs"), rows.elem, (dim, K))
 
-        def mac(a, o, wv=wv, xs=xs, packed=packed):
-            wt = _e2m1_scaled(e, a[1], a[2]) if packed else conv(e, a[1], wv.elem, FLOAT)
-            p = e.body_op(f"arith.mulf {conv(e, a[0], xs.elem, FLOAT)}, {wt} : f32")
-            return [e.body_op(f"arith.addf {o[0]}, {p} : f32")]
-        (y,) = e.gen(loops, iters, maps,
-                     [(e.filled((dim, N), FLOAT, 0.0), ttype((dim, N), FLOAT), FLOAT, ["d0", "d1"])], mac)
-        parts.append(Val(y, FLOAT, (dim, N)))
+
+def _expert_contraction(e: MlirEmitter, xs: Val, we, N: int) -> Val:
+    """``xs [M,K] @ we^T`` for one expert's rows: ``we`` its whole matrix (``[N,K]``; ``[N,K/32,32]`` blocked, the
+    rows viewed ``[M,K/32,32]`` and both block axes reduced; or packed MXFP4 codes and scales, a tuple, decoded in
+    the contraction's body). Under ``MlirConfig.linear_form="matmul"`` a float or dequantised matrix (the blocked
+    one collapsed to ``[N,K]``) takes a named ``linalg.matmul`` with the transposed-B map; the packed codes always
+    take the generic contraction that decodes them. Returns ``f32 [M,N]``."""
+    dim, K = xs.shape
+    packed = isinstance(we, tuple)
+    wv = we[0] if packed else we
+    if not packed and named_matmul_applies(FLOAT, xs, wv):      # linear_form="matmul": a named linalg.matmul
+        if len(wv.shape) == 3:                                # dequantised blocked [N, K/32, 32] as [N, K]
+            wv = Val(e.assign(f"tensor.collapse_shape {wv.name} [[0], [1, 2]] : {wv.type} into "
+                              f"{ttype((N, K), wv.elem)}", "w"), wv.elem, (N, K))
+        return named_matmul(e, xs, wv, True, FLOAT)
+    if len(wv.shape) == 3:                                    # blocked [N, K/32, 32]: rows as [M, K/32, 32]
+        bs = (dim, wv.shape[1], wv.shape[2])
+        xs = Val(e.assign(f"tensor.expand_shape {xs.name} [[0], [1, 2]] output_shape [{e.dim(dim)}, {bs[1]}, "
+                          f"{bs[2]}] : {xs.type} into {ttype(bs, xs.elem)}", "xs"), xs.elem, bs)
+        loops, iters = 4, ["parallel", "parallel", "reduction", "reduction"]
+        maps = [(xs, ["d0", "d2", "d3"]), (wv, ["d1", "d2", "d3"])] + ([(we[1], ["d1", "d2"])] if packed else [])
+    else:
+        loops, iters = 3, ["parallel", "parallel", "reduction"]
+        maps = [(xs, ["d0", "d2"]), (wv, ["d1", "d2"])]
+
+    def mac(a, o):
+        wt = _e2m1_scaled(e, a[1], a[2]) if packed else conv(e, a[1], wv.elem, FLOAT)
+        p = e.body_op(f"arith.mulf {conv(e, a[0], xs.elem, FLOAT)}, {wt} : f32")
+        return [e.body_op(f"arith.addf {o[0]}, {p} : f32")]
+    (y,) = e.gen(loops, iters, maps,
+                 [(e.filled((dim, N), FLOAT, 0.0), ttype((dim, N), FLOAT), FLOAT, ["d0", "d1"])], mac)
+    return Val(y, FLOAT, (dim, N))
+
+
+def _concat_rows(e: MlirEmitter, parts: list[Val], N: int) -> Val:
+    """The experts' results concatenated in segment order: ``[sum of counts, N]``, dynamic rows."""
     dyn = ttype(("moe_all_rows", N), FLOAT)                 # dynamic rows (a static result trips IREE's reshapes)
     out = e.assign(f"tensor.concat dim(0) {', '.join(p.name for p in parts)} : ({', '.join(p.type for p in parts)}) "
                    f"-> {dyn}", "cat")
     return Val(out, FLOAT, ("moe_all_rows", N))
+
+
+def _per_expert_matmuls(e: MlirEmitter, rows: Val, segments: list[tuple[str, str]], weight_of, N: int) -> Val:
+    """``y[rows of x] = rows[rows of x] @ weight_of(x)^T`` for each expert x: per expert its segment of the sorted
+    rows (``segments``: first row, count; ``_segment``), one contraction with its whole matrix
+    (``_expert_contraction``), and the results concatenated in segment order (``[sum of counts, N]``, dynamic
+    rows)."""
+    return _concat_rows(e, [_expert_contraction(e, _segment(e, rows, x, lo, cnt), weight_of(x), N)
+                            for x, (lo, cnt) in enumerate(segments)], N)
 
 
 def _few_rows(R) -> bool:
@@ -276,7 +292,6 @@ def _moe(e: MlirEmitter, op, inst, x, wts, idx, w1, w3, w2):
     counts, offsets, pos, _, xs = _sort_by_expert(e, x, idx, E, R)
 
     segs = _segments(e, offsets, E, counts)
-    g, u = (_as_rows(e, _per_expert_matmuls(e, xs, segs, _whole_matrix(e, w), I), R) for w in (w1, w3))
 
     def act(a, o):
         gate, up = a
@@ -290,19 +305,28 @@ def _moe(e: MlirEmitter, op, inst, x, wts, idx, w1, w3, w2):
         left = e.body_op(f"arith.mulf {capped(gate, b1)}, {_sigmoid(e, gate)} : f32")
         right = capped(up, b2)
         return [e.body_op(f"arith.mulf {left}, {right} : f32")]
-    (h,) = e.gen(2, ["parallel", "parallel"], [(g, ["d0", "d1"]), (u, ["d0", "d1"])],
-                 [(e.empty((R, I), FLOAT), ttype((R, I), FLOAT), FLOAT, ["d0", "d1"])], act)
-    y = _as_rows(e, _per_expert_matmuls(e, Val(h, FLOAT, (R, I)), segs, _whole_matrix(e, w2), D), R)
+    gate_of, up_of, down_of = (_whole_matrix(e, w) for w in (w1, w3, w2))
+    parts = []
+    for ex, (lo, cnt) in enumerate(segs):                 # per expert: gate, up, activation, down on its rows
+        rows = _segment(e, xs, ex, lo, cnt)
+        g, u = _expert_contraction(e, rows, gate_of(ex), I), _expert_contraction(e, rows, up_of(ex), I)
+        (h,) = e.gen(2, ["parallel", "parallel"], [(g, ["d0", "d1"]), (u, ["d0", "d1"])],
+                     [(e.empty(g.shape, FLOAT), g.type, FLOAT, ["d0", "d1"])], act)
+        parts.append(_expert_contraction(e, Val(h, FLOAT, g.shape), down_of(ex), D))
+    y = _as_rows(e, _concat_rows(e, parts, D), R)
 
-    def combine(a, o):
-        row = _index(e, a[1], "i64")
-        val = e.body_op(f"tensor.extract {y.name}[{row}, {e.body_op('linalg.index 1 : index')}] : {y.type}")
-        return [e.body_op(f"arith.addf {o[0]}, {e.body_op(f'arith.mulf {conv(e, a[0], wf.elem, FLOAT)}, {val} : f32')} "
-                          ": f32")]
-    slot = ["d0", "d2"]                                   # [N, k] views of the slot-ordered weights and rows
-    (out,) = e.gen(3, ["parallel", "parallel", "reduction"],
-                   [(reshape_to(e, wf, (N, k)), slot), (reshape_to(e, pos, (N, k)), slot)],
-                   [(e.filled((N, D), FLOAT, 0.0), ttype((N, D), FLOAT), FLOAT, ["d0", "d1"])], combine)
+    def combine(a, o):                                    # the k slots unrolled: whole rows of y, read along D
+        col = e.body_op("linalg.index 1 : index")
+        acc = None
+        for j in range(k):
+            val = e.body_op(f"tensor.extract {y.name}[{_index(e, a[k + j], 'i64')}, {col}] : {y.type}")
+            p = e.body_op(f"arith.mulf {conv(e, a[j], wf.elem, FLOAT)}, {val} : f32")
+            acc = p if acc is None else e.body_op(f"arith.addf {acc}, {p} : f32")
+        return [acc]
+    wk, pk = reshape_to(e, wf, (N, k)), reshape_to(e, pos, (N, k))   # [N, k] views of the slot-ordered weights, rows
+    slots = [(wk, ["d0", str(j)]) for j in range(k)] + [(pk, ["d0", str(j)]) for j in range(k)]
+    (out,) = e.gen(2, ["parallel", "parallel"], slots,
+                   [(e.empty((N, D), FLOAT), ttype((N, D), FLOAT), FLOAT, ["d0", "d1"])], combine)
     return reshape_to(e, Val(out, FLOAT, (N, D)), lead + (D,))
 
 

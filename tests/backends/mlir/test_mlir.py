@@ -272,6 +272,41 @@ def test_chunked_kda_equals_the_recurrence_from_a_nonzero_state(gate):
         assert rel_err(o, want_o) < 1e-5 and rel_err(s1, want_s) < 1e-5, T
 
 
+@pytest.mark.parametrize("form", ["taps", "decomposed"])
+def test_short_conv_forms_equal_the_reference_with_symbolic_length_and_state(form):
+    """k3.short_conv (weight [C,1,4], SiLU) with a symbolic batch and length and a random state: ``conv_form="taps"``
+    (one generic reading the history-extended input at the tap offsets, no per-tap slice) and ``"decomposed"``
+    equal the op's float64 reference (SPEC.md 11: float32 within 1e-5) for T = 1, 2, 3 (shorter than the history),
+    9; an unknown form is a K3ConfigError."""
+    from k3ir.backends import get_backend
+    from k3ir.backends.mlir.config import mlir_config
+
+    from k3ir.opdef import instantiate
+    from k3ir.types import StateType
+    m = Module("conv")
+    fn = Function("forward")
+    b = Builder(m, fn)
+    x, w = b.arg("x", TensorType("f32", ("B", "T", 6))), b.arg("w", TensorType("f32", (6, 1, 4)))
+    y, s1 = b.op("k3.short_conv", x, w, b.arg("s", StateType("conv_state", (6, 3))), activation="silu")
+    b.ret(y, s1)
+    m.add_function(fn)
+    with mlir_config(conv_form=form):
+        text, _ = emit_mlir(m, ["forward"])
+        exe = get_backend("mlir").build(m, "float32", "cpu")
+        exe.prepare_params({})
+        history_slices = len(re.findall(r"tensor\.extract_slice %cat\d+\[", text))  # slices of history + x
+        assert history_slices == (1 if form == "taps" else 5)           # taps: the new state's rows only; else + 4 taps
+        rng = np.random.default_rng(7)
+        ref = instantiate(next(op for op in fn.ops if op.name == "k3.short_conv"))
+        for T in (1, 2, 3, 9):
+            xs, ws, st = rng.standard_normal((2, T, 6)), rng.standard_normal((6, 1, 4)), rng.standard_normal((2, 6, 3))
+            got = [exe.to_numpy(a) for a in exe.run("forward", [a.astype(np.float32) for a in (xs, ws, st)], {})]
+            want = ref.reference(xs, ws, st)
+            assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[1], want[1]) < 1e-5, T
+    with pytest.raises(k3ir.K3ConfigError, match="conv_form"), mlir_config(conv_form="direct"):
+        pass
+
+
 def test_prefill_text_chunks_kda_and_sorts_expert_rows_and_keeps_the_earlier_forms():
     """Default MlirConfig: prefill's KDA layers are padded to chunks (``tensor.pad``) and the MoE runs per expert on
     slices of the sorted rows (no ``[B,T,E,I]`` all-expert tensor); decode keeps the recurrence step;
