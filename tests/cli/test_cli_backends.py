@@ -12,12 +12,16 @@ import sys
 import pytest
 from k3ir.backends import list_backends
 
-ENV = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "FORCE_COLOR", "TTY_COMPATIBLE")}
-ENV.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+def _env() -> dict[str, str]:
+    """This process's environment when the command runs (not when the module was collected: another module may set
+    ``TRITON_INTERPRET`` at collection, and the probes read here in process must see what the child sees)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "FORCE_COLOR", "TTY_COMPATIBLE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return env
 
 
 def _k3ir(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "k3ir.cli", *args], capture_output=True, text=True, env=ENV,
+    return subprocess.run([sys.executable, "-m", "k3ir.cli", *args], capture_output=True, text=True, env=_env(),
                           check=False, timeout=300)
 
 
@@ -92,7 +96,7 @@ def test_compile_help_imports_no_tvm_and_prints_no_tvm_log():
     """``compile --help`` lists every target's phases without an availability probe: TVM is not imported."""
     code = ("import sys\nfrom k3ir.cli import main\ntry:\n    main(['compile', '--help'])\nexcept SystemExit as e:\n"
             "    assert e.code == 0, e.code\nprint(sorted(m for m in sys.modules if m.split('.')[0] in ('tvm', 'tvm_ffi')))")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, check=False, timeout=300)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), check=False, timeout=300)
     assert p.returncode == 0 and p.stderr == "", p.stderr
     assert "pipelines by phase" in p.stdout and "tvm-cuda" in p.stdout
     assert p.stdout.splitlines()[-1] == "[]", p.stdout.splitlines()[-1]
