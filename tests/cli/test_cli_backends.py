@@ -12,6 +12,7 @@ import sys
 import pytest
 from k3ir.backends import list_backends
 
+
 def _env() -> dict[str, str]:
     """This process's environment when the command runs (not when the module was collected: another module may set
     ``TRITON_INTERPRET`` at collection, and the probes read here in process must see what the child sees)."""
