@@ -14,6 +14,7 @@ import secrets
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from .common import UsageError
 
@@ -42,8 +43,7 @@ def is_k3ir_output(directory: str) -> bool:
 
 def inside(path: str, directory: str) -> bool:
     """True when ``path`` is ``directory`` or lies under it (both resolved: links followed)."""
-    real, top = os.path.realpath(path), os.path.realpath(directory)
-    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(directory))
 
 
 def _refusal(path: str, real: str, flag: str) -> str | None:

@@ -154,9 +154,10 @@ class MlirExecutable(Executable):
         self.vmfb: dict[tuple[str, ...], bytes] = {}
         self.param_order: dict[str, list[str]] = {}
         self._modules: dict[str, Any] = {}
+        #: group -> the params dict its loaded module is bound to (``param_form="globals"``)
         self._bound: dict[tuple[str, ...], Any] = {}
         #: functions compiled and loaded together (``GROUPS``, ``DATA_TILED_GROUPS``; a loaded artifact: its one module)
-        self.groups: tuple[tuple[str, ...], ...] = DATA_TILED_GROUPS if self.data_tiling else GROUPS      # group -> the params dict its loaded module is bound to
+        self.groups: tuple[tuple[str, ...], ...] = DATA_TILED_GROUPS if self.data_tiling else GROUPS
         self._arrays: dict[str, np.ndarray] | None = None
         self._device_params: dict[str, Any] = {}
         self.weights_inside = False
