@@ -111,10 +111,10 @@ class K3Runner:
         import k3ir
         self.exe = k3ir.compile(spec.module, target=target, dtype="float32")
         self.sess = Session(self.exe, params=spec.params)
-        if hasattr(self.exe, "build_all"):                                # tvm: prefill+decode
+        if hasattr(self.exe, "compile_group"):                            # mlir (IREE): the timed groups only
+            self.exe.build_all(("prefill", "decode"))
+        elif hasattr(self.exe, "build_all"):                              # tvm: prefill+decode
             self.exe.build_all()
-        elif hasattr(self.exe, "compile_group"):                          # mlir (IREE)
-            self.exe.compile_group(("prefill", "decode"))
 
     def prefill(self, ids):
         return self.sess.prefill(ids)
